@@ -1,0 +1,245 @@
+"""The ``inspect`` and ``consolidate`` commands (and the shared option aliases)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from enum import StrEnum
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from ckptctl.catalog import OPTIMIZER_STATES
+from ckptctl.cli.output import Output, RichProgress
+from ckptctl.errors import OutputExistsError, UsageError
+from ckptctl.execute import Report, execute
+from ckptctl.formats.megatron import MegatronCheckpoint
+from ckptctl.formats.megatron_layout import MegatronStyle
+from ckptctl.plan import Plan
+from ckptctl.probe import Checkpoint, fingerprint, open_checkpoint
+from ckptctl.storage import Storage
+from ckptctl.stored import Format
+from planners.consolidate import plan_consolidate
+
+
+class DType(StrEnum):
+    bf16 = "bf16"
+    fp16 = "fp16"
+    fp32 = "fp32"
+
+
+_DTYPES = {DType.bf16: "bfloat16", DType.fp16: "float16", DType.fp32: "float32"}
+
+Json = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
+Iteration = Annotated[
+    int | None, typer.Option("--iteration", help="Iteration to read instead of the tracker's.")
+]
+TrueVocab = Annotated[
+    int | None,
+    typer.Option(
+        "--true-vocab-size",
+        help="Real vocabulary size when args do not record it (padding rows are dropped).",
+    ),
+]
+Overwrite = Annotated[
+    bool, typer.Option("--overwrite", help="Replace an existing checkpoint at the destination.")
+]
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n}"
+
+
+def parse_size(text: str) -> int:
+    """``512MiB``, ``2GiB``, ``5GB``, ``1000`` -> bytes."""
+    units = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+             "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+    s = text.strip().lower().removesuffix("b")
+    for suffix in sorted(units, key=len, reverse=True):
+        if s.endswith(suffix):
+            number = s[: -len(suffix)]
+            try:
+                return int(float(number) * units[suffix])
+            except ValueError:
+                break
+    try:
+        return int(s)
+    except ValueError:
+        raise UsageError(f"cannot read size {text!r}; use e.g. 512MiB or 5GB") from None
+
+
+def describe(ckpt: Checkpoint) -> dict[str, Any]:
+    view = ckpt.view
+    files = []
+    weights = optimizer = 0
+    count = 0
+    for f in view.files:
+        nbytes = 0
+        for t in f.tensors:
+            size = t.numel * _itemsize(t.dtype)
+            nbytes += size
+            count += 1
+            if t.canonical.split("/", 1)[0] in OPTIMIZER_STATES:
+                optimizer += size
+            else:
+                weights += size
+        files.append(
+            {"path": f.path, "rank": f.rank, "tensors": len(f.tensors), "tensor_bytes": nbytes,
+             "file_bytes": ckpt.storage.size(f.path)}
+        )
+    return {
+        "url": ckpt.storage.url,
+        "format": view.format.value,
+        "iteration": view.iteration,
+        "spec": view.spec.model_dump(mode="json"),
+        "layout": view.layout.model_dump(mode="json"),
+        "tensors": count,
+        "weight_bytes": weights,
+        "optimizer_bytes": optimizer,
+        "has_optimizer": view.has_optimizer,
+        "files": files,
+        "notes": list(view.notes),
+    }
+
+
+def _itemsize(dtype: str) -> int:
+    return {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 4)
+
+
+def _show_inspect(out: Output, info: dict[str, Any]) -> None:
+    spec, layout = info["spec"], info["layout"]
+    out.show(f"[bold]{info['url']}[/]  {info['format']}  iteration {info['iteration']}")
+    out.show(
+        f"model: {spec['num_layers']} layers, hidden {spec['hidden_size']}, ffn "
+        f"{spec['ffn_hidden_size']}, heads {spec['num_attention_heads']} "
+        f"(query groups {spec['num_query_groups']}, head dim {spec['kv_channels']}), vocab "
+        f"{spec['vocab_size']}, {'SwiGLU' if spec['gated_linear_unit'] else 'MLP'}, "
+        f"{spec['normalization']}, {'tied' if spec['tie_embeddings'] else 'untied'} embeddings"
+    )
+    out.show(
+        "layout: " + " ".join(f"{k}={v}" for k, v in layout.items() if v not in (None, False))
+    )
+    table = Table("file", "rank (tp, pp)", "tensors", "bytes")
+    for f in info["files"]:
+        table.add_row(f["path"], str(tuple(f["rank"])) if f["rank"] else "-", str(f["tensors"]),
+                      _human(f["file_bytes"]))
+    out.show(table)
+    out.show(
+        f"{info['tensors']} tensors: weights {_human(info['weight_bytes'])}, optimizer state "
+        f"{_human(info['optimizer_bytes'])}"
+    )
+    for note in info["notes"]:
+        out.warn(note)
+
+
+def _prepare_target(url: str, source_url: str, overwrite: bool) -> Storage:
+    target = Storage(url)
+    source = Storage(source_url)
+    if target.fs is source.fs and target.root == source.root:
+        raise UsageError("the destination is the source; choose another directory")
+    if target.exists() and (not target.isdir() or target.listdir("")):
+        if not overwrite:
+            raise OutputExistsError(f"{url} exists and is not empty; pass --overwrite to replace it")
+        target.remove("")
+    return target
+
+
+def _report_dict(plan: Plan, report: Report) -> dict[str, Any]:
+    return {
+        "operation": plan.operation,
+        "source": plan.source_url,
+        "target": plan.target_url,
+        "target_format": plan.target_format.value,
+        "target_layout": plan.target_layout.model_dump(mode="json"),
+        "plan_fingerprint": plan.fingerprint(),
+        "files": report.files_written,
+        "bytes_read": report.bytes_read,
+        "bytes_written": report.bytes_written,
+        "seconds": round(report.seconds, 3),
+        "throughput_bytes_per_s": int(report.bytes_written / report.seconds) if report.seconds else 0,
+        "peak_rss_bytes": report.peak_rss_bytes,
+        "notes": list(plan.notes),
+    }
+
+
+def register(app: typer.Typer, boundary: Callable[[Output], AbstractContextManager[None]]) -> None:
+    @app.command("inspect")
+    def inspect_cmd(
+        src: Annotated[str, typer.Argument(help="Checkpoint directory or URL.")],
+        as_json: Json = False,
+        iteration: Iteration = None,
+        true_vocab_size: TrueVocab = None,
+    ) -> None:
+        """Show format, iteration, model, layout, files and sizes of a checkpoint."""
+        out = Output(as_json)
+        with boundary(out):
+            info = describe(open_checkpoint(src, iteration=iteration, true_vocab_size=true_vocab_size))
+            out.json(info) if as_json else _show_inspect(out, info)
+
+    @app.command("consolidate")
+    def consolidate_cmd(
+        src: Annotated[str, typer.Argument(help="Sharded checkpoint directory or URL.")],
+        dst: Annotated[str, typer.Argument(help="Destination directory or URL.")],
+        fmt: Annotated[
+            Format, typer.Option("--format", help="hf: safetensors weights; megatron: TP1 PP1.")
+        ] = Format.HF,
+        dtype: Annotated[
+            DType | None, typer.Option("--dtype", help="Convert weights (optimizer stays fp32).")
+        ] = None,
+        max_shard_size: Annotated[
+            str, typer.Option("--max-shard-size", help="Largest HF safetensors file.")
+        ] = "5GB",
+        dry_run: Annotated[bool, typer.Option("--dry-run", help="Plan only; write nothing.")] = False,
+        overwrite: Overwrite = False,
+        as_json: Json = False,
+        iteration: Iteration = None,
+        true_vocab_size: TrueVocab = None,
+    ) -> None:
+        """Merge a sharded checkpoint into one full checkpoint, streaming one tensor at a time."""
+        out = Output(as_json)
+        with boundary(out):
+            ckpt = open_checkpoint(src, iteration=iteration, true_vocab_size=true_vocab_size)
+            style = MegatronStyle()
+            if isinstance(ckpt, MegatronCheckpoint):
+                style = MegatronStyle(ckpt.naming, ckpt.layer_order, ckpt.optimizer)
+            plan = plan_consolidate(
+                ckpt.view,
+                source_url=src,
+                source_fingerprint=fingerprint(ckpt.storage, ckpt.view),
+                target_url=dst,
+                target_format=fmt,
+                style=style,
+                dtype=_DTYPES[dtype] if dtype else None,
+                max_shard_bytes=parse_size(max_shard_size),
+            )
+            for note in plan.notes:
+                out.warn(note)
+            if dry_run:
+                if as_json:
+                    out.json(plan.model_dump(mode="json"))
+                else:
+                    e = plan.estimates
+                    out.show(
+                        f"consolidate {src} -> {dst} ({fmt.value}): {plan.reason}\n"
+                        f"{len(plan.files)} files; read {_human(e.bytes_read)} in "
+                        f"{e.read_requests} requests, write {_human(e.bytes_written)}, peak "
+                        f"memory ~{_human(e.peak_memory_bytes)}"
+                    )
+                return
+            target = _prepare_target(dst, src, overwrite)
+            report = execute(plan, ckpt, target, RichProgress(out.err, enabled=not as_json))
+            summary = _report_dict(plan, report)
+            if as_json:
+                out.json(summary)
+            else:
+                out.show(
+                    f"consolidated {src} ({plan.source_layout.describe()}) -> {dst} "
+                    f"({fmt.value}): {len(report.files_written)} files, "
+                    f"{_human(report.bytes_written)} written in {report.seconds:.1f} s, "
+                    f"peak RSS {_human(report.peak_rss_bytes)}"
+                )

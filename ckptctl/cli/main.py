@@ -1,0 +1,76 @@
+"""The CLI: the one composition root wiring probe -> planners -> executor -> report.
+
+Exit codes: 0 success; 1 verification failed or unexpected error; 2 usage (bad flag, impossible
+layout, existing output); 3 bad or missing checkpoint input; 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from typing import Annotated
+
+import typer
+
+from ckptctl import __version__
+from ckptctl.cli import commands
+from ckptctl.cli.output import Output
+from ckptctl.errors import CkptctlError
+
+app = typer.Typer(
+    name="ckptctl",
+    help="Consolidate, reshard and verify sharded LLM training checkpoints.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+_state = {"debug": False}
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"ckptctl {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
+    ] = False,
+) -> None:
+    _state["debug"] = debug
+
+
+@contextlib.contextmanager
+def error_boundary(out: Output) -> Iterator[None]:
+    """Known errors become one line on stderr and an exit code; tracebacks only with --debug."""
+    try:
+        yield
+    except CkptctlError as err:
+        if _state["debug"]:
+            raise
+        out.error(str(err))
+        raise typer.Exit(err.exit_code) from None
+    except (PermissionError, IsADirectoryError, NotADirectoryError) as err:
+        if _state["debug"]:
+            raise
+        out.error(f"{err.filename or ''}: {err.strerror or err}")
+        raise typer.Exit(3) from None
+    except KeyboardInterrupt:
+        out.error("interrupted; nothing was marked complete")
+        raise typer.Exit(130) from None
+
+
+commands.register(app, error_boundary)
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        sys.exit(130)

@@ -1,0 +1,69 @@
+"""One output object: data to stdout (a human table or exactly one JSON document), logs,
+warnings, hints and progress to stderr. Only the CLI knows rich."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+
+
+class Output:
+    def __init__(self, as_json: bool = False, quiet: bool = False) -> None:
+        self.as_json = as_json
+        self.quiet = quiet
+        self.out = Console(file=sys.stdout, soft_wrap=True)
+        self.err = Console(file=sys.stderr, soft_wrap=True)
+
+    def info(self, message: str) -> None:
+        if not self.quiet and not self.as_json:
+            self.err.print(message, highlight=False)
+
+    def warn(self, message: str) -> None:
+        self.err.print(f"[yellow]warning:[/] {message}", highlight=False)
+
+    def error(self, message: str) -> None:
+        self.err.print(f"[red]error:[/] {message}", highlight=False, markup=True)
+
+    def json(self, data: Any) -> None:
+        sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+        sys.stdout.flush()
+
+    def show(self, renderable: Any) -> None:
+        self.out.print(renderable)
+
+
+class RichProgress:
+    """Adapts ckptctl's progress sink to a rich progress bar by bytes on stderr."""
+
+    def __init__(self, console: Console, enabled: bool = True) -> None:
+        self._progress = Progress(
+            "[progress.description]{task.description}",
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+            console=console,
+            transient=False,
+            disable=not enabled,
+        )
+        self._task: Any = None
+
+    def start(self, total_bytes: int, description: str) -> None:
+        self._progress.start()
+        self._task = self._progress.add_task(description, total=total_bytes)
+
+    def advance(self, nbytes: int) -> None:
+        self._progress.advance(self._task, nbytes)
+
+    def finish(self) -> None:
+        self._progress.stop()

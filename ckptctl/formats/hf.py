@@ -1,0 +1,208 @@
+"""HuggingFace safetensors checkpoints: header parsing, ranged reads, streaming writes, probing.
+
+The safetensors library saves from tensors in memory; we write the header from the plan (shapes
+and dtypes are known up front) and then stream each tensor's bytes, so a shard never has to be
+assembled whole. Reads use the header's offsets to fetch only the needed bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from math import prod
+from typing import Any, BinaryIO
+
+import torch
+
+from ckptctl.errors import CheckpointError, CheckpointNotFoundError
+from ckptctl.formats.hf_layout import CONFIG, INDEX, SINGLE, hf_tensors, spec_from_config
+from ckptctl.layout import ParallelLayout
+from ckptctl.storage import Storage
+from ckptctl.stored import CheckpointView, Format, StoredFile, StoredTensor
+
+_CODES = {
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "bool": "BOOL",
+}
+_NAMES = {code: name for name, code in _CODES.items()}
+_MAX_HEADER = 100_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class SafetensorsEntry:
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    """Absolute file offset of the first byte."""
+    end: int
+
+
+def read_header(f: BinaryIO, where: str) -> dict[str, SafetensorsEntry]:
+    raw = f.read(8)
+    if len(raw) < 8:
+        raise CheckpointError(f"{where}: too short for a safetensors file")
+    (n,) = struct.unpack("<Q", raw)
+    if n > _MAX_HEADER:
+        raise CheckpointError(f"{where}: safetensors header of {n} bytes is implausible")
+    try:
+        header = json.loads(f.read(n))
+    except ValueError as err:
+        raise CheckpointError(f"{where}: unreadable safetensors header ({err})") from None
+    out = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _NAMES.get(meta.get("dtype"))
+        if dtype is None:
+            raise CheckpointError(
+                f"{where}: tensor {name} has unsupported dtype {meta.get('dtype')}"
+            )
+        begin, end = meta["data_offsets"]
+        shape = tuple(meta["shape"])
+        if end - begin != prod(shape) * getattr(torch, dtype).itemsize:
+            raise CheckpointError(f"{where}: tensor {name} byte range does not match its shape")
+        out[name] = SafetensorsEntry(dtype, shape, 8 + n + begin, 8 + n + end)
+    return out
+
+
+def read_box(
+    f: BinaryIO, entry: SafetensorsEntry, offsets: tuple[int, ...], sizes: tuple[int, ...]
+) -> torch.Tensor:
+    """Read box ``[offsets, offsets + sizes)``: only the rows spanning it are fetched."""
+    dtype = getattr(torch, entry.dtype)
+    if not entry.shape:
+        rows, row_elems, lo = 1, 1, 0
+    else:
+        row_elems = prod(entry.shape[1:])
+        lo = offsets[0]
+        rows = sizes[0]
+    if rows == 0 or prod(sizes) == 0:
+        return torch.empty(sizes, dtype=dtype)
+    start = entry.begin + lo * row_elems * dtype.itemsize
+    nbytes = rows * row_elems * dtype.itemsize
+    f.seek(start)
+    buf = bytearray(f.read(nbytes))
+    if len(buf) != nbytes:
+        raise CheckpointError("safetensors file is truncated")
+    block = torch.frombuffer(buf, dtype=dtype).reshape(
+        (rows, *entry.shape[1:]) if entry.shape else ()
+    )
+    if entry.shape:
+        index = (slice(None),) + tuple(
+            slice(o, o + s) for o, s in zip(offsets[1:], sizes[1:], strict=True)
+        )
+        block = block[index]
+    return block.contiguous()
+
+
+def write_safetensors(
+    f: BinaryIO,
+    tensors: list[tuple[str, str, tuple[int, ...]]],
+    produce: Callable[[int], Iterable[bytes | memoryview]],
+) -> None:
+    """Write ``(name, dtype, shape)`` tensors in order; ``produce(i)`` yields tensor i's bytes."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    sizes = []
+    for name, dtype, shape in tensors:
+        nbytes = prod(shape) * getattr(torch, dtype).itemsize
+        header[name] = {
+            "dtype": _CODES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+        sizes.append(nbytes)
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    f.write(struct.pack("<Q", len(blob)))
+    f.write(blob)
+    for i, expected in enumerate(sizes):
+        written = 0
+        for chunk in produce(i):
+            f.write(chunk)
+            written += len(chunk)
+        if written != expected:
+            raise AssertionError(f"tensor {tensors[i][0]}: wrote {written} of {expected} bytes")
+
+
+@dataclass
+class HFCheckpoint:
+    storage: Storage
+    view: CheckpointView
+    headers: dict[str, dict[str, SafetensorsEntry]]
+    config: dict[str, Any]
+    _open: dict[str, BinaryIO] = field(default_factory=dict)
+
+    def read(
+        self, path: str, key: tuple[str | int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...]
+    ) -> torch.Tensor:
+        if path not in self._open:
+            self._open[path] = self.storage.open_read(path)
+        return read_box(self._open[path], self.headers[path][str(key[0])], offsets, sizes)
+
+
+def probe_hf(storage: Storage, make_vocab_size_divisible_by: int = 128) -> HFCheckpoint:
+    """Read config and safetensors headers; map every HF tensor onto canonical tensors."""
+    if not storage.exists(CONFIG):
+        raise CheckpointNotFoundError(f"{storage.describe(CONFIG)}: missing; not an HF checkpoint")
+    try:
+        config = json.loads(storage.read_text(CONFIG))
+    except ValueError as err:
+        raise CheckpointError(f"{storage.describe(CONFIG)}: not JSON ({err})") from None
+    spec = spec_from_config(config, make_vocab_size_divisible_by)
+    if storage.exists(INDEX):
+        try:
+            weight_map = json.loads(storage.read_text(INDEX))["weight_map"]
+        except (ValueError, KeyError) as err:
+            raise CheckpointError(f"{storage.describe(INDEX)}: malformed index ({err})") from None
+    elif storage.exists(SINGLE):
+        weight_map = None
+    else:
+        raise CheckpointNotFoundError(f"{storage.url}: neither {INDEX} nor {SINGLE} found")
+    headers: dict[str, dict[str, SafetensorsEntry]] = {}
+    files: dict[str, list[StoredTensor]] = {}
+    problems = []
+    for name, canonical, shape, pieces in hf_tensors(spec):
+        path = weight_map.get(name) if weight_map is not None else SINGLE
+        if path is None:
+            problems.append(f"{storage.describe(INDEX)}: no file for tensor {name}")
+            continue
+        if path not in headers:
+            storage.path(path)  # refuses paths escaping the root before anything is opened
+            with storage.open_read(path) as f:
+                headers[path] = read_header(f, storage.describe(path))
+        entry = headers[path].get(name)
+        if entry is None:
+            problems.append(f"{storage.describe(path)}: tensor {name} missing")
+            continue
+        if entry.shape != shape:
+            problems.append(
+                f"{storage.describe(path)}: tensor {name} has shape {list(entry.shape)}, expected {list(shape)}"
+            )
+            continue
+        files.setdefault(path, []).append(
+            StoredTensor((name,), canonical, shape, entry.dtype, pieces)
+        )
+    if problems:
+        raise CheckpointError("; ".join(problems[:5]))
+    view = CheckpointView(
+        Format.HF,
+        spec,
+        ParallelLayout(),
+        tuple(StoredFile(path, tuple(ts)) for path, ts in files.items()),
+        None,
+        False,
+        ("HF checkpoints hold weights only: no optimizer state",),
+    )
+    return HFCheckpoint(storage, view, headers, config)

@@ -1,0 +1,184 @@
+"""Where every tensor of a Megatron legacy checkpoint lives, derived from spec and layout. Pure.
+
+One ``model_optim_rng.pt`` per (tp, pp) rank holds that rank's model chunk(s) under local layer
+indices (``model`` or ``model0..N`` under virtual pipeline) and, without the distributed
+optimizer, the torch optimizer state keyed by parameter index in Megatron's parameter-group order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ckptctl.catalog import (
+    LAYER_PREFIX,
+    Naming,
+    Param,
+    Stage,
+    layer_suffixes,
+    local_layer_name,
+    parameters,
+    state_name,
+)
+from ckptctl.geometry import Piece, shard_shape_and_pieces
+from ckptctl.layout import ModelSpec, ParallelLayout
+from ckptctl.stored import KeyPath, StoredFile, StoredTensor
+
+TRACKER = "latest_checkpointed_iteration.txt"
+RANK_FILE = "model_optim_rng.pt"
+TIED_OUTPUT = "output_layer.weight"
+_SCALAR = (Piece((), (), ()),)
+
+
+def iteration_dir(iteration: int | None) -> str:
+    return "release" if iteration is None else f"iter_{iteration:07d}"
+
+
+def rank_dir(tp_rank: int, pp_rank: int, pp: int) -> str:
+    return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+@dataclass(frozen=True, slots=True)
+class OptimizerLayout:
+    """The non-distributed optimizer state a rank file holds per parameter."""
+
+    states: tuple[str, ...] = ("exp_avg", "exp_avg_sq", "step")
+    """Keys of each parameter's torch optimizer state, in stored order."""
+    master_weights: bool = True
+    """Mixed precision: fp32 copies in ``fp32_from_fp16_params``; else the weight is the master."""
+
+
+@dataclass(frozen=True, slots=True)
+class RankParam:
+    param: Param
+    model_key: str
+    """``model`` or ``model<c>``."""
+    local_name: str
+    tied_copy: bool = False
+
+
+def rank_params(
+    spec: ModelSpec,
+    layout: ParallelLayout,
+    pp_rank: int,
+    naming: Naming = Naming.TE,
+    layer_order: tuple[str, ...] | None = None,
+) -> list[RankParam]:
+    """The parameters a pipeline stage holds, in ``named_parameters`` order over its chunks."""
+    params = parameters(spec)
+    by_name = {p.name: p for p in params}
+    order = layer_order or tuple(s for s, _, _ in layer_suffixes(spec))
+    chunks = layout.chunk_layers(spec.num_layers)
+    last_stage, last_chunk = layout.pp - 1, layout.vpp - 1
+    out: list[RankParam] = []
+    for chunk in range(layout.vpp):
+        model_key = "model" if layout.vpp == 1 else f"model{chunk}"
+        if pp_rank == 0 and chunk == 0:
+            out.extend(RankParam(p, model_key, p.name) for p in params if p.stage is Stage.FIRST)
+        layers = chunks[(pp_rank, chunk)]
+        for local, layer in enumerate(layers):
+            for suffix in order:
+                param = by_name[f"{LAYER_PREFIX}{layer}.{suffix}"]
+                name = f"{LAYER_PREFIX}{local}.{local_layer_name(suffix, naming)}"
+                out.append(RankParam(param, model_key, name))
+        if pp_rank == last_stage and chunk == last_chunk:
+            out.extend(RankParam(p, model_key, p.name) for p in params if p.stage is Stage.LAST)
+            if spec.tie_embeddings and layout.pp > 1:
+                embedding = by_name["embedding.word_embeddings.weight"]
+                out.append(RankParam(embedding, model_key, TIED_OUTPUT, tied_copy=True))
+    return out
+
+
+def param_groups(params: list[RankParam]) -> tuple[list[int], list[list[int]]]:
+    """Megatron's default grouping: (weight decay, no weight decay) by first appearance.
+
+    Returns each parameter's group and, per group, the parameter positions in it; the torch
+    optimizer numbers parameters group after group.
+    """
+    kinds: list[bool] = []
+    groups: list[list[int]] = []
+    of_param = []
+    for pos, rp in enumerate(params):
+        kind = rp.param.no_weight_decay
+        if kind not in kinds:
+            kinds.append(kind)
+            groups.append([])
+        g = kinds.index(kind)
+        groups[g].append(pos)
+        of_param.append(g)
+    return of_param, groups
+
+
+def optimizer_index(groups: list[list[int]]) -> dict[int, tuple[int, int, int]]:
+    """Parameter position -> (torch state index, group, position within group)."""
+    out, index = {}, 0
+    for g, members in enumerate(groups):
+        for i, pos in enumerate(members):
+            out[pos] = (index, g, i)
+            index += 1
+    return out
+
+
+def megatron_files(
+    spec: ModelSpec,
+    layout: ParallelLayout,
+    *,
+    iteration: int | None,
+    weight_dtype: str,
+    optimizer: OptimizerLayout | None,
+    naming: Naming = Naming.TE,
+    layer_order: tuple[str, ...] | None = None,
+) -> tuple[StoredFile, ...]:
+    """Every rank file of a Megatron legacy checkpoint and the tensors it holds."""
+    layout.check_against(spec)
+    padded = spec.padded_vocab_size(layout.tp)
+    files = []
+    for tp_rank, pp_rank in layout.model_parallel_ranks():
+        params = rank_params(spec, layout, pp_rank, naming, layer_order)
+        tensors: list[StoredTensor] = []
+        geometry = []
+        for rp in params:
+            shape, pieces = shard_shape_and_pieces(
+                rp.param.split, rp.param.shape, layout.tp, tp_rank, padded
+            )
+            geometry.append((shape, pieces))
+            tensors.append(
+                StoredTensor(
+                    (rp.model_key, rp.local_name), rp.param.name, shape, weight_dtype, pieces
+                )
+            )
+        if optimizer is not None:
+            _, groups = param_groups(params)
+            for pos, (index, g, i) in sorted(optimizer_index(groups).items()):
+                name = params[pos].param.name
+                shape, pieces = geometry[pos]
+                for state in optimizer.states:
+                    key: KeyPath = ("optimizer", "optimizer", "state", index, state)
+                    if state == "step":
+                        tensors.append(
+                            StoredTensor(key, state_name(state, name), (), "float32", _SCALAR)
+                        )
+                    else:
+                        tensors.append(
+                            StoredTensor(key, state_name(state, name), shape, "float32", pieces)
+                        )
+                if optimizer.master_weights:
+                    key = ("optimizer", "fp32_from_fp16_params", g, i)
+                    tensors.append(
+                        StoredTensor(key, state_name("fp32_param", name), shape, "float32", pieces)
+                    )
+        path = f"{iteration_dir(iteration)}/{rank_dir(tp_rank, pp_rank, layout.pp)}/{RANK_FILE}"
+        files.append(StoredFile(path, tuple(tensors), (tp_rank, pp_rank)))
+    return tuple(files)
+
+
+@dataclass(frozen=True, slots=True)
+class MegatronStyle:
+    """How a Megatron checkpoint spells and orders things, kept when writing a new layout."""
+
+    naming: Naming = Naming.TE
+    layer_order: tuple[str, ...] | None = None
+    optimizer: OptimizerLayout | None = None
+
+
+def tracker_text(iteration: int | None) -> str:
+    return "release" if iteration is None else str(iteration)

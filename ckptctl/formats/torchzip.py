@@ -1,0 +1,379 @@
+"""``torch.save`` zip archives read lazily and written as a stream, with a restricted unpickler.
+
+``torch.load`` either reads a whole file or maps it; neither lets us fetch one tensor's byte range
+from object storage, and ``weights_only=True`` rejects the ``argparse.Namespace`` every Megatron
+file holds. So we parse the archive ourselves: the pickle is loaded with an allow-list (tensors
+become ``TensorRef`` records naming their storage and geometry, nothing is executed), and each
+tensor is read by byte range from its stored (uncompressed) zip entry.
+
+Writing mirrors it: the pickle goes first, then each storage is streamed into an aligned zip entry,
+so a multi-gigabyte shard never has to sit in memory. ``torch.load`` reads the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import io
+import pathlib
+import pickle
+import struct
+import types
+import zipfile
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from math import prod
+from typing import Any, BinaryIO
+
+import torch
+
+from ckptctl.errors import CheckpointError, UnsafePickleError
+
+Shape = tuple[int, ...]
+
+_ALIGNMENT = 64  # torch aligns storage records so they can be memory-mapped
+_STORAGE_DTYPES = {
+    name: dtype for dtype, name in torch.storage._dtype_to_storage_type_map().items()
+}
+
+
+@dataclass(frozen=True, slots=True)
+class StorageRef:
+    key: str
+    dtype: torch.dtype
+    numel: int
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRef:
+    """A tensor in an archive, not yet read: its storage record and view geometry."""
+
+    storage: StorageRef
+    offset: int
+    shape: Shape
+    stride: Shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.storage.dtype
+
+    @property
+    def numel(self) -> int:
+        return prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+class Stub:
+    """An inert stand-in for an allow-listed foreign object (Megatron enums, numpy RNG state).
+
+    It records how it was built so it can be pickled back under the same global name; nothing
+    of the foreign class is imported or run.
+    """
+
+    _global: tuple[str, str] = ("", "")
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Stub:
+        obj = super().__new__(cls)
+        obj._args = args
+        obj._state = None
+        return obj
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        self._state = state
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), self._args, self._state)
+
+    def __repr__(self) -> str:
+        module, name = self._global
+        return f"<{module}.{name}{self._args!r}>"
+
+
+_stub_types: dict[tuple[str, str], type[Stub]] = {}
+
+
+def _stub_type(module: str, name: str) -> type[Stub]:
+    key = (module, name)
+    if key not in _stub_types:
+        _stub_types[key] = type(name, (Stub,), {"_global": key, "__module__": "ckptctl.stubs"})
+    return _stub_types[key]
+
+
+class _StorageType:
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+
+def _rebuild_tensor(
+    storage: StorageRef, offset: int, shape: Any, stride: Any, *_: Any
+) -> TensorRef:
+    return TensorRef(storage, int(offset), tuple(shape), tuple(stride))
+
+
+def _rebuild_parameter(data: Any, *_: Any) -> Any:
+    return data
+
+
+_REAL_GLOBALS: dict[tuple[str, str], Any] = {
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("argparse", "Namespace"): argparse.Namespace,
+    ("types", "SimpleNamespace"): types.SimpleNamespace,
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+    ("builtins", "slice"): slice,
+    ("builtins", "complex"): complex,
+    ("builtins", "bytearray"): bytearray,
+    ("_codecs", "encode"): lambda text, encoding="utf-8": text.encode(encoding),
+    ("io", "BytesIO"): io.BytesIO,
+    ("_io", "BytesIO"): io.BytesIO,
+    ("pathlib", "PosixPath"): pathlib.PurePosixPath,
+    ("pathlib", "Path"): pathlib.PurePosixPath,
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
+    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+    ("torch", "Size"): tuple,
+    ("torch", "device"): torch.device,
+}
+# Foreign objects that Megatron files legitimately hold; never imported, kept as stubs.
+_STUB_PREFIXES = ("megatron.", "numpy.", "numpy", "torch._C", "transformer_engine.")
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, where: str) -> None:
+        super().__init__(io.BytesIO(data))
+        self._where = where
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _REAL_GLOBALS:
+            return _REAL_GLOBALS[(module, name)]
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _StorageType(_STORAGE_DTYPES[name])
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if module.startswith(_STUB_PREFIXES):
+            return _stub_type(module, name)
+        raise UnsafePickleError(
+            f"{self._where}: refusing pickled global {module}.{name} (not on the allow-list); "
+            "the file may be malicious or from an unsupported tool"
+        )
+
+    def persistent_load(self, pid: Any) -> StorageRef:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise UnsafePickleError(f"{self._where}: unexpected persistent id {pid!r}")
+        _, storage_type, key, _location, numel = pid
+        if not isinstance(storage_type, _StorageType):
+            raise UnsafePickleError(f"{self._where}: unexpected storage type {storage_type!r}")
+        return StorageRef(str(key), storage_type.dtype, int(numel))
+
+
+def restricted_loads(data: bytes, where: str) -> Any:
+    """Unpickle ``data`` allowing only the globals checkpoints need; ``where`` names the source."""
+    try:
+        return _RestrictedUnpickler(data, where).load()
+    except UnsafePickleError:
+        raise
+    except Exception as err:
+        raise CheckpointError(f"{where}: cannot unpickle ({err})") from None
+
+
+class TorchZipReader:
+    """Lazy reader of one ``torch.save`` archive on any seekable binary file object."""
+
+    def __init__(self, fileobj: BinaryIO, where: str) -> None:
+        self._f = fileobj
+        self.where = where
+        try:
+            self._zip = zipfile.ZipFile(fileobj)
+            names = self._zip.namelist()
+        except (zipfile.BadZipFile, OSError, EOFError, ValueError) as err:
+            raise CheckpointError(
+                f"{where}: not a readable torch checkpoint ({err}); the file may be truncated"
+            ) from None
+        pkl = [n for n in names if n.endswith("data.pkl") and n.count("/") == 1]
+        if not pkl:
+            raise CheckpointError(f"{where}: archive has no data.pkl; not a torch.save file")
+        self._prefix = pkl[0].rsplit("/", 1)[0]
+        self._data_offsets: dict[str, tuple[int, int]] = {}
+        self.tree = restricted_loads(self._read_entry(pkl[0]), where)
+
+    def _read_entry(self, name: str) -> bytes:
+        try:
+            return self._zip.read(name)
+        except (zipfile.BadZipFile, OSError, EOFError) as err:
+            raise CheckpointError(f"{self.where}: cannot read {name} ({err})") from None
+
+    def _storage_span(self, key: str) -> tuple[int, int]:
+        """Absolute file offset and size of a storage record's bytes."""
+        if key not in self._data_offsets:
+            try:
+                info = self._zip.getinfo(f"{self._prefix}/data/{key}")
+            except KeyError:
+                raise CheckpointError(f"{self.where}: storage record {key} is missing") from None
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise CheckpointError(f"{self.where}: storage record {key} is compressed")
+            self._f.seek(info.header_offset)
+            header = self._f.read(30)
+            if len(header) < 30 or header[:4] != b"PK\x03\x04":
+                raise CheckpointError(f"{self.where}: corrupt zip header for record {key}")
+            name_len, extra_len = struct.unpack("<HH", header[26:30])
+            self._data_offsets[key] = (
+                info.header_offset + 30 + name_len + extra_len,
+                info.file_size,
+            )
+        return self._data_offsets[key]
+
+    def read(
+        self, ref: TensorRef, offsets: Shape | None = None, sizes: Shape | None = None
+    ) -> torch.Tensor:
+        """Read box ``[offsets, offsets + sizes)`` of ``ref`` (the whole tensor by default)."""
+        offsets = offsets if offsets is not None else (0,) * len(ref.shape)
+        sizes = sizes if sizes is not None else ref.shape
+        itemsize = ref.dtype.itemsize
+        if prod(sizes) == 0:
+            return torch.empty(sizes, dtype=ref.dtype)
+        first = ref.offset + sum(o * s for o, s in zip(offsets, ref.stride, strict=True))
+        last = first + sum((n - 1) * s for n, s in zip(sizes, ref.stride, strict=True))
+        start, size = self._storage_span(ref.storage.key)
+        if (last + 1) * itemsize > size:
+            raise CheckpointError(
+                f"{self.where}: storage record {ref.storage.key} holds {size} bytes, fewer than "
+                "its tensor needs; the file is truncated or corrupt"
+            )
+        self._f.seek(start + first * itemsize)
+        nbytes = (last - first + 1) * itemsize
+        buf = bytearray(nbytes)
+        view = memoryview(buf)
+        got = 0
+        while got < nbytes:
+            n = self._f.readinto(view[got:]) if hasattr(self._f, "readinto") else None
+            if n is None:
+                chunk = self._f.read(nbytes - got)
+                n = len(chunk)
+                view[got : got + n] = chunk
+            if not n:
+                raise CheckpointError(f"{self.where}: unexpected end of file in {ref.storage.key}")
+            got += n
+        flat = torch.frombuffer(buf, dtype=ref.dtype)
+        return torch.as_strided(flat, sizes, ref.stride).contiguous()
+
+
+# --- writing -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _StorageSlot:
+    key: str
+    dtype: torch.dtype
+    numel: int
+
+
+class TensorSlot:
+    """A tensor to be written: pickled by reference, its bytes streamed later."""
+
+    __slots__ = ("_storage", "dtype", "shape")
+
+    def __init__(self, key: str, dtype: torch.dtype, shape: Shape) -> None:
+        self._storage = _StorageSlot(key, dtype, prod(shape))
+        self.dtype = dtype
+        self.shape = tuple(shape)
+
+    @property
+    def key(self) -> str:
+        return self._storage.key
+
+    @property
+    def nbytes(self) -> int:
+        return prod(self.shape) * self.dtype.itemsize
+
+    def __reduce_ex__(self, protocol: int) -> tuple[Any, ...]:
+        stride, acc = [], 1
+        for n in reversed(self.shape):
+            stride.append(acc)
+            acc *= max(n, 1)
+        return (
+            torch._utils._rebuild_tensor_v2,
+            (
+                self._storage,
+                0,
+                self.shape,
+                tuple(reversed(stride)),
+                False,
+                collections.OrderedDict(),
+            ),
+        )
+
+
+class _Pickler(pickle._Pickler):  # type: ignore[name-defined]
+    """Pure-Python pickler: lets stub classes be written under their original global names."""
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, _StorageSlot):
+            storage_type = getattr(torch, torch.storage._dtype_to_storage_type_map()[obj.dtype])
+            return ("storage", storage_type, obj.key, "cpu", obj.numel)
+        return None
+
+    def save_global(self, obj: Any, name: str | None = None) -> None:
+        if isinstance(obj, type) and issubclass(obj, Stub) and obj is not Stub:
+            module, qualname = obj._global
+            self.write(pickle.GLOBAL + f"{module}\n{qualname}\n".encode())
+            self.memoize(obj)
+            return
+        super().save_global(obj, name)
+
+
+def _aligned_entry(zf: zipfile.ZipFile, name: str, size: int) -> Any:
+    """Open a stored zip entry whose data starts on a 64-byte boundary, as torch writes them."""
+    info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+    info.compress_type = zipfile.ZIP_STORED
+    info.file_size = size
+    zip64 = size * 1.05 > zipfile.ZIP64_LIMIT
+    fixed = 30 + len(name.encode()) + (20 if zip64 else 0) + 4
+    pad = (-(zf.fp.tell() + fixed)) % _ALIGNMENT
+    info.extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
+    return zf.open(info, "w", force_zip64=zip64)
+
+
+def write_torch_zip(
+    fileobj: BinaryIO,
+    tree: Any,
+    slots: list[TensorSlot],
+    produce: Callable[[TensorSlot], Iterable[bytes | memoryview]],
+) -> None:
+    """Write ``tree`` (with ``TensorSlot`` leaves) as a ``torch.save`` archive.
+
+    ``produce(slot)`` yields the slot's bytes in order (C-contiguous, little-endian); it is called
+    once per slot, in the order of ``slots``, so memory holds one slot's data at a time.
+    """
+    pkl = io.BytesIO()
+    _Pickler(pkl, protocol=2).dump(tree)
+    prefix = "archive"
+    with zipfile.ZipFile(fileobj, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+        for name, payload in (
+            ("data.pkl", pkl.getvalue()),
+            (".format_version", b"1"),
+            (".storage_alignment", str(_ALIGNMENT).encode()),
+            ("byteorder", b"little"),
+        ):
+            with _aligned_entry(zf, f"{prefix}/{name}", len(payload)) as out:
+                out.write(payload)
+        for slot in slots:
+            written = 0
+            with _aligned_entry(zf, f"{prefix}/data/{slot.key}", slot.nbytes) as out:
+                for chunk in produce(slot):
+                    out.write(chunk)
+                    written += len(chunk)
+            if written != slot.nbytes:
+                raise AssertionError(f"slot {slot.key}: wrote {written} of {slot.nbytes} bytes")
+        with _aligned_entry(zf, f"{prefix}/version", 1) as out:
+            out.write(b"3")
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes of a contiguous CPU tensor, without a copy."""
+    flat = tensor.contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B") if flat.numel() else memoryview(b"")

@@ -1,0 +1,132 @@
+"""Tensor geometry: which region of a canonical (full, unpadded) tensor a stored tensor holds.
+
+A stored tensor is described by ``Piece``s, each mapping a box of the stored (local) tensor onto a
+box of the canonical tensor. Local regions that no piece covers are padding (vocabulary rows past
+the true vocabulary) and are written as zeros. Pure: no torch, no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from math import prod
+
+Shape = tuple[int, ...]
+
+
+class Split(StrEnum):
+    """How tensor parallelism cuts a parameter (Megatron-Core's module classes decide)."""
+
+    REPLICATED = "replicated"
+    """Norms, row-parallel biases: every TP rank holds the whole tensor."""
+    COLUMN = "column"
+    """Column-parallel weight and bias: even chunks of dim 0. Fused QKV is stored group-major,
+    so its TP split is this same even chunking (valid when tp divides the query groups)."""
+    ROW = "row"
+    """Row-parallel weight: even chunks of dim 1."""
+    VOCAB = "vocab"
+    """Embedding / output layer: dim 0 padded to the TP-dependent vocabulary, then chunked."""
+    GATED = "gated"
+    """SwiGLU ``linear_fc1``: gate and up halves chunked separately; shard = [gate_s; up_s]."""
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """Box ``[local, local + sizes)`` of a stored tensor equals ``[canonical, canonical + sizes)``."""
+
+    local: Shape
+    canonical: Shape
+    sizes: Shape
+
+    @property
+    def numel(self) -> int:
+        return prod(self.sizes)
+
+
+@dataclass(frozen=True, slots=True)
+class Copy:
+    """Copy box ``[src, src + sizes)`` of a source tensor to ``[dst, dst + sizes)`` of a target."""
+
+    src: Shape
+    dst: Shape
+    sizes: Shape
+
+    @property
+    def numel(self) -> int:
+        return prod(self.sizes)
+
+
+def _with(values: Shape, dim: int, value: int) -> Shape:
+    return values[:dim] + (value,) + values[dim + 1 :]
+
+
+def shard_shape_and_pieces(
+    split: Split, shape: Shape, tp: int, rank: int, padded_rows: int | None = None
+) -> tuple[Shape, tuple[Piece, ...]]:
+    """Local shape of TP rank ``rank`` of ``tp`` and the pieces of the canonical tensor it holds.
+
+    ``shape`` is the canonical shape (vocabulary unpadded); ``padded_rows`` is the padded
+    vocabulary for ``Split.VOCAB``.
+    """
+    zero = (0,) * len(shape)
+    if split is Split.REPLICATED or (tp == 1 and split is not Split.VOCAB):
+        return shape, (Piece(zero, zero, shape),)
+    if split in (Split.COLUMN, Split.ROW):
+        dim = 0 if split is Split.COLUMN else 1
+        if shape[dim] % tp:
+            raise ValueError(f"tp={tp} does not divide dim {dim} of shape {shape}")
+        n = shape[dim] // tp
+        local = _with(shape, dim, n)
+        return local, (Piece(zero, _with(zero, dim, rank * n), local),)
+    if split is Split.GATED:
+        if shape[0] % (2 * tp):
+            raise ValueError(f"tp={tp} does not divide the gate/up halves of shape {shape}")
+        half = shape[0] // 2
+        n = half // tp
+        size = _with(shape, 0, n)
+        return _with(shape, 0, 2 * n), (
+            Piece(zero, _with(zero, 0, rank * n), size),
+            Piece(_with(zero, 0, n), _with(zero, 0, half + rank * n), size),
+        )
+    if split is Split.VOCAB:
+        padded = padded_rows if padded_rows is not None else shape[0]
+        if padded % tp or padded < shape[0]:
+            raise ValueError(f"padded vocabulary {padded} does not fit tp={tp}, rows {shape[0]}")
+        n = padded // tp
+        start, stop = rank * n, min((rank + 1) * n, shape[0])
+        local = _with(shape, 0, n)
+        if stop <= start:
+            return local, ()
+        return local, (Piece(zero, _with(zero, 0, start), _with(shape, 0, stop - start)),)
+    raise AssertionError(split)
+
+
+def overlap(target: Piece, source: Piece) -> Copy | None:
+    """The copy that moves the part of ``source`` lying inside ``target``, if any."""
+    lo, hi = [], []
+    for t_off, t_size, s_off, s_size in zip(
+        target.canonical, target.sizes, source.canonical, source.sizes, strict=True
+    ):
+        a, b = max(t_off, s_off), min(t_off + t_size, s_off + s_size)
+        if a >= b:
+            return None
+        lo.append(a)
+        hi.append(b)
+    sizes = tuple(b - a for a, b in zip(lo, hi, strict=True))
+    src = tuple(
+        s_local + a - s_off
+        for s_local, a, s_off in zip(source.local, lo, source.canonical, strict=True)
+    )
+    dst = tuple(
+        t_local + a - t_off
+        for t_local, a, t_off in zip(target.local, lo, target.canonical, strict=True)
+    )
+    return Copy(src, dst, sizes)
+
+
+def boxes_disjoint(a: tuple[Shape, Shape], b: tuple[Shape, Shape]) -> bool:
+    """Whether boxes ``(offsets, sizes)`` ``a`` and ``b`` share no element."""
+    return any(
+        ao + asz <= bo or bo + bsz <= ao
+        for ao, asz, bo, bsz in zip(a[0], a[1], b[0], b[1], strict=True)
+    )

@@ -1,0 +1,211 @@
+"""The layout model: what the network is (``ModelSpec``) and how it is split (``ParallelLayout``).
+
+Pure: no torch, no I/O. Both models are frozen pydantic values that validate on construction and
+serialise to JSON, so plans can record them and users can supply them in files.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from math import ceil
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from ckptctl.errors import LayoutError
+
+
+class NormKind(StrEnum):
+    RMSNORM = "RMSNorm"
+    LAYERNORM = "LayerNorm"
+
+
+class PositionEmbedding(StrEnum):
+    ROPE = "rope"
+    LEARNED = "learned_absolute"
+    NONE = "none"
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ModelSpec(_Frozen):
+    """A decoder of the GPT/Llama family, in Megatron-Core's vocabulary."""
+
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    """Key/value heads; equal to ``num_attention_heads`` without grouped-query attention."""
+    kv_channels: int
+    """Head dimension; ``hidden_size // num_attention_heads`` unless set otherwise."""
+    vocab_size: int
+    """The true vocabulary (V0). Megatron pads it per TP size; the padding is never a real token."""
+    make_vocab_size_divisible_by: int = 128
+    gated_linear_unit: bool = True
+    """SwiGLU: ``linear_fc1`` holds gate and up halves, each split over TP separately."""
+    add_bias_linear: bool = False
+    add_qkv_bias: bool = False
+    tie_embeddings: bool = False
+    normalization: NormKind = NormKind.RMSNORM
+    position_embedding: PositionEmbedding = PositionEmbedding.ROPE
+    max_position_embeddings: int = 4096
+    norm_epsilon: float = 1e-5
+    rotary_base: float = 10000.0
+    num_experts: int | None = None
+    """Mixture of experts is refused for now rather than mishandled."""
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelSpec:
+        problems = []
+        for field in (
+            "num_layers",
+            "hidden_size",
+            "ffn_hidden_size",
+            "num_attention_heads",
+            "num_query_groups",
+            "kv_channels",
+            "vocab_size",
+            "make_vocab_size_divisible_by",
+        ):
+            if getattr(self, field) <= 0:
+                problems.append(f"{field}={getattr(self, field)} must be positive")
+        if self.num_experts:
+            problems.append(
+                f"num_experts={self.num_experts}: mixture-of-experts models are not yet supported"
+            )
+        if self.num_query_groups > 0 and self.num_attention_heads % self.num_query_groups:
+            problems.append(
+                f"num_query_groups={self.num_query_groups} does not divide "
+                f"num_attention_heads={self.num_attention_heads}"
+            )
+        if problems:
+            raise LayoutError(problems)
+        return self
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_attention_heads // self.num_query_groups
+
+    @property
+    def qkv_rows(self) -> int:
+        return (self.num_attention_heads + 2 * self.num_query_groups) * self.kv_channels
+
+    @property
+    def fc1_rows(self) -> int:
+        return 2 * self.ffn_hidden_size if self.gated_linear_unit else self.ffn_hidden_size
+
+    def padded_vocab_size(self, tp: int) -> int:
+        """Megatron's padding: the next multiple of ``make_vocab_size_divisible_by * tp``."""
+        multiple = self.make_vocab_size_divisible_by * tp
+        return ceil(self.vocab_size / multiple) * multiple
+
+
+class ParallelLayout(_Frozen):
+    """How the model is cut over tensor, pipeline, virtual-pipeline and data parallelism."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    vpp: int = 1
+    """Model chunks per pipeline stage (Megatron's virtual pipeline); 1 means none."""
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
+    distributed_optimizer: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> ParallelLayout:
+        problems = [
+            f"{axis}={getattr(self, axis)} must be at least 1"
+            for axis in ("tp", "pp", "dp", "vpp")
+            if getattr(self, axis) < 1
+        ]
+        if self.pp == 1 and self.vpp > 1:
+            problems.append(f"vpp={self.vpp} needs pp > 1")
+        if self.pp == 1 and (self.first_stage_layers or self.last_stage_layers):
+            problems.append("uneven first/last stage layer counts need pp > 1")
+        if problems:
+            raise LayoutError(problems)
+        return self
+
+    @property
+    def is_sharded(self) -> bool:
+        return self.tp > 1 or self.pp > 1
+
+    def check_against(self, spec: ModelSpec) -> None:
+        """Raise ``LayoutError`` listing every way this layout cannot split ``spec``."""
+        problems = []
+        t = self.tp
+        if spec.num_query_groups % t:
+            problems.append(f"tp={t} does not divide num_query_groups={spec.num_query_groups}")
+        if spec.num_attention_heads % t:
+            problems.append(
+                f"tp={t} does not divide num_attention_heads={spec.num_attention_heads}"
+            )
+        if spec.ffn_hidden_size % t:
+            problems.append(f"tp={t} does not divide ffn_hidden_size={spec.ffn_hidden_size}")
+        try:
+            self._stage_layer_counts(spec.num_layers)
+        except LayoutError as err:
+            problems.extend(err.problems)
+        if problems:
+            raise LayoutError(problems)
+
+    def _stage_layer_counts(self, num_layers: int) -> tuple[int, ...]:
+        p, v = self.pp, self.vpp
+        fixed = {}
+        if self.first_stage_layers is not None:
+            fixed[0] = self.first_stage_layers
+        if self.last_stage_layers is not None:
+            fixed[p - 1] = self.last_stage_layers
+        rest = num_layers - sum(fixed.values())
+        free = p - len(fixed)
+        if rest < 0 or (free == 0 and rest != 0):
+            raise LayoutError(
+                f"first/last stage layers {self.first_stage_layers}/{self.last_stage_layers} "
+                f"do not fit num_layers={num_layers} over pp={p}"
+            )
+        if free and rest % free:
+            what = "the middle stages" if fixed else f"pp={p}"
+            raise LayoutError(
+                f"{what} cannot split the remaining {rest} of num_layers={num_layers} evenly"
+            )
+        counts = tuple(fixed.get(s, rest // free if free else 0) for s in range(p))
+        for stage, count in enumerate(counts):
+            if count % v:
+                raise LayoutError(
+                    f"vpp={v} does not divide the {count} layers of pipeline stage {stage}"
+                )
+        return counts
+
+    def chunk_layers(self, num_layers: int) -> dict[tuple[int, int], range]:
+        """Global layer indices held by each (pipeline stage, virtual chunk).
+
+        Chunk ``c`` of stage ``s`` starts at ``c * L/v`` plus the per-chunk share of the stages
+        before ``s`` (Megatron's ``get_transformer_layer_offset``, uneven stages included).
+        """
+        counts = self._stage_layer_counts(num_layers)
+        v = self.vpp
+        per_chunk_total = num_layers // v
+        out: dict[tuple[int, int], range] = {}
+        for chunk in range(v):
+            start = chunk * per_chunk_total
+            for stage, count in enumerate(counts):
+                out[(stage, chunk)] = range(start, start + count // v)
+                start += count // v
+        return out
+
+    def model_parallel_ranks(self) -> tuple[tuple[int, int], ...]:
+        """All (tp_rank, pp_rank) pairs, pipeline-major as Megatron names its directories."""
+        return tuple((t, p) for p in range(self.pp) for t in range(self.tp))
+
+    def describe(self) -> str:
+        parts = [f"TP{self.tp}", f"PP{self.pp}", f"DP{self.dp}"]
+        if self.vpp > 1:
+            parts.append(f"VPP{self.vpp}")
+        if self.first_stage_layers is not None or self.last_stage_layers is not None:
+            parts.append(f"stages {self.first_stage_layers}/../{self.last_stage_layers}")
+        if self.distributed_optimizer:
+            parts.append("dist-opt")
+        return " ".join(parts)

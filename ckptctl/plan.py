@@ -1,0 +1,94 @@
+"""The plan schema: a value recording what to read and write, why, and at what estimated cost.
+
+Pure and versioned. A plan names the source it was made for (with a fingerprint of what was
+stored), every target file with every tensor and the source boxes that fill it, the small text
+files written last (the last one is the commit marker), and its estimates. Execution takes only
+a plan.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict
+
+from ckptctl.layout import ModelSpec, ParallelLayout
+from ckptctl.stored import Format
+
+PLAN_VERSION = 1
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class FileKind(StrEnum):
+    MEGATRON_RANK = "megatron-rank"
+    SAFETENSORS = "safetensors"
+
+
+class CopyOp(_Frozen):
+    source: int
+    """Index into ``Plan.source_files``."""
+    key: tuple[str | int, ...]
+    src: tuple[int, ...]
+    dst: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
+class TensorWrite(_Frozen):
+    key: tuple[str | int, ...]
+    canonical: str
+    shape: tuple[int, ...]
+    dtype: str
+    copies: tuple[CopyOp, ...]
+    padding: int = 0
+    """Elements no source covers (vocabulary padding rows): written as zeros."""
+
+
+class FileWrite(_Frozen):
+    path: str
+    kind: FileKind
+    tensors: tuple[TensorWrite, ...]
+    rank: tuple[int, int] | None = None
+    carry_from: int | None = None
+    """Source file whose training state (scheduler, counters) this file carries."""
+
+
+class TextWrite(_Frozen):
+    path: str
+    content: str
+
+
+class Estimates(_Frozen):
+    bytes_read: int
+    bytes_written: int
+    read_requests: int
+    peak_memory_bytes: int
+    """Largest tensor assembled at once, plus the largest single read."""
+
+
+class Plan(_Frozen):
+    version: int = PLAN_VERSION
+    operation: str
+    strategy: str
+    reason: str
+    source_url: str
+    source_format: Format
+    source_fingerprint: str
+    source_files: tuple[str, ...]
+    spec: ModelSpec
+    source_layout: ParallelLayout
+    target_url: str
+    target_format: Format
+    target_layout: ParallelLayout
+    iteration: int | None = None
+    files: tuple[FileWrite, ...]
+    finalize: tuple[TextWrite, ...]
+    estimates: Estimates
+    notes: tuple[str, ...] = ()
+
+    def fingerprint(self) -> str:
+        """A stable hash of the plan's content, so processes and reruns can check they agree."""
+        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:16]

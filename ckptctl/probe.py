@@ -1,0 +1,42 @@
+"""Probe: find out, read-only, what a URL holds and open it for planning and execution."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from ckptctl.errors import CheckpointNotFoundError
+from ckptctl.formats.hf import HFCheckpoint, probe_hf
+from ckptctl.formats.hf_layout import CONFIG
+from ckptctl.formats.megatron import MegatronCheckpoint, probe_megatron
+from ckptctl.formats.megatron_layout import TRACKER
+from ckptctl.storage import Storage
+from ckptctl.stored import CheckpointView
+
+Checkpoint = MegatronCheckpoint | HFCheckpoint
+
+
+def open_checkpoint(
+    url: str, *, iteration: int | None = None, true_vocab_size: int | None = None
+) -> Checkpoint:
+    storage = Storage(url)
+    if not storage.exists():
+        raise CheckpointNotFoundError(f"{url}: no such checkpoint directory")
+    names = set(storage.listdir(""))
+    if TRACKER in names or any(n.startswith(("mp_rank_", "iter_", "release")) for n in names):
+        return probe_megatron(storage, iteration=iteration, true_vocab_size=true_vocab_size)
+    if CONFIG in names:
+        return probe_hf(storage)
+    raise CheckpointNotFoundError(
+        f"{url}: neither a Megatron checkpoint ({TRACKER}, mp_rank_*) nor an HF one ({CONFIG})"
+    )
+
+
+def fingerprint(storage: Storage, view: CheckpointView) -> str:
+    """A hash of what is stored (file names and sizes) and how it was read (spec, layout)."""
+    body = {
+        "files": [(f.path, storage.size(f.path)) for f in view.files],
+        "spec": view.spec.model_dump(mode="json"),
+        "layout": view.layout.model_dump(mode="json"),
+    }
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]

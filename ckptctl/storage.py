@@ -1,0 +1,88 @@
+"""Byte movement on any fsspec URL: a small storage object rooted at a checkpoint directory.
+
+Paths given to it are relative and ``/``-separated; any that would leave the root are refused,
+since index files inside an untrusted checkpoint name the files we open. Writes go to a
+``.partial`` name and are renamed into place only when complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import posixpath
+from collections.abc import Iterator
+from typing import BinaryIO
+
+import fsspec
+
+from ckptctl.errors import CheckpointError, CheckpointNotFoundError
+
+
+class Storage:
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.fs, root = fsspec.core.url_to_fs(url)
+        self.root = root.rstrip("/") or "/"
+
+    def path(self, rel: str) -> str:
+        norm = posixpath.normpath(rel) if rel else "."
+        if norm.startswith("/") or norm == ".." or norm.startswith("../") or "\\" in rel:
+            raise CheckpointError(
+                f"{rel!r} escapes the checkpoint root {self.url}; refusing to open it"
+            )
+        return self.root if norm == "." else f"{self.root}/{norm}"
+
+    def describe(self, rel: str) -> str:
+        return f"{self.url.rstrip('/')}/{rel}" if rel else self.url
+
+    def exists(self, rel: str = "") -> bool:
+        return self.fs.exists(self.path(rel))
+
+    def isdir(self, rel: str = "") -> bool:
+        return self.fs.isdir(self.path(rel))
+
+    def size(self, rel: str) -> int:
+        return int(self.fs.size(self.path(rel)))
+
+    def listdir(self, rel: str = "") -> list[str]:
+        base = self.path(rel)
+        try:
+            entries = self.fs.ls(base, detail=False)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"{self.describe(rel)}: no such directory") from None
+        return sorted(posixpath.basename(e.rstrip("/")) for e in entries)
+
+    def read_text(self, rel: str) -> str:
+        try:
+            with self.fs.open(self.path(rel), "rb") as f:
+                return f.read().decode()
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"{self.describe(rel)}: file not found") from None
+
+    def open_read(self, rel: str) -> BinaryIO:
+        try:
+            return self.fs.open(self.path(rel), "rb")
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"{self.describe(rel)}: file not found") from None
+
+    @contextlib.contextmanager
+    def open_write(self, rel: str) -> Iterator[BinaryIO]:
+        """Write ``rel`` via a ``.partial`` file that only becomes ``rel`` if the block succeeds."""
+        final = self.path(rel)
+        partial = final + ".partial"
+        self.fs.makedirs(posixpath.dirname(final), exist_ok=True)
+        try:
+            with self.fs.open(partial, "wb") as f:
+                yield f
+        except BaseException:
+            with contextlib.suppress(OSError):
+                self.fs.rm(partial)
+            raise
+        self.fs.mv(partial, final)
+
+    def write_text(self, rel: str, text: str) -> None:
+        with self.open_write(rel) as f:
+            f.write(text.encode())
+
+    def remove(self, rel: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(self.path(rel), recursive=True)

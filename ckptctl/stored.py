@@ -1,0 +1,62 @@
+"""What a checkpoint holds, as the planners see it: files of tensors, each mapped onto canonical
+tensors by geometry pieces. Pure values, produced by format modules and consumed by planners.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from ckptctl.geometry import Piece, Shape
+from ckptctl.layout import ModelSpec, ParallelLayout
+
+KeyPath = tuple[str | int, ...]
+
+
+class Format(StrEnum):
+    MEGATRON = "megatron"
+    HF = "hf"
+
+
+@dataclass(frozen=True, slots=True)
+class StoredTensor:
+    key: KeyPath
+    """Where the tensor sits in its file: a path of dict keys / list indices, or a tensor name."""
+    canonical: str
+    """The canonical tensor it holds part of (see ``ckptctl.catalog``)."""
+    shape: Shape
+    dtype: str
+    """torch dtype name without the ``torch.`` prefix, e.g. ``bfloat16``."""
+    pieces: tuple[Piece, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for size in self.shape:
+            n *= size
+        return n
+
+
+@dataclass(frozen=True, slots=True)
+class StoredFile:
+    path: str
+    """Relative to the checkpoint root, ``/``-separated."""
+    tensors: tuple[StoredTensor, ...]
+    rank: tuple[int, int] | None = None
+    """(tp rank, pp rank) for Megatron rank files."""
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointView:
+    """A whole checkpoint as files of canonical pieces, plus what produced it."""
+
+    format: Format
+    spec: ModelSpec
+    layout: ParallelLayout
+    files: tuple[StoredFile, ...]
+    iteration: int | None = None
+    has_optimizer: bool = False
+    notes: tuple[str, ...] = field(default=())
+
+    def canonical_dtypes(self) -> dict[str, str]:
+        return {t.canonical: t.dtype for f in self.files for t in f.tensors}

@@ -1,0 +1,90 @@
+"""Plan ``consolidate``: a sharded checkpoint into one full, topology-free checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+from ckptctl.catalog import OPTIMIZER_STATES
+from ckptctl.formats.hf_layout import CONFIG, INDEX, hf_config, hf_files, hf_tensors, index_text
+from ckptctl.formats.megatron_layout import (
+    TRACKER,
+    MegatronStyle,
+    megatron_files,
+    tracker_text,
+)
+from ckptctl.layout import ParallelLayout
+from ckptctl.plan import FileKind, Plan, TextWrite
+from ckptctl.stored import CheckpointView, Format
+from planners.convert import plan_files
+
+
+def _is_weight(canonical: str) -> bool:
+    return canonical.split("/", 1)[0] not in OPTIMIZER_STATES
+
+
+def plan_consolidate(
+    source: CheckpointView,
+    *,
+    source_url: str,
+    source_fingerprint: str,
+    target_url: str,
+    target_format: Format,
+    style: MegatronStyle,
+    dtype: str | None = None,
+    max_shard_bytes: int = 5_000_000_000,
+) -> Plan:
+    """One full checkpoint: HF safetensors (weights) or a TP1/PP1 Megatron checkpoint (weights,
+    optimizer and training state). ``dtype`` converts weights only; optimizer state stays fp32."""
+    dtypes = source.canonical_dtypes()
+    notes = list(source.notes)
+    if target_format is Format.HF:
+        weight_dtypes = {
+            hf: dtype or dtypes[canonical] for hf, canonical, _, _ in hf_tensors(source.spec)
+        }
+        targets = hf_files(source.spec, weight_dtypes, max_shard_bytes)
+        files, estimates = plan_files(source, targets, FileKind.SAFETENSORS)
+        out_dtype = dtype or next(iter(weight_dtypes.values()))
+        finalize = []
+        if len(targets) > 1:
+            finalize.append(TextWrite(path=INDEX, content=index_text(targets)))
+        finalize.append(
+            TextWrite(path=CONFIG, content=json.dumps(hf_config(source.spec, out_dtype), indent=2))
+        )
+        if source.has_optimizer:
+            notes.append("HF safetensors hold weights only: optimizer state is not written")
+        layout = ParallelLayout()
+        reason = "HF safetensors: full tensors, q/k/v and gate/up split out, vocabulary trimmed"
+    else:
+        layout = ParallelLayout(dp=source.layout.dp)
+        some = next(t for f in source.files for t in f.tensors if _is_weight(t.canonical))
+        targets = megatron_files(
+            source.spec,
+            layout,
+            iteration=source.iteration,
+            weight_dtype=dtype or some.dtype,
+            optimizer=style.optimizer,
+            naming=style.naming,
+            layer_order=style.layer_order,
+        )
+        files, estimates = plan_files(source, targets, FileKind.MEGATRON_RANK, carry_from=0)
+        finalize = [TextWrite(path=TRACKER, content=tracker_text(source.iteration))]
+        reason = "Megatron TP1 PP1: every tensor merged, optimizer and training state kept"
+    return Plan(
+        operation="consolidate",
+        strategy="merge",
+        reason=reason,
+        source_url=source_url,
+        source_format=source.format,
+        source_fingerprint=source_fingerprint,
+        source_files=tuple(f.path for f in source.files),
+        spec=source.spec,
+        source_layout=source.layout,
+        target_url=target_url,
+        target_format=target_format,
+        target_layout=layout,
+        iteration=source.iteration,
+        files=files,
+        finalize=tuple(finalize),
+        estimates=estimates,
+        notes=tuple(notes),
+    )

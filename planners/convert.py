@@ -1,0 +1,122 @@
+"""Plan a conversion: fill every target tensor from the source pieces that overlap it.
+
+Each target piece is covered greedily by source pieces of the same canonical tensor, skipping
+any that would cover an element twice (TP-replicated norms and tied-embedding copies are held by
+several files; one is enough). Source holders are tried in a deterministic order that prefers
+the file with the target's own TP rank, so replicated tensors are read from different files
+rather than all from rank 0.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from ckptctl.errors import CheckpointError
+from ckptctl.geometry import Shape, boxes_disjoint, overlap
+from ckptctl.plan import CopyOp, Estimates, FileKind, FileWrite, TensorWrite
+from ckptctl.stored import CheckpointView, StoredFile, StoredTensor
+
+_ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4}
+
+
+def _nbytes(shape: Shape, dtype: str) -> int:
+    n = _ITEMSIZE.get(dtype, 4)
+    for size in shape:
+        n *= size
+    return n
+
+
+def plan_files(
+    source: CheckpointView,
+    targets: tuple[StoredFile, ...],
+    kind: FileKind,
+    *,
+    carry_from: int | None = None,
+) -> tuple[tuple[FileWrite, ...], Estimates]:
+    """Copy operations for every tensor of ``targets`` out of ``source``'s files."""
+    holders: dict[str, list[tuple[int, StoredTensor]]] = defaultdict(list)
+    for index, file in enumerate(source.files):
+        for tensor in file.tensors:
+            holders[tensor.canonical].append((index, tensor))
+    ranks = {i: f.rank for i, f in enumerate(source.files)}
+
+    missing: list[str] = []
+    files = []
+    bytes_read = requests = peak = 0
+    for target in targets:
+        writes = []
+        for tensor in target.tensors:
+            candidates = holders.get(tensor.canonical)
+            if not candidates:
+                missing.append(tensor.canonical)
+                continue
+            tp = target.rank[0] if target.rank else 0
+            ordered = sorted(
+                candidates, key=lambda c: (ranks[c[0]] is None or ranks[c[0]][0] != tp, c[0])
+            )
+            copies: list[CopyOp] = []
+            for piece in tensor.pieces:
+                need = piece.numel
+                taken: list[tuple[Shape, Shape]] = []
+                for index, held in ordered:
+                    for held_piece in held.pieces:
+                        copy = overlap(piece, held_piece)
+                        if copy is None:
+                            continue
+                        box = (
+                            tuple(
+                                c + d - lo
+                                for c, d, lo in zip(
+                                    piece.canonical, copy.dst, piece.local, strict=True
+                                )
+                            ),
+                            copy.sizes,
+                        )
+                        if not all(boxes_disjoint(box, other) for other in taken):
+                            continue
+                        taken.append(box)
+                        copies.append(
+                            CopyOp(
+                                source=index,
+                                key=held.key,
+                                src=copy.src,
+                                dst=copy.dst,
+                                sizes=copy.sizes,
+                            )
+                        )
+                        need -= copy.numel
+                        bytes_read += _nbytes(copy.sizes, held.dtype)
+                        requests += 1
+                    if need == 0:
+                        break
+                if need:
+                    missing.append(f"{tensor.canonical} (part)")
+            covered = sum(p.numel for p in tensor.pieces)
+            writes.append(
+                TensorWrite(
+                    key=tensor.key,
+                    canonical=tensor.canonical,
+                    shape=tensor.shape,
+                    dtype=tensor.dtype,
+                    copies=tuple(copies),
+                    padding=tensor.numel - covered,
+                )
+            )
+            peak = max(peak, 2 * _nbytes(tensor.shape, "float32"))
+        files.append(
+            FileWrite(
+                path=target.path,
+                kind=kind,
+                tensors=tuple(writes),
+                rank=target.rank,
+                carry_from=carry_from,
+            )
+        )
+    if missing:
+        shown = ", ".join(sorted(set(missing))[:5])
+        more = f" and {len(set(missing)) - 5} more" if len(set(missing)) > 5 else ""
+        raise CheckpointError(f"the source holds no data for {shown}{more}")
+    written = sum(_nbytes(t.shape, t.dtype) for f in targets for t in f.tensors)
+    return tuple(files), Estimates(
+        bytes_read=bytes_read, bytes_written=written, read_requests=requests, peak_memory_bytes=peak
+    )
