@@ -25,7 +25,11 @@ from ckptctl.storage import Storage
 
 class Source(Protocol):
     def read(
-        self, path: str, key: tuple[str | int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...]
+        self,
+        path: str,
+        key: tuple[str | int, ...],
+        offsets: tuple[int, ...],
+        sizes: tuple[int, ...],
     ) -> torch.Tensor: ...
 
 
@@ -69,7 +73,9 @@ class _Assembler:
         dtype = getattr(torch, write.dtype)
         out = (torch.zeros if write.padding else torch.empty)(write.shape, dtype=dtype)
         for copy in write.copies:
-            data = self.source.read(self.plan.source_files[copy.source], copy.key, copy.src, copy.sizes)
+            data = self.source.read(
+                self.plan.source_files[copy.source], copy.key, copy.src, copy.sizes
+            )
             self.report.bytes_read += data.numel() * data.element_size()
             box = tuple(slice(o, o + n) for o, n in zip(copy.dst, copy.sizes, strict=True))
             out[box] = data.to(dtype)
@@ -126,9 +132,7 @@ def execute(
     return report
 
 
-def _write_rank_file(
-    plan: Plan, file: Any, source: Source, out: Any, assemble: _Assembler
-) -> None:
+def _write_rank_file(plan: Plan, file: Any, source: Source, out: Any, assemble: _Assembler) -> None:
     if not isinstance(source, MegatronCheckpoint):
         raise NotImplementedError("Megatron targets from non-Megatron sources")
     template_path = plan.source_files[file.carry_from or 0]

@@ -241,7 +241,7 @@ def to_megatron_canonical(
     """Full Megatron-Core (TE names) weights and optimizer states, in model order.
 
     Returns ``(weights, optim)``; ``optim[name]`` holds ``exp_avg``, ``exp_avg_sq``, ``step`` and
-    ``fp32_param`` (the fp32 weight), each transformed exactly like the weight.
+    ``fp32_param`` (the fp32 weight itself, not a copy), each transformed exactly like the weight.
     """
     config = model.config
     params = {name: p.detach().to(torch.float32) for name, p in model.named_parameters()}
@@ -257,7 +257,7 @@ def to_megatron_canonical(
             "exp_avg": exp_avg[name],
             "exp_avg_sq": exp_avg_sq[name],
             "step": states[sources[name]]["step"].clone(),
-            "fp32_param": weight.clone(),
+            "fp32_param": weight,  # the same tensor as weights[name]
         }
     return weights, optim
 
@@ -348,28 +348,38 @@ def _tp_shard(name: str, full: torch.Tensor, rank: int, tp: int, vp: int) -> tor
 
 
 def _check_layout(
-    config: LlamaConfig, tp: int, pp: int, vpp: int, counts: list[int] | None, naming: str
+    config: LlamaConfig,
+    tp: int,
+    pp: int,
+    vpp: int,
+    counts: list[int],
+    naming: str,
+    param_group_order: str,
 ) -> None:
     nq = config.num_attention_heads
     ng = config.num_key_value_heads
     problems: list[str] = []
-    if min(tp, pp, vpp) < 1:
-        problems.append("tp, pp and vpp must be >= 1")
-    else:
-        if nq % tp:
-            problems.append(f"num_heads {nq} % tp {tp} != 0")
-        if ng % tp and tp % ng:
-            problems.append(f"num_kv_heads {ng} and tp {tp}: neither divides the other")
-        if config.intermediate_size % tp:
-            problems.append(f"intermediate_size {config.intermediate_size} % tp {tp} != 0")
-        if vpp > 1 and pp == 1:
-            problems.append("vpp > 1 needs pp > 1")
-        if counts is not None:
-            for s, c in enumerate(counts):
-                if c <= 0 or c % vpp:
-                    problems.append(f"stage {s} has {c} layers, not a positive multiple of {vpp}")
+    if nq % tp:
+        problems.append(f"num_heads {nq} % tp {tp} != 0")
+    # ng < tp (one group cut over several ranks) is accepted by recent Megatron-Core only (S3.3).
+    if ng % tp and tp % ng:
+        problems.append(f"num_kv_heads {ng} and tp {tp}: neither divides the other")
+    qkv_rows = (nq + 2 * ng) * config.head_dim
+    if qkv_rows % tp:
+        problems.append(f"linear_qkv rows {qkv_rows} % tp {tp} != 0")
+    if config.intermediate_size % tp:
+        problems.append(f"intermediate_size {config.intermediate_size} % tp {tp} != 0")
+    if vpp > 1 and pp == 1:
+        problems.append("vpp > 1 needs pp > 1")
+    for s, c in enumerate(counts):
+        if c <= 0 or c % vpp:
+            problems.append(f"stage {s} has {c} layers, not a positive multiple of vpp {vpp}")
     if naming not in ("te", "local"):
         problems.append(f"naming must be 'te' or 'local', not {naming!r}")
+    if param_group_order not in ("appearance", "wd_first"):
+        problems.append(
+            f"param_group_order must be 'appearance' or 'wd_first', not {param_group_order!r}"
+        )
     if problems:
         raise ValueError("; ".join(problems))
 
@@ -484,18 +494,25 @@ def _optimizer_state(
     chunks: list[dict[str, torch.Tensor]],
     chunk_states: list[dict[str, dict[str, torch.Tensor]]],
     params_dtype: torch.dtype,
+    param_group_order: str,
 ) -> dict[str, object]:
     """Megatron's non-distributed optimizer state for one rank file (S4.8).
 
     Megatron walks ``named_parameters()`` of every model chunk in order and puts a parameter in
-    the no-weight-decay group iff it is a bias or 1-D; groups are ordered by first appearance.
+    the no-weight-decay group iff it is a bias or 1-D. Group order: by first appearance
+    (``"appearance"``, megatron-core up to ~0.15, ``params_map`` insertion order) or the default
+    (weight-decay) group first (``"wd_first"``: megatron-core 0.16 sorts the group keys with the
+    override-free key first; pre-core Megatron-LM also appended the weight-decay group first).
     torch numbers the parameters consecutively over the groups in group order.
     """
     groups: dict[bool, list[tuple[torch.Tensor, dict[str, torch.Tensor]]]] = {}
+    if param_group_order == "wd_first":
+        groups[False] = []
     for weights, states in zip(chunks, chunk_states, strict=True):
         for name, weight in weights.items():
             no_wd = name.endswith(".bias") or weight.dim() == 1
             groups.setdefault(no_wd, []).append((weight, states[name]))
+    groups = {no_wd: members for no_wd, members in groups.items() if members}
     state: dict[int, dict[str, torch.Tensor]] = {}
     param_groups: list[dict[str, object]] = []
     masters: list[list[torch.Tensor]] = []
@@ -562,22 +579,23 @@ def write_megatron(
     iteration: int = 1,
     make_vocab_size_divisible_by: int = 128,
     with_optimizer: bool = True,
+    param_group_order: str = "appearance",
 ) -> None:
     """Write ``model`` (after :func:`adam_step`) as a Megatron-LM legacy checkpoint.
 
     Layout: ``out_dir/latest_checkpointed_iteration.txt`` and
     ``out_dir/iter_{iteration:07d}/mp_rank_TT[_PPP]/model_optim_rng.pt``, one per (tp, pp).
+    ``param_group_order`` ("appearance" or "wd_first") only matters when a rank's first
+    parameter is 1-D (local-spec names on a stage other than the first); see
+    :func:`_optimizer_state`.
     """
     config = model.config
     if pp == 1 and (first_stage_layers is not None or last_stage_layers is not None):
         raise ValueError("first/last stage layer counts need pp > 1")
-    counts = None
-    if min(tp, pp, vpp) >= 1:
-        counts = stage_layer_counts(
-            config.num_hidden_layers, pp, first_stage_layers, last_stage_layers
-        )
-    _check_layout(config, tp, pp, vpp, counts, naming)
-    assert counts is not None
+    if min(tp, pp, vpp) < 1:
+        raise ValueError(f"tp, pp and vpp must be >= 1, got {tp}, {pp}, {vpp}")
+    counts = stage_layer_counts(config.num_hidden_layers, pp, first_stage_layers, last_stage_layers)
+    _check_layout(config, tp, pp, vpp, counts, naming, param_group_order)
     placement = _chunk_layers(counts, vpp)
     tied = bool(config.tie_word_embeddings)
     vp = padded_vocab_size(config.vocab_size, tp, make_vocab_size_divisible_by)
@@ -619,7 +637,9 @@ def write_megatron(
                 chunk_states.append(chunk_state)
 
             optimizer = (
-                _optimizer_state(chunks, chunk_states, params_dtype) if with_optimizer else None
+                _optimizer_state(chunks, chunk_states, params_dtype, param_group_order)
+                if with_optimizer
+                else None
             )
             if params_dtype != torch.float32:
                 chunks = [{k: v.to(params_dtype) for k, v in chunk.items()} for chunk in chunks]

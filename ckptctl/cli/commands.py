@@ -57,8 +57,16 @@ def _human(n: float) -> str:
 
 def parse_size(text: str) -> int:
     """``512MiB``, ``2GiB``, ``5GB``, ``1000`` -> bytes."""
-    units = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-             "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+    units = {
+        "k": 10**3,
+        "m": 10**6,
+        "g": 10**9,
+        "t": 10**12,
+        "ki": 2**10,
+        "mi": 2**20,
+        "gi": 2**30,
+        "ti": 2**40,
+    }
     s = text.strip().lower().removesuffix("b")
     for suffix in sorted(units, key=len, reverse=True):
         if s.endswith(suffix):
@@ -89,8 +97,13 @@ def describe(ckpt: Checkpoint) -> dict[str, Any]:
             else:
                 weights += size
         files.append(
-            {"path": f.path, "rank": f.rank, "tensors": len(f.tensors), "tensor_bytes": nbytes,
-             "file_bytes": ckpt.storage.size(f.path)}
+            {
+                "path": f.path,
+                "rank": f.rank,
+                "tensors": len(f.tensors),
+                "tensor_bytes": nbytes,
+                "file_bytes": ckpt.storage.size(f.path),
+            }
         )
     return {
         "url": ckpt.storage.url,
@@ -121,13 +134,15 @@ def _show_inspect(out: Output, info: dict[str, Any]) -> None:
         f"{spec['vocab_size']}, {'SwiGLU' if spec['gated_linear_unit'] else 'MLP'}, "
         f"{spec['normalization']}, {'tied' if spec['tie_embeddings'] else 'untied'} embeddings"
     )
-    out.show(
-        "layout: " + " ".join(f"{k}={v}" for k, v in layout.items() if v not in (None, False))
-    )
+    out.show("layout: " + " ".join(f"{k}={v}" for k, v in layout.items() if v not in (None, False)))
     table = Table("file", "rank (tp, pp)", "tensors", "bytes")
     for f in info["files"]:
-        table.add_row(f["path"], str(tuple(f["rank"])) if f["rank"] else "-", str(f["tensors"]),
-                      _human(f["file_bytes"]))
+        table.add_row(
+            f["path"],
+            str(tuple(f["rank"])) if f["rank"] else "-",
+            str(f["tensors"]),
+            _human(f["file_bytes"]),
+        )
     out.show(table)
     out.show(
         f"{info['tensors']} tensors: weights {_human(info['weight_bytes'])}, optimizer state "
@@ -144,7 +159,9 @@ def _prepare_target(url: str, source_url: str, overwrite: bool) -> Storage:
         raise UsageError("the destination is the source; choose another directory")
     if target.exists() and (not target.isdir() or target.listdir("")):
         if not overwrite:
-            raise OutputExistsError(f"{url} exists and is not empty; pass --overwrite to replace it")
+            raise OutputExistsError(
+                f"{url} exists and is not empty; pass --overwrite to replace it"
+            )
         target.remove("")
     return target
 
@@ -161,7 +178,9 @@ def _report_dict(plan: Plan, report: Report) -> dict[str, Any]:
         "bytes_read": report.bytes_read,
         "bytes_written": report.bytes_written,
         "seconds": round(report.seconds, 3),
-        "throughput_bytes_per_s": int(report.bytes_written / report.seconds) if report.seconds else 0,
+        "throughput_bytes_per_s": int(report.bytes_written / report.seconds)
+        if report.seconds
+        else 0,
         "peak_rss_bytes": report.peak_rss_bytes,
         "notes": list(plan.notes),
     }
@@ -178,7 +197,9 @@ def register(app: typer.Typer, boundary: Callable[[Output], AbstractContextManag
         """Show format, iteration, model, layout, files and sizes of a checkpoint."""
         out = Output(as_json)
         with boundary(out):
-            info = describe(open_checkpoint(src, iteration=iteration, true_vocab_size=true_vocab_size))
+            info = describe(
+                open_checkpoint(src, iteration=iteration, true_vocab_size=true_vocab_size)
+            )
             out.json(info) if as_json else _show_inspect(out, info)
 
     @app.command("consolidate")
@@ -194,7 +215,9 @@ def register(app: typer.Typer, boundary: Callable[[Output], AbstractContextManag
         max_shard_size: Annotated[
             str, typer.Option("--max-shard-size", help="Largest HF safetensors file.")
         ] = "5GB",
-        dry_run: Annotated[bool, typer.Option("--dry-run", help="Plan only; write nothing.")] = False,
+        dry_run: Annotated[
+            bool, typer.Option("--dry-run", help="Plan only; write nothing.")
+        ] = False,
         overwrite: Overwrite = False,
         as_json: Json = False,
         iteration: Iteration = None,

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import Annotated
 
 import typer
+from pydantic import ValidationError
 
 from ckptctl import __version__
 from ckptctl.cli import commands
@@ -55,6 +56,11 @@ def error_boundary(out: Output) -> Iterator[None]:
             raise
         out.error(str(err))
         raise typer.Exit(err.exit_code) from None
+    except ValidationError as err:
+        if _state["debug"]:
+            raise
+        out.error("; ".join(e["msg"].removeprefix("Value error, ") for e in err.errors()))
+        raise typer.Exit(2) from None
     except (PermissionError, IsADirectoryError, NotADirectoryError) as err:
         if _state["debug"]:
             raise

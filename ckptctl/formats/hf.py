@@ -145,7 +145,11 @@ class HFCheckpoint:
     _open: dict[str, BinaryIO] = field(default_factory=dict)
 
     def read(
-        self, path: str, key: tuple[str | int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...]
+        self,
+        path: str,
+        key: tuple[str | int, ...],
+        offsets: tuple[int, ...],
+        sizes: tuple[int, ...],
     ) -> torch.Tensor:
         if path not in self._open:
             self._open[path] = self.storage.open_read(path)

@@ -217,13 +217,16 @@ def _optimizer_layout(tree: dict[str, Any]) -> OptimizerLayout | None:
     opt = tree.get("optimizer")
     if not isinstance(opt, dict):
         return None
-    inner = opt.get("optimizer", opt)
-    state = inner.get("state") if isinstance(inner, dict) else None
+    wrapped = isinstance(opt.get("optimizer"), dict)
+    inner = opt["optimizer"] if wrapped else opt
+    state = inner.get("state")
     if not state:
         return None
     first = state[min(state)]
     states = tuple(k for k, v in first.items() if isinstance(v, TensorRef))
-    return OptimizerLayout(states=states, master_weights="fp32_from_fp16_params" in opt)
+    return OptimizerLayout(
+        states=states, master_weights="fp32_from_fp16_params" in opt, wrapped=wrapped
+    )
 
 
 def probe_megatron(
@@ -353,7 +356,8 @@ def _check_file(
 
 def _group_templates(ckpt: MegatronCheckpoint, tree: dict[str, Any]) -> dict[bool, dict[str, Any]]:
     """Each parameter group's settings by kind (no weight decay or not), from the source."""
-    groups = tree["optimizer"].get("optimizer", tree["optimizer"])["param_groups"]
+    assert ckpt.optimizer is not None
+    groups = resolve(tree, ckpt.optimizer.torch_state)["param_groups"]
     params = rank_params(ckpt.view.spec, ckpt.view.layout, 0, ckpt.naming, ckpt.layer_order)
     _, members = param_groups(params)
     if len(members) != len(groups):
@@ -385,7 +389,7 @@ def carried_state(tree: dict[str, Any]) -> dict[str, Any]:
     out["checkpoint_version"] = tree.get("checkpoint_version", 3.0)
     out["iteration"] = tree.get("iteration", 0)
     opt = tree.get("optimizer")
-    if isinstance(opt, dict):
+    if isinstance(opt, dict) and isinstance(opt.get("optimizer"), dict):
         out["optimizer_extra"] = {
             k: v for k, v in opt.items() if k not in ("optimizer", "fp32_from_fp16_params")
         }
@@ -419,14 +423,17 @@ def rank_tree(
         for part in t.key[:-1]:
             node = node.setdefault(part, {})
         node[t.key[-1]] = slot
-        if t.key[:3] == ("optimizer", "optimizer", "state"):
-            index_kind[int(t.key[3])] = no_weight_decay[t.canonical.split("/", 1)[1]]
+        if "state" in t.key and t.key[0] == "optimizer":
+            index_kind[int(t.key[t.key.index("state") + 1])] = no_weight_decay[
+                t.canonical.split("/", 1)[1]
+            ]
     if "optimizer" in tree:
         opt = tree["optimizer"]
+        torch_state = opt if "state" in opt else opt["optimizer"]  # bare or wrapped
         members: dict[bool, list[int]] = {}
         for index in sorted(index_kind):
             members.setdefault(index_kind[index], []).append(index)
-        opt["optimizer"]["param_groups"] = [
+        torch_state["param_groups"] = [
             {**group_templates[kind], "params": indices} for kind, indices in members.items()
         ]
         if "fp32_from_fp16_params" in opt:

@@ -45,6 +45,14 @@ class OptimizerLayout:
     """Keys of each parameter's torch optimizer state, in stored order."""
     master_weights: bool = True
     """Mixed precision: fp32 copies in ``fp32_from_fp16_params``; else the weight is the master."""
+    wrapped: bool = True
+    """Megatron's mixed-precision optimizer nests the torch state dict under ``optimizer``;
+    its ``FP32Optimizer`` stores the bare torch state dict."""
+
+    @property
+    def torch_state(self) -> tuple[str, ...]:
+        """Key path of the torch optimizer state dict inside a rank file."""
+        return ("optimizer", "optimizer") if self.wrapped else ("optimizer",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,7 +160,7 @@ def megatron_files(
                 name = params[pos].param.name
                 shape, pieces = geometry[pos]
                 for state in optimizer.states:
-                    key: KeyPath = ("optimizer", "optimizer", "state", index, state)
+                    key: KeyPath = (*optimizer.torch_state, "state", index, state)
                     if state == "step":
                         tensors.append(
                             StoredTensor(key, state_name(state, name), (), "float32", _SCALAR)

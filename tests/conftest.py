@@ -1,0 +1,32 @@
+"""Shared fixtures: run the CLI in-process and read back what it wrote."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from ckptctl.cli.main import app
+
+
+class Cli:
+    def __init__(self) -> None:
+        self.runner = CliRunner()
+
+    def __call__(self, *args: str, code: int = 0) -> Any:
+        result = self.runner.invoke(app, [str(a) for a in args])
+        assert result.exit_code == code, (
+            f"ckptctl {' '.join(map(str, args))} exited {result.exit_code}, wanted {code}\n"
+            f"stdout: {result.stdout}\nstderr: {result.stderr}\n{result.exception!r}"
+        )
+        return result
+
+    def json(self, *args: str) -> Any:
+        return json.loads(self(*args, "--json").stdout)
+
+
+@pytest.fixture
+def cli() -> Cli:
+    return Cli()
