@@ -32,7 +32,8 @@ class Split(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Piece:
-    """Box ``[local, local + sizes)`` of a stored tensor equals ``[canonical, canonical + sizes)``."""
+    """Box ``[local, local + sizes)`` of a stored tensor is ``[canonical, canonical + sizes)``
+    of the canonical tensor."""
 
     local: Shape
     canonical: Shape
@@ -57,7 +58,7 @@ class Copy:
 
 
 def _with(values: Shape, dim: int, value: int) -> Shape:
-    return values[:dim] + (value,) + values[dim + 1 :]
+    return (*values[:dim], value, *values[dim + 1 :])
 
 
 def shard_shape_and_pieces(

@@ -75,22 +75,26 @@ def main(argv: list[str] | None = None) -> int:
     )
     model = synth.make_model(config, seed=args.seed)
     states = synth.adam_step(model, seed=args.seed)
-    synth.write_megatron(
-        model,
-        states,
-        args.out,
-        tp=args.tp,
-        pp=args.pp,
-        vpp=args.vpp,
-        first_stage_layers=args.first_stage_layers,
-        last_stage_layers=args.last_stage_layers,
-        naming=args.naming,
-        params_dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32,
-        iteration=args.iteration,
-        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        with_optimizer=not args.no_optimizer,
-        param_group_order=args.param_group_order,
-    )
+    try:
+        synth.write_megatron(
+            model,
+            states,
+            args.out,
+            tp=args.tp,
+            pp=args.pp,
+            vpp=args.vpp,
+            first_stage_layers=args.first_stage_layers,
+            last_stage_layers=args.last_stage_layers,
+            naming=args.naming,
+            params_dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32,
+            iteration=args.iteration,
+            make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+            with_optimizer=not args.no_optimizer,
+            param_group_order=args.param_group_order,
+        )
+    except ValueError as exc:  # an impossible layout: one line, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if args.hf_out:
         synth.save_hf(model, args.hf_out)
     n_params = sum(p.numel() for p in model.parameters())

@@ -106,8 +106,10 @@ def _args_disagree(data: dict) -> None:
 
 CASES: dict[str, tuple[Callable[[Path], None], str, int]] = {
     "missing rank dir": (
-        lambda r: [p.unlink() for p in (r / "iter_0000001/mp_rank_01_001").iterdir()]
-        and (r / "iter_0000001/mp_rank_01_001").rmdir(),
+        lambda r: (
+            [p.unlink() for p in (r / "iter_0000001/mp_rank_01_001").iterdir()]
+            and (r / "iter_0000001/mp_rank_01_001").rmdir()
+        ),
         "missing rank directories mp_rank_01_001",
         3,
     ),
@@ -179,5 +181,7 @@ def test_existing_output_needs_overwrite(source_template: Path, tmp_path: Path, 
 def test_debug_shows_traceback(source_template: Path, tmp_path: Path, cli) -> None:
     src = _copy(source_template, tmp_path / "src")
     _truncate(src)
-    result = cli.runner.invoke(__import__("ckptctl.cli.main").cli.main.app, ["--debug", "inspect", str(src)])
+    result = cli.runner.invoke(
+        __import__("ckptctl.cli.main").cli.main.app, ["--debug", "inspect", str(src)]
+    )
     assert result.exit_code != 0 and result.exception is not None

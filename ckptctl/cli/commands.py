@@ -226,23 +226,19 @@ def register(app: typer.Typer, boundary: Callable[[Output], AbstractContextManag
         """Merge a sharded checkpoint into one full checkpoint, streaming one tensor at a time."""
         out = Output(as_json)
         with boundary(out):
-            ckpt = open_checkpoint(src, iteration=iteration, true_vocab_size=true_vocab_size)
-            style = MegatronStyle()
-            if isinstance(ckpt, MegatronCheckpoint):
-                style = MegatronStyle(ckpt.naming, ckpt.layer_order, ckpt.optimizer)
-            plan = plan_consolidate(
-                ckpt.view,
-                source_url=src,
-                source_fingerprint=fingerprint(ckpt.storage, ckpt.view),
-                target_url=dst,
-                target_format=fmt,
-                style=style,
+            plan, report = run_consolidate(
+                out,
+                src,
+                dst,
+                fmt,
                 dtype=_DTYPES[dtype] if dtype else None,
                 max_shard_bytes=parse_size(max_shard_size),
+                dry_run=dry_run,
+                overwrite=overwrite,
+                iteration=iteration,
+                true_vocab_size=true_vocab_size,
             )
-            for note in plan.notes:
-                out.warn(note)
-            if dry_run:
+            if report is None:
                 if as_json:
                     out.json(plan.model_dump(mode="json"))
                 else:
@@ -253,12 +249,8 @@ def register(app: typer.Typer, boundary: Callable[[Output], AbstractContextManag
                         f"{e.read_requests} requests, write {_human(e.bytes_written)}, peak "
                         f"memory ~{_human(e.peak_memory_bytes)}"
                     )
-                return
-            target = _prepare_target(dst, src, overwrite)
-            report = execute(plan, ckpt, target, RichProgress(out.err, enabled=not as_json))
-            summary = _report_dict(plan, report)
-            if as_json:
-                out.json(summary)
+            elif as_json:
+                out.json(_report_dict(plan, report))
             else:
                 out.show(
                     f"consolidated {src} ({plan.source_layout.describe()}) -> {dst} "
@@ -266,3 +258,42 @@ def register(app: typer.Typer, boundary: Callable[[Output], AbstractContextManag
                     f"{_human(report.bytes_written)} written in {report.seconds:.1f} s, "
                     f"peak RSS {_human(report.peak_rss_bytes)}"
                 )
+
+
+def run_consolidate(
+    out: Output,
+    src: str,
+    dst: str,
+    fmt: Format,
+    *,
+    dtype: str | None = None,
+    max_shard_bytes: int = 5_000_000_000,
+    dry_run: bool = False,
+    overwrite: bool = False,
+    iteration: int | None = None,
+    true_vocab_size: int | None = None,
+    quiet: bool = False,
+) -> tuple[Plan, Report | None]:
+    """Probe ``src``, plan the consolidation and (unless ``dry_run``) execute it."""
+    ckpt = open_checkpoint(src, iteration=iteration, true_vocab_size=true_vocab_size)
+    style = MegatronStyle()
+    if isinstance(ckpt, MegatronCheckpoint):
+        style = MegatronStyle(ckpt.naming, ckpt.layer_order, ckpt.optimizer)
+    plan = plan_consolidate(
+        ckpt.view,
+        source_url=src,
+        source_fingerprint=fingerprint(ckpt.storage, ckpt.view),
+        target_url=dst,
+        target_format=fmt,
+        style=style,
+        dtype=dtype,
+        max_shard_bytes=max_shard_bytes,
+    )
+    if not quiet:
+        for note in plan.notes:
+            out.warn(note)
+    if dry_run:
+        return plan, None
+    target = _prepare_target(dst, src, overwrite)
+    progress = RichProgress(out.err, enabled=not (out.as_json or quiet))
+    return plan, execute(plan, ckpt, target, progress)

@@ -15,7 +15,7 @@ import typer
 from pydantic import ValidationError
 
 from ckptctl import __version__
-from ckptctl.cli import commands
+from ckptctl.cli import commands, demo
 from ckptctl.cli.output import Output
 from ckptctl.errors import CkptctlError
 
@@ -72,6 +72,7 @@ def error_boundary(out: Output) -> Iterator[None]:
 
 
 commands.register(app, error_boundary)
+demo.register(app, error_boundary)
 
 
 def main() -> None:

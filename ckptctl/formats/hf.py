@@ -98,9 +98,8 @@ def read_box(
         (rows, *entry.shape[1:]) if entry.shape else ()
     )
     if entry.shape:
-        index = (slice(None),) + tuple(
-            slice(o, o + s) for o, s in zip(offsets[1:], sizes[1:], strict=True)
-        )
+        inner = zip(offsets[1:], sizes[1:], strict=True)
+        index = (slice(None), *(slice(o, o + s) for o, s in inner))
         block = block[index]
     return block.contiguous()
 
@@ -192,7 +191,8 @@ def probe_hf(storage: Storage, make_vocab_size_divisible_by: int = 128) -> HFChe
             continue
         if entry.shape != shape:
             problems.append(
-                f"{storage.describe(path)}: tensor {name} has shape {list(entry.shape)}, expected {list(shape)}"
+                f"{storage.describe(path)}: tensor {name} has shape {list(entry.shape)}, "
+                f"expected {list(shape)}"
             )
             continue
         files.setdefault(path, []).append(

@@ -237,7 +237,10 @@ def probe_megatron(
     ranks = [n for n in storage.listdir(iter_rel) if n.startswith("mp_rank_")]
     if not ranks:
         raise CheckpointNotFoundError(f"{storage.describe(iter_rel)}: no mp_rank_* directories")
-    join = lambda *p: "/".join(x for x in (iter_rel, *p) if x)
+
+    def join(*parts: str) -> str:
+        return "/".join(x for x in (iter_rel, *parts) if x)
+
     first_rel = join(ranks[0], RANK_FILE)
     first = TorchZipReader(storage.open_read(first_rel), storage.describe(first_rel))
     args = first.tree.get("args") if isinstance(first.tree, dict) else None
