@@ -139,3 +139,20 @@ def test_local_spec_names_consolidate(models, tmp_path: Path, cli) -> None:
     loaded = _from_pretrained(out, torch.float32)
     with torch.no_grad():
         assert torch.equal(loaded(IDS).logits, model(IDS).logits)
+
+
+def test_megatron_core_016_group_order_is_recognised(models, tmp_path: Path, cli) -> None:
+    """Megatron-Core 0.16 puts the weight-decay group first; a later stage whose first
+    parameter is a norm then numbers its state differently. Both orders must map exactly."""
+    model, states = models[False]
+    src, direct, out = tmp_path / "src", tmp_path / "direct", tmp_path / "out"
+    kwargs = {"naming": "local", "param_group_order": "wd_first"}
+    synth.write_megatron(model, states, src, tp=2, pp=2, **kwargs)
+    synth.write_megatron(model, states, direct, tp=1, pp=1, **kwargs)
+    cli("consolidate", src, out, "--format", "megatron")
+    rel = "iter_0000001/mp_rank_00/model_optim_rng.pt"
+    got, want = _load(out / rel)["optimizer"], _load(direct / rel)["optimizer"]
+    assert got["param_groups"] == want["param_groups"]
+    for index, state in want["state"].items():
+        for key, tensor in state.items():
+            assert torch.equal(got["state"][index][key], tensor), (index, key)

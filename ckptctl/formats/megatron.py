@@ -20,6 +20,7 @@ from ckptctl.errors import CheckpointError, CheckpointNotFoundError, LayoutError
 from ckptctl.formats.megatron_layout import (
     RANK_FILE,
     TRACKER,
+    GroupOrder,
     OptimizerLayout,
     iteration_dir,
     megatron_files,
@@ -293,6 +294,15 @@ def probe_megatron(
     extra = sorted({k for k in names if k.endswith(_EXTRA_STATE)})
     some_weight = next(v for m in models for v in m.values() if isinstance(v, TensorRef))
     optimizer = _optimizer_layout(trees[first_rel])
+    templates: dict[bool, dict[str, Any]] = {}
+    if optimizer is not None:
+        by_rank = {
+            (t, p): trees[join(rank_dir(t, p, layout.pp), RANK_FILE)]
+            for t, p in layout.model_parallel_ranks()
+        }
+        optimizer, templates = _match_groups(
+            spec, layout, (naming, layer_order), optimizer, by_rank
+        )
     notes = []
     if layout.distributed_optimizer:
         notes.append("distributed-optimizer state (distrib_optim.pt) is not read yet: weights only")
@@ -318,12 +328,9 @@ def probe_megatron(
     view = CheckpointView(
         Format.MEGATRON, spec, layout, files, number, optimizer is not None, tuple(notes)
     )
-    ckpt = MegatronCheckpoint(
-        storage, view, readers, args, naming, layer_order or (), optimizer, extra
+    return MegatronCheckpoint(
+        storage, view, readers, args, naming, layer_order or (), optimizer, extra, templates
     )
-    if optimizer is not None:
-        ckpt.group_templates = _group_templates(ckpt, trees[files[0].path])
-    return ckpt
 
 
 def _check_file(
@@ -357,28 +364,47 @@ def _check_file(
     return replace(file, tensors=tuple(tensors))
 
 
-def _group_templates(ckpt: MegatronCheckpoint, tree: dict[str, Any]) -> dict[bool, dict[str, Any]]:
-    """Each parameter group's settings by kind (no weight decay or not), from the source."""
-    assert ckpt.optimizer is not None
-    groups = resolve(tree, ckpt.optimizer.torch_state)["param_groups"]
-    params = rank_params(ckpt.view.spec, ckpt.view.layout, 0, ckpt.naming, ckpt.layer_order)
-    _, members = param_groups(params)
-    if len(members) != len(groups):
-        raise CheckpointError(
-            f"optimizer has {len(groups)} parameter groups, expected {len(members)} "
-            "(weight decay / no weight decay); cannot map its state to parameters"
-        )
-    out = {}
-    for group, pos in zip(groups, members, strict=True):
-        if "params" in group and len(group["params"]) != len(pos):
-            raise CheckpointError(
-                f"optimizer parameter group holds {len(group['params'])} parameters, expected "
-                f"{len(pos)}; cannot map its state to parameters"
+def _group_kind(group: dict[str, Any]) -> bool | None:
+    """Whether a stored parameter group is the no-weight-decay one, when it says so."""
+    if "wd_mult" in group:
+        return group["wd_mult"] == 0
+    return None
+
+
+def _match_groups(
+    spec: ModelSpec,
+    layout: ParallelLayout,
+    style: tuple[Naming, tuple[str, ...] | None],
+    optimizer: OptimizerLayout,
+    trees: dict[tuple[int, int], dict[str, Any]],
+) -> tuple[OptimizerLayout, dict[bool, dict[str, Any]]]:
+    """Find the parameter-group order every rank file follows, and each group's settings.
+
+    Megatron-Core changed the order in 0.16 (weight-decay group first); we try both and take the
+    one whose group sizes and ``wd_mult`` agree with every file.
+    """
+    for order in GroupOrder:
+        templates: dict[bool, dict[str, Any]] = {}
+        for (_, pp_rank), tree in trees.items():
+            stored = resolve(tree, optimizer.torch_state)["param_groups"]
+            expected = param_groups(rank_params(spec, layout, pp_rank, *style), order)
+            if len(stored) != len(expected):
+                break
+            fits = all(
+                len(group.get("params", members)) == len(members)
+                and _group_kind(group) in (None, kind)
+                for group, (kind, members) in zip(stored, expected, strict=True)
             )
-        out[params[pos[0]].param.no_weight_decay] = {
-            k: v for k, v in group.items() if k != "params"
-        }
-    return out
+            if not fits:
+                break
+            for group, (kind, _) in zip(stored, expected, strict=True):
+                templates.setdefault(kind, {k: v for k, v in group.items() if k != "params"})
+        else:
+            return replace(optimizer, group_order=order), templates
+    raise CheckpointError(
+        "the optimizer's parameter groups match neither of Megatron's orders (weight decay / no "
+        "weight decay by first appearance, or weight decay first); cannot map its state"
+    )
 
 
 # --- writing ----------------------------------------------------------------------------------

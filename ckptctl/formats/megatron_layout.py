@@ -8,6 +8,7 @@ optimizer, the torch optimizer state keyed by parameter index in Megatron's para
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 from ckptctl.catalog import (
     LAYER_PREFIX,
@@ -37,6 +38,15 @@ def rank_dir(tp_rank: int, pp_rank: int, pp: int) -> str:
     return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
 
 
+class GroupOrder(StrEnum):
+    """Order of Megatron's parameter groups (weight decay / none) in the torch optimizer."""
+
+    APPEARANCE = "appearance"
+    """Groups in order of their first parameter (Megatron-Core before 0.16)."""
+    DECAY_FIRST = "decay-first"
+    """Sorted so the weight-decay group comes first (Megatron-Core 0.16)."""
+
+
 @dataclass(frozen=True, slots=True)
 class OptimizerLayout:
     """The non-distributed optimizer state a rank file holds per parameter."""
@@ -45,6 +55,7 @@ class OptimizerLayout:
     """Keys of each parameter's torch optimizer state, in stored order."""
     master_weights: bool = True
     """Mixed precision: fp32 copies in ``fp32_from_fp16_params``; else the weight is the master."""
+    group_order: GroupOrder = GroupOrder.APPEARANCE
     wrapped: bool = True
     """Megatron's mixed-precision optimizer nests the torch state dict under ``optimizer``;
     its ``FP32Optimizer`` stores the bare torch state dict."""
@@ -96,30 +107,24 @@ def rank_params(
     return out
 
 
-def param_groups(params: list[RankParam]) -> tuple[list[int], list[list[int]]]:
-    """Megatron's default grouping: (weight decay, no weight decay) by first appearance.
-
-    Returns each parameter's group and, per group, the parameter positions in it; the torch
-    optimizer numbers parameters group after group.
-    """
-    kinds: list[bool] = []
-    groups: list[list[int]] = []
-    of_param = []
+def param_groups(
+    params: list[RankParam], order: GroupOrder = GroupOrder.APPEARANCE
+) -> list[tuple[bool, list[int]]]:
+    """Megatron's default grouping: per group, its kind (no weight decay?) and the positions of
+    its parameters in model order. The torch optimizer numbers parameters group after group."""
+    groups: dict[bool, list[int]] = {}
     for pos, rp in enumerate(params):
-        kind = rp.param.no_weight_decay
-        if kind not in kinds:
-            kinds.append(kind)
-            groups.append([])
-        g = kinds.index(kind)
-        groups[g].append(pos)
-        of_param.append(g)
-    return of_param, groups
+        groups.setdefault(rp.param.no_weight_decay, []).append(pos)
+    kinds = list(groups)
+    if order is GroupOrder.DECAY_FIRST:
+        kinds.sort()
+    return [(kind, groups[kind]) for kind in kinds]
 
 
-def optimizer_index(groups: list[list[int]]) -> dict[int, tuple[int, int, int]]:
+def optimizer_index(groups: list[tuple[bool, list[int]]]) -> dict[int, tuple[int, int, int]]:
     """Parameter position -> (torch state index, group, position within group)."""
     out, index = {}, 0
-    for g, members in enumerate(groups):
+    for g, (_, members) in enumerate(groups):
         for i, pos in enumerate(members):
             out[pos] = (index, g, i)
             index += 1
@@ -155,7 +160,7 @@ def megatron_files(
                 )
             )
         if optimizer is not None:
-            _, groups = param_groups(params)
+            groups = param_groups(params, optimizer.group_order)
             for pos, (index, g, i) in sorted(optimizer_index(groups).items()):
                 name = params[pos].param.name
                 shape, pieces = geometry[pos]
