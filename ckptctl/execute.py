@@ -11,13 +11,20 @@ import resource
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from math import prod
 from typing import Any, Protocol
 
 import torch
 
 from ckptctl.catalog import parameters
 from ckptctl.formats.hf import write_safetensors
-from ckptctl.formats.megatron import MegatronCheckpoint, args_for, carried_state, rank_tree
+from ckptctl.formats.megatron import (
+    MegatronCheckpoint,
+    args_for,
+    args_from_spec,
+    carried_state,
+    rank_tree,
+)
 from ckptctl.formats.torchzip import TensorRef, TensorSlot, tensor_bytes, write_torch_zip
 from ckptctl.plan import FileKind, Plan, TensorWrite
 from ckptctl.storage import Storage
@@ -65,28 +72,59 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-class _Assembler:
-    def __init__(self, plan: Plan, source: Source, report: Report, progress: Progress) -> None:
-        self.plan, self.source, self.report, self.progress = plan, source, report, progress
+DEFAULT_MEMORY_BUDGET = 1 << 30
 
-    def tensor(self, write: TensorWrite) -> torch.Tensor:
-        dtype = getattr(torch, write.dtype)
-        out = (torch.zeros if write.padding else torch.empty)(write.shape, dtype=dtype)
-        for copy in write.copies:
-            data = self.source.read(
-                self.plan.source_files[copy.source], copy.key, copy.src, copy.sizes
-            )
-            self.report.bytes_read += data.numel() * data.element_size()
-            box = tuple(slice(o, o + n) for o, n in zip(copy.dst, copy.sizes, strict=True))
-            out[box] = data.to(dtype)
-        return out
+
+class _Assembler:
+    """Builds each target tensor from its copies, in bands of whole rows that fit the budget.
+
+    A band is a slice of dim 0; tensors are row-major, so bands streamed in order are exactly the
+    tensor's bytes. Each copy contributes the part of its box inside the band, read as one range.
+    """
+
+    def __init__(
+        self, plan: Plan, source: Source, report: Report, progress: Progress, budget: int
+    ) -> None:
+        self.plan, self.source, self.report, self.progress = plan, source, report, progress
+        # A band is held up to ~3 times at once: the output band, the bytes read, a cast copy.
+        self.band_bytes = max(budget // 4, 1)
 
     def chunks(self, write: TensorWrite) -> Iterator[memoryview]:
-        data = self.tensor(write)
-        view = tensor_bytes(data)
+        dtype = getattr(torch, write.dtype)
+        shape = write.shape
+        if not shape:
+            yield self._emit(self._band(write, dtype, 0, 1))
+            return
+        row_bytes = max(prod(shape[1:]) * dtype.itemsize, 1)
+        rows = max(self.band_bytes // row_bytes, 1)
+        for start in range(0, shape[0], rows):
+            yield self._emit(self._band(write, dtype, start, min(start + rows, shape[0])))
+
+    def _emit(self, band: torch.Tensor) -> memoryview:
+        view = tensor_bytes(band)
         self.report.bytes_written += len(view)
         self.progress.advance(len(view))
-        yield view
+        return view
+
+    def _band(self, write: TensorWrite, dtype: torch.dtype, lo: int, hi: int) -> torch.Tensor:
+        """Rows ``[lo, hi)`` of the target tensor (the whole tensor if it is 0-dimensional)."""
+        scalar = not write.shape
+        shape = write.shape if scalar else (hi - lo, *write.shape[1:])
+        out = (torch.zeros if write.padding else torch.empty)(shape, dtype=dtype)
+        for copy in write.copies:
+            src, dst, sizes = copy.src, copy.dst, copy.sizes
+            if not scalar:
+                a, b = max(lo, dst[0]), min(hi, dst[0] + sizes[0])
+                if a >= b:
+                    continue
+                src = (src[0] + a - dst[0], *src[1:])
+                dst = (a - lo, *dst[1:])
+                sizes = (b - a, *sizes[1:])
+            data = self.source.read(self.plan.source_files[copy.source], copy.key, src, sizes)
+            self.report.bytes_read += data.numel() * data.element_size()
+            box = tuple(slice(o, o + n) for o, n in zip(dst, sizes, strict=True))
+            out[box] = data.to(dtype)
+        return out
 
 
 def _materialize(obj: Any, found: list[TensorRef]) -> Any:
@@ -102,19 +140,24 @@ def _materialize(obj: Any, found: list[TensorRef]) -> Any:
 
 
 def execute(
-    plan: Plan, source: Source, target: Storage, progress: Progress | None = None
+    plan: Plan,
+    source: Source,
+    target: Storage,
+    progress: Progress | None = None,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
 ) -> Report:
-    """Write every file of ``plan`` to ``target``, then its finalize files in order."""
+    """Write every file of ``plan`` to ``target``, then its finalize files in order.
+
+    Tensor data in flight stays within about ``memory_budget`` bytes, whatever the tensor sizes.
+    """
     progress = progress or NoProgress()
     report = Report()
     started = time.perf_counter()
     total = sum(
-        t.dtype and torch.Size(t.shape).numel() * getattr(torch, t.dtype).itemsize
-        for f in plan.files
-        for t in f.tensors
+        prod(t.shape) * getattr(torch, t.dtype).itemsize for f in plan.files for t in f.tensors
     )
     progress.start(total, f"{plan.operation} -> {plan.target_url}")
-    assemble = _Assembler(plan, source, report, progress)
+    assemble = _Assembler(plan, source, report, progress, memory_budget)
     for file in plan.files:
         with target.open_write(file.path) as out:
             if file.kind is FileKind.SAFETENSORS:
@@ -133,18 +176,19 @@ def execute(
 
 
 def _write_rank_file(plan: Plan, file: Any, source: Source, out: Any, assemble: _Assembler) -> None:
-    if not isinstance(source, MegatronCheckpoint):
-        raise NotImplementedError("Megatron targets from non-Megatron sources")
-    template_path = plan.source_files[file.carry_from or 0]
     refs: list[TensorRef] = []
-    carried = _materialize(carried_state(source.tree(template_path)), refs)
+    template_path = plan.source_files[file.carry_from or 0]
+    if isinstance(source, MegatronCheckpoint):
+        carried = _materialize(carried_state(source.tree(template_path)), refs)
+        args = args_for(source.args, plan.spec, plan.target_layout)
+        templates = source.group_templates
+    else:  # a full checkpoint without training state (HF): fresh args, no optimizer
+        carried = {"checkpoint_version": 3.0, "iteration": plan.iteration or 0}
+        args = args_for(args_from_spec(plan.spec), plan.spec, plan.target_layout)
+        templates = {}
     no_wd = {p.name: p.no_weight_decay for p in parameters(plan.spec)}
     tree, slots = rank_tree(
-        file,
-        args=args_for(source.args, plan.spec, plan.target_layout),
-        carried=carried,
-        group_templates=source.group_templates,
-        no_weight_decay=no_wd,
+        file, args=args, carried=carried, group_templates=templates, no_weight_decay=no_wd
     )
     writes = {slot.key: write for slot, write in zip(slots, file.tensors, strict=True)}
     carried_slots = [TensorSlot(f"carried{i}", r.dtype, r.shape) for i, r in enumerate(refs)]

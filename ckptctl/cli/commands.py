@@ -13,14 +13,16 @@ from rich.table import Table
 from ckptctl.catalog import OPTIMIZER_STATES
 from ckptctl.cli.output import Output, RichProgress
 from ckptctl.errors import OutputExistsError, UsageError
-from ckptctl.execute import Report, execute
+from ckptctl.execute import DEFAULT_MEMORY_BUDGET, Report, execute
 from ckptctl.formats.megatron import MegatronCheckpoint
 from ckptctl.formats.megatron_layout import MegatronStyle
+from ckptctl.layout import ParallelLayout
 from ckptctl.plan import Plan
 from ckptctl.probe import Checkpoint, fingerprint, open_checkpoint
 from ckptctl.storage import Storage
 from ckptctl.stored import Format
 from planners.consolidate import plan_consolidate
+from planners.reshard import plan_reshard
 
 
 class DType(StrEnum):
@@ -239,16 +241,7 @@ def register(app: typer.Typer, boundary: Callable[[Output], AbstractContextManag
                 true_vocab_size=true_vocab_size,
             )
             if report is None:
-                if as_json:
-                    out.json(plan.model_dump(mode="json"))
-                else:
-                    e = plan.estimates
-                    out.show(
-                        f"consolidate {src} -> {dst} ({fmt.value}): {plan.reason}\n"
-                        f"{len(plan.files)} files; read {_human(e.bytes_read)} in "
-                        f"{e.read_requests} requests, write {_human(e.bytes_written)}, peak "
-                        f"memory ~{_human(e.peak_memory_bytes)}"
-                    )
+                _show_plan(out, plan, as_json)
             elif as_json:
                 out.json(_report_dict(plan, report))
             else:
@@ -297,3 +290,117 @@ def run_consolidate(
     target = _prepare_target(dst, src, overwrite)
     progress = RichProgress(out.err, enabled=not (out.as_json or quiet))
     return plan, execute(plan, ckpt, target, progress)
+
+
+def run_reshard(
+    out: Output,
+    src: str,
+    dst: str,
+    layout: ParallelLayout,
+    *,
+    dtype: str | None = None,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    dry_run: bool = False,
+    overwrite: bool = False,
+    iteration: int | None = None,
+    true_vocab_size: int | None = None,
+    quiet: bool = False,
+) -> tuple[Plan, Report | None]:
+    """Probe ``src``, plan the reshard to ``layout`` and (unless ``dry_run``) execute it."""
+    ckpt = open_checkpoint(src, iteration=iteration, true_vocab_size=true_vocab_size)
+    style = MegatronStyle()
+    if isinstance(ckpt, MegatronCheckpoint):
+        style = MegatronStyle(ckpt.naming, ckpt.layer_order, ckpt.optimizer)
+    plan = plan_reshard(
+        ckpt.view,
+        layout,
+        source_url=src,
+        source_fingerprint=fingerprint(ckpt.storage, ckpt.view),
+        target_url=dst,
+        style=style,
+        dtype=dtype,
+    )
+    if not quiet:
+        for note in plan.notes:
+            out.warn(note)
+    if dry_run:
+        return plan, None
+    target = _prepare_target(dst, src, overwrite)
+    progress = RichProgress(out.err, enabled=not (out.as_json or quiet))
+    return plan, execute(plan, ckpt, target, progress, memory_budget)
+
+
+def register_reshard(
+    app: typer.Typer, boundary: Callable[[Output], AbstractContextManager[None]]
+) -> None:
+    @app.command("reshard")
+    def reshard_cmd(
+        src: Annotated[str, typer.Argument(help="Checkpoint directory or URL (sharded or full).")],
+        dst: Annotated[str, typer.Argument(help="Destination directory or URL.")],
+        tp: Annotated[int, typer.Option("--tp", help="Target tensor-parallel size.")] = 1,
+        pp: Annotated[int, typer.Option("--pp", help="Target pipeline-parallel size.")] = 1,
+        vpp: Annotated[int, typer.Option("--vpp", help="Virtual pipeline chunks per stage.")] = 1,
+        dp: Annotated[int, typer.Option("--dp", help="Target data-parallel size.")] = 1,
+        first: Annotated[
+            int | None,
+            typer.Option("--pp-first-stage-layers", help="Layers on the first pipeline stage."),
+        ] = None,
+        last: Annotated[
+            int | None,
+            typer.Option("--pp-last-stage-layers", help="Layers on the last pipeline stage."),
+        ] = None,
+        memory_budget: Annotated[
+            str, typer.Option("--memory-budget", help="Tensor data held in memory at once.")
+        ] = "1GiB",
+        dtype: Annotated[
+            DType | None, typer.Option("--dtype", help="Convert weights (optimizer stays fp32).")
+        ] = None,
+        dry_run: Annotated[
+            bool, typer.Option("--dry-run", help="Plan only; write nothing.")
+        ] = False,
+        overwrite: Overwrite = False,
+        as_json: Json = False,
+        iteration: Iteration = None,
+        true_vocab_size: TrueVocab = None,
+    ) -> None:
+        """Re-split a checkpoint for another TP/PP/VPP/DP layout, shard to shard."""
+        out = Output(as_json)
+        with boundary(out):
+            layout = ParallelLayout(
+                tp=tp, pp=pp, vpp=vpp, dp=dp, first_stage_layers=first, last_stage_layers=last
+            )
+            plan, report = run_reshard(
+                out,
+                src,
+                dst,
+                layout,
+                dtype=_DTYPES[dtype] if dtype else None,
+                memory_budget=parse_size(memory_budget),
+                dry_run=dry_run,
+                overwrite=overwrite,
+                iteration=iteration,
+                true_vocab_size=true_vocab_size,
+            )
+            if report is None:
+                _show_plan(out, plan, as_json)
+            elif as_json:
+                out.json(_report_dict(plan, report))
+            else:
+                out.show(
+                    f"resharded {src} ({plan.source_layout.describe()}) -> {dst} "
+                    f"({plan.target_layout.describe()}): {len(report.files_written)} files, "
+                    f"read {_human(report.bytes_read)}, wrote {_human(report.bytes_written)} "
+                    f"in {report.seconds:.1f} s, peak RSS {_human(report.peak_rss_bytes)}"
+                )
+
+
+def _show_plan(out: Output, plan: Plan, as_json: bool) -> None:
+    if as_json:
+        out.json(plan.model_dump(mode="json"))
+        return
+    e = plan.estimates
+    out.show(
+        f"{plan.operation} {plan.source_url} -> {plan.target_url}: {plan.strategy}: {plan.reason}\n"
+        f"{len(plan.files)} files; read {_human(e.bytes_read)} in {e.read_requests} requests, "
+        f"write {_human(e.bytes_written)}, peak memory ~{_human(e.peak_memory_bytes)}"
+    )

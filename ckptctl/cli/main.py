@@ -72,6 +72,7 @@ def error_boundary(out: Output) -> Iterator[None]:
 
 
 commands.register(app, error_boundary)
+commands.register_reshard(app, error_boundary)
 demo.register(app, error_boundary)
 
 

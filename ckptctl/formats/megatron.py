@@ -183,6 +183,34 @@ def layout_from_args(args: argparse.Namespace) -> ParallelLayout:
     )
 
 
+def args_from_spec(spec: ModelSpec) -> argparse.Namespace:
+    """Megatron arguments describing ``spec``, for checkpoints cut from a full HF model."""
+    return argparse.Namespace(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_query_groups,
+        group_query_attention=spec.num_query_groups != spec.num_attention_heads,
+        kv_channels=spec.kv_channels,
+        vocab_size=spec.vocab_size,
+        make_vocab_size_divisible_by=spec.make_vocab_size_divisible_by,
+        swiglu=spec.gated_linear_unit,
+        add_bias_linear=spec.add_bias_linear,
+        add_qkv_bias=spec.add_qkv_bias,
+        untie_embeddings_and_output_weights=not spec.tie_embeddings,
+        normalization=spec.normalization.value,
+        position_embedding_type=spec.position_embedding.value,
+        max_position_embeddings=spec.max_position_embeddings,
+        norm_epsilon=spec.norm_epsilon,
+        rotary_base=spec.rotary_base,
+        rotary_percent=1.0,
+        num_experts=spec.num_experts,
+        data_parallel_size=1,
+        world_size=1,
+    )
+
+
 def args_for(
     args: argparse.Namespace, spec: ModelSpec, layout: ParallelLayout
 ) -> argparse.Namespace:

@@ -1,0 +1,82 @@
+"""Plan ``reshard``: any Megatron layout (or a full checkpoint) into another Megatron layout.
+
+Shard to shard: each target rank file is filled from exactly the source boxes that overlap it,
+so no full model is ever assembled and no intermediate full checkpoint is written. A full source
+(HF safetensors, or TP1 PP1 Megatron) is the same computation with one source shard.
+"""
+
+from __future__ import annotations
+
+from ckptctl.catalog import OPTIMIZER_STATES
+from ckptctl.formats.megatron_layout import TRACKER, MegatronStyle, megatron_files, tracker_text
+from ckptctl.layout import ParallelLayout
+from ckptctl.plan import FileKind, Plan, TextWrite
+from ckptctl.stored import CheckpointView, Format
+from planners.convert import plan_files
+
+
+def plan_reshard(
+    source: CheckpointView,
+    target_layout: ParallelLayout,
+    *,
+    source_url: str,
+    source_fingerprint: str,
+    target_url: str,
+    style: MegatronStyle,
+    dtype: str | None = None,
+) -> Plan:
+    spec = source.spec
+    target_layout.check_against(spec)
+    weight = next(
+        t
+        for f in source.files
+        for t in f.tensors
+        if t.canonical.split("/")[0] not in OPTIMIZER_STATES
+    )
+    optimizer = style.optimizer if source.has_optimizer else None
+    targets = megatron_files(
+        spec,
+        target_layout,
+        iteration=source.iteration,
+        weight_dtype=dtype or weight.dtype,
+        optimizer=optimizer,
+        naming=style.naming,
+        layer_order=style.layer_order,
+    )
+    files, estimates = plan_files(source, targets, FileKind.MEGATRON_RANK, carry_from=0)
+    notes = list(source.notes)
+    old, new = spec.padded_vocab_size(source.layout.tp), spec.padded_vocab_size(target_layout.tp)
+    if source.format is Format.MEGATRON and old != new:
+        notes.append(
+            f"vocabulary padding recomputed for tp={target_layout.tp}: {old} -> {new} rows; "
+            "padding rows of embedding, output layer and their optimizer state are zeros"
+        )
+    if source.format is Format.MEGATRON:
+        notes.append("RNG state cannot be resharded and is dropped (as Megatron's --no-load-rng)")
+    if optimizer is None:
+        notes.append("no optimizer state in the source: the target holds weights only")
+    is_full = not source.layout.is_sharded
+    return Plan(
+        operation="reshard",
+        strategy="full-then-split" if is_full else "shard-to-shard",
+        reason=(
+            f"cut the full checkpoint for {target_layout.describe()}"
+            if is_full
+            else f"{source.layout.describe()} -> {target_layout.describe()}: each target shard "
+            "assembled from the overlapping byte ranges of the source shards"
+        ),
+        source_url=source_url,
+        source_format=source.format,
+        source_fingerprint=source_fingerprint,
+        source_files=tuple(f.path for f in source.files),
+        spec=spec,
+        source_layout=source.layout,
+        target_url=target_url,
+        target_format=Format.MEGATRON,
+        target_layout=target_layout,
+        iteration=source.iteration,
+        files=files,
+        finalize=(TextWrite(path=TRACKER, content=tracker_text(source.iteration)),),
+        estimates=estimates,
+        notes=tuple(notes),
+    )
