@@ -4,17 +4,21 @@ This module is a *test oracle*: it must stay independent of the rest of ``ckptct
 only torch, numpy and transformers) so that a bug in ckptctl's readers or writers cannot hide
 behind the same bug here. Every layout rule is spelled out in plain torch code, following
 ``checkpoint-formats.md`` S2 (files, ``args``), S3 (split rules, QKV groups, SwiGLU halves, vocab
-padding, tying, PP/VPP placement), S4.8 (non-distributed optimizer) and S8.3 (HF name mapping).
+padding, tying, PP/VPP placement), S4.8 (non-distributed optimizer), S4.1-S4.5 (distributed
+optimizer: ``distrib_optim.pt``, coalesced format, Megatron-Core >= 0.8 buffer layout) and S8.3
+(HF name mapping).
 
 Pipeline: :func:`tiny_llama_config` -> :func:`make_model` -> :func:`adam_step` (one real Adam
 step, so moments are non-trivial) -> :func:`to_megatron_canonical` (full, TP-merged, vocab-unpadded
 tensors under Megatron-Core names with global layer indices) -> :func:`write_megatron` (pad,
-split, place, save one ``model_optim_rng.pt`` per (tp, pp) rank).
+split, place, save one ``model_optim_rng.pt`` per (tp, pp) rank, plus ``distrib_optim.pt``
+beside it with ``distributed_optimizer=True``).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import random
 from collections.abc import Callable
@@ -24,6 +28,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 __all__ = [
+    "DISTRIB_OPTIM",
     "adam_step",
     "make_model",
     "padded_vocab_size",
@@ -72,6 +77,14 @@ _LOCAL_TO_TE = {
 EMBEDDING = "embedding.word_embeddings.weight"
 FINAL_NORM = "decoder.final_layernorm.weight"
 OUTPUT = "output_layer.weight"
+DISTRIB_OPTIM = "distrib_optim.pt"
+
+# Distributed-optimizer grad-buffer padding (S4.5, megatron-core >= 0.8): every parameter starts
+# at a multiple of 64 elements, every bucket ends at a multiple of lcm(dp, 128).
+_PARAM_START_ALIGN = 64
+_BUCKET_END_ALIGN = 128
+# distrib_optim.pt world-tensor key -> per-parameter state key (see to_megatron_canonical)
+_DISTRIB_KEYS = {"param": "fp32_param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -402,6 +415,9 @@ def _megatron_args(
     vp: int,
     divisible_by: int,
     params_dtype: torch.dtype,
+    dp: int,
+    distributed_optimizer: bool,
+    bucket_size: int | None,
 ) -> argparse.Namespace:
     nq = config.num_attention_heads
     ng = config.num_key_value_heads
@@ -435,9 +451,15 @@ def _megatron_args(
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         fp16=False,
-        use_distributed_optimizer=False,
-        data_parallel_size=1,
-        world_size=tp * pp,
+        use_distributed_optimizer=distributed_optimizer,
+        data_parallel_size=dp,
+        world_size=tp * pp * dp,
+        # DDP settings that decide the distributed-optimizer buffer layout (S4.5). Megatron-LM
+        # forces fp32 grad accumulation for bf16; fp32 grads of fp32 params anyway.
+        overlap_grad_reduce=bucket_size is not None,
+        ddp_bucket_size=bucket_size,
+        ddp_pad_buckets_for_high_nccl_busbw=False,
+        accumulate_allreduce_grads_in_fp32=params_dtype == torch.bfloat16,
         seq_length=16,
     )
 
@@ -539,6 +561,117 @@ def _optimizer_state(
     return {"optimizer": torch_state, "fp32_from_fp16_params": masters}
 
 
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def _grad_buffer_layout(
+    numels: list[int], shared: list[bool], dp: int, bucket_size: int | None
+) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]], list[int]]:
+    """Replay megatron-core's ``_ParamAndGradBuffer`` layout with the distributed optimizer (S4.5).
+
+    ``numels`` / ``shared`` describe one buffer's parameters in ``named_parameters()`` order
+    (``shared`` = the ``shared_embedding`` attribute). Parameters are placed from last to first
+    (backprop order), each start rounded up to a multiple of 64; a bucket is closed once it holds
+    ``>= bucket_size`` elements (``None``: never), and its end is padded to a multiple of
+    ``lcm(dp, 128)``. A shared embedding gets a bucket of its own: an open bucket is closed at the
+    (aligned) position before it, and its own bucket is closed right after it.
+
+    Returns ``(index, buckets, unpadded)``: ``index[i] = (start, end, bucket)`` of parameter ``i``
+    in buffer coordinates, ``buckets[b] = (start, padded end)``, ``unpadded[b]`` = bucket size
+    before end padding (intra-bucket alignment gaps included).
+    """
+    end_multiple = math.lcm(dp, _BUCKET_END_ALIGN)
+    index: list[tuple[int, int, int]] = [(0, 0, 0)] * len(numels)
+    buckets: list[tuple[int, int]] = []
+    unpadded: list[int] = []
+    bucket_start = 0
+
+    def close(end: int) -> int:
+        nonlocal bucket_start
+        unpadded.append(end - bucket_start)
+        padded_end = _round_up(end, end_multiple)
+        buckets.append((bucket_start, padded_end))
+        bucket_start = padded_end
+        return padded_end
+
+    pos = 0
+    is_open = False
+    for i in reversed(range(len(numels))):
+        pos = _round_up(pos, _PARAM_START_ALIGN)
+        if shared[i] and is_open:
+            pos = close(pos)
+        start, end = pos, pos + numels[i]
+        index[i] = (start, end, len(buckets))
+        is_open = True
+        if (bucket_size is not None and end - bucket_start >= bucket_size) or shared[i]:
+            pos = close(end)
+            is_open = False
+        else:
+            pos = end
+    if is_open:
+        close(pos)
+    return index, buckets, unpadded
+
+
+def _distrib_optim_state(
+    chunks: list[dict[str, torch.Tensor]],
+    chunk_states: list[dict[str, dict[str, torch.Tensor]]],
+    *,
+    params_dtype: torch.dtype,
+    dp: int,
+    bucket_sizes: list[int | None],
+    shared_names: set[str],
+) -> dict[object, object]:
+    """``distrib_optim.pt`` of one (tp, pp) rank: the coalesced DP-zero format (S4.2).
+
+    One grad buffer per model chunk (all parameters share one dtype and none is expert-parallel),
+    keyed ``(param_dtype, torch.float32)``. Its world tensors are the buckets of
+    :func:`_grad_buffer_layout` with their end padding stripped, concatenated: each parameter's
+    fp32 master weight, ``exp_avg`` and ``exp_avg_sq`` (local TP shard, flattened row-major) at
+    ``[base(bucket) + start - bucket_start, ... + numel)``, zeros in the alignment gaps.
+    """
+    state: dict[object, object] = {"buckets_coalesced": True}
+    for gbuf_idx, (weights, states) in enumerate(zip(chunks, chunk_states, strict=True)):
+        names = list(weights)
+        index, buckets, unpadded = _grad_buffer_layout(
+            [weights[n].numel() for n in names],
+            [n in shared_names for n in names],
+            dp,
+            bucket_sizes[gbuf_idx],
+        )
+        base = [sum(unpadded[:b]) for b in range(len(unpadded))]
+        total = sum(unpadded)
+        tensors = {key: torch.zeros(total, dtype=torch.float32) for key in _DISTRIB_KEYS}
+        for name, (start, end, b) in zip(names, index, strict=True):
+            lo = base[b] + start - buckets[b][0]
+            hi = lo + end - start
+            for key, source in _DISTRIB_KEYS.items():
+                tensor = states[name][source]
+                assert tensor.dtype == torch.float32 and tensor.numel() == end - start
+                tensors[key][lo:hi] = tensor.reshape(-1)
+        world: dict[str, object] = {**tensors, "numel_unpadded": total}
+        state[gbuf_idx] = {(params_dtype, torch.float32): world}
+    return state
+
+
+def _distributed_optimizer_state_dict(torch_state: dict[str, object]) -> dict[str, object]:
+    """``DistributedOptimizer.state_dict()``: the param groups without ``params`` (S4.1).
+
+    The tensors live in ``distrib_optim.pt``. Megatron stores the common Adam step in each group
+    (``int`` with TE / Apex FusedAdam). No ``grad_scaler`` key: megatron-core adds one only when a
+    grad scaler exists, i.e. for fp16 or a constant loss scale, never for bf16 or fp32.
+    """
+    steps = {float(st["step"]) for st in torch_state["state"].values()}  # type: ignore[union-attr]
+    assert len(steps) == 1
+    step = int(steps.pop())
+    groups = [
+        {**{k: v for k, v in group.items() if k != "params"}, "step": step}
+        for group in torch_state["param_groups"]  # type: ignore[union-attr]
+    ]
+    return {"optimizer": {"param_groups": groups}}
+
+
 def _chunk_names(
     placement: list[list[range]], stage: int, chunk: int, naming: str, has_output: bool
 ) -> list[tuple[str, str]]:
@@ -580,6 +713,9 @@ def write_megatron(
     make_vocab_size_divisible_by: int = 128,
     with_optimizer: bool = True,
     param_group_order: str = "appearance",
+    distributed_optimizer: bool = False,
+    dp: int = 1,
+    bucket_size: int | None = None,
 ) -> None:
     """Write ``model`` (after :func:`adam_step`) as a Megatron-LM legacy checkpoint.
 
@@ -588,12 +724,24 @@ def write_megatron(
     ``param_group_order`` ("appearance" or "wd_first") only matters when a rank's first
     parameter is 1-D (local-spec names on a stage other than the first); see
     :func:`_optimizer_state`.
+
+    ``distributed_optimizer=True`` writes what ``--use-distributed-optimizer`` saves with ``dp``
+    data-parallel ranks: ``model_optim_rng.pt['optimizer']`` is
+    ``DistributedOptimizer.state_dict()`` (param groups only), and ``distrib_optim.pt`` beside it
+    holds the fp32 master weights and Adam moments (:func:`_distrib_optim_state`).
+    ``bucket_size`` is megatron's ``--ddp-bucket-size`` with ``--overlap-grad-reduce`` (``None``:
+    overlap off, one bucket per buffer); as in megatron-core it applies only to the first model
+    chunk of pipeline stage 0 (DDP turns bucketing off on later stages and, under VPP, for chunks
+    after the first). ``dp`` also sets ``args.data_parallel_size`` and ``args.world_size``
+    without the distributed optimizer.
     """
     config = model.config
     if pp == 1 and (first_stage_layers is not None or last_stage_layers is not None):
         raise ValueError("first/last stage layer counts need pp > 1")
-    if min(tp, pp, vpp) < 1:
-        raise ValueError(f"tp, pp and vpp must be >= 1, got {tp}, {pp}, {vpp}")
+    if min(tp, pp, vpp, dp) < 1:
+        raise ValueError(f"tp, pp, vpp and dp must be >= 1, got {tp}, {pp}, {vpp}, {dp}")
+    if bucket_size is not None and (not distributed_optimizer or bucket_size < 1):
+        raise ValueError("bucket_size needs distributed_optimizer and must be >= 1")
     counts = stage_layer_counts(config.num_hidden_layers, pp, first_stage_layers, last_stage_layers)
     _check_layout(config, tp, pp, vpp, counts, naming, param_group_order)
     placement = _chunk_layers(counts, vpp)
@@ -614,7 +762,12 @@ def write_megatron(
         vp=vp,
         divisible_by=make_vocab_size_divisible_by,
         params_dtype=params_dtype,
+        dp=dp,
+        distributed_optimizer=distributed_optimizer,
+        bucket_size=bucket_size,
     )
+    # Tied embeddings with pp > 1: both copies carry megatron's `shared_embedding` attribute.
+    shared_names = {EMBEDDING, OUTPUT} if tied and pp > 1 else set()
 
     iter_dir = os.path.join(out_dir, f"iter_{iteration:07d}")
     for p in range(pp):
@@ -636,11 +789,22 @@ def write_megatron(
                 chunks.append(chunk)
                 chunk_states.append(chunk_state)
 
-            optimizer = (
-                _optimizer_state(chunks, chunk_states, params_dtype, param_group_order)
-                if with_optimizer
-                else None
-            )
+            optimizer: dict[str, object] | None = None
+            distrib_optim: dict[object, object] | None = None
+            if with_optimizer and distributed_optimizer:
+                optimizer = _distributed_optimizer_state_dict(
+                    _optimizer_state(chunks, chunk_states, torch.float32, param_group_order)
+                )
+                distrib_optim = _distrib_optim_state(
+                    chunks,
+                    chunk_states,
+                    params_dtype=params_dtype,
+                    dp=dp,
+                    bucket_sizes=[bucket_size if p == 0 and c == 0 else None for c in range(vpp)],
+                    shared_names=shared_names,
+                )
+            elif with_optimizer:
+                optimizer = _optimizer_state(chunks, chunk_states, params_dtype, param_group_order)
             if params_dtype != torch.float32:
                 chunks = [{k: v.to(params_dtype) for k, v in chunk.items()} for chunk in chunks]
             payload: dict[str, object] = {
@@ -663,6 +827,8 @@ def write_megatron(
             path = os.path.join(iter_dir, rank_dir)
             os.makedirs(path, exist_ok=True)
             torch.save(payload, os.path.join(path, "model_optim_rng.pt"))
+            if distrib_optim is not None:
+                torch.save(distrib_optim, os.path.join(path, DISTRIB_OPTIM))
 
     with open(os.path.join(out_dir, "latest_checkpointed_iteration.txt"), "w") as fh:
         fh.write(str(iteration))

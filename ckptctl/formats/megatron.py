@@ -487,6 +487,8 @@ def rank_tree(
     if "optimizer" in tree:
         opt = tree["optimizer"]
         torch_state = opt if "state" in opt else opt["optimizer"]  # bare or wrapped
+        # torch packs state in parameter-index order (group after group), not model order.
+        torch_state["state"] = dict(sorted(torch_state["state"].items()))
         members: dict[bool, list[int]] = {}
         for index in sorted(index_kind):
             members.setdefault(index_kind[index], []).append(index)
