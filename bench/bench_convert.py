@@ -1,0 +1,148 @@
+"""Throughput and peak memory of ``ckptctl consolidate`` / ``reshard`` against this machine's `cp`.
+
+Generates a Megatron checkpoint with optimizer state (default ~2.2 GB, TP2 PP2), then, in one
+run, times: ``cp -r`` of the same bytes (the machine's copy speed), ckptctl consolidate (HF and
+Megatron TP1), ckptctl reshard (TP2 PP2 -> TP1 PP4, under ``--memory-budget``), and a naive
+in-RAM merge (``torch.load`` every shard, concatenate, ``torch.save``: what converters that load
+the whole model do). Prints a markdown table: seconds, GB/s, ratio to `cp`, peak RSS.
+
+    python bench/bench_convert.py [--workdir /tmp/ckptctl-bench] [--hidden 2048] [--budget 512MiB]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def du(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def timed(cmd: list[str]) -> tuple[float, int]:
+    """Wall seconds and peak RSS (bytes) of ``cmd``, measured by GNU time."""
+    start = time.perf_counter()
+    done = subprocess.run(
+        ["/usr/bin/time", "-f", "%M", *cmd], capture_output=True, text=True, check=False
+    )
+    seconds = time.perf_counter() - start
+    if done.returncode:
+        sys.exit(f"failed: {' '.join(cmd)}\n{done.stderr[-2000:]}")
+    return seconds, int(done.stderr.strip().splitlines()[-1]) * 1024
+
+
+NAIVE = r"""
+import sys, glob, torch
+src, dst = sys.argv[1], sys.argv[2]
+files = sorted(glob.glob(src + "/iter_*/mp_rank_*/model_optim_rng.pt"))
+shards = [torch.load(f, weights_only=False) for f in files]   # the whole model in RAM
+merged = {}
+for s in shards:
+    for k, v in s["model"].items():
+        merged.setdefault(k, []).append(v)
+out = {k: torch.cat(v) if v[0].dim() else v[0] for k, v in merged.items()}
+torch.save({"model": out, "optimizer": [s.get("optimizer") for s in shards]}, dst)
+"""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/ckptctl-bench"))
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--budget", default="512MiB")
+    parser.add_argument("--keep", action="store_true", help="Keep the generated checkpoint.")
+    args = parser.parse_args()
+    work = args.workdir
+    src = work / "src"
+    if not src.exists():
+        work.mkdir(parents=True, exist_ok=True)
+        subprocess.run(
+            [
+                sys.executable,
+                str(HERE.parent / "examples/make_checkpoint.py"),
+                "--out",
+                str(src),
+                "--tp",
+                "2",
+                "--pp",
+                "2",
+                "--hidden",
+                str(args.hidden),
+                "--heads",
+                "16",
+                "--kv-heads",
+                "4",
+                "--ffn",
+                str(args.hidden),
+            ],
+            check=True,
+        )
+    size = du(src)
+    ckptctl = [sys.executable, "-m", "ckptctl"]
+    runs = [
+        ("cp -r (machine copy speed)", ["cp", "-r", str(src), str(work / "copy")], work / "copy"),
+        (
+            "ckptctl consolidate --format hf",
+            [*ckptctl, "consolidate", str(src), str(work / "hf")],
+            work / "hf",
+        ),
+        (
+            "ckptctl consolidate --format megatron",
+            [*ckptctl, "consolidate", str(src), str(work / "full"), "--format", "megatron"],
+            work / "full",
+        ),
+        (
+            f"ckptctl reshard -> TP1 PP4 (--memory-budget {args.budget})",
+            [
+                *ckptctl,
+                "reshard",
+                str(src),
+                str(work / "rs"),
+                "--tp",
+                "1",
+                "--pp",
+                "4",
+                "--memory-budget",
+                args.budget,
+            ],
+            work / "rs",
+        ),
+        (
+            "naive torch.load + cat + torch.save",
+            [sys.executable, "-c", NAIVE, str(src), str(work / "naive.pt")],
+            work / "naive.pt",
+        ),
+    ]
+    # Warm the page cache so every run reads from the same place.
+    subprocess.run(["cat", *map(str, src.rglob("*.pt"))], stdout=subprocess.DEVNULL, check=True)
+    rows = []
+    cp_rate = None
+    for name, cmd, out in runs:
+        if out.exists():
+            shutil.rmtree(out) if out.is_dir() else out.unlink()
+        seconds, rss = timed(cmd)
+        written = du(out) if out.is_dir() else out.stat().st_size
+        rate = size / seconds  # source bytes processed per second
+        cp_rate = cp_rate or rate
+        rows.append((name, seconds, written, rate, rate / cp_rate, rss))
+        shutil.rmtree(out) if out.is_dir() else out.unlink()
+    print(f"\nsource: {size / 1e9:.2f} GB Megatron TP2 PP2 with Adam state, page cache warm\n")
+    print("| run | seconds | GB written | source GB/s | vs cp | peak RSS |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, seconds, written, rate, ratio, rss in rows:
+        print(
+            f"| {name} | {seconds:.2f} | {written / 1e9:.2f} | {rate / 1e9:.2f} | "
+            f"{ratio:.2f}x | {rss / 2**20:.0f} MiB |"
+        )
+    if not args.keep:
+        shutil.rmtree(src)
+
+
+if __name__ == "__main__":
+    main()
