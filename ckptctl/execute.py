@@ -23,10 +23,11 @@ from ckptctl.formats.megatron import (
     args_for,
     args_from_spec,
     carried_state,
+    distributed_optimizer_entry,
     rank_tree,
 )
 from ckptctl.formats.torchzip import TensorRef, TensorSlot, tensor_bytes, write_torch_zip
-from ckptctl.plan import FileKind, Plan, TensorWrite
+from ckptctl.plan import FileKind, FileWrite, Plan, TensorWrite
 from ckptctl.storage import Storage
 
 
@@ -37,6 +38,7 @@ class Source(Protocol):
         key: tuple[str | int, ...],
         offsets: tuple[int, ...],
         sizes: tuple[int, ...],
+        view: tuple[int, tuple[int, ...]] | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -110,7 +112,10 @@ class _Assembler:
         """Rows ``[lo, hi)`` of the target tensor (the whole tensor if it is 0-dimensional)."""
         scalar = not write.shape
         shape = write.shape if scalar else (hi - lo, *write.shape[1:])
-        out = (torch.zeros if write.padding else torch.empty)(shape, dtype=dtype)
+        if write.padding:
+            out = torch.full(shape, write.fill, dtype=dtype)
+        else:
+            out = torch.empty(shape, dtype=dtype)
         for copy in write.copies:
             src, dst, sizes = copy.src, copy.dst, copy.sizes
             if not scalar:
@@ -120,7 +125,8 @@ class _Assembler:
                 src = (src[0] + a - dst[0], *src[1:])
                 dst = (a - lo, *dst[1:])
                 sizes = (b - a, *sizes[1:])
-            data = self.source.read(self.plan.source_files[copy.source], copy.key, src, sizes)
+            path = self.plan.source_files[copy.source]
+            data = self.source.read(path, copy.key, src, sizes, copy.view)
             self.report.bytes_read += data.numel() * data.element_size()
             box = tuple(slice(o, o + n) for o, n in zip(dst, sizes, strict=True))
             out[box] = data.to(dtype)
@@ -163,6 +169,8 @@ def execute(
             if file.kind is FileKind.SAFETENSORS:
                 entries = [(str(t.key[0]), t.dtype, t.shape) for t in file.tensors]
                 write_safetensors(out, entries, lambda i, f=file: assemble.chunks(f.tensors[i]))
+            elif file.kind is FileKind.DISTRIBUTED_OPTIMIZER:
+                _write_distopt_file(file, out, assemble)
             else:
                 _write_rank_file(plan, file, source, out, assemble)
         report.files_written.append(file.path)
@@ -175,6 +183,45 @@ def execute(
     return report
 
 
+def _write_distopt_file(file: FileWrite, out: Any, assemble: _Assembler) -> None:
+    """``distrib_optim.pt``: each flat buffer streamed in offset order, gaps as zeros."""
+    tree: dict[Any, Any] = {"buckets_coalesced": True}
+    slots: list[TensorSlot] = []
+    members: dict[TensorSlot, list[TensorWrite]] = {}
+    for key, length in file.flat:
+        gbuf, dtype_key, state = key
+        param_dtype, grad_dtype = (getattr(torch, name) for name in str(dtype_key).split("|"))
+        buffer = tree.setdefault(gbuf, {}).setdefault((param_dtype, grad_dtype), {})
+        slot = TensorSlot(str(len(slots)), torch.float32, (length,))
+        buffer.pop("numel_unpadded", None)  # Megatron writes it after the state tensors
+        buffer[state] = slot
+        buffer["numel_unpadded"] = length
+        slots.append(slot)
+        members[slot] = sorted(
+            (t for t in file.tensors if t.key == key), key=lambda t: t.view_offset or 0
+        )
+
+    def produce(slot: TensorSlot) -> Iterator[memoryview]:
+        pos = 0
+        for write in members[slot]:
+            assert write.view_offset is not None and write.view_offset >= pos
+            yield from _zeros(write.view_offset - pos)
+            yield from assemble.chunks(write)
+            pos = write.view_offset + prod(write.shape)
+        yield from _zeros(slot.shape[0] - pos)
+
+    write_torch_zip(out, tree, slots, produce)
+
+
+def _zeros(count: int, chunk: int = 1 << 20) -> Iterator[memoryview]:
+    """``count`` fp32 zeros (alignment gaps of a flat buffer), in bounded chunks."""
+    block = memoryview(bytes(4 * min(count, chunk)))
+    while count > 0:
+        n = min(count, chunk)
+        yield block[: 4 * n]
+        count -= n
+
+
 def _write_rank_file(plan: Plan, file: Any, source: Source, out: Any, assemble: _Assembler) -> None:
     refs: list[TensorRef] = []
     template_path = plan.source_files[file.carry_from or 0]
@@ -182,13 +229,24 @@ def _write_rank_file(plan: Plan, file: Any, source: Source, out: Any, assemble: 
         carried = _materialize(carried_state(source.tree(template_path)), refs)
         args = args_for(source.args, plan.spec, plan.target_layout)
         templates = source.group_templates
+        optimizer_step = source.view.optimizer_step if source.view.has_optimizer else None
     else:  # a full checkpoint without training state (HF): fresh args, no optimizer
         carried = {"checkpoint_version": 3.0, "iteration": plan.iteration or 0}
         args = args_for(args_from_spec(plan.spec), plan.spec, plan.target_layout)
         templates = {}
+        optimizer_step = None
     no_wd = {p.name: p.no_weight_decay for p in parameters(plan.spec)}
+    entry = None
+    if plan.target_layout.distributed_optimizer and optimizer_step is not None:
+        kinds = [no_wd[t.canonical] for t in file.tensors]
+        entry = distributed_optimizer_entry(kinds, templates, optimizer_step, carried)
     tree, slots = rank_tree(
-        file, args=args, carried=carried, group_templates=templates, no_weight_decay=no_wd
+        file,
+        args=args,
+        carried=carried,
+        group_templates=templates,
+        no_weight_decay=no_wd,
+        optimizer_entry=entry,
     )
     writes = {slot.key: write for slot, write in zip(slots, file.tensors, strict=True)}
     carried_slots = [TensorSlot(f"carried{i}", r.dtype, r.shape) for i, r in enumerate(refs)]

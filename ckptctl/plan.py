@@ -25,6 +25,7 @@ class _Frozen(BaseModel):
 
 class FileKind(StrEnum):
     MEGATRON_RANK = "megatron-rank"
+    DISTRIBUTED_OPTIMIZER = "distrib-optim"
     SAFETENSORS = "safetensors"
 
 
@@ -35,6 +36,8 @@ class CopyOp(_Frozen):
     src: tuple[int, ...]
     dst: tuple[int, ...]
     sizes: tuple[int, ...]
+    view: tuple[int, tuple[int, ...]] | None = None
+    """(offset, shape) when the source tensor is a slice of a flat stored tensor."""
 
 
 class TensorWrite(_Frozen):
@@ -44,7 +47,10 @@ class TensorWrite(_Frozen):
     dtype: str
     copies: tuple[CopyOp, ...]
     padding: int = 0
-    """Elements no source covers (vocabulary padding rows): written as zeros."""
+    """Elements no source covers (vocabulary padding rows): written as ``fill``."""
+    fill: float = 0.0
+    view_offset: int | None = None
+    """Set when this tensor is a slice of a flat target tensor (``distrib_optim.pt``)."""
 
 
 class FileWrite(_Frozen):
@@ -54,6 +60,8 @@ class FileWrite(_Frozen):
     rank: tuple[int, int] | None = None
     carry_from: int | None = None
     """Source file whose training state (scheduler, counters) this file carries."""
+    flat: tuple[tuple[tuple[str | int, ...], int], ...] = ()
+    """Flat tensors (key, length) that ``view_offset`` tensors are slices of."""
 
 
 class TextWrite(_Frozen):

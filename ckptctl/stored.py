@@ -28,6 +28,9 @@ class StoredTensor:
     dtype: str
     """torch dtype name without the ``torch.`` prefix, e.g. ``bfloat16``."""
     pieces: tuple[Piece, ...]
+    view_offset: int | None = None
+    """Set when the tensor is a slice of a flat stored tensor (``distrib_optim.pt``): its
+    elements start here in the flat tensor at ``key`` and are viewed with ``shape``."""
 
     @property
     def numel(self) -> int:
@@ -44,6 +47,8 @@ class StoredFile:
     tensors: tuple[StoredTensor, ...]
     rank: tuple[int, int] | None = None
     """(tp rank, pp rank) for Megatron rank files."""
+    flat: tuple[tuple[KeyPath, int], ...] = ()
+    """Flat tensors (key, length) that ``view_offset`` tensors are slices of; gaps are zeros."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +62,8 @@ class CheckpointView:
     iteration: int | None = None
     has_optimizer: bool = False
     notes: tuple[str, ...] = field(default=())
+    optimizer_step: float | None = None
+    """Adam's step when it is kept per parameter group (distributed optimizer), not per tensor."""
 
     def canonical_dtypes(self) -> dict[str, str]:
         return {t.canonical: t.dtype for f in self.files for t in f.tensors}

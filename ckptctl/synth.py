@@ -658,13 +658,14 @@ def _distrib_optim_state(
 def _distributed_optimizer_state_dict(torch_state: dict[str, object]) -> dict[str, object]:
     """``DistributedOptimizer.state_dict()``: the param groups without ``params`` (S4.1).
 
-    The tensors live in ``distrib_optim.pt``. Megatron stores the common Adam step in each group
-    (``int`` with TE / Apex FusedAdam). No ``grad_scaler`` key: megatron-core adds one only when a
-    grad scaler exists, i.e. for fp16 or a constant loss scale, never for bf16 or fp32.
+    The tensors live in ``distrib_optim.pt``. Megatron stores the common Adam step in each group:
+    a float with ``torch.optim.Adam`` (whose group keys these are; ``step.item()``), an ``int``
+    with TE / Apex FusedAdam. No ``grad_scaler`` key: megatron-core adds one only when a grad
+    scaler exists (fp16, or a constant loss scale), never for bf16 or fp32.
     """
     steps = {float(st["step"]) for st in torch_state["state"].values()}  # type: ignore[union-attr]
     assert len(steps) == 1
-    step = int(steps.pop())
+    step = steps.pop()
     groups = [
         {**{k: v for k, v in group.items() if k != "params"}, "step": step}
         for group in torch_state["param_groups"]  # type: ignore[union-attr]

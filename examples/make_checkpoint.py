@@ -2,12 +2,15 @@
 
 Builds a random Llama with ``ckptctl.synth`` (plain torch + transformers, no other ckptctl code),
 takes one Adam step so the optimizer moments are non-trivial, and writes the weights after the
-step as ``OUT/iter_0000001/mp_rank_TT[_PPP]/model_optim_rng.pt`` for any TP / PP / VPP layout.
+step as ``OUT/iter_0000001/mp_rank_TT[_PPP]/model_optim_rng.pt`` for any TP / PP / VPP layout
+(plus ``distrib_optim.pt`` beside each with ``--distributed-optimizer``).
 
 Examples::
 
     python examples/make_checkpoint.py --out /tmp/ckpt --tp 2 --pp 2 --hf-out /tmp/hf
     python examples/make_checkpoint.py --out /tmp/ckpt --tp 1 --pp 4 --vpp 2 --tied
+    python examples/make_checkpoint.py --out /tmp/ckpt --tp 2 --pp 2 --distributed-optimizer \
+        --dp 2 --bucket-size 5000                      # + distrib_optim.pt per (tp, pp)
     python examples/make_checkpoint.py --out /tmp/big --tp 2 --pp 2 --hidden 2048 --heads 16 \\
         --kv-heads 4 --ffn 5632 --vocab 32000          # several GB
 """
@@ -55,6 +58,22 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="optimizer param-group order: first appearance (megatron-core <= 0.15) or the "
         "weight-decay group first (megatron-core 0.16); differs only for --naming local, pp > 1",
     )
+    parser.add_argument(
+        "--distributed-optimizer",
+        action="store_true",
+        help="write Megatron's distributed-optimizer state: param groups in model_optim_rng.pt, "
+        "fp32 master weights and Adam moments in distrib_optim.pt (coalesced, core >= 0.8)",
+    )
+    parser.add_argument(
+        "--dp", type=int, default=1, help="data-parallel size (args; distributed-optimizer padding)"
+    )
+    parser.add_argument(
+        "--bucket-size",
+        type=int,
+        default=None,
+        help="--ddp-bucket-size with --overlap-grad-reduce (default: off, one bucket); only "
+        "pipeline stage 0's first model chunk is bucketed, as in megatron-core",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hf-out", default=None, help="also save the HF model (after the step)")
     return parser.parse_args(argv)
@@ -91,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
             make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
             with_optimizer=not args.no_optimizer,
             param_group_order=args.param_group_order,
+            distributed_optimizer=args.distributed_optimizer,
+            dp=args.dp,
+            bucket_size=args.bucket_size,
         )
     except ValueError as exc:  # an impossible layout: one line, no traceback
         print(f"error: {exc}", file=sys.stderr)
@@ -100,7 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     n_params = sum(p.numel() for p in model.parameters())
     elapsed = time.perf_counter() - start
     print(
-        f"wrote {args.out} (tp={args.tp} pp={args.pp} vpp={args.vpp}, {n_params:,} parameters)"
+        f"wrote {args.out} (tp={args.tp} pp={args.pp} vpp={args.vpp} dp={args.dp}"
+        f"{', distributed optimizer' if args.distributed_optimizer else ''},"
+        f" {n_params:,} parameters)"
         f" in {elapsed:.1f}s",
         file=sys.stderr,
     )

@@ -10,6 +10,7 @@ from ckptctl.formats.megatron_layout import (
     TRACKER,
     MegatronStyle,
     megatron_files,
+    target_optimizer,
     tracker_text,
 )
 from ckptctl.layout import ParallelLayout
@@ -57,12 +58,13 @@ def plan_consolidate(
     else:
         layout = ParallelLayout(dp=source.layout.dp)
         some = next(t for f in source.files for t in f.tensors if _is_weight(t.canonical))
+        weight_dtype = dtype or some.dtype
         targets = megatron_files(
             source.spec,
             layout,
             iteration=source.iteration,
-            weight_dtype=dtype or some.dtype,
-            optimizer=style.optimizer,
+            weight_dtype=weight_dtype,
+            optimizer=target_optimizer(style.optimizer, layout, weight_dtype),
             naming=style.naming,
             layer_order=style.layer_order,
         )

@@ -26,6 +26,18 @@ def _nbytes(shape: Shape, dtype: str) -> int:
     return n
 
 
+def _holders_of(
+    canonical: str, holders: dict[str, list[tuple[int, StoredTensor]]]
+) -> list[tuple[int, StoredTensor]]:
+    """Who holds ``canonical``; an fp32 weight is its own master copy (Megatron's
+    ``FP32Optimizer`` keeps no separate fp32 params)."""
+    found = holders.get(canonical)
+    if not found and canonical.startswith("fp32_param/"):
+        weights = holders.get(canonical.split("/", 1)[1], [])
+        found = [(i, t) for i, t in weights if t.dtype == "float32"]
+    return found or []
+
+
 def plan_files(
     source: CheckpointView,
     targets: tuple[StoredFile, ...],
@@ -39,6 +51,7 @@ def plan_files(
         for tensor in file.tensors:
             holders[tensor.canonical].append((index, tensor))
     ranks = {i: f.rank for i, f in enumerate(source.files)}
+    distopt = FileKind.DISTRIBUTED_OPTIMIZER
 
     missing: list[str] = []
     files = []
@@ -46,7 +59,25 @@ def plan_files(
     for target in targets:
         writes = []
         for tensor in target.tensors:
-            candidates = holders.get(tensor.canonical)
+            candidates = _holders_of(tensor.canonical, holders)
+            if (
+                not candidates
+                and tensor.canonical.startswith("step/")
+                and (source.optimizer_step is not None)
+            ):
+                # The distributed optimizer keeps Adam's step per group, not per parameter.
+                writes.append(
+                    TensorWrite(
+                        key=tensor.key,
+                        canonical=tensor.canonical,
+                        shape=tensor.shape,
+                        dtype=tensor.dtype,
+                        copies=(),
+                        padding=tensor.numel,
+                        fill=source.optimizer_step,
+                    )
+                )
+                continue
             if not candidates:
                 missing.append(tensor.canonical)
                 continue
@@ -82,6 +113,9 @@ def plan_files(
                                 src=copy.src,
                                 dst=copy.dst,
                                 sizes=copy.sizes,
+                                view=None
+                                if held.view_offset is None
+                                else (held.view_offset, held.shape),
                             )
                         )
                         need -= copy.numel
@@ -100,16 +134,18 @@ def plan_files(
                     dtype=tensor.dtype,
                     copies=tuple(copies),
                     padding=tensor.numel - covered,
+                    view_offset=tensor.view_offset,
                 )
             )
             peak = max(peak, 2 * _nbytes(tensor.shape, "float32"))
         files.append(
             FileWrite(
                 path=target.path,
-                kind=kind,
+                kind=distopt if target.flat else kind,
                 tensors=tuple(writes),
                 rank=target.rank,
                 carry_from=carry_from,
+                flat=target.flat,
             )
         )
     if missing:

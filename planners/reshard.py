@@ -8,7 +8,13 @@ so no full model is ever assembled and no intermediate full checkpoint is writte
 from __future__ import annotations
 
 from ckptctl.catalog import OPTIMIZER_STATES
-from ckptctl.formats.megatron_layout import TRACKER, MegatronStyle, megatron_files, tracker_text
+from ckptctl.formats.megatron_layout import (
+    TRACKER,
+    MegatronStyle,
+    megatron_files,
+    target_optimizer,
+    tracker_text,
+)
 from ckptctl.layout import ParallelLayout
 from ckptctl.plan import FileKind, Plan, TextWrite
 from ckptctl.stored import CheckpointView, Format
@@ -33,12 +39,15 @@ def plan_reshard(
         for t in f.tensors
         if t.canonical.split("/")[0] not in OPTIMIZER_STATES
     )
-    optimizer = style.optimizer if source.has_optimizer else None
+    weight_dtype = dtype or weight.dtype
+    optimizer = target_optimizer(
+        style.optimizer if source.has_optimizer else None, target_layout, weight_dtype
+    )
     targets = megatron_files(
         spec,
         target_layout,
         iteration=source.iteration,
-        weight_dtype=dtype or weight.dtype,
+        weight_dtype=weight_dtype,
         optimizer=optimizer,
         naming=style.naming,
         layer_order=style.layer_order,

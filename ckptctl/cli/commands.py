@@ -296,7 +296,7 @@ def run_reshard(
     out: Output,
     src: str,
     dst: str,
-    layout: ParallelLayout,
+    wanted: dict[str, Any],
     *,
     dtype: str | None = None,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
@@ -308,6 +308,15 @@ def run_reshard(
 ) -> tuple[Plan, Report | None]:
     """Probe ``src``, plan the reshard to ``layout`` and (unless ``dry_run``) execute it."""
     ckpt = open_checkpoint(src, iteration=iteration, true_vocab_size=true_vocab_size)
+    # Unset choices (None) keep the source's: its DP size and optimizer format.
+    source = ckpt.view.layout
+    layout = ParallelLayout(
+        **{
+            "dp": source.dp,
+            "distributed_optimizer": source.distributed_optimizer,
+            **{k: v for k, v in wanted.items() if v is not None},
+        }
+    )
     style = MegatronStyle()
     if isinstance(ckpt, MegatronCheckpoint):
         style = MegatronStyle(ckpt.naming, ckpt.layer_order, ckpt.optimizer)
@@ -340,7 +349,16 @@ def register_reshard(
         tp: Annotated[int, typer.Option("--tp", help="Target tensor-parallel size.")] = 1,
         pp: Annotated[int, typer.Option("--pp", help="Target pipeline-parallel size.")] = 1,
         vpp: Annotated[int, typer.Option("--vpp", help="Virtual pipeline chunks per stage.")] = 1,
-        dp: Annotated[int, typer.Option("--dp", help="Target data-parallel size.")] = 1,
+        dp: Annotated[
+            int | None, typer.Option("--dp", help="Target data-parallel size [source's].")
+        ] = None,
+        distributed_optimizer: Annotated[
+            bool | None,
+            typer.Option(
+                "--distributed-optimizer/--no-distributed-optimizer",
+                help="Write optimizer state as distrib_optim.pt [as the source].",
+            ),
+        ] = None,
         first: Annotated[
             int | None,
             typer.Option("--pp-first-stage-layers", help="Layers on the first pipeline stage."),
@@ -366,14 +384,19 @@ def register_reshard(
         """Re-split a checkpoint for another TP/PP/VPP/DP layout, shard to shard."""
         out = Output(as_json)
         with boundary(out):
-            layout = ParallelLayout(
-                tp=tp, pp=pp, vpp=vpp, dp=dp, first_stage_layers=first, last_stage_layers=last
-            )
             plan, report = run_reshard(
                 out,
                 src,
                 dst,
-                layout,
+                {
+                    "tp": tp,
+                    "pp": pp,
+                    "vpp": vpp,
+                    "dp": dp,
+                    "first_stage_layers": first,
+                    "last_stage_layers": last,
+                    "distributed_optimizer": distributed_optimizer,
+                },
                 dtype=_DTYPES[dtype] if dtype else None,
                 memory_budget=parse_size(memory_budget),
                 dry_run=dry_run,

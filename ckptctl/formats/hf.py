@@ -149,6 +149,7 @@ class HFCheckpoint:
         key: tuple[str | int, ...],
         offsets: tuple[int, ...],
         sizes: tuple[int, ...],
+        view: tuple[int, tuple[int, ...]] | None = None,
     ) -> torch.Tensor:
         if path not in self._open:
             self._open[path] = self.storage.open_read(path)

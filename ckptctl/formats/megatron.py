@@ -18,6 +18,7 @@ import torch
 from ckptctl.catalog import LAYER_PREFIX, Naming, te_layer_suffix, uses_local_names
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError, LayoutError
 from ckptctl.formats.megatron_layout import (
+    DISTOPT_FILE,
     RANK_FILE,
     TRACKER,
     GroupOrder,
@@ -42,10 +43,28 @@ def dtype_name(dtype: Any) -> str:
 
 
 def resolve(tree: Any, key: KeyPath) -> Any:
+    """Follow ``key`` into ``tree``; ``"a|b"`` names a dict key that is a tuple of dtypes (the
+    grad-buffer keys of ``distrib_optim.pt``), which JSON plans cannot spell directly."""
     node = tree
     for part in key:
+        if isinstance(part, str) and "|" in part and isinstance(node, dict) and part not in node:
+            part = next(
+                (k for k in node if isinstance(k, tuple) and "|".join(map(dtype_name, k)) == part),
+                part,
+            )
         node = node[part]
     return node
+
+
+def view_ref(ref: TensorRef, offset: int, shape: tuple[int, ...]) -> TensorRef:
+    """The slice ``[offset, offset + numel)`` of a flat tensor, viewed with ``shape``."""
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= max(n, 1)
+    return TensorRef(
+        ref.storage, ref.offset + offset * ref.stride[0], shape, tuple(reversed(stride))
+    )
 
 
 @dataclass
@@ -63,10 +82,18 @@ class MegatronCheckpoint:
     group_templates: dict[bool, dict[str, Any]] = field(default_factory=dict)
 
     def read(
-        self, path: str, key: KeyPath, offsets: tuple[int, ...], sizes: tuple[int, ...]
+        self,
+        path: str,
+        key: KeyPath,
+        offsets: tuple[int, ...],
+        sizes: tuple[int, ...],
+        view: tuple[int, tuple[int, ...]] | None = None,
     ) -> torch.Tensor:
         reader = self.readers[path]
-        return reader.read(resolve(reader.tree, key), offsets, sizes)
+        ref = resolve(reader.tree, key)
+        if view is not None:
+            ref = view_ref(ref, *view)
+        return reader.read(ref, offsets, sizes)
 
     def tree(self, path: str) -> Any:
         return self.readers[path].tree
@@ -242,10 +269,20 @@ def _layer_order(model: dict[str, Any]) -> tuple[str, ...]:
     )
 
 
-def _optimizer_layout(tree: dict[str, Any]) -> OptimizerLayout | None:
+def _optimizer_layout(tree: dict[str, Any], args: argparse.Namespace) -> OptimizerLayout | None:
     opt = tree.get("optimizer")
     if not isinstance(opt, dict):
         return None
+    if getattr(args, "use_distributed_optimizer", False):
+        return OptimizerLayout(
+            states=(),
+            master_weights=True,
+            wrapped=True,
+            distributed=True,
+            group_order=GroupOrder.DECAY_FIRST,
+            overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)),
+            bucket_size=getattr(args, "ddp_bucket_size", None),
+        )
     wrapped = isinstance(opt.get("optimizer"), dict)
     inner = opt["optimizer"] if wrapped else opt
     state = inner.get("state")
@@ -321,7 +358,7 @@ def probe_megatron(
     layer_order = next((o for m in models if (o := _layer_order(m))), None)
     extra = sorted({k for k in names if k.endswith(_EXTRA_STATE)})
     some_weight = next(v for m in models for v in m.values() if isinstance(v, TensorRef))
-    optimizer = _optimizer_layout(trees[first_rel])
+    optimizer = _optimizer_layout(trees[first_rel], args)
     templates: dict[bool, dict[str, Any]] = {}
     if optimizer is not None:
         by_rank = {
@@ -332,8 +369,8 @@ def probe_megatron(
             spec, layout, (naming, layer_order), optimizer, by_rank
         )
     notes = []
-    if layout.distributed_optimizer:
-        notes.append("distributed-optimizer state (distrib_optim.pt) is not read yet: weights only")
+    if layout.distributed_optimizer and optimizer is None:
+        notes.append("no optimizer state in the rank files: weights only")
     if extra:
         notes.append(
             f"{len(extra)} _extra_state entries (TransformerEngine FP8 metadata) are dropped"
@@ -349,16 +386,80 @@ def probe_megatron(
     )
     if iter_rel == "":
         files = tuple(replace(f, path=f.path.split("/", 1)[1]) for f in files)
-    files = tuple(_check_file(f, trees[f.path], storage, problems) for f in files)
+    if optimizer is not None and optimizer.distributed:
+        for f in files:
+            if f.path.endswith(DISTOPT_FILE) and f.path not in readers:
+                readers[f.path] = TorchZipReader(
+                    storage.open_read(f.path), storage.describe(f.path)
+                )
+                trees[f.path] = readers[f.path].tree
+    files = tuple(
+        _check_distopt(f, trees[f.path], storage, problems)
+        if f.path.endswith(DISTOPT_FILE)
+        else _check_file(f, trees[f.path], storage, problems)
+        for f in files
+    )
     if problems:
         shown = problems[:5] + ([f"... and {len(problems) - 5} more"] if len(problems) > 5 else [])
         raise CheckpointError("; ".join(shown))
     view = CheckpointView(
-        Format.MEGATRON, spec, layout, files, number, optimizer is not None, tuple(notes)
+        Format.MEGATRON,
+        spec,
+        layout,
+        files,
+        number,
+        optimizer is not None,
+        tuple(notes),
+        _optimizer_step(readers[files[0].path], optimizer),
     )
     return MegatronCheckpoint(
         storage, view, readers, args, naming, layer_order or (), optimizer, extra, templates
     )
+
+
+def _optimizer_step(reader: TorchZipReader, optimizer: OptimizerLayout | None) -> float | None:
+    """Adam's step count: per parameter group (distributed) or per parameter (torch state)."""
+    if optimizer is None:
+        return None
+    torch_state = resolve(reader.tree, optimizer.torch_state)
+    for group in torch_state.get("param_groups", []):
+        if "step" in group:
+            return float(group["step"])
+    for state in torch_state.get("state", {}).values():
+        step = state.get("step")
+        if isinstance(step, TensorRef):
+            return float(reader.read(step).item())
+        if step is not None:
+            return float(step)
+    return None
+
+
+def _check_distopt(
+    file: StoredFile, tree: Any, storage: Storage, problems: list[str]
+) -> StoredFile:
+    """The flat buffers must exist with the length the replayed layout gives."""
+    where = storage.describe(file.path)
+    if not isinstance(tree, dict) or not tree.get("buckets_coalesced"):
+        problems.append(
+            f"{where}: not the coalesced distributed-optimizer format of Megatron-Core >= 0.7; "
+            "older per-bucket formats are not supported"
+        )
+        return file
+    for key, length in file.flat:
+        try:
+            ref = resolve(tree, key)
+            stored = int(resolve(tree, (*key[:-1], "numel_unpadded")))
+        except (KeyError, IndexError, TypeError):
+            problems.append(f"{where}: no buffer {'.'.join(map(str, key))}")
+            continue
+        if not isinstance(ref, TensorRef) or ref.shape != (stored,) or stored != length:
+            got = list(ref.shape) if isinstance(ref, TensorRef) else type(ref).__name__
+            problems.append(
+                f"{where}: buffer {'.'.join(map(str, key))} holds {got} elements "
+                f"(numel_unpadded={stored}) but replaying the layout gives {length}; the bucket "
+                "size, padding or parameter order differ from Megatron-Core >= 0.8 rules"
+            )
+    return file
 
 
 def _check_file(
@@ -453,6 +554,27 @@ def carried_state(tree: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _without_step(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k != "step"}
+
+
+def distributed_optimizer_entry(
+    kinds: list[bool],
+    group_templates: dict[bool, dict[str, Any]],
+    step: float | None,
+    carried: dict[str, Any],
+) -> dict[str, Any]:
+    """``model_optim_rng.pt['optimizer']`` under the distributed optimizer: group settings only
+    (weight-decay group first, as Megatron-Core 0.16), Adam's step kept per group."""
+    groups = []
+    for kind in sorted(set(kinds)):
+        group = dict(group_templates.get(kind, {}))
+        if "step" not in group and step is not None:
+            group["step"] = step
+        groups.append(group)
+    return {"optimizer": {"param_groups": groups}, **carried.get("optimizer_extra", {})}
+
+
 def rank_tree(
     file: StoredFile,
     *,
@@ -460,6 +582,7 @@ def rank_tree(
     carried: dict[str, Any],
     group_templates: dict[bool, dict[str, Any]],
     no_weight_decay: dict[str, bool],
+    optimizer_entry: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any], list[TensorSlot]]:
     """The object tree of one rank file; its tensors are slots, in ``file.tensors`` order.
 
@@ -492,8 +615,10 @@ def rank_tree(
         members: dict[bool, list[int]] = {}
         for index in sorted(index_kind):
             members.setdefault(index_kind[index], []).append(index)
+        # Adam's step lives per parameter here, so a group-level step (distributed) is dropped.
         torch_state["param_groups"] = [
-            {**group_templates[kind], "params": indices} for kind, indices in members.items()
+            {**_without_step(group_templates[kind]), "params": indices}
+            for kind, indices in members.items()
         ]
         if "fp32_from_fp16_params" in opt:
             masters = opt["fp32_from_fp16_params"]
@@ -501,6 +626,8 @@ def rank_tree(
                 [masters[g][i] for i in sorted(masters[g])] for g in sorted(masters)
             ]
         opt.update(carried.get("optimizer_extra", {}))
+    if optimizer_entry is not None:
+        tree["optimizer"] = optimizer_entry
     for key, value in carried.items():
         if key not in tree and key != "optimizer_extra":
             tree[key] = value

@@ -20,12 +20,16 @@ from ckptctl.catalog import (
     parameters,
     state_name,
 )
+from ckptctl.formats.distopt_layout import replay_buffer
 from ckptctl.geometry import Piece, shard_shape_and_pieces
 from ckptctl.layout import ModelSpec, ParallelLayout
 from ckptctl.stored import KeyPath, StoredFile, StoredTensor
 
 TRACKER = "latest_checkpointed_iteration.txt"
 RANK_FILE = "model_optim_rng.pt"
+DISTOPT_FILE = "distrib_optim.pt"
+DISTOPT_STATES = {"param": "fp32_param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+"""``distrib_optim.pt`` state names -> canonical optimizer state names."""
 TIED_OUTPUT = "output_layer.weight"
 _SCALAR = (Piece((), (), ()),)
 
@@ -57,6 +61,12 @@ class OptimizerLayout:
     """Mixed precision: fp32 copies in ``fp32_from_fp16_params``; else the weight is the master."""
     group_order: GroupOrder = GroupOrder.APPEARANCE
     wrapped: bool = True
+    distributed: bool = False
+    """State in ``distrib_optim.pt`` flat buffers (fp32 master as ``param``) instead of per
+    parameter in ``model_optim_rng.pt``."""
+    overlap_grad_reduce: bool = False
+    bucket_size: int | None = None
+    """``--ddp-bucket-size``; with overlap on and none given Megatron uses max(40M, 1M * dp)."""
     """Megatron's mixed-precision optimizer nests the torch state dict under ``optimizer``;
     its ``FP32Optimizer`` stores the bare torch state dict."""
 
@@ -159,7 +169,22 @@ def megatron_files(
                     (rp.model_key, rp.local_name), rp.param.name, shape, weight_dtype, pieces
                 )
             )
-        if optimizer is not None:
+        rank_path = f"{iteration_dir(iteration)}/{rank_dir(tp_rank, pp_rank, layout.pp)}"
+        if optimizer is not None and optimizer.distributed:
+            files.append(
+                _distopt_file(
+                    f"{rank_path}/{DISTOPT_FILE}",
+                    params,
+                    geometry,
+                    layout,
+                    pp_rank,
+                    optimizer,
+                    weight_dtype,
+                    (tp_rank, pp_rank),
+                    spec.tie_embeddings,
+                )
+            )
+        elif optimizer is not None:
             groups = param_groups(params, optimizer.group_order)
             for pos, (index, g, i) in sorted(optimizer_index(groups).items()):
                 name = params[pos].param.name
@@ -179,9 +204,83 @@ def megatron_files(
                     tensors.append(
                         StoredTensor(key, state_name("fp32_param", name), shape, "float32", pieces)
                     )
-        path = f"{iteration_dir(iteration)}/{rank_dir(tp_rank, pp_rank, layout.pp)}/{RANK_FILE}"
-        files.append(StoredFile(path, tuple(tensors), (tp_rank, pp_rank)))
-    return tuple(files)
+        files.append(StoredFile(f"{rank_path}/{RANK_FILE}", tuple(tensors), (tp_rank, pp_rank)))
+    # Rank files first (their tracker-bearing order), then distributed-optimizer files.
+    return tuple(sorted(files, key=lambda f: f.path.endswith(DISTOPT_FILE)))
+
+
+def distopt_dtype_key(weight_dtype: str) -> str:
+    """Name of the ``(param dtype, grad dtype)`` key of a grad buffer; grads reduce in fp32."""
+    return f"{weight_dtype}|float32"
+
+
+def effective_bucket_size(
+    optimizer: OptimizerLayout, dp: int, pp_rank: int, chunk: int
+) -> int | None:
+    """Megatron buckets only the first chunk of the first stage, and only with overlap on."""
+    if not optimizer.overlap_grad_reduce or pp_rank > 0 or chunk > 0:
+        return None
+    return optimizer.bucket_size or max(40_000_000, 1_000_000 * dp)
+
+
+def _distopt_file(
+    path: str,
+    params: list[RankParam],
+    geometry: list[tuple[tuple[int, ...], tuple[Piece, ...]]],
+    layout: ParallelLayout,
+    pp_rank: int,
+    optimizer: OptimizerLayout,
+    weight_dtype: str,
+    rank: tuple[int, int],
+    tied: bool,
+) -> StoredFile:
+    """``distrib_optim.pt``: one grad buffer per model chunk, its state as flat fp32 tensors."""
+    tensors: list[StoredTensor] = []
+    flat: list[tuple[KeyPath, int]] = []
+    chunks = list(dict.fromkeys(rp.model_key for rp in params))
+    for gbuf, model_key in enumerate(chunks):
+        members = [i for i, rp in enumerate(params) if rp.model_key == model_key]
+        shared = None
+        if tied and layout.pp > 1:
+            shared = next(
+                (
+                    params[i].local_name
+                    for i in members
+                    if params[i].param.name == "embedding.word_embeddings.weight"
+                ),
+                None,
+            )
+        entries = [(params[i].local_name, _numel(geometry[i][0])) for i in members]
+        buffer = replay_buffer(
+            entries,
+            dp=layout.dp,
+            bucket_size=effective_bucket_size(optimizer, layout.dp, pp_rank, gbuf),
+            shared_embedding=shared,
+        )
+        dtype_key = distopt_dtype_key(weight_dtype)
+        for stored_state, canonical_state in DISTOPT_STATES.items():
+            key: KeyPath = (gbuf, dtype_key, stored_state)
+            flat.append((key, buffer.numel_unpadded))
+            for i in members:
+                shape, pieces = geometry[i]
+                tensors.append(
+                    StoredTensor(
+                        key,
+                        state_name(canonical_state, params[i].param.name),
+                        shape,
+                        "float32",
+                        pieces,
+                        view_offset=buffer.offsets[params[i].local_name],
+                    )
+                )
+    return StoredFile(path, tuple(tensors), rank, tuple(flat))
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for size in shape:
+        n *= size
+    return n
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,3 +294,33 @@ class MegatronStyle:
 
 def tracker_text(iteration: int | None) -> str:
     return "release" if iteration is None else str(iteration)
+
+
+def target_optimizer(
+    source: OptimizerLayout | None, layout: ParallelLayout, weight_dtype: str
+) -> OptimizerLayout | None:
+    """How a target of ``layout`` stores the source's optimizer state.
+
+    Switching between the distributed optimizer and per-parameter torch state follows
+    Megatron-Core 0.16: weight-decay group first; without fp32 master copies (fp32 weights) the
+    torch state dict is stored bare, as ``FP32Optimizer`` does.
+    """
+    if source is None:
+        return None
+    if layout.distributed_optimizer:
+        if source.distributed:
+            return source
+        return OptimizerLayout(
+            states=(),
+            distributed=True,
+            group_order=GroupOrder.DECAY_FIRST,
+        )
+    if not source.distributed:
+        return source
+    master = weight_dtype != "float32"
+    return OptimizerLayout(
+        states=("step", "exp_avg", "exp_avg_sq"),
+        master_weights=master,
+        wrapped=master,
+        group_order=GroupOrder.DECAY_FIRST,
+    )
