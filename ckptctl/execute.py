@@ -28,6 +28,7 @@ from ckptctl.formats.megatron import (
 )
 from ckptctl.formats.torchzip import TensorRef, TensorSlot, tensor_bytes, write_torch_zip
 from ckptctl.plan import FileKind, FileWrite, Plan, TensorWrite
+from ckptctl.prefetch import ReadAhead
 from ckptctl.storage import Storage
 
 
@@ -88,8 +89,9 @@ class _Assembler:
         self, plan: Plan, source: Source, report: Report, progress: Progress, budget: int
     ) -> None:
         self.plan, self.source, self.report, self.progress = plan, source, report, progress
-        # A band is held up to ~3 times at once: the output band, the bytes read, a cast copy.
-        self.band_bytes = max(budget // 4, 1)
+        # Up to four bands are alive (two queued for writing, one being written, one being
+        # built), each held up to twice while built (output band plus the bytes read).
+        self.band_bytes = max(budget // 8, 1)
 
     def chunks(self, write: TensorWrite) -> Iterator[memoryview]:
         dtype = getattr(torch, write.dtype)
@@ -168,7 +170,8 @@ def execute(
         with target.open_write(file.path) as out:
             if file.kind is FileKind.SAFETENSORS:
                 entries = [(str(t.key[0]), t.dtype, t.shape) for t in file.tensors]
-                write_safetensors(out, entries, lambda i, f=file: assemble.chunks(f.tensors[i]))
+                with ReadAhead(list(file.tensors), assemble.chunks) as ahead:
+                    write_safetensors(out, entries, lambda i, f=file: ahead(f.tensors[i]))
             elif file.kind is FileKind.DISTRIBUTED_OPTIMIZER:
                 _write_distopt_file(file, out, assemble)
             else:
@@ -210,7 +213,8 @@ def _write_distopt_file(file: FileWrite, out: Any, assemble: _Assembler) -> None
             pos = write.view_offset + prod(write.shape)
         yield from _zeros(slot.shape[0] - pos)
 
-    write_torch_zip(out, tree, slots, produce)
+    with ReadAhead(slots, produce) as ahead:
+        write_torch_zip(out, tree, slots, ahead)
 
 
 def _zeros(count: int, chunk: int = 1 << 20) -> Iterator[memoryview]:
@@ -258,4 +262,6 @@ def _write_rank_file(plan: Plan, file: Any, source: Source, out: Any, assemble: 
             data = source.read_ref(template_path, refs[int(slot.key.removeprefix("carried"))])
             yield tensor_bytes(data)
 
-    write_torch_zip(out, tree, [*slots, *carried_slots], produce)
+    all_slots = [*slots, *carried_slots]
+    with ReadAhead(all_slots, produce) as ahead:
+        write_torch_zip(out, tree, all_slots, ahead)

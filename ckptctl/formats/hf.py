@@ -18,6 +18,7 @@ import torch
 
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError
 from ckptctl.formats.hf_layout import CONFIG, INDEX, SINGLE, hf_tensors, spec_from_config
+from ckptctl.formats.torchzip import write_in_slices
 from ckptctl.layout import ParallelLayout
 from ckptctl.storage import Storage
 from ckptctl.stored import CheckpointView, Format, StoredFile, StoredTensor
@@ -129,7 +130,7 @@ def write_safetensors(
     for i, expected in enumerate(sizes):
         written = 0
         for chunk in produce(i):
-            f.write(chunk)
+            write_in_slices(f, chunk)
             written += len(chunk)
         if written != expected:
             raise AssertionError(f"tensor {tensors[i][0]}: wrote {written} of {expected} bytes")
