@@ -44,6 +44,10 @@ TrueVocab = Annotated[
         help="Real vocabulary size when args do not record it (padding rows are dropped).",
     ),
 ]
+MemoryBudget = Annotated[
+    str,
+    typer.Option("--memory-budget", help="Tensor data held in memory at once (e.g. 512MiB, 2GiB)."),
+]
 Overwrite = Annotated[
     bool, typer.Option("--overwrite", help="Replace an existing checkpoint at the destination.")
 ]
@@ -217,6 +221,7 @@ def register(app: typer.Typer, boundary: Callable[[Output], AbstractContextManag
         max_shard_size: Annotated[
             str, typer.Option("--max-shard-size", help="Largest HF safetensors file.")
         ] = "5GB",
+        memory_budget: MemoryBudget = "1GiB",
         dry_run: Annotated[
             bool, typer.Option("--dry-run", help="Plan only; write nothing.")
         ] = False,
@@ -235,6 +240,7 @@ def register(app: typer.Typer, boundary: Callable[[Output], AbstractContextManag
                 fmt,
                 dtype=_DTYPES[dtype] if dtype else None,
                 max_shard_bytes=parse_size(max_shard_size),
+                memory_budget=parse_size(memory_budget),
                 dry_run=dry_run,
                 overwrite=overwrite,
                 iteration=iteration,
@@ -261,6 +267,7 @@ def run_consolidate(
     *,
     dtype: str | None = None,
     max_shard_bytes: int = 5_000_000_000,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
     dry_run: bool = False,
     overwrite: bool = False,
     iteration: int | None = None,
@@ -289,7 +296,7 @@ def run_consolidate(
         return plan, None
     target = _prepare_target(dst, src, overwrite)
     progress = RichProgress(out.err, enabled=not (out.as_json or quiet))
-    return plan, execute(plan, ckpt, target, progress)
+    return plan, execute(plan, ckpt, target, progress, memory_budget)
 
 
 def run_reshard(
@@ -367,9 +374,7 @@ def register_reshard(
             int | None,
             typer.Option("--pp-last-stage-layers", help="Layers on the last pipeline stage."),
         ] = None,
-        memory_budget: Annotated[
-            str, typer.Option("--memory-budget", help="Tensor data held in memory at once.")
-        ] = "1GiB",
+        memory_budget: MemoryBudget = "1GiB",
         dtype: Annotated[
             DType | None, typer.Option("--dtype", help="Convert weights (optimizer stays fp32).")
         ] = None,
