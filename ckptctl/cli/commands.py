@@ -48,6 +48,7 @@ MemoryBudget = Annotated[
     str,
     typer.Option("--memory-budget", help="Tensor data held in memory at once (e.g. 512MiB, 2GiB)."),
 ]
+DryRun = Annotated[bool, typer.Option("--dry-run", help="Plan only; write nothing.")]
 Overwrite = Annotated[
     bool, typer.Option("--overwrite", help="Replace an existing checkpoint at the destination.")
 ]
@@ -222,9 +223,7 @@ def register(app: typer.Typer, boundary: Callable[[Output], AbstractContextManag
             str, typer.Option("--max-shard-size", help="Largest HF safetensors file.")
         ] = "5GB",
         memory_budget: MemoryBudget = "1GiB",
-        dry_run: Annotated[
-            bool, typer.Option("--dry-run", help="Plan only; write nothing.")
-        ] = False,
+        dry_run: DryRun = False,
         overwrite: Overwrite = False,
         as_json: Json = False,
         iteration: Iteration = None,
@@ -246,17 +245,52 @@ def register(app: typer.Typer, boundary: Callable[[Output], AbstractContextManag
                 iteration=iteration,
                 true_vocab_size=true_vocab_size,
             )
-            if report is None:
-                _show_plan(out, plan, as_json)
-            elif as_json:
-                out.json(_report_dict(plan, report))
-            else:
-                out.show(
-                    f"consolidated {src} ({plan.source_layout.describe()}) -> {dst} "
-                    f"({fmt.value}): {len(report.files_written)} files, "
-                    f"{_human(report.bytes_written)} written in {report.seconds:.1f} s, "
-                    f"peak RSS {_human(report.peak_rss_bytes)}"
-                )
+            _finish(out, plan, report, as_json)
+
+
+def _style(ckpt: Checkpoint) -> MegatronStyle:
+    """Spelling, order and optimizer format to keep when writing Megatron files."""
+    if isinstance(ckpt, MegatronCheckpoint):
+        return MegatronStyle(ckpt.naming, ckpt.layer_order, ckpt.optimizer)
+    return MegatronStyle()
+
+
+def _carry_out(
+    out: Output,
+    ckpt: Checkpoint,
+    plan: Plan,
+    overwrite: bool,
+    memory_budget: int,
+    dry_run: bool,
+    quiet: bool,
+) -> Report | None:
+    """Warn about the plan's notes, then execute it unless this is a dry run."""
+    if not quiet:
+        for note in plan.notes:
+            out.warn(note)
+    if dry_run:
+        return None
+    target = _prepare_target(plan.target_url, plan.source_url, overwrite)
+    progress = RichProgress(out.err, enabled=not (out.as_json or quiet))
+    return execute(plan, ckpt, target, progress, memory_budget)
+
+
+def _finish(out: Output, plan: Plan, report: Report | None, as_json: bool) -> None:
+    """The plan (dry run) or the summary of what was done, as text or one JSON document."""
+    if report is None:
+        _show_plan(out, plan, as_json)
+    elif as_json:
+        out.json(_report_dict(plan, report))
+    else:
+        target = plan.target_layout.describe()
+        if plan.target_format is Format.HF:
+            target = "HF safetensors"
+        out.show(
+            f"{plan.operation}: {plan.source_url} ({plan.source_layout.describe()}) -> "
+            f"{plan.target_url} ({target}): {len(report.files_written)} files, read "
+            f"{_human(report.bytes_read)}, wrote {_human(report.bytes_written)} in "
+            f"{report.seconds:.1f} s, peak RSS {_human(report.peak_rss_bytes)}"
+        )
 
 
 def run_consolidate(
@@ -276,27 +310,17 @@ def run_consolidate(
 ) -> tuple[Plan, Report | None]:
     """Probe ``src``, plan the consolidation and (unless ``dry_run``) execute it."""
     ckpt = open_checkpoint(src, iteration=iteration, true_vocab_size=true_vocab_size)
-    style = MegatronStyle()
-    if isinstance(ckpt, MegatronCheckpoint):
-        style = MegatronStyle(ckpt.naming, ckpt.layer_order, ckpt.optimizer)
     plan = plan_consolidate(
         ckpt.view,
         source_url=src,
         source_fingerprint=fingerprint(ckpt.storage, ckpt.view),
         target_url=dst,
         target_format=fmt,
-        style=style,
+        style=_style(ckpt),
         dtype=dtype,
         max_shard_bytes=max_shard_bytes,
     )
-    if not quiet:
-        for note in plan.notes:
-            out.warn(note)
-    if dry_run:
-        return plan, None
-    target = _prepare_target(dst, src, overwrite)
-    progress = RichProgress(out.err, enabled=not (out.as_json or quiet))
-    return plan, execute(plan, ckpt, target, progress, memory_budget)
+    return plan, _carry_out(out, ckpt, plan, overwrite, memory_budget, dry_run, quiet)
 
 
 def run_reshard(
@@ -324,26 +348,16 @@ def run_reshard(
             **{k: v for k, v in wanted.items() if v is not None},
         }
     )
-    style = MegatronStyle()
-    if isinstance(ckpt, MegatronCheckpoint):
-        style = MegatronStyle(ckpt.naming, ckpt.layer_order, ckpt.optimizer)
     plan = plan_reshard(
         ckpt.view,
         layout,
         source_url=src,
         source_fingerprint=fingerprint(ckpt.storage, ckpt.view),
         target_url=dst,
-        style=style,
+        style=_style(ckpt),
         dtype=dtype,
     )
-    if not quiet:
-        for note in plan.notes:
-            out.warn(note)
-    if dry_run:
-        return plan, None
-    target = _prepare_target(dst, src, overwrite)
-    progress = RichProgress(out.err, enabled=not (out.as_json or quiet))
-    return plan, execute(plan, ckpt, target, progress, memory_budget)
+    return plan, _carry_out(out, ckpt, plan, overwrite, memory_budget, dry_run, quiet)
 
 
 def register_reshard(
@@ -378,9 +392,7 @@ def register_reshard(
         dtype: Annotated[
             DType | None, typer.Option("--dtype", help="Convert weights (optimizer stays fp32).")
         ] = None,
-        dry_run: Annotated[
-            bool, typer.Option("--dry-run", help="Plan only; write nothing.")
-        ] = False,
+        dry_run: DryRun = False,
         overwrite: Overwrite = False,
         as_json: Json = False,
         iteration: Iteration = None,
@@ -409,17 +421,7 @@ def register_reshard(
                 iteration=iteration,
                 true_vocab_size=true_vocab_size,
             )
-            if report is None:
-                _show_plan(out, plan, as_json)
-            elif as_json:
-                out.json(_report_dict(plan, report))
-            else:
-                out.show(
-                    f"resharded {src} ({plan.source_layout.describe()}) -> {dst} "
-                    f"({plan.target_layout.describe()}): {len(report.files_written)} files, "
-                    f"read {_human(report.bytes_read)}, wrote {_human(report.bytes_written)} "
-                    f"in {report.seconds:.1f} s, peak RSS {_human(report.peak_rss_bytes)}"
-                )
+            _finish(out, plan, report, as_json)
 
 
 def _show_plan(out: Output, plan: Plan, as_json: bool) -> None:
