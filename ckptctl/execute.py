@@ -26,7 +26,13 @@ from ckptctl.formats.megatron import (
     distributed_optimizer_entry,
     rank_tree,
 )
-from ckptctl.formats.torchzip import TensorRef, TensorSlot, tensor_bytes, write_torch_zip
+from ckptctl.formats.torchzip import (
+    TensorRef,
+    TensorSlot,
+    tensor_bytes,
+    write_in_slices,
+    write_torch_zip,
+)
 from ckptctl.plan import FileKind, FileWrite, Plan, TensorWrite
 from ckptctl.prefetch import ReadAhead
 from ckptctl.storage import Storage
@@ -147,6 +153,32 @@ def _materialize(obj: Any, found: list[TensorRef]) -> Any:
     return obj
 
 
+class Sources:
+    """Routes reads to the checkpoint owning a path: the plan's source, or a further source
+    (replica, full copy) whose files the plan names under a prefix such as ``@0/``."""
+
+    def __init__(self, primary: Any, extra: dict[str, Any] | None = None) -> None:
+        self.primary = primary
+        self.extra = extra or {}
+
+    def owner(self, path: str) -> tuple[Any, str]:
+        for prefix, ckpt in self.extra.items():
+            if path.startswith(prefix):
+                return ckpt, path[len(prefix) :]
+        return self.primary, path
+
+    def read(
+        self,
+        path: str,
+        key: tuple[str | int, ...],
+        offsets: tuple[int, ...],
+        sizes: tuple[int, ...],
+        view: tuple[int, tuple[int, ...]] | None = None,
+    ) -> torch.Tensor:
+        ckpt, rel = self.owner(path)
+        return ckpt.read(rel, key, offsets, sizes, view)
+
+
 def execute(
     plan: Plan,
     source: Source,
@@ -159,6 +191,8 @@ def execute(
     Tensor data in flight stays within about ``memory_budget`` bytes, whatever the tensor sizes.
     """
     progress = progress or NoProgress()
+    if not isinstance(source, Sources):
+        source = Sources(source)
     report = Report()
     started = time.perf_counter()
     total = sum(
@@ -172,6 +206,8 @@ def execute(
                 entries = [(str(t.key[0]), t.dtype, t.shape) for t in file.tensors]
                 with ReadAhead(list(file.tensors), assemble.chunks) as ahead:
                     write_safetensors(out, entries, lambda i, f=file: ahead(f.tensors[i]))
+            elif file.kind is FileKind.COPY:
+                _copy_file(source, plan.source_files[file.copy_of or 0], out, assemble)
             elif file.kind is FileKind.DISTRIBUTED_OPTIMIZER:
                 _write_distopt_file(file, out, assemble)
             else:
@@ -184,6 +220,17 @@ def execute(
     report.seconds = time.perf_counter() - started
     report.peak_rss_bytes = peak_rss_bytes()
     return report
+
+
+def _copy_file(source: Sources, path: str, out: Any, assemble: _Assembler) -> None:
+    """A stored file as it is (direct strategy), streamed in bounded chunks."""
+    ckpt, rel = source.owner(path)
+    with ckpt.storage.open_read(rel) as f:
+        while chunk := f.read(8 << 20):
+            write_in_slices(out, chunk)
+            assemble.report.bytes_read += len(chunk)
+            assemble.report.bytes_written += len(chunk)
+            assemble.progress.advance(len(chunk))
 
 
 def _write_distopt_file(file: FileWrite, out: Any, assemble: _Assembler) -> None:
@@ -228,12 +275,12 @@ def _zeros(count: int, chunk: int = 1 << 20) -> Iterator[memoryview]:
 
 def _write_rank_file(plan: Plan, file: Any, source: Source, out: Any, assemble: _Assembler) -> None:
     refs: list[TensorRef] = []
-    template_path = plan.source_files[file.carry_from or 0]
-    if isinstance(source, MegatronCheckpoint):
-        carried = _materialize(carried_state(source.tree(template_path)), refs)
-        args = args_for(source.args, plan.spec, plan.target_layout)
-        templates = source.group_templates
-        optimizer_step = source.view.optimizer_step if source.view.has_optimizer else None
+    owner, template_path = source.owner(plan.source_files[file.carry_from or 0])
+    if isinstance(owner, MegatronCheckpoint):
+        carried = _materialize(carried_state(owner.tree(template_path)), refs)
+        args = args_for(owner.args, plan.spec, plan.target_layout)
+        templates = owner.group_templates
+        optimizer_step = owner.view.optimizer_step if owner.view.has_optimizer else None
     else:  # a full checkpoint without training state (HF): fresh args, no optimizer
         carried = {"checkpoint_version": 3.0, "iteration": plan.iteration or 0}
         args = args_for(args_from_spec(plan.spec), plan.spec, plan.target_layout)
@@ -259,7 +306,7 @@ def _write_rank_file(plan: Plan, file: Any, source: Source, out: Any, assemble: 
         if slot.key in writes:
             yield from assemble.chunks(writes[slot.key])
         else:
-            data = source.read_ref(template_path, refs[int(slot.key.removeprefix("carried"))])
+            data = owner.read_ref(template_path, refs[int(slot.key.removeprefix("carried"))])
             yield tensor_bytes(data)
 
     all_slots = [*slots, *carried_slots]

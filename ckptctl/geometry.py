@@ -131,3 +131,39 @@ def boxes_disjoint(a: tuple[Shape, Shape], b: tuple[Shape, Shape]) -> bool:
         ao + asz <= bo or bo + bsz <= ao
         for ao, asz, bo, bsz in zip(a[0], a[1], b[0], b[1], strict=True)
     )
+
+
+Box = tuple[Shape, Shape]
+"""(offsets, sizes)."""
+
+
+def box_difference(box: Box, cuts: list[Box]) -> list[Box]:
+    """The parts of ``box`` outside every box of ``cuts``, as disjoint boxes."""
+    parts = [box]
+    for cut in cuts:
+        remaining: list[Box] = []
+        for part in parts:
+            remaining.extend(_subtract(part, cut))
+        parts = remaining
+    return parts
+
+
+def _subtract(box: Box, cut: Box) -> list[Box]:
+    if boxes_disjoint(box, cut):
+        return [box]
+    out: list[Box] = []
+    offsets, sizes = list(box[0]), list(box[1])
+    for dim, (c_off, c_size) in enumerate(zip(cut[0], cut[1], strict=True)):
+        lo, hi = offsets[dim], offsets[dim] + sizes[dim]
+        a, b = max(lo, c_off), min(hi, c_off + c_size)
+        if lo < a:  # the slab before the cut along this dim
+            out.append((tuple(offsets), (*sizes[:dim], a - lo, *sizes[dim + 1 :])))
+        if b < hi:  # the slab after it
+            out.append(
+                (
+                    (*offsets[:dim], b, *offsets[dim + 1 :]),
+                    (*sizes[:dim], hi - b, *sizes[dim + 1 :]),
+                )
+            )
+        offsets[dim], sizes[dim] = a, b - a  # continue inside the cut's range
+    return out

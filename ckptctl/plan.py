@@ -24,6 +24,8 @@ class _Frozen(BaseModel):
 
 
 class FileKind(StrEnum):
+    COPY = "copy"
+    """Byte-for-byte copy of a source file (direct strategy)."""
     MEGATRON_RANK = "megatron-rank"
     DISTRIBUTED_OPTIMIZER = "distrib-optim"
     SAFETENSORS = "safetensors"
@@ -62,6 +64,8 @@ class FileWrite(_Frozen):
     """Source file whose training state (scheduler, counters) this file carries."""
     flat: tuple[tuple[tuple[str | int, ...], int], ...] = ()
     """Flat tensors (key, length) that ``view_offset`` tensors are slices of."""
+    copy_of: int | None = None
+    """For ``FileKind.COPY``: the source file copied as it is."""
 
 
 class TextWrite(_Frozen):
@@ -75,6 +79,27 @@ class Estimates(_Frozen):
     read_requests: int
     peak_memory_bytes: int
     """Largest tensor assembled at once, plus the largest single read."""
+    write_requests: int = 0
+    seconds: float = 0.0
+    """Time by the storage cost model (``planners.cost``)."""
+
+
+class Alternative(_Frozen):
+    """A strategy the planner weighed: its estimates, or why it cannot be used."""
+
+    strategy: str
+    estimates: Estimates | None = None
+    refused: str | None = None
+
+
+class SourceRef(_Frozen):
+    """A further checkpoint of the same training state (e.g. a full copy in the data lake)
+    whose files appear in ``Plan.source_files`` under ``prefix``."""
+
+    prefix: str
+    url: str
+    format: Format
+    fingerprint: str
 
 
 class Plan(_Frozen):
@@ -96,6 +121,8 @@ class Plan(_Frozen):
     finalize: tuple[TextWrite, ...]
     estimates: Estimates
     notes: tuple[str, ...] = ()
+    alternatives: tuple[Alternative, ...] = ()
+    extra_sources: tuple[SourceRef, ...] = ()
 
     def fingerprint(self) -> str:
         """A stable hash of the plan's content, so processes and reruns can check they agree."""

@@ -17,14 +17,23 @@ Checkpoint = MegatronCheckpoint | HFCheckpoint
 
 
 def open_checkpoint(
-    url: str, *, iteration: int | None = None, true_vocab_size: int | None = None
+    url: str,
+    *,
+    iteration: int | None = None,
+    true_vocab_size: int | None = None,
+    allow_missing: bool = False,
 ) -> Checkpoint:
     storage = Storage(url)
     if not storage.exists():
         raise CheckpointNotFoundError(f"{url}: no such checkpoint directory")
     names = set(storage.listdir(""))
     if TRACKER in names or any(n.startswith(("mp_rank_", "iter_", "release")) for n in names):
-        return probe_megatron(storage, iteration=iteration, true_vocab_size=true_vocab_size)
+        return probe_megatron(
+            storage,
+            iteration=iteration,
+            true_vocab_size=true_vocab_size,
+            allow_missing=allow_missing,
+        )
     if CONFIG in names:
         return probe_hf(storage)
     raise CheckpointNotFoundError(
@@ -32,10 +41,14 @@ def open_checkpoint(
     )
 
 
-def fingerprint(storage: Storage, view: CheckpointView) -> str:
+def file_sizes(storage: Storage, view: CheckpointView, lost: frozenset[str]) -> dict[str, int]:
+    return {f.path: storage.size(f.path) for f in view.files if f.path not in lost}
+
+
+def fingerprint(storage: Storage, view: CheckpointView, lost: frozenset[str] = frozenset()) -> str:
     """A hash of what is stored (file names and sizes) and how it was read (spec, layout)."""
     body = {
-        "files": [(f.path, storage.size(f.path)) for f in view.files],
+        "files": sorted(file_sizes(storage, view, lost).items()),
         "spec": view.spec.model_dump(mode="json"),
         "layout": view.layout.model_dump(mode="json"),
     }

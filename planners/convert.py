@@ -10,9 +10,10 @@ rather than all from rank 0.
 from __future__ import annotations
 
 from collections import defaultdict
+from math import prod
 
 from ckptctl.errors import CheckpointError
-from ckptctl.geometry import Shape, boxes_disjoint, overlap
+from ckptctl.geometry import Shape, box_difference, overlap
 from ckptctl.plan import CopyOp, Estimates, FileKind, FileWrite, TensorWrite
 from ckptctl.stored import CheckpointView, StoredFile, StoredTensor
 
@@ -94,33 +95,30 @@ def plan_files(
                         copy = overlap(piece, held_piece)
                         if copy is None:
                             continue
-                        box = (
-                            tuple(
-                                c + d - lo
-                                for c, d, lo in zip(
-                                    piece.canonical, copy.dst, piece.local, strict=True
+                        # Canonical box of this copy; only the part no earlier holder gave is
+                        # taken (replicas and full copies overlap what survives).
+                        start = tuple(
+                            c + d - lo
+                            for c, d, lo in zip(piece.canonical, copy.dst, piece.local, strict=True)
+                        )
+                        for offsets, sizes in box_difference((start, copy.sizes), taken):
+                            shift = tuple(o - s for o, s in zip(offsets, start, strict=True))
+                            taken.append((offsets, sizes))
+                            copies.append(
+                                CopyOp(
+                                    source=index,
+                                    key=held.key,
+                                    src=tuple(a + d for a, d in zip(copy.src, shift, strict=True)),
+                                    dst=tuple(a + d for a, d in zip(copy.dst, shift, strict=True)),
+                                    sizes=sizes,
+                                    view=None
+                                    if held.view_offset is None
+                                    else (held.view_offset, held.shape),
                                 )
-                            ),
-                            copy.sizes,
-                        )
-                        if not all(boxes_disjoint(box, other) for other in taken):
-                            continue
-                        taken.append(box)
-                        copies.append(
-                            CopyOp(
-                                source=index,
-                                key=held.key,
-                                src=copy.src,
-                                dst=copy.dst,
-                                sizes=copy.sizes,
-                                view=None
-                                if held.view_offset is None
-                                else (held.view_offset, held.shape),
                             )
-                        )
-                        need -= copy.numel
-                        bytes_read += _nbytes(copy.sizes, held.dtype)
-                        requests += 1
+                            need -= prod(sizes)
+                            bytes_read += _nbytes(sizes, held.dtype)
+                            requests += 1
                     if need == 0:
                         break
                 if need:
@@ -154,5 +152,9 @@ def plan_files(
         raise CheckpointError(f"the source holds no data for {shown}{more}")
     written = sum(_nbytes(t.shape, t.dtype) for f in targets for t in f.tensors)
     return tuple(files), Estimates(
-        bytes_read=bytes_read, bytes_written=written, read_requests=requests, peak_memory_bytes=peak
+        bytes_read=bytes_read,
+        bytes_written=written,
+        read_requests=requests,
+        peak_memory_bytes=peak,
+        write_requests=len(targets),
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from enum import StrEnum
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -13,16 +14,14 @@ from rich.table import Table
 from ckptctl.catalog import OPTIMIZER_STATES
 from ckptctl.cli.output import Output, RichProgress
 from ckptctl.errors import OutputExistsError, UsageError
-from ckptctl.execute import DEFAULT_MEMORY_BUDGET, Report, execute
+from ckptctl.execute import DEFAULT_MEMORY_BUDGET, Report, Sources, execute
 from ckptctl.formats.megatron import MegatronCheckpoint
 from ckptctl.formats.megatron_layout import MegatronStyle
-from ckptctl.layout import ParallelLayout
 from ckptctl.plan import Plan
 from ckptctl.probe import Checkpoint, fingerprint, open_checkpoint
 from ckptctl.storage import Storage
 from ckptctl.stored import Format
 from planners.consolidate import plan_consolidate
-from planners.reshard import plan_reshard
 
 
 class DType(StrEnum):
@@ -47,6 +46,45 @@ TrueVocab = Annotated[
 MemoryBudget = Annotated[
     str,
     typer.Option("--memory-budget", help="Tensor data held in memory at once (e.g. 512MiB, 2GiB)."),
+]
+DistOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--distributed-optimizer/--no-distributed-optimizer",
+        help="Write optimizer state as distrib_optim.pt [as the source].",
+    ),
+]
+FirstStage = Annotated[
+    int | None, typer.Option("--pp-first-stage-layers", help="Layers on the first stage.")
+]
+LastStage = Annotated[
+    int | None, typer.Option("--pp-last-stage-layers", help="Layers on the last stage.")
+]
+Full = Annotated[
+    list[str] | None,
+    typer.Option("--full", help="A full checkpoint of the same state (HF or TP1 PP1)."),
+]
+Replica = Annotated[
+    list[str] | None,
+    typer.Option("--replica", help="Another stored copy of the same sharded checkpoint."),
+]
+LostRanks = Annotated[
+    str | None, typer.Option("--lost-ranks", help="Global ranks whose files are lost: 0,3,8-11.")
+]
+LostNodes = Annotated[
+    str | None,
+    typer.Option("--lost-nodes", help="Nodes whose files are lost (with --ranks-per-node)."),
+]
+RanksPerNode = Annotated[int | None, typer.Option("--ranks-per-node", help="Ranks per node.")]
+Strategy = Annotated[
+    str,
+    typer.Option(
+        "--strategy",
+        help="auto, direct, shard-to-shard, recovery or full-then-split.",
+    ),
+]
+PlanFile = Annotated[
+    Path | None, typer.Option("--plan", help="Run exactly this saved plan (from ckptctl plan).")
 ]
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Plan only; write nothing.")]
 Overwrite = Annotated[
@@ -257,7 +295,7 @@ def _style(ckpt: Checkpoint) -> MegatronStyle:
 
 def _carry_out(
     out: Output,
-    ckpt: Checkpoint,
+    ckpt: Checkpoint | Sources,
     plan: Plan,
     overwrite: bool,
     memory_budget: int,
@@ -329,6 +367,13 @@ def run_reshard(
     dst: str,
     wanted: dict[str, Any],
     *,
+    full: list[str] | None = None,
+    replicas: list[str] | None = None,
+    lost_ranks: str | None = None,
+    lost_nodes: str | None = None,
+    ranks_per_node: int | None = None,
+    strategy: str = "auto",
+    plan_file: Path | None = None,
     dtype: str | None = None,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     dry_run: bool = False,
@@ -337,27 +382,38 @@ def run_reshard(
     true_vocab_size: int | None = None,
     quiet: bool = False,
 ) -> tuple[Plan, Report | None]:
-    """Probe ``src``, plan the reshard to ``layout`` and (unless ``dry_run``) execute it."""
-    ckpt = open_checkpoint(src, iteration=iteration, true_vocab_size=true_vocab_size)
-    # Unset choices (None) keep the source's: its DP size and optimizer format.
-    source = ckpt.view.layout
-    layout = ParallelLayout(
-        **{
-            "dp": source.dp,
-            "distributed_optimizer": source.distributed_optimizer,
-            **{k: v for k, v in wanted.items() if v is not None},
-        }
-    )
-    plan = plan_reshard(
-        ckpt.view,
-        layout,
-        source_url=src,
-        source_fingerprint=fingerprint(ckpt.storage, ckpt.view),
-        target_url=dst,
-        style=_style(ckpt),
-        dtype=dtype,
-    )
-    return plan, _carry_out(out, ckpt, plan, overwrite, memory_budget, dry_run, quiet)
+    """Probe every stored copy, choose a strategy (or load ``plan_file``) and execute it."""
+    from ckptctl.cli import planning
+
+    if plan_file is not None:
+        plan = planning.load_plan(plan_file)
+        if (plan.source_url, plan.target_url) != (src, dst):
+            raise UsageError(
+                f"--plan {plan_file} was made for {plan.source_url} -> {plan.target_url}, "
+                f"not {src} -> {dst}"
+            )
+        ckpt = open_checkpoint(
+            src, iteration=iteration, true_vocab_size=true_vocab_size, allow_missing=True
+        )
+        extra = {r.prefix: open_checkpoint(r.url) for r in plan.extra_sources}
+        planning.check_fresh(plan, ckpt, extra)
+    else:
+        plan, ckpt, extra = planning.plan_for(
+            src,
+            dst,
+            wanted,
+            full=full or [],
+            replicas=replicas or [],
+            lost_ranks=lost_ranks,
+            lost_nodes=lost_nodes,
+            ranks_per_node=ranks_per_node,
+            strategy=strategy,
+            dtype=dtype,
+            iteration=iteration,
+            true_vocab_size=true_vocab_size,
+        )
+    sources = Sources(ckpt, extra)
+    return plan, _carry_out(out, sources, plan, overwrite, memory_budget, dry_run, quiet)
 
 
 def register_reshard(
@@ -373,21 +429,16 @@ def register_reshard(
         dp: Annotated[
             int | None, typer.Option("--dp", help="Target data-parallel size [source's].")
         ] = None,
-        distributed_optimizer: Annotated[
-            bool | None,
-            typer.Option(
-                "--distributed-optimizer/--no-distributed-optimizer",
-                help="Write optimizer state as distrib_optim.pt [as the source].",
-            ),
-        ] = None,
-        first: Annotated[
-            int | None,
-            typer.Option("--pp-first-stage-layers", help="Layers on the first pipeline stage."),
-        ] = None,
-        last: Annotated[
-            int | None,
-            typer.Option("--pp-last-stage-layers", help="Layers on the last pipeline stage."),
-        ] = None,
+        distributed_optimizer: DistOpt = None,
+        first: FirstStage = None,
+        last: LastStage = None,
+        full: Full = None,
+        replica: Replica = None,
+        lost_ranks: LostRanks = None,
+        lost_nodes: LostNodes = None,
+        ranks_per_node: RanksPerNode = None,
+        strategy: Strategy = "auto",
+        plan_file: PlanFile = None,
         memory_budget: MemoryBudget = "1GiB",
         dtype: Annotated[
             DType | None, typer.Option("--dtype", help="Convert weights (optimizer stays fp32).")
@@ -414,6 +465,13 @@ def register_reshard(
                     "last_stage_layers": last,
                     "distributed_optimizer": distributed_optimizer,
                 },
+                full=full,
+                replicas=replica,
+                lost_ranks=lost_ranks,
+                lost_nodes=lost_nodes,
+                ranks_per_node=ranks_per_node,
+                strategy=strategy,
+                plan_file=plan_file,
                 dtype=_DTYPES[dtype] if dtype else None,
                 memory_budget=parse_size(memory_budget),
                 dry_run=dry_run,

@@ -15,7 +15,7 @@ import typer
 from pydantic import ValidationError
 
 from ckptctl import __version__
-from ckptctl.cli import commands, demo
+from ckptctl.cli import commands, demo, planning
 from ckptctl.cli.output import Output
 from ckptctl.errors import CkptctlError
 
@@ -73,6 +73,7 @@ def error_boundary(out: Output) -> Iterator[None]:
 
 commands.register(app, error_boundary)
 commands.register_reshard(app, error_boundary)
+planning.register(app, error_boundary)
 demo.register(app, error_boundary)
 
 

@@ -80,6 +80,8 @@ class MegatronCheckpoint:
     optimizer: OptimizerLayout | None
     extra_state_keys: list[str] = field(default_factory=list)
     group_templates: dict[bool, dict[str, Any]] = field(default_factory=dict)
+    lost: frozenset[str] = frozenset()
+    """Rank files absent from storage (only with ``allow_missing``)."""
 
     def read(
         self,
@@ -296,9 +298,16 @@ def _optimizer_layout(tree: dict[str, Any], args: argparse.Namespace) -> Optimiz
 
 
 def probe_megatron(
-    storage: Storage, *, iteration: int | None = None, true_vocab_size: int | None = None
+    storage: Storage,
+    *,
+    iteration: int | None = None,
+    true_vocab_size: int | None = None,
+    allow_missing: bool = False,
 ) -> MegatronCheckpoint:
-    """Read-only look at a Megatron legacy checkpoint; raises with every problem found."""
+    """Read-only look at a Megatron legacy checkpoint; raises with every problem found.
+
+    With ``allow_missing`` absent rank directories are recorded in ``lost`` instead (a planner
+    may recover them from another copy)."""
     iter_rel, number = _find_iteration(storage, iteration)
     ranks = [n for n in storage.listdir(iter_rel) if n.startswith("mp_rank_")]
     if not ranks:
@@ -317,14 +326,14 @@ def probe_megatron(
     layout.check_against(spec)
     expected = {rank_dir(t, p, layout.pp) for t, p in layout.model_parallel_ranks()}
     missing = sorted(expected - set(ranks))
-    if missing:
+    if missing and not allow_missing:
         raise CheckpointNotFoundError(
             f"{storage.describe(iter_rel)}: missing rank directories {', '.join(missing)} "
             f"for {layout.describe()}"
         )
     readers = {first_rel: first}
     problems: list[str] = []
-    for name in sorted(expected):
+    for name in sorted(expected - set(missing)):
         rel = join(name, RANK_FILE)
         if rel not in readers:
             readers[rel] = TorchZipReader(storage.open_read(rel), storage.describe(rel))
@@ -364,6 +373,7 @@ def probe_megatron(
         by_rank = {
             (t, p): trees[join(rank_dir(t, p, layout.pp), RANK_FILE)]
             for t, p in layout.model_parallel_ranks()
+            if rank_dir(t, p, layout.pp) not in missing
         }
         optimizer, templates = _match_groups(
             spec, layout, (naming, layer_order), optimizer, by_rank
@@ -386,15 +396,18 @@ def probe_megatron(
     )
     if iter_rel == "":
         files = tuple(replace(f, path=f.path.split("/", 1)[1]) for f in files)
+    lost = frozenset(f.path for f in files if f.path.split("/")[-2] in missing)
     if optimizer is not None and optimizer.distributed:
         for f in files:
-            if f.path.endswith(DISTOPT_FILE) and f.path not in readers:
+            if f.path.endswith(DISTOPT_FILE) and f.path not in readers and f.path not in lost:
                 readers[f.path] = TorchZipReader(
                     storage.open_read(f.path), storage.describe(f.path)
                 )
                 trees[f.path] = readers[f.path].tree
     files = tuple(
-        _check_distopt(f, trees[f.path], storage, problems)
+        f
+        if f.path in lost
+        else _check_distopt(f, trees[f.path], storage, problems)
         if f.path.endswith(DISTOPT_FILE)
         else _check_file(f, trees[f.path], storage, problems)
         for f in files
@@ -410,10 +423,10 @@ def probe_megatron(
         number,
         optimizer is not None,
         tuple(notes),
-        _optimizer_step(readers[files[0].path], optimizer),
+        _optimizer_step(readers[first_rel], optimizer),
     )
     return MegatronCheckpoint(
-        storage, view, readers, args, naming, layer_order or (), optimizer, extra, templates
+        storage, view, readers, args, naming, layer_order or (), optimizer, extra, templates, lost
     )
 
 

@@ -1,0 +1,287 @@
+"""``ckptctl plan`` and the strategy choice behind ``reshard``: probe every stored copy, find
+what is lost, let ``planners.strategy`` pick, and run a saved plan only if the source is
+unchanged."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from ckptctl.cli.commands import (
+    DistOpt,
+    FirstStage,
+    Full,
+    Iteration,
+    Json,
+    LastStage,
+    LostNodes,
+    LostRanks,
+    RanksPerNode,
+    Replica,
+    Strategy,
+    TrueVocab,
+    _human,
+    _style,
+)
+from ckptctl.cli.output import Output
+from ckptctl.errors import CheckpointError, UsageError
+from ckptctl.layout import ParallelLayout
+from ckptctl.plan import Plan
+from ckptctl.probe import Checkpoint, file_sizes, fingerprint, open_checkpoint
+from ckptctl.stored import Format
+from planners.strategy import Stored, plan_auto
+
+
+def parse_ranks(text: str | None) -> set[int]:
+    """``0,3,8-11`` -> {0, 3, 8, 9, 10, 11}."""
+    out: set[int] = set()
+    for part in (text or "").split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            if "-" in part:
+                lo, hi = (int(x) for x in part.split("-", 1))
+                out.update(range(lo, hi + 1))
+            else:
+                out.add(int(part))
+        except ValueError:
+            raise UsageError(f"cannot read rank list {text!r}; use e.g. 0,3,8-11") from None
+    return out
+
+
+def lost_files(
+    ckpt: Checkpoint, ranks: set[int], nodes: set[int], ranks_per_node: int | None
+) -> frozenset[str]:
+    """Files lost with these global ranks (Megatron's tp-dp-pp order: DP rank 0 of each
+    (tp, pp) writes its files), or with every rank of these nodes."""
+    if nodes:
+        if not ranks_per_node:
+            raise UsageError("--lost-nodes needs --ranks-per-node")
+        ranks = ranks | {n * ranks_per_node + i for n in nodes for i in range(ranks_per_node)}
+    if not ranks:
+        return frozenset()
+    layout = ckpt.view.layout
+    world = layout.tp * layout.pp * layout.dp
+    if max(ranks) >= world:
+        raise UsageError(f"rank {max(ranks)} is outside the source's world of {world} ranks")
+    out = set()
+    for g in ranks:
+        tp, dp, pp = g % layout.tp, (g // layout.tp) % layout.dp, g // (layout.tp * layout.dp)
+        if dp == 0:
+            for f in ckpt.view.files:
+                if f.rank == (tp, pp):
+                    out.add(f.path)
+    return frozenset(out)
+
+
+def stored(ckpt: Checkpoint, url: str, lost: frozenset[str] = frozenset()) -> Stored:
+    lost = lost | getattr(ckpt, "lost", frozenset())
+    return Stored(
+        view=ckpt.view,
+        url=url,
+        fingerprint=fingerprint(ckpt.storage, ckpt.view, lost),
+        file_sizes=file_sizes(ckpt.storage, ckpt.view, lost),
+        lost=lost,
+    )
+
+
+def plan_for(
+    src: str,
+    dst: str | None,
+    wanted: dict[str, Any],
+    *,
+    full: list[str],
+    replicas: list[str],
+    lost_ranks: str | None = None,
+    lost_nodes: str | None = None,
+    ranks_per_node: int | None = None,
+    strategy: str = "auto",
+    dtype: str | None = None,
+    iteration: int | None = None,
+    true_vocab_size: int | None = None,
+) -> tuple[Plan, Checkpoint, dict[str, Checkpoint]]:
+    """Probe the source and every other copy, then plan with the strategy planner."""
+    others = [*full, *replicas]
+    ckpt = open_checkpoint(
+        src, iteration=iteration, true_vocab_size=true_vocab_size, allow_missing=bool(others)
+    )
+    extra = [
+        open_checkpoint(u, iteration=iteration, true_vocab_size=true_vocab_size) for u in others
+    ]
+    source = ckpt.view.layout
+    layout = ParallelLayout(
+        **{
+            "dp": source.dp,
+            "distributed_optimizer": source.distributed_optimizer,
+            **{k: v for k, v in wanted.items() if v is not None},
+        }
+    )
+    lost = lost_files(ckpt, parse_ranks(lost_ranks), parse_ranks(lost_nodes), ranks_per_node)
+    primary = stored(ckpt, src, lost)
+    copies = [stored(c, u) for c, u in zip(extra, others, strict=True)]
+    if ckpt.view.format is Format.MEGATRON and ckpt.view.layout.is_sharded:
+        sharded: Stored | None = primary
+    else:  # a full source is cut, never copied as if it were the target
+        sharded, copies = None, [primary, *copies]
+    plan = plan_auto(
+        sharded,
+        copies,
+        layout,
+        target_url=dst,
+        style=_style(ckpt),
+        strategy=strategy,
+        dtype=dtype,
+    )
+    # The planner names further copies "@<i>/" in the order it was given them.
+    given = extra if sharded is not None else [ckpt, *extra]
+    by_prefix = {ref.prefix: given[int(ref.prefix[1:-1])] for ref in plan.extra_sources}
+    everything = [ckpt, *extra]
+    lead = next(
+        c for c, url in zip(everything, [src, *others], strict=True) if url == plan.source_url
+    )
+    return plan, lead, by_prefix
+
+
+def check_fresh(plan: Plan, ckpt: Checkpoint, extra: dict[str, Checkpoint]) -> None:
+    """Refuse a saved plan whose source changed since it was made."""
+    lost = getattr(ckpt, "lost", frozenset())
+    now = fingerprint(ckpt.storage, ckpt.view, lost | _planned_lost(plan, ckpt))
+    if now != plan.source_fingerprint:
+        raise CheckpointError(
+            f"{plan.source_url} changed since the plan was made (fingerprint {now}, plan "
+            f"{plan.source_fingerprint}); make a new plan"
+        )
+    for ref in plan.extra_sources:
+        other = extra[ref.prefix]
+        if fingerprint(other.storage, other.view) != ref.fingerprint:
+            raise CheckpointError(f"{ref.url} changed since the plan was made; make a new plan")
+
+
+def _planned_lost(plan: Plan, ckpt: Checkpoint) -> frozenset[str]:
+    """Source files the plan treats as lost: those it neither reads nor copies."""
+    used = set(plan.source_files)
+    return frozenset(f.path for f in ckpt.view.files if f.path not in used)
+
+
+def show(out: Output, plan: Plan) -> None:
+    e = plan.estimates
+    out.show(f"[bold]strategy:[/] {plan.strategy}: {plan.reason}")
+    out.show(
+        f"{plan.source_layout.describe()} -> {plan.target_layout.describe()}: "
+        f"{len(plan.files)} files; read {_human(e.bytes_read)} in {e.read_requests} requests, "
+        f"write {_human(e.bytes_written)}, peak memory ~{_human(e.peak_memory_bytes)}, "
+        f"~{e.seconds:.2f} s by the cost model"
+    )
+    table = Table("alternative", "estimated time", "read", "requests", "why not")
+    for alt in plan.alternatives:
+        if alt.estimates is not None:
+            a = alt.estimates
+            slower = "slower" if a.seconds >= e.seconds else "not chosen"
+            table.add_row(
+                alt.strategy,
+                f"{a.seconds:.2f} s",
+                _human(a.bytes_read),
+                str(a.read_requests),
+                slower,
+            )
+        else:
+            table.add_row(alt.strategy, "-", "-", "-", alt.refused or "")
+    out.show(table)
+    transfers: dict[tuple[str, str], int] = {}
+    for file in plan.files:
+        for tensor in file.tensors:
+            for copy in tensor.copies:
+                n = 1
+                for size in copy.sizes:
+                    n *= size
+                key = (plan.source_files[copy.source], file.path)
+                transfers[key] = transfers.get(key, 0) + n * _itemsize(tensor.dtype)
+    if transfers:
+        top = Table("largest transfers: from", "to", "bytes")
+        for (a, b), n in sorted(transfers.items(), key=lambda kv: (-kv[1], kv[0]))[:5]:
+            top.add_row(a, b, _human(n))
+        out.show(top)
+    for note in plan.notes:
+        out.warn(note)
+
+
+def _itemsize(dtype: str) -> int:
+    return {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 4)
+
+
+def load_plan(path: Path) -> Plan:
+    try:
+        return Plan.model_validate_json(path.read_text())
+    except FileNotFoundError:
+        raise UsageError(f"--plan {path}: no such file") from None
+    except ValueError as err:
+        first = str(err).splitlines()[0]
+        raise UsageError(f"--plan {path}: not a ckptctl plan ({first})") from None
+
+
+def register(app: typer.Typer, boundary: Callable[[Output], AbstractContextManager[None]]) -> None:
+    @app.command("plan")
+    def plan_cmd(
+        src: Annotated[str, typer.Argument(help="Stored (sharded or full) checkpoint.")],
+        dst: Annotated[str | None, typer.Argument(help="Destination, if data would move.")] = None,
+        tp: Annotated[int, typer.Option("--tp", help="Target tensor-parallel size.")] = 1,
+        pp: Annotated[int, typer.Option("--pp", help="Target pipeline-parallel size.")] = 1,
+        vpp: Annotated[int, typer.Option("--vpp", help="Virtual pipeline chunks per stage.")] = 1,
+        dp: Annotated[int | None, typer.Option("--dp", help="Target DP size [source's].")] = None,
+        distributed_optimizer: DistOpt = None,
+        first: FirstStage = None,
+        last: LastStage = None,
+        full: Full = None,
+        replica: Replica = None,
+        lost_ranks: LostRanks = None,
+        lost_nodes: LostNodes = None,
+        ranks_per_node: RanksPerNode = None,
+        strategy: Strategy = "auto",
+        save: Annotated[
+            Path | None, typer.Option("--out", help="Save the plan as JSON for --plan.")
+        ] = None,
+        dry_run: Annotated[
+            bool, typer.Option("--dry-run", help="Accepted; plan never writes.")
+        ] = True,
+        as_json: Json = False,
+        iteration: Iteration = None,
+        true_vocab_size: TrueVocab = None,
+    ) -> None:
+        """Decide how to reach a layout: load shards directly, shard-to-shard, recover lost
+        shards, or cut a full checkpoint; with estimates for every alternative."""
+        out = Output(as_json)
+        with boundary(out):
+            plan, _, _ = plan_for(
+                src,
+                dst,
+                {
+                    "tp": tp,
+                    "pp": pp,
+                    "vpp": vpp,
+                    "dp": dp,
+                    "first_stage_layers": first,
+                    "last_stage_layers": last,
+                    "distributed_optimizer": distributed_optimizer,
+                },
+                full=full or [],
+                replicas=replica or [],
+                lost_ranks=lost_ranks,
+                lost_nodes=lost_nodes,
+                ranks_per_node=ranks_per_node,
+                strategy=strategy,
+                iteration=iteration,
+                true_vocab_size=true_vocab_size,
+            )
+            if save is not None:
+                save.write_text(plan.model_dump_json(indent=1))
+                out.info(f"plan saved to {save} (fingerprint {plan.fingerprint()})")
+            if as_json:
+                out.json(plan.model_dump(mode="json"))
+            else:
+                show(out, plan)
