@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import lru_cache
 
 from ckptctl.geometry import Shape, Split
 from ckptctl.layout import ModelSpec, NormKind, PositionEmbedding
@@ -95,6 +96,11 @@ def layer_suffixes(spec: ModelSpec) -> list[tuple[str, Shape, Split]]:
 
 def parameters(spec: ModelSpec) -> list[Param]:
     """Every canonical parameter of ``spec``, in model order."""
+    return list(_parameters(spec))
+
+
+@lru_cache(maxsize=8)
+def _parameters(spec: ModelSpec) -> tuple[Param, ...]:
     h = spec.hidden_size
     params = [
         Param("embedding.word_embeddings.weight", (spec.vocab_size, h), Split.VOCAB, Stage.FIRST)
@@ -119,7 +125,7 @@ def parameters(spec: ModelSpec) -> list[Param]:
         params.append(Param("decoder.final_layernorm.bias", (h,), Split.REPLICATED, Stage.LAST))
     if not spec.tie_embeddings:
         params.append(Param("output_layer.weight", (spec.vocab_size, h), Split.VOCAB, Stage.LAST))
-    return params
+    return tuple(params)
 
 
 def state_name(state: str, param: str) -> str:

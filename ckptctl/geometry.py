@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import lru_cache
 from math import prod
 
 Shape = tuple[int, ...]
@@ -61,6 +62,7 @@ def _with(values: Shape, dim: int, value: int) -> Shape:
     return (*values[:dim], value, *values[dim + 1 :])
 
 
+@lru_cache(maxsize=4096)
 def shard_shape_and_pieces(
     split: Split, shape: Shape, tp: int, rank: int, padded_rows: int | None = None
 ) -> tuple[Shape, tuple[Piece, ...]]:
@@ -104,25 +106,21 @@ def shard_shape_and_pieces(
 
 def overlap(target: Piece, source: Piece) -> Copy | None:
     """The copy that moves the part of ``source`` lying inside ``target``, if any."""
-    lo, hi = [], []
-    for t_off, t_size, s_off, s_size in zip(
-        target.canonical, target.sizes, source.canonical, source.sizes, strict=True
-    ):
-        a, b = max(t_off, s_off), min(t_off + t_size, s_off + s_size)
+    # Hot in planning (every target piece against every holder): plain loops, early exit.
+    t_can, s_can, t_sz, s_sz = target.canonical, source.canonical, target.sizes, source.sizes
+    lo = []
+    sizes = []
+    for k in range(len(t_can)):
+        a = t_can[k] if t_can[k] > s_can[k] else s_can[k]
+        t_end, s_end = t_can[k] + t_sz[k], s_can[k] + s_sz[k]
+        b = t_end if t_end < s_end else s_end
         if a >= b:
             return None
         lo.append(a)
-        hi.append(b)
-    sizes = tuple(b - a for a, b in zip(lo, hi, strict=True))
-    src = tuple(
-        s_local + a - s_off
-        for s_local, a, s_off in zip(source.local, lo, source.canonical, strict=True)
-    )
-    dst = tuple(
-        t_local + a - t_off
-        for t_local, a, t_off in zip(target.local, lo, target.canonical, strict=True)
-    )
-    return Copy(src, dst, sizes)
+        sizes.append(b - a)
+    src = tuple(source.local[k] + lo[k] - s_can[k] for k in range(len(lo)))
+    dst = tuple(target.local[k] + lo[k] - t_can[k] for k in range(len(lo)))
+    return Copy(src, dst, tuple(sizes))
 
 
 def boxes_disjoint(a: tuple[Shape, Shape], b: tuple[Shape, Shape]) -> bool:

@@ -9,6 +9,7 @@ a plan.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict
@@ -31,7 +32,11 @@ class FileKind(StrEnum):
     SAFETENSORS = "safetensors"
 
 
-class CopyOp(_Frozen):
+# Copy operations and tensor writes number in the hundred thousands for large models, so they are
+# plain frozen dataclasses (cheap to build); pydantic still validates and serialises them as
+# fields of the Plan.
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CopyOp:
     source: int
     """Index into ``Plan.source_files``."""
     key: tuple[str | int, ...]
@@ -42,7 +47,8 @@ class CopyOp(_Frozen):
     """(offset, shape) when the source tensor is a slice of a flat stored tensor."""
 
 
-class TensorWrite(_Frozen):
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TensorWrite:
     key: tuple[str | int, ...]
     canonical: str
     shape: tuple[int, ...]

@@ -13,7 +13,7 @@ from collections import defaultdict
 from math import prod
 
 from ckptctl.errors import CheckpointError
-from ckptctl.geometry import Shape, box_difference, overlap
+from ckptctl.geometry import Piece, Shape, box_difference, overlap
 from ckptctl.plan import CopyOp, Estimates, FileKind, FileWrite, TensorWrite
 from ckptctl.stored import CheckpointView, StoredFile, StoredTensor
 
@@ -25,6 +25,51 @@ def _nbytes(shape: Shape, dtype: str) -> int:
     for size in shape:
         n *= size
     return n
+
+
+Found = tuple[int, Shape, Shape, Shape]
+"""(candidate position, source offsets, target offsets, sizes)."""
+
+
+def _cover(
+    pieces: tuple[Piece, ...],
+    prefer: tuple[bool, ...],
+    held_pieces: tuple[tuple[Piece, ...], ...],
+) -> tuple[list[Found], bool]:
+    """Copies filling ``pieces`` from the candidates' pieces, preferred candidates first; only
+    the part no earlier candidate gave is taken (replicas and full copies overlap what survives).
+    Returns the copies and whether every element was covered."""
+    order = sorted(range(len(held_pieces)), key=lambda c: (prefer[c], c))
+    found: list[Found] = []
+    complete = True
+    for piece in pieces:
+        need = piece.numel
+        taken: list[tuple[Shape, Shape]] = []
+        for position in order:
+            for held_piece in held_pieces[position]:
+                if need == 0:
+                    break
+                copy = overlap(piece, held_piece)
+                if copy is None:
+                    continue
+                start = tuple(
+                    c + d - lo
+                    for c, d, lo in zip(piece.canonical, copy.dst, piece.local, strict=True)
+                )
+                for offsets, sizes in box_difference((start, copy.sizes), taken):
+                    shift = tuple(o - s for o, s in zip(offsets, start, strict=True))
+                    taken.append((offsets, sizes))
+                    found.append(
+                        (
+                            position,
+                            tuple(a + d for a, d in zip(copy.src, shift, strict=True)),
+                            tuple(a + d for a, d in zip(copy.dst, shift, strict=True)),
+                            sizes,
+                        )
+                    )
+                    need -= prod(sizes)
+        complete = complete and need == 0
+    return found, complete
 
 
 def _holders_of(
@@ -53,6 +98,7 @@ def plan_files(
             holders[tensor.canonical].append((index, tensor))
     ranks = {i: f.rank for i, f in enumerate(source.files)}
     distopt = FileKind.DISTRIBUTED_OPTIMIZER
+    covers: dict[tuple, tuple[list[Found], bool]] = {}
 
     missing: list[str] = []
     files = []
@@ -83,46 +129,26 @@ def plan_files(
                 missing.append(tensor.canonical)
                 continue
             tp = target.rank[0] if target.rank else 0
-            ordered = sorted(
-                candidates, key=lambda c: (ranks[c[0]] is None or ranks[c[0]][0] != tp, c[0])
-            )
-            copies: list[CopyOp] = []
-            for piece in tensor.pieces:
-                need = piece.numel
-                taken: list[tuple[Shape, Shape]] = []
-                for index, held in ordered:
-                    for held_piece in held.pieces:
-                        copy = overlap(piece, held_piece)
-                        if copy is None:
-                            continue
-                        # Canonical box of this copy; only the part no earlier holder gave is
-                        # taken (replicas and full copies overlap what survives).
-                        start = tuple(
-                            c + d - lo
-                            for c, d, lo in zip(piece.canonical, copy.dst, piece.local, strict=True)
-                        )
-                        for offsets, sizes in box_difference((start, copy.sizes), taken):
-                            shift = tuple(o - s for o, s in zip(offsets, start, strict=True))
-                            taken.append((offsets, sizes))
-                            copies.append(
-                                CopyOp(
-                                    source=index,
-                                    key=held.key,
-                                    src=tuple(a + d for a, d in zip(copy.src, shift, strict=True)),
-                                    dst=tuple(a + d for a, d in zip(copy.dst, shift, strict=True)),
-                                    sizes=sizes,
-                                    view=None
-                                    if held.view_offset is None
-                                    else (held.view_offset, held.shape),
-                                )
-                            )
-                            need -= prod(sizes)
-                            bytes_read += _nbytes(sizes, held.dtype)
-                            requests += 1
-                    if need == 0:
-                        break
-                if need:
-                    missing.append(f"{tensor.canonical} (part)")
+            prefer = tuple(ranks[i] is None or ranks[i][0] != tp for i, _ in candidates)
+            # Layers repeat the same geometry: cover each distinct pattern once. Piece tuples
+            # are shared objects (geometry is memoised) and all alive here, so their ids are
+            # a cheap, safe key; equal tuples that are distinct objects only cost a recompute.
+            held_pieces = tuple(held.pieces for _, held in candidates)
+            pattern = (id(tensor.pieces), prefer, tuple(map(id, held_pieces)))
+            if pattern not in covers:
+                covers[pattern] = _cover(tensor.pieces, prefer, held_pieces)
+            found, complete = covers[pattern]
+            if not complete:
+                missing.append(f"{tensor.canonical} (part)")
+            copies = []
+            for position, src, dst, sizes in found:
+                index, held = candidates[position]
+                view = None if held.view_offset is None else (held.view_offset, held.shape)
+                copies.append(
+                    CopyOp(source=index, key=held.key, src=src, dst=dst, sizes=sizes, view=view)
+                )
+                bytes_read += _nbytes(sizes, held.dtype)
+            requests += len(found)
             covered = sum(p.numel for p in tensor.pieces)
             writes.append(
                 TensorWrite(
