@@ -71,6 +71,7 @@ class NoProgress:
 @dataclass
 class Report:
     bytes_read: int = 0
+    read_requests: int = 0
     bytes_written: int = 0
     files_written: list[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -136,6 +137,7 @@ class _Assembler:
             path = self.plan.source_files[copy.source]
             data = self.source.read(path, copy.key, src, sizes, copy.view)
             self.report.bytes_read += data.numel() * data.element_size()
+            self.report.read_requests += 1
             box = tuple(slice(o, o + n) for o, n in zip(dst, sizes, strict=True))
             out[box] = data.to(dtype)
         return out

@@ -133,3 +133,43 @@ class Plan(_Frozen):
     def fingerprint(self) -> str:
         """A stable hash of the plan's content, so processes and reruns can check they agree."""
         return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:16]
+
+
+def coverage_problems(plan: Plan) -> list[str]:
+    """Every target element written exactly once: copies in bounds, not overlapping, and with
+    the padding adding up to the tensor. Empty when the plan is sound."""
+    problems = []
+    for file in plan.files:
+        for tensor in file.tensors:
+            where = f"{file.path}:{'.'.join(map(str, tensor.key))}"
+            boxes = []
+            covered = 0
+            for copy in tensor.copies:
+                if any(
+                    o < 0 or o + n > m
+                    for o, n, m in zip(copy.dst, copy.sizes, tensor.shape, strict=True)
+                ):
+                    problems.append(f"{where}: copy to {copy.dst}+{copy.sizes} out of bounds")
+                box = (copy.dst, copy.sizes)
+                if any(not _disjoint(box, other) for other in boxes):
+                    problems.append(f"{where}: copies overlap at {copy.dst}")
+                boxes.append(box)
+                n = 1
+                for size in copy.sizes:
+                    n *= size
+                covered += n
+            numel = 1
+            for size in tensor.shape:
+                numel *= size
+            if covered + tensor.padding != numel:
+                problems.append(
+                    f"{where}: {covered} elements copied + {tensor.padding} padding != {numel}"
+                )
+    return problems
+
+
+def _disjoint(a: tuple[tuple[int, ...], tuple[int, ...]], b: tuple[tuple[int, ...], ...]) -> bool:
+    return any(
+        ao + an <= bo or bo + bn <= ao
+        for ao, an, bo, bn in zip(a[0], a[1], b[0], b[1], strict=True)
+    )

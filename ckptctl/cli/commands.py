@@ -221,6 +221,9 @@ def _report_dict(plan: Plan, report: Report) -> dict[str, Any]:
         "plan_fingerprint": plan.fingerprint(),
         "files": report.files_written,
         "bytes_read": report.bytes_read,
+        "read_requests": report.read_requests,
+        "strategy": plan.strategy,
+        "estimates": plan.estimates.model_dump(mode="json"),
         "bytes_written": report.bytes_written,
         "seconds": round(report.seconds, 3),
         "throughput_bytes_per_s": int(report.bytes_written / report.seconds)

@@ -1,0 +1,217 @@
+"""Planners, pure: the strategy decision table on golden cases, plan coverage for random layouts,
+and (through the CLI) estimates against what execution measured and saved plans that refuse a
+changed source."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ckptctl import synth
+from ckptctl.errors import CheckpointError, LayoutError
+from ckptctl.formats.megatron_layout import MegatronStyle, OptimizerLayout, megatron_files
+from ckptctl.layout import ModelSpec, ParallelLayout
+from ckptctl.plan import FileKind, coverage_problems
+from ckptctl.stored import CheckpointView, Format
+from planners.strategy import Stored, plan_auto
+
+SPEC = ModelSpec(
+    num_layers=8,
+    hidden_size=64,
+    ffn_hidden_size=128,
+    num_attention_heads=8,
+    num_query_groups=4,
+    kv_channels=8,
+    vocab_size=1100,
+)
+OPT = OptimizerLayout()
+STYLE = MegatronStyle(optimizer=OPT)
+
+
+def stored(layout: ParallelLayout, url: str, lost: frozenset[str] = frozenset()) -> Stored:
+    files = megatron_files(SPEC, layout, iteration=7, weight_dtype="bfloat16", optimizer=OPT)
+    view = CheckpointView(Format.MEGATRON, SPEC, layout, files, 7, True)
+    return Stored(view, url, "f" * 16, {f.path: 1000 for f in files}, lost)
+
+
+TP2PP2 = ParallelLayout(tp=2, pp=2)
+LOST = "iter_0000007/mp_rank_01_001/model_optim_rng.pt"
+
+
+def test_unchanged_and_intact_loads_directly() -> None:
+    plan = plan_auto(stored(TP2PP2, "/nvme"), [], TP2PP2, target_url=None, style=STYLE)
+    assert plan.strategy == "direct" and plan.files == () and plan.estimates.bytes_read == 0
+    assert "no data moves" in plan.reason
+    copied = plan_auto(stored(TP2PP2, "/nvme"), [], TP2PP2, target_url="/lake", style=STYLE)
+    assert copied.strategy == "direct"
+    assert {f.kind for f in copied.files} == {FileKind.COPY} and len(copied.files) == 4
+    assert {a.strategy for a in plan.alternatives} == {
+        "shard-to-shard",
+        "recovery",
+        "full-then-split",
+    }
+
+
+def test_changed_layout_goes_shard_to_shard() -> None:
+    plan = plan_auto(
+        stored(TP2PP2, "/nvme"), [], ParallelLayout(tp=4, pp=1), target_url="/o", style=STYLE
+    )
+    assert plan.strategy == "shard-to-shard"
+    assert coverage_problems(plan) == []
+    direct = next(a for a in plan.alternatives if a.strategy == "direct")
+    assert direct.refused and "not the target's" in direct.refused
+
+
+def test_lost_shard_with_replica_reads_only_the_lost_file_from_the_replica() -> None:
+    sharded = stored(TP2PP2, "/nvme", frozenset({LOST}))
+    replica = stored(TP2PP2, "s3://lake/ckpt")
+    plan = plan_auto(sharded, [replica], ParallelLayout(tp=1, pp=4), target_url="/o", style=STYLE)
+    assert plan.strategy == "recovery" and "replica" in plan.reason
+    assert coverage_problems(plan) == []
+    read = {plan.source_files[c.source] for f in plan.files for t in f.tensors for c in t.copies}
+    assert LOST not in read
+    from_replica = {p for p in read if p.startswith("@0/")}
+    assert from_replica == {"@0/" + LOST}
+    assert [s.url for s in plan.extra_sources] == ["s3://lake/ckpt"]
+
+
+def test_lost_shard_with_full_checkpoint_uses_it() -> None:
+    sharded = stored(TP2PP2, "/nvme", frozenset({LOST}))
+    full = stored(ParallelLayout(), "/lake/full")
+    plan = plan_auto(sharded, [full], ParallelLayout(tp=2, pp=4), target_url="/o", style=STYLE)
+    assert plan.strategy in ("recovery", "full-then-split")
+    assert coverage_problems(plan) == []
+    forced = plan_auto(
+        sharded,
+        [full],
+        ParallelLayout(tp=2, pp=4),
+        target_url="/o",
+        style=STYLE,
+        strategy="recovery",
+    )
+    read = {
+        forced.source_files[c.source] for f in forced.files for t in f.tensors for c in t.copies
+    }
+    assert any(p.startswith("@0/") for p in read) and LOST not in read
+    assert any(not p.startswith("@") for p in read)  # surviving shards still used
+
+
+def test_lost_shard_with_nothing_else_is_refused_naming_it() -> None:
+    sharded = stored(TP2PP2, "/nvme", frozenset({LOST}))
+    with pytest.raises(CheckpointError, match="lost and stored nowhere else: " + LOST):
+        plan_auto(sharded, [], ParallelLayout(tp=1), target_url="/o", style=STYLE)
+
+
+def test_impossible_target_keeps_its_own_error() -> None:
+    with pytest.raises(LayoutError, match="tp=8 does not divide num_query_groups=4"):
+        plan_auto(stored(TP2PP2, "/nvme"), [], ParallelLayout(tp=8), target_url="/o", style=STYLE)
+
+
+def test_auto_prefers_what_the_cost_model_finds_cheaper() -> None:
+    # The same full checkpoint is cheaper to cut than a reshard reading from S3.
+    sharded = stored(TP2PP2, "s3://lake/sharded")
+    full = stored(ParallelLayout(), "/nvme/full")
+    plan = plan_auto(sharded, [full], ParallelLayout(tp=4), target_url="/o", style=STYLE)
+    assert plan.strategy == "full-then-split"
+    s2s = next(a for a in plan.alternatives if a.strategy == "shard-to-shard")
+    assert s2s.estimates is not None and s2s.estimates.seconds > plan.estimates.seconds
+
+
+@st.composite
+def layouts(draw: st.DrawFn) -> ParallelLayout:
+    pp = draw(st.sampled_from([1, 2, 4]))
+    return ParallelLayout(
+        tp=draw(st.sampled_from([1, 2, 4])),
+        pp=pp,
+        vpp=draw(st.sampled_from([1, 2])) if pp > 1 else 1,
+        dp=draw(st.sampled_from([1, 2, 3])),
+        distributed_optimizer=draw(st.booleans()),
+    )
+
+
+@settings(max_examples=40, deadline=None)
+@given(source=layouts(), target=layouts())
+def test_every_plan_covers_every_target_element_once(source, target) -> None:
+    plan = plan_auto(stored(source, "/a"), [], target, target_url="/b", style=STYLE)
+    assert coverage_problems(plan) == []
+
+
+def test_planning_is_fast_and_deterministic() -> None:
+    started = time.perf_counter()
+    a = plan_auto(
+        stored(TP2PP2, "/a"), [], ParallelLayout(tp=1, pp=4, vpp=2), target_url="/b", style=STYLE
+    )
+    assert time.perf_counter() - started < 1.0
+    b = plan_auto(
+        stored(TP2PP2, "/a"), [], ParallelLayout(tp=1, pp=4, vpp=2), target_url="/b", style=STYLE
+    )
+    assert a.fingerprint() == b.fingerprint()
+
+
+# --- through the CLI, on real files --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    model = synth.make_model(synth.tiny_llama_config(num_heads=8, num_kv_heads=4), seed=1)
+    out = tmp_path_factory.mktemp("plan") / "src"
+    synth.write_megatron(model, synth.adam_step(model, seed=1), out, tp=2, pp=2)
+    return out
+
+
+def test_estimates_match_what_execution_measured(checkpoint: Path, tmp_path: Path, cli) -> None:
+    summary = cli.json("reshard", checkpoint, tmp_path / "b", "--tp", "4", "--pp", "1")
+    e = summary["estimates"]
+    # Bytes are exact; requests too, unless bands split copies (not at the default budget).
+    assert summary["bytes_read"] == e["bytes_read"]
+    assert summary["read_requests"] == e["read_requests"]
+    written = sum(p.stat().st_size for p in (tmp_path / "b").rglob("*.pt"))
+    assert e["bytes_written"] <= written <= e["bytes_written"] * 1.05 + 65536  # + pickles, zip
+
+
+def test_saved_plan_runs_and_refuses_a_changed_source(
+    checkpoint: Path, tmp_path: Path, cli
+) -> None:
+    src = tmp_path / "src"
+    for p in checkpoint.rglob("*"):
+        if p.is_file():
+            (src / p.relative_to(checkpoint)).parent.mkdir(parents=True, exist_ok=True)
+            (src / p.relative_to(checkpoint)).write_bytes(p.read_bytes())
+    plan_file = tmp_path / "plan.json"
+    out = cli("plan", src, tmp_path / "dst", "--tp", "1", "--pp", "4", "--out", plan_file)
+    assert "shard-to-shard" in out.stdout
+    assert json.loads(plan_file.read_text())["strategy"] == "shard-to-shard"
+    cli("reshard", src, tmp_path / "dst", "--plan", plan_file)
+    assert (tmp_path / "dst/latest_checkpointed_iteration.txt").exists()
+    victim = src / "iter_0000001/mp_rank_00_000/model_optim_rng.pt"
+    victim.write_bytes(victim.read_bytes() + b"\0")
+    result = cli("reshard", src, tmp_path / "dst", "--plan", plan_file, "--overwrite", code=3)
+    assert "changed since the plan was made" in result.stderr
+
+
+def test_lost_ranks_flag_recovers_from_full(checkpoint: Path, tmp_path: Path, cli) -> None:
+    cli("consolidate", checkpoint, tmp_path / "full", "--format", "megatron")
+    summary = cli.json(
+        "reshard",
+        checkpoint,
+        tmp_path / "out",
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        "--full",
+        tmp_path / "full",
+        "--lost-ranks",
+        "1",
+        "--strategy",
+        "recovery",
+    )
+    assert summary["strategy"] == "recovery"
+    from tests.test_reshard import assert_same_checkpoint
+
+    assert_same_checkpoint(checkpoint, tmp_path / "out")
