@@ -65,8 +65,12 @@ PROFILES = {
 }
 
 
-def profile_for(url: str) -> StorageProfile:
-    """The built-in profile for a URL's scheme."""
+def profile_for(url: str, measured: dict[str, StorageProfile] | None = None) -> StorageProfile:
+    """A measured profile (``ckptctl calibrate``) whose URL prefixes ``url``, else the built-in
+    profile for the URL's scheme."""
+    for prefix in sorted(measured or {}, key=len, reverse=True):
+        if url.startswith(prefix):
+            return (measured or {})[prefix]
     if url.startswith(("s3://", "s3a://", "gs://", "az://")):
         return PROFILES["s3"]
     if url.startswith(("hdfs://", "webhdfs://")):

@@ -24,7 +24,7 @@ from ckptctl.formats.megatron_layout import TRACKER, MegatronStyle, tracker_text
 from ckptctl.layout import ParallelLayout
 from ckptctl.plan import Alternative, Estimates, FileKind, FileWrite, Plan, SourceRef, TextWrite
 from ckptctl.stored import CheckpointView
-from planners.cost import profile_for, with_time
+from planners.cost import StorageProfile, profile_for, with_time
 from planners.reshard import plan_reshard
 
 
@@ -54,7 +54,9 @@ def _prefixed(stored: Stored, prefix: str) -> CheckpointView:
     return replace(stored.view, files=files)
 
 
-def _timed(plan: Plan, sources: dict[str, str]) -> Plan:
+def _timed(
+    plan: Plan, sources: dict[str, str], measured: dict[str, StorageProfile] | None = None
+) -> Plan:
     """Estimate time, charging each source's reads to its own storage profile."""
     bytes_by: dict[str, int] = {}
     requests_by: dict[str, int] = {}
@@ -67,13 +69,14 @@ def _timed(plan: Plan, sources: dict[str, str]) -> Plan:
         if file.kind is FileKind.COPY and file.copy_of is not None:
             prefix = _prefix_of(plan.source_files[file.copy_of], sources)
             requests_by[prefix] = requests_by.get(prefix, 0) + 1
-    target = profile_for(plan.target_url)
-    e = with_time(plan.estimates, profile_for(plan.source_url), target)
+    target = profile_for(plan.target_url, measured)
+    e = with_time(plan.estimates, profile_for(plan.source_url, measured), target)
     read = sum(
-        profile_for(sources[p]).seconds(bytes_by.get(p, 0), requests_by.get(p, 0)) for p in sources
+        profile_for(sources[p], measured).seconds(bytes_by.get(p, 0), requests_by.get(p, 0))
+        for p in sources
     )
     if plan.strategy == "direct":
-        read = profile_for(plan.source_url).seconds(e.bytes_read, e.read_requests)
+        read = profile_for(plan.source_url, measured).seconds(e.bytes_read, e.read_requests)
     write = target.seconds(e.bytes_written, e.write_requests, write=True)
     return plan.model_copy(update={"estimates": e.model_copy(update={"seconds": read + write})})
 
@@ -139,8 +142,11 @@ def plan_auto(
     style: MegatronStyle,
     strategy: str = "auto",
     dtype: str | None = None,
+    measured: dict[str, StorageProfile] | None = None,
 ) -> Plan:
-    """The plan of the chosen strategy, with every strategy weighed as an alternative."""
+    """The plan of the chosen strategy, with every strategy weighed as an alternative.
+
+    ``measured`` maps URL prefixes to calibrated storage profiles."""
     if strategy != "auto" and strategy not in STRATEGIES:
         raise UsageError(f"--strategy {strategy}: choose auto or one of {', '.join(STRATEGIES)}")
     if sharded is None and not others:
@@ -175,7 +181,7 @@ def plan_auto(
         sources = {"": lead.url} if base else {}
         sources.update({p: url_of[p] for p in prefixes if with_others})
         plan = plan.model_copy(update={"strategy": name, "reason": reason, "extra_sources": extra})
-        return _timed(plan, sources)
+        return _timed(plan, sources, measured)
 
     def full_then_split() -> Plan:
         full = next((o for o in others if not o.view.layout.is_sharded and not o.lost), None)
@@ -222,7 +228,7 @@ def plan_auto(
     def direct() -> Plan:
         if sharded is None:
             raise Inapplicable("no sharded checkpoint is stored")
-        return _timed(_direct(sharded, target_layout, target_url), {"": sharded.url})
+        return _timed(_direct(sharded, target_layout, target_url), {"": sharded.url}, measured)
 
     builders: dict[str, Callable[[], Plan]] = {
         "direct": direct,

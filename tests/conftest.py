@@ -27,6 +27,12 @@ class Cli:
         return json.loads(self(*args, "--json").stdout)
 
 
+@pytest.fixture(autouse=True)
+def _isolated_profiles(tmp_path_factory: pytest.TempPathFactory, monkeypatch) -> None:
+    """Calibrated storage profiles go to a per-test home, never the user's."""
+    monkeypatch.setenv("CKPTCTL_HOME", str(tmp_path_factory.mktemp("ckptctl-home")))
+
+
 @pytest.fixture
 def cli() -> Cli:
     return Cli()

@@ -215,3 +215,26 @@ def test_lost_ranks_flag_recovers_from_full(checkpoint: Path, tmp_path: Path, cl
     from tests.test_reshard import assert_same_checkpoint
 
     assert_same_checkpoint(checkpoint, tmp_path / "out")
+
+
+def test_calibrated_profile_is_saved_and_used_by_plans(
+    checkpoint: Path, tmp_path: Path, cli
+) -> None:
+    before = cli.json("plan", checkpoint, tmp_path / "o", "--tp", "4", "--pp", "1")
+    measured = cli.json("calibrate", str(checkpoint), "--size", "2MiB")
+    assert measured["read_bandwidth"] > 0 and measured["latency"] >= 0
+    assert Path(measured["saved_to"]).exists()
+    # A deliberately slow measurement for the source changes the plan's time estimate.
+    slow = dict(measured, read_bandwidth=1e3, write_bandwidth=1e3)
+    slow.pop("saved_to")
+    Path(measured["saved_to"]).write_text(json.dumps(slow))
+    after = cli.json("plan", checkpoint, tmp_path / "o", "--tp", "4", "--pp", "1")
+    assert after["estimates"]["seconds"] > 100 * before["estimates"]["seconds"]
+    assert not any(p.name.startswith(".ckptctl") for p in checkpoint.iterdir())
+
+
+def test_plan_show_draws_the_source_target_map(checkpoint: Path, tmp_path: Path, cli) -> None:
+    svg = tmp_path / "map.svg"
+    result = cli("plan", checkpoint, "--tp", "1", "--pp", "4", "--show", "--svg", svg)
+    assert "source \\ target" in result.stdout and "00_003" in result.stdout
+    assert svg.read_text().startswith("<svg")

@@ -74,6 +74,7 @@ def error_boundary(out: Output) -> Iterator[None]:
 commands.register(app, error_boundary)
 commands.register_reshard(app, error_boundary)
 planning.register(app, error_boundary)
+planning.register_calibrate(app, error_boundary)
 demo.register(app, error_boundary)
 
 

@@ -12,6 +12,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
+from ckptctl.calibrate import calibrate, save_profile, saved_profiles
 from ckptctl.cli.commands import (
     DistOpt,
     FirstStage,
@@ -34,6 +35,7 @@ from ckptctl.layout import ParallelLayout
 from ckptctl.plan import Plan
 from ckptctl.probe import Checkpoint, file_sizes, fingerprint, open_checkpoint
 from ckptctl.stored import Format
+from planners.graph import overlap_graph
 from planners.strategy import Stored, plan_auto
 
 
@@ -137,6 +139,7 @@ def plan_for(
         style=_style(ckpt),
         strategy=strategy,
         dtype=dtype,
+        measured=saved_profiles(),
     )
     # The planner names further copies "@<i>/" in the order it was given them.
     given = extra if sharded is not None else [ckpt, *extra]
@@ -215,6 +218,43 @@ def _itemsize(dtype: str) -> int:
     return {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 4)
 
 
+def show_grid(out: Output, plan: Plan, svg: Path | None) -> None:
+    """Which source files feed which target files: a heat map of bytes in the terminal."""
+    from rich.console import Console
+
+    t = overlap_graph(plan)
+    if not t.bytes:
+        out.show("no data moves")
+        return
+    top = max(t.bytes.values())
+    shades = " ░▒▓█"
+    table = Table("source \\ target", *[_short(p) for p in t.targets], show_lines=False)
+    for source in t.sources:
+        cells = []
+        for target in t.targets:
+            n = t.bytes.get((source, target), 0)
+            level = 0 if n == 0 else 1 + min(3, int(4 * n / (top + 1)))
+            cells.append(f"[cyan]{shades[level] * 3}[/]" if n else "   ")
+        table.add_row(_short(source), *cells)
+    console = Console(record=True, file=out.out.file)
+    console.print(table)
+    console.print(
+        f"darkest = {_human(top)}; each target file reads from "
+        f"{max(t.fan_in(x) for x in t.targets)} source files at most"
+    )
+    if svg is not None:
+        console.save_svg(str(svg), title=f"ckptctl plan: {plan.strategy}")
+        out.info(f"heat map written to {svg}")
+
+
+def _short(path: str) -> str:
+    """``iter_0000001/mp_rank_01_002/distrib_optim.pt`` -> ``01_002 opt``."""
+    parts = path.split("/")
+    name = parts[-2].removeprefix("mp_rank_") if len(parts) > 1 else parts[-1]
+    prefix = parts[0] + " " if parts[0].startswith("@") else ""
+    return prefix + name + (" opt" if parts[-1] == "distrib_optim.pt" else "")
+
+
 def load_plan(path: Path) -> Plan:
     try:
         return Plan.model_validate_json(path.read_text())
@@ -249,6 +289,12 @@ def register(app: typer.Typer, boundary: Callable[[Output], AbstractContextManag
         dry_run: Annotated[
             bool, typer.Option("--dry-run", help="Accepted; plan never writes.")
         ] = True,
+        show_map: Annotated[
+            bool, typer.Option("--show", help="Heat map of which source files feed which targets.")
+        ] = False,
+        svg: Annotated[
+            Path | None, typer.Option("--svg", help="Also write the map as SVG.")
+        ] = None,
         as_json: Json = False,
         iteration: Iteration = None,
         true_vocab_size: TrueVocab = None,
@@ -285,3 +331,36 @@ def register(app: typer.Typer, boundary: Callable[[Output], AbstractContextManag
                 out.json(plan.model_dump(mode="json"))
             else:
                 show(out, plan)
+                if show_map or svg is not None:
+                    show_grid(out, plan, svg)
+
+
+def register_calibrate(
+    app: typer.Typer, boundary: Callable[[Output], AbstractContextManager[None]]
+) -> None:
+    @app.command("calibrate")
+    def calibrate_cmd(
+        url: Annotated[
+            str, typer.Argument(help="Directory or URL to measure (writes a scratch file).")
+        ],
+        size: Annotated[str, typer.Option("--size", help="Scratch file size.")] = "64MiB",
+        save: Annotated[
+            Path | None, typer.Option("--out", help="Where to save the profile [config dir].")
+        ] = None,
+        as_json: Json = False,
+    ) -> None:
+        """Measure bandwidth and latency of a storage target; later plans on that URL use it."""
+        from ckptctl.cli.commands import parse_size
+
+        out = Output(as_json)
+        with boundary(out):
+            profile = calibrate(url, parse_size(size))
+            path = save_profile(profile, save)
+            if as_json:
+                out.json({**profile.model_dump(mode="json"), "saved_to": str(path)})
+            else:
+                out.show(
+                    f"{url}: read {_human(profile.read_bandwidth)}/s, write "
+                    f"{_human(profile.write_bandwidth)}/s, latency "
+                    f"{profile.latency * 1e3:.2f} ms; saved to {path}"
+                )
