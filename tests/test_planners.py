@@ -238,3 +238,36 @@ def test_plan_show_draws_the_source_target_map(checkpoint: Path, tmp_path: Path,
     result = cli("plan", checkpoint, "--tp", "1", "--pp", "4", "--show", "--svg", svg)
     assert "source \\ target" in result.stdout and "00_003" in result.stdout
     assert svg.read_text().startswith("<svg")
+
+
+def test_consolidate_runs_a_saved_plan(checkpoint: Path, tmp_path: Path, cli) -> None:
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(
+        cli("consolidate", checkpoint, tmp_path / "hf", "--dry-run", "--json").stdout
+    )
+    cli("consolidate", checkpoint, tmp_path / "hf", "--plan", plan_file)
+    assert (tmp_path / "hf/config.json").exists()
+    wrong = cli("reshard", checkpoint, tmp_path / "hf", "--plan", plan_file, code=2)
+    assert "is a consolidate plan" in wrong.stderr
+
+
+def test_via_full_keeps_the_full_checkpoint_and_cuts_from_it(
+    checkpoint: Path, tmp_path: Path, cli
+) -> None:
+    summary = cli.json(
+        "reshard",
+        checkpoint,
+        tmp_path / "out",
+        "--tp",
+        "1",
+        "--pp",
+        "4",
+        "--via-full",
+        tmp_path / "full",
+    )
+    assert summary["strategy"] == "full-then-split"
+    assert (tmp_path / "full/iter_0000001/mp_rank_00/model_optim_rng.pt").exists()
+    cli("reshard", tmp_path / "out", tmp_path / "back", "--tp", "2", "--pp", "2")
+    from tests.test_reshard import assert_same_checkpoint
+
+    assert_same_checkpoint(checkpoint, tmp_path / "back")

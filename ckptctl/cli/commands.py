@@ -263,6 +263,7 @@ def register(app: typer.Typer, boundary: Callable[[Output], AbstractContextManag
         max_shard_size: Annotated[
             str, typer.Option("--max-shard-size", help="Largest HF safetensors file.")
         ] = "5GB",
+        plan_file: PlanFile = None,
         memory_budget: MemoryBudget = "1GiB",
         dry_run: DryRun = False,
         overwrite: Overwrite = False,
@@ -285,6 +286,7 @@ def register(app: typer.Typer, boundary: Callable[[Output], AbstractContextManag
                 overwrite=overwrite,
                 iteration=iteration,
                 true_vocab_size=true_vocab_size,
+                plan_file=plan_file,
             )
             _finish(out, plan, report, as_json)
 
@@ -334,6 +336,33 @@ def _finish(out: Output, plan: Plan, report: Report | None, as_json: bool) -> No
         )
 
 
+def _saved_plan(
+    plan_file: Path,
+    operation: str,
+    src: str,
+    dst: str,
+    iteration: int | None,
+    true_vocab_size: int | None,
+) -> tuple[Plan, Sources]:
+    """Load a saved plan for exactly this source and destination, if the source is unchanged."""
+    from ckptctl.cli import planning
+
+    plan = planning.load_plan(plan_file)
+    if plan.operation != operation:
+        raise UsageError(f"--plan {plan_file} is a {plan.operation} plan, not a {operation} one")
+    if (plan.source_url, plan.target_url) != (src, dst):
+        raise UsageError(
+            f"--plan {plan_file} was made for {plan.source_url} -> {plan.target_url}, "
+            f"not {src} -> {dst}"
+        )
+    ckpt = open_checkpoint(
+        src, iteration=iteration, true_vocab_size=true_vocab_size, allow_missing=True
+    )
+    extra = {r.prefix: open_checkpoint(r.url) for r in plan.extra_sources}
+    planning.check_fresh(plan, ckpt, extra)
+    return plan, Sources(ckpt, extra)
+
+
 def run_consolidate(
     out: Output,
     src: str,
@@ -347,9 +376,13 @@ def run_consolidate(
     overwrite: bool = False,
     iteration: int | None = None,
     true_vocab_size: int | None = None,
+    plan_file: Path | None = None,
     quiet: bool = False,
 ) -> tuple[Plan, Report | None]:
-    """Probe ``src``, plan the consolidation and (unless ``dry_run``) execute it."""
+    """Probe ``src``, plan the consolidation (or load ``plan_file``) and execute it."""
+    if plan_file is not None:
+        plan, sources = _saved_plan(plan_file, "consolidate", src, dst, iteration, true_vocab_size)
+        return plan, _carry_out(out, sources, plan, overwrite, memory_budget, dry_run, quiet)
     ckpt = open_checkpoint(src, iteration=iteration, true_vocab_size=true_vocab_size)
     plan = plan_consolidate(
         ckpt.view,
@@ -389,17 +422,8 @@ def run_reshard(
     from ckptctl.cli import planning
 
     if plan_file is not None:
-        plan = planning.load_plan(plan_file)
-        if (plan.source_url, plan.target_url) != (src, dst):
-            raise UsageError(
-                f"--plan {plan_file} was made for {plan.source_url} -> {plan.target_url}, "
-                f"not {src} -> {dst}"
-            )
-        ckpt = open_checkpoint(
-            src, iteration=iteration, true_vocab_size=true_vocab_size, allow_missing=True
-        )
-        extra = {r.prefix: open_checkpoint(r.url) for r in plan.extra_sources}
-        planning.check_fresh(plan, ckpt, extra)
+        plan, sources = _saved_plan(plan_file, "reshard", src, dst, iteration, true_vocab_size)
+        return plan, _carry_out(out, sources, plan, overwrite, memory_budget, dry_run, quiet)
     else:
         plan, ckpt, extra = planning.plan_for(
             src,
@@ -441,6 +465,14 @@ def register_reshard(
         lost_nodes: LostNodes = None,
         ranks_per_node: RanksPerNode = None,
         strategy: Strategy = "auto",
+        via_full: Annotated[
+            str | None,
+            typer.Option(
+                "--via-full",
+                help="Consolidate into this directory first (kept as a topology-free backup), "
+                "then cut the target from it.",
+            ),
+        ] = None,
         plan_file: PlanFile = None,
         memory_budget: MemoryBudget = "1GiB",
         dtype: Annotated[
@@ -455,6 +487,21 @@ def register_reshard(
         """Re-split a checkpoint for another TP/PP/VPP/DP layout, shard to shard."""
         out = Output(as_json)
         with boundary(out):
+            if via_full is not None:
+                if dry_run or plan_file is not None:
+                    raise UsageError("--via-full runs two steps; it takes no --dry-run or --plan")
+                run_consolidate(
+                    out,
+                    src,
+                    via_full,
+                    Format.MEGATRON,
+                    overwrite=overwrite,
+                    memory_budget=parse_size(memory_budget),
+                    iteration=iteration,
+                    true_vocab_size=true_vocab_size,
+                    quiet=as_json,
+                )
+                src = via_full
             plan, report = run_reshard(
                 out,
                 src,
