@@ -47,6 +47,10 @@ MemoryBudget = Annotated[
     str,
     typer.Option("--memory-budget", help="Tensor data held in memory at once (e.g. 512MiB, 2GiB)."),
 ]
+Tp = Annotated[int, typer.Option("--tp", help="Target tensor-parallel size.")]
+Pp = Annotated[int, typer.Option("--pp", help="Target pipeline-parallel size.")]
+Vpp = Annotated[int, typer.Option("--vpp", help="Virtual pipeline chunks per stage.")]
+Dp = Annotated[int | None, typer.Option("--dp", help="Target data-parallel size [source's].")]
 DistOpt = Annotated[
     bool | None,
     typer.Option(
@@ -98,6 +102,27 @@ def _human(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n}"
+
+
+def layout_choices(
+    tp: int,
+    pp: int,
+    vpp: int,
+    dp: int | None,
+    first: int | None,
+    last: int | None,
+    distributed_optimizer: bool | None,
+) -> dict[str, Any]:
+    """The target layout as given on the command line; ``None`` keeps the source's choice."""
+    return {
+        "tp": tp,
+        "pp": pp,
+        "vpp": vpp,
+        "dp": dp,
+        "first_stage_layers": first,
+        "last_stage_layers": last,
+        "distributed_optimizer": distributed_optimizer,
+    }
 
 
 def parse_size(text: str) -> int:
@@ -450,12 +475,10 @@ def register_reshard(
     def reshard_cmd(
         src: Annotated[str, typer.Argument(help="Checkpoint directory or URL (sharded or full).")],
         dst: Annotated[str, typer.Argument(help="Destination directory or URL.")],
-        tp: Annotated[int, typer.Option("--tp", help="Target tensor-parallel size.")] = 1,
-        pp: Annotated[int, typer.Option("--pp", help="Target pipeline-parallel size.")] = 1,
-        vpp: Annotated[int, typer.Option("--vpp", help="Virtual pipeline chunks per stage.")] = 1,
-        dp: Annotated[
-            int | None, typer.Option("--dp", help="Target data-parallel size [source's].")
-        ] = None,
+        tp: Tp = 1,
+        pp: Pp = 1,
+        vpp: Vpp = 1,
+        dp: Dp = None,
         distributed_optimizer: DistOpt = None,
         first: FirstStage = None,
         last: LastStage = None,
@@ -506,15 +529,7 @@ def register_reshard(
                 out,
                 src,
                 dst,
-                {
-                    "tp": tp,
-                    "pp": pp,
-                    "vpp": vpp,
-                    "dp": dp,
-                    "first_stage_layers": first,
-                    "last_stage_layers": last,
-                    "distributed_optimizer": distributed_optimizer,
-                },
+                layout_choices(tp, pp, vpp, dp, first, last, distributed_optimizer),
                 full=full,
                 replicas=replica,
                 lost_ranks=lost_ranks,

@@ -15,6 +15,7 @@ from rich.table import Table
 from ckptctl.calibrate import calibrate, save_profile, saved_profiles
 from ckptctl.cli.commands import (
     DistOpt,
+    Dp,
     FirstStage,
     Full,
     Iteration,
@@ -22,12 +23,16 @@ from ckptctl.cli.commands import (
     LastStage,
     LostNodes,
     LostRanks,
+    Pp,
     RanksPerNode,
     Replica,
     Strategy,
+    Tp,
     TrueVocab,
+    Vpp,
     _human,
     _style,
+    layout_choices,
 )
 from ckptctl.cli.output import Output
 from ckptctl.errors import CheckpointError, UsageError
@@ -270,10 +275,10 @@ def register(app: typer.Typer, boundary: Callable[[Output], AbstractContextManag
     def plan_cmd(
         src: Annotated[str, typer.Argument(help="Stored (sharded or full) checkpoint.")],
         dst: Annotated[str | None, typer.Argument(help="Destination, if data would move.")] = None,
-        tp: Annotated[int, typer.Option("--tp", help="Target tensor-parallel size.")] = 1,
-        pp: Annotated[int, typer.Option("--pp", help="Target pipeline-parallel size.")] = 1,
-        vpp: Annotated[int, typer.Option("--vpp", help="Virtual pipeline chunks per stage.")] = 1,
-        dp: Annotated[int | None, typer.Option("--dp", help="Target DP size [source's].")] = None,
+        tp: Tp = 1,
+        pp: Pp = 1,
+        vpp: Vpp = 1,
+        dp: Dp = None,
         distributed_optimizer: DistOpt = None,
         first: FirstStage = None,
         last: LastStage = None,
@@ -306,15 +311,7 @@ def register(app: typer.Typer, boundary: Callable[[Output], AbstractContextManag
             plan, _, _ = plan_for(
                 src,
                 dst,
-                {
-                    "tp": tp,
-                    "pp": pp,
-                    "vpp": vpp,
-                    "dp": dp,
-                    "first_stage_layers": first,
-                    "last_stage_layers": last,
-                    "distributed_optimizer": distributed_optimizer,
-                },
+                layout_choices(tp, pp, vpp, dp, first, last, distributed_optimizer),
                 full=full or [],
                 replicas=replica or [],
                 lost_ranks=lost_ranks,
