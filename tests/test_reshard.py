@@ -189,3 +189,24 @@ def test_tp_not_dividing_query_groups_is_refused(tmp_path: Path, cli) -> None:
     result = cli("reshard", tmp_path / "a", tmp_path / "b", "--tp", "8", code=2)
     assert "tp=8 does not divide num_query_groups=4" in result.stderr
     assert not (tmp_path / "b" / "latest_checkpointed_iteration.txt").exists()
+
+
+def test_parallel_reads_give_the_same_bytes(tmp_path: Path, cli) -> None:
+    from ckptctl.cli import planning
+    from ckptctl.execute import Sources, execute
+    from ckptctl.storage import Storage
+
+    _write(tmp_path / "a", ParallelLayout(tp=2, pp=2), False, torch.float32)
+    wanted = {"tp": 4, "pp": 1, "vpp": 1}
+    plan, ckpt, extra = planning.plan_for(
+        str(tmp_path / "a"), str(tmp_path / "par"), wanted, full=[], replicas=[]
+    )
+    execute(
+        plan,
+        Sources(ckpt, extra),
+        Storage(str(tmp_path / "par")),
+        workers=4,
+        memory_budget=64 << 10,
+    )
+    cli("reshard", tmp_path / "a", tmp_path / "seq", "--tp", "4", "--pp", "1")
+    assert_same_checkpoint(tmp_path / "seq", tmp_path / "par")

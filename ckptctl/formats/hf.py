@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import struct
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from math import prod
@@ -143,6 +144,7 @@ class HFCheckpoint:
     headers: dict[str, dict[str, SafetensorsEntry]]
     config: dict[str, Any]
     _open: dict[str, BinaryIO] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def read(
         self,
@@ -152,9 +154,10 @@ class HFCheckpoint:
         sizes: tuple[int, ...],
         view: tuple[int, tuple[int, ...]] | None = None,
     ) -> torch.Tensor:
-        if path not in self._open:
-            self._open[path] = self.storage.open_read(path)
-        return read_box(self._open[path], self.headers[path][str(key[0])], offsets, sizes)
+        with self._lock:  # one handle per file: seek + read must not interleave
+            if path not in self._open:
+                self._open[path] = self.storage.open_read(path)
+            return read_box(self._open[path], self.headers[path][str(key[0])], offsets, sizes)
 
 
 def probe_hf(storage: Storage, make_vocab_size_divisible_by: int = 128) -> HFCheckpoint:

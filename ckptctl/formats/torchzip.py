@@ -18,6 +18,7 @@ import io
 import pathlib
 import pickle
 import struct
+import threading
 import types
 import zipfile
 from collections.abc import Callable, Iterable
@@ -199,6 +200,8 @@ class TorchZipReader:
             raise CheckpointError(f"{where}: archive has no data.pkl; not a torch.save file")
         self._prefix = pkl[0].rsplit("/", 1)[0]
         self._data_offsets: dict[str, tuple[int, int]] = {}
+        # One file handle: seek + read must not interleave between reader threads.
+        self._lock = threading.Lock()
         self.tree = restricted_loads(self._read_entry(pkl[0]), where)
 
     def _read_entry(self, name: str) -> bytes:
@@ -208,7 +211,7 @@ class TorchZipReader:
             raise CheckpointError(f"{self.where}: cannot read {name} ({err})") from None
 
     def _storage_span(self, key: str) -> tuple[int, int]:
-        """Absolute file offset and size of a storage record's bytes."""
+        """Absolute file offset and size of a storage record's bytes (call under the lock)."""
         if key not in self._data_offsets:
             try:
                 info = self._zip.getinfo(f"{self._prefix}/data/{key}")
@@ -233,11 +236,15 @@ class TorchZipReader:
         """Read box ``[offsets, offsets + sizes)`` of ``ref`` (the whole tensor by default)."""
         offsets = offsets if offsets is not None else (0,) * len(ref.shape)
         sizes = sizes if sizes is not None else ref.shape
-        itemsize = ref.dtype.itemsize
         if prod(sizes) == 0:
             return torch.empty(sizes, dtype=ref.dtype)
         first = ref.offset + sum(o * s for o, s in zip(offsets, ref.stride, strict=True))
         last = first + sum((n - 1) * s for n, s in zip(sizes, ref.stride, strict=True))
+        with self._lock:
+            return self._read_span(ref, sizes, first, last)
+
+    def _read_span(self, ref: TensorRef, sizes: Shape, first: int, last: int) -> torch.Tensor:
+        itemsize = ref.dtype.itemsize
         start, size = self._storage_span(ref.storage.key)
         if (last + 1) * itemsize > size:
             raise CheckpointError(
