@@ -129,6 +129,8 @@ class Plan(_Frozen):
     notes: tuple[str, ...] = ()
     alternatives: tuple[Alternative, ...] = ()
     extra_sources: tuple[SourceRef, ...] = ()
+    read_workers: int = 1
+    """Source ranges fetched in parallel (reads spread over several stored copies)."""
 
     def fingerprint(self) -> str:
         """A stable hash of the plan's content, so processes and reruns can check they agree."""

@@ -24,6 +24,7 @@ from ckptctl.formats.megatron_layout import TRACKER, MegatronStyle, tracker_text
 from ckptctl.layout import ParallelLayout
 from ckptctl.plan import Alternative, Estimates, FileKind, FileWrite, Plan, SourceRef, TextWrite
 from ckptctl.stored import CheckpointView
+from planners.balance import balance_reads
 from planners.cost import StorageProfile, profile_for, with_time
 from planners.reshard import plan_reshard
 
@@ -55,7 +56,10 @@ def _prefixed(stored: Stored, prefix: str) -> CheckpointView:
 
 
 def _timed(
-    plan: Plan, sources: dict[str, str], measured: dict[str, StorageProfile] | None = None
+    plan: Plan,
+    sources: dict[str, str],
+    measured: dict[str, StorageProfile] | None = None,
+    concurrent: bool = False,
 ) -> Plan:
     """Estimate time, charging each source's reads to its own storage profile."""
     bytes_by: dict[str, int] = {}
@@ -71,10 +75,12 @@ def _timed(
             requests_by[prefix] = requests_by.get(prefix, 0) + 1
     target = profile_for(plan.target_url, measured)
     e = with_time(plan.estimates, profile_for(plan.source_url, measured), target)
-    read = sum(
+    per_source = [
         profile_for(sources[p], measured).seconds(bytes_by.get(p, 0), requests_by.get(p, 0))
         for p in sources
-    )
+    ]
+    # Copies on different stores are read side by side when the plan spreads reads over them.
+    read = max(per_source, default=0.0) if concurrent else sum(per_source)
     if plan.strategy == "direct":
         read = profile_for(plan.source_url, measured).seconds(e.bytes_read, e.read_requests)
     write = target.seconds(e.bytes_written, e.write_requests, write=True)
@@ -217,13 +223,41 @@ def plan_auto(
             raise Inapplicable("no sharded checkpoint is stored")
         if sharded.lost:
             raise Inapplicable(f"{len(sharded.lost)} stored file(s) are lost")
-        return reshard_from(
+        plan = reshard_from(
             sharded,
             False,
             "shard-to-shard",
             f"{sharded.view.layout.describe()} -> {target_layout.describe()}: each target shard "
             "assembled from the overlapping byte ranges of the stored shards",
         )
+        replicas = {
+            p: o
+            for p, o in prefixes.items()
+            if not o.lost
+            and o.view.layout == sharded.view.layout
+            and o.view.format == sharded.view.format
+        }
+        if not replicas:
+            return plan
+        balanced = balance_reads(
+            plan,
+            {p: profile_for(o.url, measured) for p, o in replicas.items()},
+            profile_for(sharded.url, measured),
+        )
+        refs = tuple(
+            SourceRef(prefix=p, url=o.url, format=o.view.format, fingerprint=o.fingerprint)
+            for p, o in replicas.items()
+        )
+        balanced = balanced.model_copy(
+            update={
+                "extra_sources": refs,
+                "read_workers": 1 + len(replicas),
+                "reason": plan.reason
+                + f"; reads spread over {1 + len(replicas)} stored copies by bandwidth",
+            }
+        )
+        sources = {"": sharded.url, **{p: o.url for p, o in replicas.items()}}
+        return _timed(balanced, sources, measured, concurrent=True)
 
     def direct() -> Plan:
         if sharded is None:

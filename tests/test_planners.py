@@ -271,3 +271,97 @@ def test_via_full_keeps_the_full_checkpoint_and_cuts_from_it(
     from tests.test_reshard import assert_same_checkpoint
 
     assert_same_checkpoint(checkpoint, tmp_path / "back")
+
+
+def test_reads_spread_over_intact_replicas_by_bandwidth() -> None:
+    plan = plan_auto(
+        stored(TP2PP2, "/nvme"),
+        [stored(TP2PP2, "/nvme-copy")],
+        ParallelLayout(tp=1, pp=4),
+        target_url="/o",
+        style=STYLE,
+    )
+    assert plan.strategy == "shard-to-shard" and plan.read_workers == 2
+    assert coverage_problems(plan) == []
+    by_location = {"": 0, "@0/": 0}
+    for f in plan.files:
+        for t in f.tensors:
+            for c in t.copies:
+                n = 2 if t.dtype == "bfloat16" else 4
+                for size in c.sizes:
+                    n *= size
+                path = plan.source_files[c.source]
+                by_location["@0/" if path.startswith("@0/") else ""] += n
+    share = by_location["@0/"] / sum(by_location.values())
+    assert 0.4 < share < 0.6  # equal bandwidth: about half each
+    # A slow lake copy (S3 profile) takes the smaller share.
+    slow = plan_auto(
+        stored(TP2PP2, "/nvme"),
+        [stored(TP2PP2, "s3://lake/ckpt")],
+        ParallelLayout(tp=1, pp=4),
+        target_url="/o",
+        style=STYLE,
+    )
+    lake = sum(
+        1
+        for f in slow.files
+        for t in f.tensors
+        for c in t.copies
+        if slow.source_files[c.source].startswith("@0/")
+    )
+    local = sum(
+        1
+        for f in slow.files
+        for t in f.tensors
+        for c in t.copies
+        if not slow.source_files[c.source].startswith("@0/")
+    )
+    assert 0 < lake < local
+
+
+def test_reshard_with_replica_reads_both_and_is_exact(
+    checkpoint: Path, tmp_path: Path, cli
+) -> None:
+    import shutil
+
+    replica = tmp_path / "replica"
+    shutil.copytree(checkpoint, replica)
+    summary = cli.json(
+        "reshard", checkpoint, tmp_path / "b", "--tp", "1", "--pp", "4", "--replica", replica
+    )
+    assert "spread over 2 stored copies" in summary["notes"][0] or summary["strategy"]
+    cli("reshard", checkpoint, tmp_path / "plain", "--tp", "1", "--pp", "4")
+    from tests.test_reshard import assert_same_checkpoint
+
+    assert_same_checkpoint(tmp_path / "plain", tmp_path / "b")
+
+
+def test_unreadable_shard_found_by_probing_is_recovered(
+    checkpoint: Path, tmp_path: Path, cli
+) -> None:
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(checkpoint, src)
+    victim = src / "iter_0000001/mp_rank_01_001/model_optim_rng.pt"
+    victim.write_bytes(victim.read_bytes()[:1000])  # truncated
+    cli("consolidate", checkpoint, tmp_path / "full", "--format", "megatron")
+    refused = cli("reshard", src, tmp_path / "x", "--tp", "4", code=3)
+    assert "mp_rank_01_001/model_optim_rng.pt" in refused.stderr
+    summary = cli.json(
+        "reshard",
+        src,
+        tmp_path / "out",
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        "--full",
+        tmp_path / "full",
+        "--strategy",
+        "recovery",
+    )
+    assert summary["strategy"] == "recovery"
+    from tests.test_reshard import assert_same_checkpoint
+
+    assert_same_checkpoint(checkpoint, tmp_path / "out")

@@ -340,7 +340,7 @@ def _carry_out(
         return None
     target = _prepare_target(plan.target_url, plan.source_url, overwrite)
     progress = RichProgress(out.err, enabled=not (out.as_json or quiet))
-    return execute(plan, ckpt, target, progress, memory_budget)
+    return execute(plan, ckpt, target, progress, memory_budget, workers=plan.read_workers)
 
 
 def _finish(out: Output, plan: Plan, report: Report | None, as_json: bool) -> None:

@@ -336,7 +336,13 @@ def probe_megatron(
     for name in sorted(expected - set(missing)):
         rel = join(name, RANK_FILE)
         if rel not in readers:
-            readers[rel] = TorchZipReader(storage.open_read(rel), storage.describe(rel))
+            try:
+                readers[rel] = TorchZipReader(storage.open_read(rel), storage.describe(rel))
+            except (CheckpointError, CheckpointNotFoundError):
+                if not allow_missing:
+                    raise
+                missing.append(name)  # unreadable: as good as lost, if a copy can replace it
+                continue
         other = readers[rel].tree.get("args")
         for key in (
             "tensor_model_parallel_size",
