@@ -1,4 +1,5 @@
-"""``ckptctl demo``: build a small sharded checkpoint, plan, consolidate and check it end to end."""
+"""``ckptctl demo``: build a small sharded checkpoint, consolidate, plan and reshard it, and check
+every step with transformers or bit-for-bit."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from typing import Annotated
 
 import typer
 
-from ckptctl.cli.commands import describe, run_consolidate
+from ckptctl.cli.commands import _human, describe, run_consolidate, run_reshard
 from ckptctl.cli.output import Output
+from ckptctl.cli.planning import plan_for
 from ckptctl.errors import UsageError
 from ckptctl.probe import open_checkpoint
 from ckptctl.stored import Format
@@ -49,20 +51,20 @@ def register(app: typer.Typer, boundary) -> None:  # type: ignore[no-untyped-def
             info = describe(open_checkpoint(str(src)))
             out.show(
                 f"[bold]2.[/] wrote {src}: Megatron legacy, TP{tp} PP{pp}, {len(info['files'])} "
-                f"rank files, {info['tensors']} tensors (weights {info['weight_bytes']} B, "
-                f"optimizer {info['optimizer_bytes']} B)"
+                f"rank files, {info['tensors']} tensors (weights {_human(info['weight_bytes'])}, "
+                f"optimizer {_human(info['optimizer_bytes'])})"
             )
             hf = root / "hf"
             plan, report = run_consolidate(out, str(src), str(hf), Format.HF, quiet=True)
             out.show(
                 f"[bold]3.[/] consolidate -> {hf}: plan '{plan.strategy}' ({plan.reason}); "
-                f"{plan.estimates.read_requests} reads, {report.bytes_written} B written"
+                f"{plan.estimates.read_requests} reads, {_human(report.bytes_written)} written"
             )
             full = root / "megatron-full"
             plan, report = run_consolidate(out, str(src), str(full), Format.MEGATRON, quiet=True)
             out.show(
                 f"[bold]4.[/] consolidate --format megatron -> {full}: TP1 PP1 with optimizer "
-                f"state, {report.bytes_written} B written"
+                f"state, {_human(report.bytes_written)} written"
             )
             transformers.logging.disable_progress_bar()
             loaded = transformers.AutoModelForCausalLM.from_pretrained(
@@ -76,5 +78,55 @@ def register(app: typer.Typer, boundary) -> None:  # type: ignore[no-untyped-def
             )
             verdict = "[green]identical[/]" if same and weights else "[red]DIFFERENT[/]"
             out.show(f"[bold]5.[/] transformers loads {hf}: weights and logits {verdict}")
-            if not (same and weights):
+            target = {"tp": 1, "pp": 4, "vpp": 2}
+            plan, _, _ = plan_for(
+                str(src), str(root / "tp1-pp4-vpp2"), target, full=[], replicas=[]
+            )
+            others = ", ".join(
+                a.strategy
+                + (" (not applicable)" if a.estimates is None else f" ~{a.estimates.seconds:.3f} s")
+                for a in plan.alternatives
+            )
+            out.show(
+                f"[bold]6.[/] plan TP{tp} PP{pp} -> TP1 PP4 VPP2: {plan.strategy} "
+                f"(~{plan.estimates.seconds:.3f} s by the cost model; also weighed: {others})"
+            )
+            moved = root / "tp1-pp4-vpp2"
+            run_reshard(out, str(src), str(moved), target, quiet=True)
+            back = root / f"back-tp{tp}-pp{pp}"
+            run_reshard(out, str(moved), str(back), {"tp": tp, "pp": pp}, quiet=True)
+            exact = _same_tensors(src, back)
+            verdict = "[green]bit-exact[/]" if exact else "[red]DIFFERENT[/]"
+            out.show(
+                f"[bold]7.[/] reshard -> {moved} and back -> {back}: every tensor, optimizer "
+                f"state included, {verdict}"
+            )
+            if not (same and weights and exact):
                 raise typer.Exit(1)
+
+
+def _same_tensors(a: Path, b: Path) -> bool:
+    """Every tensor of every rank file equal (RNG state is dropped by a reshard)."""
+    import torch
+
+    for path in sorted(a.rglob("*.pt")):
+        x = torch.load(path, weights_only=False)
+        y = torch.load(b / path.relative_to(a), weights_only=False)
+        x.pop("rng_state", None)
+        if not _equal(x.get("model"), y.get("model")) or not _equal(
+            x.get("optimizer"), y.get("optimizer")
+        ):
+            return False
+    return True
+
+
+def _equal(x: object, y: object) -> bool:
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return isinstance(y, torch.Tensor) and torch.equal(x, y)
+    if isinstance(x, dict):
+        return isinstance(y, dict) and x.keys() == y.keys() and all(_equal(x[k], y[k]) for k in x)
+    if isinstance(x, list | tuple):
+        return len(x) == len(y) and all(_equal(p, q) for p, q in zip(x, y, strict=True))
+    return x == y
