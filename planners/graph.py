@@ -49,3 +49,41 @@ def overlap_graph(plan: Plan) -> Transfers:
         for a, b, w in graph.edges(data="bytes")
     }
     return Transfers(sources, targets, weights)
+
+
+def execution_order(plan: Plan) -> Plan:
+    """Order the plan's writes as a task DAG: every file write before the commit files (written
+    last, in order: the last one marks the checkpoint complete), and among writes, each next one
+    chosen to share the most source files with the one before, so what was just read is still
+    in the page cache or the read-ahead."""
+    graph = nx.DiGraph()
+    reads: dict[int, set[int]] = {}
+    for i, file in enumerate(plan.files):
+        graph.add_node(("write", i))
+        reads[i] = {c.source for t in file.tensors for c in t.copies}
+        if file.copy_of is not None:
+            reads[i].add(file.copy_of)
+    for j in range(len(plan.finalize)):
+        graph.add_node(("commit", j))
+        for i in range(len(plan.files)):
+            graph.add_edge(("write", i), ("commit", j))
+        if j:
+            graph.add_edge(("commit", j - 1), ("commit", j))
+    order: list[tuple[str, int]] = []
+    indegree = dict(graph.in_degree())
+    ready = sorted(n for n, d in indegree.items() if d == 0)
+    last: set[int] = set()
+    while ready:
+        # Kahn's algorithm; among ready writes prefer source locality, then plan order.
+        pick = max(ready, key=lambda n: (len(reads.get(n[1], set()) & last), -n[1]))
+        ready.remove(pick)
+        order.append(pick)
+        if pick[0] == "write":
+            last = reads[pick[1]]
+        for succ in graph.successors(pick):
+            indegree[succ] -= 1
+            if indegree[succ] == 0:
+                ready.append(succ)
+    assert len(order) == graph.number_of_nodes(), "the write/commit graph has a cycle"
+    writes = tuple(plan.files[i] for kind, i in order if kind == "write")
+    return plan.model_copy(update={"files": writes})

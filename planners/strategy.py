@@ -26,6 +26,7 @@ from ckptctl.plan import Alternative, Estimates, FileKind, FileWrite, Plan, Sour
 from ckptctl.stored import CheckpointView
 from planners.balance import balance_reads
 from planners.cost import StorageProfile, profile_for, with_time
+from planners.graph import execution_order
 from planners.reshard import plan_reshard
 
 
@@ -298,4 +299,4 @@ def plan_auto(
         for n in STRATEGIES
         if n != chosen
     )
-    return results[chosen].model_copy(update={"alternatives": alternatives})
+    return execution_order(results[chosen]).model_copy(update={"alternatives": alternatives})

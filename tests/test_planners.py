@@ -365,3 +365,25 @@ def test_unreadable_shard_found_by_probing_is_recovered(
     from tests.test_reshard import assert_same_checkpoint
 
     assert_same_checkpoint(checkpoint, tmp_path / "out")
+
+
+def test_execution_order_keeps_source_locality_and_commits_last() -> None:
+    from planners.graph import execution_order
+
+    plan = plan_auto(
+        stored(ParallelLayout(pp=2), "/a"),
+        [],
+        ParallelLayout(tp=4, pp=2),
+        target_url="/b",
+        style=STYLE,
+    )
+    assert execution_order(plan).files == plan.files  # already applied: idempotent
+    # Interleave the stages: stage 0 and stage 1 targets read different source files.
+    files = plan.files
+    mixed = plan.model_copy(update={"files": tuple(files[i] for i in (0, 4, 1, 5, 2, 6, 3, 7))})
+    ordered = execution_order(mixed)
+    assert sorted(f.path for f in ordered.files) == sorted(f.path for f in files)
+    sources = [frozenset(c.source for t in f.tensors for c in t.copies) for f in ordered.files]
+    changes = sum(1 for a, b in zip(sources, sources[1:], strict=False) if a != b)
+    assert changes == 1  # all targets of one source, then all of the other
+    assert ordered.finalize == plan.finalize  # the commit marker stays last
