@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -384,6 +385,6 @@ def test_execution_order_keeps_source_locality_and_commits_last() -> None:
     ordered = execution_order(mixed)
     assert sorted(f.path for f in ordered.files) == sorted(f.path for f in files)
     sources = [frozenset(c.source for t in f.tensors for c in t.copies) for f in ordered.files]
-    changes = sum(1 for a, b in zip(sources, sources[1:], strict=False) if a != b)
+    changes = sum(1 for a, b in pairwise(sources) if a != b)
     assert changes == 1  # all targets of one source, then all of the other
     assert ordered.finalize == plan.finalize  # the commit marker stays last
