@@ -12,10 +12,12 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from math import prod
 from typing import Any, Protocol
 
 import torch
+import xxhash
 
 from ckptctl.catalog import parameters
 from ckptctl.formats.hf import write_safetensors
@@ -34,6 +36,7 @@ from ckptctl.formats.torchzip import (
     write_in_slices,
     write_torch_zip,
 )
+from ckptctl.manifest import MANIFEST, mark_incomplete, write_manifest
 from ckptctl.plan import FileKind, FileWrite, Plan, TensorWrite
 from ckptctl.prefetch import ReadAhead
 from ckptctl.storage import Storage
@@ -77,6 +80,8 @@ class Report:
     files_written: list[str] = field(default_factory=list)
     seconds: float = 0.0
     peak_rss_bytes: int = 0
+    tensor_checksums: dict[str, dict[str, str]] = field(default_factory=dict)
+    """File -> tensor key -> xxh3-64 of its bytes, taken while streaming."""
 
 
 def peak_rss_bytes() -> int:
@@ -109,19 +114,24 @@ class _Assembler:
         # parallel, their contiguous copies, a dtype cast).
         self.band_bytes = max(budget // 8, 1) if pool is None else max(budget // 12, 1)
 
-    def chunks(self, write: TensorWrite) -> Iterator[memoryview]:
+    def chunks(self, write: TensorWrite, file: str = "") -> Iterator[memoryview]:
         dtype = getattr(torch, write.dtype)
         shape = write.shape
+        digest = xxhash.xxh3_64()
         if not shape:
-            yield self._emit(self._band(write, dtype, 0, 1))
-            return
-        row_bytes = max(prod(shape[1:]) * dtype.itemsize, 1)
-        rows = max(self.band_bytes // row_bytes, 1)
-        for start in range(0, shape[0], rows):
-            yield self._emit(self._band(write, dtype, start, min(start + rows, shape[0])))
+            yield self._emit(self._band(write, dtype, 0, 1), digest)
+        else:
+            row_bytes = max(prod(shape[1:]) * dtype.itemsize, 1)
+            rows = max(self.band_bytes // row_bytes, 1)
+            for start in range(0, shape[0], rows):
+                band = self._band(write, dtype, start, min(start + rows, shape[0]))
+                yield self._emit(band, digest)
+        key = ".".join(map(str, write.key))
+        self.report.tensor_checksums.setdefault(file, {})[key] = digest.hexdigest()
 
-    def _emit(self, band: torch.Tensor) -> memoryview:
+    def _emit(self, band: torch.Tensor, digest: Any) -> memoryview:
         view = tensor_bytes(band)
+        digest.update(view)
         self.report.bytes_written += len(view)
         self.progress.advance(len(view))
         return view
@@ -221,6 +231,7 @@ def execute(
         prod(t.shape) * getattr(torch, t.dtype).itemsize for f in plan.files for t in f.tensors
     )
     progress.start(total, f"{plan.operation} -> {plan.target_url}")
+    mark_incomplete(target, plan)
     pool = ThreadPoolExecutor(workers, thread_name_prefix="ckptctl-read") if workers > 1 else None
     assemble = _Assembler(plan, source, report, progress, memory_budget, pool)
     try:
@@ -231,6 +242,8 @@ def execute(
     for text in plan.finalize:
         target.write_text(text.path, text.content)
         report.files_written.append(text.path)
+    write_manifest(target, plan, report.tensor_checksums)
+    report.files_written.append(MANIFEST)
     progress.finish()
     report.seconds = time.perf_counter() - started
     report.peak_rss_bytes = peak_rss_bytes()
@@ -244,7 +257,8 @@ def _write_files(
         with target.open_write(file.path) as out:
             if file.kind is FileKind.SAFETENSORS:
                 entries = [(str(t.key[0]), t.dtype, t.shape) for t in file.tensors]
-                with ReadAhead(list(file.tensors), assemble.chunks) as ahead:
+                produce = partial(assemble.chunks, file=file.path)
+                with ReadAhead(list(file.tensors), produce) as ahead:
                     write_safetensors(out, entries, lambda i, f=file: ahead(f.tensors[i]))
             elif file.kind is FileKind.COPY:
                 _copy_file(source, plan.source_files[file.copy_of or 0], out, assemble)
@@ -289,7 +303,7 @@ def _write_distopt_file(file: FileWrite, out: Any, assemble: _Assembler) -> None
         for write in members[slot]:
             assert write.view_offset is not None and write.view_offset >= pos
             yield from _zeros(write.view_offset - pos)
-            yield from assemble.chunks(write)
+            yield from assemble.chunks(write, file.path)
             pos = write.view_offset + prod(write.shape)
         yield from _zeros(slot.shape[0] - pos)
 
@@ -337,7 +351,7 @@ def _write_rank_file(plan: Plan, file: Any, source: Source, out: Any, assemble: 
 
     def produce(slot: TensorSlot) -> Iterator[memoryview]:
         if slot.key in writes:
-            yield from assemble.chunks(writes[slot.key])
+            yield from assemble.chunks(writes[slot.key], file.path)
         else:
             data = owner.read_ref(template_path, refs[int(slot.key.removeprefix("carried"))])
             yield tensor_bytes(data)

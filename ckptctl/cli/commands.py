@@ -17,6 +17,7 @@ from ckptctl.errors import OutputExistsError, UsageError
 from ckptctl.execute import DEFAULT_MEMORY_BUDGET, Report, Sources, execute
 from ckptctl.formats.megatron import MegatronCheckpoint
 from ckptctl.formats.megatron_layout import MegatronStyle
+from ckptctl.manifest import INCOMPLETE
 from ckptctl.plan import Plan
 from ckptctl.probe import Checkpoint, fingerprint, open_checkpoint
 from ckptctl.storage import Storage
@@ -227,6 +228,8 @@ def _prepare_target(url: str, source_url: str, overwrite: bool) -> Storage:
     source = Storage(source_url)
     if target.fs is source.fs and target.root == source.root:
         raise UsageError("the destination is the source; choose another directory")
+    if target.exists() and target.isdir() and target.listdir("") == [INCOMPLETE]:
+        target.remove("")  # only a marker of a run that never wrote anything
     if target.exists() and (not target.isdir() or target.listdir("")):
         if not overwrite:
             raise OutputExistsError(
