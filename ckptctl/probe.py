@@ -10,6 +10,7 @@ from ckptctl.formats.hf import HFCheckpoint, probe_hf
 from ckptctl.formats.hf_layout import CONFIG
 from ckptctl.formats.megatron import MegatronCheckpoint, probe_megatron
 from ckptctl.formats.megatron_layout import TRACKER
+from ckptctl.manifest import refuse_incomplete
 from ckptctl.storage import Storage
 from ckptctl.stored import CheckpointView
 
@@ -22,10 +23,13 @@ def open_checkpoint(
     iteration: int | None = None,
     true_vocab_size: int | None = None,
     allow_missing: bool = False,
+    allow_incomplete: bool = False,
 ) -> Checkpoint:
     storage = Storage(url)
     if not storage.exists():
         raise CheckpointNotFoundError(f"{url}: no such checkpoint directory")
+    if not allow_incomplete:
+        refuse_incomplete(storage)
     names = set(storage.listdir(""))
     if TRACKER in names or any(n.startswith(("mp_rank_", "iter_", "release")) for n in names):
         return probe_megatron(

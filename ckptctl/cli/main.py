@@ -75,6 +75,7 @@ commands.register(app, error_boundary)
 commands.register_reshard(app, error_boundary)
 planning.register(app, error_boundary)
 planning.register_calibrate(app, error_boundary)
+planning.register_verify(app, error_boundary)
 demo.register(app, error_boundary)
 
 

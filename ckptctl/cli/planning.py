@@ -361,3 +361,31 @@ def register_calibrate(
                     f"{_human(profile.write_bandwidth)}/s, latency "
                     f"{profile.latency * 1e3:.2f} ms; saved to {path}"
                 )
+
+
+def register_verify(
+    app: typer.Typer, boundary: Callable[[Output], AbstractContextManager[None]]
+) -> None:
+    @app.command("verify")
+    def verify_cmd(
+        ckpt: Annotated[str, typer.Argument(help="Checkpoint directory or URL.")],
+        numerics: Annotated[bool, typer.Option("--numerics", help="Scan for NaN/Inf.")] = False,
+        as_json: Json = False,
+    ) -> None:
+        """Check a checkpoint is whole: completion marker, manifest sizes and checksums, structure,
+        coverage of every tensor, and (--numerics) finite values. Exit 1 if a check fails."""
+        from ckptctl.verify import as_json as report_json
+        from ckptctl.verify import verify
+
+        out = Output(as_json)
+        with boundary(out):
+            checks = verify(ckpt, numerics=numerics)
+            report = report_json(checks)
+            if as_json:
+                out.json(report)
+            else:
+                colour = {"passed": "green", "failed": "red", "skipped": "yellow"}
+                for c in checks:
+                    out.show(f"[{colour[c.status]}]{c.status:>7}[/] {c.name}: {c.detail}")
+            if not report["ok"]:
+                raise typer.Exit(1)
