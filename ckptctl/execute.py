@@ -36,7 +36,7 @@ from ckptctl.formats.torchzip import (
     write_in_slices,
     write_torch_zip,
 )
-from ckptctl.manifest import MANIFEST, mark_incomplete, write_manifest
+from ckptctl.manifest import MANIFEST, RunLog, write_manifest
 from ckptctl.plan import FileKind, FileWrite, Plan, TensorWrite
 from ckptctl.prefetch import ReadAhead
 from ckptctl.storage import Storage
@@ -231,18 +231,18 @@ def execute(
         prod(t.shape) * getattr(torch, t.dtype).itemsize for f in plan.files for t in f.tensors
     )
     progress.start(total, f"{plan.operation} -> {plan.target_url}")
-    mark_incomplete(target, plan)
+    log = RunLog(target, plan)
     pool = ThreadPoolExecutor(workers, thread_name_prefix="ckptctl-read") if workers > 1 else None
     assemble = _Assembler(plan, source, report, progress, memory_budget, pool)
     try:
-        _write_files(plan, source, target, report, assemble)
+        _write_files(plan, source, target, report, assemble, log)
     finally:
         if pool is not None:
             pool.shutdown(wait=True)
     for text in plan.finalize:
         target.write_text(text.path, text.content)
         report.files_written.append(text.path)
-    write_manifest(target, plan, report.tensor_checksums)
+    write_manifest(target, plan, report.tensor_checksums, log.done)
     report.files_written.append(MANIFEST)
     progress.finish()
     report.seconds = time.perf_counter() - started
@@ -251,9 +251,22 @@ def execute(
 
 
 def _write_files(
-    plan: Plan, source: Sources, target: Storage, report: Report, assemble: _Assembler
+    plan: Plan,
+    source: Sources,
+    target: Storage,
+    report: Report,
+    assemble: _Assembler,
+    log: RunLog,
 ) -> None:
     for file in plan.files:
+        reused = log.reusable(file.path)
+        if reused is not None:  # resuming: this file was finished and is intact
+            report.tensor_checksums[file.path] = reused["tensors"]
+            assemble.progress.advance(
+                sum(prod(t.shape) * getattr(torch, t.dtype).itemsize for t in file.tensors)
+            )
+            report.files_written.append(file.path)
+            continue
         with target.open_write(file.path) as out:
             if file.kind is FileKind.SAFETENSORS:
                 entries = [(str(t.key[0]), t.dtype, t.shape) for t in file.tensors]
@@ -266,6 +279,7 @@ def _write_files(
                 _write_distopt_file(file, out, assemble)
             else:
                 _write_rank_file(plan, file, source, out, assemble)
+        log.finished(file.path, report.tensor_checksums.get(file.path, {}))
         report.files_written.append(file.path)
 
 

@@ -31,30 +31,78 @@ def file_checksum(storage: Storage, rel: str, chunk: int = 8 << 20) -> str:
     return digest.hexdigest()
 
 
-def mark_incomplete(storage: Storage, plan: Plan) -> None:
-    storage.write_text(
-        INCOMPLETE,
-        json.dumps({"operation": plan.operation, "plan_fingerprint": plan.fingerprint()}),
-    )
+class RunLog:
+    """The in-progress marker doubles as a log of finished files (size, checksum, tensor
+    checksums), rewritten after each one, so a rerun of the same plan can resume."""
+
+    def __init__(self, storage: Storage, plan: Plan) -> None:
+        self.storage = storage
+        self.fingerprint = plan.fingerprint()
+        self.done: dict[str, dict[str, Any]] = {}
+        previous = read_marker(storage)
+        if previous and previous.get("plan_fingerprint") == self.fingerprint:
+            self.done = dict(previous.get("done", {}))
+        self._save(plan.operation)
+
+    def _save(self, operation: str = "") -> None:
+        body = {"operation": operation, "plan_fingerprint": self.fingerprint, "done": self.done}
+        self.storage.write_text(INCOMPLETE, json.dumps(body))
+
+    def reusable(self, path: str) -> dict[str, Any] | None:
+        """The log entry of ``path`` if the file on disk still matches it."""
+        entry = self.done.get(path)
+        if entry is None or not self.storage.exists(path):
+            return None
+        if self.storage.size(path) != entry["size"]:
+            return None
+        if file_checksum(self.storage, path) != entry["checksum"]:
+            return None
+        return entry
+
+    def finished(self, path: str, tensors: dict[str, str]) -> None:
+        self.done[path] = {
+            "size": self.storage.size(path),
+            "checksum": file_checksum(self.storage, path),
+            "tensors": tensors,
+        }
+        self._save()
+
+
+def read_marker(storage: Storage) -> dict[str, Any] | None:
+    if not storage.exists(INCOMPLETE):
+        return None
+    try:
+        return json.loads(storage.read_text(INCOMPLETE))
+    except ValueError:
+        return {}
 
 
 def write_manifest(
-    storage: Storage, plan: Plan, tensor_checksums: dict[str, dict[str, str]]
+    storage: Storage,
+    plan: Plan,
+    tensor_checksums: dict[str, dict[str, str]],
+    known: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """Checksum every written file, write the manifest, then clear the in-progress marker."""
+    """Write the manifest (checksums of files already logged are reused), then clear the
+    in-progress marker: from here on the checkpoint is complete."""
+    known = known or {}
     paths = [f.path for f in plan.files] + [t.path for t in plan.finalize]
     body = {
         "manifest_version": MANIFEST_VERSION,
         "tool": f"ckptctl {__version__}",
         "operation": plan.operation,
         "strategy": plan.strategy,
+        "plan_fingerprint": plan.fingerprint(),
         "source": {"url": plan.source_url, "fingerprint": plan.source_fingerprint},
         "format": plan.target_format.value,
         "layout": plan.target_layout.model_dump(mode="json"),
         "spec": plan.spec.model_dump(mode="json"),
         "checksum": "xxh3_64",
         "files": {
-            p: {"size": storage.size(p), "checksum": file_checksum(storage, p)} for p in paths
+            p: {"size": known[p]["size"], "checksum": known[p]["checksum"]}
+            if p in known
+            else {"size": storage.size(p), "checksum": file_checksum(storage, p)}
+            for p in paths
         },
         "tensors": tensor_checksums,
     }
@@ -69,3 +117,15 @@ def refuse_incomplete(storage: Storage) -> None:
             f"{storage.url} was never completed ({INCOMPLETE} is present): rerun the job that "
             "wrote it, or pass --allow-incomplete to read it anyway"
         )
+
+
+def completed_by(url: str, fingerprint: str) -> bool:
+    """Whether ``url`` holds a finished output of the plan with this fingerprint (a rerun of the
+    same command then has nothing to do)."""
+    storage = Storage(url)
+    if not storage.exists(MANIFEST) or storage.exists(INCOMPLETE):
+        return False
+    try:
+        return json.loads(storage.read_text(MANIFEST)).get("plan_fingerprint") == fingerprint
+    except ValueError:
+        return False

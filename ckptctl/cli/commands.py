@@ -17,7 +17,7 @@ from ckptctl.errors import OutputExistsError, UsageError
 from ckptctl.execute import DEFAULT_MEMORY_BUDGET, Report, Sources, execute
 from ckptctl.formats.megatron import MegatronCheckpoint
 from ckptctl.formats.megatron_layout import MegatronStyle
-from ckptctl.manifest import INCOMPLETE
+from ckptctl.manifest import INCOMPLETE, completed_by, read_marker
 from ckptctl.plan import Plan
 from ckptctl.probe import Checkpoint, fingerprint, open_checkpoint
 from ckptctl.storage import Storage
@@ -223,13 +223,20 @@ def _show_inspect(out: Output, info: dict[str, Any]) -> None:
         out.warn(note)
 
 
-def _prepare_target(url: str, source_url: str, overwrite: bool) -> Storage:
+def _prepare_target(
+    url: str, source_url: str, overwrite: bool, fingerprint: str | None = None
+) -> Storage:
     target = Storage(url)
     source = Storage(source_url)
     if target.fs is source.fs and target.root == source.root:
         raise UsageError("the destination is the source; choose another directory")
-    if target.exists() and target.isdir() and target.listdir("") == [INCOMPLETE]:
-        target.remove("")  # only a marker of a run that never wrote anything
+    marker = read_marker(target) if target.isdir() else None
+    if marker and marker.get("plan_fingerprint") == fingerprint and not overwrite:
+        return target  # an interrupted run of this very plan: resume it
+    # Leftovers of a run killed before it wrote anything are not content.
+    debris = {INCOMPLETE, INCOMPLETE + ".partial"}
+    if target.isdir() and target.listdir("") and set(target.listdir("")) <= debris:
+        target.remove("")
     if target.exists() and (not target.isdir() or target.listdir("")):
         if not overwrite:
             raise OutputExistsError(
@@ -341,7 +348,10 @@ def _carry_out(
             out.warn(note)
     if dry_run:
         return None
-    target = _prepare_target(plan.target_url, plan.source_url, overwrite)
+    if not overwrite and completed_by(plan.target_url, plan.fingerprint()):
+        out.info(f"{plan.target_url} is already complete for this plan; nothing to do")
+        return Report(files_written=[])
+    target = _prepare_target(plan.target_url, plan.source_url, overwrite, plan.fingerprint())
     progress = RichProgress(out.err, enabled=not (out.as_json or quiet))
     return execute(plan, ckpt, target, progress, memory_budget, workers=plan.read_workers)
 
