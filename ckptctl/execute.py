@@ -91,7 +91,7 @@ def peak_rss_bytes() -> int:
 DEFAULT_MEMORY_BUDGET = 1 << 30
 
 
-class _Assembler:
+class Assembler:
     """Builds each target tensor from its copies, in bands of whole rows that fit the budget.
 
     A band is a slice of dim 0; tensors are row-major, so bands streamed in order are exactly the
@@ -100,14 +100,15 @@ class _Assembler:
 
     def __init__(
         self,
-        plan: Plan,
+        plan: Plan | tuple[str, ...],
         source: Source,
         report: Report,
         progress: Progress,
         budget: int,
         pool: ThreadPoolExecutor | None = None,
     ) -> None:
-        self.plan, self.source, self.report, self.progress = plan, source, report, progress
+        self.source_files = plan.source_files if isinstance(plan, Plan) else tuple(plan)
+        self.source, self.report, self.progress = source, report, progress
         self.pool = pool
         # Up to four bands are alive (two queued for writing, one being written, one being
         # built); the one being built is held up to four times (output band, bytes read in
@@ -154,7 +155,7 @@ class _Assembler:
                 src = (src[0] + a - dst[0], *src[1:])
                 dst = (a - lo, *dst[1:])
                 sizes = (b - a, *sizes[1:])
-            path = self.plan.source_files[copy.source]
+            path = self.source_files[copy.source]
             reads.append((dst, sizes, (path, copy.key, src, sizes, copy.view)))
         # The reads of a band are disjoint parts of it, so fetching them at once (from
         # different files and stores in parallel) stays within the band's memory.
@@ -233,7 +234,7 @@ def execute(
     progress.start(total, f"{plan.operation} -> {plan.target_url}")
     log = RunLog(target, plan)
     pool = ThreadPoolExecutor(workers, thread_name_prefix="ckptctl-read") if workers > 1 else None
-    assemble = _Assembler(plan, source, report, progress, memory_budget, pool)
+    assemble = Assembler(plan, source, report, progress, memory_budget, pool)
     try:
         _write_files(plan, source, target, report, assemble, log)
     finally:
@@ -255,7 +256,7 @@ def _write_files(
     source: Sources,
     target: Storage,
     report: Report,
-    assemble: _Assembler,
+    assemble: Assembler,
     log: RunLog,
 ) -> None:
     for file in plan.files:
@@ -283,7 +284,7 @@ def _write_files(
         report.files_written.append(file.path)
 
 
-def _copy_file(source: Sources, path: str, out: Any, assemble: _Assembler) -> None:
+def _copy_file(source: Sources, path: str, out: Any, assemble: Assembler) -> None:
     """A stored file as it is (direct strategy), streamed in bounded chunks."""
     ckpt, rel = source.owner(path)
     with ckpt.storage.open_read(rel) as f:
@@ -294,7 +295,7 @@ def _copy_file(source: Sources, path: str, out: Any, assemble: _Assembler) -> No
             assemble.progress.advance(len(chunk))
 
 
-def _write_distopt_file(file: FileWrite, out: Any, assemble: _Assembler) -> None:
+def _write_distopt_file(file: FileWrite, out: Any, assemble: Assembler) -> None:
     """``distrib_optim.pt``: each flat buffer streamed in offset order, gaps as zeros."""
     tree: dict[Any, Any] = {"buckets_coalesced": True}
     slots: list[TensorSlot] = []
@@ -334,7 +335,7 @@ def _zeros(count: int, chunk: int = 1 << 20) -> Iterator[memoryview]:
         count -= n
 
 
-def _write_rank_file(plan: Plan, file: Any, source: Source, out: Any, assemble: _Assembler) -> None:
+def _write_rank_file(plan: Plan, file: Any, source: Source, out: Any, assemble: Assembler) -> None:
     refs: list[TensorRef] = []
     owner, template_path = source.owner(plan.source_files[file.carry_from or 0])
     if isinstance(owner, MegatronCheckpoint):

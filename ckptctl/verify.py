@@ -147,5 +147,26 @@ def _numerics(ckpt: Checkpoint, band_bytes: int) -> Check:
     return Check("numerics", "passed", f"{checked} tensors finite")
 
 
+def against(url: str, other: str, *, rtol: float, atol: float) -> tuple[Check, list[dict]]:
+    """Compare ``url`` with ``other`` tensor by tensor (any layouts and formats)."""
+    from ckptctl.compare import compare
+
+    diffs = compare(open_checkpoint(url), open_checkpoint(other), rtol=rtol, atol=atol)
+    rows = [asdict(d) for d in diffs]
+    bad = [d for d in diffs if not d.equal]
+    how = "bit-exact" if rtol == 0 and atol == 0 else f"rtol={rtol}, atol={atol}"
+    if not diffs:
+        return Check("against", "failed", f"no tensor in common with {other}"), rows
+    if bad:
+        worst = max(bad, key=lambda d: d.max_abs_diff)
+        return Check(
+            "against",
+            "failed",
+            f"{len(bad)} of {len(diffs)} tensors differ from {other} ({how}); largest max abs "
+            f"diff {worst.max_abs_diff:.3g} in {worst.name}",
+        ), rows
+    return Check("against", "passed", f"{len(diffs)} tensors equal to {other} ({how})"), rows
+
+
 def as_json(checks: list[Check]) -> dict:
     return {"ok": all(c.status != "failed" for c in checks), "checks": [asdict(c) for c in checks]}

@@ -72,3 +72,22 @@ def test_interrupted_output_is_refused_by_readers(source: Path, tmp_path: Path, 
     assert "never completed" in refused.stderr
     report = json.loads(cli("verify", tmp_path / "out", "--json", code=1).stdout)
     assert _statuses(report)["complete"] == "failed" and not report["ok"]
+
+
+def test_against_compares_across_layouts_and_formats(source: Path, tmp_path: Path, cli) -> None:
+    cli("reshard", source, tmp_path / "tp4", "--tp", "4", "--pp", "1")
+    cli("consolidate", source, tmp_path / "hf")
+    report = cli.json("verify", tmp_path / "tp4", "--against", source)
+    against = next(c for c in report["checks"] if c["name"] == "against")
+    assert against["status"] == "passed" and "bit-exact" in against["detail"]
+    assert all(t["max_abs_diff"] == 0.0 for t in report["tensors"])
+    assert any(t["name"].startswith("exp_avg/") for t in report["tensors"])
+    cli.json("verify", tmp_path / "hf", "--against", source)  # weights only, HF vs Megatron
+    # bf16 copy: differs bit-wise, passes within a tolerance, and says by how much.
+    cli("consolidate", source, tmp_path / "bf16", "--dtype", "bf16")
+    failed = json.loads(
+        cli("verify", tmp_path / "bf16", "--against", tmp_path / "hf", "--json", code=1).stdout
+    )
+    worst = max(t["max_abs_diff"] for t in failed["tensors"])
+    assert 0 < worst < 0.1
+    cli.json("verify", tmp_path / "bf16", "--against", tmp_path / "hf", "--atol", "0.1")

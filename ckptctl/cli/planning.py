@@ -370,17 +370,31 @@ def register_verify(
     def verify_cmd(
         ckpt: Annotated[str, typer.Argument(help="Checkpoint directory or URL.")],
         numerics: Annotated[bool, typer.Option("--numerics", help="Scan for NaN/Inf.")] = False,
+        other: Annotated[
+            str | None,
+            typer.Option("--against", help="Compare every tensor with this checkpoint."),
+        ] = None,
+        rtol: Annotated[float, typer.Option("--rtol", help="Relative tolerance.")] = 0.0,
+        atol: Annotated[float, typer.Option("--atol", help="Absolute tolerance.")] = 0.0,
         as_json: Json = False,
     ) -> None:
         """Check a checkpoint is whole: completion marker, manifest sizes and checksums, structure,
-        coverage of every tensor, and (--numerics) finite values. Exit 1 if a check fails."""
+        coverage of every tensor, (--numerics) finite values, and (--against B) equal to B tensor
+        by tensor in any layout or format. Exit 0 all passed, 1 a check failed, 2 usage, 3 bad
+        input."""
+        from ckptctl.verify import against, verify
         from ckptctl.verify import as_json as report_json
-        from ckptctl.verify import verify
 
         out = Output(as_json)
         with boundary(out):
             checks = verify(ckpt, numerics=numerics)
+            tensors: list[dict] = []
+            if other is not None:
+                check, tensors = against(ckpt, other, rtol=rtol, atol=atol)
+                checks.append(check)
             report = report_json(checks)
+            if tensors:
+                report["tensors"] = tensors
             if as_json:
                 out.json(report)
             else:
