@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import io
+import json
 import pickle
 import shutil
 import zipfile
@@ -89,6 +90,25 @@ def _not_a_checkpoint(root: Path) -> None:
     shutil.rmtree(root)
     root.mkdir()
     (root / "notes.txt").write_text("hello")
+
+
+def _distributed(root: Path, drop: str) -> None:
+    shutil.rmtree(root)
+    model = synth.make_model(synth.tiny_llama_config(num_layers=4), seed=0)
+    synth.write_megatron(
+        model, synth.adam_step(model, seed=0), root, tp=2, pp=2, dp=2, distributed_optimizer=True
+    )
+    (root / drop).unlink()
+
+
+def _rewrite(path: Path, edit: Callable[[dict], None]) -> None:
+    data = torch.load(path, weights_only=False)
+    edit(data)
+    torch.save(data, path)
+
+
+def _flag_distributed(data: dict) -> None:
+    data["args"].use_distributed_optimizer = True
 
 
 def _tp3(data: dict) -> None:
@@ -185,3 +205,250 @@ def test_debug_shows_traceback(source_template: Path, tmp_path: Path, cli) -> No
         __import__("ckptctl.cli.main").cli.main.app, ["--debug", "inspect", str(src)]
     )
     assert result.exit_code != 0 and result.exception is not None
+
+
+# --- more of the corpus: Megatron files, HF files, impossible targets ---------------------------
+
+
+def _edit(key: str, value: object) -> Callable[[Path], None]:
+    def corrupt(root: Path) -> None:
+        def edit(data: dict) -> None:
+            node = data
+            parts = key.split("/")
+            for part in parts[:-1]:
+                node = node[part] if isinstance(node, dict) else getattr(node, part)
+            if isinstance(node, dict):
+                node[parts[-1]] = value(node[parts[-1]]) if callable(value) else value
+            else:
+                setattr(node, parts[-1], value)
+
+        _rewrite_rank0(root, edit)
+
+    return corrupt
+
+
+QKV = "model/decoder.layers.0.self_attention.linear_qkv.weight"
+MORE: dict[str, tuple[Callable[[Path], None], str, int]] = {
+    "empty rank file": (
+        lambda r: (r / RANK0).write_bytes(b""),
+        "mp_rank_00_000/model_optim_rng.pt: not a readable torch",
+        3,
+    ),
+    "empty tracker": (
+        lambda r: (r / "latest_checkpointed_iteration.txt").write_text(""),
+        "expected an iteration number",
+        3,
+    ),
+    "zero-size tensor": (
+        _edit(QKV, lambda t: t[:0].clone()),
+        "linear_qkv.weight has shape [0, 64], expected [64, 64]",
+        3,
+    ),
+    "integer dtype": (
+        _edit(QKV, lambda t: t.to(torch.int32)),
+        "has dtype int32; only floating-point weights are supported",
+        3,
+    ),
+    "unknown extra tensor": (
+        _edit("model/decoder.layers.0.mystery.weight", torch.zeros(3)),
+        "unexpected tensor model.decoder.layers.0.mystery.weight",
+        3,
+    ),
+    "unknown extra rank dir": (
+        lambda r: shutil.copytree(
+            r / "iter_0000001/mp_rank_00_000", r / "iter_0000001/mp_rank_07_000"
+        ),
+        "rank directories mp_rank_07_000 do not belong to TP2 PP2",
+        3,
+    ),
+    "distributed optimizer file missing": (
+        lambda r: _distributed(r, drop="iter_0000001/mp_rank_01_001/distrib_optim.pt"),
+        "mp_rank_01_001/distrib_optim.pt: file not found",
+        3,
+    ),
+    "distributed flag without its state": (
+        lambda r: [_rewrite(p, _flag_distributed) for p in r.rglob("model_optim_rng.pt")],
+        "is not the distributed optimizer's",
+        3,
+    ),
+    "no args": (
+        lambda r: _rewrite_rank0(r, lambda d: d.pop("args")),
+        "no 'args' namespace",
+        3,
+    ),
+    "mixture of experts": (
+        _edit("args/num_experts", 8),
+        "mixture-of-experts models are not yet supported",
+        2,
+    ),
+    "empty iteration dir": (
+        lambda r: [shutil.rmtree(p) for p in (r / "iter_0000001").iterdir()],
+        "no mp_rank_* directories",
+        3,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(MORE))
+def test_more_bad_megatron_inputs(source_template: Path, tmp_path: Path, cli, case: str) -> None:
+    corrupt, message, code = MORE[case]
+    _check_refused(source_template, tmp_path, cli, corrupt, ["consolidate"], message, code)
+
+
+def _check_refused(template, tmp_path, cli, corrupt, command, message, code, extra=()) -> None:
+    src = _copy(template, tmp_path / "src")
+    corrupt(src)
+    before = _digest(src)
+    dst = tmp_path / "out"
+    result = cli(*command, src, dst, *extra, code=code)
+    err = result.stderr
+    assert message in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert _digest(src) == before
+    assert not (dst / "ckptctl.manifest.json").exists()
+    assert not (dst / "latest_checkpointed_iteration.txt").exists()
+
+
+@pytest.fixture(scope="module")
+def hf_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    model = synth.make_model(synth.tiny_llama_config(num_layers=2), seed=0)
+    out = tmp_path_factory.mktemp("badhf") / "hf"
+    synth.save_hf(model, str(out))
+    return out
+
+
+def _json_edit(name: str, change: Callable[[dict], None]) -> Callable[[Path], None]:
+    def corrupt(root: Path) -> None:
+        data = json.loads((root / name).read_text())
+        change(data)
+        (root / name).write_text(json.dumps(data))
+
+    return corrupt
+
+
+def _sharded_hf(root: Path) -> None:
+    """Give the single-file model an index, the form the index cases corrupt."""
+    names = json.loads(_safetensors_header(root / "model.safetensors"))
+    index = {
+        "metadata": {},
+        "weight_map": {k: "model.safetensors" for k in names if k != "__metadata__"},
+    }
+    (root / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def _safetensors_header(path: Path) -> str:
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    return raw[8 : 8 + n].decode()
+
+
+def _rewrite_header(root: Path, change: Callable[[dict], None]) -> None:
+    path = root / "model.safetensors"
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    change(header)
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    path.write_bytes(len(blob).to_bytes(8, "little") + blob + raw[8 + n :])
+
+
+def _both(*steps: Callable[[Path], None]) -> Callable[[Path], None]:
+    def corrupt(root: Path) -> None:
+        for step in steps:
+            step(root)
+
+    return corrupt
+
+
+HF_CASES: dict[str, tuple[Callable[[Path], None], str, int]] = {
+    "config not json": (
+        lambda r: (r / "config.json").write_text("{nope"),
+        "config.json: not JSON",
+        3,
+    ),
+    "not llama": (
+        _json_edit("config.json", lambda c: c.update(model_type="gpt2")),
+        "only 'llama' is supported",
+        2,
+    ),
+    "index without weight_map": (
+        _both(
+            _sharded_hf, _json_edit("model.safetensors.index.json", lambda i: i.pop("weight_map"))
+        ),
+        "malformed index",
+        3,
+    ),
+    "index path escapes root": (
+        _both(
+            _sharded_hf,
+            _json_edit(
+                "model.safetensors.index.json",
+                lambda i: i["weight_map"].update({"model.norm.weight": "../../etc/passwd"}),
+            ),
+        ),
+        "escapes the checkpoint root",
+        3,
+    ),
+    "truncated safetensors": (
+        lambda r: (r / "model.safetensors").write_bytes(b"\x10\x00"),
+        "too short for a safetensors file",
+        3,
+    ),
+    "unknown safetensors dtype": (
+        lambda r: _rewrite_header(r, lambda h: h["model.norm.weight"].update(dtype="Q8")),
+        "model.norm.weight has unsupported dtype Q8",
+        3,
+    ),
+    "tensor missing from shard": (
+        lambda r: _rewrite_header(r, lambda h: h.pop("model.norm.weight")),
+        "tensor model.norm.weight missing",
+        3,
+    ),
+    "wrong shape in shard": (
+        lambda r: _rewrite_header(r, lambda h: h["model.norm.weight"].update(shape=[8, 8])),
+        "model.norm.weight has shape [8, 8], expected [64]",
+        3,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(HF_CASES))
+def test_bad_hf_inputs(hf_template: Path, tmp_path: Path, cli, case: str) -> None:
+    corrupt, message, code = HF_CASES[case]
+    _check_refused(
+        hf_template, tmp_path, cli, corrupt, ["reshard"], message, code, extra=("--tp", "2")
+    )
+
+
+IMPOSSIBLE = {
+    "tp not dividing groups": (["--tp", "3"], "tp=3 does not divide num_query_groups=2", 2),
+    "pp not dividing layers": (["--pp", "3"], "cannot split the remaining 4", 2),
+    "vpp not dividing stage": (["--pp", "2", "--vpp", "3"], "vpp=3 does not divide", 2),
+    "uneven stages too big": (
+        ["--pp", "2", "--pp-first-stage-layers", "9"],
+        "do not fit num_layers=4",
+        2,
+    ),
+    "bad memory budget": (["--memory-budget", "lots"], "cannot read size 'lots'", 2),
+    "bad rank list": (["--lost-ranks", "one"], "cannot read rank list 'one'", 2),
+}
+
+
+@pytest.mark.parametrize("case", list(IMPOSSIBLE))
+def test_impossible_targets(source_template: Path, tmp_path: Path, cli, case: str) -> None:
+    flags, message, code = IMPOSSIBLE[case]
+    _check_refused(
+        source_template,
+        tmp_path,
+        cli,
+        lambda r: None,
+        ["reshard"],
+        message,
+        code,
+        extra=tuple(flags),
+    )
+
+
+def test_corpus_has_at_least_thirty_cases() -> None:
+    assert len(CASES) + len(MORE) + len(HF_CASES) + len(IMPOSSIBLE) >= 30

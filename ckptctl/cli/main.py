@@ -69,6 +69,16 @@ def error_boundary(out: Output) -> Iterator[None]:
     except KeyboardInterrupt:
         out.error("interrupted; nothing was marked complete")
         raise typer.Exit(130) from None
+    except typer.Exit:
+        raise
+    except Exception as err:  # a bug, not bad input: say so in one line, trace on request
+        if _state["debug"]:
+            raise
+        out.error(
+            f"internal error {type(err).__name__}: {err}; nothing was marked complete. "
+            "Rerun with --debug for the traceback and report it"
+        )
+        raise typer.Exit(1) from None
 
 
 commands.register(app, error_boundary)

@@ -15,7 +15,13 @@ from typing import Any
 
 import torch
 
-from ckptctl.catalog import LAYER_PREFIX, Naming, te_layer_suffix, uses_local_names
+from ckptctl.catalog import (
+    LAYER_PREFIX,
+    Naming,
+    layer_suffixes,
+    te_layer_suffix,
+    uses_local_names,
+)
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError, LayoutError
 from ckptctl.formats.megatron_layout import (
     DISTOPT_FILE,
@@ -325,6 +331,12 @@ def probe_megatron(
     layout = layout_from_args(args)
     layout.check_against(spec)
     expected = {rank_dir(t, p, layout.pp) for t, p in layout.model_parallel_ranks()}
+    unexpected = sorted(set(ranks) - expected)
+    if unexpected:
+        raise CheckpointError(
+            f"{storage.describe(iter_rel)}: rank directories {', '.join(unexpected)} do not "
+            f"belong to {layout.describe()} (from args); mixed or mislabelled shards?"
+        )
     missing = sorted(expected - set(ranks))
     if missing and not allow_missing:
         raise CheckpointNotFoundError(
@@ -350,6 +362,7 @@ def probe_megatron(
             "num_layers",
             "hidden_size",
             "padded_vocab_size",
+            "use_distributed_optimizer",
         ):
             if getattr(other, key, None) != getattr(args, key, None):
                 problems.append(
@@ -370,7 +383,12 @@ def probe_megatron(
     models = [v for t in trees.values() for k, v in t.items() if k.startswith("model")]
     names = [k for m in models for k in m]
     naming = Naming.LOCAL if uses_local_names(names) else Naming.TE
-    layer_order = next((o for m in models if (o := _layer_order(m))), None)
+    stored_order = next((o for m in models if (o := _layer_order(m))), ())
+    # Unknown names are reported by the file check below, missing ones too: the order keeps the
+    # catalog's parameters only, in the order the files store them.
+    known = [suffix for suffix, _, _ in layer_suffixes(spec)]
+    in_files = [s for s in stored_order if s in known]
+    layer_order = tuple(in_files + [s for s in known if s not in in_files])
     extra = sorted({k for k in names if k.endswith(_EXTRA_STATE)})
     some_weight = next(v for m in models for v in m.values() if isinstance(v, TensorRef))
     optimizer = _optimizer_layout(trees[first_rel], args)
@@ -502,6 +520,12 @@ def _check_file(
         if not isinstance(ref, TensorRef):
             problems.append(f"{where}: {'.'.join(map(str, t.key))} is not a tensor")
             continue
+        if not ref.dtype.is_floating_point:
+            problems.append(
+                f"{where}: tensor {'.'.join(map(str, t.key))} has dtype "
+                f"{dtype_name(ref.dtype)}; only floating-point weights are supported"
+            )
+            continue
         if ref.shape != t.shape:
             problems.append(
                 f"{where}: tensor {'.'.join(map(str, t.key))} has shape {list(ref.shape)}, "
@@ -533,8 +557,15 @@ def _match_groups(
     """
     for order in GroupOrder:
         templates: dict[bool, dict[str, Any]] = {}
-        for (_, pp_rank), tree in trees.items():
-            stored = resolve(tree, optimizer.torch_state)["param_groups"]
+        for (tp_rank, pp_rank), tree in trees.items():
+            try:
+                stored = resolve(tree, optimizer.torch_state)["param_groups"]
+            except (KeyError, IndexError, TypeError):
+                kind = "distributed optimizer's" if optimizer.distributed else "torch optimizer's"
+                raise CheckpointError(
+                    f"the optimizer state of rank (tp, pp) = ({tp_rank}, {pp_rank}) is not the "
+                    f"{kind} layout its args announce (use_distributed_optimizer); cannot map it"
+                ) from None
             expected = param_groups(rank_params(spec, layout, pp_rank, *style), order)
             if len(stored) != len(expected):
                 break
