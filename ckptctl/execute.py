@@ -216,6 +216,7 @@ def execute(
     progress: Progress | None = None,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     workers: int = 1,
+    checksum: str = "xxh3_64",
 ) -> Report:
     """Write every file of ``plan`` to ``target``, then its finalize files in order.
 
@@ -243,7 +244,7 @@ def execute(
     for text in plan.finalize:
         target.write_text(text.path, text.content)
         report.files_written.append(text.path)
-    write_manifest(target, plan, report.tensor_checksums, log.done)
+    write_manifest(target, plan, report.tensor_checksums, log.done, algorithm=checksum)
     report.files_written.append(MANIFEST)
     progress.finish()
     report.seconds = time.perf_counter() - started

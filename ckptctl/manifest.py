@@ -8,6 +8,7 @@ a directory holding the first, or lacking the second, was never finished.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
@@ -23,8 +24,17 @@ INCOMPLETE = "ckptctl.incomplete"
 MANIFEST_VERSION = 1
 
 
-def file_checksum(storage: Storage, rel: str, chunk: int = 8 << 20) -> str:
-    digest = xxhash.xxh3_64()
+CHECKSUMS = ("xxh3_64", "sha256")
+
+
+def _digest(algorithm: str) -> Any:
+    return hashlib.sha256() if algorithm == "sha256" else xxhash.xxh3_64()
+
+
+def file_checksum(
+    storage: Storage, rel: str, chunk: int = 8 << 20, algorithm: str = "xxh3_64"
+) -> str:
+    digest = _digest(algorithm)
     with storage.open_read(rel) as f:
         while block := f.read(chunk):
             digest.update(block)
@@ -82,10 +92,11 @@ def write_manifest(
     plan: Plan,
     tensor_checksums: dict[str, dict[str, str]],
     known: dict[str, dict[str, Any]] | None = None,
+    algorithm: str = "xxh3_64",
 ) -> dict[str, Any]:
     """Write the manifest (checksums of files already logged are reused), then clear the
     in-progress marker: from here on the checkpoint is complete."""
-    known = known or {}
+    known = (known or {}) if algorithm == "xxh3_64" else {}
     paths = [f.path for f in plan.files] + [t.path for t in plan.finalize]
     body = {
         "manifest_version": MANIFEST_VERSION,
@@ -97,11 +108,15 @@ def write_manifest(
         "format": plan.target_format.value,
         "layout": plan.target_layout.model_dump(mode="json"),
         "spec": plan.spec.model_dump(mode="json"),
-        "checksum": "xxh3_64",
+        "checksum": algorithm,
+        "tensor_checksum": "xxh3_64",
         "files": {
             p: {"size": known[p]["size"], "checksum": known[p]["checksum"]}
             if p in known
-            else {"size": storage.size(p), "checksum": file_checksum(storage, p)}
+            else {
+                "size": storage.size(p),
+                "checksum": file_checksum(storage, p, algorithm=algorithm),
+            }
             for p in paths
         },
         "tensors": tensor_checksums,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from contextvars import ContextVar
 
 from ckptctl.errors import CheckpointNotFoundError
 from ckptctl.formats.hf import HFCheckpoint, probe_hf
@@ -16,6 +17,9 @@ from ckptctl.stored import CheckpointView
 
 Checkpoint = MegatronCheckpoint | HFCheckpoint
 
+ALLOW_INCOMPLETE: ContextVar[bool] = ContextVar("allow_incomplete", default=False)
+"""Read checkpoints whose writer never finished (``ckptctl --allow-incomplete``)."""
+
 
 def open_checkpoint(
     url: str,
@@ -23,12 +27,12 @@ def open_checkpoint(
     iteration: int | None = None,
     true_vocab_size: int | None = None,
     allow_missing: bool = False,
-    allow_incomplete: bool = False,
+    allow_incomplete: bool | None = None,
 ) -> Checkpoint:
     storage = Storage(url)
     if not storage.exists():
         raise CheckpointNotFoundError(f"{url}: no such checkpoint directory")
-    if not allow_incomplete:
+    if not (ALLOW_INCOMPLETE.get() if allow_incomplete is None else allow_incomplete):
         refuse_incomplete(storage)
     names = set(storage.listdir(""))
     if TRACKER in names or any(n.startswith(("mp_rank_", "iter_", "release")) for n in names):

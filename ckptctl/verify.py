@@ -71,7 +71,9 @@ def _manifest(storage: Storage) -> Check:
     if not storage.exists(MANIFEST):
         return Check("manifest", "skipped", "no ckptctl manifest (not written by ckptctl)")
     try:
-        files = json.loads(storage.read_text(MANIFEST))["files"]
+        manifest = json.loads(storage.read_text(MANIFEST))
+        files = manifest["files"]
+        algorithm = manifest.get("checksum", "xxh3_64")
     except (ValueError, KeyError) as err:
         return Check("manifest", "failed", f"{MANIFEST} unreadable ({err})")
     problems = []
@@ -80,7 +82,7 @@ def _manifest(storage: Storage) -> Check:
             problems.append(f"{path} missing")
         elif storage.size(path) != meta["size"]:
             problems.append(f"{path} has {storage.size(path)} bytes, manifest says {meta['size']}")
-        elif file_checksum(storage, path) != meta["checksum"]:
+        elif file_checksum(storage, path, algorithm=algorithm) != meta["checksum"]:
             problems.append(f"{path} checksum differs from the manifest")
     if problems:
         return Check("manifest", "failed", "; ".join(problems[:5]))

@@ -91,3 +91,15 @@ def test_against_compares_across_layouts_and_formats(source: Path, tmp_path: Pat
     worst = max(t["max_abs_diff"] for t in failed["tensors"])
     assert 0 < worst < 0.1
     cli.json("verify", tmp_path / "bf16", "--against", tmp_path / "hf", "--atol", "0.1")
+
+
+def test_sha256_on_request_and_allow_incomplete(source: Path, tmp_path: Path, cli) -> None:
+    cli("consolidate", source, tmp_path / "out", "--format", "megatron", "--checksum", "sha256")
+    manifest = json.loads((tmp_path / "out/ckptctl.manifest.json").read_text())
+    assert manifest["checksum"] == "sha256"
+    digest = manifest["files"]["iter_0000001/mp_rank_00/model_optim_rng.pt"]["checksum"]
+    assert len(digest) == 64
+    assert cli.json("verify", tmp_path / "out")["ok"]
+    (tmp_path / "out/ckptctl.incomplete").write_text("{}")
+    cli("inspect", tmp_path / "out", code=3)
+    cli("--allow-incomplete", "inspect", tmp_path / "out")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from contextvars import ContextVar
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
@@ -90,6 +91,18 @@ Strategy = Annotated[
 ]
 PlanFile = Annotated[
     Path | None, typer.Option("--plan", help="Run exactly this saved plan (from ckptctl plan).")
+]
+
+
+class ChecksumName(StrEnum):
+    xxh3_64 = "xxh3_64"
+    sha256 = "sha256"
+
+
+CHECKSUM_CHOICE: ContextVar[str] = ContextVar("checksum", default="xxh3_64")
+Checksum = Annotated[
+    ChecksumName,
+    typer.Option("--checksum", help="File checksum recorded in the manifest."),
 ]
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Plan only; write nothing.")]
 Overwrite = Annotated[
@@ -300,6 +313,7 @@ def register(app: typer.Typer, boundary: Callable[[Output], AbstractContextManag
         ] = "5GB",
         plan_file: PlanFile = None,
         memory_budget: MemoryBudget = "1GiB",
+        checksum: Checksum = ChecksumName.xxh3_64,
         dry_run: DryRun = False,
         overwrite: Overwrite = False,
         as_json: Json = False,
@@ -307,6 +321,7 @@ def register(app: typer.Typer, boundary: Callable[[Output], AbstractContextManag
         true_vocab_size: TrueVocab = None,
     ) -> None:
         """Merge a sharded checkpoint into one full checkpoint, streaming one tensor at a time."""
+        CHECKSUM_CHOICE.set(checksum.value)
         out = Output(as_json)
         with boundary(out):
             plan, report = run_consolidate(
@@ -353,7 +368,15 @@ def _carry_out(
         return Report(files_written=[])
     target = _prepare_target(plan.target_url, plan.source_url, overwrite, plan.fingerprint())
     progress = RichProgress(out.err, enabled=not (out.as_json or quiet))
-    return execute(plan, ckpt, target, progress, memory_budget, workers=plan.read_workers)
+    return execute(
+        plan,
+        ckpt,
+        target,
+        progress,
+        memory_budget,
+        workers=plan.read_workers,
+        checksum=CHECKSUM_CHOICE.get(),
+    )
 
 
 def _finish(out: Output, plan: Plan, report: Report | None, as_json: bool) -> None:
@@ -514,6 +537,7 @@ def register_reshard(
         dtype: Annotated[
             DType | None, typer.Option("--dtype", help="Convert weights (optimizer stays fp32).")
         ] = None,
+        checksum: Checksum = ChecksumName.xxh3_64,
         dry_run: DryRun = False,
         overwrite: Overwrite = False,
         as_json: Json = False,
@@ -521,6 +545,7 @@ def register_reshard(
         true_vocab_size: TrueVocab = None,
     ) -> None:
         """Re-split a checkpoint for another TP/PP/VPP/DP layout, shard to shard."""
+        CHECKSUM_CHOICE.set(checksum.value)
         out = Output(as_json)
         with boundary(out):
             if via_full is not None:

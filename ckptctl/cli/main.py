@@ -18,6 +18,7 @@ from ckptctl import __version__
 from ckptctl.cli import commands, demo, planning
 from ckptctl.cli.output import Output
 from ckptctl.errors import CkptctlError
+from ckptctl.probe import ALLOW_INCOMPLETE
 
 app = typer.Typer(
     name="ckptctl",
@@ -39,11 +40,16 @@ def _version(value: bool) -> None:
 @app.callback()
 def _root(
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False,
+    allow_incomplete: Annotated[
+        bool,
+        typer.Option("--allow-incomplete", help="Read checkpoints a ckptctl job never finished."),
+    ] = False,
     version: Annotated[
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
     ] = False,
 ) -> None:
     _state["debug"] = debug
+    ALLOW_INCOMPLETE.set(allow_incomplete)
 
 
 @contextlib.contextmanager
