@@ -36,7 +36,7 @@ from ckptctl.formats.torchzip import (
     write_in_slices,
     write_torch_zip,
 )
-from ckptctl.manifest import MANIFEST, RunLog, write_manifest
+from ckptctl.manifest import MANIFEST, RunLog, new_digest, write_manifest
 from ckptctl.plan import FileKind, FileWrite, Plan, TensorWrite
 from ckptctl.prefetch import ReadAhead
 from ckptctl.storage import Storage
@@ -233,7 +233,7 @@ def execute(
         prod(t.shape) * getattr(torch, t.dtype).itemsize for f in plan.files for t in f.tensors
     )
     progress.start(total, f"{plan.operation} -> {plan.target_url}")
-    log = RunLog(target, plan)
+    log = RunLog(target, plan, checksum)
     pool = ThreadPoolExecutor(workers, thread_name_prefix="ckptctl-read") if workers > 1 else None
     assemble = Assembler(plan, source, report, progress, memory_budget, pool)
     try:
@@ -269,7 +269,7 @@ def _write_files(
             )
             report.files_written.append(file.path)
             continue
-        with target.open_write(file.path) as out:
+        with target.open_write(file.path, new_digest(log.algorithm)) as out:
             if file.kind is FileKind.SAFETENSORS:
                 entries = [(str(t.key[0]), t.dtype, t.shape) for t in file.tensors]
                 produce = partial(assemble.chunks, file=file.path)
@@ -281,7 +281,12 @@ def _write_files(
                 _write_distopt_file(file, out, assemble)
             else:
                 _write_rank_file(plan, file, source, out, assemble)
-        log.finished(file.path, report.tensor_checksums.get(file.path, {}))
+        log.finished(
+            file.path,
+            report.tensor_checksums.get(file.path, {}),
+            size=out.size,
+            checksum=out.digest.hexdigest(),
+        )
         report.files_written.append(file.path)
 
 

@@ -27,14 +27,14 @@ MANIFEST_VERSION = 1
 CHECKSUMS = ("xxh3_64", "sha256")
 
 
-def _digest(algorithm: str) -> Any:
+def new_digest(algorithm: str) -> Any:
     return hashlib.sha256() if algorithm == "sha256" else xxhash.xxh3_64()
 
 
 def file_checksum(
     storage: Storage, rel: str, chunk: int = 8 << 20, algorithm: str = "xxh3_64"
 ) -> str:
-    digest = _digest(algorithm)
+    digest = new_digest(algorithm)
     with storage.open_read(rel) as f:
         while block := f.read(chunk):
             digest.update(block)
@@ -45,17 +45,27 @@ class RunLog:
     """The in-progress marker doubles as a log of finished files (size, checksum, tensor
     checksums), rewritten after each one, so a rerun of the same plan can resume."""
 
-    def __init__(self, storage: Storage, plan: Plan) -> None:
+    def __init__(self, storage: Storage, plan: Plan, algorithm: str = "xxh3_64") -> None:
         self.storage = storage
+        self.algorithm = algorithm
         self.fingerprint = plan.fingerprint()
         self.done: dict[str, dict[str, Any]] = {}
         previous = read_marker(storage)
-        if previous and previous.get("plan_fingerprint") == self.fingerprint:
+        if (
+            previous
+            and previous.get("plan_fingerprint") == self.fingerprint
+            and previous.get("checksum", "xxh3_64") == algorithm
+        ):
             self.done = dict(previous.get("done", {}))
         self._save(plan.operation)
 
     def _save(self, operation: str = "") -> None:
-        body = {"operation": operation, "plan_fingerprint": self.fingerprint, "done": self.done}
+        body = {
+            "operation": operation,
+            "plan_fingerprint": self.fingerprint,
+            "checksum": self.algorithm,
+            "done": self.done,
+        }
         self.storage.write_text(INCOMPLETE, json.dumps(body))
 
     def reusable(self, path: str) -> dict[str, Any] | None:
@@ -65,16 +75,13 @@ class RunLog:
             return None
         if self.storage.size(path) != entry["size"]:
             return None
-        if file_checksum(self.storage, path) != entry["checksum"]:
+        if file_checksum(self.storage, path, algorithm=self.algorithm) != entry["checksum"]:
             return None
         return entry
 
-    def finished(self, path: str, tensors: dict[str, str]) -> None:
-        self.done[path] = {
-            "size": self.storage.size(path),
-            "checksum": file_checksum(self.storage, path),
-            "tensors": tensors,
-        }
+    def finished(self, path: str, tensors: dict[str, str], size: int, checksum: str) -> None:
+        """Record a finished file: its size and checksum as written, its tensors' checksums."""
+        self.done[path] = {"size": size, "checksum": checksum, "tensors": tensors}
         self._save()
 
 
@@ -96,7 +103,7 @@ def write_manifest(
 ) -> dict[str, Any]:
     """Write the manifest (checksums of files already logged are reused), then clear the
     in-progress marker: from here on the checkpoint is complete."""
-    known = (known or {}) if algorithm == "xxh3_64" else {}
+    known = known or {}
     paths = [f.path for f in plan.files] + [t.path for t in plan.finalize]
     body = {
         "manifest_version": MANIFEST_VERSION,

@@ -8,13 +8,46 @@ since index files inside an untrusted checkpoint name the files we open. Writes 
 from __future__ import annotations
 
 import contextlib
+import io
 import posixpath
 from collections.abc import Iterator
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import fsspec
 
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError
+
+
+class HashingWriter(io.RawIOBase):
+    """A forward-only writer that counts and hashes what passes through it."""
+
+    def __init__(self, inner: BinaryIO, digest: Any = None) -> None:
+        super().__init__()
+        self._inner = inner
+        self.digest = digest
+        self.size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def tell(self) -> int:
+        return self.size
+
+    def seek(self, *args: Any) -> int:
+        raise OSError("forward-only stream")
+
+    def write(self, data: Any) -> int:
+        n = self._inner.write(data)
+        if self.digest is not None:
+            self.digest.update(memoryview(data)[:n] if n is not None else data)
+        self.size += n if n is not None else len(data)
+        return n if n is not None else len(data)
+
+    def flush(self) -> None:
+        self._inner.flush()
 
 
 class Storage:
@@ -65,14 +98,17 @@ class Storage:
             raise CheckpointNotFoundError(f"{self.describe(rel)}: file not found") from None
 
     @contextlib.contextmanager
-    def open_write(self, rel: str) -> Iterator[BinaryIO]:
-        """Write ``rel`` via a ``.partial`` file that only becomes ``rel`` if the block succeeds."""
+    def open_write(self, rel: str, digest: Any = None) -> Iterator[HashingWriter]:
+        """Write ``rel`` via a ``.partial`` file that only becomes ``rel`` if the block succeeds.
+
+        The stream is forward-only (zip archives then use data descriptors instead of seeking
+        back), so ``digest`` (a hashlib-style object) sees every byte once, as written."""
         final = self.path(rel)
         partial = final + ".partial"
         self.fs.makedirs(posixpath.dirname(final), exist_ok=True)
         try:
             with self.fs.open(partial, "wb") as f:
-                yield f
+                yield HashingWriter(f, digest)
         except BaseException:
             with contextlib.suppress(OSError):
                 self.fs.rm(partial)
