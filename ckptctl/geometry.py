@@ -14,6 +14,14 @@ from math import prod
 
 Shape = tuple[int, ...]
 
+ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4}
+"""Bytes per element of the dtypes checkpoints hold, by torch dtype name (no torch import)."""
+
+
+def nbytes(shape: Shape, dtype: str) -> int:
+    """Bytes of a C-contiguous tensor of ``shape`` and ``dtype``."""
+    return prod(shape) * ITEMSIZE[dtype]
+
 
 class Split(StrEnum):
     """How tensor parallelism cuts a parameter (Megatron-Core's module classes decide)."""

@@ -8,17 +8,11 @@ from dataclasses import replace as dc_replace
 
 import networkx as nx
 
-from ckptctl.plan import CopyOp, Plan
+from ckptctl.geometry import nbytes
+from ckptctl.plan import Plan
 from planners.cost import StorageProfile
 
 _UNIT = 1 << 16  # flow works in 64 KiB units to keep the graph's numbers small
-
-
-def _copy_bytes(copy: CopyOp, dtype: str) -> int:
-    n = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 4)
-    for size in copy.sizes:
-        n *= size
-    return n
 
 
 def balance_reads(
@@ -32,7 +26,7 @@ def balance_reads(
         for tensor in file.tensors:
             for copy in tensor.copies:
                 path = plan.source_files[copy.source]
-                per_file[path] = per_file.get(path, 0) + _copy_bytes(copy, tensor.dtype)
+                per_file[path] = per_file.get(path, 0) + nbytes(copy.sizes, tensor.dtype)
     if not per_file:
         return plan
     total_bw = sum(p.read_bandwidth for p in locations.values())
@@ -45,8 +39,8 @@ def balance_reads(
         graph.add_edge(
             ("loc", prefix), "sink", capacity=int(share), weight=int(1e9 / profile.read_bandwidth)
         )
-    for path, nbytes in sorted(per_file.items()):
-        units = -(-nbytes // _UNIT)
+    for path, size in sorted(per_file.items()):
+        units = -(-size // _UNIT)
         graph.add_node(("file", path), demand=-units)
         for prefix in locations:
             graph.add_edge(("file", path), ("loc", prefix), capacity=units, weight=0)
@@ -75,7 +69,7 @@ def balance_reads(
                 prefix = next(
                     (p for p in sorted(left, key=lambda p: (p != "", p)) if left[p] > 0), ""
                 )
-                left[prefix] -= _copy_bytes(copy, tensor.dtype)
+                left[prefix] -= nbytes(copy.sizes, tensor.dtype)
                 moved.append(dc_replace(copy, source=source_index(prefix + path)))
             tensors.append(dc_replace(tensor, copies=tuple(moved)))
         files.append(file.model_copy(update={"tensors": tuple(tensors)}))

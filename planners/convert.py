@@ -13,19 +13,9 @@ from collections import defaultdict
 from math import prod
 
 from ckptctl.errors import CheckpointError
-from ckptctl.geometry import Piece, Shape, box_difference, overlap
+from ckptctl.geometry import Piece, Shape, box_difference, nbytes, overlap
 from ckptctl.plan import CopyOp, Estimates, FileKind, FileWrite, TensorWrite
 from ckptctl.stored import CheckpointView, StoredFile, StoredTensor
-
-_ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4}
-
-
-def _nbytes(shape: Shape, dtype: str) -> int:
-    n = _ITEMSIZE.get(dtype, 4)
-    for size in shape:
-        n *= size
-    return n
-
 
 Found = tuple[int, Shape, Shape, Shape]
 """(candidate position, source offsets, target offsets, sizes)."""
@@ -147,7 +137,7 @@ def plan_files(
                 copies.append(
                     CopyOp(source=index, key=held.key, src=src, dst=dst, sizes=sizes, view=view)
                 )
-                bytes_read += _nbytes(sizes, held.dtype)
+                bytes_read += nbytes(sizes, held.dtype)
             requests += len(found)
             covered = sum(p.numel for p in tensor.pieces)
             writes.append(
@@ -161,7 +151,7 @@ def plan_files(
                     view_offset=tensor.view_offset,
                 )
             )
-            peak = max(peak, 2 * _nbytes(tensor.shape, "float32"))
+            peak = max(peak, 2 * nbytes(tensor.shape, "float32"))
         files.append(
             FileWrite(
                 path=target.path,
@@ -176,7 +166,7 @@ def plan_files(
         shown = ", ".join(sorted(set(missing))[:5])
         more = f" and {len(set(missing)) - 5} more" if len(set(missing)) > 5 else ""
         raise CheckpointError(f"the source holds no data for {shown}{more}")
-    written = sum(_nbytes(t.shape, t.dtype) for f in targets for t in f.tensors)
+    written = sum(nbytes(t.shape, t.dtype) for f in targets for t in f.tensors)
     return tuple(files), Estimates(
         bytes_read=bytes_read,
         bytes_written=written,

@@ -8,9 +8,8 @@ from dataclasses import dataclass
 
 import networkx as nx
 
+from ckptctl.geometry import nbytes
 from ckptctl.plan import Plan
-
-_ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,11 +29,8 @@ def overlap_graph(plan: Plan) -> Transfers:
     for file in plan.files:
         graph.add_node(("target", file.path), bipartite=1)
         for tensor in file.tensors:
-            size = _ITEMSIZE.get(tensor.dtype, 4)
             for copy in tensor.copies:
-                n = size
-                for dim in copy.sizes:
-                    n *= dim
+                n = nbytes(copy.sizes, tensor.dtype)
                 src = ("source", plan.source_files[copy.source])
                 graph.add_node(src, bipartite=0)
                 edge = graph.get_edge_data(src, ("target", file.path), {"bytes": 0})

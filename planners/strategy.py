@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 
 from ckptctl.errors import CheckpointError, CkptctlError, UsageError
 from ckptctl.formats.megatron_layout import TRACKER, MegatronStyle, tracker_text
+from ckptctl.geometry import nbytes
 from ckptctl.layout import ParallelLayout
 from ckptctl.plan import Alternative, Estimates, FileKind, FileWrite, Plan, SourceRef, TextWrite
 from ckptctl.stored import CheckpointView
@@ -69,7 +70,7 @@ def _timed(
         for tensor in file.tensors:
             for copy in tensor.copies:
                 prefix = _prefix_of(plan.source_files[copy.source], sources)
-                bytes_by[prefix] = bytes_by.get(prefix, 0) + _copy_bytes(copy.sizes, tensor.dtype)
+                bytes_by[prefix] = bytes_by.get(prefix, 0) + nbytes(copy.sizes, tensor.dtype)
                 requests_by[prefix] = requests_by.get(prefix, 0) + 1
         if file.kind is FileKind.COPY and file.copy_of is not None:
             prefix = _prefix_of(plan.source_files[file.copy_of], sources)
@@ -90,13 +91,6 @@ def _timed(
 
 def _prefix_of(path: str, sources: dict[str, str]) -> str:
     return next((p for p in sorted(sources, key=len, reverse=True) if path.startswith(p)), "")
-
-
-def _copy_bytes(sizes: tuple[int, ...], dtype: str) -> int:
-    n = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 4)
-    for size in sizes:
-        n *= size
-    return n
 
 
 def _direct(sharded: Stored, target_layout: ParallelLayout, target_url: str | None) -> Plan:

@@ -18,6 +18,7 @@ from ckptctl.errors import OutputExistsError, UsageError
 from ckptctl.execute import DEFAULT_MEMORY_BUDGET, Report, Sources, execute
 from ckptctl.formats.megatron import MegatronCheckpoint
 from ckptctl.formats.megatron_layout import MegatronStyle
+from ckptctl.geometry import ITEMSIZE
 from ckptctl.manifest import INCOMPLETE, completed_by, read_marker
 from ckptctl.plan import Plan
 from ckptctl.probe import Checkpoint, fingerprint, open_checkpoint
@@ -205,7 +206,7 @@ def describe(ckpt: Checkpoint) -> dict[str, Any]:
 
 
 def _itemsize(dtype: str) -> int:
-    return {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 4)
+    return ITEMSIZE.get(dtype, 4)
 
 
 def _show_inspect(out: Output, info: dict[str, Any]) -> None:

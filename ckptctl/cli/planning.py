@@ -36,6 +36,7 @@ from ckptctl.cli.commands import (
 )
 from ckptctl.cli.output import Output
 from ckptctl.errors import CheckpointError, UsageError
+from ckptctl.geometry import ITEMSIZE
 from ckptctl.layout import ParallelLayout
 from ckptctl.plan import Plan
 from ckptctl.probe import Checkpoint, file_sizes, fingerprint, open_checkpoint
@@ -220,7 +221,7 @@ def show(out: Output, plan: Plan) -> None:
 
 
 def _itemsize(dtype: str) -> int:
-    return {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 4)
+    return ITEMSIZE.get(dtype, 4)
 
 
 def show_grid(out: Output, plan: Plan, svg: Path | None) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 from ckptctl.catalog import LAYER_PREFIX
 from ckptctl.errors import LayoutError
-from ckptctl.geometry import Piece, Shape
+from ckptctl.geometry import Piece, Shape, nbytes
 from ckptctl.layout import ModelSpec, NormKind, ParallelLayout, PositionEmbedding
 from ckptctl.stored import StoredFile, StoredTensor
 
@@ -20,8 +20,6 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 CONFIG = "config.json"
 DEFAULT_MAX_SHARD_BYTES = 5_000_000_000
-
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
 
 def check_llama(spec: ModelSpec) -> None:
@@ -114,14 +112,12 @@ def hf_files(
     size = 0
     for hf, canonical, shape, pieces in hf_tensors(spec):
         dtype = dtypes[hf]
-        nbytes = _DTYPE_BYTES[dtype]
-        for n in shape:
-            nbytes *= n
-        if shards[-1] and size + nbytes > max_shard_bytes:
+        tensor_bytes = nbytes(shape, dtype)
+        if shards[-1] and size + tensor_bytes > max_shard_bytes:
             shards.append([])
             size = 0
         shards[-1].append(StoredTensor((hf,), canonical, shape, dtype, pieces))
-        size += nbytes
+        size += tensor_bytes
     if len(shards) == 1:
         return (StoredFile(SINGLE, tuple(shards[0])),)
     n = len(shards)
@@ -190,7 +186,7 @@ FULL_LAYOUT = ParallelLayout()
 
 def index_text(files: tuple[StoredFile, ...]) -> str:
     """``model.safetensors.index.json``: total tensor bytes and the file of every tensor."""
-    total = sum(t.numel * _DTYPE_BYTES[t.dtype] for f in files for t in f.tensors)
+    total = sum(nbytes(t.shape, t.dtype) for f in files for t in f.tensors)
     weight_map = {str(t.key[0]): f.path for f in files for t in f.tensors}
     body = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     return json.dumps(body, indent=2)
