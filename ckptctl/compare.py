@@ -9,7 +9,7 @@ import torch
 
 from ckptctl.catalog import parameters
 from ckptctl.execute import Assembler, NoProgress, Report, Sources
-from ckptctl.geometry import Piece
+from ckptctl.geometry import Piece, nbytes
 from ckptctl.plan import FileKind, TensorWrite
 from ckptctl.probe import Checkpoint
 from ckptctl.stored import StoredFile, StoredTensor
@@ -78,7 +78,7 @@ def _compare_tensor(
 ) -> TensorDiff:
     equal, worst = True, 0.0
     rows = wa.shape[0] if wa.shape else 1
-    step = max(asm_a.band_bytes // max(_row_bytes(wa), 1), 1)
+    step = max(asm_a.band_bytes // max(nbytes(wa.shape[1:], wa.dtype), 1), 1)
     for lo in range(0, rows, step):
         hi = min(lo + step, rows)
         x = asm_a._band(wa, getattr(torch, wa.dtype), lo, hi)
@@ -91,10 +91,3 @@ def _compare_tensor(
         if exact or not torch.allclose(x.double(), y.double(), rtol=rtol, atol=atol):
             equal = False
     return TensorDiff(name, equal, worst, (wa.dtype, wb.dtype))
-
-
-def _row_bytes(write: TensorWrite) -> int:
-    n = getattr(torch, write.dtype).itemsize
-    for size in write.shape[1:]:
-        n *= size
-    return n

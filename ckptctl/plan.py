@@ -14,6 +14,7 @@ from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict
 
+from ckptctl.geometry import boxes_disjoint
 from ckptctl.layout import ModelSpec, ParallelLayout
 from ckptctl.stored import Format
 
@@ -153,7 +154,7 @@ def coverage_problems(plan: Plan) -> list[str]:
                 ):
                     problems.append(f"{where}: copy to {copy.dst}+{copy.sizes} out of bounds")
                 box = (copy.dst, copy.sizes)
-                if any(not _disjoint(box, other) for other in boxes):
+                if any(not boxes_disjoint(box, other) for other in boxes):
                     problems.append(f"{where}: copies overlap at {copy.dst}")
                 boxes.append(box)
                 n = 1
@@ -168,10 +169,3 @@ def coverage_problems(plan: Plan) -> list[str]:
                     f"{where}: {covered} elements copied + {tensor.padding} padding != {numel}"
                 )
     return problems
-
-
-def _disjoint(a: tuple[tuple[int, ...], tuple[int, ...]], b: tuple[tuple[int, ...], ...]) -> bool:
-    return any(
-        ao + an <= bo or bo + bn <= ao
-        for ao, an, bo, bn in zip(a[0], a[1], b[0], b[1], strict=True)
-    )

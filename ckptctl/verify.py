@@ -22,7 +22,7 @@ import torch
 
 from ckptctl.catalog import parameters
 from ckptctl.errors import CkptctlError
-from ckptctl.geometry import box_difference
+from ckptctl.geometry import box_difference, nbytes
 from ckptctl.manifest import INCOMPLETE, MANIFEST, file_checksum
 from ckptctl.probe import Checkpoint, open_checkpoint
 from ckptctl.storage import Storage
@@ -127,11 +127,7 @@ def _numerics(ckpt: Checkpoint, band_bytes: int) -> Check:
             if not t.shape:
                 ranges = [((), ())]
             else:
-                row = max(
-                    prod(t.shape[1:])
-                    * torch.tensor([], dtype=getattr(torch, t.dtype)).element_size(),
-                    1,
-                )
+                row = max(nbytes(t.shape[1:], t.dtype), 1)
                 rows = max(band_bytes // row, 1)
                 ranges = [
                     ((lo, *([0] * (len(t.shape) - 1))), (min(rows, t.shape[0] - lo), *t.shape[1:]))

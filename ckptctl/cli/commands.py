@@ -18,7 +18,7 @@ from ckptctl.errors import OutputExistsError, UsageError
 from ckptctl.execute import DEFAULT_MEMORY_BUDGET, Report, Sources, execute
 from ckptctl.formats.megatron import MegatronCheckpoint
 from ckptctl.formats.megatron_layout import MegatronStyle
-from ckptctl.geometry import ITEMSIZE
+from ckptctl.geometry import nbytes
 from ckptctl.manifest import INCOMPLETE, completed_by, read_marker
 from ckptctl.plan import Plan
 from ckptctl.probe import Checkpoint, fingerprint, open_checkpoint
@@ -35,6 +35,9 @@ class DType(StrEnum):
 
 _DTYPES = {DType.bf16: "bfloat16", DType.fp16: "float16", DType.fp32: "float32"}
 
+WeightDType = Annotated[
+    DType | None, typer.Option("--dtype", help="Convert weights (optimizer stays fp32).")
+]
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
 Iteration = Annotated[
     int | None, typer.Option("--iteration", help="Iteration to read instead of the tracker's.")
@@ -172,10 +175,10 @@ def describe(ckpt: Checkpoint) -> dict[str, Any]:
     weights = optimizer = 0
     count = 0
     for f in view.files:
-        nbytes = 0
+        file_total = 0
         for t in f.tensors:
-            size = t.numel * _itemsize(t.dtype)
-            nbytes += size
+            size = nbytes(t.shape, t.dtype)
+            file_total += size
             count += 1
             if t.canonical.split("/", 1)[0] in OPTIMIZER_STATES:
                 optimizer += size
@@ -186,7 +189,7 @@ def describe(ckpt: Checkpoint) -> dict[str, Any]:
                 "path": f.path,
                 "rank": f.rank,
                 "tensors": len(f.tensors),
-                "tensor_bytes": nbytes,
+                "tensor_bytes": file_total,
                 "file_bytes": ckpt.storage.size(f.path),
             }
         )
@@ -203,10 +206,6 @@ def describe(ckpt: Checkpoint) -> dict[str, Any]:
         "files": files,
         "notes": list(view.notes),
     }
-
-
-def _itemsize(dtype: str) -> int:
-    return ITEMSIZE.get(dtype, 4)
 
 
 def _show_inspect(out: Output, info: dict[str, Any]) -> None:
@@ -306,9 +305,7 @@ def register(app: typer.Typer, boundary: Callable[[Output], AbstractContextManag
         fmt: Annotated[
             Format, typer.Option("--format", help="hf: safetensors weights; megatron: TP1 PP1.")
         ] = Format.HF,
-        dtype: Annotated[
-            DType | None, typer.Option("--dtype", help="Convert weights (optimizer stays fp32).")
-        ] = None,
+        dtype: WeightDType = None,
         max_shard_size: Annotated[
             str, typer.Option("--max-shard-size", help="Largest HF safetensors file.")
         ] = "5GB",
@@ -535,9 +532,7 @@ def register_reshard(
         ] = None,
         plan_file: PlanFile = None,
         memory_budget: MemoryBudget = "1GiB",
-        dtype: Annotated[
-            DType | None, typer.Option("--dtype", help="Convert weights (optimizer stays fp32).")
-        ] = None,
+        dtype: WeightDType = None,
         checksum: Checksum = ChecksumName.xxh3_64,
         dry_run: DryRun = False,
         overwrite: Overwrite = False,

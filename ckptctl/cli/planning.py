@@ -36,7 +36,7 @@ from ckptctl.cli.commands import (
 )
 from ckptctl.cli.output import Output
 from ckptctl.errors import CheckpointError, UsageError
-from ckptctl.geometry import ITEMSIZE
+from ckptctl.geometry import nbytes
 from ckptctl.layout import ParallelLayout
 from ckptctl.plan import Plan
 from ckptctl.probe import Checkpoint, file_sizes, fingerprint, open_checkpoint
@@ -206,11 +206,8 @@ def show(out: Output, plan: Plan) -> None:
     for file in plan.files:
         for tensor in file.tensors:
             for copy in tensor.copies:
-                n = 1
-                for size in copy.sizes:
-                    n *= size
                 key = (plan.source_files[copy.source], file.path)
-                transfers[key] = transfers.get(key, 0) + n * _itemsize(tensor.dtype)
+                transfers[key] = transfers.get(key, 0) + nbytes(copy.sizes, tensor.dtype)
     if transfers:
         top = Table("largest transfers: from", "to", "bytes")
         for (a, b), n in sorted(transfers.items(), key=lambda kv: (-kv[1], kv[0]))[:5]:
@@ -218,10 +215,6 @@ def show(out: Output, plan: Plan) -> None:
         out.show(top)
     for note in plan.notes:
         out.warn(note)
-
-
-def _itemsize(dtype: str) -> int:
-    return ITEMSIZE.get(dtype, 4)
 
 
 def show_grid(out: Output, plan: Plan, svg: Path | None) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 from ckptctl.catalog import LAYER_PREFIX
 from ckptctl.errors import LayoutError
 from ckptctl.geometry import Piece, Shape, nbytes
-from ckptctl.layout import ModelSpec, NormKind, ParallelLayout, PositionEmbedding
+from ckptctl.layout import ModelSpec, NormKind, PositionEmbedding
 from ckptctl.stored import StoredFile, StoredTensor
 
 INDEX = "model.safetensors.index.json"
@@ -179,9 +179,6 @@ def spec_from_config(config: dict[str, Any], make_vocab_size_divisible_by: int =
         norm_epsilon=float(config.get("rms_norm_eps", 1e-6)),
         rotary_base=float(rope or 10000.0),
     )
-
-
-FULL_LAYOUT = ParallelLayout()
 
 
 def index_text(files: tuple[StoredFile, ...]) -> str:
