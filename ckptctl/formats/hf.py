@@ -154,10 +154,26 @@ class HFCheckpoint:
         sizes: tuple[int, ...],
         view: tuple[int, tuple[int, ...]] | None = None,
     ) -> torch.Tensor:
+        entry = self.headers[path][str(key[0])]
+        if not self.storage.is_local:  # exact ranged GETs, several in flight
+            return read_box(_RangeFile(self.storage, path), entry, offsets, sizes)
         with self._lock:  # one handle per file: seek + read must not interleave
             if path not in self._open:
                 self._open[path] = self.storage.open_read(path)
-            return read_box(self._open[path], self.headers[path][str(key[0])], offsets, sizes)
+            return read_box(self._open[path], entry, offsets, sizes)
+
+
+class _RangeFile:
+    """Just enough of a file for ``read_box``: a seek and one exact ranged read."""
+
+    def __init__(self, storage: Storage, path: str) -> None:
+        self.storage, self.path, self.pos = storage, path, 0
+
+    def seek(self, pos: int) -> None:
+        self.pos = pos
+
+    def read(self, nbytes: int) -> bytes:
+        return self.storage.read_range(self.path, self.pos, nbytes)
 
 
 def probe_hf(storage: Storage, make_vocab_size_divisible_by: int = 128) -> HFCheckpoint:

@@ -11,6 +11,7 @@ import argparse
 import copy
 import re
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -108,6 +109,13 @@ class MegatronCheckpoint:
 
     def read_ref(self, path: str, ref: TensorRef) -> torch.Tensor:
         return self.readers[path].read(ref)
+
+
+def open_torch_file(storage: Storage, rel: str) -> TorchZipReader:
+    """A lazy reader of one ``torch.save`` file; on remote stores its tensor bytes are fetched
+    by exact byte range, in parallel when the executor asks for several."""
+    fetch = None if storage.is_local else partial(storage.read_range, rel)
+    return TorchZipReader(storage.open_read(rel), storage.describe(rel), fetch)
 
 
 def _find_iteration(storage: Storage, iteration: int | None) -> tuple[str, int | None]:
@@ -323,7 +331,7 @@ def probe_megatron(
         return "/".join(x for x in (iter_rel, *parts) if x)
 
     first_rel = join(ranks[0], RANK_FILE)
-    first = TorchZipReader(storage.open_read(first_rel), storage.describe(first_rel))
+    first = open_torch_file(storage, first_rel)
     args = first.tree.get("args") if isinstance(first.tree, dict) else None
     if not isinstance(args, argparse.Namespace):
         raise CheckpointError(f"{storage.describe(first_rel)}: no 'args' namespace in the file")
@@ -349,7 +357,7 @@ def probe_megatron(
         rel = join(name, RANK_FILE)
         if rel not in readers:
             try:
-                readers[rel] = TorchZipReader(storage.open_read(rel), storage.describe(rel))
+                readers[rel] = open_torch_file(storage, rel)
             except (CheckpointError, CheckpointNotFoundError):
                 if not allow_missing:
                     raise
@@ -424,9 +432,7 @@ def probe_megatron(
     if optimizer is not None and optimizer.distributed:
         for f in files:
             if f.path.endswith(DISTOPT_FILE) and f.path not in readers and f.path not in lost:
-                readers[f.path] = TorchZipReader(
-                    storage.open_read(f.path), storage.describe(f.path)
-                )
+                readers[f.path] = open_torch_file(storage, f.path)
                 trees[f.path] = readers[f.path].tree
     files = tuple(
         f

@@ -185,8 +185,14 @@ def restricted_loads(data: bytes, where: str) -> Any:
 class TorchZipReader:
     """Lazy reader of one ``torch.save`` archive on any seekable binary file object."""
 
-    def __init__(self, fileobj: BinaryIO, where: str) -> None:
+    def __init__(
+        self, fileobj: BinaryIO, where: str, fetch: Callable[[int, int], bytes] | None = None
+    ) -> None:
+        """``fetch(start, nbytes)``, if given, reads tensor bytes by exact range, thread-safely
+        and without read-ahead (remote stores: one ranged GET per read, several in flight);
+        ``fileobj`` then serves only the zip directory and the pickle."""
         self._f = fileobj
+        self._fetch = fetch
         self.where = where
         try:
             self._zip = zipfile.ZipFile(fileobj)
@@ -219,8 +225,7 @@ class TorchZipReader:
                 raise CheckpointError(f"{self.where}: storage record {key} is missing") from None
             if info.compress_type != zipfile.ZIP_STORED:
                 raise CheckpointError(f"{self.where}: storage record {key} is compressed")
-            self._f.seek(info.header_offset)
-            header = self._f.read(30)
+            header = self._read_at(info.header_offset, 30)
             if len(header) < 30 or header[:4] != b"PK\x03\x04":
                 raise CheckpointError(f"{self.where}: corrupt zip header for record {key}")
             name_len, extra_len = struct.unpack("<HH", header[26:30])
@@ -240,17 +245,37 @@ class TorchZipReader:
             return torch.empty(sizes, dtype=ref.dtype)
         first = ref.offset + sum(o * s for o, s in zip(offsets, ref.stride, strict=True))
         last = first + sum((n - 1) * s for n, s in zip(sizes, ref.stride, strict=True))
+        if self._fetch is None:
+            with self._lock:
+                return self._read_span(ref, sizes, first, last)
         with self._lock:
-            return self._read_span(ref, sizes, first, last)
+            start = self._checked_start(ref, last)
+        nbytes = (last - first + 1) * ref.dtype.itemsize
+        data = self._fetch(start + first * ref.dtype.itemsize, nbytes)
+        if len(data) != nbytes:
+            raise CheckpointError(f"{self.where}: unexpected end of file in {ref.storage.key}")
+        flat = torch.frombuffer(bytearray(data), dtype=ref.dtype)
+        return torch.as_strided(flat, sizes, ref.stride).contiguous()
 
-    def _read_span(self, ref: TensorRef, sizes: Shape, first: int, last: int) -> torch.Tensor:
-        itemsize = ref.dtype.itemsize
+    def _read_at(self, start: int, nbytes: int) -> bytes:
+        if self._fetch is not None:
+            return self._fetch(start, nbytes)
+        self._f.seek(start)
+        return self._f.read(nbytes)
+
+    def _checked_start(self, ref: TensorRef, last: int) -> int:
+        """File offset of the storage record holding ``ref`` (call under the lock)."""
         start, size = self._storage_span(ref.storage.key)
-        if (last + 1) * itemsize > size:
+        if (last + 1) * ref.dtype.itemsize > size:
             raise CheckpointError(
                 f"{self.where}: storage record {ref.storage.key} holds {size} bytes, fewer than "
                 "its tensor needs; the file is truncated or corrupt"
             )
+        return start
+
+    def _read_span(self, ref: TensorRef, sizes: Shape, first: int, last: int) -> torch.Tensor:
+        itemsize = ref.dtype.itemsize
+        start = self._checked_start(ref, last)
         self._f.seek(start + first * itemsize)
         nbytes = (last - first + 1) * itemsize
         buf = bytearray(nbytes)
