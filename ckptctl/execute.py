@@ -233,6 +233,7 @@ def execute(
         prod(t.shape) * getattr(torch, t.dtype).itemsize for f in plan.files for t in f.tensors
     )
     progress.start(total, f"{plan.operation} -> {plan.target_url}")
+    target.begin_writing()
     log = RunLog(target, plan, checksum)
     pool = ThreadPoolExecutor(workers, thread_name_prefix="ckptctl-read") if workers > 1 else None
     assemble = Assembler(plan, source, report, progress, memory_budget, pool)
@@ -241,6 +242,7 @@ def execute(
     finally:
         if pool is not None:
             pool.shutdown(wait=True)
+    target.drain()  # staged uploads land before anything that says "complete"
     for text in plan.finalize:
         target.write_text(text.path, text.content)
         report.files_written.append(text.path)

@@ -10,12 +10,15 @@ from __future__ import annotations
 import contextlib
 import io
 import posixpath
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 import fsspec
 
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError
+from ckptctl.multipart import MultipartUpload, abort_stale_uploads
 
 
 class HashingWriter(io.RawIOBase):
@@ -50,17 +53,54 @@ class HashingWriter(io.RawIOBase):
         self._inner.flush()
 
 
-REMOTE_BLOCK_SIZE = 1 << 20
+REMOTE_BLOCK_SIZE = 128 << 10
+"""Read-ahead of remote file objects, used only for zip and safetensors metadata (tensor bytes
+are fetched by exact range): small, since it is read past what was asked for."""
+
+S3_RETRIES = {"max_attempts": 10, "mode": "standard"}
+"""botocore's own retry policy: exponential backoff with jitter on throttling (503 SlowDown),
+5xx and dropped connections."""
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    """How remote stores are reached; set once per command by the CLI."""
+
+    endpoint_url: str | None = None
+    options: Mapping[str, Any] = field(default_factory=dict)
+    """fsspec storage options for remote URLs (``--storage-option key=value``)."""
+    part_size: int = 8 << 20
+    """Multipart upload part size (S3 minimum 5 MiB)."""
+    upload_parallel: int = 8
+    """Parts of one object in flight at once."""
+
+    def fs_options(self, protocol: str) -> dict[str, Any]:
+        if protocol in ("file", "local", "memory"):
+            return {}
+        options = dict(self.options)
+        if protocol in ("s3", "s3a"):
+            options.setdefault("config_kwargs", {"retries": dict(S3_RETRIES)})
+            if self.endpoint_url:
+                options["endpoint_url"] = self.endpoint_url
+        return options
+
+
+STORAGE_CONFIG: ContextVar[StorageConfig | None] = ContextVar("storage_config", default=None)
+
+
+def _protocols(fs: Any) -> tuple[str, ...]:
+    return fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
 
 
 class Storage:
     def __init__(self, url: str) -> None:
         self.url = url
-        self.fs, root = fsspec.core.url_to_fs(url)
+        self.config = STORAGE_CONFIG.get() or StorageConfig()
+        protocol = fsspec.utils.get_protocol(url)
+        self.fs, root = fsspec.core.url_to_fs(url, **self.config.fs_options(protocol))
         self.root = root.rstrip("/") or "/"
-        self.is_local = "file" in (
-            self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
-        )
+        self.is_local = "file" in _protocols(self.fs)
+        self.is_s3 = "s3" in _protocols(self.fs) and hasattr(self.fs, "call_s3")
 
     def path(self, rel: str) -> str:
         norm = posixpath.normpath(rel) if rel else "."
@@ -107,13 +147,34 @@ class Storage:
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"{self.describe(rel)}: file not found") from None
 
+    def read_range(self, rel: str, start: int, nbytes: int) -> bytes:
+        """Bytes ``[start, start + nbytes)`` of ``rel``: one ranged request, no read-ahead, safe
+        to call from several threads at once."""
+        try:
+            return self.fs.cat_file(self.path(rel), start=start, end=start + nbytes)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"{self.describe(rel)}: file not found") from None
+
     @contextlib.contextmanager
     def open_write(self, rel: str, digest: Any = None) -> Iterator[HashingWriter]:
-        """Write ``rel`` via a ``.partial`` file that only becomes ``rel`` if the block succeeds.
+        """Write ``rel`` so that it only appears if the block succeeds.
 
+        On S3 a multipart upload straight to the final key (it becomes visible atomically on
+        completion, and is aborted on failure); elsewhere a ``.partial`` file renamed into place.
         The stream is forward-only (zip archives then use data descriptors instead of seeking
         back), so ``digest`` (a hashlib-style object) sees every byte once, as written."""
         final = self.path(rel)
+        if self.is_s3:
+            upload = MultipartUpload(
+                self.fs, final, self.config.part_size, self.config.upload_parallel
+            )
+            try:
+                yield HashingWriter(upload, digest)  # type: ignore[arg-type]
+                upload.commit()
+            except BaseException:
+                upload.abort()
+                raise
+            return
         partial = final + ".partial"
         self.fs.makedirs(posixpath.dirname(final), exist_ok=True)
         try:
@@ -132,3 +193,13 @@ class Storage:
     def remove(self, rel: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm(self.path(rel), recursive=True)
+
+    def begin_writing(self) -> None:
+        """Before a job writes here: clear what a killed earlier run left unseen (on S3,
+        incomplete multipart uploads under this prefix)."""
+        if self.is_s3:
+            abort_stale_uploads(self.fs, self.root)
+
+    def drain(self) -> None:
+        """Wait until everything written so far is durable at this URL (a no-op here; staged
+        storage uploads in the background)."""

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from ckptctl import synth
+from tests.s3proxy import S3Proxy
 
 moto_server = pytest.importorskip("moto.server")
 boto3 = pytest.importorskip("boto3")
@@ -92,3 +93,177 @@ def test_s3_consolidate_to_hf_and_plan_uses_the_s3_profile(
     on_s3 = cli.json("plan", f"{bucket}/tp2", tmp_path / "x", "--tp", "4", "--pp", "1")
     local = cli.json("plan", local_ckpt, tmp_path / "x", "--tp", "4", "--pp", "1")
     assert on_s3["estimates"]["seconds"] > 10 * local["estimates"]["seconds"]
+
+
+# --- what goes over the wire: counted by a proxy in front of the server -------------------------
+
+METADATA_ALLOWANCE = 256 << 10
+"""Per object: zip end record, central directory and pickle, each fetched with at most one
+128 KiB read-ahead block past what was asked."""
+
+
+@pytest.fixture(scope="module")
+def proxy(s3_endpoint: str) -> Iterator[S3Proxy]:
+    server = S3Proxy(s3_endpoint).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def wide_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Large enough (~40 MB, two thirds Adam state) that metadata reads are small beside it."""
+    config = synth.tiny_llama_config(
+        hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=704
+    )
+    model = synth.make_model(config, seed=3)
+    out = tmp_path_factory.mktemp("s3wide") / "src"
+    synth.write_megatron(model, synth.adam_step(model, seed=3), out, tp=2, pp=2)
+    return out
+
+
+def _upload(local: Path, url: str) -> None:
+    import s3fs
+
+    s3fs.S3FileSystem().put(str(local), url.removeprefix("s3://"), recursive=True)
+
+
+def _bytes_by_source_file(plan: dict) -> dict[str, int]:
+    import torch
+
+    out: dict[str, int] = {}
+    for file in plan["files"]:
+        itemsize = None
+        for tensor in file["tensors"]:
+            itemsize = getattr(torch, tensor["dtype"]).itemsize
+            for copy in tensor["copies"]:
+                path = plan["source_files"][copy["source"]]
+                n = 1
+                for s in copy["sizes"]:
+                    n *= s
+                out[path] = out.get(path, 0) + n * itemsize
+    return out
+
+
+def test_reads_fetch_only_the_byte_ranges_the_plan_needs(
+    bucket: str, proxy: S3Proxy, wide_ckpt: Path, tmp_path: Path, cli
+) -> None:
+    _upload(wide_ckpt, f"{bucket}/src")
+    plan = cli.json("consolidate", f"{bucket}/src", tmp_path / "hf", "--dry-run")
+    needed = _bytes_by_source_file(plan)
+    proxy.reset()
+    cli("--endpoint-url", proxy.url, "consolidate", f"{bucket}/src", tmp_path / "hf")
+
+    fetched: dict[str, int] = {}
+    for r in proxy.gets("lake/src/"):
+        assert r.range is not None, f"whole-object GET of {r.key}"
+        rel = r.key.removeprefix("lake/src/")
+        fetched[rel] = fetched.get(rel, 0) + r.sent
+    sizes = {p.relative_to(wide_ckpt).as_posix(): p.stat().st_size for p in wide_ckpt.rglob("*.pt")}
+    assert set(fetched) <= set(sizes) | {"latest_checkpointed_iteration.txt"}
+    for path, size in sizes.items():
+        want = needed.get(path, 0)
+        got = fetched.get(path, 0)
+        assert want <= got <= want + METADATA_ALLOWANCE, (path, want, got, size)
+        assert got < size / 2, "the Adam state was fetched although HF needs weights only"
+    assert sum(needed.values()) == plan["estimates"]["bytes_read"]
+    # Requests: the plan's ranged reads, plus per file the zip end records, directory and
+    # pickle (zipfile reads the end in up to four small pieces), plus one 30-byte local-header
+    # read per storage record used.
+    gets = len(proxy.gets("lake/src/"))
+    assert plan["estimates"]["read_requests"] <= gets
+    import zipfile
+
+    records = sum(
+        sum("/data/" in n for n in zipfile.ZipFile(wide_ckpt / path).namelist()) for path in sizes
+    )
+    assert gets <= plan["estimates"]["read_requests"] + 5 * len(sizes) + records
+
+
+def test_transient_failures_are_retried_and_the_result_is_bit_exact(
+    bucket: str, proxy: S3Proxy, wide_ckpt: Path, tmp_path: Path, cli
+) -> None:
+    """Every 7th data request is answered 503 SlowDown or has its connection dropped; botocore's
+    retry policy takes it from there (reads, multipart parts, the manifest PUT alike)."""
+    _upload(wide_ckpt, f"{bucket}/src")
+    proxy.reset()
+    proxy.fail_every = 7
+    lake = ("--endpoint-url", proxy.url, "--part-size", "5MiB")
+    cli(*lake, "reshard", f"{bucket}/src", f"{bucket}/tp1", "--tp", "1", "--pp", "4")
+    assert proxy.failures >= 5
+    parts = [r for r in proxy.requests if r.method == "PUT" and "partNumber" in r.query]
+    assert len(parts) >= 8, "expected multipart uploads at a 5 MiB part size"
+    proxy.fail_every = 0
+    report = cli.json("verify", f"{bucket}/tp1", "--against", wide_ckpt)
+    assert report["ok"] and all(t["max_abs_diff"] == 0.0 for t in report["tensors"])
+
+
+def test_multipart_upload_commits_atomically_and_aborts_without_a_trace(bucket: str) -> None:
+    import s3fs
+
+    from ckptctl.multipart import MultipartUpload
+
+    fs = s3fs.S3FileSystem()
+    data = os.urandom(12 << 20)
+    upload = MultipartUpload(fs, "lake/obj", part_size=5 << 20, parallel=3)
+    for i in range(0, len(data), 1 << 20):
+        upload.write(data[i : i + (1 << 20)])
+    assert not fs.exists("lake/obj"), "visible before completion"
+    upload.commit()
+    assert fs.cat_file("lake/obj") == data
+
+    failed = MultipartUpload(fs, "lake/broken", part_size=5 << 20, parallel=3)
+    failed.write(data)
+    failed.abort()
+    client = boto3.client("s3")
+    assert not client.list_multipart_uploads(Bucket="lake").get("Uploads")
+    fs.invalidate_cache()
+    assert not fs.exists("lake/broken")
+
+
+def test_a_failed_write_leaves_no_object_and_a_rerun_aborts_stale_uploads(
+    bucket: str, local_ckpt: Path, cli
+) -> None:
+    client = boto3.client("s3")
+    client.create_multipart_upload(Bucket="lake", Key="out/iter_0000001/left-by-a-killed-run")
+    cli("reshard", local_ckpt, f"{bucket}/out", "--tp", "1", "--pp", "1")
+    assert not client.list_multipart_uploads(Bucket="lake").get("Uploads")
+
+    from ckptctl.storage import Storage
+
+    target = Storage(f"{bucket}/other")
+    with pytest.raises(RuntimeError), target.open_write("half.bin") as f:
+        f.write(os.urandom(11 << 20))  # two parts already sent
+        raise RuntimeError("the job fails mid-file")
+    assert not target.exists("half.bin")
+    assert not client.list_multipart_uploads(Bucket="lake").get("Uploads")
+
+
+def test_stage_dir_writes_locally_first_and_commits_after_the_last_upload(
+    bucket: str, proxy: S3Proxy, local_ckpt: Path, tmp_path: Path, cli
+) -> None:
+    stage = tmp_path / "nvme"
+    proxy.reset()
+    cli(
+        "--endpoint-url",
+        proxy.url,
+        "reshard",
+        local_ckpt,
+        f"{bucket}/staged",
+        "--tp",
+        "4",
+        "--pp",
+        "1",
+        "--stage-dir",
+        stage,
+    )
+    assert not [p for p in stage.rglob("*") if p.is_file()], "uploaded files stay on the stage"
+    writes = [
+        (i, r.key)
+        for i, r in enumerate(proxy.requests)
+        if r.method in ("PUT", "POST") and r.status < 300 and r.key.startswith("lake/staged/")
+    ]
+    manifest_at = max(i for i, k in writes if k.endswith("ckptctl.manifest.json"))
+    data_at = [i for i, k in writes if k.endswith(".pt")]
+    assert data_at and max(data_at) < manifest_at
+    report = cli.json("verify", f"{bucket}/staged", "--against", local_ckpt)
+    assert report["ok"] and all(t["max_abs_diff"] == 0.0 for t in report["tensors"])

@@ -22,6 +22,7 @@ from ckptctl.geometry import nbytes
 from ckptctl.manifest import INCOMPLETE, completed_by, read_marker
 from ckptctl.plan import Plan
 from ckptctl.probe import Checkpoint, fingerprint, open_checkpoint
+from ckptctl.staging import StagedStorage
 from ckptctl.storage import Storage
 from ckptctl.stored import Format
 from planners.consolidate import plan_consolidate
@@ -104,6 +105,16 @@ class ChecksumName(StrEnum):
 
 
 CHECKSUM_CHOICE: ContextVar[str] = ContextVar("checksum", default="xxh3_64")
+STAGE_DIR: ContextVar[str | None] = ContextVar("stage_dir", default=None)
+REMOTE_READ_PARALLEL = 8
+StageDir = Annotated[
+    str | None,
+    typer.Option(
+        "--stage-dir",
+        help="Write files to this local directory first and upload them in the background; "
+        "the manifest goes up after the last upload.",
+    ),
+]
 Checksum = Annotated[
     ChecksumName,
     typer.Option("--checksum", help="File checksum recorded in the manifest."),
@@ -312,6 +323,7 @@ def register(app: typer.Typer, boundary: Callable[[Output], AbstractContextManag
         plan_file: PlanFile = None,
         memory_budget: MemoryBudget = "1GiB",
         checksum: Checksum = ChecksumName.xxh3_64,
+        stage_dir: StageDir = None,
         dry_run: DryRun = False,
         overwrite: Overwrite = False,
         as_json: Json = False,
@@ -320,6 +332,7 @@ def register(app: typer.Typer, boundary: Callable[[Output], AbstractContextManag
     ) -> None:
         """Merge a sharded checkpoint into one full checkpoint, streaming one tensor at a time."""
         CHECKSUM_CHOICE.set(checksum.value)
+        STAGE_DIR.set(stage_dir)
         out = Output(as_json)
         with boundary(out):
             plan, report = run_consolidate(
@@ -365,16 +378,27 @@ def _carry_out(
         out.info(f"{plan.target_url} is already complete for this plan; nothing to do")
         return Report(files_written=[])
     target = _prepare_target(plan.target_url, plan.source_url, overwrite, plan.fingerprint())
+    stage_dir = STAGE_DIR.get()
+    if stage_dir is not None:
+        target = StagedStorage(target, stage_dir)
+    workers = plan.read_workers
+    if not Storage(plan.source_url).is_local:
+        # Object stores answer each ranged GET after a round trip: keep several in flight.
+        workers = max(workers, REMOTE_READ_PARALLEL)
     progress = RichProgress(out.err, enabled=not (out.as_json or quiet))
-    return execute(
-        plan,
-        ckpt,
-        target,
-        progress,
-        memory_budget,
-        workers=plan.read_workers,
-        checksum=CHECKSUM_CHOICE.get(),
-    )
+    try:
+        return execute(
+            plan,
+            ckpt,
+            target,
+            progress,
+            memory_budget,
+            workers=workers,
+            checksum=CHECKSUM_CHOICE.get(),
+        )
+    finally:
+        if isinstance(target, StagedStorage):
+            target.close()
 
 
 def _finish(out: Output, plan: Plan, report: Report | None, as_json: bool) -> None:
@@ -534,6 +558,7 @@ def register_reshard(
         memory_budget: MemoryBudget = "1GiB",
         dtype: WeightDType = None,
         checksum: Checksum = ChecksumName.xxh3_64,
+        stage_dir: StageDir = None,
         dry_run: DryRun = False,
         overwrite: Overwrite = False,
         as_json: Json = False,
@@ -542,6 +567,7 @@ def register_reshard(
     ) -> None:
         """Re-split a checkpoint for another TP/PP/VPP/DP layout, shard to shard."""
         CHECKSUM_CHOICE.set(checksum.value)
+        STAGE_DIR.set(stage_dir)
         out = Output(as_json)
         with boundary(out):
             if via_full is not None:

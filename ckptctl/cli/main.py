@@ -16,9 +16,11 @@ from pydantic import ValidationError
 
 from ckptctl import __version__
 from ckptctl.cli import commands, demo, planning
+from ckptctl.cli.options import storage_config
 from ckptctl.cli.output import Output
 from ckptctl.errors import CkptctlError
 from ckptctl.probe import ALLOW_INCOMPLETE
+from ckptctl.storage import STORAGE_CONFIG
 
 app = typer.Typer(
     name="ckptctl",
@@ -44,12 +46,37 @@ def _root(
         bool,
         typer.Option("--allow-incomplete", help="Read checkpoints a ckptctl job never finished."),
     ] = False,
+    endpoint_url: Annotated[
+        str | None,
+        typer.Option(
+            "--endpoint-url",
+            help="S3-compatible endpoint (MinIO, Ceph RGW) [AWS configuration / AWS_ENDPOINT_URL].",
+        ),
+    ] = None,
+    storage_option: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--storage-option",
+            help="fsspec option for remote URLs as key=value (repeatable), e.g. anon=true.",
+        ),
+    ] = None,
+    part_size: Annotated[
+        str, typer.Option("--part-size", help="Multipart upload part size (>= 5MiB).")
+    ] = "8MiB",
+    upload_parallel: Annotated[
+        int, typer.Option("--upload-parallel", help="Parts of one object uploaded at once.")
+    ] = 8,
     version: Annotated[
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
     ] = False,
 ) -> None:
     _state["debug"] = debug
     ALLOW_INCOMPLETE.set(allow_incomplete)
+    out = Output(False)
+    with error_boundary(out):
+        STORAGE_CONFIG.set(
+            storage_config(endpoint_url, storage_option or [], part_size, upload_parallel)
+        )
 
 
 @contextlib.contextmanager

@@ -1,0 +1,141 @@
+"""Streaming writes to S3: one object as a multipart upload, parts sent in parallel.
+
+Why not s3fs's own writer: it uploads parts one after another, and when the ``with`` block
+around it fails it still *completes* the upload, publishing a truncated object under the final
+name. Here the object appears only on ``commit`` (S3 makes a completed multipart upload visible
+atomically, so no ``.partial`` name and server-side copy are needed) and ``abort`` throws the
+parts away. Memory stays within ``part_size * (parallel + 1)``.
+
+The S3 calls go through s3fs's client, so credentials, endpoint and botocore's retry settings
+are the filesystem's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+MIN_PART_SIZE = 5 << 20
+"""S3's smallest part (all but the last)."""
+MAX_PARTS = 10_000
+
+
+class MultipartUpload(io.RawIOBase):
+    def __init__(self, fs: Any, path: str, part_size: int, parallel: int) -> None:
+        super().__init__()
+        if part_size < MIN_PART_SIZE:
+            raise ValueError(f"part size {part_size} is below S3's minimum of 5 MiB")
+        self.fs = fs
+        self.path = path
+        self.bucket, self.key, _ = fs.split_path(path)
+        self.part_size = part_size
+        self.parallel = max(parallel, 1)
+        self._buffer = bytearray()
+        self._upload_id: str | None = None
+        self._parts: list[dict[str, Any]] = []
+        self._pending: deque[Future[None]] = deque()
+        self._pool: ThreadPoolExecutor | None = None
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self._buffer += view
+        while len(self._buffer) >= self.part_size:
+            part = bytes(self._buffer[: self.part_size])
+            del self._buffer[: self.part_size]
+            self._send(part)
+        return len(view)
+
+    def _send(self, part: bytes) -> None:
+        if self._upload_id is None:
+            started = self.fs.call_s3("create_multipart_upload", Bucket=self.bucket, Key=self.key)
+            self._upload_id = started["UploadId"]
+            self._pool = ThreadPoolExecutor(self.parallel, thread_name_prefix="ckptctl-upload")
+        number = len(self._parts) + len(self._pending) + 1
+        if number > MAX_PARTS:
+            raise OSError(f"{self.path}: more than {MAX_PARTS} parts; raise --part-size")
+        # Bounded in flight: wait for the oldest part before queueing another.
+        while len(self._pending) >= self.parallel:
+            self._pending.popleft().result()
+        assert self._pool is not None
+        self._pending.append(self._pool.submit(self._upload_part, number, part))
+
+    def _upload_part(self, number: int, body: bytes) -> None:
+        out = self.fs.call_s3(
+            "upload_part",
+            Bucket=self.bucket,
+            Key=self.key,
+            UploadId=self._upload_id,
+            PartNumber=number,
+            Body=body,
+        )
+        self._parts.append({"PartNumber": number, "ETag": out["ETag"]})
+
+    def commit(self) -> None:
+        """Publish the object: one PUT if it never filled a part, else the last part and the
+        completion request once every part has arrived."""
+        if self._upload_id is None:
+            body = bytes(self._buffer)
+            self.fs.call_s3("put_object", Bucket=self.bucket, Key=self.key, Body=body)
+        else:
+            if self._buffer:
+                self._send(bytes(self._buffer))
+            while self._pending:
+                self._pending.popleft().result()
+            parts = sorted(self._parts, key=lambda p: p["PartNumber"])
+            self.fs.call_s3(
+                "complete_multipart_upload",
+                Bucket=self.bucket,
+                Key=self.key,
+                UploadId=self._upload_id,
+                MultipartUpload={"Parts": parts},
+            )
+        self._buffer = bytearray()
+        self._shutdown()
+        self.fs.invalidate_cache(self.path)
+
+    def abort(self) -> None:
+        """Drop the upload: no object appears and S3 frees the stored parts."""
+        for future in self._pending:
+            future.cancel()
+        self._shutdown()
+        if self._upload_id is not None:
+            with contextlib.suppress(Exception):  # the original error matters more
+                self.fs.call_s3(
+                    "abort_multipart_upload",
+                    Bucket=self.bucket,
+                    Key=self.key,
+                    UploadId=self._upload_id,
+                )
+            self._upload_id = None
+        self._buffer = bytearray()
+
+    def _shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self._pending.clear()
+
+
+def abort_stale_uploads(fs: Any, prefix_path: str) -> int:
+    """Abort multipart uploads under ``prefix_path`` left by a killed earlier run (S3 keeps and
+    bills their parts until aborted). Returns how many were aborted."""
+    bucket, key, _ = fs.split_path(prefix_path)
+    prefix = key.rstrip("/") + "/" if key else ""
+    listed = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix)
+    aborted = 0
+    for upload in listed.get("Uploads", []):
+        with contextlib.suppress(Exception):
+            fs.call_s3(
+                "abort_multipart_upload",
+                Bucket=bucket,
+                Key=upload["Key"],
+                UploadId=upload["UploadId"],
+            )
+            aborted += 1
+    return aborted
