@@ -36,6 +36,7 @@ class MultipartUpload(io.RawIOBase):
         self._buffer = bytearray()
         self._upload_id: str | None = None
         self._parts: list[dict[str, Any]] = []
+        self._part_count = 0
         self._pending: deque[Future[None]] = deque()
         self._pool: ThreadPoolExecutor | None = None
 
@@ -56,7 +57,8 @@ class MultipartUpload(io.RawIOBase):
             started = self.fs.call_s3("create_multipart_upload", Bucket=self.bucket, Key=self.key)
             self._upload_id = started["UploadId"]
             self._pool = ThreadPoolExecutor(self.parallel, thread_name_prefix="ckptctl-upload")
-        number = len(self._parts) + len(self._pending) + 1
+        self._part_count += 1
+        number = self._part_count
         if number > MAX_PARTS:
             raise OSError(f"{self.path}: more than {MAX_PARTS} parts; raise --part-size")
         # Bounded in flight: wait for the oldest part before queueing another.

@@ -182,11 +182,11 @@ def test_reads_fetch_only_the_byte_ranges_the_plan_needs(
 def test_transient_failures_are_retried_and_the_result_is_bit_exact(
     bucket: str, proxy: S3Proxy, wide_ckpt: Path, tmp_path: Path, cli
 ) -> None:
-    """Every 7th data request is answered 503 SlowDown or has its connection dropped; botocore's
+    """Every 20th data request is answered 503 SlowDown or has its connection dropped; botocore's
     retry policy takes it from there (reads, multipart parts, the manifest PUT alike)."""
     _upload(wide_ckpt, f"{bucket}/src")
     proxy.reset()
-    proxy.fail_every = 7
+    proxy.fail_every = 20
     lake = ("--endpoint-url", proxy.url, "--part-size", "5MiB")
     cli(*lake, "reshard", f"{bucket}/src", f"{bucket}/tp1", "--tp", "1", "--pp", "4")
     assert proxy.failures >= 5
