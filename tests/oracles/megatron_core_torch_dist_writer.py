@@ -1,0 +1,759 @@
+"""Write tiny Megatron ``torch_dist`` checkpoints with megatron-core's own code.
+
+Test oracle for ``ckptctl``: a real third-party writer of Megatron-Core's distributed checkpoint
+format (a PyTorch DCP directory plus Megatron's ``common.pt`` / ``metadata.json``). It spawns
+``TP = 2`` CPU processes (gloo backend, PP = DP = 1), builds megatron-core's own ``GPTModel``
+(local layer spec, no TransformerEngine) configured Llama-style (RMSNorm, SwiGLU, RoPE, GQA with
+4 heads / 2 query groups, no biases, untied embeddings, fp32, CPU initialisation) and writes::
+
+    OUT_DIR/ckpt/latest_checkpointed_iteration.txt        "1"
+    OUT_DIR/ckpt/iter_0000001/metadata.json               {"sharded_backend": "torch_dist", ...}
+    OUT_DIR/ckpt/iter_0000001/common.pt                   non-sharded state (args, iteration, ...)
+    OUT_DIR/ckpt/iter_0000001/.metadata                   pickled DCP Metadata
+    OUT_DIR/ckpt/iter_0000001/__<rank>_<i>.distcp         tensors + byte items (rng_state)
+    OUT_DIR/ckpt_optim/...                                same layout, after one Adam step, with
+                                                          DistributedOptimizer state
+                                                          (``fully_reshardable``)
+    OUT_DIR/logits.pt                                     {"input_ids", "logits", ...}
+
+``ckpt`` is the freshly initialised model saved as Megatron-LM's ``save_checkpoint`` does for
+``--ckpt-format torch_dist --no-save-optim`` (model + RNG, no optimizer / scheduler).
+``ckpt_optim`` is the same model wrapped in megatron-core's ``DistributedDataParallel`` and
+``DistributedOptimizer`` (through ``get_megatron_optimizer``), after ONE training step through
+megatron-core's schedule, saved as ``--ckpt-format torch_dist --use-distributed-optimizer
+--dist-ckpt-optim-fully-reshardable`` does: the content metadata carries
+``distrib_optim_sharding_type = "fully_reshardable"``, and the optimizer's fp32 master weights
+and Adam moments are stored as ``optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>`` with
+the same global shapes and boxes as the model tensors.
+
+``megatron.training`` is not installed (and needs CUDA), so its ``save_checkpoint``,
+``generate_state_dict``, ``get_rng_state`` and ``_build_sharded_state_dict_metadata`` are
+mirrored here. The top-level state dict is ``{"args", "checkpoint_version": 3.0, "iteration",
+"model", ["optimizer", "opt_param_scheduler"], "rng_state",
+"num_floating_point_operations_so_far"}``; it is saved with
+``megatron.core.dist_checkpointing.save`` through the default ``torch_dist`` strategy (two
+writer threads, so two ``.distcp`` files per rank) wrapped in ``FullyParallelSaveStrategyWrapper``
+over the DP group (Megatron-LM's default ``--ckpt-fully-parallel-save``), with
+``content_metadata`` = that metadata minus the process group. Only deviation: a CPU build has no
+CUDA generator, so ``rng_state[0]["cuda_rng_state"]`` is a 16-byte uint8 tensor laid out like a
+Philox state (seed, offset 0) instead of ``torch.cuda.get_rng_state()``.
+
+What the files show (megatron-core 0.16.1, torch 2.13): model keys are layer-stacked
+(``decoder.layers.<module>...``, leading dim = layer); the local spec's
+``input_layernorm`` / ``pre_mlp_layernorm`` are saved under the TransformerEngine names
+``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``; every linear layer also
+saves an empty ``<module>._extra_state/shard_<l>_<L>`` byte item (``[None]``); the RNG state is
+the byte item ``rng_state/shard_<pp>.<tp>_<PP>.<TP>``; ``.metadata`` carries an extra
+``all_local_plans`` attribute (pickled ``SavePlan`` / ``WriteItem`` objects).
+
+``logits.pt`` = ``{"input_ids": [batch, seq] int64, "logits": [batch, seq, padded_vocab] fp32,
+"true_vocab_size": 1000, "padded_vocab_size": 1024, "logits_optim": ...}``: megatron-core's own
+TP forward of the ``ckpt`` model (``logits``) and of the ``ckpt_optim`` model after the step
+(``logits_optim``), gathered over TP to the full padded vocabulary (megatron initialises the pad
+rows randomly, so trim to ``true_vocab_size`` before comparing with an unpadded model).
+
+Usage::
+
+    python tests/oracles/megatron_core_torch_dist_writer.py OUT_DIR
+
+Needs ``megatron-core==0.16.1``, ``einops`` and ``psutil`` on a CPU-only torch; takes about
+10-20 s on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import socket
+import sys
+import warnings
+import zlib
+from collections.abc import Callable, Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.overrides import TorchFunctionMode
+
+# megatron-core warns at import about missing Apex/TransformerEngine and about CUDA-only tuning
+# knobs; torch warns that reduce_scatter_tensor / all_gather_into_tensor are deprecated names.
+warnings.filterwarnings("ignore", category=UserWarning)
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+TP = 2
+TRUE_VOCAB = 1000
+MAKE_VOCAB_DIVISIBLE_BY = 128
+NUM_LAYERS = 2
+HIDDEN = 64
+FFN_HIDDEN = 128
+NUM_HEADS = 4
+NUM_QUERY_GROUPS = 2
+KV_CHANNELS = 16
+MAX_POSITIONS = 64
+ROTARY_BASE = 10000
+NORM_EPS = 1e-5
+INIT_STD = 0.1
+MODEL_SEED = 1234
+NORM_SEED = 4321
+INPUT_SEED = 1234
+DATA_SEED = 5678
+BATCH, SEQ = 2, 16
+LR = 1e-2
+MIN_LR = 1e-3
+WEIGHT_DECAY = 0.1
+ADAM_BETAS = (0.9, 0.95)
+ADAM_EPS = 1e-8
+CLIP_GRAD = 1.0
+ITERATION = 1
+CHECKPOINT_VERSION = 3.0
+# --optim-sharding type -> the directory its checkpoint goes to
+OPTIM_DIRS = {"fully_reshardable": "ckpt_optim", "dp_reshardable": "ckpt_optim_dp_reshardable"}
+
+
+def padded_vocab_size(tp: int) -> int:
+    """Megatron's vocab padding: round up to a multiple of 128 * tp."""
+    multiple = MAKE_VOCAB_DIVISIBLE_BY * tp
+    return int(math.ceil(TRUE_VOCAB / multiple) * multiple)
+
+
+def num_parameters() -> int:
+    """Global parameter count of the unpadded-architecture model (padded vocab included)."""
+    attention = (NUM_HEADS + 2 * NUM_QUERY_GROUPS) * KV_CHANNELS * HIDDEN
+    attention += HIDDEN * NUM_HEADS * KV_CHANNELS
+    mlp = 3 * FFN_HIDDEN * HIDDEN
+    per_layer = attention + mlp + 2 * HIDDEN
+    return 2 * padded_vocab_size(TP) * HIDDEN + NUM_LAYERS * per_layer + HIDDEN
+
+
+def megatron_args(with_optimizer: bool, optim_sharding: str | None = None) -> argparse.Namespace:
+    """The ``args`` Namespace Megatron-LM stores in ``common.pt`` (names as Megatron-LM)."""
+    return argparse.Namespace(
+        tensor_model_parallel_size=TP,
+        pipeline_model_parallel_size=1,
+        virtual_pipeline_model_parallel_size=None,
+        context_parallel_size=1,
+        expert_model_parallel_size=1,
+        data_parallel_size=1,
+        world_size=TP,
+        num_layers=NUM_LAYERS,
+        hidden_size=HIDDEN,
+        ffn_hidden_size=FFN_HIDDEN,
+        num_attention_heads=NUM_HEADS,
+        num_query_groups=NUM_QUERY_GROUPS,
+        group_query_attention=True,
+        kv_channels=KV_CHANNELS,
+        padded_vocab_size=padded_vocab_size(TP),
+        vocab_size=TRUE_VOCAB,
+        make_vocab_size_divisible_by=MAKE_VOCAB_DIVISIBLE_BY,
+        swiglu=True,
+        untie_embeddings_and_output_weights=True,
+        position_embedding_type="rope",
+        rotary_base=ROTARY_BASE,
+        rotary_percent=1.0,
+        normalization="RMSNorm",
+        norm_epsilon=NORM_EPS,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        max_position_embeddings=MAX_POSITIONS,
+        seq_length=SEQ,
+        micro_batch_size=BATCH,
+        global_batch_size=BATCH,
+        num_experts=None,
+        params_dtype=torch.float32,
+        bf16=False,
+        fp16=False,
+        transformer_impl="local",
+        use_distributed_optimizer=with_optimizer,
+        no_save_optim=not with_optimizer,
+        no_save_rng=False,
+        use_dist_ckpt=True,
+        ckpt_format="torch_dist",
+        ckpt_fully_parallel_save=True,
+        ckpt_assume_constant_structure=False,
+        dist_ckpt_optim_fully_reshardable=optim_sharding == "fully_reshardable",
+        distrib_optim_fully_reshardable_mem_efficient=False,
+        async_save=False,
+        data_parallel_random_init=False,
+        optimizer="adam",
+        lr=LR,
+        min_lr=MIN_LR,
+        weight_decay=WEIGHT_DECAY,
+        adam_beta1=ADAM_BETAS[0],
+        adam_beta2=ADAM_BETAS[1],
+        adam_eps=ADAM_EPS,
+        clip_grad=CLIP_GRAD,
+        iteration=ITERATION,
+    )
+
+
+# --------------------------------------------------------------------------- CPU patches
+
+
+class CpuAsCudaMode(TorchFunctionMode):
+    """Run megatron-core's CUDA-only code paths on the CPU (as in the distopt writer).
+
+    * Tensor factories called with ``device="cuda"`` (MixedPrecisionOptimizer's buffers,
+      clip_grads' norm buffers, the DistributedOptimizer's all-gather buffers for the
+      ``fully_reshardable`` state) raise on a CPU-only build: the device is rewritten to the CPU.
+    * ``DistributedOptimizer`` picks its code path by comparing ``param.type()`` with
+      ``'torch.cuda.FloatTensor'`` etc.: a CPU tensor's ``type()`` reports the CUDA name.
+    * ``Tensor.cuda()`` returns the tensor itself.
+    """
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
+        if func is torch.Tensor.cuda:
+            return args[0]
+        device = kwargs.get("device")
+        if isinstance(device, str | torch.device) and torch.device(device).type == "cuda":
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+def patch_megatron_for_cpu() -> None:
+    """Process-wide patches for what :class:`CpuAsCudaMode` cannot intercept."""
+    # RotaryEmbedding, grad buffers and dist_checkpointing's failure broadcast
+    # (save_state_dict_async_finalize) allocate on torch.cuda.current_device(), which raises on a
+    # CPU build. Point it at the CPU.
+    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+
+    # The fully-parallel save wrapper and FileSystemWriterAsync call torch.cuda.synchronize()
+    # around their device-to-host copies; on the CPU every copy is already complete: no-op.
+    torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
+
+    # DotProductAttention runs attention dropout inside get_cuda_rng_tracker().fork(), which
+    # needs a CUDA RNG state registered by model_parallel_cuda_manual_seed (CUDA-only). Dropout
+    # is 0 and no RNG is drawn, so the fork can be a no-op context.
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+
+    def noop_fork(self: CudaRNGStatesTracker, name: str = "") -> contextlib.nullcontext[None]:
+        return contextlib.nullcontext()
+
+    CudaRNGStatesTracker.fork = noop_fork  # type: ignore[method-assign,assignment]
+
+    # Loading fully_reshardable optimizer state with torch's Adam (no Apex / TransformerEngine)
+    # fails in megatron-core 0.16.1: load_state_dict puts a "step" tensor into every Adam state,
+    # then load_parameter_state_from_fully_reshardable hands over {"param", "exp_avg",
+    # "exp_avg_sq"} (it skips "step" on purpose) and _set_main_param_and_optimizer_states
+    # indexes the source by every destination key, "step" included (KeyError). Copy the keys the
+    # source has and leave the "step" load_state_dict already set.
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    set_states = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def set_states_without_step(
+        self: DistributedOptimizer, model_param: torch.nn.Parameter, tensors: dict[str, Any]
+    ) -> None:
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        state = self.optimizer.state[main_param]
+        step = state.pop("step", None) if "step" not in tensors else None
+        try:
+            set_states(self, model_param, tensors)
+        finally:
+            if step is not None:
+                state["step"] = step
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_states_without_step  # type: ignore[method-assign]
+
+
+# --------------------------------------------------------------------------- model and data
+
+
+def transformer_config() -> Any:
+    """megatron-core TransformerConfig as Megatron-LM derives it from the args."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=NUM_LAYERS,
+        hidden_size=HIDDEN,
+        ffn_hidden_size=FFN_HIDDEN,
+        num_attention_heads=NUM_HEADS,
+        num_query_groups=NUM_QUERY_GROUPS,
+        kv_channels=KV_CHANNELS,
+        tensor_model_parallel_size=TP,
+        pipeline_dtype=torch.float32,
+        params_dtype=torch.float32,
+        normalization="RMSNorm",
+        layernorm_epsilon=NORM_EPS,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=INIT_STD,
+        use_cpu_initialization=True,
+        # Fused kernels are CUDA-only; use the plain PyTorch paths.
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+    )
+
+
+def build_model(config: Any) -> torch.nn.Module:
+    """Megatron-LM's GPT model provider (one stage), Llama-style, on CPU."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=padded_vocab_size(TP),
+        max_sequence_length=MAX_POSITIONS,
+        pre_process=True,
+        post_process=True,
+        # Vocab-parallel logits, as in training (the loss is vocab-parallel cross entropy);
+        # the reference forward asks for a runtime gather instead.
+        parallel_output=True,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=ROTARY_BASE,
+    )
+
+
+def randomise_norms(model: torch.nn.Module) -> None:
+    """Set every norm weight to ``1 + 0.1 * randn``, seeded by its name (same on every rank).
+
+    The default all-ones weights would hide a swapped or misplaced norm.
+    """
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "layernorm" not in name:
+                continue
+            generator = torch.Generator().manual_seed(NORM_SEED + zlib.crc32(name.encode()))
+            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+            param.copy_(1.0 + 0.1 * noise)
+
+
+def causal_mask(seq: int) -> torch.Tensor:
+    """Megatron's left-to-right mask, ``[1, 1, s, s]`` bool, True = masked out.
+
+    Passing it explicitly keeps megatron-core from building its default causal mask, which is
+    hard-coded to ``device="cuda"``.
+    """
+    return torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
+
+
+def reference_input_ids() -> torch.Tensor:
+    """The fixed batch the reference logits are computed on."""
+    generator = torch.Generator().manual_seed(INPUT_SEED)
+    return torch.randint(0, TRUE_VOCAB, (BATCH, SEQ), generator=generator)
+
+
+def reference_logits(gpt: torch.nn.Module) -> torch.Tensor:
+    """megatron-core's own TP forward, logits gathered over TP: ``[b, s, padded_v]`` fp32."""
+    input_ids = reference_input_ids()
+    position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
+    was_training = gpt.training
+    gpt.eval()
+    with torch.no_grad():
+        logits = gpt(input_ids, position_ids, causal_mask(SEQ), runtime_gather_output=True)
+    gpt.train(was_training)
+    return logits.float().contiguous()
+
+
+def training_batch() -> dict[str, torch.Tensor]:
+    """One fixed, seeded micro-batch (DP = 1, one micro-batch per step)."""
+    generator = torch.Generator().manual_seed(DATA_SEED)
+    tokens = torch.randint(0, TRUE_VOCAB, (BATCH, SEQ + 1), generator=generator)
+    return {
+        "tokens": tokens[:, :-1].contiguous(),
+        "labels": tokens[:, 1:].contiguous(),
+        "loss_mask": torch.ones(BATCH, SEQ, dtype=torch.float32),
+        "position_ids": torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ),
+        "attention_mask": causal_mask(SEQ),
+    }
+
+
+def loss_func(
+    loss_mask: torch.Tensor, output_tensor: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """pretrain_gpt.py's loss: summed token loss, token count, reporting loss."""
+    losses = output_tensor.view(-1).float()
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().clone().detach().to(torch.int)
+    report = torch.cat([loss.clone().detach().view(1), num_tokens.view(1).float()])
+    return loss, num_tokens, {"lm loss": report}
+
+
+def forward_step(
+    data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module
+) -> tuple[torch.Tensor, Callable[..., Any]]:
+    """pretrain_gpt.py's forward step."""
+    batch = next(data_iterator)
+    output = model(
+        batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
+    )
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+# --------------------------------------------------------------------------- saving
+
+
+def sharded_sd_metadata(optim_sharding: str | None) -> dict[str, Any]:
+    """Megatron-LM's ``_build_sharded_state_dict_metadata`` for these args.
+
+    ``optim_sharding`` is ``None`` without an optimizer, else ``"fully_reshardable"``
+    (``--dist-ckpt-optim-fully-reshardable``) or ``"dp_reshardable"`` (Megatron-LM's default
+    for ``torch_dist`` with ``--use-distributed-optimizer``).
+    """
+    from megatron.core import parallel_state
+
+    metadata: dict[str, Any] = {}
+    if optim_sharding is not None:
+        metadata["distrib_optim_sharding_type"] = optim_sharding
+    if optim_sharding == "fully_reshardable":
+        metadata["distrib_optim_fully_reshardable_mem_efficient"] = False
+    metadata["singleton_local_shards"] = False
+    metadata["chained_optim_avoid_prefix"] = True
+    metadata["dp_cp_group"] = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    return metadata
+
+
+def rng_state_object() -> Any:
+    """Megatron-LM's ``get_rng_state`` for ``torch_dist``: a ShardedObject over ``(PP, TP)``."""
+    import random
+
+    import numpy as np
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    # No CUDA generator on a CPU build: a Philox-shaped stand-in (uint64 seed, uint64 offset).
+    cuda_rng_state = torch.tensor([MODEL_SEED, 0], dtype=torch.int64).view(torch.uint8)
+    rng_state = {
+        "random_rng_state": random.getstate(),
+        "np_rng_state": np.random.get_state(),
+        "torch_rng_state": torch.get_rng_state(),
+        "cuda_rng_state": cuda_rng_state,
+        "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    return ShardedObject(
+        "rng_state",
+        [rng_state],  # one entry per DP rank only with --data-parallel-random-init
+        (
+            parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_tensor_model_parallel_world_size(),
+        ),
+        (
+            parallel_state.get_pipeline_model_parallel_rank(),
+            parallel_state.get_tensor_model_parallel_rank(),
+        ),
+        replica_id=parallel_state.get_data_parallel_rank(with_context_parallel=True),
+    )
+
+
+def save_torch_dist(
+    save_dir: Path,
+    gpt: torch.nn.Module,
+    optimizer: Any = None,
+    scheduler: Any = None,
+    num_flops: float = 0.0,
+    optim_sharding: str = "fully_reshardable",
+) -> None:
+    """Megatron-LM's ``save_checkpoint`` for ``--ckpt-format torch_dist`` (sync, global)."""
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelSaveStrategyWrapper,
+    )
+    from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    with_optimizer = optimizer is not None
+    args = megatron_args(with_optimizer, optim_sharding if with_optimizer else None)
+    metadata = sharded_sd_metadata(optim_sharding if with_optimizer else None)
+
+    # generate_state_dict
+    state_dict: dict[str, Any] = {
+        "args": args,
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "iteration": ITERATION,
+        "model": gpt.sharded_state_dict(metadata=metadata),
+    }
+    if with_optimizer:
+        state_dict["optimizer"] = optimizer.sharded_state_dict(state_dict, metadata=metadata)
+        state_dict["opt_param_scheduler"] = scheduler.state_dict()
+    rerun_state = get_rerun_state_machine().state_dict(data_iterator=None, ckpt_format="torch_dist")
+    if rerun_state:  # None unless a step needs re-running, as in Megatron-LM
+        state_dict["rerun_state_machine"] = rerun_state
+    state_dict["rng_state"] = rng_state_object()
+    state_dict["num_floating_point_operations_so_far"] = num_flops
+
+    checkpoint_dir = save_dir / f"iter_{ITERATION:07d}"
+    if dist.get_rank() == 0:
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    strategy = FullyParallelSaveStrategyWrapper(
+        get_default_save_sharded_strategy("torch_dist"),
+        parallel_state.get_data_parallel_group(with_context_parallel=True),
+        False,  # --ckpt-assume-constant-structure
+    )
+    dist_checkpointing.save(
+        state_dict,
+        str(checkpoint_dir),
+        strategy,
+        validate_access_integrity=True,
+        content_metadata=_clean_metadata_for_serialization(metadata),
+    )
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (save_dir / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
+
+
+# --------------------------------------------------------------------------- worker
+
+
+def worker(rank: int, port: int, out_dir: Path, options: dict[str, Any]) -> None:
+    """One TP rank: build, save ``ckpt``, train one step, save ``ckpt_optim`` (or, with
+    ``options["load"]``, load a checkpoint into a fresh model instead)."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    patch_megatron_for_cpu()
+    dist.init_process_group("gloo", rank=rank, world_size=TP)
+
+    from megatron.core import parallel_state
+
+    try:
+        with CpuAsCudaMode():
+            parallel_state.initialize_model_parallel(tensor_model_parallel_size=TP)
+            if options["load"] is not None:
+                load_rank(options["load"], out_dir, options["with_optimizer"])
+            else:
+                run_rank(out_dir, options["optim_sharding"])
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def run_rank(out_dir: Path, optim_sharding: list[str]) -> None:
+    """The body of :func:`worker`, inside :class:`CpuAsCudaMode`."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    # With use_cpu_initialization megatron-core initialises each full master weight from the
+    # global RNG and slices this rank's TP shard, so every rank starts from the same seed.
+    torch.manual_seed(MODEL_SEED)
+    config = transformer_config()
+    gpt = build_model(config)
+    randomise_norms(gpt)
+
+    logits = reference_logits(gpt)
+    save_torch_dist(out_dir / "ckpt", gpt)
+
+    ddp, optimizer, scheduler = wrap_for_training(config, gpt)
+
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter([training_batch()]),
+        model=[ddp],
+        num_microbatches=1,
+        seq_length=SEQ,
+        micro_batch_size=BATCH,
+        decoder_seq_length=SEQ,
+        forward_only=False,
+    )
+    update_successful, grad_norm, _ = optimizer.step()
+    assert update_successful, "optimizer step skipped"
+    scheduler.step(increment=BATCH)
+    loss = float(losses[0]["lm loss"][0] / losses[0]["lm loss"][1])
+    if dist.get_rank() == 0:
+        print(f"loss {loss:.4f} grad_norm {grad_norm:.4f}", flush=True)
+
+    logits_optim = reference_logits(gpt)
+    # Only a plausible value matters (it is opaque common state): 6 * params * tokens.
+    num_flops = 6.0 * num_parameters() * BATCH * SEQ
+    for sharding in optim_sharding:
+        save_torch_dist(
+            out_dir / OPTIM_DIRS[sharding], gpt, optimizer, scheduler, num_flops, sharding
+        )
+
+    if dist.get_rank() == 0:
+        reference = {
+            "input_ids": reference_input_ids(),
+            "logits": logits,
+            "logits_optim": logits_optim,
+            "true_vocab_size": TRUE_VOCAB,
+            "padded_vocab_size": padded_vocab_size(TP),
+        }
+        torch.save(reference, out_dir / "logits.pt")
+    dist.barrier()
+
+
+def wrap_for_training(config: Any, gpt: torch.nn.Module) -> tuple[Any, Any, Any]:
+    """Megatron-LM's setup_model_and_optimizer: DDP, DistributedOptimizer (Adam), scheduler."""
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    ddp = DistributedDataParallel(
+        config=config,
+        ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=True),
+        module=gpt,
+    )
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=LR,
+            min_lr=MIN_LR,
+            weight_decay=WEIGHT_DECAY,
+            adam_beta1=ADAM_BETAS[0],
+            adam_beta2=ADAM_BETAS[1],
+            adam_eps=ADAM_EPS,
+            clip_grad=CLIP_GRAD,
+            params_dtype=torch.float32,
+            use_distributed_optimizer=True,
+        ),
+        [ddp],
+    )
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=LR,
+        min_lr=MIN_LR,
+        lr_warmup_steps=0,
+        lr_decay_steps=10 * BATCH,
+        lr_decay_style="cosine",
+        start_wd=WEIGHT_DECAY,
+        end_wd=WEIGHT_DECAY,
+        wd_incr_steps=10 * BATCH,
+        wd_incr_style="constant",
+    )
+    # Megatron-LM's setup_model_and_optimizer / train_step wiring.
+    config.grad_scale_func = optimizer.scale_loss
+    config.finalize_model_grads_func = finalize_model_grads
+    return ddp, optimizer, scheduler
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_rank(src: Path, out_dir: Path, with_optimizer: bool) -> None:
+    """Megatron-LM's ``load_checkpoint`` for ``torch_dist`` into a freshly built model.
+
+    The fresh model is initialised from another seed, so only what is loaded can reproduce the
+    reference logits. Writes ``out_dir/logits.pt`` (``{"input_ids", "logits"}``, as
+    :func:`reference_logits`) and re-saves what was loaded with megatron-core's own writer to
+    ``out_dir/ckpt`` (optimizer included with ``with_optimizer``), so a test can compare the
+    state megatron-core actually holds after loading with the checkpoint it loaded.
+    """
+    from megatron.core import dist_checkpointing
+
+    torch.manual_seed(MODEL_SEED + 1)
+    config = transformer_config()
+    gpt = build_model(config)
+    tracker = (src / "latest_checkpointed_iteration.txt").read_text().strip()
+    checkpoint_dir = src / ("release" if tracker == "release" else f"iter_{int(tracker):07d}")
+
+    # Megatron-LM reads the content metadata first: it decides how the optimizer state is laid
+    # out (a checkpoint without it is treated as the pre-0.14 fully_sharded_model_space format).
+    content = dist_checkpointing.load_content_metadata(str(checkpoint_dir)) or {}
+    optimizer = scheduler = None
+    if with_optimizer:
+        _ddp, optimizer, scheduler = wrap_for_training(config, gpt)
+        # Without Apex / TransformerEngine, DistributedOptimizer.state_dict() needs Adam state
+        # to exist already (it reads every param's "step"); a fresh torch Adam has none. Fill it
+        # with one zero-gradient step as megatron-core does for fsdp_dtensor; the load below
+        # overwrites every value.
+        for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+            inner._init_optimizer_states_with_dummy_values()
+    metadata = sharded_sd_metadata(
+        content.get("distrib_optim_sharding_type", "fully_sharded_model_space")
+        if with_optimizer
+        else None
+    )
+    sharded: dict[str, Any] = {"model": gpt.sharded_state_dict(metadata=metadata)}
+    if optimizer is not None:
+        sharded["optimizer"] = optimizer.sharded_state_dict(
+            sharded, is_loading=True, metadata=metadata
+        )
+    # Megatron-LM's default --dist-ckpt-strictness: a key the model asks for and the checkpoint
+    # lacks fails the load.
+    state = dist_checkpointing.load(sharded, str(checkpoint_dir), strict="assume_ok_unexpected")
+    gpt.load_state_dict(state["model"], strict=True)
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["opt_param_scheduler"])
+
+    logits = reference_logits(gpt)
+    if dist.get_rank() == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        torch.save({"input_ids": reference_input_ids(), "logits": logits}, out_dir / "logits.pt")
+    save_torch_dist(
+        out_dir / "ckpt",
+        gpt,
+        optimizer,
+        scheduler,
+        float(state.get("num_floating_point_operations_so_far", 0.0)),
+        content.get("distrib_optim_sharding_type", "fully_reshardable"),
+    )
+
+
+def free_port() -> int:
+    """Ask the OS for a free TCP port on the loopback interface."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse arguments and spawn one process per tensor-parallel rank."""
+    parser = argparse.ArgumentParser(description="Write tiny megatron-core torch_dist checkpoints.")
+    parser.add_argument("out_dir", type=Path, help="output directory to (over)write")
+    parser.add_argument(
+        "--optim-sharding",
+        nargs="+",
+        choices=sorted(OPTIM_DIRS),
+        default=["fully_reshardable"],
+        help="DistributedOptimizer sharding types to save after the step, each to its own "
+        "directory (fully_reshardable: ckpt_optim, dp_reshardable: ckpt_optim_dp_reshardable)",
+    )
+    parser.add_argument(
+        "--load",
+        type=Path,
+        default=None,
+        help="instead of writing: load this TP=2 torch_dist checkpoint into a fresh GPTModel, "
+        "write OUT_DIR/logits.pt and re-save what was loaded to OUT_DIR/ckpt",
+    )
+    parser.add_argument(
+        "--with-optimizer",
+        action="store_true",
+        help="with --load: also load the DistributedOptimizer and scheduler state",
+    )
+    args = parser.parse_args(argv)
+    out_dir: Path = args.out_dir.resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    options = {
+        "load": args.load.resolve() if args.load is not None else None,
+        "with_optimizer": args.with_optimizer,
+        "optim_sharding": args.optim_sharding,
+    }
+    mp.spawn(worker, args=(free_port(), out_dir, options), nprocs=TP, join=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
