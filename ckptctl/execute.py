@@ -20,6 +20,12 @@ import torch
 import xxhash
 
 from ckptctl.catalog import parameters
+from ckptctl.execute_dcp import (
+    torch_dist_directory_files,
+    write_dcp_shard,
+    write_state_dict_file,
+)
+from ckptctl.formats.dcp import DcpCheckpoint
 from ckptctl.formats.hf import write_safetensors
 from ckptctl.formats.megatron import (
     MegatronCheckpoint,
@@ -40,6 +46,7 @@ from ckptctl.manifest import MANIFEST, RunLog, new_digest, write_manifest
 from ckptctl.plan import FileKind, FileWrite, Plan, TensorWrite
 from ckptctl.prefetch import ReadAhead
 from ckptctl.storage import Storage
+from ckptctl.stored import Format
 
 
 class Source(Protocol):
@@ -82,6 +89,8 @@ class Report:
     peak_rss_bytes: int = 0
     tensor_checksums: dict[str, dict[str, str]] = field(default_factory=dict)
     """File -> tensor key -> xxh3-64 of its bytes, taken while streaming."""
+    records: dict[str, list[list[Any]]] = field(default_factory=dict)
+    """DCP shard file -> its records ``[fqn, chunk offsets, byte offset, length]``."""
 
 
 def peak_rss_bytes() -> int:
@@ -242,11 +251,21 @@ def execute(
     finally:
         if pool is not None:
             pool.shutdown(wait=True)
+    extra_files: list[str] = []
+    if plan.target_format is Format.TORCH_DIST:
+        state = training_state(plan, plan.files[0], source)
+        for path, payload in torch_dist_directory_files(plan, source, report.records, state):
+            with target.open_write(path, new_digest(checksum)) as out:
+                out.write(payload)
+            log.finished(path, {}, size=out.size, checksum=out.digest.hexdigest())
+            extra_files.append(path)
     target.drain()  # staged uploads land before anything that says "complete"
     for text in plan.finalize:
         target.write_text(text.path, text.content)
         report.files_written.append(text.path)
-    write_manifest(target, plan, report.tensor_checksums, log.done, algorithm=checksum)
+    write_manifest(
+        target, plan, report.tensor_checksums, log.done, algorithm=checksum, extra=extra_files
+    )
     report.files_written.append(MANIFEST)
     progress.finish()
     report.seconds = time.perf_counter() - started
@@ -266,6 +285,7 @@ def _write_files(
         reused = log.reusable(file.path)
         if reused is not None:  # resuming: this file was finished and is intact
             report.tensor_checksums[file.path] = reused["tensors"]
+            report.records[file.path] = reused.get("records", [])
             assemble.progress.advance(
                 sum(prod(t.shape) * getattr(torch, t.dtype).itemsize for t in file.tensors)
             )
@@ -281,6 +301,10 @@ def _write_files(
                 _copy_file(source, plan.source_files[file.copy_of or 0], out, assemble)
             elif file.kind is FileKind.DISTRIBUTED_OPTIMIZER:
                 _write_distopt_file(file, out, assemble)
+            elif file.kind is FileKind.DCP_SHARD:
+                report.records[file.path] = write_dcp_shard(plan, file, out, assemble)
+            elif file.kind is FileKind.TORCH_SAVE:
+                write_state_dict_file(file, source, out, assemble)
             else:
                 _write_rank_file(plan, file, source, out, assemble)
         log.finished(
@@ -288,6 +312,7 @@ def _write_files(
             report.tensor_checksums.get(file.path, {}),
             size=out.size,
             checksum=out.digest.hexdigest(),
+            records=report.records.get(file.path),
         )
         report.files_written.append(file.path)
 
@@ -343,7 +368,20 @@ def _zeros(count: int, chunk: int = 1 << 20) -> Iterator[memoryview]:
         count -= n
 
 
-def _write_rank_file(plan: Plan, file: Any, source: Source, out: Any, assemble: Assembler) -> None:
+@dataclass
+class TrainingState:
+    """What a target file carries besides tensors: args, counters, scheduler, group settings."""
+
+    owner: Any
+    template_path: str
+    carried: Any
+    args: Any
+    templates: dict[bool, dict[str, Any]]
+    optimizer_step: float | None
+    refs: list[TensorRef]
+
+
+def training_state(plan: Plan, file: Any, source: Sources) -> TrainingState:
     refs: list[TensorRef] = []
     owner, template_path = source.owner(plan.source_files[file.carry_from or 0])
     if isinstance(owner, MegatronCheckpoint):
@@ -351,11 +389,24 @@ def _write_rank_file(plan: Plan, file: Any, source: Source, out: Any, assemble: 
         args = args_for(owner.args, plan.spec, plan.target_layout)
         templates = owner.group_templates
         optimizer_step = owner.view.optimizer_step if owner.view.has_optimizer else None
+    elif isinstance(owner, DcpCheckpoint) and owner.args is not None:  # torch_dist
+        carried = _materialize(owner.legacy_carried_state(), refs)
+        args = args_for(owner.args, plan.spec, plan.target_layout)
+        templates = owner.group_templates()
+        optimizer_step = owner.view.optimizer_step if owner.view.has_optimizer else None
     else:  # a full checkpoint without training state (HF): fresh args, no optimizer
         carried = {"checkpoint_version": 3.0, "iteration": plan.iteration or 0}
         args = args_for(args_from_spec(plan.spec), plan.spec, plan.target_layout)
         templates = {}
         optimizer_step = None
+    return TrainingState(owner, template_path, carried, args, templates, optimizer_step, refs)
+
+
+def _write_rank_file(plan: Plan, file: Any, source: Source, out: Any, assemble: Assembler) -> None:
+    state = training_state(plan, file, source)  # type: ignore[arg-type]
+    owner, template_path, refs = state.owner, state.template_path, state.refs
+    carried, args, templates = state.carried, state.args, state.templates
+    optimizer_step = state.optimizer_step
     no_wd = {p.name: p.no_weight_decay for p in parameters(plan.spec)}
     entry = None
     if plan.target_layout.distributed_optimizer and optimizer_step is not None:

@@ -79,9 +79,19 @@ class RunLog:
             return None
         return entry
 
-    def finished(self, path: str, tensors: dict[str, str], size: int, checksum: str) -> None:
-        """Record a finished file: its size and checksum as written, its tensors' checksums."""
+    def finished(
+        self,
+        path: str,
+        tensors: dict[str, str],
+        size: int,
+        checksum: str,
+        records: list[Any] | None = None,
+    ) -> None:
+        """Record a finished file: its size and checksum as written, its tensors' checksums
+        (and, for DCP shards, where each record lies, which ``.metadata`` is built from)."""
         self.done[path] = {"size": size, "checksum": checksum, "tensors": tensors}
+        if records is not None:
+            self.done[path]["records"] = records
         self._save()
 
 
@@ -100,11 +110,12 @@ def write_manifest(
     tensor_checksums: dict[str, dict[str, str]],
     known: dict[str, dict[str, Any]] | None = None,
     algorithm: str = "xxh3_64",
+    extra: list[str] | None = None,
 ) -> dict[str, Any]:
     """Write the manifest (checksums of files already logged are reused), then clear the
     in-progress marker: from here on the checkpoint is complete."""
     known = known or {}
-    paths = [f.path for f in plan.files] + [t.path for t in plan.finalize]
+    paths = [f.path for f in plan.files] + (extra or []) + [t.path for t in plan.finalize]
     body = {
         "manifest_version": MANIFEST_VERSION,
         "tool": f"ckptctl {__version__}",
@@ -114,7 +125,7 @@ def write_manifest(
         "source": {"url": plan.source_url, "fingerprint": plan.source_fingerprint},
         "format": plan.target_format.value,
         "layout": plan.target_layout.model_dump(mode="json"),
-        "spec": plan.spec.model_dump(mode="json"),
+        "spec": plan.spec.model_dump(mode="json") if plan.spec else None,
         "checksum": algorithm,
         "tensor_checksum": "xxh3_64",
         "files": {

@@ -31,6 +31,10 @@ class FileKind(StrEnum):
     MEGATRON_RANK = "megatron-rank"
     DISTRIBUTED_OPTIMIZER = "distrib-optim"
     SAFETENSORS = "safetensors"
+    DCP_SHARD = "dcp-shard"
+    """A ``.distcp`` file: one ``torch.save`` record per tensor chunk (key: fqn, offsets)."""
+    TORCH_SAVE = "torch-save"
+    """One ``torch.save`` file of the whole state dict (tensor keys are key paths)."""
 
 
 # Copy operations and tensor writes number in the hundred thousands for large models, so they are
@@ -118,7 +122,8 @@ class Plan(_Frozen):
     source_format: Format
     source_fingerprint: str
     source_files: tuple[str, ...]
-    spec: ModelSpec
+    spec: ModelSpec | None
+    """``None`` for a model family ckptctl does not know (generic DCP to one torch file)."""
     source_layout: ParallelLayout
     target_url: str
     target_format: Format

@@ -7,15 +7,17 @@ import json
 from contextvars import ContextVar
 
 from ckptctl.errors import CheckpointNotFoundError
+from ckptctl.formats.dcp import DcpCheckpoint, find_dcp_dir, probe_dcp
+from ckptctl.formats.dcp_metadata import METADATA_FILE
 from ckptctl.formats.hf import HFCheckpoint, probe_hf
 from ckptctl.formats.hf_layout import CONFIG
-from ckptctl.formats.megatron import MegatronCheckpoint, probe_megatron
+from ckptctl.formats.megatron import MegatronCheckpoint, find_iteration, probe_megatron
 from ckptctl.formats.megatron_layout import TRACKER
 from ckptctl.manifest import refuse_incomplete
 from ckptctl.storage import Storage
 from ckptctl.stored import CheckpointView
 
-Checkpoint = MegatronCheckpoint | HFCheckpoint
+Checkpoint = MegatronCheckpoint | HFCheckpoint | DcpCheckpoint
 
 ALLOW_INCOMPLETE: ContextVar[bool] = ContextVar("allow_incomplete", default=False)
 """Read checkpoints whose writer never finished (``ckptctl --allow-incomplete``)."""
@@ -35,7 +37,13 @@ def open_checkpoint(
     if not (ALLOW_INCOMPLETE.get() if allow_incomplete is None else allow_incomplete):
         refuse_incomplete(storage)
     names = set(storage.listdir(""))
+    if METADATA_FILE in names:
+        return probe_dcp(storage, "", None, true_vocab_size)
     if TRACKER in names or any(n.startswith(("mp_rank_", "iter_", "release")) for n in names):
+        if TRACKER in names or iteration is not None:
+            rel, number = find_iteration(storage, iteration)
+            if find_dcp_dir(storage, rel):
+                return probe_dcp(storage, rel, number, true_vocab_size)
         return probe_megatron(
             storage,
             iteration=iteration,
@@ -57,7 +65,7 @@ def fingerprint(storage: Storage, view: CheckpointView, lost: frozenset[str] = f
     """A hash of what is stored (file names and sizes) and how it was read (spec, layout)."""
     body = {
         "files": sorted(file_sizes(storage, view, lost).items()),
-        "spec": view.spec.model_dump(mode="json"),
+        "spec": view.spec.model_dump(mode="json") if view.spec else None,
         "layout": view.layout.model_dump(mode="json"),
     }
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]

@@ -16,6 +16,12 @@ KeyPath = tuple[str | int, ...]
 class Format(StrEnum):
     MEGATRON = "megatron"
     HF = "hf"
+    TORCH_DIST = "torch_dist"
+    """Megatron-Core's DCP-based format: ``metadata.json``, ``common.pt``, ``.metadata``."""
+    DCP = "dcp"
+    """Any other PyTorch Distributed Checkpoint: keys are not a known model's."""
+    TORCH = "torch"
+    """One ``torch.save`` file of the whole state dict (as ``dcp_to_torch_save`` writes)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +62,8 @@ class CheckpointView:
     """A whole checkpoint as files of canonical pieces, plus what produced it."""
 
     format: Format
-    spec: ModelSpec
+    spec: ModelSpec | None
+    """``None`` when the model family is unknown (a generic DCP checkpoint)."""
     layout: ParallelLayout
     files: tuple[StoredFile, ...]
     iteration: int | None = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from ckptctl.catalog import OPTIMIZER_STATES
+from ckptctl.errors import UsageError
 from ckptctl.formats.hf_layout import CONFIG, INDEX, hf_config, hf_files, hf_tensors, index_text
 from ckptctl.formats.megatron_layout import (
     TRACKER,
@@ -13,14 +14,66 @@ from ckptctl.formats.megatron_layout import (
     target_optimizer,
     tracker_text,
 )
+from ckptctl.geometry import Piece
 from ckptctl.layout import ParallelLayout
 from ckptctl.plan import FileKind, Plan, TextWrite
-from ckptctl.stored import CheckpointView, Format
+from ckptctl.stored import CheckpointView, Format, StoredFile, StoredTensor
 from planners.convert import plan_files
 
 
 def _is_weight(canonical: str) -> bool:
     return canonical.split("/", 1)[0] not in OPTIMIZER_STATES
+
+
+STATE_DICT_FILE = "state_dict.pt"
+
+
+def global_shapes(source: CheckpointView) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Each canonical tensor's shape (the bounding box of its pieces) and dtype."""
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
+    for file in source.files:
+        for tensor in file.tensors:
+            shape, _ = out.get(tensor.canonical, ((0,) * len(tensor.shape), tensor.dtype))
+            for piece in tensor.pieces:
+                ends = tuple(c + n for c, n in zip(piece.canonical, piece.sizes, strict=True))
+                shape = tuple(max(a, b) for a, b in zip(shape, ends, strict=True))
+            out[tensor.canonical] = (shape, tensor.dtype)
+    return out
+
+
+def plan_state_dict(
+    source: CheckpointView, *, source_url: str, source_fingerprint: str, target_url: str
+) -> Plan:
+    """One ``torch.save`` file of every tensor, whole, at its stored key (what torch's
+    ``dcp_to_torch_save`` writes, without holding the model in memory)."""
+    tensors = tuple(
+        StoredTensor(
+            (name,), name, shape, dtype, (Piece((0,) * len(shape), (0,) * len(shape), shape),)
+        )
+        for name, (shape, dtype) in sorted(global_shapes(source).items())
+    )
+    files, estimates = plan_files(
+        source, (StoredFile(STATE_DICT_FILE, tensors),), FileKind.TORCH_SAVE
+    )
+    return Plan(
+        operation="consolidate",
+        strategy="merge",
+        reason="one torch.save file: every tensor whole at its key path, other items as stored",
+        source_url=source_url,
+        source_format=source.format,
+        source_fingerprint=source_fingerprint,
+        source_files=tuple(f.path for f in source.files),
+        spec=source.spec,
+        source_layout=source.layout,
+        target_url=target_url,
+        target_format=Format.TORCH,
+        target_layout=ParallelLayout(),
+        iteration=source.iteration,
+        files=files,
+        finalize=(),
+        estimates=estimates,
+        notes=source.notes,
+    )
 
 
 def plan_consolidate(
@@ -36,6 +89,11 @@ def plan_consolidate(
 ) -> Plan:
     """One full checkpoint: HF safetensors (weights) or a TP1/PP1 Megatron checkpoint (weights,
     optimizer and training state). ``dtype`` converts weights only; optimizer state stays fp32."""
+    if source.spec is None:
+        raise UsageError(
+            f"the source's model family is unknown (keys are not Megatron-Core's or HF Llama's): "
+            f"it cannot become {target_format.value}; consolidate it with --format torch"
+        )
     dtypes = source.canonical_dtypes()
     notes = list(source.notes)
     if target_format is Format.HF:

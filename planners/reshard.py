@@ -8,12 +8,20 @@ so no full model is ever assembled and no intermediate full checkpoint is writte
 from __future__ import annotations
 
 from ckptctl.catalog import OPTIMIZER_STATES
+from ckptctl.errors import UsageError
 from ckptctl.formats.megatron_layout import (
     TRACKER,
     MegatronStyle,
+    OptimizerLayout,
+    iteration_dir,
     megatron_files,
     target_optimizer,
     tracker_text,
+)
+from ckptctl.formats.torch_dist_layout import (
+    MCORE_METADATA,
+    MCORE_METADATA_TEXT,
+    torch_dist_files,
 )
 from ckptctl.layout import ParallelLayout
 from ckptctl.plan import FileKind, Plan, TextWrite
@@ -30,8 +38,14 @@ def plan_reshard(
     target_url: str,
     style: MegatronStyle,
     dtype: str | None = None,
+    target_format: Format = Format.MEGATRON,
 ) -> Plan:
     spec = source.spec
+    if spec is None:
+        raise UsageError(
+            "the source's model family is unknown (not Megatron-Core or HF Llama keys): it can "
+            "only be consolidated with --format torch"
+        )
     target_layout.check_against(spec)
     weight = next(
         t
@@ -43,24 +57,36 @@ def plan_reshard(
     optimizer = target_optimizer(
         style.optimizer if source.has_optimizer else None, target_layout, weight_dtype
     )
-    targets = megatron_files(
-        spec,
-        target_layout,
-        iteration=source.iteration,
-        weight_dtype=weight_dtype,
-        optimizer=optimizer,
-        naming=style.naming,
-        layer_order=style.layer_order,
-    )
-    files, estimates = plan_files(source, targets, FileKind.MEGATRON_RANK, carry_from=0)
+    finalize = [TextWrite(path=TRACKER, content=tracker_text(source.iteration))]
+    if target_format is Format.TORCH_DIST:
+        states = ("fp32_param", "exp_avg", "exp_avg_sq") if source.has_optimizer else ()
+        base = iteration_dir(source.iteration)
+        targets = torch_dist_files(spec, target_layout, base, weight_dtype, states)
+        files, estimates = plan_files(source, targets, FileKind.DCP_SHARD, carry_from=0)
+        # metadata.json is what Megatron checks for completeness: after .metadata, common.pt.
+        finalize.insert(0, TextWrite(path=f"{base}/{MCORE_METADATA}", content=MCORE_METADATA_TEXT))
+        optimizer = OptimizerLayout() if states else None
+    elif target_format is Format.MEGATRON:
+        targets = megatron_files(
+            spec,
+            target_layout,
+            iteration=source.iteration,
+            weight_dtype=weight_dtype,
+            optimizer=optimizer,
+            naming=style.naming,
+            layer_order=style.layer_order,
+        )
+        files, estimates = plan_files(source, targets, FileKind.MEGATRON_RANK, carry_from=0)
+    else:
+        raise UsageError(f"reshard --format {target_format.value}: choose megatron or torch_dist")
     notes = list(source.notes)
     old, new = spec.padded_vocab_size(source.layout.tp), spec.padded_vocab_size(target_layout.tp)
-    if source.format is Format.MEGATRON and old != new:
+    if source.format in (Format.MEGATRON, Format.TORCH_DIST) and old != new:
         notes.append(
             f"vocabulary padding recomputed for tp={target_layout.tp}: {old} -> {new} rows; "
             "padding rows of embedding, output layer and their optimizer state are zeros"
         )
-    if source.format is Format.MEGATRON:
+    if source.format is Format.MEGATRON and target_format is Format.MEGATRON:
         notes.append("RNG state cannot be resharded and is dropped (as Megatron's --no-load-rng)")
     if optimizer is None:
         notes.append("no optimizer state in the source: the target holds weights only")
@@ -81,11 +107,11 @@ def plan_reshard(
         spec=spec,
         source_layout=source.layout,
         target_url=target_url,
-        target_format=Format.MEGATRON,
+        target_format=target_format,
         target_layout=target_layout,
         iteration=source.iteration,
         files=files,
-        finalize=(TextWrite(path=TRACKER, content=tracker_text(source.iteration)),),
+        finalize=tuple(finalize),
         estimates=estimates,
         notes=tuple(notes),
     )

@@ -24,7 +24,7 @@ from ckptctl.formats.megatron_layout import TRACKER, MegatronStyle, tracker_text
 from ckptctl.geometry import nbytes
 from ckptctl.layout import ParallelLayout
 from ckptctl.plan import Alternative, Estimates, FileKind, FileWrite, Plan, SourceRef, TextWrite
-from ckptctl.stored import CheckpointView
+from ckptctl.stored import CheckpointView, Format
 from planners.balance import balance_reads
 from planners.cost import StorageProfile, profile_for, with_time
 from planners.graph import execution_order
@@ -95,6 +95,8 @@ def _prefix_of(path: str, sources: dict[str, str]) -> str:
 
 def _direct(sharded: Stored, target_layout: ParallelLayout, target_url: str | None) -> Plan:
     view = sharded.view
+    if view.format is not Format.MEGATRON:
+        raise Inapplicable(f"the stored format {view.format.value} is not the target's")
     if sharded.lost:
         raise Inapplicable(f"{len(sharded.lost)} stored file(s) are lost")
     if view.layout != target_layout:
@@ -144,6 +146,7 @@ def plan_auto(
     strategy: str = "auto",
     dtype: str | None = None,
     measured: dict[str, StorageProfile] | None = None,
+    target_format: Format = Format.MEGATRON,
 ) -> Plan:
     """The plan of the chosen strategy, with every strategy weighed as an alternative.
 
@@ -173,6 +176,7 @@ def plan_auto(
             target_url=out_url,
             style=style,
             dtype=dtype,
+            target_format=target_format,
         )
         extra = tuple(
             SourceRef(prefix=p, url=o.url, format=o.view.format, fingerprint=o.fingerprint)
@@ -257,6 +261,8 @@ def plan_auto(
     def direct() -> Plan:
         if sharded is None:
             raise Inapplicable("no sharded checkpoint is stored")
+        if target_format is not sharded.view.format:
+            raise Inapplicable(f"the stored format is not {target_format.value}")
         return _timed(_direct(sharded, target_layout, target_url), {"": sharded.url}, measured)
 
     builders: dict[str, Callable[[], Plan]] = {

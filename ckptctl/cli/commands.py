@@ -16,6 +16,7 @@ from ckptctl.catalog import OPTIMIZER_STATES
 from ckptctl.cli.output import Output, RichProgress
 from ckptctl.errors import OutputExistsError, UsageError
 from ckptctl.execute import DEFAULT_MEMORY_BUDGET, Report, Sources, execute
+from ckptctl.formats.dcp import DcpCheckpoint
 from ckptctl.formats.megatron import MegatronCheckpoint
 from ckptctl.formats.megatron_layout import MegatronStyle
 from ckptctl.geometry import nbytes
@@ -25,7 +26,7 @@ from ckptctl.probe import Checkpoint, fingerprint, open_checkpoint
 from ckptctl.staging import StagedStorage
 from ckptctl.storage import Storage
 from ckptctl.stored import Format
-from planners.consolidate import plan_consolidate
+from planners.consolidate import plan_consolidate, plan_state_dict
 
 
 class DType(StrEnum):
@@ -208,7 +209,7 @@ def describe(ckpt: Checkpoint) -> dict[str, Any]:
         "url": ckpt.storage.url,
         "format": view.format.value,
         "iteration": view.iteration,
-        "spec": view.spec.model_dump(mode="json"),
+        "spec": view.spec.model_dump(mode="json") if view.spec else None,
         "layout": view.layout.model_dump(mode="json"),
         "tensors": count,
         "weight_bytes": weights,
@@ -222,13 +223,17 @@ def describe(ckpt: Checkpoint) -> dict[str, Any]:
 def _show_inspect(out: Output, info: dict[str, Any]) -> None:
     spec, layout = info["spec"], info["layout"]
     out.show(f"[bold]{info['url']}[/]  {info['format']}  iteration {info['iteration']}")
-    out.show(
-        f"model: {spec['num_layers']} layers, hidden {spec['hidden_size']}, ffn "
-        f"{spec['ffn_hidden_size']}, heads {spec['num_attention_heads']} "
-        f"(query groups {spec['num_query_groups']}, head dim {spec['kv_channels']}), vocab "
-        f"{spec['vocab_size']}, {'SwiGLU' if spec['gated_linear_unit'] else 'MLP'}, "
-        f"{spec['normalization']}, {'tied' if spec['tie_embeddings'] else 'untied'} embeddings"
-    )
+    if spec is None:
+        out.show("model: unknown family (keys are not Megatron-Core's or HF Llama's)")
+    else:
+        out.show(
+            f"model: {spec['num_layers']} layers, hidden {spec['hidden_size']}, ffn "
+            f"{spec['ffn_hidden_size']}, heads {spec['num_attention_heads']} "
+            f"(query groups {spec['num_query_groups']}, head dim {spec['kv_channels']}), vocab "
+            f"{spec['vocab_size']}, {'SwiGLU' if spec['gated_linear_unit'] else 'MLP'}, "
+            f"{spec['normalization']}, {'tied' if spec['tie_embeddings'] else 'untied'} "
+            "embeddings"
+        )
     out.show("layout: " + " ".join(f"{k}={v}" for k, v in layout.items() if v not in (None, False)))
     table = Table("file", "rank (tp, pp)", "tensors", "bytes")
     for f in info["files"]:
@@ -314,7 +319,12 @@ def register(app: typer.Typer, boundary: Callable[[Output], AbstractContextManag
         src: Annotated[str, typer.Argument(help="Sharded checkpoint directory or URL.")],
         dst: Annotated[str, typer.Argument(help="Destination directory or URL.")],
         fmt: Annotated[
-            Format, typer.Option("--format", help="hf: safetensors weights; megatron: TP1 PP1.")
+            Format,
+            typer.Option(
+                "--format",
+                help="hf: safetensors weights; megatron: TP1 PP1; torch: one state_dict.pt "
+                "(DCP sources).",
+            ),
         ] = Format.HF,
         dtype: WeightDType = None,
         max_shard_size: Annotated[
@@ -352,10 +362,24 @@ def register(app: typer.Typer, boundary: Callable[[Output], AbstractContextManag
             _finish(out, plan, report, as_json)
 
 
+def refuse_dp_reshardable(ckpt: Checkpoint) -> None:
+    """``dp_reshardable`` optimizer state is raw grad-buffer buckets of one TP/PP/DP layout,
+    which only Megatron itself loads, and only at that layout."""
+    if isinstance(ckpt, DcpCheckpoint) and ckpt.dp_reshardable:
+        raise UsageError(
+            f"{ckpt.storage.url}: optimizer state is dp_reshardable (grad-buffer buckets of the "
+            f"saved {ckpt.view.layout.describe()} layout), so it cannot move to another TP/PP "
+            "layout or format; re-save it with --dist-ckpt-optim-fully-reshardable, or take the "
+            "weights alone with consolidate --format hf"
+        )
+
+
 def _style(ckpt: Checkpoint) -> MegatronStyle:
     """Spelling, order and optimizer format to keep when writing Megatron files."""
     if isinstance(ckpt, MegatronCheckpoint):
         return MegatronStyle(ckpt.naming, ckpt.layer_order, ckpt.optimizer)
+    if isinstance(ckpt, DcpCheckpoint):
+        return MegatronStyle(optimizer=ckpt.optimizer)
     return MegatronStyle()
 
 
@@ -467,6 +491,21 @@ def run_consolidate(
         plan, sources = _saved_plan(plan_file, "consolidate", src, dst, iteration, true_vocab_size)
         return plan, _carry_out(out, sources, plan, overwrite, memory_budget, dry_run, quiet)
     ckpt = open_checkpoint(src, iteration=iteration, true_vocab_size=true_vocab_size)
+    if fmt is Format.TORCH:
+        if not isinstance(ckpt, DcpCheckpoint):
+            raise UsageError("--format torch consolidates DCP / torch_dist checkpoints")
+        generic = ckpt.as_generic()
+        plan = plan_state_dict(
+            generic.view,
+            source_url=src,
+            source_fingerprint=fingerprint(ckpt.storage, generic.view),
+            target_url=dst,
+        )
+        return plan, _carry_out(out, generic, plan, overwrite, memory_budget, dry_run, quiet)
+    if fmt not in (Format.HF, Format.MEGATRON):
+        raise UsageError(f"consolidate --format {fmt.value}: choose hf, megatron or torch")
+    if fmt is not Format.HF:
+        refuse_dp_reshardable(ckpt)
     plan = plan_consolidate(
         ckpt.view,
         source_url=src,
@@ -500,6 +539,7 @@ def run_reshard(
     iteration: int | None = None,
     true_vocab_size: int | None = None,
     quiet: bool = False,
+    target_format: Format = Format.MEGATRON,
 ) -> tuple[Plan, Report | None]:
     """Probe every stored copy, choose a strategy (or load ``plan_file``) and execute it."""
     from ckptctl.cli import planning
@@ -521,6 +561,7 @@ def run_reshard(
             dtype=dtype,
             iteration=iteration,
             true_vocab_size=true_vocab_size,
+            target_format=target_format,
         )
     sources = Sources(ckpt, extra)
     return plan, _carry_out(out, sources, plan, overwrite, memory_budget, dry_run, quiet)
@@ -559,6 +600,13 @@ def register_reshard(
         dtype: WeightDType = None,
         checksum: Checksum = ChecksumName.xxh3_64,
         stage_dir: StageDir = None,
+        target_format: Annotated[
+            Format,
+            typer.Option(
+                "--format",
+                help="megatron: legacy mp_rank_* files; torch_dist: Megatron-Core's DCP format.",
+            ),
+        ] = Format.MEGATRON,
         dry_run: DryRun = False,
         overwrite: Overwrite = False,
         as_json: Json = False,
@@ -603,6 +651,7 @@ def register_reshard(
                 overwrite=overwrite,
                 iteration=iteration,
                 true_vocab_size=true_vocab_size,
+                target_format=target_format,
             )
             _finish(out, plan, report, as_json)
 

@@ -113,12 +113,16 @@ def plan_for(
     dtype: str | None = None,
     iteration: int | None = None,
     true_vocab_size: int | None = None,
+    target_format: Format = Format.MEGATRON,
 ) -> tuple[Plan, Checkpoint, dict[str, Checkpoint]]:
     """Probe the source and every other copy, then plan with the strategy planner."""
+    from ckptctl.cli.commands import refuse_dp_reshardable
+
     others = [*full, *replicas]
     ckpt = open_checkpoint(
         src, iteration=iteration, true_vocab_size=true_vocab_size, allow_missing=bool(others)
     )
+    refuse_dp_reshardable(ckpt)
     extra = [
         open_checkpoint(u, iteration=iteration, true_vocab_size=true_vocab_size) for u in others
     ]
@@ -133,7 +137,7 @@ def plan_for(
     lost = lost_files(ckpt, parse_ranks(lost_ranks), parse_ranks(lost_nodes), ranks_per_node)
     primary = stored(ckpt, src, lost)
     copies = [stored(c, u) for c, u in zip(extra, others, strict=True)]
-    if ckpt.view.format is Format.MEGATRON and ckpt.view.layout.is_sharded:
+    if ckpt.view.format in (Format.MEGATRON, Format.TORCH_DIST) and ckpt.view.layout.is_sharded:
         sharded: Stored | None = primary
     else:  # a full source is cut, never copied as if it were the target
         sharded, copies = None, [primary, *copies]
@@ -146,6 +150,7 @@ def plan_for(
         strategy=strategy,
         dtype=dtype,
         measured=saved_profiles(),
+        target_format=target_format,
     )
     # The planner names further copies "@<i>/" in the order it was given them.
     given = extra if sharded is not None else [ckpt, *extra]

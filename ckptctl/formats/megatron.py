@@ -118,7 +118,7 @@ def open_torch_file(storage: Storage, rel: str) -> TorchZipReader:
     return TorchZipReader(storage.open_read(rel), storage.describe(rel), fetch)
 
 
-def _find_iteration(storage: Storage, iteration: int | None) -> tuple[str, int | None]:
+def find_iteration(storage: Storage, iteration: int | None) -> tuple[str, int | None]:
     """The iteration directory (relative) and number the user means."""
     if iteration is not None:
         rel = iteration_dir(iteration)
@@ -322,7 +322,7 @@ def probe_megatron(
 
     With ``allow_missing`` absent rank directories are recorded in ``lost`` instead (a planner
     may recover them from another copy)."""
-    iter_rel, number = _find_iteration(storage, iteration)
+    iter_rel, number = find_iteration(storage, iteration)
     ranks = [n for n in storage.listdir(iter_rel) if n.startswith("mp_rank_")]
     if not ranks:
         raise CheckpointNotFoundError(f"{storage.describe(iter_rel)}: no mp_rank_* directories")

@@ -1,0 +1,182 @@
+"""Writing DCP outputs: ``.distcp`` shards record by record, then the files that describe them
+(``.metadata``; for ``torch_dist`` also ``common.pt``), and single-file state dicts.
+
+Record offsets are known only once a shard is written, so the executor collects them per file
+(and keeps them in the run log, so a resumed job can describe shards it did not rewrite);
+``.metadata`` is built from them after the last shard, before anything says "complete".
+"""
+
+from __future__ import annotations
+
+import io
+import posixpath
+from collections.abc import Iterator
+from itertools import pairwise
+from typing import Any
+
+import torch
+
+from ckptctl.formats.dcp_metadata import (
+    METADATA_FILE,
+    Chunk,
+    DcpMetadata,
+    StorageInfo,
+    TensorEntry,
+)
+from ckptctl.formats.dcp_write import metadata_bytes, write_tensor_record
+from ckptctl.formats.torch_dist_layout import COMMON, record_geometry
+from ckptctl.formats.torchzip import TensorRef, TensorSlot, tensor_bytes, write_torch_zip
+from ckptctl.plan import FileWrite, Plan
+
+Record = list[Any]
+"""``[fqn, chunk offsets, byte offset, length]``."""
+
+
+def write_dcp_shard(plan: Plan, file: FileWrite, out: Any, assemble: Any) -> list[Record]:
+    """Each tensor of ``file`` as one ``torch.save`` record, streamed band by band."""
+    name = posixpath.basename(file.path)
+    records: list[Record] = []
+    for tensor in file.tensors:
+        fqn, offsets = str(tensor.key[0]), [int(k) for k in tensor.key[1:]]
+        shape = tensor.shape
+        if plan.spec is not None:
+            _, shape = record_geometry(
+                fqn, tensor.canonical, tensor.shape, plan.spec, plan.target_layout.tp
+            )
+        slot = TensorSlot("0", getattr(torch, tensor.dtype), shape)
+
+        def produce(_: TensorSlot, t: Any = tensor) -> Iterator[memoryview]:
+            # A layer chunk is assembled without its leading dimension of 1: same bytes.
+            return assemble.chunks(t, file.path)
+
+        info = write_tensor_record(out, name, slot, produce)
+        records.append([fqn, offsets, info.offset, info.length])
+    return records
+
+
+def dcp_metadata(plan: Plan, records: dict[str, list[Record]]) -> DcpMetadata:
+    """``.metadata`` contents for the shards of ``plan``: every chunk, where its record is."""
+    chunks: dict[str, list[Chunk]] = {}
+    shapes: dict[str, tuple[tuple[int, ...], str]] = {}
+    storage: dict[tuple[str, tuple[int, ...] | None], StorageInfo] = {}
+    for file in plan.files:
+        by_key = {(r[0], tuple(r[1])): r for r in records.get(file.path, [])}
+        name = posixpath.basename(file.path)
+        for tensor in file.tensors:
+            fqn, offsets = str(tensor.key[0]), tuple(int(k) for k in tensor.key[1:])
+            assert plan.spec is not None
+            global_shape, sizes = record_geometry(
+                fqn, tensor.canonical, tensor.shape, plan.spec, plan.target_layout.tp
+            )
+            shapes[fqn] = (global_shape, tensor.dtype)
+            chunks.setdefault(fqn, []).append(Chunk(offsets=offsets, sizes=sizes))
+            _, _, offset, length = by_key[(fqn, offsets)]
+            storage[(fqn, offsets)] = StorageInfo(relative_path=name, offset=offset, length=length)
+    entries = {
+        fqn: TensorEntry(dtype=shapes[fqn][1], shape=shapes[fqn][0], chunks=tuple(chunks[fqn]))
+        for fqn in chunks
+    }
+    return DcpMetadata(entries=entries, storage=storage)
+
+
+def _group_step(state: Any) -> float | None:
+    """Adam's step for the parameter groups: kept per group by the distributed optimizer,
+    per parameter (all equal) by the torch optimizer."""
+    owner = state.owner
+    if owner.view.optimizer_step is not None:
+        return float(owner.view.optimizer_step)
+    for file in owner.view.files:
+        for t in file.tensors:
+            if t.canonical.startswith("step/"):
+                view = None if t.view_offset is None else (t.view_offset, t.shape)
+                zero = (0,) * len(t.shape)
+                return float(owner.read(file.path, t.key, zero, t.shape, view).reshape(-1)[0])
+    return None
+
+
+def common_state(plan: Plan, state: Any) -> dict[str, Any]:
+    """``common.pt`` of a torch_dist checkpoint: args, counters, scheduler, and the optimizer's
+    parameter groups with ``fully_reshardable`` per-parameter state."""
+    args = state.args
+    args.ckpt_format = "torch_dist"
+    carried = {k: v for k, v in state.carried.items() if k != "optimizer_extra"}
+    tree: dict[str, Any] = {"args": args, **carried}
+    has_optimizer = any(t.canonical.startswith("exp_avg/") for f in plan.files for t in f.tensors)
+    content: dict[str, Any] = {"singleton_local_shards": False}
+    if has_optimizer:
+        step = _group_step(state)
+        groups = []
+        for no_decay in (False, True):  # Megatron-Core 0.16: weight-decay group first
+            group = dict(state.templates.get(no_decay, {}))
+            if not group:
+                group = {"wd_mult": 0.0 if no_decay else 1.0, "lr_mult": 1.0}
+            if step is not None:
+                group["step"] = step
+            groups.append(group)
+        tree["optimizer"] = {
+            "optimizer": {"param_groups": groups},
+            "param_state_sharding_type": "fully_reshardable",
+        }
+        content["distrib_optim_sharding_type"] = "fully_reshardable"
+    tree["content_metadata"] = content
+    return tree
+
+
+def torch_dist_directory_files(
+    plan: Plan, source: Any, records: dict[str, list[Record]], state: Any
+) -> list[tuple[str, bytes]]:
+    """``.metadata`` and ``common.pt``, next to the shards."""
+    base = posixpath.dirname(plan.files[0].path)
+    join = (lambda n: f"{base}/{n}") if base else (lambda n: n)
+    common = io.BytesIO()
+    slots = [TensorSlot(f"carried{i}", r.dtype, r.shape) for i, r in enumerate(state.refs)]
+
+    def produce(slot: TensorSlot) -> Iterator[memoryview]:
+        ref: TensorRef = state.refs[int(slot.key.removeprefix("carried"))]
+        yield tensor_bytes(state.owner.read_ref(state.template_path, ref))
+
+    write_torch_zip(common, common_state(plan, state), slots, produce)
+    return [
+        (join(COMMON), common.getvalue()),
+        (join(METADATA_FILE), metadata_bytes(dcp_metadata(plan, records))),
+    ]
+
+
+def write_state_dict_file(file: FileWrite, source: Any, out: Any, assemble: Any) -> None:
+    """One ``torch.save`` file of a whole state dict, as ``dcp_to_torch_save`` writes it:
+    tensors at their key paths, non-tensor items restored from the source's byte records."""
+    owner = source.primary
+    tree: Any = {}
+    slots = []
+    by_key = {}
+    for n, tensor in enumerate(file.tensors):
+        slot = TensorSlot(str(n), getattr(torch, tensor.dtype), tensor.shape)
+        _set_path(tree, owner.key_path(str(tensor.key[0])), slot)
+        slots.append(slot)
+        by_key[slot.key] = tensor
+    for fqn in owner.byte_items():
+        _set_path(tree, owner.key_path(fqn), owner.byte_item(fqn))
+
+    def produce(slot: TensorSlot) -> Iterator[memoryview]:
+        return assemble.chunks(by_key[slot.key], file.path)
+
+    write_torch_zip(out, tree, slots, produce)
+
+
+def _set_path(tree: Any, path: tuple[Any, ...], value: Any) -> None:
+    """Set ``tree[path[0]][path[1]]... = value``, creating dicts (or lists for int keys)."""
+    node = tree
+    for key, following in pairwise(path):
+        if isinstance(node, list):
+            while len(node) <= key:
+                node.append(None)
+            if node[key] is None:
+                node[key] = [] if isinstance(following, int) else {}
+            node = node[key]
+        else:
+            node = node.setdefault(key, [] if isinstance(following, int) else {})
+    last = path[-1]
+    if isinstance(node, list):
+        while len(node) <= last:
+            node.append(None)
+    node[last] = value

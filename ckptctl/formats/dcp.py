@@ -1,0 +1,369 @@
+"""Read PyTorch Distributed Checkpoints: Megatron-Core ``torch_dist`` ones and any other.
+
+``.metadata`` is parsed by the allow-listing unpickler of ``dcp_metadata``; each tensor chunk is a
+``torch.save`` record at ``(file, offset, length)``, opened lazily and read by byte range (exact
+ranged GETs on object stores). What the chunks hold:
+
+* ``torch_dist`` (``metadata.json`` says so; training state in ``common.pt``): chunks are boxes
+  of the canonical tensors (``torch_dist_layout``), so every planner and writer applies.
+* any other DCP checkpoint (torchtitan, FSDP2, ...): the model family is unknown, so each key is
+  its own canonical tensor; it consolidates into a single torch file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+from dataclasses import dataclass, field
+from functools import partial
+from math import prod
+from typing import Any
+
+import torch
+
+from ckptctl.errors import CheckpointError, CheckpointNotFoundError, UnsafePickleError
+from ckptctl.formats.dcp_metadata import (
+    METADATA_FILE,
+    BytesEntry,
+    DcpMetadata,
+    TensorEntry,
+    check_metadata,
+    parse_metadata,
+)
+from ckptctl.formats.dcp_write import RecordWindow
+from ckptctl.formats.megatron import layout_from_args, spec_from_args, view_ref
+from ckptctl.formats.megatron_layout import GroupOrder, OptimizerLayout
+from ckptctl.formats.torch_dist_layout import (
+    COMMON,
+    DP_RESHARDABLE_PREFIX,
+    MCORE_METADATA,
+    chunk_parts,
+    model_catalog,
+)
+from ckptctl.formats.torchzip import TensorRef, TorchZipReader
+from ckptctl.geometry import Piece
+from ckptctl.layout import ParallelLayout
+from ckptctl.storage import Storage
+from ckptctl.stored import CheckpointView, Format, KeyPath, StoredFile, StoredTensor
+
+_IGNORED_OBJECTS = ("_extra_state", "rng_state")
+"""Byte items of Megatron's that cannot be resharded (TE FP8 metadata, RNG) and are dropped."""
+
+
+def _join(base: str, rel: str) -> str:
+    return f"{base}/{rel}" if base else rel
+
+
+@dataclass
+class DcpCheckpoint:
+    """A probed DCP checkpoint: its view for planners and lazily opened records."""
+
+    storage: Storage
+    view: CheckpointView
+    base: str
+    """Directory (relative to the checkpoint root) holding ``.metadata``."""
+    metadata: DcpMetadata
+    args: argparse.Namespace | None = None
+    common: dict[str, Any] = field(default_factory=dict)
+    _records: dict[tuple[str, tuple[int, ...]], tuple[TorchZipReader, TensorRef]] = field(
+        default_factory=dict
+    )
+    _files: dict[str, Any] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def is_torch_dist(self) -> bool:
+        return self.view.format is Format.TORCH_DIST
+
+    def _open(self, fqn: str, offsets: tuple[int, ...]) -> tuple[TorchZipReader, TensorRef]:
+        key = (fqn, offsets)
+        with self._lock:
+            if key not in self._records:
+                info = self.metadata.storage.get(key)
+                if info is None:
+                    raise CheckpointError(f"{self.storage.url}: no record for {fqn} at {offsets}")
+                if info.transform_descriptors:
+                    raise CheckpointError(
+                        f"{self.storage.describe(_join(self.base, info.relative_path))}: record "
+                        f"of {fqn} uses stream transform(s) {list(info.transform_descriptors)} "
+                        "that ckptctl cannot undo"
+                    )
+                rel = _join(self.base, info.relative_path)
+                if rel not in self._files:
+                    self._files[rel] = self.storage.open_read(rel)
+                fetch = None
+                if not self.storage.is_local:
+                    fetch = partial(_fetch_in_record, self.storage, rel, info.offset)
+                where = f"{self.storage.describe(rel)}@{info.offset} ({fqn})"
+                window = RecordWindow(self._files[rel], info.offset, info.length)
+                reader = TorchZipReader(window, where, fetch)  # type: ignore[arg-type]
+                ref = reader.tree
+                entry = self.metadata.entries[fqn]
+                if not isinstance(ref, TensorRef) or not isinstance(entry, TensorEntry):
+                    raise CheckpointError(f"{where}: record holds no tensor")
+                sizes = next(c.sizes for c in entry.chunks if c.offsets == offsets)
+                dtype = str(ref.dtype).removeprefix("torch.")
+                if ref.shape != tuple(sizes) or dtype != entry.dtype:
+                    raise CheckpointError(
+                        f"{where}: record holds {ref.dtype} {list(ref.shape)}; .metadata "
+                        f"promises {entry.dtype} {list(sizes)}"
+                    )
+                self._records[key] = (reader, ref)
+            return self._records[key]
+
+    def read(
+        self,
+        path: str,
+        key: KeyPath,
+        offsets: tuple[int, ...],
+        sizes: tuple[int, ...],
+        view: tuple[int, tuple[int, ...]] | None = None,
+    ) -> torch.Tensor:
+        reader, ref = self._open(str(key[0]), tuple(int(k) for k in key[1:]))
+        if view is not None:
+            ref = view_ref(_flat(ref), *view)
+        return reader.read(ref, offsets, sizes)
+
+    def as_generic(self) -> DcpCheckpoint:
+        """The same checkpoint read key by key, whatever model it holds."""
+        if self.view.format is Format.DCP:
+            return self
+        return _generic(self.storage, self.base, self.metadata, self.view.iteration)
+
+    def key_path(self, fqn: str) -> tuple[Any, ...]:
+        """Where ``fqn`` sits in the nested state dict the saver was given."""
+        planner = self.metadata.planner_data or {}
+        return tuple(planner.get(fqn, (fqn,)))
+
+    def byte_items(self) -> list[str]:
+        return [k for k, e in self.metadata.entries.items() if isinstance(e, BytesEntry)]
+
+    @property
+    def optimizer(self) -> OptimizerLayout | None:
+        """``fully_reshardable`` state is the distributed optimizer's, per parameter: written
+        to Megatron legacy as ``distrib_optim.pt`` (or per-parameter torch state without it)."""
+        if not self.view.has_optimizer or self.args is None:
+            return None
+        return OptimizerLayout(
+            states=(),
+            distributed=True,
+            group_order=GroupOrder.DECAY_FIRST,
+            overlap_grad_reduce=bool(getattr(self.args, "overlap_grad_reduce", False)),
+            bucket_size=getattr(self.args, "ddp_bucket_size", None),
+        )
+
+    @property
+    def dp_reshardable(self) -> bool:
+        """Optimizer state saved as raw grad-buffer buckets of one TP/PP/DP layout."""
+        return any(k.startswith(DP_RESHARDABLE_PREFIX) for k in self.metadata.entries)
+
+    def legacy_carried_state(self) -> dict[str, Any]:
+        """Training state for Megatron legacy rank files: scheduler, counters, iteration;
+        what only ``torch_dist`` knows (content metadata, sharding type) is left behind."""
+        skip = {"args", "optimizer", "rng_state", "content_metadata"}
+        out = {k: v for k, v in self.common.items() if k not in skip}
+        out.setdefault("checkpoint_version", 3.0)
+        out["iteration"] = self.view.iteration or 0
+        return out
+
+    def group_templates(self) -> dict[bool, dict[str, Any]]:
+        """Each parameter group's settings by kind (True: no weight decay), as the distributed
+        optimizer's param_groups in ``common.pt`` record them (Adam's step aside)."""
+        opt = self.common.get("optimizer")
+        groups = (opt or {}).get("optimizer", {}).get("param_groups", []) if opt else []
+        out: dict[bool, dict[str, Any]] = {}
+        for group in groups:
+            no_decay = float(group.get("wd_mult", 1.0)) == 0.0 or group.get("weight_decay") == 0
+            out[no_decay] = {k: v for k, v in group.items() if k not in ("params", "step")}
+        return out
+
+    def byte_item(self, fqn: str) -> Any:
+        """A non-tensor item (e.g. an optimizer hyperparameter), through the restricted
+        unpickler: torch's own loader would run arbitrary pickles here."""
+        info = self.metadata.storage.get((fqn, None))
+        if info is None:
+            raise CheckpointError(f"{self.storage.url}: no record for item {fqn}")
+        rel = _join(self.base, info.relative_path)
+        with self.storage.open_read(rel) as f:
+            window = RecordWindow(f, info.offset, info.length)
+            return TorchZipReader(window, f"{self.storage.describe(rel)} ({fqn})").tree  # type: ignore[arg-type]
+
+
+def _fetch_in_record(storage: Storage, rel: str, base: int, start: int, nbytes: int) -> bytes:
+    return storage.read_range(rel, base + start, nbytes)
+
+
+def _flat(ref: TensorRef) -> TensorRef:
+    """A contiguous record tensor viewed as 1-D (layer slices are views into it)."""
+    return TensorRef(ref.storage, ref.offset, (prod(ref.shape),), (1,))
+
+
+def find_dcp_dir(storage: Storage, rel: str) -> bool:
+    return storage.exists(_join(rel, METADATA_FILE))
+
+
+def probe_dcp(
+    storage: Storage, base: str, iteration: int | None, true_vocab_size: int | None = None
+) -> DcpCheckpoint:
+    where = storage.describe(_join(base, METADATA_FILE))
+    with storage.open_read(_join(base, METADATA_FILE)) as f:
+        raw = f.read()
+    try:
+        metadata = parse_metadata(raw, where)
+    except UnsafePickleError:
+        raise
+    check_metadata(metadata, where)
+    for info in metadata.storage.values():
+        storage.path(_join(base, info.relative_path))  # refuses paths escaping the root
+    backend = _mcore_backend(storage, base)
+    if backend is None:
+        return _generic(storage, base, metadata, iteration)
+    if backend != "torch_dist":
+        raise CheckpointError(
+            f"{storage.describe(_join(base, MCORE_METADATA))}: sharded_backend {backend!r} is "
+            "not supported (torch_dist is)"
+        )
+    return _torch_dist(storage, base, metadata, iteration, true_vocab_size)
+
+
+def _mcore_backend(storage: Storage, base: str) -> str | None:
+    rel = _join(base, MCORE_METADATA)
+    if not storage.exists(rel):
+        return None
+    try:
+        return str(json.loads(storage.read_text(rel)).get("sharded_backend"))
+    except ValueError as err:
+        raise CheckpointError(f"{storage.describe(rel)}: not JSON ({err})") from None
+
+
+def _generic(
+    storage: Storage, base: str, metadata: DcpMetadata, iteration: int | None
+) -> DcpCheckpoint:
+    """Each key its own canonical tensor, chunk by chunk."""
+    by_file: dict[str, list[StoredTensor]] = {}
+    for fqn, entry in metadata.entries.items():
+        if not isinstance(entry, TensorEntry):
+            continue
+        for chunk in entry.chunks:
+            info = metadata.storage[(fqn, chunk.offsets)]
+            zero = (0,) * len(chunk.sizes)
+            by_file.setdefault(_join(base, info.relative_path), []).append(
+                StoredTensor(
+                    (fqn, *chunk.offsets),
+                    fqn,
+                    chunk.sizes,
+                    entry.dtype,
+                    (Piece(zero, chunk.offsets, chunk.sizes),) if prod(chunk.sizes) else (),
+                )
+            )
+    items = sum(isinstance(e, BytesEntry) for e in metadata.entries.values())
+    view = CheckpointView(
+        Format.DCP,
+        None,
+        ParallelLayout(),
+        tuple(StoredFile(p, tuple(ts)) for p, ts in sorted(by_file.items())),
+        iteration,
+        any(".state." in k or k.startswith("optim") for k in metadata.entries),
+        (f"PyTorch DCP checkpoint: {len(metadata.entries) - items} tensors, {items} other items",),
+    )
+    return DcpCheckpoint(storage, view, base, metadata)
+
+
+def _common_state(storage: Storage, base: str, metadata: DcpMetadata) -> dict[str, Any]:
+    rel = _join(base, COMMON)
+    if storage.exists(rel):
+        with storage.open_read(rel) as f:
+            tree = TorchZipReader(f, storage.describe(rel)).tree
+    elif "common_state/shard_0_1" in metadata.entries:  # Megatron-Core >= 0.19
+        ckpt = DcpCheckpoint(storage, None, base, metadata)  # type: ignore[arg-type]
+        tree = ckpt.byte_item("common_state/shard_0_1")
+        tree = tree[0] if isinstance(tree, list) and tree else tree
+    else:
+        raise CheckpointNotFoundError(
+            f"{storage.describe(rel)}: missing; a torch_dist checkpoint keeps its args there"
+        )
+    if not isinstance(tree, dict) or not isinstance(tree.get("args"), argparse.Namespace):
+        raise CheckpointError(f"{storage.describe(rel)}: no 'args' namespace")
+    return tree
+
+
+def _torch_dist(
+    storage: Storage,
+    base: str,
+    metadata: DcpMetadata,
+    iteration: int | None,
+    true_vocab_size: int | None,
+) -> DcpCheckpoint:
+    common = _common_state(storage, base, metadata)
+    args = common["args"]
+    spec = spec_from_args(args, true_vocab_size)
+    layout = layout_from_args(args)
+    catalog = model_catalog(spec)
+    notes: list[str] = []
+    by_file: dict[str, list[StoredTensor]] = {}
+    unknown: list[str] = []
+    dropped: set[str] = set()
+    for fqn, entry in metadata.entries.items():
+        if isinstance(entry, BytesEntry):
+            if not fqn.startswith(("common_state", *_IGNORED_OBJECTS)) and not any(
+                part in fqn for part in _IGNORED_OBJECTS
+            ):
+                dropped.add(fqn.split("/")[0])
+            continue
+        if fqn.startswith(DP_RESHARDABLE_PREFIX):
+            dropped.add("dp_reshardable optimizer state")
+            continue
+        for chunk in entry.chunks:
+            parts = chunk_parts(fqn, chunk.offsets, chunk.sizes, catalog)
+            if parts is None:
+                unknown.append(fqn)
+                break
+            info = metadata.storage[(fqn, chunk.offsets)]
+            for part in parts:
+                by_file.setdefault(_join(base, info.relative_path), []).append(
+                    StoredTensor(
+                        (fqn, *chunk.offsets),
+                        part.canonical,
+                        part.shape,
+                        entry.dtype,
+                        part.pieces,
+                        part.view_offset,
+                    )
+                )
+    if unknown:
+        raise CheckpointError(
+            f"{storage.describe(base)}: tensors {', '.join(sorted(set(unknown))[:5])} are not "
+            f"parameters of the model its args describe ({spec.num_layers} layers, hidden "
+            f"{spec.hidden_size}); MoE and heterogeneous layers are not supported yet"
+        )
+    optimizer = common.get("optimizer") if isinstance(common.get("optimizer"), dict) else {}
+    sharding = optimizer.get("param_state_sharding_type") if optimizer else None
+    has_optimizer = any(t.canonical.startswith("exp_avg/") for ts in by_file.values() for t in ts)
+    if sharding == "dp_reshardable" or "dp_reshardable optimizer state" in dropped:
+        notes.append(
+            "optimizer state is dp_reshardable (raw grad-buffer buckets of the saved TP/PP "
+            "layout): it is not carried; save with --dist-ckpt-optim-fully-reshardable to keep it"
+        )
+        dropped.discard("dp_reshardable optimizer state")
+    notes.append("RNG state and TransformerEngine _extra_state are not carried")
+    step = _optimizer_step(optimizer)
+    view = CheckpointView(
+        Format.TORCH_DIST,
+        spec,
+        layout,
+        tuple(StoredFile(p, tuple(ts)) for p, ts in sorted(by_file.items())),
+        iteration if iteration is not None else common.get("iteration"),
+        has_optimizer,
+        tuple(notes),
+        optimizer_step=step if has_optimizer else None,
+    )
+    return DcpCheckpoint(storage, view, base, metadata, args, common)
+
+
+def _optimizer_step(optimizer: dict[str, Any]) -> float | None:
+    groups = (optimizer.get("optimizer") or {}).get("param_groups") if optimizer else None
+    if isinstance(groups, list) and groups and isinstance(groups[0], dict):
+        step = groups[0].get("step")
+        return float(step) if step is not None else None
+    return None

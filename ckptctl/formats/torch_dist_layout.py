@@ -1,0 +1,229 @@
+"""Megatron-Core ``torch_dist`` keys and boxes, both ways. Pure.
+
+A ``torch_dist`` checkpoint is a PyTorch DCP checkpoint whose keys are Megatron-Core's sharded
+keys: layer parameters drop the layer number and gain a leading layer dimension
+(``decoder.layers.self_attention.linear_qkv.weight`` is ``[L, rows, h]``), vocabulary tensors
+keep their padded rows, and ``fully_reshardable`` optimizer state mirrors each parameter under
+``optimizer.state.{param,exp_avg,exp_avg_sq}.<key>``. The global tensors are the canonical ones
+(QKV group-major, SwiGLU ``[gate; up]``) up to vocabulary padding, so every stored chunk is a box
+of one canonical tensor per layer.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from math import prod
+
+from ckptctl.catalog import LAYER_PREFIX, Param, parameters, state_name
+from ckptctl.formats.megatron_layout import rank_params
+from ckptctl.geometry import Piece, Shape, Split, shard_shape_and_pieces
+from ckptctl.layout import ModelSpec, ParallelLayout
+from ckptctl.stored import StoredFile, StoredTensor
+
+OPTIMIZER_PREFIX = "optimizer.state."
+_STATE_FROM_KEY = {"param": "fp32_param", "fp32_param": "fp32_param"} | {
+    s: s for s in ("exp_avg", "exp_avg_sq")
+}
+_KEY_FROM_STATE = {"fp32_param": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+DP_RESHARDABLE_PREFIX = "optimizer.distributed."
+"""Keys of ``dp_reshardable`` optimizer state: raw grad-buffer buckets of one TP/PP layout."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkPart:
+    """The part of a stored chunk that holds one canonical tensor."""
+
+    canonical: str
+    shape: Shape
+    """Shape the part is read as (the chunk without its layer dimension)."""
+    view_offset: int | None
+    """Element offset of the part in the chunk, when the chunk spans several layers."""
+    pieces: tuple[Piece, ...]
+
+
+def split_key(fqn: str) -> tuple[str | None, str]:
+    """``(optimizer state or None, model key)``; an unknown optimizer state gives ``("?", ...)``."""
+    if fqn.startswith(OPTIMIZER_PREFIX):
+        state, _, key = fqn[len(OPTIMIZER_PREFIX) :].partition(".")
+        return _STATE_FROM_KEY.get(state, "?"), key
+    return None, fqn
+
+
+def is_stacked(key: str) -> bool:
+    """Layer parameters of homogeneous layers carry a layer dimension instead of a number."""
+    return key.startswith(LAYER_PREFIX) and not key[len(LAYER_PREFIX) :].split(".")[0].isdigit()
+
+
+def chunk_parts(
+    fqn: str, offsets: Shape, sizes: Shape, catalog: dict[str, Param]
+) -> list[ChunkPart] | None:
+    """How chunk ``(offsets, sizes)`` of ``fqn`` maps onto canonical tensors; ``None`` when the
+    key is not a parameter of the model (or its optimizer state)."""
+    state, key = split_key(fqn)
+    if state == "?":
+        return None
+    if is_stacked(key):
+        suffix = key[len(LAYER_PREFIX) :]
+        first, layers = offsets[0], sizes[0]
+        inner_offsets, inner_sizes = offsets[1:], sizes[1:]
+        names = [(f"{LAYER_PREFIX}{first + i}.{suffix}", i) for i in range(layers)]
+    else:
+        inner_offsets, inner_sizes = offsets, sizes
+        names = [(key, 0)]
+    parts = []
+    per_layer = prod(inner_sizes)
+    for name, index in names:
+        param = catalog.get(name)
+        if param is None or len(param.shape) != len(inner_sizes):
+            return None
+        clipped = tuple(
+            max(0, min(o + n, limit) - o)
+            for o, n, limit in zip(inner_offsets, inner_sizes, param.shape, strict=True)
+        )
+        pieces = (Piece((0,) * len(clipped), inner_offsets, clipped),) if all(clipped) else ()
+        parts.append(
+            ChunkPart(
+                canonical=state_name(state, name) if state else name,
+                shape=inner_sizes,
+                # Layer parts are views of the record, which has the extra layer dimension.
+                view_offset=index * per_layer if is_stacked(key) else None,
+                pieces=pieces,
+            )
+        )
+    return parts
+
+
+@lru_cache(maxsize=8)
+def model_catalog(spec: ModelSpec) -> dict[str, Param]:
+    return {p.name: p for p in parameters(spec)}
+
+
+# --- writing -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TargetChunk:
+    """One chunk a target rank writes: key, global shape, box, and the canonical pieces in it."""
+
+    fqn: str
+    global_shape: Shape
+    offsets: Shape
+    sizes: Shape
+    canonical: str
+    local_shape: Shape
+    """The chunk without its layer dimension: what is assembled and streamed."""
+    pieces: tuple[Piece, ...]
+
+
+def torch_dist_key(param: Param) -> str:
+    if param.layer is None:
+        return param.name
+    suffix = param.name[len(LAYER_PREFIX) :].split(".", 1)[1]
+    return f"{LAYER_PREFIX}{suffix}"
+
+
+def global_shape(param: Param, spec: ModelSpec, tp: int) -> Shape:
+    shape = param.shape
+    if param.split is Split.VOCAB:
+        shape = (spec.padded_vocab_size(tp), *shape[1:])
+    return (spec.num_layers, *shape) if param.layer is not None else shape
+
+
+def rank_chunks(
+    spec: ModelSpec, layout: ParallelLayout, tp_rank: int, pp_rank: int, states: tuple[str, ...]
+) -> list[TargetChunk]:
+    """The main-replica chunks model-parallel rank ``(tp_rank, pp_rank)`` saves: its TP boxes of
+    every parameter on its stage (replicated ones on TP rank 0 only; the tied output copy never,
+    it is a replica of the embedding), then the same boxes for each optimizer state."""
+    padded = spec.padded_vocab_size(layout.tp)
+    out: list[TargetChunk] = []
+    for prefix_state in (None, *states):
+        for rp in rank_params(spec, layout, pp_rank):
+            param = rp.param
+            if rp.tied_copy or (param.split is Split.REPLICATED and tp_rank != 0):
+                continue
+            local, pieces = shard_shape_and_pieces(
+                param.split, param.shape, layout.tp, tp_rank, padded
+            )
+            key = torch_dist_key(param)
+            if prefix_state is not None:
+                key = f"{OPTIMIZER_PREFIX}{_KEY_FROM_STATE[prefix_state]}.{key}"
+            canonical = state_name(prefix_state, param.name) if prefix_state else param.name
+            gshape = global_shape(param, spec, layout.tp)
+            if param.split is Split.VOCAB:
+                # The whole padded slice; rows past the vocabulary are in no piece (zeros).
+                boxes = [((tp_rank * local[0], *(0,) * (len(local) - 1)), local, pieces)]
+            else:
+                boxes = [
+                    (p.canonical, p.sizes, (Piece((0,) * len(p.sizes), p.canonical, p.sizes),))
+                    for p in pieces
+                ]
+            for offsets, sizes, box_pieces in boxes:
+                layer = () if param.layer is None else (param.layer,)
+                one = () if param.layer is None else (1,)
+                out.append(
+                    TargetChunk(
+                        fqn=key,
+                        global_shape=gshape,
+                        offsets=(*layer, *offsets),
+                        sizes=(*one, *sizes),
+                        canonical=canonical,
+                        local_shape=tuple(sizes),
+                        pieces=box_pieces,
+                    )
+                )
+    return out
+
+
+MCORE_METADATA = "metadata.json"
+MCORE_METADATA_TEXT = json.dumps(
+    {
+        "sharded_backend": "torch_dist",
+        "sharded_backend_version": 1,
+        "common_backend": "torch",
+        "common_backend_version": 1,
+    }
+)
+COMMON = "common.pt"
+
+
+def torch_dist_files(
+    spec: ModelSpec,
+    layout: ParallelLayout,
+    iteration_dir: str,
+    weight_dtype: str,
+    states: tuple[str, ...],
+) -> tuple[StoredFile, ...]:
+    """One ``.distcp`` file per model-parallel rank (DP rank 0 saves the main replicas), named
+    ``__<rank>_0.distcp`` with Megatron's tp-major rank order within a stage. Optimizer state
+    is fp32."""
+    files = []
+    for pp_rank in range(layout.pp):
+        for tp_rank in range(layout.tp):
+            rank = pp_rank * layout.tp * layout.dp + tp_rank
+            tensors = tuple(
+                StoredTensor(
+                    (c.fqn, *c.offsets),
+                    c.canonical,
+                    c.local_shape,
+                    "float32" if "/" in c.canonical else weight_dtype,
+                    c.pieces,
+                )
+                for c in rank_chunks(spec, layout, tp_rank, pp_rank, states)
+            )
+            path = f"{iteration_dir}/__{rank}_0.distcp" if iteration_dir else f"__{rank}_0.distcp"
+            files.append(StoredFile(path, tensors, (tp_rank, pp_rank)))
+    return tuple(files)
+
+
+def record_geometry(
+    fqn: str, canonical: str, local_shape: Shape, spec: ModelSpec, tp: int
+) -> tuple[Shape, Shape]:
+    """Global shape of ``fqn`` and the shape of one chunk record (with its layer dimension)."""
+    _, key = split_key(fqn)
+    name = canonical.split("/", 1)[-1]
+    param = model_catalog(spec)[name]
+    stacked = is_stacked(key)
+    return global_shape(param, spec, tp), ((1, *local_shape) if stacked else local_shape)
