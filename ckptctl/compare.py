@@ -12,7 +12,7 @@ from ckptctl.execute import Assembler, NoProgress, Report, Sources
 from ckptctl.geometry import Piece, nbytes
 from ckptctl.plan import FileKind, TensorWrite
 from ckptctl.probe import Checkpoint
-from ckptctl.stored import StoredFile, StoredTensor
+from ckptctl.stored import StoredFile, StoredTensor, canonical_shapes
 from planners.convert import plan_files
 
 
@@ -41,10 +41,16 @@ def compare(
 ) -> list[TensorDiff]:
     """Every canonical tensor both hold, compared: bit-exact unless a tolerance is given."""
     shapes: dict[str, tuple] = {}
-    for p in parameters(a.view.spec):
-        shapes[p.name] = p.shape
-        for state in ("fp32_param", "exp_avg", "exp_avg_sq"):
-            shapes[f"{state}/{p.name}"] = p.shape
+    if a.view.spec is not None and b.view.spec is not None:
+        for p in parameters(a.view.spec):
+            shapes[p.name] = p.shape
+            for state in ("fp32_param", "exp_avg", "exp_avg_sq"):
+                shapes[f"{state}/{p.name}"] = p.shape
+    else:  # a model ckptctl does not know: tensors are compared by stored name
+        held = canonical_shapes(b.view)
+        shapes = {
+            n: s for n, (s, _) in canonical_shapes(a.view).items() if held.get(n, [0])[0] == s
+        }
     held_a = set(a.view.canonical_dtypes())
     held_b = set(b.view.canonical_dtypes())
     names = [n for n in shapes if n in held_a and n in held_b]

@@ -13,11 +13,12 @@ from ckptctl.formats.hf import HFCheckpoint, probe_hf
 from ckptctl.formats.hf_layout import CONFIG
 from ckptctl.formats.megatron import MegatronCheckpoint, find_iteration, probe_megatron
 from ckptctl.formats.megatron_layout import TRACKER
+from ckptctl.formats.torch_file import STATE_DICT_FILE, TorchFileCheckpoint, probe_torch_file
 from ckptctl.manifest import refuse_incomplete
 from ckptctl.storage import Storage
 from ckptctl.stored import CheckpointView
 
-Checkpoint = MegatronCheckpoint | HFCheckpoint | DcpCheckpoint
+Checkpoint = MegatronCheckpoint | HFCheckpoint | DcpCheckpoint | TorchFileCheckpoint
 
 ALLOW_INCOMPLETE: ContextVar[bool] = ContextVar("allow_incomplete", default=False)
 """Read checkpoints whose writer never finished (``ckptctl --allow-incomplete``)."""
@@ -34,6 +35,10 @@ def open_checkpoint(
     storage = Storage(url)
     if not storage.exists():
         raise CheckpointNotFoundError(f"{url}: no such checkpoint directory")
+    if not storage.isdir() and url.endswith((".pt", ".pth")):
+        # One torch.save state dict given by its file name (e.g. dcp_to_torch_save's output).
+        parent, _, name = url.rstrip("/").rpartition("/")
+        return probe_torch_file(Storage(parent or "."), name)
     if not (ALLOW_INCOMPLETE.get() if allow_incomplete is None else allow_incomplete):
         refuse_incomplete(storage)
     names = set(storage.listdir(""))
@@ -52,6 +57,8 @@ def open_checkpoint(
         )
     if CONFIG in names:
         return probe_hf(storage)
+    if STATE_DICT_FILE in names:
+        return probe_torch_file(storage)
     raise CheckpointNotFoundError(
         f"{url}: neither a Megatron checkpoint ({TRACKER}, mp_rank_*) nor an HF one ({CONFIG})"
     )

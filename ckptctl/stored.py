@@ -74,3 +74,17 @@ class CheckpointView:
 
     def canonical_dtypes(self) -> dict[str, str]:
         return {t.canonical: t.dtype for f in self.files for t in f.tensors}
+
+
+def canonical_shapes(view: CheckpointView) -> dict[str, tuple[Shape, str]]:
+    """Each canonical tensor's shape (the bounding box of its pieces) and dtype: for formats
+    whose model family is unknown, this is all there is to know about the full tensors."""
+    out: dict[str, tuple[Shape, str]] = {}
+    for file in view.files:
+        for tensor in file.tensors:
+            shape, _ = out.get(tensor.canonical, ((0,) * len(tensor.shape), tensor.dtype))
+            for piece in tensor.pieces:
+                ends = tuple(c + n for c, n in zip(piece.canonical, piece.sizes, strict=True))
+                shape = tuple(max(a, b) for a, b in zip(shape, ends, strict=True))
+            out[tensor.canonical] = (shape, tensor.dtype)
+    return out

@@ -26,6 +26,7 @@ from ckptctl.geometry import box_difference, nbytes
 from ckptctl.manifest import INCOMPLETE, MANIFEST, file_checksum
 from ckptctl.probe import Checkpoint, open_checkpoint
 from ckptctl.storage import Storage
+from ckptctl.stored import canonical_shapes
 
 
 @dataclass
@@ -41,7 +42,7 @@ def verify(url: str, *, numerics: bool = False, band_bytes: int = 64 << 20) -> l
     checks = [
         Check("complete", "failed", f"{INCOMPLETE} present: the job that wrote it was interrupted")
         if storage.exists(INCOMPLETE)
-        else Check("complete", "passed")
+        else Check("complete", "passed", f"no {INCOMPLETE} marker")
     ]
     checks.append(_manifest(storage))
     try:
@@ -91,7 +92,10 @@ def _manifest(storage: Storage) -> Check:
 
 def _coverage(ckpt: Checkpoint) -> Check:
     view = ckpt.view
-    shapes = {p.name: p.shape for p in parameters(view.spec)}
+    if view.spec is None:  # unknown model: each stored tensor's bounding box must be full
+        shapes = {n: s for n, (s, _) in canonical_shapes(view).items()}
+    else:
+        shapes = {p.name: p.shape for p in parameters(view.spec)}
     pieces: dict[str, list] = {}
     for f in view.files:
         if f.path in getattr(ckpt, "lost", frozenset()):
@@ -101,7 +105,7 @@ def _coverage(ckpt: Checkpoint) -> Check:
     problems = []
     for name, shape in shapes.items():
         wanted = [name]
-        if view.has_optimizer:
+        if view.has_optimizer and view.spec is not None:
             wanted += [f"{s}/{name}" for s in ("exp_avg", "exp_avg_sq")]
         for canonical in wanted:
             held = pieces.get(canonical, [])

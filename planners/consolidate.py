@@ -17,7 +17,7 @@ from ckptctl.formats.megatron_layout import (
 from ckptctl.geometry import Piece
 from ckptctl.layout import ParallelLayout
 from ckptctl.plan import FileKind, Plan, TextWrite
-from ckptctl.stored import CheckpointView, Format, StoredFile, StoredTensor
+from ckptctl.stored import CheckpointView, Format, StoredFile, StoredTensor, canonical_shapes
 from planners.convert import plan_files
 
 
@@ -26,19 +26,7 @@ def _is_weight(canonical: str) -> bool:
 
 
 STATE_DICT_FILE = "state_dict.pt"
-
-
-def global_shapes(source: CheckpointView) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Each canonical tensor's shape (the bounding box of its pieces) and dtype."""
-    out: dict[str, tuple[tuple[int, ...], str]] = {}
-    for file in source.files:
-        for tensor in file.tensors:
-            shape, _ = out.get(tensor.canonical, ((0,) * len(tensor.shape), tensor.dtype))
-            for piece in tensor.pieces:
-                ends = tuple(c + n for c, n in zip(piece.canonical, piece.sizes, strict=True))
-                shape = tuple(max(a, b) for a, b in zip(shape, ends, strict=True))
-            out[tensor.canonical] = (shape, tensor.dtype)
-    return out
+"""Name of the one file ``--format torch`` writes (read back by ``formats.torch_file``)."""
 
 
 def plan_state_dict(
@@ -50,7 +38,7 @@ def plan_state_dict(
         StoredTensor(
             (name,), name, shape, dtype, (Piece((0,) * len(shape), (0,) * len(shape), shape),)
         )
-        for name, (shape, dtype) in sorted(global_shapes(source).items())
+        for name, (shape, dtype) in sorted(canonical_shapes(source).items())
     )
     files, estimates = plan_files(
         source, (StoredFile(STATE_DICT_FILE, tensors),), FileKind.TORCH_SAVE

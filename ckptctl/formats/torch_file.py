@@ -1,0 +1,72 @@
+"""Read a single ``torch.save`` state dict (``state_dict.pt``, as ``consolidate --format torch``
+and torch's ``dcp_to_torch_save`` write): every tensor is its own canonical tensor, named by
+its key path joined with dots, which is how DCP flattens the same state dict."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ckptctl.formats.megatron import open_torch_file, resolve
+from ckptctl.formats.torchzip import TensorRef, TorchZipReader
+from ckptctl.geometry import Piece
+from ckptctl.layout import ParallelLayout
+from ckptctl.storage import Storage
+from ckptctl.stored import CheckpointView, Format, KeyPath, StoredFile, StoredTensor
+
+STATE_DICT_FILE = "state_dict.pt"
+
+
+def _tensors(tree: Any, path: KeyPath = ()) -> list[tuple[KeyPath, TensorRef]]:
+    if isinstance(tree, TensorRef):
+        return [(path, tree)]
+    if isinstance(tree, dict):
+        return [x for k, v in tree.items() for x in _tensors(v, (*path, k))]
+    if isinstance(tree, list | tuple):
+        return [x for i, v in enumerate(tree) for x in _tensors(v, (*path, i))]
+    return []
+
+
+@dataclass
+class TorchFileCheckpoint:
+    storage: Storage
+    view: CheckpointView
+    reader: TorchZipReader
+
+    def read(
+        self,
+        path: str,
+        key: KeyPath,
+        offsets: tuple[int, ...],
+        sizes: tuple[int, ...],
+        view: tuple[int, tuple[int, ...]] | None = None,
+    ) -> torch.Tensor:
+        return self.reader.read(resolve(self.reader.tree, key), offsets, sizes)
+
+
+def probe_torch_file(storage: Storage, rel: str = STATE_DICT_FILE) -> TorchFileCheckpoint:
+    reader = open_torch_file(storage, rel)
+    tensors = []
+    for key, ref in _tensors(reader.tree):
+        zero = (0,) * len(ref.shape)
+        tensors.append(
+            StoredTensor(
+                key,
+                ".".join(map(str, key)),
+                ref.shape,
+                str(ref.dtype).removeprefix("torch."),
+                (Piece(zero, zero, ref.shape),),
+            )
+        )
+    view = CheckpointView(
+        Format.TORCH,
+        None,
+        ParallelLayout(),
+        (StoredFile(rel, tuple(tensors)),),
+        None,
+        any(k.startswith("optim") for t in tensors for k in [t.canonical]),
+        (f"one torch.save state dict: {len(tensors)} tensors",),
+    )
+    return TorchFileCheckpoint(storage, view, reader)
