@@ -451,4 +451,94 @@ def test_impossible_targets(source_template: Path, tmp_path: Path, cli, case: st
 
 
 def test_corpus_has_at_least_thirty_cases() -> None:
-    assert len(CASES) + len(MORE) + len(HF_CASES) + len(IMPOSSIBLE) >= 30
+    assert len(CASES) + len(MORE) + len(HF_CASES) + len(IMPOSSIBLE) + len(DCP_CASES) >= 30
+
+
+# --- DCP / torch_dist ------------------------------------------------------------------------
+
+METADATA = "iter_0000001/.metadata"
+
+
+@pytest.fixture(scope="module")
+def torch_dist_template(source_template: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from typer.testing import CliRunner
+
+    from ckptctl.cli.main import app
+
+    out = tmp_path_factory.mktemp("baddcp") / "td"
+    result = CliRunner().invoke(
+        app, ["reshard", str(source_template), str(out), "--tp", "2", "--format", "torch_dist"]
+    )
+    assert result.exit_code == 0, result.stderr
+    (out / "ckptctl.manifest.json").unlink()  # as a training job would have written it
+    return out
+
+
+def _edit_metadata(change: Callable[[object], None]) -> Callable[[Path], None]:
+    def corrupt(root: Path) -> None:
+        path = root / METADATA
+        meta = pickle.loads(path.read_bytes())  # trusted here: the test wrote it
+        change(meta)
+        path.write_bytes(pickle.dumps(meta))
+
+    return corrupt
+
+
+def _malicious_metadata(root: Path) -> None:
+    marker = root.parent / "pwned"
+
+    class Evil:
+        def __reduce__(self):  # type: ignore[no-untyped-def]
+            return (open, (str(marker), "w"))
+
+    (root / METADATA).write_bytes(pickle.dumps({"state_dict_metadata": Evil()}))
+
+
+def _escaping_record(meta: object) -> None:
+    for info in meta.storage_data.values():  # type: ignore[attr-defined]
+        info.relative_path = "../../../etc/passwd"
+        break
+
+
+def _drop_chunk(meta: object) -> None:
+    entry = meta.state_dict_metadata["decoder.final_layernorm.weight"]  # type: ignore[attr-defined]
+    entry.chunks.clear()
+
+
+def _truncate_shards(root: Path) -> None:
+    for path in (root / "iter_0000001").glob("*.distcp"):
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 3])
+
+
+DCP_CASES: dict[str, tuple[Callable[[Path], None], str, int]] = {
+    "malicious .metadata": (_malicious_metadata, "refusing pickled global", 3),
+    "truncated .metadata": (
+        lambda r: (r / METADATA).write_bytes((r / METADATA).read_bytes()[:50]),
+        ".metadata",
+        3,
+    ),
+    "record path escapes root": (
+        _edit_metadata(_escaping_record),
+        "../../../etc/passwd",
+        3,
+    ),
+    "chunk missing from .metadata": (
+        _edit_metadata(_drop_chunk),
+        "decoder.final_layernorm.weight",
+        3,
+    ),
+    "truncated .distcp shards": (_truncate_shards, ".distcp", 3),
+    "common.pt missing": (lambda r: (r / "iter_0000001/common.pt").unlink(), "common.pt", 3),
+    "unsupported sharded backend": (
+        lambda r: (r / "iter_0000001/metadata.json").write_text('{"sharded_backend": "zarr"}'),
+        "sharded_backend 'zarr' is not supported",
+        3,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(DCP_CASES))
+def test_bad_dcp_inputs(torch_dist_template: Path, tmp_path: Path, cli, case: str) -> None:
+    corrupt, message, code = DCP_CASES[case]
+    _check_refused(torch_dist_template, tmp_path, cli, corrupt, ["consolidate"], message, code)
+    assert not (tmp_path / "pwned").exists(), "the malicious pickle ran"

@@ -272,8 +272,19 @@ def probe_dcp(
     except UnsafePickleError:
         raise
     check_metadata(metadata, where)
+    ends: dict[str, int] = {}
     for info in metadata.storage.values():
         storage.path(_join(base, info.relative_path))  # refuses paths escaping the root
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        rel = _join(base, name)
+        if not storage.exists(rel):
+            raise CheckpointNotFoundError(f"{storage.describe(rel)}: missing (named in {where})")
+        if (size := storage.size(rel)) < end:
+            raise CheckpointError(
+                f"{storage.describe(rel)}: {size} bytes, but {METADATA_FILE} places records up "
+                f"to byte {end}; the file is truncated"
+            )
     backend = _mcore_backend(storage, base)
     if backend is None:
         return _generic(storage, base, metadata, iteration)
