@@ -295,3 +295,13 @@ def test_torch_dist_on_s3_reads_records_by_range(
     assert fetched < total / 2, "optimizer records were fetched for a weights-only target"
     report = cli.json("verify", tmp_path / "hf", "--against", wide_ckpt)
     assert report["ok"]
+
+
+def test_memory_and_file_urls_work_like_paths(local_ckpt: Path, tmp_path: Path, cli) -> None:
+    """fsspec URLs other than S3: ``memory://`` (in-process) and ``file://``."""
+    cli("reshard", f"file://{local_ckpt}", "memory://lake/tp4", "--tp", "4", "--pp", "1")
+    cli("reshard", "memory://lake/tp4", f"file://{tmp_path}/back", "--tp", "2", "--pp", "2")
+    from tests.test_reshard import assert_same_checkpoint
+
+    assert_same_checkpoint(local_ckpt, tmp_path / "back")
+    assert cli.json("verify", "memory://lake/tp4", "--against", local_ckpt)["ok"]
