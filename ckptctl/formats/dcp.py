@@ -47,9 +47,6 @@ from ckptctl.layout import ParallelLayout
 from ckptctl.storage import Storage
 from ckptctl.stored import CheckpointView, Format, KeyPath, StoredFile, StoredTensor
 
-_IGNORED_OBJECTS = ("_extra_state", "rng_state")
-"""Byte items of Megatron's that cannot be resharded (TE FP8 metadata, RNG) and are dropped."""
-
 
 def _join(base: str, rel: str) -> str:
     return f"{base}/{rel}" if base else rel
@@ -372,16 +369,15 @@ def _torch_dist(
     notes: list[str] = []
     by_file: dict[str, list[StoredTensor]] = {}
     unknown: list[str] = []
-    dropped: set[str] = set()
+    objects: set[str] = set()
+    dp_reshardable = False
     for fqn, entry in metadata.entries.items():
         if isinstance(entry, BytesEntry):
-            if not fqn.startswith(("common_state", *_IGNORED_OBJECTS)) and not any(
-                part in fqn for part in _IGNORED_OBJECTS
-            ):
-                dropped.add(fqn.split("/")[0])
+            if not fqn.startswith("common_state"):
+                objects.add(fqn.split("/")[0].rsplit(".", 1)[-1])
             continue
         if fqn.startswith(DP_RESHARDABLE_PREFIX):
-            dropped.add("dp_reshardable optimizer state")
+            dp_reshardable = True
             continue
         for chunk in entry.chunks:
             parts = chunk_parts(fqn, chunk.offsets, chunk.sizes, catalog)
@@ -409,13 +405,14 @@ def _torch_dist(
     optimizer = common.get("optimizer") if isinstance(common.get("optimizer"), dict) else {}
     sharding = optimizer.get("param_state_sharding_type") if optimizer else None
     has_optimizer = any(t.canonical.startswith("exp_avg/") for ts in by_file.values() for t in ts)
-    if sharding == "dp_reshardable" or "dp_reshardable optimizer state" in dropped:
+    if sharding == "dp_reshardable" or dp_reshardable:
         notes.append(
             "optimizer state is dp_reshardable (raw grad-buffer buckets of the saved TP/PP "
-            "layout): it is not carried; save with --dist-ckpt-optim-fully-reshardable to keep it"
+            "layout): only the weights can be taken from it"
         )
-        dropped.discard("dp_reshardable optimizer state")
-    notes.append("RNG state and TransformerEngine _extra_state are not carried")
+    if objects:
+        # Pickled objects (RNG state, TransformerEngine FP8 metadata) have no reshardable form.
+        notes.append(f"not carried: {', '.join(sorted(objects))} (pickled objects)")
     step = _optimizer_step(optimizer)
     view = CheckpointView(
         Format.TORCH_DIST,
