@@ -15,8 +15,10 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import threading
 from dataclasses import dataclass, field
+from functools import partial
 from math import prod
 from typing import Any
 
@@ -91,8 +93,12 @@ class DcpCheckpoint:
                 if self.storage.is_local:
                     if rel not in self._files:
                         self._files[rel] = self.storage.open_read(rel)
-                    window = RecordWindow(self._files[rel], info.offset, info.length)
-                    reader = TorchZipReader(window, where)  # type: ignore[arg-type]
+                    f = self._files[rel]
+                    window = RecordWindow(f, info.offset, info.length)
+                    # Records of one file share its handle: tensor bytes are read with pread,
+                    # which has no shared position, so parallel band reads cannot interleave.
+                    fetch = partial(_pread, f.fileno(), info.offset)
+                    reader = TorchZipReader(window, where, fetch)  # type: ignore[arg-type]
                 else:
                     remote = RemoteRecord(self.storage, rel, info.offset, info.length)
                     reader = TorchZipReader(remote, where, remote.fetch)  # type: ignore[arg-type]
@@ -186,6 +192,10 @@ class DcpCheckpoint:
         with self.storage.open_read(rel) as f:
             window = RecordWindow(f, info.offset, info.length)
             return TorchZipReader(window, f"{self.storage.describe(rel)} ({fqn})").tree  # type: ignore[arg-type]
+
+
+def _pread(fd: int, base: int, start: int, nbytes: int) -> bytes:
+    return os.pread(fd, nbytes, base + start)
 
 
 class RemoteRecord(io.RawIOBase):
