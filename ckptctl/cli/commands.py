@@ -107,6 +107,13 @@ class ChecksumName(StrEnum):
 
 CHECKSUM_CHOICE: ContextVar[str] = ContextVar("checksum", default="xxh3_64")
 STAGE_DIR: ContextVar[str | None] = ContextVar("stage_dir", default=None)
+ReshardFormat = Annotated[
+    Format,
+    typer.Option(
+        "--format",
+        help="megatron: legacy mp_rank_* files; torch_dist: Megatron-Core's DCP format.",
+    ),
+]
 REMOTE_READ_PARALLEL = 8
 StageDir = Annotated[
     str | None,
@@ -600,13 +607,7 @@ def register_reshard(
         dtype: WeightDType = None,
         checksum: Checksum = ChecksumName.xxh3_64,
         stage_dir: StageDir = None,
-        target_format: Annotated[
-            Format,
-            typer.Option(
-                "--format",
-                help="megatron: legacy mp_rank_* files; torch_dist: Megatron-Core's DCP format.",
-            ),
-        ] = Format.MEGATRON,
+        target_format: ReshardFormat = Format.MEGATRON,
         dry_run: DryRun = False,
         overwrite: Overwrite = False,
         as_json: Json = False,

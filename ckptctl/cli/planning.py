@@ -26,6 +26,7 @@ from ckptctl.cli.commands import (
     Pp,
     RanksPerNode,
     Replica,
+    ReshardFormat,
     Strategy,
     Tp,
     TrueVocab,
@@ -33,6 +34,7 @@ from ckptctl.cli.commands import (
     _human,
     _style,
     layout_choices,
+    refuse_dp_reshardable,
 )
 from ckptctl.cli.output import Output
 from ckptctl.errors import CheckpointError, UsageError
@@ -116,8 +118,6 @@ def plan_for(
     target_format: Format = Format.MEGATRON,
 ) -> tuple[Plan, Checkpoint, dict[str, Checkpoint]]:
     """Probe the source and every other copy, then plan with the strategy planner."""
-    from ckptctl.cli.commands import refuse_dp_reshardable
-
     others = [*full, *replicas]
     ckpt = open_checkpoint(
         src, iteration=iteration, true_vocab_size=true_vocab_size, allow_missing=bool(others)
@@ -299,6 +299,7 @@ def register(app: typer.Typer, boundary: Callable[[Output], AbstractContextManag
         svg: Annotated[
             Path | None, typer.Option("--svg", help="Also write the map as SVG.")
         ] = None,
+        target_format: ReshardFormat = Format.MEGATRON,
         as_json: Json = False,
         iteration: Iteration = None,
         true_vocab_size: TrueVocab = None,
@@ -319,6 +320,7 @@ def register(app: typer.Typer, boundary: Callable[[Output], AbstractContextManag
                 strategy=strategy,
                 iteration=iteration,
                 true_vocab_size=true_vocab_size,
+                target_format=target_format,
             )
             if save is not None:
                 save.write_text(plan.model_dump_json(indent=1))
