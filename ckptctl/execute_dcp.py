@@ -16,15 +16,17 @@ from typing import Any
 
 import torch
 
+from ckptctl.catalog import LAYER_PREFIX
 from ckptctl.formats.dcp_metadata import (
     METADATA_FILE,
+    BytesEntry,
     Chunk,
     DcpMetadata,
     StorageInfo,
     TensorEntry,
 )
-from ckptctl.formats.dcp_write import metadata_bytes, write_tensor_record
-from ckptctl.formats.torch_dist_layout import COMMON, record_geometry
+from ckptctl.formats.dcp_write import metadata_bytes, write_bytes_record, write_tensor_record
+from ckptctl.formats.torch_dist_layout import COMMON, extra_state_keys, record_geometry
 from ckptctl.formats.torchzip import TensorRef, TensorSlot, tensor_bytes, write_torch_zip
 from ckptctl.plan import FileWrite, Plan
 
@@ -51,7 +53,30 @@ def write_dcp_shard(plan: Plan, file: FileWrite, out: Any, assemble: Any) -> lis
 
         info = write_tensor_record(out, name, slot, produce)
         records.append([fqn, offsets, info.offset, info.length])
+    if plan.spec is not None and file.rank is not None and file.rank[0] == 0:
+        for fqn in extra_state_keys(plan.spec, _layers_in(file)):
+            info = write_bytes_record(out, name, _EMPTY_EXTRA_STATE)
+            records.append([fqn, None, info.offset, info.length])
     return records
+
+
+def _layers_in(file: FileWrite) -> list[int]:
+    layers = set()
+    for tensor in file.tensors:
+        name = tensor.canonical.split("/", 1)[-1]
+        if name.startswith(LAYER_PREFIX):
+            layers.add(int(name[len(LAYER_PREFIX) :].split(".", 1)[0]))
+    return sorted(layers)
+
+
+def _torch_save_bytes(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    write_torch_zip(buf, obj, [], lambda _: iter(()))
+    return buf.getvalue()
+
+
+_EMPTY_EXTRA_STATE = _torch_save_bytes([None])
+"""What Megatron-Core saves for a layer's ``_extra_state`` without FP8 metadata."""
 
 
 def dcp_metadata(plan: Plan, records: dict[str, list[Record]]) -> DcpMetadata:
@@ -59,8 +84,9 @@ def dcp_metadata(plan: Plan, records: dict[str, list[Record]]) -> DcpMetadata:
     chunks: dict[str, list[Chunk]] = {}
     shapes: dict[str, tuple[tuple[int, ...], str]] = {}
     storage: dict[tuple[str, tuple[int, ...] | None], StorageInfo] = {}
+    objects: dict[str, BytesEntry] = {}
     for file in plan.files:
-        by_key = {(r[0], tuple(r[1])): r for r in records.get(file.path, [])}
+        by_key = {(r[0], tuple(r[1])): r for r in records.get(file.path, []) if r[1] is not None}
         name = posixpath.basename(file.path)
         for tensor in file.tensors:
             fqn, offsets = str(tensor.key[0]), tuple(int(k) for k in tensor.key[1:])
@@ -72,10 +98,15 @@ def dcp_metadata(plan: Plan, records: dict[str, list[Record]]) -> DcpMetadata:
             chunks.setdefault(fqn, []).append(Chunk(offsets=offsets, sizes=sizes))
             _, _, offset, length = by_key[(fqn, offsets)]
             storage[(fqn, offsets)] = StorageInfo(relative_path=name, offset=offset, length=length)
-    entries = {
+        for fqn, offsets, offset, length in records.get(file.path, []):
+            if offsets is None:  # a byte item
+                objects[fqn] = BytesEntry()
+                storage[(fqn, None)] = StorageInfo(relative_path=name, offset=offset, length=length)
+    entries: dict[str, TensorEntry | BytesEntry] = {
         fqn: TensorEntry(dtype=shapes[fqn][1], shape=shapes[fqn][0], chunks=tuple(chunks[fqn]))
         for fqn in chunks
     }
+    entries.update(objects)
     return DcpMetadata(entries=entries, storage=storage)
 
 
@@ -154,13 +185,40 @@ def write_state_dict_file(file: FileWrite, source: Any, out: Any, assemble: Any)
         _set_path(tree, owner.key_path(str(tensor.key[0])), slot)
         slots.append(slot)
         by_key[slot.key] = tensor
+    inner: dict[str, tuple[Any, TensorRef]] = {}
     for fqn in owner.byte_items():
-        _set_path(tree, owner.key_path(fqn), owner.byte_item(fqn))
+        value, reader = owner.byte_item(fqn)
+        # Tensors inside pickled items (RNG states) are copied from the item's record.
+        value = _slots_for_refs(value, lambda ref, r=reader: _inner_slot(ref, r, inner, slots))
+        _set_path(tree, owner.key_path(fqn), value)
 
     def produce(slot: TensorSlot) -> Iterator[memoryview]:
-        return assemble.chunks(by_key[slot.key], file.path)
+        if slot.key in inner:
+            reader, ref = inner[slot.key]
+            yield tensor_bytes(reader.read(ref))
+        else:
+            yield from assemble.chunks(by_key[slot.key], file.path)
 
     write_torch_zip(out, tree, slots, produce)
+
+
+def _inner_slot(
+    ref: TensorRef, reader: Any, inner: dict[str, tuple[Any, TensorRef]], slots: list[TensorSlot]
+) -> TensorSlot:
+    slot = TensorSlot(f"item{len(inner)}", ref.dtype, ref.shape)
+    inner[slot.key] = (reader, ref)
+    slots.append(slot)
+    return slot
+
+
+def _slots_for_refs(obj: Any, make: Any) -> Any:
+    if isinstance(obj, TensorRef):
+        return make(obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, _slots_for_refs(v, make)) for k, v in obj.items())
+    if isinstance(obj, list | tuple):
+        return type(obj)(_slots_for_refs(v, make) for v in obj)
+    return obj
 
 
 def _set_path(tree: Any, path: tuple[Any, ...], value: Any) -> None:

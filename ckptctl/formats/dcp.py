@@ -17,7 +17,7 @@ import io
 import json
 import os
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from math import prod
 from typing import Any
@@ -29,6 +29,7 @@ from ckptctl.formats.dcp_metadata import (
     METADATA_FILE,
     BytesEntry,
     DcpMetadata,
+    StorageInfo,
     TensorEntry,
     check_metadata,
     parse_metadata,
@@ -82,26 +83,8 @@ class DcpCheckpoint:
                 info = self.metadata.storage.get(key)
                 if info is None:
                     raise CheckpointError(f"{self.storage.url}: no record for {fqn} at {offsets}")
-                if info.transform_descriptors:
-                    raise CheckpointError(
-                        f"{self.storage.describe(_join(self.base, info.relative_path))}: record "
-                        f"of {fqn} uses stream transform(s) {list(info.transform_descriptors)} "
-                        "that ckptctl cannot undo"
-                    )
-                rel = _join(self.base, info.relative_path)
-                where = f"{self.storage.describe(rel)}@{info.offset} ({fqn})"
-                if self.storage.is_local:
-                    if rel not in self._files:
-                        self._files[rel] = self.storage.open_read(rel)
-                    f = self._files[rel]
-                    window = RecordWindow(f, info.offset, info.length)
-                    # Records of one file share its handle: tensor bytes are read with pread,
-                    # which has no shared position, so parallel band reads cannot interleave.
-                    fetch = partial(_pread, f.fileno(), info.offset)
-                    reader = TorchZipReader(window, where, fetch)  # type: ignore[arg-type]
-                else:
-                    remote = RemoteRecord(self.storage, rel, info.offset, info.length)
-                    reader = TorchZipReader(remote, where, remote.fetch)  # type: ignore[arg-type]
+                reader = self._reader(fqn, info)
+                where = reader.where
                 ref = reader.tree
                 entry = self.metadata.entries[fqn]
                 if not isinstance(ref, TensorRef) or not isinstance(entry, TensorEntry):
@@ -115,6 +98,27 @@ class DcpCheckpoint:
                     )
                 self._records[key] = (reader, ref)
             return self._records[key]
+
+    def _reader(self, fqn: str, info: StorageInfo) -> TorchZipReader:
+        """A lazy reader of the record ``info`` locates (call under the lock)."""
+        rel = _join(self.base, info.relative_path)
+        where = f"{self.storage.describe(rel)}@{info.offset} ({fqn})"
+        if info.transform_descriptors:
+            raise CheckpointError(
+                f"{where}: record uses stream transform(s) {list(info.transform_descriptors)} "
+                "that ckptctl cannot undo"
+            )
+        if not self.storage.is_local:
+            remote = RemoteRecord(self.storage, rel, info.offset, info.length)
+            return TorchZipReader(remote, where, remote.fetch)  # type: ignore[arg-type]
+        if rel not in self._files:
+            self._files[rel] = self.storage.open_read(rel)
+        f = self._files[rel]
+        # Records of one file share its handle: their bytes are read with pread, which has no
+        # shared position, so parallel band reads cannot interleave.
+        fetch = partial(_pread, f.fileno(), info.offset)
+        window = RecordWindow(f, info.offset, info.length)
+        return TorchZipReader(window, where, fetch)  # type: ignore[arg-type]
 
     def read(
         self,
@@ -133,7 +137,9 @@ class DcpCheckpoint:
         """The same checkpoint read key by key, whatever model it holds."""
         if self.view.format is Format.DCP:
             return self
-        return _generic(self.storage, self.base, self.metadata, self.view.iteration)
+        generic = _generic(self.storage, self.base, self.metadata, self.view.iteration)
+        generic.view = replace(generic.view, layout=self.view.layout)  # as saved, for reports
+        return generic
 
     def key_path(self, fqn: str) -> tuple[Any, ...]:
         """Where ``fqn`` sits in the nested state dict the saver was given."""
@@ -182,16 +188,16 @@ class DcpCheckpoint:
             out[no_decay] = {k: v for k, v in group.items() if k not in ("params", "step")}
         return out
 
-    def byte_item(self, fqn: str) -> Any:
-        """A non-tensor item (e.g. an optimizer hyperparameter), through the restricted
-        unpickler: torch's own loader would run arbitrary pickles here."""
+    def byte_item(self, fqn: str) -> tuple[Any, TorchZipReader]:
+        """A non-tensor item (e.g. an optimizer hyperparameter) and its record's reader (for
+        tensors inside it), through the restricted unpickler: torch's own loader would run
+        arbitrary pickles here."""
         info = self.metadata.storage.get((fqn, None))
         if info is None:
             raise CheckpointError(f"{self.storage.url}: no record for item {fqn}")
-        rel = _join(self.base, info.relative_path)
-        with self.storage.open_read(rel) as f:
-            window = RecordWindow(f, info.offset, info.length)
-            return TorchZipReader(window, f"{self.storage.describe(rel)} ({fqn})").tree  # type: ignore[arg-type]
+        with self._lock:
+            reader = self._reader(fqn, info)
+        return reader.tree, reader
 
 
 def _pread(fd: int, base: int, start: int, nbytes: int) -> bytes:
@@ -353,7 +359,7 @@ def _common_state(storage: Storage, base: str, metadata: DcpMetadata) -> dict[st
             tree = TorchZipReader(f, storage.describe(rel)).tree
     elif "common_state/shard_0_1" in metadata.entries:  # Megatron-Core >= 0.19
         ckpt = DcpCheckpoint(storage, None, base, metadata)  # type: ignore[arg-type]
-        tree = ckpt.byte_item("common_state/shard_0_1")
+        tree, _ = ckpt.byte_item("common_state/shard_0_1")
         tree = tree[0] if isinstance(tree, list) and tree else tree
     else:
         raise CheckpointNotFoundError(

@@ -227,3 +227,23 @@ def record_geometry(
     param = model_catalog(spec)[name]
     stacked = is_stacked(key)
     return global_shape(param, spec, tp), ((1, *local_shape) if stacked else local_shape)
+
+
+EXTRA_STATE_MODULES = (
+    "self_attention.linear_qkv",
+    "self_attention.linear_proj",
+    "self_attention.core_attention",
+    "mlp.linear_fc1",
+    "mlp.linear_fc2",
+)
+"""Layer modules whose ``_extra_state`` (TransformerEngine FP8 metadata) Megatron-Core asks for
+when loading: written empty, as Megatron-Core itself writes it without FP8, so strict loads find
+every key (``core_attention`` only TE layers ask for; others ignore it as unexpected)."""
+
+
+def extra_state_keys(spec: ModelSpec, layers: list[int]) -> list[str]:
+    return [
+        f"{LAYER_PREFIX}{module}._extra_state/shard_{layer}_{spec.num_layers}"
+        for layer in layers
+        for module in EXTRA_STATE_MODULES
+    ]
