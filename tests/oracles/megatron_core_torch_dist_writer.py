@@ -14,6 +14,9 @@ format (a PyTorch DCP directory plus Megatron's ``common.pt`` / ``metadata.json`
     OUT_DIR/ckpt_optim/...                                same layout, after one Adam step, with
                                                           DistributedOptimizer state
                                                           (``fully_reshardable``)
+    OUT_DIR/ckpt_optim_dp_reshardable/...                 the same state as ``dp_reshardable``
+                                                          (only with ``--optim-sharding ...
+                                                          dp_reshardable``)
     OUT_DIR/logits.pt                                     {"input_ids", "logits", ...}
 
 ``ckpt`` is the freshly initialised model saved as Megatron-LM's ``save_checkpoint`` does for
@@ -24,7 +27,22 @@ megatron-core's schedule, saved as ``--ckpt-format torch_dist --use-distributed-
 --dist-ckpt-optim-fully-reshardable`` does: the content metadata carries
 ``distrib_optim_sharding_type = "fully_reshardable"``, and the optimizer's fp32 master weights
 and Adam moments are stored as ``optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>`` with
-the same global shapes and boxes as the model tensors.
+the same global shapes and boxes as the model tensors. ``ckpt_optim_dp_reshardable`` is what
+plain ``--use-distributed-optimizer`` saves (Megatron-LM's default sharding type,
+``dp_reshardable``): the DistributedOptimizer's raw grad-buffer buckets, one flat tensor per
+(TP/PP group, bucket, state) named
+``optimizer.distributed.dp_group_idx_<g>.gbuf_idx_<b>.dtype_(...).bucket_idx_<i>.<state>``,
+reshardable over DP only.
+
+``--load CKPT_DIR [--with-optimizer]`` turns the script into a reader: megatron-core's
+``dist_checkpointing.load`` of a TP=2 ``torch_dist`` checkpoint into a freshly initialised
+GPTModel (another seed), as Megatron-LM's ``load_checkpoint`` does with ``--no-load-rng``
+(optimizer and scheduler too with ``--with-optimizer``). It writes ``OUT_DIR/logits.pt``
+(``{"input_ids", "logits"}`` of the loaded model), ``OUT_DIR/load_report.json``
+(``{"unexpected_keys", "missing_keys"}`` in megatron-core's sense: keys the model asked for
+that the checkpoint lacks, which Megatron-LM's default ``--dist-ckpt-strictness`` refuses, and
+keys the checkpoint has that nobody asked for) and ``OUT_DIR/ckpt``: what megatron-core holds
+after the load, saved again by megatron-core.
 
 ``megatron.training`` is not installed (and needs CUDA), so its ``save_checkpoint``,
 ``generate_state_dict``, ``get_rng_state`` and ``_build_sharded_state_dict_metadata`` are
@@ -54,7 +72,9 @@ rows randomly, so trim to ``true_vocab_size`` before comparing with an unpadded 
 
 Usage::
 
-    python tests/oracles/megatron_core_torch_dist_writer.py OUT_DIR
+    python tests/oracles/megatron_core_torch_dist_writer.py OUT_DIR \
+        [--optim-sharding fully_reshardable dp_reshardable]
+    python tests/oracles/megatron_core_torch_dist_writer.py OUT_DIR --load CKPT [--with-optimizer]
 
 Needs ``megatron-core==0.16.1``, ``einops`` and ``psutil`` on a CPU-only torch; takes about
 10-20 s on 2 cores.
@@ -64,6 +84,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import os
 import socket
@@ -690,9 +711,17 @@ def load_rank(src: Path, out_dir: Path, with_optimizer: bool) -> None:
         sharded["optimizer"] = optimizer.sharded_state_dict(
             sharded, is_loading=True, metadata=metadata
         )
-    # Megatron-LM's default --dist-ckpt-strictness: a key the model asks for and the checkpoint
-    # lacks fails the load.
-    state = dist_checkpointing.load(sharded, str(checkpoint_dir), strict="assume_ok_unexpected")
+    # Megatron-LM's default --dist-ckpt-strictness, assume_ok_unexpected, fails the whole load on
+    # the first key the model asks for and the checkpoint lacks ("unexpected" in megatron-core's
+    # words). return_all loads what matches and reports every mismatch instead, so one run tells
+    # a test both whether Megatron-LM's default would load it and whether the values are right.
+    state, missing, unexpected = dist_checkpointing.load(
+        sharded, str(checkpoint_dir), strict="return_all"
+    )
+    report = {
+        "unexpected_keys": sorted(map(str, unexpected)),
+        "missing_keys": sorted(map(str, missing)),
+    }
     gpt.load_state_dict(state["model"], strict=True)
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
@@ -702,6 +731,7 @@ def load_rank(src: Path, out_dir: Path, with_optimizer: bool) -> None:
     if dist.get_rank() == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
         torch.save({"input_ids": reference_input_ids(), "logits": logits}, out_dir / "logits.pt")
+        (out_dir / "load_report.json").write_text(json.dumps(report, indent=1))
     save_torch_dist(
         out_dir / "ckpt",
         gpt,
