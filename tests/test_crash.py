@@ -28,7 +28,7 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def _reshard(source: Path, out: Path) -> subprocess.Popen:
+def _reshard(source: Path, out: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
         [
             sys.executable,
@@ -44,6 +44,7 @@ def _reshard(source: Path, out: Path) -> subprocess.Popen:
             "--memory-budget",
             "1MiB",
             "--json",
+            *extra,
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -54,16 +55,18 @@ def _files(out: Path) -> dict[str, str]:
     return json.loads((out / "ckptctl.manifest.json").read_text())["files"]
 
 
-def _crash_and_resume(source: Path, tmp_path: Path, kills: int, seed: int) -> None:
+def _crash_and_resume(
+    source: Path, tmp_path: Path, kills: int, seed: int, extra: tuple[str, ...] = ()
+) -> None:
     reference = tmp_path / "reference"
-    assert _reshard(source, reference).wait(timeout=300) == 0
+    assert _reshard(source, reference, *extra).wait(timeout=300) == 0
     started = time.perf_counter()
-    _reshard(source, tmp_path / "timing").wait(timeout=300)
+    _reshard(source, tmp_path / "timing", *extra).wait(timeout=300)
     duration = time.perf_counter() - started
     rng = random.Random(seed)
     out = tmp_path / "out"
     for _ in range(kills):
-        job = _reshard(source, out)
+        job = _reshard(source, out, *extra)
         time.sleep(rng.uniform(0.05, duration))
         job.send_signal(signal.SIGKILL)
         job.wait(timeout=60)
@@ -77,7 +80,7 @@ def _crash_and_resume(source: Path, tmp_path: Path, kills: int, seed: int) -> No
             assert verify.returncode == 0, verify.stdout + verify.stderr
         else:
             assert not (out / "ckptctl.manifest.json").exists()
-    assert _reshard(source, out).wait(timeout=300) == 0
+    assert _reshard(source, out, *extra).wait(timeout=300) == 0
     assert _files(out) == _files(reference)
     for path in _files(reference):
         assert (out / path).read_bytes() == (reference / path).read_bytes(), path
@@ -86,6 +89,11 @@ def _crash_and_resume(source: Path, tmp_path: Path, kills: int, seed: int) -> No
 
 def test_killed_reshard_resumes_byte_identical(source: Path, tmp_path: Path) -> None:
     _crash_and_resume(source, tmp_path, kills=1, seed=1)
+
+
+def test_killed_torch_dist_reshard_resumes_byte_identical(source: Path, tmp_path: Path) -> None:
+    """DCP output: .metadata is built from the records of every shard, rewritten or reused."""
+    _crash_and_resume(source, tmp_path, kills=2, seed=5, extra=("--format", "torch_dist"))
 
 
 @pytest.mark.slow
