@@ -394,10 +394,10 @@ def training_state(plan: Plan, file: Any, source: Sources) -> TrainingState:
         args = args_for(owner.args, plan.spec, plan.target_layout)
         templates = owner.group_templates()
         optimizer_step = owner.view.optimizer_step if owner.view.has_optimizer else None
-    else:  # a full checkpoint without training state (HF): fresh args, no optimizer
+    else:  # no Megatron training state (HF, or an HF model's DCP): fresh args
         carried = {"checkpoint_version": 3.0, "iteration": plan.iteration or 0}
         args = args_for(args_from_spec(plan.spec), plan.spec, plan.target_layout)
-        templates = {}
+        templates = owner.group_templates() if isinstance(owner, DcpCheckpoint) else {}
         optimizer_step = None
     return TrainingState(owner, template_path, carried, args, templates, optimizer_step, refs)
 

@@ -21,6 +21,8 @@ from ckptctl.stored import CheckpointView
 Checkpoint = MegatronCheckpoint | HFCheckpoint | DcpCheckpoint | TorchFileCheckpoint
 
 ALLOW_INCOMPLETE: ContextVar[bool] = ContextVar("allow_incomplete", default=False)
+HF_CONFIG: ContextVar[dict | None] = ContextVar("hf_config", default=None)
+"""The HF ``config.json`` of a DCP checkpoint that holds an HF model (``--hf-config``)."""
 """Read checkpoints whose writer never finished (``ckptctl --allow-incomplete``)."""
 
 
@@ -43,12 +45,12 @@ def open_checkpoint(
         refuse_incomplete(storage)
     names = set(storage.listdir(""))
     if METADATA_FILE in names:
-        return probe_dcp(storage, "", None, true_vocab_size)
+        return probe_dcp(storage, "", None, true_vocab_size, HF_CONFIG.get())
     if TRACKER in names or any(n.startswith(("mp_rank_", "iter_", "release")) for n in names):
         if TRACKER in names or iteration is not None:
             rel, number = find_iteration(storage, iteration)
             if find_dcp_dir(storage, rel):
-                return probe_dcp(storage, rel, number, true_vocab_size)
+                return probe_dcp(storage, rel, number, true_vocab_size, HF_CONFIG.get())
         return probe_megatron(
             storage,
             iteration=iteration,

@@ -81,6 +81,7 @@ def plan_consolidate(
         raise UsageError(
             f"the source's model family is unknown (keys are not Megatron-Core's or HF Llama's): "
             f"it cannot become {target_format.value}; consolidate it with --format torch"
+            + "".join(f" ({n})" for n in source.notes if "--hf-config" in n)
         )
     dtypes = source.canonical_dtypes()
     notes = list(source.notes)

@@ -45,6 +45,7 @@ def plan_reshard(
         raise UsageError(
             "the source's model family is unknown (not Megatron-Core or HF Llama keys): it can "
             "only be consolidated with --format torch"
+            + "".join(f" ({n})" for n in source.notes if "--hf-config" in n)
         )
     target_layout.check_against(spec)
     weight = next(

@@ -16,10 +16,10 @@ from pydantic import ValidationError
 
 from ckptctl import __version__
 from ckptctl.cli import commands, demo, planning
-from ckptctl.cli.options import storage_config
+from ckptctl.cli.options import read_hf_config, storage_config
 from ckptctl.cli.output import Output
 from ckptctl.errors import CkptctlError
-from ckptctl.probe import ALLOW_INCOMPLETE
+from ckptctl.probe import ALLOW_INCOMPLETE, HF_CONFIG
 from ckptctl.storage import STORAGE_CONFIG
 
 app = typer.Typer(
@@ -66,6 +66,14 @@ def _root(
     upload_parallel: Annotated[
         int, typer.Option("--upload-parallel", help="Parts of one object uploaded at once.")
     ] = 8,
+    hf_config: Annotated[
+        str | None,
+        typer.Option(
+            "--hf-config",
+            help="config.json (or its directory) of the HF model a DCP checkpoint holds "
+            "(FSDP2 / DTensor training of an HF Llama); looked for beside the checkpoint too.",
+        ),
+    ] = None,
     version: Annotated[
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
     ] = False,
@@ -77,6 +85,7 @@ def _root(
         STORAGE_CONFIG.set(
             storage_config(endpoint_url, storage_option or [], part_size, upload_parallel)
         )
+        HF_CONFIG.set(read_hf_config(hf_config) if hf_config else None)
 
 
 @contextlib.contextmanager

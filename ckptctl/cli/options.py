@@ -8,7 +8,7 @@ from typing import Any
 from ckptctl.cli.commands import parse_size
 from ckptctl.errors import UsageError
 from ckptctl.multipart import MIN_PART_SIZE
-from ckptctl.storage import StorageConfig
+from ckptctl.storage import Storage, StorageConfig
 
 
 def _option_value(text: str) -> Any:
@@ -37,3 +37,17 @@ def storage_config(
     if upload_parallel < 1:
         raise UsageError(f"--upload-parallel {upload_parallel}: must be at least 1")
     return StorageConfig(endpoint_url, parsed, size, upload_parallel)
+
+
+def read_hf_config(path: str) -> dict[str, Any]:
+    """``--hf-config``: a ``config.json`` file, or a directory holding one, on any URL."""
+    storage = Storage(path)
+    rel = "" if not storage.isdir() else "config.json"
+    try:
+        text = storage.read_text(rel) if rel else storage.fs.cat_file(storage.root).decode()
+        config = json.loads(text)
+    except (OSError, ValueError) as err:
+        raise UsageError(f"--hf-config {path}: cannot read an HF config.json ({err})") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"--hf-config {path}: not a JSON object")
+    return config

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError, UnsafePickleError
+from ckptctl.formats.dcp_hf_layout import chunk_pieces, key_table, prefixes
 from ckptctl.formats.dcp_metadata import (
     METADATA_FILE,
     BytesEntry,
@@ -35,6 +36,7 @@ from ckptctl.formats.dcp_metadata import (
     parse_metadata,
 )
 from ckptctl.formats.dcp_write import RecordWindow
+from ckptctl.formats.hf_layout import CONFIG, spec_from_config
 from ckptctl.formats.megatron import layout_from_args, spec_from_args, view_ref
 from ckptctl.formats.megatron_layout import GroupOrder, OptimizerLayout
 from ckptctl.formats.torch_dist_layout import (
@@ -135,7 +137,7 @@ class DcpCheckpoint:
 
     def as_generic(self) -> DcpCheckpoint:
         """The same checkpoint read key by key, whatever model it holds."""
-        if self.view.format is Format.DCP:
+        if self.view.format is Format.DCP and self.view.spec is None:
             return self
         generic = _generic(self.storage, self.base, self.metadata, self.view.iteration)
         generic.view = replace(generic.view, layout=self.view.layout)  # as saved, for reports
@@ -146,6 +148,16 @@ class DcpCheckpoint:
         planner = self.metadata.planner_data or {}
         return tuple(planner.get(fqn, (fqn,)))
 
+    def _saved_param_groups(self) -> list[dict[str, Any]]:
+        """torch's ``param_groups`` as DCP saved them: one byte item per group option."""
+        groups: dict[int, dict[str, Any]] = {}
+        for fqn in self.byte_items():
+            path = self.key_path(fqn)
+            in_group = len(path) >= 3 and path[-3] == "param_groups"
+            if in_group and isinstance(path[-2], int) and path[-1] != "params":
+                groups.setdefault(path[-2], {})[str(path[-1])] = self.byte_item(fqn)[0]
+        return [groups[i] for i in sorted(groups)]
+
     def byte_items(self) -> list[str]:
         return [k for k, e in self.metadata.entries.items() if isinstance(e, BytesEntry)]
 
@@ -153,8 +165,17 @@ class DcpCheckpoint:
     def optimizer(self) -> OptimizerLayout | None:
         """``fully_reshardable`` state is the distributed optimizer's, per parameter: written
         to Megatron legacy as ``distrib_optim.pt`` (or per-parameter torch state without it)."""
-        if not self.view.has_optimizer or self.args is None:
+        if not self.view.has_optimizer or self.view.spec is None:
             return None
+        if self.args is None:
+            # An HF model under torch's Adam (FSDP2): per-parameter step and moments, the fp32
+            # weights are their own masters, as Megatron's FP32Optimizer stores them.
+            return OptimizerLayout(
+                states=("step", "exp_avg", "exp_avg_sq"),
+                master_weights=False,
+                wrapped=False,
+                group_order=GroupOrder.DECAY_FIRST,
+            )
         return OptimizerLayout(
             states=(),
             distributed=True,
@@ -182,6 +203,10 @@ class DcpCheckpoint:
         optimizer's param_groups in ``common.pt`` record them (Adam's step aside)."""
         opt = self.common.get("optimizer")
         groups = (opt or {}).get("optimizer", {}).get("param_groups", []) if opt else []
+        if self.args is None:
+            groups = self._saved_param_groups()
+            if len(groups) == 1:  # one group for every parameter: both kinds share it
+                return {kind: dict(groups[0]) for kind in (False, True)}
         out: dict[bool, dict[str, Any]] = {}
         for group in groups:
             no_decay = float(group.get("wd_mult", 1.0)) == 0.0 or group.get("weight_decay") == 0
@@ -275,7 +300,11 @@ def find_dcp_dir(storage: Storage, rel: str) -> bool:
 
 
 def probe_dcp(
-    storage: Storage, base: str, iteration: int | None, true_vocab_size: int | None = None
+    storage: Storage,
+    base: str,
+    iteration: int | None,
+    true_vocab_size: int | None = None,
+    hf_config: dict[str, Any] | None = None,
 ) -> DcpCheckpoint:
     where = storage.describe(_join(base, METADATA_FILE))
     with storage.open_read(_join(base, METADATA_FILE)) as f:
@@ -300,6 +329,22 @@ def probe_dcp(
             )
     backend = _mcore_backend(storage, base)
     if backend is None:
+        keys = [k for k, e in metadata.entries.items() if isinstance(e, TensorEntry)]
+        found = prefixes(keys)
+        if found is not None:
+            config = hf_config if hf_config is not None else _config_beside(storage, base)
+            if config is not None:
+                return _hf_named(storage, base, metadata, iteration, config, found)
+            ckpt = _generic(storage, base, metadata, iteration)
+            ckpt.view = replace(
+                ckpt.view,
+                notes=(
+                    *ckpt.view.notes,
+                    "keys are an HF Llama model's: give its config.json with --hf-config to "
+                    "convert it to HF safetensors or Megatron",
+                ),
+            )
+            return ckpt
         return _generic(storage, base, metadata, iteration)
     if backend != "torch_dist":
         raise CheckpointError(
@@ -317,6 +362,67 @@ def _mcore_backend(storage: Storage, base: str) -> str | None:
         return str(json.loads(storage.read_text(rel)).get("sharded_backend"))
     except ValueError as err:
         raise CheckpointError(f"{storage.describe(rel)}: not JSON ({err})") from None
+
+
+def _config_beside(storage: Storage, base: str) -> dict[str, Any] | None:
+    """An HF ``config.json`` saved next to the checkpoint (or one directory up)."""
+    for rel in (_join(base, CONFIG), CONFIG):
+        if storage.exists(rel):
+            try:
+                return json.loads(storage.read_text(rel))
+            except ValueError as err:
+                raise CheckpointError(f"{storage.describe(rel)}: not JSON ({err})") from None
+    return None
+
+
+def _hf_named(
+    storage: Storage,
+    base: str,
+    metadata: DcpMetadata,
+    iteration: int | None,
+    config: dict[str, Any],
+    found: tuple[str, str | None],
+) -> DcpCheckpoint:
+    """An HF Llama model's DCP checkpoint (FSDP2 / DTensor): chunks of HF tensors placed in
+    the canonical ones by the HF mapping."""
+    spec = spec_from_config(config)
+    model_prefix, optim_prefix = found
+    table = key_table(spec, model_prefix, optim_prefix)
+    by_file: dict[str, list[StoredTensor]] = {}
+    problems = []
+    for fqn, entry in metadata.entries.items():
+        if not isinstance(entry, TensorEntry):
+            continue
+        key = table.get(fqn)
+        if key is None:
+            problems.append(f"{fqn} is not a parameter (or Adam state) of the configured model")
+            continue
+        if entry.shape != key.shape:
+            problems.append(f"{fqn} has shape {list(entry.shape)}; config says {list(key.shape)}")
+            continue
+        for chunk in entry.chunks:
+            info = metadata.storage[(fqn, chunk.offsets)]
+            by_file.setdefault(_join(base, info.relative_path), []).append(
+                StoredTensor(
+                    (fqn, *chunk.offsets),
+                    key.canonical,
+                    chunk.sizes,
+                    entry.dtype,
+                    chunk_pieces(key.pieces, chunk.offsets, chunk.sizes),
+                )
+            )
+    if problems:
+        raise CheckpointError(f"{storage.describe(base)}: " + "; ".join(problems[:5]))
+    view = CheckpointView(
+        Format.DCP,
+        spec,
+        ParallelLayout(),
+        tuple(StoredFile(p, tuple(ts)) for p, ts in sorted(by_file.items())),
+        iteration,
+        optim_prefix is not None,
+        ("PyTorch DCP checkpoint of an HF Llama model",),
+    )
+    return DcpCheckpoint(storage, view, base, metadata)
 
 
 def _generic(
