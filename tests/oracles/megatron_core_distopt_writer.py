@@ -45,68 +45,50 @@ shards that are not, which exercises megatron's 64-element parameter-start align
 
 ``--bucket-size`` implies ``--overlap-grad-reduce`` (without it megatron-core ignores the bucket
 size and uses one bucket per buffer). Needs ``megatron-core==0.16.1`` and ``einops`` on a CPU-only
-torch; TP2 PP2 DP2 (8 processes) takes well under a minute on 2 cores.
+torch, and ``mcore_cpu.py`` next to this script (the model, CPU patches, rank set-up and training
+step shared by the megatron-core oracles); TP2 PP2 DP2 (8 processes) takes well under a minute on
+2 cores.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import math
-import os
-import socket
 import sys
-import warnings
-import zlib
-from collections.abc import Callable, Iterator
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from torch.overrides import TorchFunctionMode
+from mcore_cpu import (
+    CHECKPOINT_VERSION,
+    DATA_SEED,
+    FFN_HIDDEN,
+    HIDDEN,
+    ITERATION,
+    MODEL_SEED,
+    NUM_QUERY_GROUPS,
+    TRUE_VOCAB,
+    adam_args,
+    describe,
+    gpt_model,
+    lm_batch,
+    mean_loss,
+    model_args,
+    model_parallel,
+    patch_megatron_for_cpu,
+    randomise_norms,
+    spawn,
+    train_step,
+    transformer_config,
+    wrap_for_training,
+)
 
-# megatron-core warns at import about missing Apex/TransformerEngine and about CUDA-only tuning
-# knobs; torch warns that reduce_scatter_tensor / all_gather_into_tensor are deprecated names.
-warnings.filterwarnings("ignore", category=UserWarning)
-warnings.filterwarnings("ignore", category=FutureWarning)
-
-TRUE_VOCAB = 1000
-MAKE_VOCAB_DIVISIBLE_BY = 128
 NUM_LAYERS = 4
-HIDDEN = 64
-FFN_HIDDEN = 128
-NUM_HEADS = 4
-NUM_QUERY_GROUPS = 2
-KV_CHANNELS = 16
-MAX_POSITIONS = 64
-ROTARY_BASE = 10000
-NORM_EPS = 1e-5
-INIT_STD = 0.1
-MODEL_SEED = 1234
-NORM_SEED = 4321
-DATA_SEED = 5678
 SEQ = 16
 MICRO_BATCH = 2
 NUM_MICROBATCHES = 2
-LR = 1e-2
-MIN_LR = 1e-3
-WEIGHT_DECAY = 0.1
-ADAM_BETAS = (0.9, 0.95)
-ADAM_EPS = 1e-8
-CLIP_GRAD = 1.0
-ITERATION = 1
-CHECKPOINT_VERSION = 3.0
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
-
-
-def padded_vocab_size(tp: int) -> int:
-    """Megatron's vocab padding: round up to a multiple of 128 * tp."""
-    multiple = MAKE_VOCAB_DIVISIBLE_BY * tp
-    return int(math.ceil(TRUE_VOCAB / multiple) * multiple)
 
 
 def megatron_args(opts: argparse.Namespace) -> argparse.Namespace:
@@ -119,26 +101,13 @@ def megatron_args(opts: argparse.Namespace) -> argparse.Namespace:
         data_parallel_size=opts.dp,
         world_size=opts.tp * opts.pp * opts.dp,
         expert_model_parallel_size=1,
-        num_layers=NUM_LAYERS,
-        hidden_size=opts.hidden,
-        ffn_hidden_size=opts.ffn_hidden,
-        num_attention_heads=NUM_HEADS,
-        num_query_groups=NUM_QUERY_GROUPS,
-        group_query_attention=True,
-        kv_channels=KV_CHANNELS,
-        padded_vocab_size=padded_vocab_size(opts.tp),
-        vocab_size=TRUE_VOCAB,
-        make_vocab_size_divisible_by=MAKE_VOCAB_DIVISIBLE_BY,
-        swiglu=True,
-        untie_embeddings_and_output_weights=not opts.tie_embeddings,
-        position_embedding_type="rope",
-        rotary_base=ROTARY_BASE,
-        rotary_percent=1.0,
-        normalization="RMSNorm",
-        norm_epsilon=NORM_EPS,
-        add_bias_linear=False,
-        add_qkv_bias=False,
-        max_position_embeddings=MAX_POSITIONS,
+        **model_args(
+            opts.tp,
+            NUM_LAYERS,
+            hidden=opts.hidden,
+            ffn_hidden=opts.ffn_hidden,
+            tie_embeddings=opts.tie_embeddings,
+        ),
         seq_length=SEQ,
         micro_batch_size=MICRO_BATCH,
         global_batch_size=MICRO_BATCH * NUM_MICROBATCHES * opts.dp,
@@ -152,156 +121,9 @@ def megatron_args(opts: argparse.Namespace) -> argparse.Namespace:
         overlap_param_gather=False,
         ddp_bucket_size=opts.bucket_size,
         ckpt_format="torch",
-        optimizer="adam",
-        lr=LR,
-        min_lr=MIN_LR,
-        weight_decay=WEIGHT_DECAY,
-        adam_beta1=ADAM_BETAS[0],
-        adam_beta2=ADAM_BETAS[1],
-        adam_eps=ADAM_EPS,
-        clip_grad=CLIP_GRAD,
+        **adam_args(),
         iteration=ITERATION,
     )
-
-
-# --------------------------------------------------------------------------- CPU patches
-
-
-class CpuAsCudaMode(TorchFunctionMode):
-    """Run megatron-core's CUDA-only code paths on the CPU.
-
-    * Tensor factories called with ``device="cuda"`` (MixedPrecisionOptimizer's
-      ``_dummy_overflow_buf`` / ``_scale_one``, the pipeline schedule's token counter,
-      clip_grads' norm buffers) raise on a CPU-only build: the device is rewritten to the CPU.
-    * ``DistributedOptimizer`` picks the fp32 / fp16 / bf16 code path by comparing
-      ``param.type()`` with ``'torch.cuda.FloatTensor'`` etc. and raises ``TypeError`` on
-      ``'torch.FloatTensor'``: a CPU tensor's ``type()`` reports the CUDA name.
-    * ``LanguageModule.setup_embeddings_and_output_layer`` moves the tied embedding to the GPU
-      with ``weight.data.cuda()`` before all-reducing it over the embedding group (tied
-      embeddings with PP > 1 only): ``Tensor.cuda()`` returns the tensor itself.
-    """
-
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = dict(kwargs or {})
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            name = func(*args)
-            return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
-        if func is torch.Tensor.cuda:
-            return args[0]
-        device = kwargs.get("device")
-        if isinstance(device, str | torch.device) and torch.device(device).type == "cuda":
-            kwargs["device"] = "cpu"
-        return func(*args, **kwargs)
-
-
-def patch_megatron_for_cpu() -> None:
-    """Process-wide patches for what :class:`CpuAsCudaMode` cannot intercept.
-
-    No collective needs patching: torch 2.13's gloo backend implements ``reduce_scatter_tensor``
-    and ``all_gather_into_tensor`` (also inside ``_coalescing_manager``, sync and async), which
-    is what megatron-core's grad reduce-scatter and param all-gather use.
-    """
-    # Grad buffers (_ParamAndGradBuffer), p2p receive buffers and RotaryEmbedding allocate on
-    # torch.cuda.current_device(), which raises on a CPU build. Point it at the CPU.
-    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
-
-    # P2PCommunicator calls torch.cuda.synchronize() after batch_isend_irecv (batch_p2p_sync,
-    # a guard against an old NCCL race). gloo ops are complete once waited on: no-op.
-    torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
-
-    # DotProductAttention runs attention dropout inside get_cuda_rng_tracker().fork(), which
-    # needs a CUDA RNG state registered by model_parallel_cuda_manual_seed (CUDA-only). Dropout
-    # is 0 and no RNG is drawn, so the fork can be a no-op context.
-    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
-
-    def noop_fork(self: CudaRNGStatesTracker, name: str = "") -> contextlib.nullcontext[None]:
-        return contextlib.nullcontext()
-
-    CudaRNGStatesTracker.fork = noop_fork  # type: ignore[method-assign,assignment]
-
-
-# --------------------------------------------------------------------------- model and data
-
-
-def transformer_config(opts: argparse.Namespace) -> Any:
-    """megatron-core TransformerConfig as Megatron-LM derives it from the args."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    dtype = torch.bfloat16 if opts.bf16 else torch.float32
-    return TransformerConfig(
-        num_layers=NUM_LAYERS,
-        hidden_size=opts.hidden,
-        ffn_hidden_size=opts.ffn_hidden,
-        num_attention_heads=NUM_HEADS,
-        num_query_groups=NUM_QUERY_GROUPS,
-        kv_channels=KV_CHANNELS,
-        tensor_model_parallel_size=opts.tp,
-        pipeline_model_parallel_size=opts.pp,
-        pipeline_dtype=dtype,
-        params_dtype=dtype,
-        bf16=opts.bf16,
-        normalization="RMSNorm",
-        layernorm_epsilon=NORM_EPS,
-        gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu,
-        add_bias_linear=False,
-        add_qkv_bias=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        init_method_std=INIT_STD,
-        use_cpu_initialization=True,
-        deallocate_pipeline_outputs=True,
-        # Fused kernels are CUDA-only; use the plain PyTorch paths.
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-    )
-
-
-def build_stage_model(config: Any, opts: argparse.Namespace) -> torch.nn.Module:
-    """Megatron-LM's GPT model provider for this pipeline stage (layers split evenly)."""
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    return GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-        vocab_size=padded_vocab_size(opts.tp),
-        max_sequence_length=MAX_POSITIONS,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
-        parallel_output=True,
-        share_embeddings_and_output_weights=opts.tie_embeddings,
-        position_embedding_type="rope",
-        rotary_percent=1.0,
-        rotary_base=ROTARY_BASE,
-    )
-
-
-def randomise_norms(model: torch.nn.Module, layer_offset: int) -> None:
-    """Set every norm weight to ``1 + 0.1 * randn``, seeded by its *global* name.
-
-    The default all-ones weights would hide a swapped or misplaced norm state.
-    """
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "layernorm" not in name:
-                continue
-            parts = name.split(".")
-            if parts[:2] == ["decoder", "layers"]:
-                parts[2] = str(int(parts[2]) + layer_offset)
-            seed = NORM_SEED + zlib.crc32(".".join(parts).encode())
-            generator = torch.Generator().manual_seed(seed)
-            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
-            param.copy_(1.0 + 0.1 * noise)
 
 
 def microbatches(dp_rank: int, dp: int) -> list[dict[str, torch.Tensor]]:
@@ -310,43 +132,7 @@ def microbatches(dp_rank: int, dp: int) -> list[dict[str, torch.Tensor]]:
     n_seq = dp * NUM_MICROBATCHES * MICRO_BATCH
     tokens = torch.randint(0, TRUE_VOCAB, (n_seq, SEQ + 1), generator=generator)
     mine = tokens.view(dp, NUM_MICROBATCHES, MICRO_BATCH, SEQ + 1)[dp_rank]
-    mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None]
-    positions = torch.arange(SEQ).unsqueeze(0).expand(MICRO_BATCH, SEQ)
-    return [
-        {
-            "tokens": mb[:, :-1].contiguous(),
-            "labels": mb[:, 1:].contiguous(),
-            "loss_mask": torch.ones(MICRO_BATCH, SEQ, dtype=torch.float32),
-            "position_ids": positions,
-            # Megatron's left-to-right mask, True = masked out; passing it keeps megatron-core
-            # from building its default causal mask.
-            "attention_mask": mask,
-        }
-        for mb in mine
-    ]
-
-
-def loss_func(
-    loss_mask: torch.Tensor, output_tensor: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """pretrain_gpt.py's loss: summed token loss, token count, reporting loss."""
-    losses = output_tensor.view(-1).float()
-    mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses * mask)
-    num_tokens = mask.sum().clone().detach().to(torch.int)
-    report = torch.cat([loss.clone().detach().view(1), num_tokens.view(1).float()])
-    return loss, num_tokens, {"lm loss": report}
-
-
-def forward_step(
-    data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module
-) -> tuple[torch.Tensor, Callable[..., Any]]:
-    """pretrain_gpt.py's forward step (every stage gets the batch; non-first stages ignore it)."""
-    batch = next(data_iterator)
-    output = model(
-        batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
-    )
-    return output, partial(loss_func, batch["loss_mask"])
+    return [lm_batch(mb) for mb in mine]
 
 
 # --------------------------------------------------------------------------- truth and layout
@@ -409,21 +195,6 @@ def layout_meta(
     return buffers
 
 
-def describe(value: object, indent: str = "") -> str:
-    """Nested structure of a checkpoint object: keys, dtypes, shapes."""
-    if isinstance(value, torch.Tensor):
-        return f"Tensor{tuple(value.shape)} {value.dtype}"
-    if isinstance(value, dict):
-        lines = [f"{indent}  {k!r}: {describe(v, indent + '  ')}" for k, v in value.items()]
-        return "{\n" + "\n".join(lines) + f"\n{indent}}}"
-    if isinstance(value, list) and value and isinstance(value[0], dict):
-        items = [f"{indent}  [{i}] {describe(v, indent + '  ')}" for i, v in enumerate(value)]
-        return "[\n" + "\n".join(items) + f"\n{indent}]"
-    if isinstance(value, int | float | str | bool | tuple | None):
-        return repr(value)
-    return type(value).__name__
-
-
 # --------------------------------------------------------------------------- worker
 
 
@@ -432,39 +203,17 @@ def rank_dir_name(tp_rank: int, pp_rank: int, pp: int) -> str:
     return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
 
 
-def worker(rank: int, opts: argparse.Namespace, port: int, out_dir: Path) -> None:
+def worker(rank: int, port: int, opts: argparse.Namespace, out_dir: Path) -> None:
     """One global rank: build, train one step, save its shard and its part of the truth."""
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    patch_megatron_for_cpu()
+    patch_megatron_for_cpu(noop_cuda_synchronize=True)
     world = opts.tp * opts.pp * opts.dp
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-
-    from megatron.core import parallel_state
-
-    try:
-        with CpuAsCudaMode():
-            parallel_state.initialize_model_parallel(
-                tensor_model_parallel_size=opts.tp, pipeline_model_parallel_size=opts.pp
-            )
-            run_rank(opts, out_dir)
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
+    with model_parallel(rank, port, world, tp=opts.tp, pp=opts.pp, cpu_as_cuda=True):
+        run_rank(opts, out_dir)
 
 
 def run_rank(opts: argparse.Namespace, out_dir: Path) -> None:
     """The body of :func:`worker`, inside :class:`CpuAsCudaMode`."""
     from megatron.core import parallel_state
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-    from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.module import Float16Module
 
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -472,76 +221,45 @@ def run_rank(opts: argparse.Namespace, out_dir: Path) -> None:
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_group = parallel_state.get_data_parallel_group()
 
-    # With use_cpu_initialization megatron-core initialises each full master weight from the
-    # global RNG and slices this rank's TP shard, so every rank starts from the same seed.
+    # Every rank starts from the same seed (see gpt_model).
     torch.manual_seed(MODEL_SEED)
-    config = transformer_config(opts)
-    gpt = build_stage_model(config, opts)
-    randomise_norms(gpt, layer_offset=pp_rank * (NUM_LAYERS // opts.pp))
+    dtype = torch.bfloat16 if opts.bf16 else torch.float32
+    # pipeline_dtype and deallocate_pipeline_outputs as Megatron-LM sets them for training.
+    config = transformer_config(
+        tp=opts.tp,
+        pp=opts.pp,
+        num_layers=NUM_LAYERS,
+        hidden=opts.hidden,
+        ffn_hidden=opts.ffn_hidden,
+        dtype=dtype,
+        pipeline_dtype=dtype,
+        deallocate_pipeline_outputs=True,
+    )
+    # Megatron-LM's GPT model provider for this pipeline stage (layers split evenly).
+    gpt = gpt_model(
+        config,
+        parallel_output=True,
+        tie_embeddings=opts.tie_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+    )
+    randomise_norms(gpt, seed_per_name=True, layer_offset=pp_rank * (NUM_LAYERS // opts.pp))
     module: torch.nn.Module = Float16Module(config, gpt) if opts.bf16 else gpt
 
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=opts.bf16,
+    global_batch = MICRO_BATCH * NUM_MICROBATCHES * opts.dp
+    ddp, optimizer, scheduler = wrap_for_training(
+        config,
+        module,
+        global_batch=global_batch,
+        bf16=opts.bf16,
         overlap_grad_reduce=opts.overlap_grad_reduce,
-        use_distributed_optimizer=True,
         bucket_size=opts.bucket_size,
     )
-    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=module)
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam",
-            lr=LR,
-            min_lr=MIN_LR,
-            weight_decay=WEIGHT_DECAY,
-            adam_beta1=ADAM_BETAS[0],
-            adam_beta2=ADAM_BETAS[1],
-            adam_eps=ADAM_EPS,
-            clip_grad=CLIP_GRAD,
-            bf16=opts.bf16,
-            params_dtype=config.params_dtype,
-            use_distributed_optimizer=True,
-        ),
-        [ddp],
+    losses, grad_norm = train_step(
+        ddp, optimizer, scheduler, microbatches(dp_rank, opts.dp), global_batch=global_batch
     )
-    global_batch = MICRO_BATCH * NUM_MICROBATCHES * opts.dp
-    scheduler = OptimizerParamScheduler(
-        optimizer,
-        init_lr=0.0,
-        max_lr=LR,
-        min_lr=MIN_LR,
-        lr_warmup_steps=0,
-        lr_decay_steps=10 * global_batch,
-        lr_decay_style="cosine",
-        start_wd=WEIGHT_DECAY,
-        end_wd=WEIGHT_DECAY,
-        wd_incr_steps=10 * global_batch,
-        wd_incr_style="constant",
-    )
-
-    # Megatron-LM's setup_model_and_optimizer / train_step wiring.
-    config.grad_scale_func = optimizer.scale_loss
-    config.finalize_model_grads_func = finalize_model_grads
-    if opts.overlap_grad_reduce:
-        config.no_sync_func = ddp.no_sync
-        config.grad_sync_func = ddp.start_grad_sync
-
-    ddp.zero_grad_buffer()
-    optimizer.zero_grad()
-    losses = get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iter(microbatches(dp_rank, opts.dp)),
-        model=[ddp],
-        num_microbatches=NUM_MICROBATCHES,
-        seq_length=SEQ,
-        micro_batch_size=MICRO_BATCH,
-        decoder_seq_length=SEQ,
-        forward_only=False,
-    )
-    update_successful, grad_norm, _ = optimizer.step()
-    assert update_successful, "optimizer step skipped"
-    scheduler.step(increment=global_batch)
     if losses:
-        loss = sum(float(x["lm loss"][0] / x["lm loss"][1]) for x in losses) / len(losses)
+        loss = mean_loss(losses)
         print(f"[tp{tp_rank} pp{pp_rank} dp{dp_rank}] loss {loss:.4f} grad_norm {grad_norm:.4f}")
 
     dist_opt = optimizer.chained_optimizers[0]
@@ -610,13 +328,6 @@ def write_meta(out_dir: Path, opts: argparse.Namespace, metas: list[dict[str, An
     (out_dir / "meta.json").write_text(json.dumps(meta, indent=1))
 
 
-def free_port() -> int:
-    """Ask the OS for a free TCP port on the loopback interface."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments and spawn one process per global rank."""
     parser = argparse.ArgumentParser(
@@ -653,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir: Path = opts.out_dir.resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     world = opts.tp * opts.pp * opts.dp
-    mp.spawn(worker, args=(opts, free_port(), out_dir), nprocs=world, join=True)
+    spawn(worker, world, opts, out_dir)
     return 0
 
 

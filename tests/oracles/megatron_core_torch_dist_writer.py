@@ -76,70 +76,55 @@ Usage::
         [--optim-sharding fully_reshardable dp_reshardable]
     python tests/oracles/megatron_core_torch_dist_writer.py OUT_DIR --load CKPT [--with-optimizer]
 
-Needs ``megatron-core==0.16.1``, ``einops`` and ``psutil`` on a CPU-only torch; takes about
-10-20 s on 2 cores.
+Needs ``megatron-core==0.16.1``, ``einops`` and ``psutil`` on a CPU-only torch, and
+``mcore_cpu.py`` next to this script (the model, CPU patches, rank set-up and training step
+shared by the megatron-core oracles); takes about 10-20 s on 2 cores.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import math
-import os
-import socket
 import sys
-import warnings
-import zlib
-from collections.abc import Callable, Iterator
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from torch.overrides import TorchFunctionMode
-
-# megatron-core warns at import about missing Apex/TransformerEngine and about CUDA-only tuning
-# knobs; torch warns that reduce_scatter_tensor / all_gather_into_tensor are deprecated names.
-warnings.filterwarnings("ignore", category=UserWarning)
-warnings.filterwarnings("ignore", category=FutureWarning)
+from mcore_cpu import (
+    CHECKPOINT_VERSION,
+    DATA_SEED,
+    FFN_HIDDEN,
+    HIDDEN,
+    ITERATION,
+    KV_CHANNELS,
+    MODEL_SEED,
+    NUM_HEADS,
+    NUM_QUERY_GROUPS,
+    TRUE_VOCAB,
+    adam_args,
+    causal_mask,
+    gpt_model,
+    lm_batch,
+    mean_loss,
+    model_args,
+    model_parallel,
+    padded_vocab_size,
+    patch_megatron_for_cpu,
+    position_ids,
+    randomise_norms,
+    reference_input_ids,
+    spawn,
+    train_step,
+    transformer_config,
+    wrap_for_training,
+)
 
 TP = 2
-TRUE_VOCAB = 1000
-MAKE_VOCAB_DIVISIBLE_BY = 128
 NUM_LAYERS = 2
-HIDDEN = 64
-FFN_HIDDEN = 128
-NUM_HEADS = 4
-NUM_QUERY_GROUPS = 2
-KV_CHANNELS = 16
-MAX_POSITIONS = 64
-ROTARY_BASE = 10000
-NORM_EPS = 1e-5
-INIT_STD = 0.1
-MODEL_SEED = 1234
-NORM_SEED = 4321
-INPUT_SEED = 1234
-DATA_SEED = 5678
 BATCH, SEQ = 2, 16
-LR = 1e-2
-MIN_LR = 1e-3
-WEIGHT_DECAY = 0.1
-ADAM_BETAS = (0.9, 0.95)
-ADAM_EPS = 1e-8
-CLIP_GRAD = 1.0
-ITERATION = 1
-CHECKPOINT_VERSION = 3.0
 # --optim-sharding type -> the directory its checkpoint goes to
 OPTIM_DIRS = {"fully_reshardable": "ckpt_optim", "dp_reshardable": "ckpt_optim_dp_reshardable"}
-
-
-def padded_vocab_size(tp: int) -> int:
-    """Megatron's vocab padding: round up to a multiple of 128 * tp."""
-    multiple = MAKE_VOCAB_DIVISIBLE_BY * tp
-    return int(math.ceil(TRUE_VOCAB / multiple) * multiple)
 
 
 def num_parameters() -> int:
@@ -161,26 +146,7 @@ def megatron_args(with_optimizer: bool, optim_sharding: str | None = None) -> ar
         expert_model_parallel_size=1,
         data_parallel_size=1,
         world_size=TP,
-        num_layers=NUM_LAYERS,
-        hidden_size=HIDDEN,
-        ffn_hidden_size=FFN_HIDDEN,
-        num_attention_heads=NUM_HEADS,
-        num_query_groups=NUM_QUERY_GROUPS,
-        group_query_attention=True,
-        kv_channels=KV_CHANNELS,
-        padded_vocab_size=padded_vocab_size(TP),
-        vocab_size=TRUE_VOCAB,
-        make_vocab_size_divisible_by=MAKE_VOCAB_DIVISIBLE_BY,
-        swiglu=True,
-        untie_embeddings_and_output_weights=True,
-        position_embedding_type="rope",
-        rotary_base=ROTARY_BASE,
-        rotary_percent=1.0,
-        normalization="RMSNorm",
-        norm_epsilon=NORM_EPS,
-        add_bias_linear=False,
-        add_qkv_bias=False,
-        max_position_embeddings=MAX_POSITIONS,
+        **model_args(TP, NUM_LAYERS),
         seq_length=SEQ,
         micro_batch_size=BATCH,
         global_batch_size=BATCH,
@@ -200,14 +166,7 @@ def megatron_args(with_optimizer: bool, optim_sharding: str | None = None) -> ar
         distrib_optim_fully_reshardable_mem_efficient=False,
         async_save=False,
         data_parallel_random_init=False,
-        optimizer="adam",
-        lr=LR,
-        min_lr=MIN_LR,
-        weight_decay=WEIGHT_DECAY,
-        adam_beta1=ADAM_BETAS[0],
-        adam_beta2=ADAM_BETAS[1],
-        adam_eps=ADAM_EPS,
-        clip_grad=CLIP_GRAD,
+        **adam_args(),
         iteration=ITERATION,
     )
 
@@ -215,57 +174,11 @@ def megatron_args(with_optimizer: bool, optim_sharding: str | None = None) -> ar
 # --------------------------------------------------------------------------- CPU patches
 
 
-class CpuAsCudaMode(TorchFunctionMode):
-    """Run megatron-core's CUDA-only code paths on the CPU (as in the distopt writer).
+def patch_fully_reshardable_load() -> None:
+    """Process-wide fix for ``--load --with-optimizer`` of a ``fully_reshardable`` checkpoint.
 
-    * Tensor factories called with ``device="cuda"`` (MixedPrecisionOptimizer's buffers,
-      clip_grads' norm buffers, the DistributedOptimizer's all-gather buffers for the
-      ``fully_reshardable`` state) raise on a CPU-only build: the device is rewritten to the CPU.
-    * ``DistributedOptimizer`` picks its code path by comparing ``param.type()`` with
-      ``'torch.cuda.FloatTensor'`` etc.: a CPU tensor's ``type()`` reports the CUDA name.
-    * ``Tensor.cuda()`` returns the tensor itself.
+    Applied on top of :func:`mcore_cpu.patch_megatron_for_cpu` (the other writers never load).
     """
-
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = dict(kwargs or {})
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            name = func(*args)
-            return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
-        if func is torch.Tensor.cuda:
-            return args[0]
-        device = kwargs.get("device")
-        if isinstance(device, str | torch.device) and torch.device(device).type == "cuda":
-            kwargs["device"] = "cpu"
-        return func(*args, **kwargs)
-
-
-def patch_megatron_for_cpu() -> None:
-    """Process-wide patches for what :class:`CpuAsCudaMode` cannot intercept."""
-    # RotaryEmbedding, grad buffers and dist_checkpointing's failure broadcast
-    # (save_state_dict_async_finalize) allocate on torch.cuda.current_device(), which raises on a
-    # CPU build. Point it at the CPU.
-    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
-
-    # The fully-parallel save wrapper and FileSystemWriterAsync call torch.cuda.synchronize()
-    # around their device-to-host copies; on the CPU every copy is already complete: no-op.
-    torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
-
-    # DotProductAttention runs attention dropout inside get_cuda_rng_tracker().fork(), which
-    # needs a CUDA RNG state registered by model_parallel_cuda_manual_seed (CUDA-only). Dropout
-    # is 0 and no RNG is drawn, so the fork can be a no-op context.
-    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
-
-    def noop_fork(self: CudaRNGStatesTracker, name: str = "") -> contextlib.nullcontext[None]:
-        return contextlib.nullcontext()
-
-    CudaRNGStatesTracker.fork = noop_fork  # type: ignore[method-assign,assignment]
-
     # Loading fully_reshardable optimizer state with torch's Adam (no Apex / TransformerEngine)
     # fails in megatron-core 0.16.1: load_state_dict puts a "step" tensor into every Adam state,
     # then load_parameter_state_from_fully_reshardable hands over {"param", "exp_avg",
@@ -295,97 +208,26 @@ def patch_megatron_for_cpu() -> None:
 # --------------------------------------------------------------------------- model and data
 
 
-def transformer_config() -> Any:
-    """megatron-core TransformerConfig as Megatron-LM derives it from the args."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    return TransformerConfig(
-        num_layers=NUM_LAYERS,
-        hidden_size=HIDDEN,
-        ffn_hidden_size=FFN_HIDDEN,
-        num_attention_heads=NUM_HEADS,
-        num_query_groups=NUM_QUERY_GROUPS,
-        kv_channels=KV_CHANNELS,
-        tensor_model_parallel_size=TP,
-        pipeline_dtype=torch.float32,
-        params_dtype=torch.float32,
-        normalization="RMSNorm",
-        layernorm_epsilon=NORM_EPS,
-        gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu,
-        add_bias_linear=False,
-        add_qkv_bias=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        init_method_std=INIT_STD,
-        use_cpu_initialization=True,
-        # Fused kernels are CUDA-only; use the plain PyTorch paths.
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-    )
-
-
-def build_model(config: Any) -> torch.nn.Module:
-    """Megatron-LM's GPT model provider (one stage), Llama-style, on CPU."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    return GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-        vocab_size=padded_vocab_size(TP),
-        max_sequence_length=MAX_POSITIONS,
-        pre_process=True,
-        post_process=True,
-        # Vocab-parallel logits, as in training (the loss is vocab-parallel cross entropy);
-        # the reference forward asks for a runtime gather instead.
-        parallel_output=True,
-        share_embeddings_and_output_weights=False,
-        position_embedding_type="rope",
-        rotary_percent=1.0,
-        rotary_base=ROTARY_BASE,
-    )
-
-
-def randomise_norms(model: torch.nn.Module) -> None:
-    """Set every norm weight to ``1 + 0.1 * randn``, seeded by its name (same on every rank).
-
-    The default all-ones weights would hide a swapped or misplaced norm.
-    """
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "layernorm" not in name:
-                continue
-            generator = torch.Generator().manual_seed(NORM_SEED + zlib.crc32(name.encode()))
-            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
-            param.copy_(1.0 + 0.1 * noise)
-
-
-def causal_mask(seq: int) -> torch.Tensor:
-    """Megatron's left-to-right mask, ``[1, 1, s, s]`` bool, True = masked out.
-
-    Passing it explicitly keeps megatron-core from building its default causal mask, which is
-    hard-coded to ``device="cuda"``.
-    """
-    return torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
-
-
-def reference_input_ids() -> torch.Tensor:
-    """The fixed batch the reference logits are computed on."""
-    generator = torch.Generator().manual_seed(INPUT_SEED)
-    return torch.randint(0, TRUE_VOCAB, (BATCH, SEQ), generator=generator)
+def build_model() -> tuple[Any, torch.nn.Module]:
+    """megatron-core's TransformerConfig as Megatron-LM derives it from the args, and
+    Megatron-LM's GPT model provider (one stage) with it."""
+    config = transformer_config(tp=TP, num_layers=NUM_LAYERS, pipeline_dtype=torch.float32)
+    # Vocab-parallel logits, as in training (the loss is vocab-parallel cross entropy); the
+    # reference forward asks for a runtime gather instead.
+    return config, gpt_model(config, parallel_output=True)
 
 
 def reference_logits(gpt: torch.nn.Module) -> torch.Tensor:
     """megatron-core's own TP forward, logits gathered over TP: ``[b, s, padded_v]`` fp32."""
-    input_ids = reference_input_ids()
-    position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
     was_training = gpt.training
     gpt.eval()
     with torch.no_grad():
-        logits = gpt(input_ids, position_ids, causal_mask(SEQ), runtime_gather_output=True)
+        logits = gpt(
+            reference_input_ids(BATCH, SEQ),
+            position_ids(BATCH, SEQ),
+            causal_mask(SEQ),
+            runtime_gather_output=True,
+        )
     gpt.train(was_training)
     return logits.float().contiguous()
 
@@ -393,37 +235,7 @@ def reference_logits(gpt: torch.nn.Module) -> torch.Tensor:
 def training_batch() -> dict[str, torch.Tensor]:
     """One fixed, seeded micro-batch (DP = 1, one micro-batch per step)."""
     generator = torch.Generator().manual_seed(DATA_SEED)
-    tokens = torch.randint(0, TRUE_VOCAB, (BATCH, SEQ + 1), generator=generator)
-    return {
-        "tokens": tokens[:, :-1].contiguous(),
-        "labels": tokens[:, 1:].contiguous(),
-        "loss_mask": torch.ones(BATCH, SEQ, dtype=torch.float32),
-        "position_ids": torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ),
-        "attention_mask": causal_mask(SEQ),
-    }
-
-
-def loss_func(
-    loss_mask: torch.Tensor, output_tensor: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """pretrain_gpt.py's loss: summed token loss, token count, reporting loss."""
-    losses = output_tensor.view(-1).float()
-    mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses * mask)
-    num_tokens = mask.sum().clone().detach().to(torch.int)
-    report = torch.cat([loss.clone().detach().view(1), num_tokens.view(1).float()])
-    return loss, num_tokens, {"lm loss": report}
-
-
-def forward_step(
-    data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module
-) -> tuple[torch.Tensor, Callable[..., Any]]:
-    """pretrain_gpt.py's forward step."""
-    batch = next(data_iterator)
-    output = model(
-        batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
-    )
-    return output, partial(loss_func, batch["loss_mask"])
+    return lm_batch(torch.randint(0, TRUE_VOCAB, (BATCH, SEQ + 1), generator=generator))
 
 
 # --------------------------------------------------------------------------- saving
@@ -545,58 +357,31 @@ def save_torch_dist(
 def worker(rank: int, port: int, out_dir: Path, options: dict[str, Any]) -> None:
     """One TP rank: build, save ``ckpt``, train one step, save ``ckpt_optim`` (or, with
     ``options["load"]``, load a checkpoint into a fresh model instead)."""
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    patch_megatron_for_cpu()
-    dist.init_process_group("gloo", rank=rank, world_size=TP)
-
-    from megatron.core import parallel_state
-
-    try:
-        with CpuAsCudaMode():
-            parallel_state.initialize_model_parallel(tensor_model_parallel_size=TP)
-            if options["load"] is not None:
-                load_rank(options["load"], out_dir, options["with_optimizer"])
-            else:
-                run_rank(out_dir, options["optim_sharding"])
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
+    # dist_checkpointing's fully-parallel save wrapper and FileSystemWriterAsync synchronize.
+    patch_megatron_for_cpu(noop_cuda_synchronize=True)
+    patch_fully_reshardable_load()
+    with model_parallel(rank, port, TP, tp=TP, cpu_as_cuda=True):
+        if options["load"] is not None:
+            load_rank(options["load"], out_dir, options["with_optimizer"])
+        else:
+            run_rank(out_dir, options["optim_sharding"])
 
 
 def run_rank(out_dir: Path, optim_sharding: list[str]) -> None:
     """The body of :func:`worker`, inside :class:`CpuAsCudaMode`."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    # With use_cpu_initialization megatron-core initialises each full master weight from the
-    # global RNG and slices this rank's TP shard, so every rank starts from the same seed.
+    # Every rank starts from the same seed (see gpt_model).
     torch.manual_seed(MODEL_SEED)
-    config = transformer_config()
-    gpt = build_model(config)
-    randomise_norms(gpt)
+    config, gpt = build_model()
+    randomise_norms(gpt, seed_per_name=True)
 
     logits = reference_logits(gpt)
     save_torch_dist(out_dir / "ckpt", gpt)
 
-    ddp, optimizer, scheduler = wrap_for_training(config, gpt)
-
-    ddp.zero_grad_buffer()
-    optimizer.zero_grad()
-    losses = get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iter([training_batch()]),
-        model=[ddp],
-        num_microbatches=1,
-        seq_length=SEQ,
-        micro_batch_size=BATCH,
-        decoder_seq_length=SEQ,
-        forward_only=False,
+    ddp, optimizer, scheduler = wrap_for_training(config, gpt, global_batch=BATCH)
+    losses, grad_norm = train_step(
+        ddp, optimizer, scheduler, [training_batch()], global_batch=BATCH
     )
-    update_successful, grad_norm, _ = optimizer.step()
-    assert update_successful, "optimizer step skipped"
-    scheduler.step(increment=BATCH)
-    loss = float(losses[0]["lm loss"][0] / losses[0]["lm loss"][1])
+    loss = mean_loss(losses)
     if dist.get_rank() == 0:
         print(f"loss {loss:.4f} grad_norm {grad_norm:.4f}", flush=True)
 
@@ -610,7 +395,7 @@ def run_rank(out_dir: Path, optim_sharding: list[str]) -> None:
 
     if dist.get_rank() == 0:
         reference = {
-            "input_ids": reference_input_ids(),
+            "input_ids": reference_input_ids(BATCH, SEQ),
             "logits": logits,
             "logits_optim": logits_optim,
             "true_vocab_size": TRUE_VOCAB,
@@ -618,55 +403,6 @@ def run_rank(out_dir: Path, optim_sharding: list[str]) -> None:
         }
         torch.save(reference, out_dir / "logits.pt")
     dist.barrier()
-
-
-def wrap_for_training(config: Any, gpt: torch.nn.Module) -> tuple[Any, Any, Any]:
-    """Megatron-LM's setup_model_and_optimizer: DDP, DistributedOptimizer (Adam), scheduler."""
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    ddp = DistributedDataParallel(
-        config=config,
-        ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=True),
-        module=gpt,
-    )
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam",
-            lr=LR,
-            min_lr=MIN_LR,
-            weight_decay=WEIGHT_DECAY,
-            adam_beta1=ADAM_BETAS[0],
-            adam_beta2=ADAM_BETAS[1],
-            adam_eps=ADAM_EPS,
-            clip_grad=CLIP_GRAD,
-            params_dtype=torch.float32,
-            use_distributed_optimizer=True,
-        ),
-        [ddp],
-    )
-    scheduler = OptimizerParamScheduler(
-        optimizer,
-        init_lr=0.0,
-        max_lr=LR,
-        min_lr=MIN_LR,
-        lr_warmup_steps=0,
-        lr_decay_steps=10 * BATCH,
-        lr_decay_style="cosine",
-        start_wd=WEIGHT_DECAY,
-        end_wd=WEIGHT_DECAY,
-        wd_incr_steps=10 * BATCH,
-        wd_incr_style="constant",
-    )
-    # Megatron-LM's setup_model_and_optimizer / train_step wiring.
-    config.grad_scale_func = optimizer.scale_loss
-    config.finalize_model_grads_func = finalize_model_grads
-    return ddp, optimizer, scheduler
 
 
 # --------------------------------------------------------------------------- loading
@@ -684,8 +420,7 @@ def load_rank(src: Path, out_dir: Path, with_optimizer: bool) -> None:
     from megatron.core import dist_checkpointing
 
     torch.manual_seed(MODEL_SEED + 1)
-    config = transformer_config()
-    gpt = build_model(config)
+    config, gpt = build_model()
     tracker = (src / "latest_checkpointed_iteration.txt").read_text().strip()
     checkpoint_dir = src / ("release" if tracker == "release" else f"iter_{int(tracker):07d}")
 
@@ -694,7 +429,7 @@ def load_rank(src: Path, out_dir: Path, with_optimizer: bool) -> None:
     content = dist_checkpointing.load_content_metadata(str(checkpoint_dir)) or {}
     optimizer = scheduler = None
     if with_optimizer:
-        _ddp, optimizer, scheduler = wrap_for_training(config, gpt)
+        _ddp, optimizer, scheduler = wrap_for_training(config, gpt, global_batch=BATCH)
         # Without Apex / TransformerEngine, DistributedOptimizer.state_dict() needs Adam state
         # to exist already (it reads every param's "step"); a fresh torch Adam has none. Fill it
         # with one zero-gradient step as megatron-core does for fsdp_dtensor; the load below
@@ -730,7 +465,8 @@ def load_rank(src: Path, out_dir: Path, with_optimizer: bool) -> None:
     logits = reference_logits(gpt)
     if dist.get_rank() == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
-        torch.save({"input_ids": reference_input_ids(), "logits": logits}, out_dir / "logits.pt")
+        reference = {"input_ids": reference_input_ids(BATCH, SEQ), "logits": logits}
+        torch.save(reference, out_dir / "logits.pt")
         (out_dir / "load_report.json").write_text(json.dumps(report, indent=1))
     save_torch_dist(
         out_dir / "ckpt",
@@ -740,13 +476,6 @@ def load_rank(src: Path, out_dir: Path, with_optimizer: bool) -> None:
         float(state.get("num_floating_point_operations_so_far", 0.0)),
         content.get("distrib_optim_sharding_type", "fully_reshardable"),
     )
-
-
-def free_port() -> int:
-    """Ask the OS for a free TCP port on the loopback interface."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -781,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
         "with_optimizer": args.with_optimizer,
         "optim_sharding": args.optim_sharding,
     }
-    mp.spawn(worker, args=(free_port(), out_dir, options), nprocs=TP, join=True)
+    spawn(worker, TP, out_dir, options)
     return 0
 
 
