@@ -49,3 +49,9 @@ class OutputExistsError(CkptctlError, FileExistsError):
     """The destination already holds a checkpoint and --overwrite was not given."""
 
     exit_code = 2
+
+
+class StorageError(CkptctlError):
+    """The store refused or failed an operation (missing bucket, access denied, network)."""
+
+    exit_code = 4

@@ -305,3 +305,16 @@ def test_memory_and_file_urls_work_like_paths(local_ckpt: Path, tmp_path: Path, 
 
     assert_same_checkpoint(local_ckpt, tmp_path / "back")
     assert cli.json("verify", "memory://lake/tp4", "--against", local_ckpt)["ok"]
+
+
+def test_a_missing_bucket_is_a_one_line_storage_error(
+    bucket: str, local_ckpt: Path, tmp_path: Path, cli
+) -> None:
+    result = cli("consolidate", local_ckpt, "s3://no-such-bucket/out", code=4)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
+    assert (
+        errors and "bucket does not exist" in errors[0] and "s3://no-such-bucket/out" in errors[0]
+    )
+    assert "Traceback" not in result.stderr
+    missing = cli("inspect", "s3://no-such-bucket/ckpt", code=3)
+    assert "no such checkpoint" in missing.stderr

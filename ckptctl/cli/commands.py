@@ -14,7 +14,7 @@ from rich.table import Table
 
 from ckptctl.catalog import OPTIMIZER_STATES
 from ckptctl.cli.output import Output, RichProgress
-from ckptctl.errors import OutputExistsError, UsageError
+from ckptctl.errors import CkptctlError, OutputExistsError, StorageError, UsageError
 from ckptctl.execute import DEFAULT_MEMORY_BUDGET, Report, Sources, execute
 from ckptctl.formats.dcp import DcpCheckpoint
 from ckptctl.formats.megatron import MegatronCheckpoint
@@ -427,6 +427,13 @@ def _carry_out(
             workers=workers,
             checksum=CHECKSUM_CHOICE.get(),
         )
+    except CkptctlError:
+        raise
+    except OSError as err:
+        raise StorageError(
+            f"{plan.source_url} -> {plan.target_url}: {err.strerror or err}; nothing was marked "
+            "complete (check the URLs, credentials and endpoint, then rerun to resume)"
+        ) from err
     finally:
         if isinstance(target, StagedStorage):
             target.close()

@@ -1,7 +1,8 @@
 """The CLI: the one composition root wiring probe -> planners -> executor -> report.
 
 Exit codes: 0 success; 1 verification failed or unexpected error; 2 usage (bad flag, impossible
-layout, existing output); 3 bad or missing checkpoint input; 130 interrupted.
+layout, existing output); 3 bad or missing checkpoint input; 4 storage error (missing bucket,
+access denied, unreachable endpoint); 130 interrupted.
 """
 
 from __future__ import annotations
@@ -108,6 +109,15 @@ def error_boundary(out: Output) -> Iterator[None]:
             raise
         out.error(f"{err.filename or ''}: {err.strerror or err}")
         raise typer.Exit(3) from None
+    except OSError as err:  # storage said no: missing bucket, access denied, network down
+        if _state["debug"]:
+            raise
+        where = f"{err.filename}: " if getattr(err, "filename", None) else ""
+        out.error(
+            f"storage error: {where}{err.strerror or err}; nothing was marked complete "
+            "(check the URL, credentials and endpoint, then rerun to resume)"
+        )
+        raise typer.Exit(4) from None
     except KeyboardInterrupt:
         out.error("interrupted; nothing was marked complete")
         raise typer.Exit(130) from None
