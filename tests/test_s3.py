@@ -318,3 +318,21 @@ def test_a_missing_bucket_is_a_one_line_storage_error(
     assert "Traceback" not in result.stderr
     missing = cli("inspect", "s3://no-such-bucket/ckpt", code=3)
     assert "no such checkpoint" in missing.stderr
+
+
+def test_a_large_range_is_fetched_as_parallel_sub_ranges(bucket: str, proxy: S3Proxy) -> None:
+    import s3fs
+
+    from ckptctl.storage import RANGE_PART, STORAGE_CONFIG, Storage, StorageConfig
+
+    data = os.urandom(3 * RANGE_PART + 12345)
+    s3fs.S3FileSystem().pipe("lake/big.bin", data)
+    token = STORAGE_CONFIG.set(StorageConfig(endpoint_url=proxy.url))
+    try:
+        proxy.reset()
+        got = Storage(f"{bucket}").read_range("big.bin", 1000, len(data) - 2000)
+    finally:
+        STORAGE_CONFIG.reset(token)
+    assert got == data[1000:-1000]
+    ranges = sorted(r.range for r in proxy.gets("lake/big.bin"))
+    assert len(ranges) == 3 and all(r is not None for r in ranges)
