@@ -13,34 +13,14 @@ the whole model do). Prints a markdown table: seconds, GB/s, ratio to `cp`, peak
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+from benchlib import du, print_table, timed
+
 HERE = Path(__file__).resolve().parent
-
-
-def du(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
-def timed(cmd: list[str]) -> tuple[float, int, float | None]:
-    """Wall seconds until ``cmd``'s output is on disk (its run plus a ``sync``), and its peak
-    RSS in bytes, measured by GNU time. Counting the sync charges every run for its own
-    writeback, so runs compare at the disk's bandwidth, not the page cache's."""
-    start = time.perf_counter()
-    done = subprocess.run(
-        ["/usr/bin/time", "-f", "%M", *cmd], capture_output=True, text=True, check=False
-    )
-    subprocess.run(["sync"], check=True)
-    seconds = time.perf_counter() - start
-    if done.returncode:
-        sys.exit(f"failed: {' '.join(cmd)}\n{done.stderr[-2000:]}")
-    inner = json.loads(done.stdout)["seconds"] if "--json" in cmd else None
-    return seconds, int(done.stderr.strip().splitlines()[-1]) * 1024, inner
 
 
 NAIVE = r"""
@@ -153,22 +133,12 @@ def main() -> None:
         rate = size / seconds  # source bytes processed per second
         cp_rate = cp_rate or rate
         rows.append((name, seconds, inner, written, rate, rate / cp_rate, rss))
-    print(
-        f"\nsource: {size / 1e9:.2f} GB Megatron TP2 PP2 with Adam state, page cache warm; "
-        "times include a final sync (output on disk)\n"
-    )
-    print("| run | seconds | of which converting | GB written | source GB/s | vs cp | peak RSS |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for name, seconds, inner, written, rate, ratio, rss in rows:
-        converting = f"{inner:.2f}" if inner is not None else "-"
-        print(
-            f"| {name} | {seconds:.2f} | {converting} | {written / 1e9:.2f} | "
-            f"{rate / 1e9:.2f} | {ratio:.2f}x | {rss / 2**20:.0f} MiB |"
-        )
-    print(
-        "\n'seconds': the whole process until its output is on disk (Python and torch start-up, "
+    print_table(
+        rows,
+        f"{size / 1e9:.2f} GB Megatron TP2 PP2 with Adam state",
+        "'seconds': the whole process until its output is on disk (Python and torch start-up, "
         "~1.3 s here, and a final sync included); 'of which converting': ckptctl's own --json "
-        "figure."
+        "figure.",
     )
     if not args.keep:
         shutil.rmtree(src)

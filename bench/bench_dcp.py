@@ -17,12 +17,12 @@ consolidated files tensor by tensor, bit for bit.
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from benchlib import du, print_table, remove, timed
 
 # Runs in its own process so the bench driver never holds the state dict (and its RSS is not
 # anyone's measurement). Deterministic in the seed; every tensor a fresh contiguous fp32 tensor.
@@ -84,35 +84,6 @@ walk(torch.load(sys.argv[1], weights_only=False, mmap=True),
      torch.load(sys.argv[2], weights_only=False, mmap=True), "state_dict")
 print("identical")
 """
-
-
-def du(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
-def remove(path: Path) -> None:
-    if path.is_dir():
-        shutil.rmtree(path)
-    elif path.exists():
-        path.unlink()
-
-
-def timed(cmd: list[str]) -> tuple[float, int, float | None]:
-    """Wall seconds until ``cmd``'s output is on disk (its run plus a ``sync``), and its peak
-    RSS in bytes, measured by GNU time. Counting the sync charges every run for its own
-    writeback, so runs compare at the disk's bandwidth, not the page cache's."""
-    start = time.perf_counter()
-    done = subprocess.run(
-        ["/usr/bin/time", "-f", "%M", *cmd], capture_output=True, text=True, check=False
-    )
-    subprocess.run(["sync"], check=True)
-    seconds = time.perf_counter() - start
-    if done.returncode:
-        sys.exit(f"failed: {' '.join(cmd)}\n{done.stderr[-2000:]}")
-    inner = json.loads(done.stdout)["seconds"] if "--json" in cmd else None
-    return seconds, int(done.stderr.strip().splitlines()[-1]) * 1024, inner
 
 
 def generate(src: Path, hidden: int, layers: int, vocab: int) -> None:
@@ -193,21 +164,11 @@ def main() -> None:
         cp_rate = cp_rate or rate
         rows.append((name, seconds, inner, written, rate, rate / cp_rate, rss))
 
-    print(
-        f"\nsource: {size / 1e9:.2f} GB PyTorch DCP (dcp.save, no_dist) of fp32 model + Adam "
-        "state, page cache warm; times include a final sync (output on disk)\n"
-    )
-    print("| run | seconds | of which converting | GB written | source GB/s | vs cp | peak RSS |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for name, seconds, inner, written, rate, ratio, rss in rows:
-        converting = f"{inner:.2f}" if inner is not None else "-"
-        print(
-            f"| {name} | {seconds:.2f} | {converting} | {written / 1e9:.2f} | "
-            f"{rate / 1e9:.2f} | {ratio:.2f}x | {rss / 2**20:.0f} MiB |"
-        )
-    print(
-        "\n'seconds': the whole process until its output is on disk (Python and torch start-up "
-        "and a final sync included); 'of which converting': ckptctl's own --json figure."
+    print_table(
+        rows,
+        f"{size / 1e9:.2f} GB PyTorch DCP (dcp.save, no_dist) of fp32 model + Adam state",
+        "'seconds': the whole process until its output is on disk (Python and torch start-up "
+        "and a final sync included); 'of which converting': ckptctl's own --json figure.",
     )
     if args.check:
         ours, theirs = work / "ckptctl" / "state_dict.pt", work / "torch.pt"

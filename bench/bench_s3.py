@@ -24,11 +24,9 @@ import sys
 import time
 from pathlib import Path
 
+from benchlib import du
+
 HERE = Path(__file__).resolve().parent
-
-
-def du(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
 def best_of(repeat: int, run, cleanup) -> float:
@@ -48,7 +46,11 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2)
     args = parser.parse_args()
 
+    import logging
+
     from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
