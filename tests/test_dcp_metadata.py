@@ -32,13 +32,8 @@ from ckptctl.formats.dcp_metadata import (
     metadata_problems,
     parse_metadata,
 )
-from ckptctl.formats.dcp_write import (
-    RecordWindow,
-    metadata_bytes,
-    open_tensor_record,
-    write_bytes_record,
-    write_tensor_record,
-)
+from ckptctl.formats.dcp_records import RecordWindow, open_tensor_record
+from ckptctl.formats.dcp_write import metadata_bytes, write_bytes_record, write_tensor_record
 from ckptctl.formats.torchzip import TensorSlot, TorchZipReader, tensor_bytes
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")

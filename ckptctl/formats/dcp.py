@@ -13,9 +13,7 @@ ranged GETs on object stores). What the chunks hold:
 from __future__ import annotations
 
 import argparse
-import io
 import json
-import os
 import threading
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -35,7 +33,14 @@ from ckptctl.formats.dcp_metadata import (
     check_metadata,
     parse_metadata,
 )
-from ckptctl.formats.dcp_write import RecordWindow
+from ckptctl.formats.dcp_records import (
+    Fetch,
+    RecordWindow,
+    RemoteRecord,
+    open_record,
+    pread,
+    tensor_of,
+)
 from ckptctl.formats.hf_layout import CONFIG, spec_from_config
 from ckptctl.formats.megatron import layout_from_args, spec_from_args, view_ref
 from ckptctl.formats.megatron_layout import GroupOrder, OptimizerLayout
@@ -74,53 +79,33 @@ class DcpCheckpoint:
     _files: dict[str, Any] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    @property
-    def is_torch_dist(self) -> bool:
-        return self.view.format is Format.TORCH_DIST
-
     def _open(self, fqn: str, offsets: tuple[int, ...]) -> tuple[TorchZipReader, TensorRef]:
         key = (fqn, offsets)
         with self._lock:
             if key not in self._records:
                 info = self.metadata.storage.get(key)
-                if info is None:
+                entry = self.metadata.entries.get(fqn)
+                if info is None or not isinstance(entry, TensorEntry):
                     raise CheckpointError(f"{self.storage.url}: no record for {fqn} at {offsets}")
-                reader = self._reader(fqn, info)
-                where = reader.where
-                ref = reader.tree
-                entry = self.metadata.entries[fqn]
-                if not isinstance(ref, TensorRef) or not isinstance(entry, TensorEntry):
-                    raise CheckpointError(f"{where}: record holds no tensor")
                 sizes = next(c.sizes for c in entry.chunks if c.offsets == offsets)
-                dtype = str(ref.dtype).removeprefix("torch.")
-                if ref.shape != tuple(sizes) or dtype != entry.dtype:
-                    raise CheckpointError(
-                        f"{where}: record holds {ref.dtype} {list(ref.shape)}; .metadata "
-                        f"promises {entry.dtype} {list(sizes)}"
-                    )
-                self._records[key] = (reader, ref)
+                window, fetch, where = self._source(fqn, info)
+                reader = open_record(window, info, where, fetch)
+                self._records[key] = (reader, tensor_of(reader, entry.dtype, sizes, where))
             return self._records[key]
 
-    def _reader(self, fqn: str, info: StorageInfo) -> TorchZipReader:
-        """A lazy reader of the record ``info`` locates (call under the lock)."""
+    def _source(self, fqn: str, info: StorageInfo) -> tuple[Any, Fetch, str]:
+        """A view of exactly the record ``info`` locates, a fetcher of its bytes, and its name
+        (call under the lock)."""
         rel = _join(self.base, info.relative_path)
         where = f"{self.storage.describe(rel)}@{info.offset} ({fqn})"
-        if info.transform_descriptors:
-            raise CheckpointError(
-                f"{where}: record uses stream transform(s) {list(info.transform_descriptors)} "
-                "that ckptctl cannot undo"
-            )
         if not self.storage.is_local:
             remote = RemoteRecord(self.storage, rel, info.offset, info.length)
-            return TorchZipReader(remote, where, remote.fetch)  # type: ignore[arg-type]
+            return remote, remote.fetch, where
         if rel not in self._files:
             self._files[rel] = self.storage.open_read(rel)
         f = self._files[rel]
-        # Records of one file share its handle: their bytes are read with pread, which has no
-        # shared position, so parallel band reads cannot interleave.
-        fetch = partial(_pread, f.fileno(), info.offset)
         window = RecordWindow(f, info.offset, info.length)
-        return TorchZipReader(window, where, fetch)  # type: ignore[arg-type]
+        return window, partial(pread, f.fileno(), info.offset), where
 
     def read(
         self,
@@ -221,73 +206,9 @@ class DcpCheckpoint:
         if info is None:
             raise CheckpointError(f"{self.storage.url}: no record for item {fqn}")
         with self._lock:
-            reader = self._reader(fqn, info)
+            window, fetch, where = self._source(fqn, info)
+            reader = open_record(window, info, where, fetch)
         return reader.tree, reader
-
-
-def _pread(fd: int, base: int, start: int, nbytes: int) -> bytes:
-    return os.pread(fd, nbytes, base + start)
-
-
-class RemoteRecord(io.RawIOBase):
-    """One record on an object store, read with as few requests as its layout allows.
-
-    A ``torch.save`` archive keeps its pickle at the start and its zip directory at the end,
-    with the tensor bytes between: the first and last ``EDGE`` bytes are fetched once each (the
-    whole record, if it is small), and everything else by exact range."""
-
-    EDGE = 16 << 10
-
-    def __init__(self, storage: Storage, rel: str, offset: int, length: int) -> None:
-        super().__init__()
-        self.storage, self.rel, self.offset, self.length = storage, rel, offset, length
-        self._pos = 0
-        self._edges: list[tuple[int, bytes]] = []
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.length}[whence]
-        self._pos = max(base + pos, 0)
-        return self._pos
-
-    def _edge(self, start: int) -> tuple[int, bytes]:
-        for edge in self._edges:
-            if edge[0] == start:
-                return edge
-        if self.length <= 2 * self.EDGE:
-            start = 0
-            data = self.storage.read_range(self.rel, self.offset, self.length)
-        else:
-            data = self.storage.read_range(self.rel, self.offset + start, self.EDGE)
-        self._edges.append((start, data))
-        return start, data
-
-    def fetch(self, start: int, nbytes: int) -> bytes:
-        """Bytes ``[start, start + nbytes)`` of the record, from an edge if they lie there."""
-        nbytes = max(0, min(nbytes, self.length - start))
-        small = self.length <= 2 * self.EDGE
-        for edge_start in (0,) if small else (0, self.length - self.EDGE):
-            if edge_start <= start and start + nbytes <= edge_start + (
-                self.length if small else self.EDGE
-            ):
-                base, data = self._edge(edge_start)
-                return data[start - base : start - base + nbytes]
-        return self.storage.read_range(self.rel, self.offset + start, nbytes)
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        data = self.fetch(self._pos, len(view))
-        view[: len(data)] = data
-        self._pos += len(data)
-        return len(data)
 
 
 def _flat(ref: TensorRef) -> TensorRef:

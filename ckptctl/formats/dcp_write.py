@@ -1,14 +1,12 @@
-"""The torch side of DCP checkpoints: byte windows over ``.distcp`` records, tensor records in
-and out, and ``.metadata`` bytes that torch's own ``dcp.load`` reads.
+"""Writing DCP checkpoints: tensor and byte records, and ``.metadata`` bytes that torch's own
+``dcp.load`` reads.
 
 A tensor record is a complete ``torch.save`` zip archive of one chunk, stored at
-``(offset, length)`` of a ``.distcp`` file among other records. A zip is found from its end, so
-``TorchZipReader`` on the whole file would silently open the *last* record; ``RecordWindow``
-shows it exactly one record instead. Writing has the mirror problem: a zip records absolute
+``(offset, length)`` of a ``.distcp`` file among other records. A zip records absolute
 positions, so ``OffsetWriter`` makes the record's first byte position 0, as torch's own
-``torch.save`` into the middle of a stream does. ``.metadata`` is built from torch's real DCP
-classes and pickled, because torch unpickles exactly those (``dcp_metadata`` reads it back
-without them).
+``torch.save`` into the middle of a stream does (``dcp_records`` has the reading side).
+``.metadata`` is built from torch's real DCP classes and pickled, because torch unpickles exactly
+those (``dcp_metadata`` reads it back without them).
 """
 
 from __future__ import annotations
@@ -26,61 +24,9 @@ from ckptctl.formats.dcp_metadata import (
     TensorEntry,
     metadata_problems,
 )
-from ckptctl.formats.torchzip import TensorRef, TensorSlot, TorchZipReader, write_torch_zip
-from ckptctl.geometry import Shape
+from ckptctl.formats.torchzip import TensorSlot, write_torch_zip
 
 _PICKLE_PROTOCOL = 4  # what torch's pickle.dump writes on Python 3.11-3.13; fixed for stable bytes
-
-
-class RecordWindow(io.RawIOBase):
-    """Read-only, seekable view of bytes ``[offset, offset + length)`` of a binary file.
-
-    Keeps its own position and seeks the underlying file on every read, so several windows may
-    share one file object (not from several threads at once).
-    """
-
-    def __init__(self, fileobj: BinaryIO, offset: int, length: int) -> None:
-        super().__init__()
-        if offset < 0 or length < 0:
-            raise ValueError(f"negative byte range ({offset}, {length})")
-        self._f = fileobj
-        self._start = offset
-        self._length = length
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        bases = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}
-        if whence not in bases or bases[whence] + pos < 0:
-            raise ValueError(f"invalid seek ({pos}, whence={whence})")
-        self._pos = bases[whence] + pos
-        return self._pos
-
-    def readinto(self, buffer: bytearray | memoryview) -> int:  # type: ignore[override]
-        view = memoryview(buffer).cast("B")
-        n = max(0, min(len(view), self._length - self._pos))
-        if n == 0:
-            return 0
-        self._f.seek(self._start + self._pos)
-        got = _read_into(self._f, view[:n])
-        self._pos += got
-        return got
-
-
-def _read_into(f: BinaryIO, view: memoryview) -> int:
-    if hasattr(f, "readinto"):
-        return f.readinto(view) or 0
-    data = f.read(len(view))  # file objects without readinto (some remote readers)
-    view[: len(data)] = data
-    return len(data)
 
 
 class OffsetWriter(io.RawIOBase):
@@ -115,28 +61,6 @@ class OffsetWriter(io.RawIOBase):
 
     def flush(self) -> None:
         self._f.flush()
-
-
-def open_tensor_record(
-    fileobj: BinaryIO, info: StorageInfo, dtype: str, sizes: Shape, where: str
-) -> tuple[TorchZipReader, TensorRef]:
-    """Open the tensor record ``info`` locates in ``fileobj`` (the file ``info.relative_path``),
-    checking it holds one tensor of ``dtype`` and shape ``sizes`` (its chunk's)."""
-    if info.transform_descriptors:
-        raise CheckpointError(
-            f"{where}: record uses stream transform(s) {list(info.transform_descriptors)} "
-            "that ckptctl cannot undo"
-        )
-    reader = TorchZipReader(RecordWindow(fileobj, info.offset, info.length), where)
-    ref = reader.tree
-    if not isinstance(ref, TensorRef):
-        raise CheckpointError(f"{where}: record holds {type(ref).__name__}, not a tensor")
-    if str(ref.dtype).removeprefix("torch.") != dtype or ref.shape != tuple(sizes):
-        raise CheckpointError(
-            f"{where}: record holds a {ref.dtype} tensor of shape {ref.shape}; "
-            f".metadata promises {dtype} {tuple(sizes)}"
-        )
-    return reader, ref
 
 
 def write_tensor_record(
