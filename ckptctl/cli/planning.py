@@ -382,7 +382,7 @@ def register_verify(
         """Check a checkpoint is whole: completion marker, manifest sizes and checksums, structure,
         coverage of every tensor, (--numerics) finite values, and (--against B) equal to B tensor
         by tensor in any layout or format. Exit 0 all passed, 1 a check failed, 2 usage, 3 bad
-        input."""
+        input, 4 storage error."""
         from ckptctl.verify import against, verify
         from ckptctl.verify import as_json as report_json
 
