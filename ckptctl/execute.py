@@ -254,7 +254,7 @@ def execute(
     extra_files: list[str] = []
     if plan.target_format is Format.TORCH_DIST:
         state = training_state(plan, plan.files[0], source)
-        for path, payload in torch_dist_directory_files(plan, source, report.records, state):
+        for path, payload in torch_dist_directory_files(plan, report.records, state):
             with target.open_write(path, new_digest(checksum)) as out:
                 out.write(payload)
             log.finished(path, {}, size=out.size, checksum=out.digest.hexdigest())
@@ -379,6 +379,14 @@ class TrainingState:
     templates: dict[bool, dict[str, Any]]
     optimizer_step: float | None
     refs: list[TensorRef]
+    """Tensors inside the carried state, copied as they are (slots ``carried<i>``)."""
+
+    def carried_slots(self) -> list[TensorSlot]:
+        return [TensorSlot(f"carried{i}", r.dtype, r.shape) for i, r in enumerate(self.refs)]
+
+    def carried_bytes(self, slot: TensorSlot) -> memoryview:
+        ref = self.refs[int(slot.key.removeprefix("carried"))]
+        return tensor_bytes(self.owner.read_ref(self.template_path, ref))
 
 
 def training_state(plan: Plan, file: Any, source: Sources) -> TrainingState:
@@ -404,31 +412,29 @@ def training_state(plan: Plan, file: Any, source: Sources) -> TrainingState:
 
 def _write_rank_file(plan: Plan, file: Any, source: Source, out: Any, assemble: Assembler) -> None:
     state = training_state(plan, file, source)  # type: ignore[arg-type]
-    owner, template_path, refs = state.owner, state.template_path, state.refs
-    carried, args, templates = state.carried, state.args, state.templates
-    optimizer_step = state.optimizer_step
     no_wd = {p.name: p.no_weight_decay for p in parameters(plan.spec)}
     entry = None
-    if plan.target_layout.distributed_optimizer and optimizer_step is not None:
+    if plan.target_layout.distributed_optimizer and state.optimizer_step is not None:
         kinds = [no_wd[t.canonical] for t in file.tensors]
-        entry = distributed_optimizer_entry(kinds, templates, optimizer_step, carried)
+        entry = distributed_optimizer_entry(
+            kinds, state.templates, state.optimizer_step, state.carried
+        )
     tree, slots = rank_tree(
         file,
-        args=args,
-        carried=carried,
-        group_templates=templates,
+        args=state.args,
+        carried=state.carried,
+        group_templates=state.templates,
         no_weight_decay=no_wd,
         optimizer_entry=entry,
     )
     writes = {slot.key: write for slot, write in zip(slots, file.tensors, strict=True)}
-    carried_slots = [TensorSlot(f"carried{i}", r.dtype, r.shape) for i, r in enumerate(refs)]
+    carried_slots = state.carried_slots()
 
     def produce(slot: TensorSlot) -> Iterator[memoryview]:
         if slot.key in writes:
             yield from assemble.chunks(writes[slot.key], file.path)
         else:
-            data = owner.read_ref(template_path, refs[int(slot.key.removeprefix("carried"))])
-            yield tensor_bytes(data)
+            yield state.carried_bytes(slot)
 
     all_slots = [*slots, *carried_slots]
     with ReadAhead(all_slots, produce) as ahead:

@@ -11,12 +11,12 @@ from __future__ import annotations
 import io
 import posixpath
 from collections.abc import Iterator
+from functools import cache
 from itertools import pairwise
 from typing import Any
 
 import torch
 
-from ckptctl.catalog import LAYER_PREFIX
 from ckptctl.formats.dcp_metadata import (
     METADATA_FILE,
     BytesEntry,
@@ -26,7 +26,12 @@ from ckptctl.formats.dcp_metadata import (
     TensorEntry,
 )
 from ckptctl.formats.dcp_write import metadata_bytes, write_bytes_record, write_tensor_record
-from ckptctl.formats.torch_dist_layout import COMMON, extra_state_keys, record_geometry
+from ckptctl.formats.torch_dist_layout import (
+    COMMON,
+    extra_state_keys,
+    model_catalog,
+    record_geometry,
+)
 from ckptctl.formats.torchzip import TensorRef, TensorSlot, tensor_bytes, write_torch_zip
 from ckptctl.plan import FileWrite, Plan
 
@@ -54,29 +59,32 @@ def write_dcp_shard(plan: Plan, file: FileWrite, out: Any, assemble: Any) -> lis
         info = write_tensor_record(out, name, slot, produce)
         records.append([fqn, offsets, info.offset, info.length])
     if plan.spec is not None and file.rank is not None and file.rank[0] == 0:
-        for fqn in extra_state_keys(plan.spec, _layers_in(file)):
-            info = write_bytes_record(out, name, _EMPTY_EXTRA_STATE)
+        for fqn in extra_state_keys(plan.spec, _layers_in(plan.spec, file)):
+            info = write_bytes_record(out, name, _empty_extra_state())
             records.append([fqn, None, info.offset, info.length])
     return records
 
 
-def _layers_in(file: FileWrite) -> list[int]:
-    layers = set()
-    for tensor in file.tensors:
-        name = tensor.canonical.split("/", 1)[-1]
-        if name.startswith(LAYER_PREFIX):
-            layers.add(int(name[len(LAYER_PREFIX) :].split(".", 1)[0]))
-    return sorted(layers)
+def _layers_in(spec: Any, file: FileWrite) -> list[int]:
+    catalog = model_catalog(spec)
+    layers = {catalog[t.canonical.split("/", 1)[-1]].layer for t in file.tensors}
+    return sorted(layer for layer in layers if layer is not None)
 
 
-def _torch_save_bytes(obj: Any) -> bytes:
+@cache
+def _empty_extra_state() -> bytes:
+    """What Megatron-Core saves for a layer's ``_extra_state`` without FP8 metadata:
+    ``torch.save([None])``."""
     buf = io.BytesIO()
-    write_torch_zip(buf, obj, [], lambda _: iter(()))
+    write_torch_zip(buf, [None], [], lambda _: iter(()))
     return buf.getvalue()
 
 
-_EMPTY_EXTRA_STATE = _torch_save_bytes([None])
-"""What Megatron-Core saves for a layer's ``_extra_state`` without FP8 metadata."""
+def _carried(state: Any) -> Any:
+    def produce(slot: TensorSlot) -> Iterator[memoryview]:
+        yield state.carried_bytes(slot)
+
+    return produce
 
 
 def dcp_metadata(plan: Plan, records: dict[str, list[Record]]) -> DcpMetadata:
@@ -154,19 +162,13 @@ def common_state(plan: Plan, state: Any) -> dict[str, Any]:
 
 
 def torch_dist_directory_files(
-    plan: Plan, source: Any, records: dict[str, list[Record]], state: Any
+    plan: Plan, records: dict[str, list[Record]], state: Any
 ) -> list[tuple[str, bytes]]:
     """``.metadata`` and ``common.pt``, next to the shards."""
     base = posixpath.dirname(plan.files[0].path)
     join = (lambda n: f"{base}/{n}") if base else (lambda n: n)
     common = io.BytesIO()
-    slots = [TensorSlot(f"carried{i}", r.dtype, r.shape) for i, r in enumerate(state.refs)]
-
-    def produce(slot: TensorSlot) -> Iterator[memoryview]:
-        ref: TensorRef = state.refs[int(slot.key.removeprefix("carried"))]
-        yield tensor_bytes(state.owner.read_ref(state.template_path, ref))
-
-    write_torch_zip(common, common_state(plan, state), slots, produce)
+    write_torch_zip(common, common_state(plan, state), state.carried_slots(), _carried(state))
     return [
         (join(COMMON), common.getvalue()),
         (join(METADATA_FILE), metadata_bytes(dcp_metadata(plan, records))),

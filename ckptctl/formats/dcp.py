@@ -285,6 +285,14 @@ def _mcore_backend(storage: Storage, base: str) -> str | None:
         raise CheckpointError(f"{storage.describe(rel)}: not JSON ({err})") from None
 
 
+def _files(base: str, placed: list[tuple[StorageInfo, StoredTensor]]) -> tuple[StoredFile, ...]:
+    """Stored tensors grouped into the ``.distcp`` files their records lie in."""
+    by_file: dict[str, list[StoredTensor]] = {}
+    for info, tensor in placed:
+        by_file.setdefault(_join(base, info.relative_path), []).append(tensor)
+    return tuple(StoredFile(path, tuple(ts)) for path, ts in sorted(by_file.items()))
+
+
 def _config_beside(storage: Storage, base: str) -> dict[str, Any] | None:
     """An HF ``config.json`` saved next to the checkpoint (or one directory up)."""
     for rel in (_join(base, CONFIG), CONFIG):
@@ -309,7 +317,7 @@ def _hf_named(
     spec = spec_from_config(config)
     model_prefix, optim_prefix = found
     table = key_table(spec, model_prefix, optim_prefix)
-    by_file: dict[str, list[StoredTensor]] = {}
+    placed: list[tuple[StorageInfo, StoredTensor]] = []
     problems = []
     for fqn, entry in metadata.entries.items():
         if not isinstance(entry, TensorEntry):
@@ -322,23 +330,21 @@ def _hf_named(
             problems.append(f"{fqn} has shape {list(entry.shape)}; config says {list(key.shape)}")
             continue
         for chunk in entry.chunks:
-            info = metadata.storage[(fqn, chunk.offsets)]
-            by_file.setdefault(_join(base, info.relative_path), []).append(
-                StoredTensor(
-                    (fqn, *chunk.offsets),
-                    key.canonical,
-                    chunk.sizes,
-                    entry.dtype,
-                    chunk_pieces(key.pieces, chunk.offsets, chunk.sizes),
-                )
+            tensor = StoredTensor(
+                (fqn, *chunk.offsets),
+                key.canonical,
+                chunk.sizes,
+                entry.dtype,
+                chunk_pieces(key.pieces, chunk.offsets, chunk.sizes),
             )
+            placed.append((metadata.storage[(fqn, chunk.offsets)], tensor))
     if problems:
         raise CheckpointError(f"{storage.describe(base)}: " + "; ".join(problems[:5]))
     view = CheckpointView(
         Format.DCP,
         spec,
         ParallelLayout(),
-        tuple(StoredFile(p, tuple(ts)) for p, ts in sorted(by_file.items())),
+        _files(base, placed),
         iteration,
         optim_prefix is not None,
         ("PyTorch DCP checkpoint of an HF Llama model",),
@@ -350,28 +356,26 @@ def _generic(
     storage: Storage, base: str, metadata: DcpMetadata, iteration: int | None
 ) -> DcpCheckpoint:
     """Each key its own canonical tensor, chunk by chunk."""
-    by_file: dict[str, list[StoredTensor]] = {}
+    placed: list[tuple[StorageInfo, StoredTensor]] = []
     for fqn, entry in metadata.entries.items():
         if not isinstance(entry, TensorEntry):
             continue
         for chunk in entry.chunks:
-            info = metadata.storage[(fqn, chunk.offsets)]
             zero = (0,) * len(chunk.sizes)
-            by_file.setdefault(_join(base, info.relative_path), []).append(
-                StoredTensor(
-                    (fqn, *chunk.offsets),
-                    fqn,
-                    chunk.sizes,
-                    entry.dtype,
-                    (Piece(zero, chunk.offsets, chunk.sizes),) if prod(chunk.sizes) else (),
-                )
+            tensor = StoredTensor(
+                (fqn, *chunk.offsets),
+                fqn,
+                chunk.sizes,
+                entry.dtype,
+                (Piece(zero, chunk.offsets, chunk.sizes),) if prod(chunk.sizes) else (),
             )
+            placed.append((metadata.storage[(fqn, chunk.offsets)], tensor))
     items = sum(isinstance(e, BytesEntry) for e in metadata.entries.values())
     view = CheckpointView(
         Format.DCP,
         None,
         ParallelLayout(),
-        tuple(StoredFile(p, tuple(ts)) for p, ts in sorted(by_file.items())),
+        _files(base, placed),
         iteration,
         any(".state." in k or k.startswith("optim") for k in metadata.entries),
         (f"PyTorch DCP checkpoint: {len(metadata.entries) - items} tensors, {items} other items",),
@@ -384,9 +388,12 @@ def _common_state(storage: Storage, base: str, metadata: DcpMetadata) -> dict[st
     if storage.exists(rel):
         with storage.open_read(rel) as f:
             tree = TorchZipReader(f, storage.describe(rel)).tree
-    elif "common_state/shard_0_1" in metadata.entries:  # Megatron-Core >= 0.19
-        ckpt = DcpCheckpoint(storage, None, base, metadata)  # type: ignore[arg-type]
-        tree, _ = ckpt.byte_item("common_state/shard_0_1")
+    elif (info := metadata.storage.get(("common_state/shard_0_1", None))) is not None:
+        # Megatron-Core >= 0.19 keeps it as a byte item: a pickled one-element list.
+        item = _join(base, info.relative_path)
+        with storage.open_read(item) as f:
+            window = RecordWindow(f, info.offset, info.length)
+            tree = open_record(window, info, storage.describe(item)).tree
         tree = tree[0] if isinstance(tree, list) and tree else tree
     else:
         raise CheckpointNotFoundError(
@@ -410,7 +417,7 @@ def _torch_dist(
     layout = layout_from_args(args)
     catalog = model_catalog(spec)
     notes: list[str] = []
-    by_file: dict[str, list[StoredTensor]] = {}
+    placed: list[tuple[StorageInfo, StoredTensor]] = []
     unknown: list[str] = []
     objects: set[str] = set()
     dp_reshardable = False
@@ -428,8 +435,9 @@ def _torch_dist(
                 unknown.append(fqn)
                 break
             info = metadata.storage[(fqn, chunk.offsets)]
-            for part in parts:
-                by_file.setdefault(_join(base, info.relative_path), []).append(
+            placed.extend(
+                (
+                    info,
                     StoredTensor(
                         (fqn, *chunk.offsets),
                         part.canonical,
@@ -437,8 +445,10 @@ def _torch_dist(
                         entry.dtype,
                         part.pieces,
                         part.view_offset,
-                    )
+                    ),
                 )
+                for part in parts
+            )
     if unknown:
         raise CheckpointError(
             f"{storage.describe(base)}: tensors {', '.join(sorted(set(unknown))[:5])} are not "
@@ -447,7 +457,7 @@ def _torch_dist(
         )
     optimizer = common.get("optimizer") if isinstance(common.get("optimizer"), dict) else {}
     sharding = optimizer.get("param_state_sharding_type") if optimizer else None
-    has_optimizer = any(t.canonical.startswith("exp_avg/") for ts in by_file.values() for t in ts)
+    has_optimizer = any(t.canonical.startswith("exp_avg/") for _, t in placed)
     if sharding == "dp_reshardable" or dp_reshardable:
         notes.append(
             "optimizer state is dp_reshardable (raw grad-buffer buckets of the saved TP/PP "
@@ -461,7 +471,7 @@ def _torch_dist(
         Format.TORCH_DIST,
         spec,
         layout,
-        tuple(StoredFile(p, tuple(ts)) for p, ts in sorted(by_file.items())),
+        _files(base, placed),
         iteration if iteration is not None else common.get("iteration"),
         has_optimizer,
         tuple(notes),

@@ -24,19 +24,14 @@ Fetch = Callable[[int, int], bytes]
 """``fetch(start, nbytes)``: bytes of a record, by position within it."""
 
 
-class RecordWindow(io.RawIOBase):
-    """Read-only, seekable view of bytes ``[offset, offset + length)`` of a binary file.
+class _RecordView(io.RawIOBase):
+    """A read-only, seekable file of ``length`` bytes with its own position; subclasses say
+    how ``n`` bytes at a position are read (``_read_at``)."""
 
-    Keeps its own position and seeks the underlying file on every read, so several windows may
-    share one file object (not from several threads at once).
-    """
-
-    def __init__(self, fileobj: BinaryIO, offset: int, length: int) -> None:
+    def __init__(self, length: int) -> None:
         super().__init__()
-        if offset < 0 or length < 0:
-            raise ValueError(f"negative byte range ({offset}, {length})")
-        self._f = fileobj
-        self._start = offset
+        if length < 0:
+            raise ValueError(f"negative record length {length}")
         self._length = length
         self._pos = 0
 
@@ -56,31 +51,37 @@ class RecordWindow(io.RawIOBase):
         self._pos = bases[whence] + pos
         return self._pos
 
-    def readinto(self, buffer: bytearray | memoryview) -> int:  # type: ignore[override]
+    def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")
         n = max(0, min(len(view), self._length - self._pos))
-        if n == 0:
-            return 0
-        self._f.seek(self._start + self._pos)
-        got = _read_into(self._f, view[:n])
+        got = self._read_at(self._pos, view[:n]) if n else 0
         self._pos += got
         return got
 
-
-def _read_into(f: BinaryIO, view: memoryview) -> int:
-    if hasattr(f, "readinto"):
-        return f.readinto(view) or 0
-    data = f.read(len(view))  # file objects without readinto (some remote readers)
-    view[: len(data)] = data
-    return len(data)
+    def _read_at(self, pos: int, view: memoryview) -> int:
+        raise NotImplementedError
 
 
-def _read_into(f: BinaryIO, view: memoryview) -> int:
-    if hasattr(f, "readinto"):
-        return f.readinto(view) or 0
-    data = f.read(len(view))  # file objects without readinto (some remote readers)
-    view[: len(data)] = data
-    return len(data)
+class RecordWindow(_RecordView):
+    """Bytes ``[offset, offset + length)`` of a seekable binary file.
+
+    Seeks the underlying file on every read, so several windows may share one file object (not
+    from several threads at once)."""
+
+    def __init__(self, fileobj: BinaryIO, offset: int, length: int) -> None:
+        super().__init__(length)
+        if offset < 0:
+            raise ValueError(f"negative byte range ({offset}, {length})")
+        self._f = fileobj
+        self._start = offset
+
+    def _read_at(self, pos: int, view: memoryview) -> int:
+        self._f.seek(self._start + pos)
+        if hasattr(self._f, "readinto"):
+            return self._f.readinto(view) or 0
+        data = self._f.read(len(view))  # file objects without readinto (some remote readers)
+        view[: len(data)] = data
+        return len(data)
 
 
 def pread(fd: int, base: int, start: int, nbytes: int) -> bytes:
@@ -88,7 +89,7 @@ def pread(fd: int, base: int, start: int, nbytes: int) -> bytes:
     return os.pread(fd, nbytes, base + start)
 
 
-class RemoteRecord(io.RawIOBase):
+class RemoteRecord(_RecordView):
     """One record on an object store, read with as few requests as its layout allows.
 
     A ``torch.save`` archive keeps its pickle at the start and its zip directory at the end,
@@ -98,54 +99,32 @@ class RemoteRecord(io.RawIOBase):
     EDGE = 16 << 10
 
     def __init__(self, storage: Storage, rel: str, offset: int, length: int) -> None:
-        super().__init__()
-        self.storage, self.rel, self.offset, self.length = storage, rel, offset, length
-        self._pos = 0
-        self._edges: list[tuple[int, bytes]] = []
+        super().__init__(length)
+        self.storage, self.rel, self.offset = storage, rel, offset
+        self._edges: dict[int, bytes] = {}
 
-    def readable(self) -> bool:
-        return True
+    @property
+    def _small(self) -> bool:
+        return self._length <= 2 * self.EDGE
 
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.length}[whence]
-        self._pos = max(base + pos, 0)
-        return self._pos
-
-    def _edge(self, start: int) -> tuple[int, bytes]:
-        for edge in self._edges:
-            if edge[0] == start:
-                return edge
-        if self.length <= 2 * self.EDGE:
-            start = 0
-            data = self.storage.read_range(self.rel, self.offset, self.length)
-        else:
-            data = self.storage.read_range(self.rel, self.offset + start, self.EDGE)
-        self._edges.append((start, data))
-        return start, data
+    def _edge(self, start: int) -> bytes:
+        if start not in self._edges:
+            size = self._length if self._small else self.EDGE
+            self._edges[start] = self.storage.read_range(self.rel, self.offset + start, size)
+        return self._edges[start]
 
     def fetch(self, start: int, nbytes: int) -> bytes:
         """Bytes ``[start, start + nbytes)`` of the record, from an edge if they lie there."""
-        nbytes = max(0, min(nbytes, self.length - start))
-        small = self.length <= 2 * self.EDGE
-        for edge_start in (0,) if small else (0, self.length - self.EDGE):
-            if edge_start <= start and start + nbytes <= edge_start + (
-                self.length if small else self.EDGE
-            ):
-                base, data = self._edge(edge_start)
-                return data[start - base : start - base + nbytes]
+        nbytes = max(0, min(nbytes, self._length - start))
+        size = self._length if self._small else self.EDGE
+        for edge in (0,) if self._small else (0, self._length - self.EDGE):
+            if edge <= start and start + nbytes <= edge + size:
+                return self._edge(edge)[start - edge : start - edge + nbytes]
         return self.storage.read_range(self.rel, self.offset + start, nbytes)
 
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        data = self.fetch(self._pos, len(view))
+    def _read_at(self, pos: int, view: memoryview) -> int:
+        data = self.fetch(pos, len(view))
         view[: len(data)] = data
-        self._pos += len(data)
         return len(data)
 
 
