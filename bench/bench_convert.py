@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchlib import du, print_table, timed
+from benchlib import du, measure, print_table
 
 HERE = Path(__file__).resolve().parent
 
@@ -117,22 +117,7 @@ def main() -> None:
     ]
     # Warm the page cache so every run reads from the same place.
     subprocess.run(["cat", *map(str, src.rglob("*.pt"))], stdout=subprocess.DEVNULL, check=True)
-    rows = []
-    cp_rate = None
-    for name, cmd, out in runs:
-        best = None
-        for _ in range(args.repeat):  # best of N: the machine is shared and noisy
-            if out.exists():
-                shutil.rmtree(out) if out.is_dir() else out.unlink()
-            subprocess.run(["sync"], check=True)
-            seconds, rss, inner = timed(cmd)
-            written = du(out) if out.is_dir() else out.stat().st_size
-            best = min(best or (seconds, rss, written, inner), (seconds, rss, written, inner))
-            shutil.rmtree(out) if out.is_dir() else out.unlink()
-        seconds, rss, written, inner = best
-        rate = size / seconds  # source bytes processed per second
-        cp_rate = cp_rate or rate
-        rows.append((name, seconds, inner, written, rate, rate / cp_rate, rss))
+    rows = measure(runs, size, args.repeat)
     print_table(
         rows,
         f"{size / 1e9:.2f} GB Megatron TP2 PP2 with Adam state",

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchlib import du, print_table, remove, timed
+from benchlib import du, measure, print_table, remove
 
 # Runs in its own process so the bench driver never holds the state dict (and its RSS is not
 # anyone's measurement). Deterministic in the seed; every tensor a fresh contiguous fp32 tensor.
@@ -145,24 +145,9 @@ def main() -> None:
     ]
     # Warm the page cache so every run reads from the same place.
     subprocess.run(["cat", *map(str, src.rglob("*"))], stdout=subprocess.DEVNULL, check=True)
-    rows = []
-    cp_rate = None
-    for name, cmd, out in runs:
-        best = None
-        for attempt in range(args.repeat):  # best of N: the machine is shared and noisy
-            remove(out)
-            subprocess.run(["sync"], check=True)
-            seconds, rss, inner = timed(cmd)
-            written = du(out)
-            run = (seconds, rss, written, inner)
-            best = run if best is None or seconds < best[0] else best
-            last = attempt == args.repeat - 1
-            if not (last and args.check and out != work / "copy"):
-                remove(out)  # outputs kept for --check only
-        seconds, rss, written, inner = best
-        rate = size / seconds  # source bytes processed per second
-        cp_rate = cp_rate or rate
-        rows.append((name, seconds, inner, written, rate, rate / cp_rate, rss))
+    # Outputs are kept for --check only.
+    keep = {out for _, _, out in runs[1:]} if args.check else set()
+    rows = measure(runs, size, args.repeat, keep)
 
     print_table(
         rows,

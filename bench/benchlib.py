@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 Row = tuple[str, float, float | None, int, float, float, int]
@@ -41,6 +42,30 @@ def timed(cmd: list[str]) -> tuple[float, int, float | None]:
         sys.exit(f"failed: {' '.join(cmd)}\n{done.stderr[-2000:]}")
     inner = json.loads(done.stdout)["seconds"] if "--json" in cmd else None
     return seconds, int(done.stderr.strip().splitlines()[-1]) * 1024, inner
+
+
+def measure(
+    runs: list[tuple[str, list[str], Path]], size: int, repeat: int, keep: Collection[Path] = ()
+) -> list[Row]:
+    """Each run's best of ``repeat`` (the machine is shared and noisy), as table rows whose rate
+    is ``size`` source bytes per second, relative to the first run (the machine's ``cp``).
+    Outputs are removed after each attempt, except the last one of those in ``keep``."""
+    rows: list[Row] = []
+    for name, cmd, out in runs:
+        best = None
+        for attempt in range(repeat):
+            remove(out)
+            subprocess.run(["sync"], check=True)
+            seconds, rss, inner = timed(cmd)
+            run = (seconds, rss, du(out), inner)
+            best = run if best is None or seconds < best[0] else best
+            if not (attempt == repeat - 1 and out in keep):
+                remove(out)
+        seconds, rss, written, inner = best  # type: ignore[misc]
+        rate = size / seconds
+        first = rows[0][4] if rows else rate
+        rows.append((name, seconds, inner, written, rate, rate / first, rss))
+    return rows
 
 
 def print_table(rows: list[Row], source: str, footnote: str) -> None:
