@@ -8,9 +8,27 @@ from __future__ import annotations
 
 
 class CkptctlError(Exception):
-    """Root of every error ckptctl raises on purpose."""
+    """Root of every error ckptctl raises on purpose.
+
+    ``hint`` says what to do next; the CLI prints it after the message (and as its own field of
+    the ``--json`` error document)."""
 
     exit_code: int = 1
+    hint: str = ""
+
+    def __init__(self, *args: object, hint: str = "") -> None:
+        super().__init__(*args)
+        if hint:
+            self.hint = hint
+
+    def __str__(self) -> str:
+        message = super().__str__()
+        return f"{message}; {self.hint}" if self.hint else message
+
+    @property
+    def message(self) -> str:
+        """The message without the hint."""
+        return super().__str__()
 
 
 class LayoutError(CkptctlError, ValueError):
@@ -51,7 +69,11 @@ class OutputExistsError(CkptctlError, FileExistsError):
     exit_code = 2
 
 
-class StorageError(CkptctlError):
-    """The store refused or failed an operation (missing bucket, access denied, network)."""
+class StorageError(CkptctlError, OSError):
+    """The store refused or failed an operation (missing bucket, access denied, network, disk
+    full, unknown URL scheme)."""
 
     exit_code = 4
+
+    def __str__(self) -> str:  # OSError's own __str__ would show the args tuple
+        return CkptctlError.__str__(self)

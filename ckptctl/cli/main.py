@@ -22,6 +22,7 @@ from ckptctl.cli.output import Output
 from ckptctl.errors import CkptctlError
 from ckptctl.probe import ALLOW_INCOMPLETE, HF_CONFIG
 from ckptctl.storage import STORAGE_CONFIG
+from ckptctl.storage_errors import classify
 
 app = typer.Typer(
     name="ckptctl",
@@ -91,46 +92,43 @@ def _root(
 
 @contextlib.contextmanager
 def error_boundary(out: Output) -> Iterator[None]:
-    """Known errors become one line on stderr and an exit code; tracebacks only with --debug."""
+    """Known errors become one line on stderr (and, under --json, one JSON error document on
+    stdout) and an exit code; tracebacks only with --debug."""
     try:
         yield
-    except CkptctlError as err:
-        if _state["debug"]:
-            raise
-        out.error(str(err))
-        raise typer.Exit(err.exit_code) from None
-    except ValidationError as err:
-        if _state["debug"]:
-            raise
-        out.error("; ".join(e["msg"].removeprefix("Value error, ") for e in err.errors()))
-        raise typer.Exit(2) from None
-    except (PermissionError, IsADirectoryError, NotADirectoryError) as err:
-        if _state["debug"]:
-            raise
-        out.error(f"{err.filename or ''}: {err.strerror or err}")
-        raise typer.Exit(3) from None
-    except OSError as err:  # storage said no: missing bucket, access denied, network down
-        if _state["debug"]:
-            raise
-        where = f"{err.filename}: " if getattr(err, "filename", None) else ""
-        out.error(
-            f"storage error: {where}{err.strerror or err}; nothing was marked complete "
-            "(check the URL, credentials and endpoint, then rerun to resume)"
-        )
-        raise typer.Exit(4) from None
-    except KeyboardInterrupt:
-        out.error("interrupted; nothing was marked complete")
-        raise typer.Exit(130) from None
     except typer.Exit:
         raise
-    except Exception as err:  # a bug, not bad input: say so in one line, trace on request
+    except KeyboardInterrupt:
+        out.fail(
+            "interrupted; nothing was marked complete", 130, "rerun the same command to resume"
+        )
+        raise typer.Exit(130) from None
+    except Exception as err:
         if _state["debug"]:
             raise
-        out.error(
-            f"internal error {type(err).__name__}: {err}; nothing was marked complete. "
-            "Rerun with --debug for the traceback and report it"
-        )
-        raise typer.Exit(1) from None
+        message, code, hint = explain(err)
+        out.fail(message, code, hint)
+        raise typer.Exit(code) from None
+
+
+def explain(err: Exception) -> tuple[str, int, str]:
+    """(message, exit code, hint) for any exception that reaches the CLI."""
+    if isinstance(err, CkptctlError):
+        return err.message, err.exit_code, err.hint
+    if isinstance(err, ValidationError):
+        problems = "; ".join(e["msg"].removeprefix("Value error, ") for e in err.errors())
+        return problems, 2, ""
+    if isinstance(err, FileNotFoundError | IsADirectoryError | NotADirectoryError):
+        return f"{err.filename or ''}: {err.strerror or err}", 3, "check the checkpoint path"
+    storage = classify(err)
+    if storage is not None:
+        return storage.message, storage.exit_code, storage.hint
+    # A bug, not bad input: say so in one line, trace on request.
+    return (
+        f"internal error {type(err).__name__}: {err}; nothing was marked complete",
+        1,
+        "rerun with --debug for the traceback and report it",
+    )
 
 
 commands.register(app, error_boundary)

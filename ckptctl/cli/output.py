@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape as rich_escape
 from rich.progress import (
     BarColumn,
     DownloadColumn,
@@ -33,6 +34,13 @@ class Output:
 
     def error(self, message: str) -> None:
         self.err.print(f"[red]error:[/] {message}", highlight=False, markup=True)
+
+    def fail(self, message: str, exit_code: int, hint: str = "") -> None:
+        """A failed command: one line on stderr, and under --json one error document on stdout
+        (``error``, ``exit_code``, ``hint``) so that scripts never parse stderr."""
+        self.error(rich_escape(message) + (f"; {rich_escape(hint)}" if hint else ""))
+        if self.as_json:
+            self.json({"error": message, "exit_code": exit_code, "hint": hint})
 
     def json(self, data: Any) -> None:
         sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
