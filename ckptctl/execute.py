@@ -22,6 +22,7 @@ import xxhash
 from ckptctl.catalog import parameters
 from ckptctl.execute_dcp import (
     torch_dist_directory_files,
+    torch_dist_directory_names,
     write_dcp_shard,
     write_state_dict_file,
 )
@@ -243,7 +244,8 @@ def execute(
     )
     progress.start(total, f"{plan.operation} -> {plan.target_url}")
     target.begin_writing()
-    log = RunLog(target, plan, checksum)
+    extra = torch_dist_directory_names(plan) if plan.target_format is Format.TORCH_DIST else ()
+    log = RunLog(target, plan, checksum, extra)
     pool = ThreadPoolExecutor(workers, thread_name_prefix="ckptctl-read") if workers > 1 else None
     assemble = Assembler(plan, source, report, progress, memory_budget, pool)
     try:

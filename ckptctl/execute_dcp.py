@@ -161,17 +161,23 @@ def common_state(plan: Plan, state: Any) -> dict[str, Any]:
     return tree
 
 
+def torch_dist_directory_names(plan: Plan) -> tuple[str, str]:
+    """Paths of ``common.pt`` and ``.metadata``, next to the shards."""
+    base = posixpath.dirname(plan.files[0].path)
+    common, metadata = (f"{base}/{n}" if base else n for n in (COMMON, METADATA_FILE))
+    return common, metadata
+
+
 def torch_dist_directory_files(
     plan: Plan, records: dict[str, list[Record]], state: Any
 ) -> list[tuple[str, bytes]]:
-    """``.metadata`` and ``common.pt``, next to the shards."""
-    base = posixpath.dirname(plan.files[0].path)
-    join = (lambda n: f"{base}/{n}") if base else (lambda n: n)
+    """``common.pt`` and ``.metadata``, next to the shards."""
+    common_path, metadata_path = torch_dist_directory_names(plan)
     common = io.BytesIO()
     write_torch_zip(common, common_state(plan, state), state.carried_slots(), _carried(state))
     return [
-        (join(COMMON), common.getvalue()),
-        (join(METADATA_FILE), metadata_bytes(dcp_metadata(plan, records))),
+        (common_path, common.getvalue()),
+        (metadata_path, metadata_bytes(dcp_metadata(plan, records))),
     ]
 
 

@@ -8,6 +8,7 @@ a directory holding the first, or lacking the second, was never finished.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from typing import Any
@@ -45,10 +46,20 @@ class RunLog:
     """The in-progress marker doubles as a log of finished files (size, checksum, tensor
     checksums), rewritten after each one, so a rerun of the same plan can resume."""
 
-    def __init__(self, storage: Storage, plan: Plan, algorithm: str = "xxh3_64") -> None:
+    def __init__(
+        self,
+        storage: Storage,
+        plan: Plan,
+        algorithm: str = "xxh3_64",
+        extra: tuple[str, ...] = (),
+    ) -> None:
         self.storage = storage
         self.algorithm = algorithm
         self.fingerprint = plan.fingerprint()
+        # Every path this job may write: what a later --overwrite may remove as ckptctl's own.
+        self.planned = sorted(
+            {f.path for f in plan.files} | {t.path for t in plan.finalize} | set(extra)
+        )
         self.done: dict[str, dict[str, Any]] = {}
         previous = read_marker(storage)
         if (
@@ -64,6 +75,7 @@ class RunLog:
             "operation": operation,
             "plan_fingerprint": self.fingerprint,
             "checksum": self.algorithm,
+            "planned": self.planned,
             "done": self.done,
         }
         self.storage.write_text(INCOMPLETE, json.dumps(body))
@@ -162,3 +174,18 @@ def completed_by(url: str, fingerprint: str) -> bool:
         return json.loads(storage.read_text(MANIFEST)).get("plan_fingerprint") == fingerprint
     except ValueError:
         return False
+
+
+def foreign_files(storage: Storage, files: list[str]) -> list[str]:
+    """Those of ``files`` (relative paths under ``storage``) that no ckptctl job wrote there: not
+    listed by its manifest, nor planned or logged by its in-progress marker. ``--overwrite``
+    removes a destination only when this is empty."""
+    owned = {MANIFEST, INCOMPLETE}
+    if MANIFEST in files:
+        with contextlib.suppress(ValueError, AttributeError):
+            owned |= set(json.loads(storage.read_text(MANIFEST)).get("files", {}))
+    if INCOMPLETE in files:
+        marker = read_marker(storage) or {}
+        owned |= set(marker.get("planned", [])) | set(marker.get("done", {}))
+    owned |= {f"{path}.partial" for path in owned}
+    return [path for path in files if path not in owned]

@@ -34,13 +34,13 @@ def open_checkpoint(
     allow_missing: bool = False,
     allow_incomplete: bool | None = None,
 ) -> Checkpoint:
-    storage = Storage(url)
+    storage = Storage(url, read_only=True)  # a source: never written, whatever happens
     if not storage.exists():
         raise CheckpointNotFoundError(f"{url}: no such checkpoint directory")
     if not storage.isdir() and url.endswith((".pt", ".pth")):
         # One torch.save state dict given by its file name (e.g. dcp_to_torch_save's output).
         parent, _, name = url.rstrip("/").rpartition("/")
-        return probe_torch_file(Storage(parent or "."), name)
+        return probe_torch_file(Storage(parent or ".", read_only=True), name)
     if not (ALLOW_INCOMPLETE.get() if allow_incomplete is None else allow_incomplete):
         refuse_incomplete(storage)
     names = set(storage.listdir(""))

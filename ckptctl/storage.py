@@ -1,8 +1,8 @@
 """Byte movement on any fsspec URL: a small storage object rooted at a checkpoint directory.
 
 Paths given to it are relative and ``/``-separated; any that would leave the root are refused,
-since index files inside an untrusted checkpoint name the files we open. Writes go to a
-``.partial`` name and are renamed into place only when complete.
+since index files inside an untrusted checkpoint name the files we open. Writes appear only when
+complete: a ``.partial`` file renamed into place, or on S3 a multipart upload to the final key.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from typing import Any, BinaryIO
 
 import fsspec
 
-from ckptctl.errors import CheckpointError, CheckpointNotFoundError
+from ckptctl.errors import CheckpointError, CheckpointNotFoundError, StorageError, UsageError
 from ckptctl.multipart import MultipartUpload, abort_stale_uploads
+from ckptctl.storage_errors import check_endpoint, explicit_endpoint
 
 
 class HashingWriter(io.RawIOBase):
@@ -64,6 +65,9 @@ S3_RETRIES = {"max_attempts": 10, "mode": "standard"}
 """botocore's own retry policy: exponential backoff with jitter on throttling (503 SlowDown),
 5xx and dropped connections."""
 
+S3_TIMEOUTS = {"connect_timeout": 5, "read_timeout": 60}
+"""Seconds; a dead endpoint is also caught up front by ``check_endpoint``."""
+
 
 @dataclass(frozen=True)
 class StorageConfig:
@@ -82,7 +86,7 @@ class StorageConfig:
             return {}
         options = dict(self.options)
         if protocol in ("s3", "s3a"):
-            options.setdefault("config_kwargs", {"retries": dict(S3_RETRIES)})
+            options.setdefault("config_kwargs", {"retries": dict(S3_RETRIES), **S3_TIMEOUTS})
             if self.endpoint_url:
                 options["endpoint_url"] = self.endpoint_url
         return options
@@ -96,14 +100,30 @@ def _protocols(fs: Any) -> tuple[str, ...]:
 
 
 class Storage:
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, read_only: bool = False) -> None:
         self.url = url
+        self.read_only = read_only
+        """A source: every write, removal or upload through this object is refused."""
         self.config = STORAGE_CONFIG.get() or StorageConfig()
         protocol = fsspec.utils.get_protocol(url)
-        self.fs, root = fsspec.core.url_to_fs(url, **self.config.fs_options(protocol))
+        options = self.config.fs_options(protocol)
+        try:
+            self.fs, root = fsspec.core.url_to_fs(url, **options)
+        except ValueError:  # fsspec: "Protocol not known: foo"
+            raise StorageError(
+                f"{url}: unknown URL scheme {protocol!r}",
+                hint="use a local path, file://, s3://bucket/prefix or another fsspec URL whose "
+                "package is installed (gs:// needs gcsfs, az:// adlfs)",
+            ) from None
+        except ImportError as err:  # a known scheme whose fsspec package is not installed
+            raise StorageError(
+                f"{url}: {err}", hint="install the package named, or use a local path or s3://"
+            ) from None
         self.root = root.rstrip("/") or "/"
         self.is_local = "file" in _protocols(self.fs)
         self.is_s3 = "s3" in _protocols(self.fs) and hasattr(self.fs, "call_s3")
+        if self.is_s3:
+            check_endpoint(explicit_endpoint(options))
 
     def path(self, rel: str) -> str:
         norm = posixpath.normpath(rel) if rel else "."
@@ -133,6 +153,23 @@ class Storage:
             raise CheckpointNotFoundError(f"{self.describe(rel)}: no such directory") from None
         return sorted(posixpath.basename(e.rstrip("/")) for e in entries)
 
+    def find_files(self, rel: str = "") -> list[str]:
+        """Every file below ``rel``, as paths relative to it (empty if it does not exist)."""
+        base = self.path(rel)
+        prefix = base.rstrip("/") + "/"
+        try:
+            found = self.fs.find(base)
+        except FileNotFoundError:
+            return []
+        return sorted(p[len(prefix) :] for p in found if p.startswith(prefix))
+
+    def _refuse_if_source(self, rel: str) -> None:
+        if self.read_only:
+            raise UsageError(
+                f"refusing to write {self.describe(rel)}: it lies in a source checkpoint",
+                hint="this is a bug in ckptctl; please report it",
+            )
+
     def read_text(self, rel: str) -> str:
         try:
             with self.fs.open(self.path(rel), "rb") as f:
@@ -145,6 +182,14 @@ class Storage:
         s3fs defaults to 50 MiB), so fetching a pickle or one tensor's range does not pull in
         megabytes nobody asked for."""
         options = {} if self.is_local else {"block_size": REMOTE_BLOCK_SIZE}
+        try:
+            return self.fs.open(self.path(rel), "rb", **options)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"{self.describe(rel)}: file not found") from None
+
+    def open_sequential(self, rel: str, block_size: int = 8 << 20) -> BinaryIO:
+        """A reader for one front-to-back pass over a whole file (large read-ahead blocks)."""
+        options = {} if self.is_local else {"block_size": block_size}
         try:
             return self.fs.open(self.path(rel), "rb", **options)
         except FileNotFoundError:
@@ -177,6 +222,7 @@ class Storage:
         completion, and is aborted on failure); elsewhere a ``.partial`` file renamed into place.
         The stream is forward-only (zip archives then use data descriptors instead of seeking
         back), so ``digest`` (a hashlib-style object) sees every byte once, as written."""
+        self._refuse_if_source(rel)
         final = self.path(rel)
         if self.is_s3:
             upload = MultipartUpload(
@@ -205,12 +251,14 @@ class Storage:
             f.write(text.encode())
 
     def remove(self, rel: str) -> None:
+        self._refuse_if_source(rel)
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm(self.path(rel), recursive=True)
 
     def begin_writing(self) -> None:
         """Before a job writes here: clear what a killed earlier run left unseen (on S3,
         incomplete multipart uploads under this prefix)."""
+        self._refuse_if_source("")
         if self.is_s3:
             abort_stale_uploads(self.fs, self.root)
 

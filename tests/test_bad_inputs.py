@@ -194,8 +194,15 @@ def test_existing_output_needs_overwrite(source_template: Path, tmp_path: Path, 
     result = cli("consolidate", source_template, dst, code=2)
     assert "--overwrite" in result.stderr
     assert (dst / "keep.txt").read_text() == "mine"
-    cli("consolidate", source_template, dst, "--overwrite")
-    assert (dst / "config.json").exists() and not (dst / "keep.txt").exists()
+    # --overwrite replaces only what ckptctl wrote: a directory of someone else's files stays.
+    result = cli("consolidate", source_template, dst, "--overwrite", code=2)
+    assert "keep.txt" in result.stderr and "no ckptctl job wrote" in result.stderr
+    assert (dst / "keep.txt").read_text() == "mine"
+    (dst / "keep.txt").unlink()
+    cli("consolidate", source_template, dst)
+    cli("consolidate", source_template, dst, "--format", "megatron", "--overwrite")
+    assert (dst / "latest_checkpointed_iteration.txt").exists()
+    assert not (dst / "config.json").exists()
 
 
 def test_debug_shows_traceback(source_template: Path, tmp_path: Path, cli) -> None:

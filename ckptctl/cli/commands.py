@@ -14,17 +14,19 @@ from rich.table import Table
 
 from ckptctl.catalog import OPTIMIZER_STATES
 from ckptctl.cli.output import Output, RichProgress
-from ckptctl.errors import CkptctlError, OutputExistsError, StorageError, UsageError
+from ckptctl.errors import CkptctlError, OutputExistsError, UsageError
 from ckptctl.execute import DEFAULT_MEMORY_BUDGET, Report, Sources, execute
 from ckptctl.formats.dcp import DcpCheckpoint
 from ckptctl.formats.megatron import MegatronCheckpoint
 from ckptctl.formats.megatron_layout import MegatronStyle
 from ckptctl.geometry import nbytes
-from ckptctl.manifest import INCOMPLETE, completed_by, read_marker
+from ckptctl.locations import refuse_overlap
+from ckptctl.manifest import INCOMPLETE, completed_by, foreign_files, read_marker
 from ckptctl.plan import Plan
 from ckptctl.probe import Checkpoint, fingerprint, open_checkpoint
 from ckptctl.staging import StagedStorage
 from ckptctl.storage import Storage
+from ckptctl.storage_errors import classify
 from ckptctl.stored import Format
 from planners.consolidate import plan_consolidate, plan_state_dict
 
@@ -259,26 +261,40 @@ def _show_inspect(out: Output, info: dict[str, Any]) -> None:
         out.warn(note)
 
 
-def _prepare_target(
-    url: str, source_url: str, overwrite: bool, fingerprint: str | None = None
-) -> Storage:
+def _check_target(url: str, overwrite: bool, fingerprint: str) -> Storage | None:
+    """Validate the destination before anything is written or warned about.
+
+    Returns the storage to clear first (``--overwrite`` of a previous ckptctl output, or debris
+    of a run killed before it wrote anything), or ``None`` if the destination can be written as
+    it is (absent, empty, or an interrupted run of this very plan, which is resumed)."""
     target = Storage(url)
-    source = Storage(source_url)
-    if target.fs is source.fs and target.root == source.root:
-        raise UsageError("the destination is the source; choose another directory")
-    marker = read_marker(target) if target.isdir() else None
+    if not target.exists():
+        return None
+    if not target.isdir():
+        raise OutputExistsError(
+            f"{url} is a file, not a directory", hint="choose a directory as the destination"
+        )
+    marker = read_marker(target)
     if marker and marker.get("plan_fingerprint") == fingerprint and not overwrite:
-        return target  # an interrupted run of this very plan: resume it
+        return None  # an interrupted run of this very plan: resume it
+    files = target.find_files()
     # Leftovers of a run killed before it wrote anything are not content.
-    debris = {INCOMPLETE, INCOMPLETE + ".partial"}
-    if target.isdir() and target.listdir("") and set(target.listdir("")) <= debris:
-        target.remove("")
-    if target.exists() and (not target.isdir() or target.listdir("")):
-        if not overwrite:
-            raise OutputExistsError(
-                f"{url} exists and is not empty; pass --overwrite to replace it"
-            )
-        target.remove("")
+    if set(files) <= {INCOMPLETE, INCOMPLETE + ".partial"}:
+        return target if files else None
+    if not overwrite:
+        raise OutputExistsError(
+            f"{url} exists and is not empty",
+            hint="pass --overwrite to replace a previous ckptctl output, or choose another "
+            "destination",
+        )
+    foreign = foreign_files(target, files)
+    if foreign:
+        more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
+        raise OutputExistsError(
+            f"--overwrite: {url} holds {foreign[0]}{more}, which no ckptctl job wrote; "
+            "ckptctl only replaces its own outputs",
+            hint="remove those files yourself or choose another destination",
+        )
     return target
 
 
@@ -390,6 +406,30 @@ def _style(ckpt: Checkpoint) -> MegatronStyle:
     return MegatronStyle()
 
 
+def given_sources(
+    src: str, full: list[str] | None = None, replicas: list[str] | None = None
+) -> dict[str, str | None]:
+    """The checkpoints named on the command line, labelled for error messages."""
+    sources: dict[str, str | None] = {"source": src}
+    for label, urls in (("--full checkpoint", full), ("--replica", replicas)):
+        sources.update({label + (f" {i + 1}" if i else ""): u for i, u in enumerate(urls or [])})
+    return sources
+
+
+def _plan_sources(plan: Plan) -> dict[str, str | None]:
+    """Every stored checkpoint a plan reads, by the label an error message should use."""
+    sources: dict[str, str | None] = {"source": plan.source_url}
+    for ref in plan.extra_sources:
+        sources[f"source copy ({ref.prefix})"] = ref.url
+    return sources
+
+
+def _warn_notes(out: Output, plan: Plan, quiet: bool) -> None:
+    if not quiet:
+        for note in plan.notes:
+            out.warn(note)
+
+
 def _carry_out(
     out: Output,
     ckpt: Checkpoint | Sources,
@@ -399,17 +439,23 @@ def _carry_out(
     dry_run: bool,
     quiet: bool,
 ) -> Report | None:
-    """Warn about the plan's notes, then execute it unless this is a dry run."""
-    if not quiet:
-        for note in plan.notes:
-            out.warn(note)
+    """Check the destination, warn about the plan's notes, then execute the plan unless this is
+    a dry run. Nothing is written (and no warning printed) before every check has passed."""
+    refuse_overlap("destination", plan.target_url, _plan_sources(plan))
+    stage_dir = STAGE_DIR.get()
+    if stage_dir is not None:
+        refuse_overlap("--stage-dir", stage_dir, _plan_sources(plan))
     if dry_run:
+        _warn_notes(out, plan, quiet)
         return None
     if not overwrite and completed_by(plan.target_url, plan.fingerprint()):
         out.info(f"{plan.target_url} is already complete for this plan; nothing to do")
         return Report(files_written=[])
-    target = _prepare_target(plan.target_url, plan.source_url, overwrite, plan.fingerprint())
-    stage_dir = STAGE_DIR.get()
+    to_clear = _check_target(plan.target_url, overwrite, plan.fingerprint())
+    _warn_notes(out, plan, quiet)
+    if to_clear is not None:
+        to_clear.remove("")
+    target = Storage(plan.target_url)
     if stage_dir is not None:
         target = StagedStorage(target, stage_dir)
     workers = plan.read_workers
@@ -429,11 +475,11 @@ def _carry_out(
         )
     except CkptctlError:
         raise
-    except OSError as err:
-        raise StorageError(
-            f"{plan.source_url} -> {plan.target_url}: {err.strerror or err}; nothing was marked "
-            "complete (check the URLs, credentials and endpoint, then rerun to resume)"
-        ) from err
+    except Exception as err:
+        storage = classify(err, f"{plan.source_url} -> {plan.target_url}")
+        if storage is None:
+            raise
+        raise storage from err
     finally:
         if isinstance(target, StagedStorage):
             target.close()
@@ -501,6 +547,7 @@ def run_consolidate(
     quiet: bool = False,
 ) -> tuple[Plan, Report | None]:
     """Probe ``src``, plan the consolidation (or load ``plan_file``) and execute it."""
+    refuse_overlap("destination", dst, {"source": src})
     if plan_file is not None:
         plan, sources = _saved_plan(plan_file, "consolidate", src, dst, iteration, true_vocab_size)
         return plan, _carry_out(out, sources, plan, overwrite, memory_budget, dry_run, quiet)
@@ -558,6 +605,7 @@ def run_reshard(
     """Probe every stored copy, choose a strategy (or load ``plan_file``) and execute it."""
     from ckptctl.cli import planning
 
+    refuse_overlap("destination", dst, given_sources(src, full, replicas))
     if plan_file is not None:
         plan, sources = _saved_plan(plan_file, "reshard", src, dst, iteration, true_vocab_size)
         return plan, _carry_out(out, sources, plan, overwrite, memory_budget, dry_run, quiet)
@@ -626,9 +674,13 @@ def register_reshard(
         STAGE_DIR.set(stage_dir)
         out = Output(as_json)
         with boundary(out):
+            sources = given_sources(src, full, replica)
+            refuse_overlap("destination", dst, sources)
             if via_full is not None:
                 if dry_run or plan_file is not None:
                     raise UsageError("--via-full runs two steps; it takes no --dry-run or --plan")
+                refuse_overlap("--via-full directory", via_full, sources)
+                refuse_overlap("destination", dst, {"--via-full directory": via_full})
                 run_consolidate(
                     out,
                     src,
