@@ -5,6 +5,10 @@ Checks, each reported as passed, failed or skipped (with why):
 * complete: no in-progress marker left by an interrupted ckptctl job;
 * manifest: every file the manifest lists exists with its size and xxh3-64 checksum (skipped
   for checkpoints ckptctl did not write);
+* checksums: what foreign files can prove about themselves: the CRC-32 of every zip entry of
+  every ``torch.save`` archive (Megatron rank files, ``distrib_optim.pt``, ``common.pt``, DCP
+  tensor records), read in the same pass as the manifest digest; safetensors headers against
+  file sizes (the format has no checksum, and the report says so);
 * structure: every rank file has every tensor the layout needs, with its shape, and the files
   agree on ``args`` (the probe);
 * coverage: every element of every canonical tensor, optimizer state included, is held by some
@@ -23,10 +27,12 @@ import torch
 from ckptctl.catalog import parameters
 from ckptctl.errors import CkptctlError
 from ckptctl.geometry import box_difference, nbytes
-from ckptctl.manifest import INCOMPLETE, MANIFEST, file_checksum
+from ckptctl.integrity import safetensors_problems, stream_check
+from ckptctl.manifest import INCOMPLETE, MANIFEST, new_digest
 from ckptctl.probe import Checkpoint, open_checkpoint
 from ckptctl.storage import Storage
 from ckptctl.stored import canonical_shapes
+from ckptctl.verify_targets import Targets, integrity_targets
 
 
 @dataclass
@@ -38,27 +44,27 @@ class Check:
 
 
 def verify(url: str, *, numerics: bool = False, band_bytes: int = 64 << 20) -> list[Check]:
-    storage = Storage(url)
+    storage = Storage(url, read_only=True)
     checks = [
         Check("complete", "failed", f"{INCOMPLETE} present: the job that wrote it was interrupted")
         if storage.exists(INCOMPLETE)
         else Check("complete", "passed", f"no {INCOMPLETE} marker")
     ]
-    checks.append(_manifest(storage))
     try:
-        ckpt = open_checkpoint(url, allow_incomplete=True)
-    except CkptctlError as err:
-        checks.append(Check("structure", "failed", str(err)))
-        checks.append(Check("coverage", "skipped", "the structure check failed"))
-        checks.append(Check("numerics", "skipped", "the structure check failed"))
-        return checks
-    checks.append(
-        Check(
+        ckpt: Checkpoint | None = open_checkpoint(url, allow_incomplete=True)
+        structure = Check(
             "structure",
             "passed",
             f"{len(ckpt.view.files)} files, {ckpt.view.format.value} {ckpt.view.layout.describe()}",
         )
-    )
+    except CkptctlError as err:
+        ckpt, structure = None, Check("structure", "failed", str(err))
+    checks.extend(_stored_bytes(storage, ckpt))
+    checks.append(structure)
+    if ckpt is None:
+        checks.append(Check("coverage", "skipped", "the structure check failed"))
+        checks.append(Check("numerics", "skipped", "the structure check failed"))
+        return checks
     checks.append(_coverage(ckpt))
     checks.append(
         _numerics(ckpt, band_bytes)
@@ -68,26 +74,78 @@ def verify(url: str, *, numerics: bool = False, band_bytes: int = 64 << 20) -> l
     return checks
 
 
-def _manifest(storage: Storage) -> Check:
+def _stored_bytes(storage: Storage, ckpt: Checkpoint | None) -> list[Check]:
+    """The manifest and the checksums the files carry themselves, in one read of each file."""
+    manifest, unreadable = _read_manifest(storage)
+    listed: dict[str, dict] = manifest["files"] if manifest else {}
+    targets = integrity_targets(ckpt) if ckpt is not None else Targets()
+    # Zip entries are checked in the same pass as the manifest digest where the roots agree.
+    zips = targets.zips if ckpt is None or ckpt.storage.url == storage.url else {}
+    algorithm = manifest.get("checksum", "xxh3_64") if manifest else "xxh3_64"
+    manifest_problems: list[str] = []
+    crc_problems: list[str] = []
+    for path in sorted(set(listed) | set(zips)):
+        meta = listed.get(path)
+        if meta is not None:
+            if not storage.exists(path):
+                manifest_problems.append(f"{path} missing")
+                continue
+            if (size := storage.size(path)) != meta["size"]:
+                manifest_problems.append(f"{path} has {size} bytes, manifest says {meta['size']}")
+                meta = None
+        digest = new_digest(algorithm) if meta is not None else None
+        crc_problems += stream_check(storage, path, zips.get(path, []), digest)
+        if digest is not None and digest.hexdigest() != meta["checksum"]:
+            manifest_problems.append(f"{path} checksum differs from the manifest")
+    if ckpt is not None and not zips:
+        for path, entries in targets.zips.items():
+            crc_problems += stream_check(ckpt.storage, path, entries)
+    for path in targets.safetensors:
+        crc_problems += safetensors_problems(ckpt.storage, path)  # type: ignore[union-attr]
+    if unreadable:
+        manifest_check = Check("manifest", "failed", unreadable)
+    elif manifest is None:
+        manifest_check = Check(
+            "manifest", "skipped", "no ckptctl manifest (not written by ckptctl)"
+        )
+    elif manifest_problems:
+        manifest_check = Check("manifest", "failed", "; ".join(manifest_problems[:5]))
+    else:
+        manifest_check = Check(
+            "manifest", "passed", f"{len(listed)} files, sizes and checksums match"
+        )
+    return [manifest_check, _checksum_check(targets, crc_problems, manifest is not None)]
+
+
+def _checksum_check(targets: Targets, problems: list[str], has_manifest: bool) -> Check:
+    if problems:
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        return Check("checksums", "failed", "; ".join(problems[:5]) + more)
+    said = []
+    if targets.zips:
+        entries = sum(len(e) for e in targets.zips.values())
+        said.append(f"CRC-32 of {entries} zip entries in {len(targets.zips)} files match")
+    said += targets.unchecked
+    if targets.safetensors:
+        said.append(
+            f"{len(targets.safetensors)} safetensors files: headers and sizes consistent; the "
+            "format stores no checksum, so their tensor bytes "
+            + ("are covered by the manifest" if has_manifest else "cannot be checked")
+        )
+    if not targets.zips and not has_manifest:
+        return Check("checksums", "skipped", "; ".join(said) or "no checksums in this format")
+    return Check("checksums", "passed", "; ".join(said))
+
+
+def _read_manifest(storage: Storage) -> tuple[dict | None, str]:
     if not storage.exists(MANIFEST):
-        return Check("manifest", "skipped", "no ckptctl manifest (not written by ckptctl)")
+        return None, ""
     try:
         manifest = json.loads(storage.read_text(MANIFEST))
-        files = manifest["files"]
-        algorithm = manifest.get("checksum", "xxh3_64")
-    except (ValueError, KeyError) as err:
-        return Check("manifest", "failed", f"{MANIFEST} unreadable ({err})")
-    problems = []
-    for path, meta in sorted(files.items()):
-        if not storage.exists(path):
-            problems.append(f"{path} missing")
-        elif storage.size(path) != meta["size"]:
-            problems.append(f"{path} has {storage.size(path)} bytes, manifest says {meta['size']}")
-        elif file_checksum(storage, path, algorithm=algorithm) != meta["checksum"]:
-            problems.append(f"{path} checksum differs from the manifest")
-    if problems:
-        return Check("manifest", "failed", "; ".join(problems[:5]))
-    return Check("manifest", "passed", f"{len(files)} files, sizes and checksums match")
+        manifest["files"].items()
+        return manifest, ""
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        return None, f"{MANIFEST} unreadable ({err})"
 
 
 def _coverage(ckpt: Checkpoint) -> Check:

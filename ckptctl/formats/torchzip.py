@@ -21,6 +21,7 @@ import struct
 import threading
 import types
 import zipfile
+import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from math import prod
@@ -206,6 +207,7 @@ class TorchZipReader:
             raise CheckpointError(f"{where}: archive has no data.pkl; not a torch.save file")
         self._prefix = pkl[0].rsplit("/", 1)[0]
         self._data_offsets: dict[str, tuple[int, int]] = {}
+        self._crcs: dict[str, int] = {}
         # One file handle: seek + read must not interleave between reader threads.
         self._lock = threading.Lock()
         self.tree = restricted_loads(self._read_entry(pkl[0]), where)
@@ -233,7 +235,20 @@ class TorchZipReader:
                 info.header_offset + 30 + name_len + extra_len,
                 info.file_size,
             )
+            self._crcs[key] = info.CRC
         return self._data_offsets[key]
+
+    def _check_whole(self, ref: TensorRef, first: int, data: Any) -> None:
+        """A read that covers a whole storage record is checked against the record's CRC-32
+        (cheap next to the read, and a partial read cannot be checked), so corrupt foreign
+        files are refused instead of carried into the output."""
+        key = ref.storage.key
+        whole = first == 0 and len(data) == self._data_offsets[key][1]
+        if whole and zlib.crc32(data) != self._crcs[key]:
+            raise CheckpointError(
+                f"{self.where}: storage record {key} fails its CRC-32 check; the file is "
+                "corrupt (ckptctl verify lists every damaged entry)"
+            )
 
     def read(
         self, ref: TensorRef, offsets: Shape | None = None, sizes: Shape | None = None
@@ -254,6 +269,7 @@ class TorchZipReader:
         data = self._fetch(start + first * ref.dtype.itemsize, nbytes)
         if len(data) != nbytes:
             raise CheckpointError(f"{self.where}: unexpected end of file in {ref.storage.key}")
+        self._check_whole(ref, first * ref.dtype.itemsize, data)
         flat = torch.frombuffer(bytearray(data), dtype=ref.dtype)
         return torch.as_strided(flat, sizes, ref.stride).contiguous()
 
@@ -290,6 +306,7 @@ class TorchZipReader:
             if not n:
                 raise CheckpointError(f"{self.where}: unexpected end of file in {ref.storage.key}")
             got += n
+        self._check_whole(ref, first * itemsize, buf)
         flat = torch.frombuffer(buf, dtype=ref.dtype)
         return torch.as_strided(flat, sizes, ref.stride).contiguous()
 
