@@ -137,6 +137,9 @@ class Plan(_Frozen):
     extra_sources: tuple[SourceRef, ...] = ()
     read_workers: int = 1
     """Source ranges fetched in parallel (reads spread over several stored copies)."""
+    source_identities: tuple[tuple[str, str], ...] = ()
+    """Each source file the plan depends on, with what identifies its content (size and times
+    locally, ETag on object stores): a saved plan names the file that changed since."""
 
     def fingerprint(self) -> str:
         """A stable hash of the plan's content, so processes and reruns can check they agree."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import posixpath
 from contextvars import ContextVar
 
 from ckptctl.errors import CheckpointNotFoundError
@@ -13,10 +14,12 @@ from ckptctl.formats.hf import HFCheckpoint, probe_hf
 from ckptctl.formats.hf_layout import CONFIG
 from ckptctl.formats.megatron import MegatronCheckpoint, find_iteration, probe_megatron
 from ckptctl.formats.megatron_layout import TRACKER
+from ckptctl.formats.torch_dist_layout import COMMON, MCORE_METADATA
 from ckptctl.formats.torch_file import STATE_DICT_FILE, TorchFileCheckpoint, probe_torch_file
 from ckptctl.manifest import refuse_incomplete
+from ckptctl.plan import Plan
 from ckptctl.storage import Storage
-from ckptctl.stored import CheckpointView
+from ckptctl.stored import CheckpointView, Format
 
 Checkpoint = MegatronCheckpoint | HFCheckpoint | DcpCheckpoint | TorchFileCheckpoint
 
@@ -70,11 +73,54 @@ def file_sizes(storage: Storage, view: CheckpointView, lost: frozenset[str]) -> 
     return {f.path: storage.size(f.path) for f in view.files if f.path not in lost}
 
 
+def _description_files(storage: Storage, view: CheckpointView) -> list[str]:
+    """Files besides the tensor files that say what the checkpoint is (its metadata)."""
+    if view.format in (Format.DCP, Format.TORCH_DIST) and view.files:
+        base = posixpath.dirname(view.files[0].path)
+        names = (METADATA_FILE, COMMON, MCORE_METADATA)
+        candidates = [posixpath.join(base, n) if base else n for n in names]
+    elif view.format is Format.HF:
+        candidates = [CONFIG]
+    else:
+        candidates = []
+    return [c for c in candidates if storage.exists(c)]
+
+
+def identities(
+    storage: Storage, view: CheckpointView, lost: frozenset[str] = frozenset()
+) -> dict[str, str]:
+    """Every file the checkpoint's content depends on -> its content identity."""
+    files = [f.path for f in view.files if f.path not in lost]
+    return {p: storage.identity(p) for p in sorted({*files, *_description_files(storage, view)})}
+
+
 def fingerprint(storage: Storage, view: CheckpointView, lost: frozenset[str] = frozenset()) -> str:
-    """A hash of what is stored (file names and sizes) and how it was read (spec, layout)."""
+    """A hash of what is stored (each file's content identity: size, times, inode or ETag) and
+    how it was read (spec, layout): any change to a source file changes it."""
     body = {
-        "files": sorted(file_sizes(storage, view, lost).items()),
+        "files": sorted(identities(storage, view, lost).items()),
         "spec": view.spec.model_dump(mode="json") if view.spec else None,
         "layout": view.layout.model_dump(mode="json"),
     }
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def with_identities(
+    plan: Plan, storage: Storage, view: CheckpointView, lost: frozenset[str] = frozenset()
+) -> Plan:
+    """``plan`` recording the content identity of each source file it depends on."""
+    found = tuple(identities(storage, view, lost).items())
+    return plan.model_copy(update={"source_identities": found})
+
+
+def changed_files(plan: Plan, storage: Storage) -> list[str]:
+    """Source files whose identity differs from what ``plan`` recorded (or that are gone)."""
+    changed = []
+    for path, recorded in plan.source_identities:
+        try:
+            now = storage.identity(path)
+        except (OSError, CheckpointNotFoundError):
+            now = "missing"
+        if now != recorded:
+            changed.append(f"{path} ({'missing' if now == 'missing' else 'changed'})")
+    return changed

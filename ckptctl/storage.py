@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import posixpath
 from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
@@ -144,6 +145,27 @@ class Storage:
 
     def size(self, rel: str) -> int:
         return int(self.fs.size(self.path(rel)))
+
+    def identity(self, rel: str) -> str:
+        """What changes whenever the file's content may have: size, modification and change
+        times and inode on local disks (ctime cannot be set back by hand); ETag or version on
+        object stores. Cheap: metadata only, never the bytes."""
+        path = self.path(rel)
+        if self.is_local:
+            st = os.stat(path)
+            return (
+                f"size={st.st_size} mtime={st.st_mtime_ns} ctime={st.st_ctime_ns} ino={st.st_ino}"
+            )
+        info = self.fs.info(path)
+        tag = next(
+            (
+                str(info[k])
+                for k in ("VersionId", "ETag", "etag", "md5Hash", "mtime")
+                if info.get(k)
+            ),
+            str(info.get("LastModified") or info.get("created") or ""),
+        )
+        return f"size={info.get('size')} tag={tag}"
 
     def listdir(self, rel: str = "") -> list[str]:
         base = self.path(rel)

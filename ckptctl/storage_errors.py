@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import socket
 import urllib.parse
+
+from pydantic import ByteSize
 
 from ckptctl.errors import CkptctlError, StorageError
 
@@ -107,3 +110,24 @@ def explicit_endpoint(options: dict) -> str | None:
         or os.environ.get("AWS_ENDPOINT_URL_S3")
         or os.environ.get("AWS_ENDPOINT_URL")
     )
+
+
+def check_free_space(url: str, needed: int) -> None:
+    """Refuse a local destination whose file system cannot hold ``needed`` more bytes, before
+    anything is written (a full disk found mid-write wastes the whole run)."""
+    from ckptctl.locations import location
+
+    where = location(url)
+    if where.store != "file" or needed <= 0:
+        return
+    path = where.path
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    free = shutil.disk_usage(path).free
+    if free < needed:
+        missing = ByteSize(needed - free).human_readable()
+        raise StorageError(
+            f"{url}: the job writes {ByteSize(needed).human_readable()} but only "
+            f"{ByteSize(free).human_readable()} is free there ({missing} missing)",
+            hint="free space or choose another destination",
+        )

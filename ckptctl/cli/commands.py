@@ -23,10 +23,10 @@ from ckptctl.geometry import nbytes
 from ckptctl.locations import refuse_overlap
 from ckptctl.manifest import INCOMPLETE, completed_by, foreign_files, read_marker
 from ckptctl.plan import Plan
-from ckptctl.probe import Checkpoint, fingerprint, open_checkpoint
+from ckptctl.probe import Checkpoint, fingerprint, open_checkpoint, with_identities
 from ckptctl.staging import StagedStorage
 from ckptctl.storage import Storage
-from ckptctl.storage_errors import classify
+from ckptctl.storage_errors import check_free_space, classify
 from ckptctl.stored import Format
 from planners.consolidate import plan_consolidate, plan_state_dict
 
@@ -424,6 +424,15 @@ def _plan_sources(plan: Plan) -> dict[str, str | None]:
     return sources
 
 
+def _resumable_bytes(plan: Plan) -> int:
+    """Bytes an interrupted run of this plan already wrote at its destination (kept on resume)."""
+    target = Storage(plan.target_url)
+    marker = read_marker(target) if target.isdir() else None
+    if not marker or marker.get("plan_fingerprint") != plan.fingerprint():
+        return 0
+    return sum(int(entry.get("size", 0)) for entry in marker.get("done", {}).values())
+
+
 def _warn_notes(out: Output, plan: Plan, quiet: bool) -> None:
     if not quiet:
         for note in plan.notes:
@@ -452,6 +461,7 @@ def _carry_out(
         out.info(f"{plan.target_url} is already complete for this plan; nothing to do")
         return Report(files_written=[])
     to_clear = _check_target(plan.target_url, overwrite, plan.fingerprint())
+    check_free_space(plan.target_url, plan.estimates.bytes_written - _resumable_bytes(plan))
     _warn_notes(out, plan, quiet)
     if to_clear is not None:
         to_clear.remove("")
@@ -562,6 +572,7 @@ def run_consolidate(
             source_fingerprint=fingerprint(ckpt.storage, generic.view),
             target_url=dst,
         )
+        plan = with_identities(plan, ckpt.storage, generic.view)
         return plan, _carry_out(out, generic, plan, overwrite, memory_budget, dry_run, quiet)
     if fmt not in (Format.HF, Format.MEGATRON):
         raise UsageError(f"consolidate --format {fmt.value}: choose hf, megatron or torch")
@@ -577,6 +588,7 @@ def run_consolidate(
         dtype=dtype,
         max_shard_bytes=max_shard_bytes,
     )
+    plan = with_identities(plan, ckpt.storage, ckpt.view)
     return plan, _carry_out(out, ckpt, plan, overwrite, memory_budget, dry_run, quiet)
 
 

@@ -41,7 +41,14 @@ from ckptctl.errors import CheckpointError, UsageError
 from ckptctl.geometry import nbytes
 from ckptctl.layout import ParallelLayout
 from ckptctl.plan import Plan
-from ckptctl.probe import Checkpoint, file_sizes, fingerprint, open_checkpoint
+from ckptctl.probe import (
+    Checkpoint,
+    changed_files,
+    file_sizes,
+    fingerprint,
+    open_checkpoint,
+    with_identities,
+)
 from ckptctl.stored import Format
 from planners.graph import overlap_graph
 from planners.strategy import Stored, plan_auto
@@ -159,7 +166,8 @@ def plan_for(
     lead = next(
         c for c, url in zip(everything, [src, *others], strict=True) if url == plan.source_url
     )
-    return plan, lead, by_prefix
+    lead_lost = (lost if lead is ckpt else frozenset()) | _planned_lost(plan, lead)
+    return with_identities(plan, lead.storage, lead.view, lead_lost), lead, by_prefix
 
 
 def check_fresh(plan: Plan, ckpt: Checkpoint, extra: dict[str, Checkpoint]) -> None:
@@ -167,9 +175,13 @@ def check_fresh(plan: Plan, ckpt: Checkpoint, extra: dict[str, Checkpoint]) -> N
     lost = getattr(ckpt, "lost", frozenset())
     now = fingerprint(ckpt.storage, ckpt.view, lost | _planned_lost(plan, ckpt))
     if now != plan.source_fingerprint:
+        changed = changed_files(plan, ckpt.storage)
+        which = f": {', '.join(changed[:3])}" if changed else ""
+        more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
         raise CheckpointError(
-            f"{plan.source_url} changed since the plan was made (fingerprint {now}, plan "
-            f"{plan.source_fingerprint}); make a new plan"
+            f"{plan.source_url} changed since the plan was made{which}{more} (fingerprint "
+            f"{now}, plan {plan.source_fingerprint})",
+            hint="make a new plan with ckptctl plan",
         )
     for ref in plan.extra_sources:
         other = extra[ref.prefix]
