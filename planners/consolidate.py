@@ -73,7 +73,7 @@ def plan_consolidate(
     target_format: Format,
     style: MegatronStyle,
     dtype: str | None = None,
-    max_shard_bytes: int = 5_000_000_000,
+    max_shard_bytes: int = 5 << 30,
 ) -> Plan:
     """One full checkpoint: HF safetensors (weights) or a TP1/PP1 Megatron checkpoint (weights,
     optimizer and training state). ``dtype`` converts weights only; optimizer state stays fp32."""

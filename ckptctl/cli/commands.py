@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from pydantic import ByteSize, TypeAdapter
 from rich.table import Table
 
 from ckptctl.catalog import OPTIMIZER_STATES
@@ -90,12 +91,19 @@ LostNodes = Annotated[
     typer.Option("--lost-nodes", help="Nodes whose files are lost (with --ranks-per-node)."),
 ]
 RanksPerNode = Annotated[int | None, typer.Option("--ranks-per-node", help="Ranks per node.")]
+
+
+class StrategyName(StrEnum):
+    auto = "auto"
+    direct = "direct"
+    shard_to_shard = "shard-to-shard"
+    recovery = "recovery"
+    full_then_split = "full-then-split"
+
+
 Strategy = Annotated[
-    str,
-    typer.Option(
-        "--strategy",
-        help="auto, direct, shard-to-shard, recovery or full-then-split.",
-    ),
+    StrategyName,
+    typer.Option("--strategy", help="How to reach the target (auto: the cheapest valid one)."),
 ]
 PlanFile = Annotated[
     Path | None, typer.Option("--plan", help="Run exactly this saved plan (from ckptctl plan).")
@@ -165,29 +173,14 @@ def layout_choices(
 
 
 def parse_size(text: str) -> int:
-    """``512MiB``, ``2GiB``, ``5GB``, ``1000`` -> bytes."""
-    units = {
-        "k": 10**3,
-        "m": 10**6,
-        "g": 10**9,
-        "t": 10**12,
-        "ki": 2**10,
-        "mi": 2**20,
-        "gi": 2**30,
-        "ti": 2**40,
-    }
-    s = text.strip().lower().removesuffix("b")
-    for suffix in sorted(units, key=len, reverse=True):
-        if s.endswith(suffix):
-            number = s[: -len(suffix)]
-            try:
-                return int(float(number) * units[suffix])
-            except ValueError:
-                break
+    """``512MiB``, ``2GiB``, ``5GB``, ``1000`` -> bytes (pydantic's ``ByteSize`` reads them)."""
     try:
-        return int(s)
+        return int(_BYTE_SIZE.validate_python(text.strip()))
     except ValueError:
-        raise UsageError(f"cannot read size {text!r}; use e.g. 512MiB or 5GB") from None
+        raise UsageError(f"cannot read size {text!r}; use e.g. 512MiB or 2GiB") from None
+
+
+_BYTE_SIZE = TypeAdapter(ByteSize)
 
 
 def describe(ckpt: Checkpoint) -> dict[str, Any]:
@@ -352,7 +345,7 @@ def register(app: typer.Typer, boundary: Callable[[Output], AbstractContextManag
         dtype: WeightDType = None,
         max_shard_size: Annotated[
             str, typer.Option("--max-shard-size", help="Largest HF safetensors file.")
-        ] = "5GB",
+        ] = "5GiB",
         plan_file: PlanFile = None,
         memory_budget: MemoryBudget = "1GiB",
         checksum: Checksum = ChecksumName.xxh3_64,
@@ -547,7 +540,7 @@ def run_consolidate(
     fmt: Format,
     *,
     dtype: str | None = None,
-    max_shard_bytes: int = 5_000_000_000,
+    max_shard_bytes: int = 5 << 30,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     dry_run: bool = False,
     overwrite: bool = False,
@@ -660,7 +653,7 @@ def register_reshard(
         lost_ranks: LostRanks = None,
         lost_nodes: LostNodes = None,
         ranks_per_node: RanksPerNode = None,
-        strategy: Strategy = "auto",
+        strategy: Strategy = StrategyName.auto,
         via_full: Annotated[
             str | None,
             typer.Option(
@@ -715,7 +708,7 @@ def register_reshard(
                 lost_ranks=lost_ranks,
                 lost_nodes=lost_nodes,
                 ranks_per_node=ranks_per_node,
-                strategy=strategy,
+                strategy=strategy.value,
                 plan_file=plan_file,
                 dtype=_DTYPES[dtype] if dtype else None,
                 memory_budget=parse_size(memory_budget),

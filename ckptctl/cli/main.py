@@ -13,10 +13,11 @@ from collections.abc import Iterator
 from typing import Annotated
 
 import typer
+import typer.core
 from pydantic import ValidationError
 
 from ckptctl import __version__
-from ckptctl.cli import commands, demo, planning
+from ckptctl.cli import commands, demo, formats, planning
 from ckptctl.cli.options import read_hf_config, storage_config
 from ckptctl.cli.output import Output
 from ckptctl.errors import CkptctlError
@@ -24,11 +25,86 @@ from ckptctl.probe import ALLOW_INCOMPLETE, HF_CONFIG
 from ckptctl.storage import STORAGE_CONFIG
 from ckptctl.storage_errors import classify
 
+GLOBAL_FLAGS = frozenset({"--debug", "--allow-incomplete"})
+GLOBAL_VALUED = frozenset(
+    {"--endpoint-url", "--storage-option", "--part-size", "--upload-parallel", "--hf-config"}
+)
+
+
+def hoist_global_options(args: list[str], commands: set[str]) -> list[str]:
+    """Global options given after the command move before it, as the aws and hf CLIs accept
+    them anywhere: ``ckptctl inspect s3://b/x --endpoint-url URL``."""
+    at, i = None, 0
+    while i < len(args) and at is None:
+        if args[i] in GLOBAL_VALUED:
+            i += 1  # skip the option's value
+        elif args[i] in commands:
+            at = i
+        i += 1
+    if at is None:
+        return args
+    moved: list[str] = []
+    kept: list[str] = []
+    rest = args[at + 1 :]
+    i = 0
+    while i < len(rest):
+        arg = rest[i]
+        if arg == "--":
+            kept += rest[i:]
+            break
+        if arg in GLOBAL_FLAGS or ("=" in arg and arg.split("=", 1)[0] in GLOBAL_VALUED):
+            moved.append(arg)
+        elif arg in GLOBAL_VALUED and i + 1 < len(rest):
+            moved += rest[i : i + 2]
+            i += 1
+        else:
+            kept.append(arg)
+        i += 1
+    return [*args[:at], *moved, args[at], *kept]
+
+
+class CkptctlGroup(typer.core.TyperGroup):
+    """The root command: global options anywhere, and under ``--json`` a usage error (a bad
+    flag or value, caught before any command runs) is one JSON error document too."""
+
+    def main(  # type: ignore[override]
+        self,
+        args: list[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        **extra: object,
+    ) -> object:
+        argv = hoist_global_options(
+            list(sys.argv[1:] if args is None else args), set(self.commands)
+        )
+        options = argv[: argv.index("--")] if "--" in argv else argv
+        if not standalone_mode or "--json" not in options:
+            return super().main(argv, prog_name, complete_var, standalone_mode, **extra)
+        try:
+            code = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
+        except Exception as err:
+            exit_code, describe = (
+                getattr(err, "exit_code", None),
+                getattr(err, "format_message", None),
+            )
+            if exit_code is None or describe is None:
+                raise
+            command = next((a for a in argv if a in self.commands), "")
+            Output(True).fail(
+                describe(), exit_code, f"see ckptctl {command} --help".replace("  ", " ")
+            )
+            sys.exit(exit_code)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
 app = typer.Typer(
     name="ckptctl",
-    help="Consolidate, reshard and verify sharded LLM training checkpoints.",
+    cls=CkptctlGroup,
+    help="Consolidate, reshard and verify sharded LLM training checkpoints. Global options "
+    "(--endpoint-url, --storage-option, --debug, ...) may also follow the command.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     pretty_exceptions_enable=False,
 )
 
@@ -137,6 +213,7 @@ planning.register(app, error_boundary)
 planning.register_calibrate(app, error_boundary)
 planning.register_verify(app, error_boundary)
 demo.register(app, error_boundary)
+formats.register(app, error_boundary)
 
 
 def main() -> None:

@@ -57,7 +57,7 @@ class RichProgress:
         self._progress = Progress(
             "[progress.description]{task.description}",
             BarColumn(),
-            DownloadColumn(),
+            DownloadColumn(binary_units=True),
             TransferSpeedColumn(),
             TimeRemainingColumn(),
             console=console,

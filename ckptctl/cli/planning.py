@@ -28,6 +28,7 @@ from ckptctl.cli.commands import (
     Replica,
     ReshardFormat,
     Strategy,
+    StrategyName,
     Tp,
     TrueVocab,
     Vpp,
@@ -298,7 +299,7 @@ def register(app: typer.Typer, boundary: Callable[[Output], AbstractContextManag
         lost_ranks: LostRanks = None,
         lost_nodes: LostNodes = None,
         ranks_per_node: RanksPerNode = None,
-        strategy: Strategy = "auto",
+        strategy: Strategy = StrategyName.auto,
         save: Annotated[
             Path | None, typer.Option("--out", help="Save the plan as JSON for --plan.")
         ] = None,
@@ -329,7 +330,7 @@ def register(app: typer.Typer, boundary: Callable[[Output], AbstractContextManag
                 lost_ranks=lost_ranks,
                 lost_nodes=lost_nodes,
                 ranks_per_node=ranks_per_node,
-                strategy=strategy,
+                strategy=strategy.value,
                 iteration=iteration,
                 true_vocab_size=true_vocab_size,
                 target_format=target_format,

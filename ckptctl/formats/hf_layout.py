@@ -19,7 +19,7 @@ from ckptctl.stored import StoredFile, StoredTensor
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 CONFIG = "config.json"
-DEFAULT_MAX_SHARD_BYTES = 5_000_000_000
+DEFAULT_MAX_SHARD_BYTES = 5 << 30
 
 
 def check_llama(spec: ModelSpec) -> None:
