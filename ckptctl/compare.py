@@ -21,7 +21,19 @@ class TensorDiff:
     name: str
     equal: bool
     max_abs_diff: float
+    """Over the elements that are numbers on both sides."""
     dtypes: tuple[str, str]
+    nan_mismatch: int = 0
+    """Elements that are NaN on one side only (NaN compares unequal to everything, so a max
+    abs diff alone would hide them)."""
+
+
+_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bit patterns: equal exactly when the bytes are (NaNs included)."""
+    return t.view(_SAME_WIDTH_INT[t.element_size()])
 
 
 def _canonical_file(ckpt: Checkpoint, names: list[str], shapes: dict[str, tuple]) -> StoredFile:
@@ -85,18 +97,24 @@ def _compare_tensor(
     rtol: float,
     atol: float,
 ) -> TensorDiff:
-    equal, worst = True, 0.0
+    equal, worst, nan_mismatch = True, 0.0, 0
+    exact = rtol == 0 and atol == 0
     rows = wa.shape[0] if wa.shape else 1
     step = max(asm_a.band_bytes // max(nbytes(wa.shape[1:], wa.dtype), 1), 1)
     for lo in range(0, rows, step):
         hi = min(lo + step, rows)
         x = asm_a._band(wa, getattr(torch, wa.dtype), lo, hi)
         y = asm_b._band(wb, getattr(torch, wb.dtype), lo, hi)
-        if wa.dtype == wb.dtype and torch.equal(x, y):
+        if wa.dtype == wb.dtype and torch.equal(_bits(x), _bits(y)):
             continue
-        diff = (x.double() - y.double()).abs()
+        xd, yd = x.double(), y.double()
+        nan_x, nan_y = xd.isnan(), yd.isnan()
+        nan_mismatch += int((nan_x ^ nan_y).sum())
+        numbers = ~(nan_x | nan_y)
+        xn, yn = xd[numbers], yd[numbers]
+        diff = torch.where(xn == yn, 0.0, (xn - yn).abs())  # inf - inf is no difference
         worst = max(worst, float(diff.max())) if diff.numel() else worst
-        exact = rtol == 0 and atol == 0
-        if exact or not torch.allclose(x.double(), y.double(), rtol=rtol, atol=atol):
+        close = torch.allclose(xn, yn, rtol=rtol, atol=atol) and not bool((nan_x ^ nan_y).any())
+        if exact or not close:
             equal = False
-    return TensorDiff(name, equal, worst, (wa.dtype, wb.dtype))
+    return TensorDiff(name, equal, worst, (wa.dtype, wb.dtype), nan_mismatch)

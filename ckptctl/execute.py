@@ -239,9 +239,7 @@ def execute(
         source = Sources(source)
     report = Report()
     started = time.perf_counter()
-    total = sum(
-        prod(t.shape) * getattr(torch, t.dtype).itemsize for f in plan.files for t in f.tensors
-    )
+    total = sum(_file_bytes(plan, f, source) for f in plan.files)
     progress.start(total, f"{plan.operation} -> {plan.target_url}")
     target.begin_writing()
     extra = torch_dist_directory_names(plan) if plan.target_format is Format.TORCH_DIST else ()
@@ -288,9 +286,7 @@ def _write_files(
         if reused is not None:  # resuming: this file was finished and is intact
             report.tensor_checksums[file.path] = reused["tensors"]
             report.records[file.path] = reused.get("records", [])
-            assemble.progress.advance(
-                sum(prod(t.shape) * getattr(torch, t.dtype).itemsize for t in file.tensors)
-            )
+            assemble.progress.advance(_file_bytes(plan, file, source))
             report.files_written.append(file.path)
             continue
         with target.open_write(file.path, new_digest(log.algorithm)) as out:
@@ -317,6 +313,15 @@ def _write_files(
             records=report.records.get(file.path),
         )
         report.files_written.append(file.path)
+
+
+def _file_bytes(plan: Plan, file: FileWrite, source: Sources) -> int:
+    """Bytes the progress bar counts for one target file: its tensors, or the whole source
+    file it copies."""
+    if file.kind is FileKind.COPY:
+        ckpt, rel = source.owner(plan.source_files[file.copy_of or 0])
+        return ckpt.storage.size(rel)
+    return sum(prod(t.shape) * getattr(torch, t.dtype).itemsize for t in file.tensors)
 
 
 def _copy_file(source: Sources, path: str, out: Any, assemble: Assembler) -> None:

@@ -219,12 +219,15 @@ def against(url: str, other: str, *, rtol: float, atol: float) -> tuple[Check, l
         return Check("against", "failed", f"no tensor in common with {other}"), rows
     if bad:
         worst = max(bad, key=lambda d: d.max_abs_diff)
-        return Check(
-            "against",
-            "failed",
-            f"{len(bad)} of {len(diffs)} tensors differ from {other} ({how}); largest max abs "
-            f"diff {worst.max_abs_diff:.3g} in {worst.name}",
-        ), rows
+        detail = f"{len(bad)} of {len(diffs)} tensors differ from {other} ({how}); "
+        nans = [d for d in bad if d.nan_mismatch]
+        if nans:
+            detail += (
+                f"{sum(d.nan_mismatch for d in nans)} elements are NaN on one side only (in "
+                f"{', '.join(d.name for d in nans[:3])}{' ...' if len(nans) > 3 else ''}); "
+            )
+        detail += f"largest max abs diff {worst.max_abs_diff:.3g} in {worst.name}"
+        return Check("against", "failed", detail), rows
     return Check("against", "passed", f"{len(diffs)} tensors equal to {other} ({how})"), rows
 
 

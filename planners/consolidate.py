@@ -18,7 +18,7 @@ from ckptctl.geometry import Piece
 from ckptctl.layout import ParallelLayout
 from ckptctl.plan import FileKind, Plan, TextWrite
 from ckptctl.stored import CheckpointView, Format, StoredFile, StoredTensor, canonical_shapes
-from planners.convert import plan_files
+from planners.convert import megatron_target_notes, plan_files
 
 
 def _is_weight(canonical: str) -> bool:
@@ -117,6 +117,7 @@ def plan_consolidate(
         )
         files, estimates = plan_files(source, targets, FileKind.MEGATRON_RANK, carry_from=0)
         finalize = [TextWrite(path=TRACKER, content=tracker_text(source.iteration))]
+        notes += megatron_target_notes(source, layout, target_format)
         reason = "Megatron TP1 PP1: every tensor merged, optimizer and training state kept"
     return Plan(
         operation="consolidate",

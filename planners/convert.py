@@ -14,8 +14,9 @@ from math import prod
 
 from ckptctl.errors import CheckpointError
 from ckptctl.geometry import Piece, Shape, box_difference, nbytes, overlap
+from ckptctl.layout import ParallelLayout
 from ckptctl.plan import CopyOp, Estimates, FileKind, FileWrite, TensorWrite
-from ckptctl.stored import CheckpointView, StoredFile, StoredTensor
+from ckptctl.stored import CheckpointView, Format, StoredFile, StoredTensor
 
 Found = tuple[int, Shape, Shape, Shape]
 """(candidate position, source offsets, target offsets, sizes)."""
@@ -174,3 +175,22 @@ def plan_files(
         peak_memory_bytes=peak,
         write_requests=len(targets),
     )
+
+
+def megatron_target_notes(
+    source: CheckpointView, target_layout: ParallelLayout, target_format: Format
+) -> list[str]:
+    """What a Megatron-family target cannot keep as it was, said the same way by every
+    operation that writes one (reshard, consolidate --format megatron)."""
+    notes = []
+    spec = source.spec
+    assert spec is not None
+    old, new = spec.padded_vocab_size(source.layout.tp), spec.padded_vocab_size(target_layout.tp)
+    if source.format in (Format.MEGATRON, Format.TORCH_DIST) and old != new:
+        notes.append(
+            f"vocabulary padding recomputed for tp={target_layout.tp}: {old} -> {new} rows; "
+            "padding rows of embedding, output layer and their optimizer state are zeros"
+        )
+    if source.format is Format.MEGATRON and target_format is Format.MEGATRON:
+        notes.append("RNG state cannot be resharded and is dropped (as Megatron's --no-load-rng)")
+    return notes

@@ -26,7 +26,7 @@ from ckptctl.formats.torch_dist_layout import (
 from ckptctl.layout import ParallelLayout
 from ckptctl.plan import FileKind, Plan, TextWrite
 from ckptctl.stored import CheckpointView, Format
-from planners.convert import plan_files
+from planners.convert import megatron_target_notes, plan_files
 
 
 def plan_reshard(
@@ -80,15 +80,7 @@ def plan_reshard(
         files, estimates = plan_files(source, targets, FileKind.MEGATRON_RANK, carry_from=0)
     else:
         raise UsageError(f"reshard --format {target_format.value}: choose megatron or torch_dist")
-    notes = list(source.notes)
-    old, new = spec.padded_vocab_size(source.layout.tp), spec.padded_vocab_size(target_layout.tp)
-    if source.format in (Format.MEGATRON, Format.TORCH_DIST) and old != new:
-        notes.append(
-            f"vocabulary padding recomputed for tp={target_layout.tp}: {old} -> {new} rows; "
-            "padding rows of embedding, output layer and their optimizer state are zeros"
-        )
-    if source.format is Format.MEGATRON and target_format is Format.MEGATRON:
-        notes.append("RNG state cannot be resharded and is dropped (as Megatron's --no-load-rng)")
+    notes = [*source.notes, *megatron_target_notes(source, target_layout, target_format)]
     if optimizer is None:
         notes.append("no optimizer state in the source: the target holds weights only")
     is_full = not source.layout.is_sharded

@@ -14,7 +14,7 @@ from pydantic import ByteSize, TypeAdapter
 from rich.table import Table
 
 from ckptctl.catalog import OPTIMIZER_STATES
-from ckptctl.cli.output import Output, RichProgress
+from ckptctl.cli.output import Output, RichProgress, human_bytes
 from ckptctl.errors import CkptctlError, OutputExistsError, UsageError
 from ckptctl.execute import DEFAULT_MEMORY_BUDGET, Report, Sources, execute
 from ckptctl.formats.dcp import DcpCheckpoint
@@ -143,12 +143,7 @@ Overwrite = Annotated[
 ]
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n}"
+_human = human_bytes
 
 
 def layout_choices(

@@ -17,6 +17,9 @@ from ckptctl.errors import UsageError
 from ckptctl.probe import open_checkpoint
 from ckptctl.stored import Format
 
+DEMO_MARKER = ".ckptctl-demo"
+"""Marks a directory the demo wrote, which a later ``demo --out`` may replace."""
+
 
 def register(app: typer.Typer, boundary) -> None:  # type: ignore[no-untyped-def]
     @app.command("demo")
@@ -41,8 +44,15 @@ def register(app: typer.Typer, boundary) -> None:  # type: ignore[no-untyped-def
                 ) from None
             root = out_dir or Path(tempfile.mkdtemp(prefix="ckptctl-demo-"))
             if root.exists() and any(root.iterdir()):
-                shutil.rmtree(root)
+                if not (root / DEMO_MARKER).exists():
+                    raise UsageError(
+                        f"--out {root} is not empty and holds no earlier demo",
+                        hint="choose an empty or new directory",
+                    )
+                shutil.rmtree(root)  # an earlier demo's output, and nothing else
             root.mkdir(parents=True, exist_ok=True)
+            (root / DEMO_MARKER).write_text("written by ckptctl demo; --out may replace it\n")
+            out.show(f"writing everything to {root}")
             src = root / f"megatron-tp{tp}-pp{pp}"
             out.show("[bold]1.[/] building a tiny Llama (GQA, SwiGLU, vocab 1100) + one Adam step")
             model = synth.make_model(synth.tiny_llama_config(), seed=0)
@@ -100,6 +110,10 @@ def register(app: typer.Typer, boundary) -> None:  # type: ignore[no-untyped-def
             out.show(
                 f"[bold]7.[/] reshard -> {moved} and back -> {back}: every tensor, optimizer "
                 f"state included, {verdict}"
+            )
+            out.show(
+                f"everything is in {root}; try: ckptctl inspect {src}   ckptctl verify {hf}   "
+                f"ckptctl plan {src} --tp 1 --pp 4 --show"
             )
             if not (same and weights and exact):
                 raise typer.Exit(1)

@@ -13,9 +13,11 @@ from rich.progress import (
     BarColumn,
     DownloadColumn,
     Progress,
+    ProgressColumn,
+    Task,
     TimeRemainingColumn,
-    TransferSpeedColumn,
 )
+from rich.text import Text
 
 
 class Output:
@@ -50,6 +52,25 @@ class Output:
         self.out.print(renderable)
 
 
+def human_bytes(n: float) -> str:
+    """Bytes in binary units, the one unit ckptctl prints (``1.5 GiB``)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n}"
+
+
+class _BinarySpeed(ProgressColumn):
+    """Transfer speed in MiB/s (rich's own column prints decimal MB/s)."""
+
+    def render(self, task: Task) -> Text:
+        speed = task.finished_speed or task.speed
+        return Text(
+            "?" if speed is None else f"{human_bytes(speed)}/s", style="progress.data.speed"
+        )
+
+
 class RichProgress:
     """Adapts ckptctl's progress sink to a rich progress bar by bytes on stderr."""
 
@@ -58,7 +79,7 @@ class RichProgress:
             "[progress.description]{task.description}",
             BarColumn(),
             DownloadColumn(binary_units=True),
-            TransferSpeedColumn(),
+            _BinarySpeed(),
             TimeRemainingColumn(),
             console=console,
             transient=False,
