@@ -10,3 +10,4 @@ def test_demo_runs_and_verifies(tmp_path: Path, cli) -> None:
     assert "weights and logits identical" in result.stdout
     assert "bit-exact" in result.stdout
     assert (tmp_path / "demo/hf/config.json").exists()
+    assert f"everything is in {tmp_path / 'demo'}" in result.stdout

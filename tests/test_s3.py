@@ -336,3 +336,59 @@ def test_a_large_range_is_fetched_as_parallel_sub_ranges(bucket: str, proxy: S3P
     assert got == data[1000:-1000]
     ranges = sorted(r.range for r in proxy.gets("lake/big.bin"))
     assert len(ranges) == 3 and all(r is not None for r in ranges)
+
+
+# --- first-run safety on object stores ------------------------------------------------------------
+
+
+def test_an_s3_destination_overlapping_its_source_is_refused_whatever_the_spelling(
+    bucket: str, local_ckpt: Path, cli
+) -> None:
+    cli("reshard", local_ckpt, f"{bucket}/ck", "--tp", "2", "--pp", "2")
+    before = sorted(s3_keys(bucket))
+    for dst in (f"{bucket}/ck/", "s3a://lake//ck", f"{bucket}/ck/out", bucket):
+        result = cli("reshard", f"{bucket}/ck", dst, "--tp", "1", "--overwrite", code=2)
+        assert "never writes into or over a source" in result.stderr, dst
+    assert sorted(s3_keys(bucket)) == before
+
+
+def s3_keys(bucket: str) -> list[tuple[str, str]]:
+    client = boto3.client("s3")
+    listed = client.list_objects_v2(Bucket=bucket.removeprefix("s3://")).get("Contents", [])
+    return [(o["Key"], o["ETag"]) for o in listed]
+
+
+def test_a_saved_plan_refuses_an_object_rewritten_with_the_same_size(
+    bucket: str, local_ckpt: Path, tmp_path: Path, cli
+) -> None:
+    import s3fs
+
+    cli("reshard", local_ckpt, f"{bucket}/ck", "--tp", "2", "--pp", "2")
+    plan = tmp_path / "plan.json"
+    cli("plan", f"{bucket}/ck", tmp_path / "out", "--tp", "1", "--out", plan)
+    key = "lake/ck/iter_0000001/mp_rank_01_001/model_optim_rng.pt"
+    fs = s3fs.S3FileSystem()
+    data = bytearray(fs.cat_file(key))
+    data[len(data) // 2] ^= 1
+    fs.pipe(key, bytes(data))
+    s3fs.S3FileSystem.clear_instance_cache()
+    result = cli("reshard", f"{bucket}/ck", tmp_path / "out", "--plan", plan, code=3)
+    assert "mp_rank_01_001/model_optim_rng.pt (changed)" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_credentials_are_a_storage_error(
+    bucket: str, s3_endpoint: str, monkeypatch, tmp_path: Path, cli
+) -> None:
+    import s3fs
+
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # never ask a metadata service
+    s3fs.S3FileSystem.clear_instance_cache()
+    result = cli("inspect", f"{bucket}/ck", "--json", code=4)
+    doc = json.loads(result.stdout)
+    assert "no credentials" in doc["error"] and "AWS_ACCESS_KEY_ID" in doc["hint"]
+    s3fs.S3FileSystem.clear_instance_cache()

@@ -34,6 +34,7 @@ from ckptctl.cli.commands import (
     Vpp,
     _human,
     _style,
+    given_sources,
     layout_choices,
     refuse_dp_reshardable,
 )
@@ -41,6 +42,7 @@ from ckptctl.cli.output import Output
 from ckptctl.errors import CheckpointError, UsageError
 from ckptctl.geometry import nbytes
 from ckptctl.layout import ParallelLayout
+from ckptctl.locations import refuse_overlap
 from ckptctl.plan import Plan
 from ckptctl.probe import (
     Checkpoint,
@@ -321,6 +323,10 @@ def register(app: typer.Typer, boundary: Callable[[Output], AbstractContextManag
         shards, or cut a full checkpoint; with estimates for every alternative."""
         out = Output(as_json)
         with boundary(out):
+            sources = given_sources(src, full, replica)
+            for what, path in (("--out file", save), ("--svg file", svg)):
+                if path is not None:
+                    refuse_overlap(what, str(path), sources)
             plan, _, _ = plan_for(
                 src,
                 dst,
