@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 from ckptctl.formats.torchzip import write_in_slices
+from ckptctl.model.profile import StorageProfile
 from ckptctl.storage import Storage
-from planners.cost import StorageProfile
 
 SCRATCH = ".ckptctl-calibrate"
 

@@ -7,12 +7,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ckptctl.catalog import parameters
 from ckptctl.execute import Assembler, NoProgress, Report, Sources
-from ckptctl.geometry import Piece, nbytes
-from ckptctl.plan import FileKind, TensorWrite
+from ckptctl.model.catalog import parameters
+from ckptctl.model.geometry import Piece, nbytes
+from ckptctl.model.plan import FileKind, TensorWrite
+from ckptctl.model.stored import StoredFile, StoredTensor, canonical_shapes
 from ckptctl.probe import Checkpoint
-from ckptctl.stored import StoredFile, StoredTensor, canonical_shapes
 from planners.convert import plan_files
 
 

@@ -19,7 +19,6 @@ from typing import Any, Protocol
 import torch
 import xxhash
 
-from ckptctl.catalog import parameters
 from ckptctl.execute_dcp import (
     torch_dist_directory_files,
     torch_dist_directory_names,
@@ -44,10 +43,11 @@ from ckptctl.formats.torchzip import (
     write_torch_zip,
 )
 from ckptctl.manifest import MANIFEST, RunLog, new_digest, write_manifest
-from ckptctl.plan import FileKind, FileWrite, Plan, TensorWrite
+from ckptctl.model.catalog import parameters
+from ckptctl.model.plan import FileKind, FileWrite, Plan, TensorWrite
+from ckptctl.model.stored import Format
 from ckptctl.prefetch import ReadAhead
 from ckptctl.storage import Storage
-from ckptctl.stored import Format
 
 
 class Source(Protocol):

@@ -33,7 +33,7 @@ from ckptctl.formats.torch_dist_layout import (
     record_geometry,
 )
 from ckptctl.formats.torchzip import TensorRef, TensorSlot, tensor_bytes, write_torch_zip
-from ckptctl.plan import FileWrite, Plan
+from ckptctl.model.plan import FileWrite, Plan
 
 Record = list[Any]
 """``[fqn, chunk offsets, byte offset, length]``."""

@@ -17,7 +17,7 @@ import xxhash
 
 from ckptctl import __version__
 from ckptctl.errors import CheckpointError
-from ckptctl.plan import Plan
+from ckptctl.model.plan import Plan
 from ckptctl.storage import Storage
 
 MANIFEST = "ckptctl.manifest.json"

@@ -17,9 +17,9 @@ from ckptctl.formats.megatron_layout import TRACKER
 from ckptctl.formats.torch_dist_layout import COMMON, MCORE_METADATA
 from ckptctl.formats.torch_file import STATE_DICT_FILE, TorchFileCheckpoint, probe_torch_file
 from ckptctl.manifest import refuse_incomplete
-from ckptctl.plan import Plan
+from ckptctl.model.plan import Plan
+from ckptctl.model.stored import CheckpointView, Format
 from ckptctl.storage import Storage
-from ckptctl.stored import CheckpointView, Format
 
 Checkpoint = MegatronCheckpoint | HFCheckpoint | DcpCheckpoint | TorchFileCheckpoint
 

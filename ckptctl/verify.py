@@ -24,14 +24,14 @@ from math import prod
 
 import torch
 
-from ckptctl.catalog import parameters
 from ckptctl.errors import CkptctlError
-from ckptctl.geometry import box_difference, nbytes
 from ckptctl.integrity import safetensors_problems, stream_check
 from ckptctl.manifest import INCOMPLETE, MANIFEST, new_digest
+from ckptctl.model.catalog import parameters
+from ckptctl.model.geometry import box_difference, nbytes
+from ckptctl.model.stored import canonical_shapes
 from ckptctl.probe import Checkpoint, open_checkpoint
 from ckptctl.storage import Storage
-from ckptctl.stored import canonical_shapes
 from ckptctl.verify_targets import Targets, integrity_targets
 
 

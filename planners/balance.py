@@ -8,9 +8,9 @@ from dataclasses import replace as dc_replace
 
 import networkx as nx
 
-from ckptctl.geometry import nbytes
-from ckptctl.plan import Plan
-from planners.cost import StorageProfile
+from ckptctl.model.geometry import nbytes
+from ckptctl.model.plan import Plan
+from ckptctl.model.profile import StorageProfile
 
 _UNIT = 1 << 16  # flow works in 64 KiB units to keep the graph's numbers small
 

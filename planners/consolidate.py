@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-from ckptctl.catalog import OPTIMIZER_STATES
 from ckptctl.errors import UsageError
 from ckptctl.formats.hf_layout import CONFIG, INDEX, hf_config, hf_files, hf_tensors, index_text
 from ckptctl.formats.megatron_layout import (
@@ -14,10 +13,11 @@ from ckptctl.formats.megatron_layout import (
     target_optimizer,
     tracker_text,
 )
-from ckptctl.geometry import Piece
-from ckptctl.layout import ParallelLayout
-from ckptctl.plan import FileKind, Plan, TextWrite
-from ckptctl.stored import CheckpointView, Format, StoredFile, StoredTensor, canonical_shapes
+from ckptctl.model.catalog import OPTIMIZER_STATES
+from ckptctl.model.geometry import Piece
+from ckptctl.model.layout import ParallelLayout
+from ckptctl.model.plan import FileKind, Plan, TextWrite
+from ckptctl.model.stored import CheckpointView, Format, StoredFile, StoredTensor, canonical_shapes
 from planners.convert import megatron_target_notes, plan_files
 
 

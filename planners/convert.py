@@ -13,10 +13,10 @@ from collections import defaultdict
 from math import prod
 
 from ckptctl.errors import CheckpointError
-from ckptctl.geometry import Piece, Shape, box_difference, nbytes, overlap
-from ckptctl.layout import ParallelLayout
-from ckptctl.plan import CopyOp, Estimates, FileKind, FileWrite, TensorWrite
-from ckptctl.stored import CheckpointView, Format, StoredFile, StoredTensor
+from ckptctl.model.geometry import Piece, Shape, box_difference, nbytes, overlap
+from ckptctl.model.layout import ParallelLayout
+from ckptctl.model.plan import CopyOp, Estimates, FileKind, FileWrite, TensorWrite
+from ckptctl.model.stored import CheckpointView, Format, StoredFile, StoredTensor
 
 Found = tuple[int, Shape, Shape, Shape]
 """(candidate position, source offsets, target offsets, sizes)."""

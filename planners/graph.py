@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from ckptctl.geometry import nbytes
-from ckptctl.plan import Plan
+from ckptctl.model.geometry import nbytes
+from ckptctl.model.plan import Plan
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,6 @@ so no full model is ever assembled and no intermediate full checkpoint is writte
 
 from __future__ import annotations
 
-from ckptctl.catalog import OPTIMIZER_STATES
 from ckptctl.errors import UsageError
 from ckptctl.formats.megatron_layout import (
     TRACKER,
@@ -23,9 +22,10 @@ from ckptctl.formats.torch_dist_layout import (
     MCORE_METADATA_TEXT,
     torch_dist_files,
 )
-from ckptctl.layout import ParallelLayout
-from ckptctl.plan import FileKind, Plan, TextWrite
-from ckptctl.stored import CheckpointView, Format
+from ckptctl.model.catalog import OPTIMIZER_STATES
+from ckptctl.model.layout import ParallelLayout
+from ckptctl.model.plan import FileKind, Plan, TextWrite
+from ckptctl.model.stored import CheckpointView, Format
 from planners.convert import megatron_target_notes, plan_files
 
 

@@ -21,12 +21,21 @@ from dataclasses import dataclass, replace
 
 from ckptctl.errors import CheckpointError, CkptctlError, UsageError
 from ckptctl.formats.megatron_layout import TRACKER, MegatronStyle, tracker_text
-from ckptctl.geometry import nbytes
-from ckptctl.layout import ParallelLayout
-from ckptctl.plan import Alternative, Estimates, FileKind, FileWrite, Plan, SourceRef, TextWrite
-from ckptctl.stored import CheckpointView, Format
+from ckptctl.model.geometry import nbytes
+from ckptctl.model.layout import ParallelLayout
+from ckptctl.model.plan import (
+    Alternative,
+    Estimates,
+    FileKind,
+    FileWrite,
+    Plan,
+    SourceRef,
+    TextWrite,
+)
+from ckptctl.model.profile import StorageProfile
+from ckptctl.model.stored import CheckpointView, Format
 from planners.balance import balance_reads
-from planners.cost import StorageProfile, profile_for, with_time
+from planners.cost import profile_for, with_time
 from planners.graph import execution_order
 from planners.reshard import plan_reshard
 

@@ -7,10 +7,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from ckptctl.catalog import parameters
 from ckptctl.errors import LayoutError
-from ckptctl.geometry import Split, overlap, shard_shape_and_pieces
-from ckptctl.layout import ModelSpec, ParallelLayout
+from ckptctl.model.catalog import parameters
+from ckptctl.model.geometry import Split, overlap, shard_shape_and_pieces
+from ckptctl.model.layout import ModelSpec, ParallelLayout
 
 SPEC = ModelSpec(
     num_layers=8,

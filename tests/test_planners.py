@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from ckptctl import synth
 from ckptctl.errors import CheckpointError, LayoutError
 from ckptctl.formats.megatron_layout import MegatronStyle, OptimizerLayout, megatron_files
-from ckptctl.layout import ModelSpec, ParallelLayout
-from ckptctl.plan import FileKind, coverage_problems
-from ckptctl.stored import CheckpointView, Format
+from ckptctl.model.layout import ModelSpec, ParallelLayout
+from ckptctl.model.plan import FileKind, coverage_problems
+from ckptctl.model.stored import CheckpointView, Format
 from planners.strategy import Stored, plan_auto
 
 SPEC = ModelSpec(

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckptctl import synth
-from ckptctl.layout import ParallelLayout
+from ckptctl.model.layout import ParallelLayout
 
 transformers = pytest.importorskip("transformers")
 IDS = torch.randint(0, 1100, (2, 17), generator=torch.Generator().manual_seed(3))

@@ -13,22 +13,22 @@ import typer
 from pydantic import ByteSize, TypeAdapter
 from rich.table import Table
 
-from ckptctl.catalog import OPTIMIZER_STATES
 from ckptctl.cli.output import Output, RichProgress, human_bytes
 from ckptctl.errors import CkptctlError, OutputExistsError, UsageError
 from ckptctl.execute import DEFAULT_MEMORY_BUDGET, Report, Sources, execute
 from ckptctl.formats.dcp import DcpCheckpoint
 from ckptctl.formats.megatron import MegatronCheckpoint
 from ckptctl.formats.megatron_layout import MegatronStyle
-from ckptctl.geometry import nbytes
 from ckptctl.locations import refuse_overlap
 from ckptctl.manifest import INCOMPLETE, completed_by, foreign_files, read_marker
-from ckptctl.plan import Plan
+from ckptctl.model.catalog import OPTIMIZER_STATES
+from ckptctl.model.geometry import nbytes
+from ckptctl.model.plan import Plan
+from ckptctl.model.stored import Format
 from ckptctl.probe import Checkpoint, fingerprint, open_checkpoint, with_identities
 from ckptctl.staging import StagedStorage
 from ckptctl.storage import Storage
 from ckptctl.storage_errors import check_free_space, classify
-from ckptctl.stored import Format
 from planners.consolidate import plan_consolidate, plan_state_dict
 
 

@@ -14,8 +14,8 @@ from ckptctl.cli.commands import _human, describe, run_consolidate, run_reshard
 from ckptctl.cli.output import Output
 from ckptctl.cli.planning import plan_for
 from ckptctl.errors import UsageError
+from ckptctl.model.stored import Format
 from ckptctl.probe import open_checkpoint
-from ckptctl.stored import Format
 
 DEMO_MARKER = ".ckptctl-demo"
 """Marks a directory the demo wrote, which a later ``demo --out`` may replace."""

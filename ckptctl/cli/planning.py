@@ -40,10 +40,11 @@ from ckptctl.cli.commands import (
 )
 from ckptctl.cli.output import Output
 from ckptctl.errors import CheckpointError, UsageError
-from ckptctl.geometry import nbytes
-from ckptctl.layout import ParallelLayout
 from ckptctl.locations import refuse_overlap
-from ckptctl.plan import Plan
+from ckptctl.model.geometry import nbytes
+from ckptctl.model.layout import ParallelLayout
+from ckptctl.model.plan import Plan
+from ckptctl.model.stored import Format
 from ckptctl.probe import (
     Checkpoint,
     changed_files,
@@ -52,7 +53,6 @@ from ckptctl.probe import (
     open_checkpoint,
     with_identities,
 )
-from ckptctl.stored import Format
 from planners.graph import overlap_graph
 from planners.strategy import Stored, plan_auto
 

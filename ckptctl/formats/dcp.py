@@ -52,10 +52,10 @@ from ckptctl.formats.torch_dist_layout import (
     model_catalog,
 )
 from ckptctl.formats.torchzip import TensorRef, TorchZipReader
-from ckptctl.geometry import Piece
-from ckptctl.layout import ParallelLayout
+from ckptctl.model.geometry import Piece
+from ckptctl.model.layout import ParallelLayout
+from ckptctl.model.stored import CheckpointView, Format, KeyPath, StoredFile, StoredTensor
 from ckptctl.storage import Storage
-from ckptctl.stored import CheckpointView, Format, KeyPath, StoredFile, StoredTensor
 
 
 def _join(base: str, rel: str) -> str:

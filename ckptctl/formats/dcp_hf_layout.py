@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ckptctl.catalog import state_name
 from ckptctl.formats.hf_layout import hf_tensors
-from ckptctl.geometry import Piece, Shape
-from ckptctl.layout import ModelSpec
+from ckptctl.model.catalog import state_name
+from ckptctl.model.geometry import Piece, Shape
+from ckptctl.model.layout import ModelSpec
 
 ANCHOR = "model.embed_tokens.weight"
 """An HF Llama parameter every checkpoint has: where it sits reveals the key prefixes."""

@@ -30,7 +30,8 @@ from pathlib import PurePosixPath, PureWindowsPath
 from typing import Any, ClassVar
 
 from ckptctl.errors import CheckpointError, UnsafePickleError
-from ckptctl.geometry import Shape, boxes_disjoint
+from ckptctl.model.dtypes import DTYPES
+from ckptctl.model.geometry import Shape, boxes_disjoint
 
 METADATA_FILE = ".metadata"
 DCP_VERSION = "1.0.0"
@@ -145,14 +146,7 @@ class DcpMetadata:
 
 # --- the allow-list ----------------------------------------------------------------------------
 
-DTYPE_NAMES: frozenset[str] = frozenset(
-    {
-        "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
-        "float16", "bfloat16", "float32", "float64", "complex32", "complex64", "complex128",
-        "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
-        "float4_e2m1fn_x2",
-    }
-)  # fmt: skip
+DTYPE_NAMES: frozenset[str] = frozenset(DTYPES)
 """dtypes a ``.metadata`` may name (``torch.<name>`` globals): the plain numeric ones."""
 
 _LAYOUTS = frozenset(

@@ -17,7 +17,7 @@ from typing import Any, BinaryIO
 from ckptctl.errors import CheckpointError
 from ckptctl.formats.dcp_metadata import StorageInfo
 from ckptctl.formats.torchzip import TensorRef, TorchZipReader
-from ckptctl.geometry import Shape
+from ckptctl.model.geometry import Shape
 from ckptctl.storage import Storage
 
 Fetch = Callable[[int, int], bytes]

@@ -20,23 +20,11 @@ import torch
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError
 from ckptctl.formats.hf_layout import CONFIG, INDEX, SINGLE, hf_tensors, spec_from_config
 from ckptctl.formats.torchzip import write_in_slices
-from ckptctl.layout import ParallelLayout
+from ckptctl.model.dtypes import BY_SAFETENSORS, DTYPES
+from ckptctl.model.layout import ParallelLayout
+from ckptctl.model.stored import CheckpointView, Format, StoredFile, StoredTensor
 from ckptctl.storage import Storage
-from ckptctl.stored import CheckpointView, Format, StoredFile, StoredTensor
 
-_CODES = {
-    "float64": "F64",
-    "float32": "F32",
-    "float16": "F16",
-    "bfloat16": "BF16",
-    "int64": "I64",
-    "int32": "I32",
-    "int16": "I16",
-    "int8": "I8",
-    "uint8": "U8",
-    "bool": "BOOL",
-}
-_NAMES = {code: name for name, code in _CODES.items()}
 _MAX_HEADER = 100_000_000
 
 
@@ -64,7 +52,7 @@ def read_header(f: BinaryIO, where: str) -> dict[str, SafetensorsEntry]:
     for name, meta in header.items():
         if name == "__metadata__":
             continue
-        dtype = _NAMES.get(meta.get("dtype"))
+        dtype = BY_SAFETENSORS.get(meta.get("dtype"))
         if dtype is None:
             raise CheckpointError(
                 f"{where}: tensor {name} has unsupported dtype {meta.get('dtype')}"
@@ -118,7 +106,7 @@ def write_safetensors(
     for name, dtype, shape in tensors:
         nbytes = prod(shape) * getattr(torch, dtype).itemsize
         header[name] = {
-            "dtype": _CODES[dtype],
+            "dtype": DTYPES[dtype].safetensors,
             "shape": list(shape),
             "data_offsets": [offset, offset + nbytes],
         }

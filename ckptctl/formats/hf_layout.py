@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ckptctl.catalog import LAYER_PREFIX
 from ckptctl.errors import LayoutError
-from ckptctl.geometry import Piece, Shape, nbytes
-from ckptctl.layout import ModelSpec, NormKind, PositionEmbedding
-from ckptctl.stored import StoredFile, StoredTensor
+from ckptctl.model.catalog import LAYER_PREFIX
+from ckptctl.model.geometry import Piece, Shape, nbytes
+from ckptctl.model.layout import ModelSpec, NormKind, PositionEmbedding
+from ckptctl.model.stored import StoredFile, StoredTensor
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

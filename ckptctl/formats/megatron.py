@@ -16,13 +16,6 @@ from typing import Any
 
 import torch
 
-from ckptctl.catalog import (
-    LAYER_PREFIX,
-    Naming,
-    layer_suffixes,
-    te_layer_suffix,
-    uses_local_names,
-)
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError, LayoutError
 from ckptctl.formats.megatron_layout import (
     DISTOPT_FILE,
@@ -37,16 +30,20 @@ from ckptctl.formats.megatron_layout import (
     rank_params,
 )
 from ckptctl.formats.torchzip import TensorRef, TensorSlot, TorchZipReader
-from ckptctl.layout import ModelSpec, NormKind, ParallelLayout, PositionEmbedding
+from ckptctl.model.catalog import (
+    LAYER_PREFIX,
+    Naming,
+    layer_suffixes,
+    te_layer_suffix,
+    uses_local_names,
+)
+from ckptctl.model.dtypes import dtype_name
+from ckptctl.model.layout import ModelSpec, NormKind, ParallelLayout, PositionEmbedding
+from ckptctl.model.stored import CheckpointView, Format, KeyPath, StoredFile
 from ckptctl.storage import Storage
-from ckptctl.stored import CheckpointView, Format, KeyPath, StoredFile
 
 _ITER_DIR = re.compile(r"^(iter_\d{7}|release)$")
 _EXTRA_STATE = "._extra_state"
-
-
-def dtype_name(dtype: Any) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def resolve(tree: Any, key: KeyPath) -> Any:

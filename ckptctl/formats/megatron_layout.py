@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from ckptctl.catalog import (
+from ckptctl.formats.distopt_layout import replay_buffer
+from ckptctl.model.catalog import (
     LAYER_PREFIX,
     Naming,
     Param,
@@ -20,10 +21,9 @@ from ckptctl.catalog import (
     parameters,
     state_name,
 )
-from ckptctl.formats.distopt_layout import replay_buffer
-from ckptctl.geometry import Piece, shard_shape_and_pieces
-from ckptctl.layout import ModelSpec, ParallelLayout
-from ckptctl.stored import KeyPath, StoredFile, StoredTensor
+from ckptctl.model.geometry import Piece, shard_shape_and_pieces
+from ckptctl.model.layout import ModelSpec, ParallelLayout
+from ckptctl.model.stored import KeyPath, StoredFile, StoredTensor
 
 TRACKER = "latest_checkpointed_iteration.txt"
 RANK_FILE = "model_optim_rng.pt"

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from functools import lru_cache
 from math import prod
 
-from ckptctl.catalog import LAYER_PREFIX, Param, parameters, state_name
 from ckptctl.formats.megatron_layout import rank_params
-from ckptctl.geometry import Piece, Shape, Split, shard_shape_and_pieces
-from ckptctl.layout import ModelSpec, ParallelLayout
-from ckptctl.stored import StoredFile, StoredTensor
+from ckptctl.model.catalog import LAYER_PREFIX, Param, parameters, state_name
+from ckptctl.model.geometry import Piece, Shape, Split, shard_shape_and_pieces
+from ckptctl.model.layout import ModelSpec, ParallelLayout
+from ckptctl.model.stored import StoredFile, StoredTensor
 
 OPTIMIZER_PREFIX = "optimizer.state."
 _STATE_FROM_KEY = {"param": "fp32_param", "fp32_param": "fp32_param"} | {

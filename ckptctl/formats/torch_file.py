@@ -11,10 +11,10 @@ import torch
 
 from ckptctl.formats.megatron import open_torch_file, resolve
 from ckptctl.formats.torchzip import TensorRef, TorchZipReader
-from ckptctl.geometry import Piece
-from ckptctl.layout import ParallelLayout
+from ckptctl.model.geometry import Piece
+from ckptctl.model.layout import ParallelLayout
+from ckptctl.model.stored import CheckpointView, Format, KeyPath, StoredFile, StoredTensor
 from ckptctl.storage import Storage
-from ckptctl.stored import CheckpointView, Format, KeyPath, StoredFile, StoredTensor
 
 STATE_DICT_FILE = "state_dict.pt"
 

@@ -30,13 +30,12 @@ from typing import Any, BinaryIO
 import torch
 
 from ckptctl.errors import CheckpointError, UnsafePickleError
+from ckptctl.model.dtypes import BY_STORAGE, DTYPES, dtype_name
 
 Shape = tuple[int, ...]
 
 _ALIGNMENT = 64  # torch aligns storage records so they can be memory-mapped
-_STORAGE_DTYPES = {
-    name: dtype for dtype, name in torch.storage._dtype_to_storage_type_map().items()
-}
+_STORAGE_DTYPES = {storage: getattr(torch, name) for storage, name in BY_STORAGE.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -362,7 +361,7 @@ class _Pickler(pickle._Pickler):  # type: ignore[name-defined]
 
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, _StorageSlot):
-            storage_type = getattr(torch, torch.storage._dtype_to_storage_type_map()[obj.dtype])
+            storage_type = getattr(torch, DTYPES[dtype_name(obj.dtype)].storage)
             return ("storage", storage_type, obj.key, "cpu", obj.numel)
         return None
 

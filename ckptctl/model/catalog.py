@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from functools import lru_cache
 
-from ckptctl.geometry import Shape, Split
-from ckptctl.layout import ModelSpec, NormKind, PositionEmbedding
+from ckptctl.model.geometry import Shape, Split
+from ckptctl.model.layout import ModelSpec, NormKind, PositionEmbedding
 
 
 class Stage(StrEnum):

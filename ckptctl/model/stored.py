@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from ckptctl.geometry import Piece, Shape
-from ckptctl.layout import ModelSpec, ParallelLayout
+from ckptctl.model.geometry import Piece, Shape
+from ckptctl.model.layout import ModelSpec, ParallelLayout
 
 KeyPath = tuple[str | int, ...]
 
@@ -29,7 +29,7 @@ class StoredTensor:
     key: KeyPath
     """Where the tensor sits in its file: a path of dict keys / list indices, or a tensor name."""
     canonical: str
-    """The canonical tensor it holds part of (see ``ckptctl.catalog``)."""
+    """The canonical tensor it holds part of (see ``ckptctl.model.catalog``)."""
     shape: Shape
     dtype: str
     """torch dtype name without the ``torch.`` prefix, e.g. ``bfloat16``."""

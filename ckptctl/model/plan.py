@@ -14,9 +14,9 @@ from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict
 
-from ckptctl.geometry import boxes_disjoint
-from ckptctl.layout import ModelSpec, ParallelLayout
-from ckptctl.stored import Format
+from ckptctl.model.geometry import boxes_disjoint
+from ckptctl.model.layout import ModelSpec, ParallelLayout
+from ckptctl.model.stored import Format
 
 PLAN_VERSION = 1
 

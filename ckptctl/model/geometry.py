@@ -12,10 +12,9 @@ from enum import StrEnum
 from functools import lru_cache
 from math import prod
 
-Shape = tuple[int, ...]
+from ckptctl.model.dtypes import ITEMSIZE
 
-ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4}
-"""Bytes per element of the dtypes checkpoints hold, by torch dtype name (no torch import)."""
+Shape = tuple[int, ...]
 
 
 def nbytes(shape: Shape, dtype: str) -> int:

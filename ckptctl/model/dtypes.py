@@ -1,0 +1,55 @@
+"""The one dtype table: each element type checkpoints hold, by torch name, with its size and
+its spelling in safetensors headers and in ``torch.save`` pickles (no torch import)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class DType:
+    name: str
+    """torch's name without ``torch.``, as DCP ``.metadata`` pickles it."""
+    itemsize: int
+    safetensors: str | None = None
+    """The header code (``F32``), if safetensors can store it."""
+    storage: str | None = None
+    """The legacy storage class ``torch.save`` pickles for it (``FloatStorage``)."""
+
+
+DTYPES: dict[str, DType] = {
+    d.name: d
+    for d in (
+        DType("float64", 8, "F64", "DoubleStorage"),
+        DType("float32", 4, "F32", "FloatStorage"),
+        DType("float16", 2, "F16", "HalfStorage"),
+        DType("bfloat16", 2, "BF16", "BFloat16Storage"),
+        DType("int64", 8, "I64", "LongStorage"),
+        DType("int32", 4, "I32", "IntStorage"),
+        DType("int16", 2, "I16", "ShortStorage"),
+        DType("int8", 1, "I8", "CharStorage"),
+        DType("uint8", 1, "U8", "ByteStorage"),
+        DType("bool", 1, "BOOL", "BoolStorage"),
+        DType("uint16", 2, "U16"),
+        DType("uint32", 4, "U32"),
+        DType("uint64", 8, "U64"),
+        DType("complex32", 4),
+        DType("complex64", 8, None, "ComplexFloatStorage"),
+        DType("complex128", 16, None, "ComplexDoubleStorage"),
+        DType("float8_e4m3fn", 1, "F8_E4M3"),
+        DType("float8_e4m3fnuz", 1),
+        DType("float8_e5m2", 1, "F8_E5M2"),
+        DType("float8_e5m2fnuz", 1),
+        DType("float8_e8m0fnu", 1),
+        DType("float4_e2m1fn_x2", 1),
+    )
+}
+
+ITEMSIZE = {name: d.itemsize for name, d in DTYPES.items()}
+BY_SAFETENSORS = {d.safetensors: name for name, d in DTYPES.items() if d.safetensors}
+BY_STORAGE = {d.storage: name for name, d in DTYPES.items() if d.storage}
+
+
+def dtype_name(dtype: object) -> str:
+    """``torch.float32`` (or ``"float32"``) -> ``"float32"``."""
+    return str(dtype).removeprefix("torch.")
