@@ -1,7 +1,7 @@
 """Measure a storage target's cost profile: write and read bandwidth and per-request latency.
 
 Writes one scratch file under the URL, reads it back whole and by small ranges, and removes it.
-The result is a ``planners.cost.StorageProfile`` saved as JSON for later plans.
+The result is a ``ckptctl.model.profile.StorageProfile`` saved as JSON for later plans.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import statistics
 import time
 from pathlib import Path
 
-from ckptctl.formats.torchzip import write_in_slices
 from ckptctl.model.profile import StorageProfile
-from ckptctl.storage import Storage
+from ckptctl.settings import StorageConfig
+from ckptctl.storage import Storage, write_in_slices
 
 SCRATCH = ".ckptctl-calibrate"
 
@@ -24,8 +24,10 @@ def profile_dir() -> Path:
     return Path(home) / "profiles"
 
 
-def calibrate(url: str, size: int = 64 << 20, probes: int = 32) -> StorageProfile:
-    storage = Storage(url)
+def calibrate(
+    url: str, size: int = 64 << 20, probes: int = 32, config: StorageConfig | None = None
+) -> StorageProfile:
+    storage = Storage(url, config)
     payload = os.urandom(1 << 20) * max(size >> 20, 1)
     started = time.perf_counter()
     with storage.open_write(SCRATCH) as f:

@@ -39,7 +39,6 @@ from ckptctl.formats.torchzip import (
     TensorRef,
     TensorSlot,
     tensor_bytes,
-    write_in_slices,
     write_torch_zip,
 )
 from ckptctl.manifest import MANIFEST, RunLog, new_digest, write_manifest
@@ -47,7 +46,7 @@ from ckptctl.model.catalog import parameters
 from ckptctl.model.plan import FileKind, FileWrite, Plan, TensorWrite
 from ckptctl.model.stored import Format
 from ckptctl.prefetch import ReadAhead
-from ckptctl.storage import Storage
+from ckptctl.storage import Storage, write_in_slices
 
 
 class Source(Protocol):

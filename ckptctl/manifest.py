@@ -164,10 +164,9 @@ def refuse_incomplete(storage: Storage) -> None:
         )
 
 
-def completed_by(url: str, fingerprint: str) -> bool:
-    """Whether ``url`` holds a finished output of the plan with this fingerprint (a rerun of the
-    same command then has nothing to do)."""
-    storage = Storage(url)
+def completed_by(storage: Storage, fingerprint: str) -> bool:
+    """Whether ``storage`` holds a finished output of the plan with this fingerprint (a rerun of
+    the same command then has nothing to do)."""
     if not storage.exists(MANIFEST) or storage.exists(INCOMPLETE):
         return False
     try:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import posixpath
-from contextvars import ContextVar
 
 from ckptctl.errors import CheckpointNotFoundError
 from ckptctl.formats.dcp import DcpCheckpoint, find_dcp_dir, probe_dcp
@@ -19,41 +18,42 @@ from ckptctl.formats.torch_file import STATE_DICT_FILE, TorchFileCheckpoint, pro
 from ckptctl.manifest import refuse_incomplete
 from ckptctl.model.plan import Plan
 from ckptctl.model.stored import CheckpointView, Format
+from ckptctl.settings import Settings
 from ckptctl.storage import Storage
 
 Checkpoint = MegatronCheckpoint | HFCheckpoint | DcpCheckpoint | TorchFileCheckpoint
 
-ALLOW_INCOMPLETE: ContextVar[bool] = ContextVar("allow_incomplete", default=False)
-HF_CONFIG: ContextVar[dict | None] = ContextVar("hf_config", default=None)
-"""The HF ``config.json`` of a DCP checkpoint that holds an HF model (``--hf-config``)."""
-"""Read checkpoints whose writer never finished (``ckptctl --allow-incomplete``)."""
-
 
 def open_checkpoint(
     url: str,
+    settings: Settings | None = None,
     *,
     iteration: int | None = None,
     true_vocab_size: int | None = None,
     allow_missing: bool = False,
     allow_incomplete: bool | None = None,
 ) -> Checkpoint:
-    storage = Storage(url, read_only=True)  # a source: never written, whatever happens
+    """Probe ``url`` read-only and open it: its view for planners, and lazy readers."""
+    settings = settings or Settings()
+    hf_config = dict(settings.hf_config) if settings.hf_config is not None else None
+    # A source: never written, whatever happens.
+    storage = Storage(url, settings.storage, read_only=True)
     if not storage.exists():
         raise CheckpointNotFoundError(f"{url}: no such checkpoint directory")
     if not storage.isdir() and url.endswith((".pt", ".pth")):
         # One torch.save state dict given by its file name (e.g. dcp_to_torch_save's output).
         parent, _, name = url.rstrip("/").rpartition("/")
-        return probe_torch_file(Storage(parent or ".", read_only=True), name)
-    if not (ALLOW_INCOMPLETE.get() if allow_incomplete is None else allow_incomplete):
+        return probe_torch_file(Storage(parent or ".", settings.storage, read_only=True), name)
+    if not (settings.allow_incomplete if allow_incomplete is None else allow_incomplete):
         refuse_incomplete(storage)
     names = set(storage.listdir(""))
     if METADATA_FILE in names:
-        return probe_dcp(storage, "", None, true_vocab_size, HF_CONFIG.get())
+        return probe_dcp(storage, "", None, true_vocab_size, hf_config)
     if TRACKER in names or any(n.startswith(("mp_rank_", "iter_", "release")) for n in names):
         if TRACKER in names or iteration is not None:
             rel, number = find_iteration(storage, iteration)
             if find_dcp_dir(storage, rel):
-                return probe_dcp(storage, rel, number, true_vocab_size, HF_CONFIG.get())
+                return probe_dcp(storage, rel, number, true_vocab_size, hf_config)
         return probe_megatron(
             storage,
             iteration=iteration,

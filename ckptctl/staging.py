@@ -22,7 +22,7 @@ class StagedStorage(Storage):
     """``target`` with its data files written through ``stage`` (a local directory)."""
 
     def __init__(self, target: Storage, stage_url: str) -> None:
-        super().__init__(target.url)
+        super().__init__(target.url, target.config)
         self.stage = Storage(stage_url)
         # One file at a time: each upload already sends its parts in parallel.
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptctl-stage")

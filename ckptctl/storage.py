@@ -11,16 +11,25 @@ import contextlib
 import io
 import os
 import posixpath
-from collections.abc import Iterator, Mapping
-from contextvars import ContextVar
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from typing import Any, BinaryIO
 
 import fsspec
 
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError, StorageError, UsageError
 from ckptctl.multipart import MultipartUpload, abort_stale_uploads
+from ckptctl.settings import StorageConfig
 from ckptctl.storage_errors import check_endpoint, explicit_endpoint
+
+WRITE_SLICE = 1 << 20
+
+
+def write_in_slices(out: BinaryIO, data: bytes | memoryview) -> None:
+    """Write ``data`` in 1 MiB slices: on Linux page-cache writes of tens of MiB in one call run
+    an order of magnitude slower than the same bytes in ~1 MiB calls (measured: 0.37 vs 5 GB/s)."""
+    view = memoryview(data).cast("B")
+    for start in range(0, len(view), WRITE_SLICE):
+        out.write(view[start : start + WRITE_SLICE])
 
 
 class HashingWriter(io.RawIOBase):
@@ -62,50 +71,19 @@ are fetched by exact range): small, since it is read past what was asked for."""
 RANGE_PART = 16 << 20
 """Sub-range size for parallel GETs of one large range (AWS suggests 8-16 MiB)."""
 
-S3_RETRIES = {"max_attempts": 10, "mode": "standard"}
-"""botocore's own retry policy: exponential backoff with jitter on throttling (503 SlowDown),
-5xx and dropped connections."""
-
-S3_TIMEOUTS = {"connect_timeout": 5, "read_timeout": 60}
-"""Seconds; a dead endpoint is also caught up front by ``check_endpoint``."""
-
-
-@dataclass(frozen=True)
-class StorageConfig:
-    """How remote stores are reached; set once per command by the CLI."""
-
-    endpoint_url: str | None = None
-    options: Mapping[str, Any] = field(default_factory=dict)
-    """fsspec storage options for remote URLs (``--storage-option key=value``)."""
-    part_size: int = 8 << 20
-    """Multipart upload part size (S3 minimum 5 MiB)."""
-    upload_parallel: int = 8
-    """Parts of one object in flight at once."""
-
-    def fs_options(self, protocol: str) -> dict[str, Any]:
-        if protocol in ("file", "local", "memory"):
-            return {}
-        options = dict(self.options)
-        if protocol in ("s3", "s3a"):
-            options.setdefault("config_kwargs", {"retries": dict(S3_RETRIES), **S3_TIMEOUTS})
-            if self.endpoint_url:
-                options["endpoint_url"] = self.endpoint_url
-        return options
-
-
-STORAGE_CONFIG: ContextVar[StorageConfig | None] = ContextVar("storage_config", default=None)
-
 
 def _protocols(fs: Any) -> tuple[str, ...]:
     return fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
 
 
 class Storage:
-    def __init__(self, url: str, *, read_only: bool = False) -> None:
+    def __init__(
+        self, url: str, config: StorageConfig | None = None, *, read_only: bool = False
+    ) -> None:
         self.url = url
         self.read_only = read_only
         """A source: every write, removal or upload through this object is refused."""
-        self.config = STORAGE_CONFIG.get() or StorageConfig()
+        self.config = config or StorageConfig()
         protocol = fsspec.utils.get_protocol(url)
         options = self.config.fs_options(protocol)
         try:

@@ -31,6 +31,7 @@ from ckptctl.model.catalog import parameters
 from ckptctl.model.geometry import box_difference, nbytes
 from ckptctl.model.stored import canonical_shapes
 from ckptctl.probe import Checkpoint, open_checkpoint
+from ckptctl.settings import Settings
 from ckptctl.storage import Storage
 from ckptctl.verify_targets import Targets, integrity_targets
 
@@ -43,15 +44,22 @@ class Check:
     detail: str = ""
 
 
-def verify(url: str, *, numerics: bool = False, band_bytes: int = 64 << 20) -> list[Check]:
-    storage = Storage(url, read_only=True)
+def verify(
+    url: str,
+    settings: Settings | None = None,
+    *,
+    numerics: bool = False,
+    band_bytes: int = 64 << 20,
+) -> list[Check]:
+    settings = settings or Settings()
+    storage = Storage(url, settings.storage, read_only=True)
     checks = [
         Check("complete", "failed", f"{INCOMPLETE} present: the job that wrote it was interrupted")
         if storage.exists(INCOMPLETE)
         else Check("complete", "passed", f"no {INCOMPLETE} marker")
     ]
     try:
-        ckpt: Checkpoint | None = open_checkpoint(url, allow_incomplete=True)
+        ckpt: Checkpoint | None = open_checkpoint(url, settings, allow_incomplete=True)
         structure = Check(
             "structure",
             "passed",
@@ -207,11 +215,14 @@ def _numerics(ckpt: Checkpoint, band_bytes: int) -> Check:
     return Check("numerics", "passed", f"{checked} tensors finite")
 
 
-def against(url: str, other: str, *, rtol: float, atol: float) -> tuple[Check, list[dict]]:
+def against(
+    url: str, other: str, settings: Settings | None = None, *, rtol: float = 0.0, atol: float = 0.0
+) -> tuple[Check, list[dict]]:
     """Compare ``url`` with ``other`` tensor by tensor (any layouts and formats)."""
     from ckptctl.compare import compare
 
-    diffs = compare(open_checkpoint(url), open_checkpoint(other), rtol=rtol, atol=atol)
+    a, b = (open_checkpoint(u, settings) for u in (url, other))
+    diffs = compare(a, b, rtol=rtol, atol=atol)
     rows = [asdict(d) for d in diffs]
     bad = [d for d in diffs if not d.equal]
     how = "bit-exact" if rtol == 0 and atol == 0 else f"rtol={rtol}, atol={atol}"

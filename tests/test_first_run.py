@@ -477,8 +477,8 @@ def test_verify_against_reports_nan_on_one_side(ck: Path, tmp_path: Path, cli) -
 
 
 def test_a_same_layout_reshard_counts_progress_of_copied_files(ck: Path, tmp_path: Path) -> None:
-    from ckptctl.cli.planning import plan_for
-    from ckptctl.execute import Sources, execute
+    from ckptctl.execute import execute
+    from ckptctl.jobs import plan_reshard
     from ckptctl.storage import Storage
 
     class Count:
@@ -493,12 +493,10 @@ def test_a_same_layout_reshard_counts_progress_of_copied_files(ck: Path, tmp_pat
         def finish(self) -> None:
             pass
 
-    plan, ckpt, extra = plan_for(
-        str(ck), str(tmp_path / "o"), {"tp": 2, "pp": 2}, full=[], replicas=[]
-    )
-    assert plan.strategy == "direct"
+    job = plan_reshard(str(ck), str(tmp_path / "o"), {"tp": 2, "pp": 2})
+    assert job.plan.strategy == "direct"
     progress = Count()
-    execute(plan, Sources(ckpt, extra), Storage(str(tmp_path / "o")), progress)
+    execute(job.plan, job.sources, Storage(str(tmp_path / "o")), progress)
     size = sum(p.stat().st_size for p in ck.rglob("*.pt"))
     assert progress.total == progress.advanced == size > 0
 

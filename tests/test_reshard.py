@@ -192,18 +192,16 @@ def test_tp_not_dividing_query_groups_is_refused(tmp_path: Path, cli) -> None:
 
 
 def test_parallel_reads_give_the_same_bytes(tmp_path: Path, cli) -> None:
-    from ckptctl.cli import planning
-    from ckptctl.execute import Sources, execute
+    from ckptctl.execute import execute
+    from ckptctl.jobs import plan_reshard
     from ckptctl.storage import Storage
 
     _write(tmp_path / "a", ParallelLayout(tp=2, pp=2), False, torch.float32)
     wanted = {"tp": 4, "pp": 1, "vpp": 1}
-    plan, ckpt, extra = planning.plan_for(
-        str(tmp_path / "a"), str(tmp_path / "par"), wanted, full=[], replicas=[]
-    )
+    job = plan_reshard(str(tmp_path / "a"), str(tmp_path / "par"), wanted)
     execute(
-        plan,
-        Sources(ckpt, extra),
+        job.plan,
+        job.sources,
         Storage(str(tmp_path / "par")),
         workers=4,
         memory_budget=64 << 10,

@@ -323,16 +323,14 @@ def test_a_missing_bucket_is_a_one_line_storage_error(
 def test_a_large_range_is_fetched_as_parallel_sub_ranges(bucket: str, proxy: S3Proxy) -> None:
     import s3fs
 
-    from ckptctl.storage import RANGE_PART, STORAGE_CONFIG, Storage, StorageConfig
+    from ckptctl.settings import StorageConfig
+    from ckptctl.storage import RANGE_PART, Storage
 
     data = os.urandom(3 * RANGE_PART + 12345)
     s3fs.S3FileSystem().pipe("lake/big.bin", data)
-    token = STORAGE_CONFIG.set(StorageConfig(endpoint_url=proxy.url))
-    try:
-        proxy.reset()
-        got = Storage(f"{bucket}").read_range("big.bin", 1000, len(data) - 2000)
-    finally:
-        STORAGE_CONFIG.reset(token)
+    proxy.reset()
+    storage = Storage(f"{bucket}", StorageConfig(endpoint_url=proxy.url))
+    got = storage.read_range("big.bin", 1000, len(data) - 2000)
     assert got == data[1000:-1000]
     ranges = sorted(r.range for r in proxy.gets("lake/big.bin"))
     assert len(ranges) == 3 and all(r is not None for r in ranges)

@@ -2,30 +2,25 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager
-
 import typer
 
-from ckptctl.cli.commands import Json
-from ckptctl.cli.output import Output
+from ckptctl.cli.options import Json, state
+from ckptctl.cli.output import Output, boundary
 from ckptctl.formats.support import FORMATS, STORES
 
 
-def register(app: typer.Typer, boundary: Callable[[Output], AbstractContextManager[None]]) -> None:
-    @app.command("formats")
-    def formats_cmd(as_json: Json = False) -> None:
-        """List the checkpoint formats ckptctl reads and writes, how each is recognised, what
-        it supports and what verify can prove about it."""
-        out = Output(as_json)
-        with boundary(out):
-            if as_json:
-                out.json({"formats": [f.as_dict() for f in FORMATS], "stores": STORES})
-                return
-            for f in FORMATS:
-                out.show(f"[bold]{f.name}[/]  {f.description}")
-                out.show(f"  reads: {'yes' if f.reads else 'no'}; written by: {f.writes or '-'}")
-                out.show(f"  recognised by: {f.recognised_by}")
-                out.show(f"  supports: {f.supports}")
-                out.show(f"  verify without a manifest: {f.checksums}")
-            out.show(f"stores: {STORES}")
+def formats_cmd(ctx: typer.Context, as_json: Json = False) -> None:
+    """List the checkpoint formats ckptctl reads and writes, how each is recognised, what
+    it supports and what verify can prove about it."""
+    out = Output(as_json)
+    with boundary(out, state(ctx).debug):
+        if as_json:
+            out.json({"formats": [f.as_dict() for f in FORMATS], "stores": STORES})
+            return
+        for f in FORMATS:
+            out.show(f"[bold]{f.name}[/]  {f.description}")
+            out.show(f"  reads: {'yes' if f.reads else 'no'}; written by: {f.writes or '-'}")
+            out.show(f"  recognised by: {f.recognised_by}")
+            out.show(f"  supports: {f.supports}")
+            out.show(f"  verify without a manifest: {f.checksums}")
+        out.show(f"stores: {STORES}")

@@ -7,23 +7,26 @@ access denied, unreachable endpoint); 130 interrupted.
 
 from __future__ import annotations
 
-import contextlib
 import sys
-from collections.abc import Iterator
 from typing import Annotated
 
 import typer
 import typer.core
-from pydantic import ValidationError
 
 from ckptctl import __version__
-from ckptctl.cli import commands, demo, formats, planning
-from ckptctl.cli.options import read_hf_config, storage_config
-from ckptctl.cli.output import Output
-from ckptctl.errors import CkptctlError
-from ckptctl.probe import ALLOW_INCOMPLETE, HF_CONFIG
-from ckptctl.storage import STORAGE_CONFIG
-from ckptctl.storage_errors import classify
+from ckptctl.cli import (
+    calibrate,
+    consolidate,
+    demo,
+    formats,
+    inspect,
+    plan,
+    reshard,
+    verify,
+)
+from ckptctl.cli.options import CliState, read_hf_config, storage_config
+from ckptctl.cli.output import Output, boundary
+from ckptctl.settings import Settings
 
 GLOBAL_FLAGS = frozenset({"--debug", "--allow-incomplete"})
 GLOBAL_VALUED = frozenset(
@@ -108,8 +111,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-_state = {"debug": False}
-
 
 def _version(value: bool) -> None:
     if value:
@@ -119,6 +120,7 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
+    ctx: typer.Context,
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False,
     allow_incomplete: Annotated[
         bool,
@@ -156,64 +158,28 @@ def _root(
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
     ] = False,
 ) -> None:
-    _state["debug"] = debug
-    ALLOW_INCOMPLETE.set(allow_incomplete)
     out = Output(False)
-    with error_boundary(out):
-        STORAGE_CONFIG.set(
-            storage_config(endpoint_url, storage_option or [], part_size, upload_parallel)
+    with boundary(out, debug):
+        storage = storage_config(endpoint_url, storage_option or [], part_size, upload_parallel)
+        settings = Settings(
+            storage=storage,
+            allow_incomplete=allow_incomplete,
+            hf_config=read_hf_config(hf_config, storage) if hf_config else None,
         )
-        HF_CONFIG.set(read_hf_config(hf_config) if hf_config else None)
+        ctx.obj = CliState(settings, debug)
 
 
-@contextlib.contextmanager
-def error_boundary(out: Output) -> Iterator[None]:
-    """Known errors become one line on stderr (and, under --json, one JSON error document on
-    stdout) and an exit code; tracebacks only with --debug."""
-    try:
-        yield
-    except typer.Exit:
-        raise
-    except KeyboardInterrupt:
-        out.fail(
-            "interrupted; nothing was marked complete", 130, "rerun the same command to resume"
-        )
-        raise typer.Exit(130) from None
-    except Exception as err:
-        if _state["debug"]:
-            raise
-        message, code, hint = explain(err)
-        out.fail(message, code, hint)
-        raise typer.Exit(code) from None
-
-
-def explain(err: Exception) -> tuple[str, int, str]:
-    """(message, exit code, hint) for any exception that reaches the CLI."""
-    if isinstance(err, CkptctlError):
-        return err.message, err.exit_code, err.hint
-    if isinstance(err, ValidationError):
-        problems = "; ".join(e["msg"].removeprefix("Value error, ") for e in err.errors())
-        return problems, 2, ""
-    if isinstance(err, FileNotFoundError | IsADirectoryError | NotADirectoryError):
-        return f"{err.filename or ''}: {err.strerror or err}", 3, "check the checkpoint path"
-    storage = classify(err)
-    if storage is not None:
-        return storage.message, storage.exit_code, storage.hint
-    # A bug, not bad input: say so in one line, trace on request.
-    return (
-        f"internal error {type(err).__name__}: {err}; nothing was marked complete",
-        1,
-        "rerun with --debug for the traceback and report it",
-    )
-
-
-commands.register(app, error_boundary)
-commands.register_reshard(app, error_boundary)
-planning.register(app, error_boundary)
-planning.register_calibrate(app, error_boundary)
-planning.register_verify(app, error_boundary)
-demo.register(app, error_boundary)
-formats.register(app, error_boundary)
+for name, command in (
+    ("inspect", inspect.inspect_cmd),
+    ("consolidate", consolidate.consolidate_cmd),
+    ("reshard", reshard.reshard_cmd),
+    ("plan", plan.plan_cmd),
+    ("calibrate", calibrate.calibrate_cmd),
+    ("verify", verify.verify_cmd),
+    ("demo", demo.demo_cmd),
+    ("formats", formats.formats_cmd),
+):
+    app.command(name)(command)
 
 
 def main() -> None:

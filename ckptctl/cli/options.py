@@ -1,14 +1,185 @@
-"""Global storage flags: how remote stores are reached and written."""
+"""Every option the commands share, as ``Annotated`` aliases, and the settings they build.
+
+Global options (storage, ``--allow-incomplete``, ``--hf-config``, ``--debug``) are read once by the
+root command into a ``CliState``; each command adds its own (memory budget, checksum, staging)
+with ``command_settings``.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from typing import Any
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any
 
-from ckptctl.cli.commands import parse_size
+import typer
+from pydantic import ByteSize, TypeAdapter
+
 from ckptctl.errors import UsageError
+from ckptctl.model.stored import Format
 from ckptctl.multipart import MIN_PART_SIZE
-from ckptctl.storage import Storage, StorageConfig
+from ckptctl.settings import Settings, StorageConfig
+from ckptctl.storage import Storage
+
+
+@dataclass(frozen=True)
+class CliState:
+    """What the root command's options decide for every command of one invocation."""
+
+    settings: Settings
+    debug: bool = False
+
+
+def state(ctx: typer.Context) -> CliState:
+    return ctx.obj if isinstance(ctx.obj, CliState) else CliState(Settings())
+
+
+def command_settings(ctx: typer.Context, **changes: Any) -> Settings:
+    """The invocation's settings with this command's own options applied."""
+    return dataclasses.replace(state(ctx).settings, **changes)
+
+
+class DType(StrEnum):
+    bf16 = "bf16"
+    fp16 = "fp16"
+    fp32 = "fp32"
+
+
+WEIGHT_DTYPES = {DType.bf16: "bfloat16", DType.fp16: "float16", DType.fp32: "float32"}
+"""``--dtype`` choices as torch dtype names."""
+
+WeightDType = Annotated[
+    DType | None, typer.Option("--dtype", help="Convert weights (optimizer stays fp32).")
+]
+Json = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
+Iteration = Annotated[
+    int | None, typer.Option("--iteration", help="Iteration to read instead of the tracker's.")
+]
+TrueVocab = Annotated[
+    int | None,
+    typer.Option(
+        "--true-vocab-size",
+        help="Real vocabulary size when args do not record it (padding rows are dropped).",
+    ),
+]
+MemoryBudget = Annotated[
+    str,
+    typer.Option("--memory-budget", help="Tensor data held in memory at once (e.g. 512MiB, 2GiB)."),
+]
+Tp = Annotated[int, typer.Option("--tp", help="Target tensor-parallel size.")]
+Pp = Annotated[int, typer.Option("--pp", help="Target pipeline-parallel size.")]
+Vpp = Annotated[int, typer.Option("--vpp", help="Virtual pipeline chunks per stage.")]
+Dp = Annotated[int | None, typer.Option("--dp", help="Target data-parallel size [source's].")]
+DistOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--distributed-optimizer/--no-distributed-optimizer",
+        help="Write optimizer state as distrib_optim.pt [as the source].",
+    ),
+]
+FirstStage = Annotated[
+    int | None, typer.Option("--pp-first-stage-layers", help="Layers on the first stage.")
+]
+LastStage = Annotated[
+    int | None, typer.Option("--pp-last-stage-layers", help="Layers on the last stage.")
+]
+Full = Annotated[
+    list[str] | None,
+    typer.Option("--full", help="A full checkpoint of the same state (HF or TP1 PP1)."),
+]
+Replica = Annotated[
+    list[str] | None,
+    typer.Option("--replica", help="Another stored copy of the same sharded checkpoint."),
+]
+LostRanks = Annotated[
+    str | None, typer.Option("--lost-ranks", help="Global ranks whose files are lost: 0,3,8-11.")
+]
+LostNodes = Annotated[
+    str | None,
+    typer.Option("--lost-nodes", help="Nodes whose files are lost (with --ranks-per-node)."),
+]
+RanksPerNode = Annotated[int | None, typer.Option("--ranks-per-node", help="Ranks per node.")]
+
+
+class StrategyName(StrEnum):
+    auto = "auto"
+    direct = "direct"
+    shard_to_shard = "shard-to-shard"
+    recovery = "recovery"
+    full_then_split = "full-then-split"
+
+
+Strategy = Annotated[
+    StrategyName,
+    typer.Option("--strategy", help="How to reach the target (auto: the cheapest valid one)."),
+]
+PlanFile = Annotated[
+    Path | None, typer.Option("--plan", help="Run exactly this saved plan (from ckptctl plan).")
+]
+
+
+class ChecksumName(StrEnum):
+    xxh3_64 = "xxh3_64"
+    sha256 = "sha256"
+
+
+ReshardFormat = Annotated[
+    Format,
+    typer.Option(
+        "--format",
+        help="megatron: legacy mp_rank_* files; torch_dist: Megatron-Core's DCP format.",
+    ),
+]
+StageDir = Annotated[
+    str | None,
+    typer.Option(
+        "--stage-dir",
+        help="Write files to this local directory first and upload them in the background; "
+        "the manifest goes up after the last upload.",
+    ),
+]
+Checksum = Annotated[
+    ChecksumName,
+    typer.Option("--checksum", help="File checksum recorded in the manifest."),
+]
+DryRun = Annotated[bool, typer.Option("--dry-run", help="Plan only; write nothing.")]
+Overwrite = Annotated[
+    bool, typer.Option("--overwrite", help="Replace an existing checkpoint at the destination.")
+]
+
+
+def layout_choices(
+    tp: int,
+    pp: int,
+    vpp: int,
+    dp: int | None,
+    first: int | None,
+    last: int | None,
+    distributed_optimizer: bool | None,
+) -> dict[str, Any]:
+    """The target layout as given on the command line; ``None`` keeps the source's choice."""
+    return {
+        "tp": tp,
+        "pp": pp,
+        "vpp": vpp,
+        "dp": dp,
+        "first_stage_layers": first,
+        "last_stage_layers": last,
+        "distributed_optimizer": distributed_optimizer,
+    }
+
+
+def parse_size(text: str) -> int:
+    """``512MiB``, ``2GiB``, ``5GB``, ``1000`` -> bytes (pydantic's ``ByteSize`` reads them)."""
+    try:
+        return int(_BYTE_SIZE.validate_python(text.strip()))
+    except ValueError:
+        raise UsageError(f"cannot read size {text!r}; use e.g. 512MiB or 2GiB") from None
+
+
+_BYTE_SIZE = TypeAdapter(ByteSize)
 
 
 def _option_value(text: str) -> Any:
@@ -22,6 +193,8 @@ def _option_value(text: str) -> Any:
 def storage_config(
     endpoint_url: str | None, options: list[str], part_size: str, upload_parallel: int
 ) -> StorageConfig:
+    """``--endpoint-url``, ``--storage-option key=value`` (values read as JSON when they
+    parse), ``--part-size``, ``--upload-parallel``."""
     parsed: dict[str, Any] = {}
     for item in options:
         key, sep, value = item.partition("=")
@@ -39,9 +212,9 @@ def storage_config(
     return StorageConfig(endpoint_url, parsed, size, upload_parallel)
 
 
-def read_hf_config(path: str) -> dict[str, Any]:
+def read_hf_config(path: str, config: StorageConfig) -> dict[str, Any]:
     """``--hf-config``: a ``config.json`` file, or a directory holding one, on any URL."""
-    storage = Storage(path)
+    storage = Storage(path, config)
     rel = "" if not storage.isdir() else "config.json"
     try:
         text = storage.read_text(rel) if rel else storage.fs.cat_file(storage.root).decode()

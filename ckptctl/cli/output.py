@@ -1,12 +1,18 @@
-"""One output object: data to stdout (a human table or exactly one JSON document), logs,
-warnings, hints and progress to stderr. Only the CLI knows rich."""
+"""One output object and one error boundary: data to stdout (a human table or exactly one JSON
+document), logs, warnings, hints and progress to stderr; every exception that reaches a command
+becomes one line (and under ``--json`` one error document) and an exit code. Only the CLI knows
+rich."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+from collections.abc import Iterator
 from typing import Any
 
+import typer
+from pydantic import ValidationError
 from rich.console import Console
 from rich.markup import escape as rich_escape
 from rich.progress import (
@@ -18,6 +24,9 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 from rich.text import Text
+
+from ckptctl.errors import CkptctlError
+from ckptctl.storage_errors import classify
 
 
 class Output:
@@ -96,3 +105,44 @@ class RichProgress:
 
     def finish(self) -> None:
         self._progress.stop()
+
+
+@contextlib.contextmanager
+def boundary(out: Output, debug: bool = False) -> Iterator[None]:
+    """Known errors become one line on stderr (and, under --json, one JSON error document on
+    stdout) and an exit code; tracebacks only with --debug."""
+    try:
+        yield
+    except typer.Exit:
+        raise
+    except KeyboardInterrupt:
+        out.fail(
+            "interrupted; nothing was marked complete", 130, "rerun the same command to resume"
+        )
+        raise typer.Exit(130) from None
+    except Exception as err:
+        if debug:
+            raise
+        message, code, hint = explain(err)
+        out.fail(message, code, hint)
+        raise typer.Exit(code) from None
+
+
+def explain(err: Exception) -> tuple[str, int, str]:
+    """(message, exit code, hint) for any exception that reaches the CLI."""
+    if isinstance(err, CkptctlError):
+        return err.message, err.exit_code, err.hint
+    if isinstance(err, ValidationError):
+        problems = "; ".join(e["msg"].removeprefix("Value error, ") for e in err.errors())
+        return problems, 2, ""
+    if isinstance(err, FileNotFoundError | IsADirectoryError | NotADirectoryError):
+        return f"{err.filename or ''}: {err.strerror or err}", 3, "check the checkpoint path"
+    storage = classify(err)
+    if storage is not None:
+        return storage.message, storage.exit_code, storage.hint
+    # A bug, not bad input: say so in one line, trace on request.
+    return (
+        f"internal error {type(err).__name__}: {err}; nothing was marked complete",
+        1,
+        "rerun with --debug for the traceback and report it",
+    )

@@ -19,11 +19,10 @@ import torch
 
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError
 from ckptctl.formats.hf_layout import CONFIG, INDEX, SINGLE, hf_tensors, spec_from_config
-from ckptctl.formats.torchzip import write_in_slices
 from ckptctl.model.dtypes import BY_SAFETENSORS, DTYPES
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.stored import CheckpointView, Format, StoredFile, StoredTensor
-from ckptctl.storage import Storage
+from ckptctl.storage import Storage, write_in_slices
 
 _MAX_HEADER = 100_000_000
 

@@ -31,6 +31,7 @@ import torch
 
 from ckptctl.errors import CheckpointError, UnsafePickleError
 from ckptctl.model.dtypes import BY_STORAGE, DTYPES, dtype_name
+from ckptctl.storage import write_in_slices
 
 Shape = tuple[int, ...]
 
@@ -419,17 +420,6 @@ def write_torch_zip(
                 raise AssertionError(f"slot {slot.key}: wrote {written} of {slot.nbytes} bytes")
         with _aligned_entry(zf, f"{prefix}/version", 1) as out:
             out.write(b"3")
-
-
-WRITE_SLICE = 1 << 20
-
-
-def write_in_slices(out: BinaryIO, data: bytes | memoryview) -> None:
-    """Write ``data`` in 1 MiB slices: on Linux page-cache writes of tens of MiB in one call run
-    an order of magnitude slower than the same bytes in ~1 MiB calls (measured: 0.37 vs 5 GB/s)."""
-    view = memoryview(data).cast("B")
-    for start in range(0, len(view), WRITE_SLICE):
-        out.write(view[start : start + WRITE_SLICE])
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:

@@ -1,0 +1,103 @@
+"""``ckptctl inspect``: format, iteration, model, layout, files and sizes of a checkpoint."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from ckptctl.cli.options import Iteration, Json, TrueVocab, state
+from ckptctl.cli.output import Output, boundary, human_bytes
+from ckptctl.model.catalog import OPTIMIZER_STATES
+from ckptctl.model.geometry import nbytes
+from ckptctl.probe import Checkpoint, open_checkpoint
+
+
+def inspect_cmd(
+    ctx: typer.Context,
+    src: Annotated[str, typer.Argument(help="Checkpoint directory or URL.")],
+    as_json: Json = False,
+    iteration: Iteration = None,
+    true_vocab_size: TrueVocab = None,
+) -> None:
+    """Show format, iteration, model, layout, files and sizes of a checkpoint."""
+    out = Output(as_json)
+    cli = state(ctx)
+    with boundary(out, cli.debug):
+        ckpt = open_checkpoint(
+            src, cli.settings, iteration=iteration, true_vocab_size=true_vocab_size
+        )
+        info = describe(ckpt)
+        out.json(info) if as_json else _show_inspect(out, info)
+
+
+def describe(ckpt: Checkpoint) -> dict[str, Any]:
+    view = ckpt.view
+    files = []
+    weights = optimizer = 0
+    count = 0
+    for f in view.files:
+        file_total = 0
+        for t in f.tensors:
+            size = nbytes(t.shape, t.dtype)
+            file_total += size
+            count += 1
+            if t.canonical.split("/", 1)[0] in OPTIMIZER_STATES:
+                optimizer += size
+            else:
+                weights += size
+        files.append(
+            {
+                "path": f.path,
+                "rank": f.rank,
+                "tensors": len(f.tensors),
+                "tensor_bytes": file_total,
+                "file_bytes": ckpt.storage.size(f.path),
+            }
+        )
+    return {
+        "url": ckpt.storage.url,
+        "format": view.format.value,
+        "iteration": view.iteration,
+        "spec": view.spec.model_dump(mode="json") if view.spec else None,
+        "layout": view.layout.model_dump(mode="json"),
+        "tensors": count,
+        "weight_bytes": weights,
+        "optimizer_bytes": optimizer,
+        "has_optimizer": view.has_optimizer,
+        "files": files,
+        "notes": list(view.notes),
+    }
+
+
+def _show_inspect(out: Output, info: dict[str, Any]) -> None:
+    spec, layout = info["spec"], info["layout"]
+    out.show(f"[bold]{info['url']}[/]  {info['format']}  iteration {info['iteration']}")
+    if spec is None:
+        out.show("model: unknown family (keys are not Megatron-Core's or HF Llama's)")
+    else:
+        out.show(
+            f"model: {spec['num_layers']} layers, hidden {spec['hidden_size']}, ffn "
+            f"{spec['ffn_hidden_size']}, heads {spec['num_attention_heads']} "
+            f"(query groups {spec['num_query_groups']}, head dim {spec['kv_channels']}), vocab "
+            f"{spec['vocab_size']}, {'SwiGLU' if spec['gated_linear_unit'] else 'MLP'}, "
+            f"{spec['normalization']}, {'tied' if spec['tie_embeddings'] else 'untied'} "
+            "embeddings"
+        )
+    out.show("layout: " + " ".join(f"{k}={v}" for k, v in layout.items() if v not in (None, False)))
+    table = Table("file", "rank (tp, pp)", "tensors", "bytes")
+    for f in info["files"]:
+        table.add_row(
+            f["path"],
+            str(tuple(f["rank"])) if f["rank"] else "-",
+            str(f["tensors"]),
+            human_bytes(f["file_bytes"]),
+        )
+    out.show(table)
+    out.show(
+        f"{info['tensors']} tensors: weights {human_bytes(info['weight_bytes'])}, optimizer state "
+        f"{human_bytes(info['optimizer_bytes'])}"
+    )
+    for note in info["notes"]:
+        out.warn(note)

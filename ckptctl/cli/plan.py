@@ -1,0 +1,181 @@
+"""``ckptctl plan``: what would happen and why: the strategy chosen by the cost model, every
+alternative with its estimate or the reason it cannot be used, the largest transfers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from ckptctl.cli.options import (
+    DistOpt,
+    Dp,
+    FirstStage,
+    Full,
+    Iteration,
+    Json,
+    LastStage,
+    LostNodes,
+    LostRanks,
+    Pp,
+    RanksPerNode,
+    Replica,
+    ReshardFormat,
+    Strategy,
+    StrategyName,
+    Tp,
+    TrueVocab,
+    Vpp,
+    layout_choices,
+    state,
+)
+from ckptctl.cli.output import Output, boundary, human_bytes
+from ckptctl.jobs import given_sources, plan_reshard
+from ckptctl.locations import refuse_overlap
+from ckptctl.model.geometry import nbytes
+from ckptctl.model.plan import Plan
+from ckptctl.model.stored import Format
+from planners.graph import overlap_graph
+
+
+def plan_cmd(
+    ctx: typer.Context,
+    src: Annotated[str, typer.Argument(help="Stored (sharded or full) checkpoint.")],
+    dst: Annotated[str | None, typer.Argument(help="Destination, if data would move.")] = None,
+    tp: Tp = 1,
+    pp: Pp = 1,
+    vpp: Vpp = 1,
+    dp: Dp = None,
+    distributed_optimizer: DistOpt = None,
+    first: FirstStage = None,
+    last: LastStage = None,
+    full: Full = None,
+    replica: Replica = None,
+    lost_ranks: LostRanks = None,
+    lost_nodes: LostNodes = None,
+    ranks_per_node: RanksPerNode = None,
+    strategy: Strategy = StrategyName.auto,
+    save: Annotated[
+        Path | None, typer.Option("--out", help="Save the plan as JSON for --plan.")
+    ] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Accepted; plan never writes.")] = True,
+    show_map: Annotated[
+        bool, typer.Option("--show", help="Heat map of which source files feed which targets.")
+    ] = False,
+    svg: Annotated[Path | None, typer.Option("--svg", help="Also write the map as SVG.")] = None,
+    target_format: ReshardFormat = Format.MEGATRON,
+    as_json: Json = False,
+    iteration: Iteration = None,
+    true_vocab_size: TrueVocab = None,
+) -> None:
+    """Decide how to reach a layout: load shards directly, shard-to-shard, recover lost
+    shards, or cut a full checkpoint; with estimates for every alternative."""
+    out = Output(as_json)
+    cli = state(ctx)
+    with boundary(out, cli.debug):
+        sources = given_sources(src, full, replica)
+        for what, path in (("--out file", save), ("--svg file", svg)):
+            if path is not None:
+                refuse_overlap(what, str(path), sources)
+        plan = plan_reshard(
+            src,
+            dst,
+            layout_choices(tp, pp, vpp, dp, first, last, distributed_optimizer),
+            cli.settings,
+            full=full,
+            replicas=replica,
+            lost_ranks=lost_ranks,
+            lost_nodes=lost_nodes,
+            ranks_per_node=ranks_per_node,
+            strategy=strategy.value,
+            iteration=iteration,
+            true_vocab_size=true_vocab_size,
+            target_format=target_format,
+        ).plan
+        if save is not None:
+            save.write_text(plan.model_dump_json(indent=1))
+            out.info(f"plan saved to {save} (fingerprint {plan.fingerprint()})")
+        if as_json:
+            out.json(plan.model_dump(mode="json"))
+        else:
+            show(out, plan)
+            if show_map or svg is not None:
+                show_grid(out, plan, svg)
+
+
+def show(out: Output, plan: Plan) -> None:
+    e = plan.estimates
+    out.show(f"[bold]strategy:[/] {plan.strategy}: {plan.reason}")
+    out.show(
+        f"{plan.source_layout.describe()} -> {plan.target_layout.describe()}: "
+        f"{len(plan.files)} files; read {human_bytes(e.bytes_read)} in {e.read_requests} requests, "
+        f"write {human_bytes(e.bytes_written)}, peak memory ~{human_bytes(e.peak_memory_bytes)}, "
+        f"~{e.seconds:.2f} s by the cost model"
+    )
+    table = Table("alternative", "estimated time", "read", "requests", "why not")
+    for alt in plan.alternatives:
+        if alt.estimates is not None:
+            a = alt.estimates
+            slower = "slower" if a.seconds >= e.seconds else "not chosen"
+            table.add_row(
+                alt.strategy,
+                f"{a.seconds:.2f} s",
+                human_bytes(a.bytes_read),
+                str(a.read_requests),
+                slower,
+            )
+        else:
+            table.add_row(alt.strategy, "-", "-", "-", alt.refused or "")
+    out.show(table)
+    transfers: dict[tuple[str, str], int] = {}
+    for file in plan.files:
+        for tensor in file.tensors:
+            for copy in tensor.copies:
+                key = (plan.source_files[copy.source], file.path)
+                transfers[key] = transfers.get(key, 0) + nbytes(copy.sizes, tensor.dtype)
+    if transfers:
+        top = Table("largest transfers: from", "to", "bytes")
+        for (a, b), n in sorted(transfers.items(), key=lambda kv: (-kv[1], kv[0]))[:5]:
+            top.add_row(a, b, human_bytes(n))
+        out.show(top)
+    for note in plan.notes:
+        out.warn(note)
+
+
+def show_grid(out: Output, plan: Plan, svg: Path | None) -> None:
+    """Which source files feed which target files: a heat map of bytes in the terminal."""
+    from rich.console import Console
+
+    t = overlap_graph(plan)
+    if not t.bytes:
+        out.show("no data moves")
+        return
+    top = max(t.bytes.values())
+    shades = " ░▒▓█"
+    table = Table("source \\ target", *[_short(p) for p in t.targets], show_lines=False)
+    for source in t.sources:
+        cells = []
+        for target in t.targets:
+            n = t.bytes.get((source, target), 0)
+            level = 0 if n == 0 else 1 + min(3, int(4 * n / (top + 1)))
+            cells.append(f"[cyan]{shades[level] * 3}[/]" if n else "   ")
+        table.add_row(_short(source), *cells)
+    console = Console(record=True, file=out.out.file)
+    console.print(table)
+    console.print(
+        f"darkest = {human_bytes(top)}; each target file reads from "
+        f"{max(t.fan_in(x) for x in t.targets)} source files at most"
+    )
+    if svg is not None:
+        console.save_svg(str(svg), title=f"ckptctl plan: {plan.strategy}")
+        out.info(f"heat map written to {svg}")
+
+
+def _short(path: str) -> str:
+    """``iter_0000001/mp_rank_01_002/distrib_optim.pt`` -> ``01_002 opt``."""
+    parts = path.split("/")
+    name = parts[-2].removeprefix("mp_rank_") if len(parts) > 1 else parts[-1]
+    prefix = parts[0] + " " if parts[0].startswith("@") else ""
+    return prefix + name + (" opt" if parts[-1] == "distrib_optim.pt" else "")

@@ -1,0 +1,89 @@
+"""Running a job from the CLI (consolidate, reshard, demo): check the destination, then warn,
+then write with a progress bar, then report as text or one JSON document."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ckptctl.cli.output import Output, RichProgress, human_bytes
+from ckptctl.destination import check_destination
+from ckptctl.execute import Report
+from ckptctl.jobs import Job, run
+from ckptctl.model.plan import Plan
+from ckptctl.model.stored import Format
+
+
+def carry_out(
+    out: Output, job: Job, *, overwrite: bool = False, dry_run: bool = False, quiet: bool = False
+) -> Report | None:
+    """Nothing is written, and no warning printed, before every check has passed."""
+    if dry_run:
+        _warn_notes(out, job.plan, quiet)
+        return None
+    destination = check_destination(job.plan, job.settings, overwrite=overwrite)
+    if destination.complete:
+        out.info(f"{job.plan.target_url} is already complete for this plan; nothing to do")
+        return Report(files_written=[])
+    _warn_notes(out, job.plan, quiet)
+    progress = RichProgress(out.err, enabled=not (out.as_json or quiet))
+    return run(job, destination, progress)
+
+
+def _warn_notes(out: Output, plan: Plan, quiet: bool) -> None:
+    if not quiet:
+        for note in plan.notes:
+            out.warn(note)
+
+
+def report_dict(plan: Plan, report: Report) -> dict[str, Any]:
+    return {
+        "operation": plan.operation,
+        "source": plan.source_url,
+        "target": plan.target_url,
+        "target_format": plan.target_format.value,
+        "target_layout": plan.target_layout.model_dump(mode="json"),
+        "plan_fingerprint": plan.fingerprint(),
+        "files": report.files_written,
+        "bytes_read": report.bytes_read,
+        "read_requests": report.read_requests,
+        "strategy": plan.strategy,
+        "estimates": plan.estimates.model_dump(mode="json"),
+        "bytes_written": report.bytes_written,
+        "seconds": round(report.seconds, 3),
+        "throughput_bytes_per_s": int(report.bytes_written / report.seconds)
+        if report.seconds
+        else 0,
+        "peak_rss_bytes": report.peak_rss_bytes,
+        "notes": list(plan.notes),
+    }
+
+
+def finish(out: Output, plan: Plan, report: Report | None, as_json: bool) -> None:
+    """The plan (dry run) or the summary of what was done, as text or one JSON document."""
+    if report is None:
+        _show_plan(out, plan, as_json)
+    elif as_json:
+        out.json(report_dict(plan, report))
+    else:
+        target = plan.target_layout.describe()
+        if plan.target_format is Format.HF:
+            target = "HF safetensors"
+        out.show(
+            f"{plan.operation}: {plan.source_url} ({plan.source_layout.describe()}) -> "
+            f"{plan.target_url} ({target}): {len(report.files_written)} files, read "
+            f"{human_bytes(report.bytes_read)}, wrote {human_bytes(report.bytes_written)} in "
+            f"{report.seconds:.1f} s, peak RSS {human_bytes(report.peak_rss_bytes)}"
+        )
+
+
+def _show_plan(out: Output, plan: Plan, as_json: bool) -> None:
+    if as_json:
+        out.json(plan.model_dump(mode="json"))
+        return
+    e = plan.estimates
+    out.show(
+        f"{plan.operation} {plan.source_url} -> {plan.target_url}: {plan.strategy}: {plan.reason}\n"
+        f"{len(plan.files)} files; read {human_bytes(e.bytes_read)} in {e.read_requests} "
+        f"requests, write {human_bytes(e.bytes_written)}, peak memory "
+        f"~{human_bytes(e.peak_memory_bytes)}"
+    )

@@ -1,0 +1,50 @@
+"""``ckptctl verify``: is a checkpoint whole and sound, and (``--against``) equal to another."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from ckptctl.cli.options import Json, state
+from ckptctl.cli.output import Output, boundary
+
+
+def verify_cmd(
+    ctx: typer.Context,
+    ckpt: Annotated[str, typer.Argument(help="Checkpoint directory or URL.")],
+    numerics: Annotated[bool, typer.Option("--numerics", help="Scan for NaN/Inf.")] = False,
+    other: Annotated[
+        str | None,
+        typer.Option("--against", help="Compare every tensor with this checkpoint."),
+    ] = None,
+    rtol: Annotated[float, typer.Option("--rtol", help="Relative tolerance.")] = 0.0,
+    atol: Annotated[float, typer.Option("--atol", help="Absolute tolerance.")] = 0.0,
+    as_json: Json = False,
+) -> None:
+    """Check a checkpoint is whole: completion marker, manifest sizes and checksums, the
+    checksums its files carry (zip CRC-32), structure, coverage of every tensor, (--numerics)
+    finite values, and (--against B) equal to B tensor by tensor in any layout or format.
+    Exit 0 all passed, 1 a check failed, 2 usage, 3 bad input, 4 storage error."""
+    from ckptctl.verify import against, verify
+    from ckptctl.verify import as_json as report_json
+
+    out = Output(as_json)
+    cli = state(ctx)
+    with boundary(out, cli.debug):
+        checks = verify(ckpt, cli.settings, numerics=numerics)
+        tensors: list[dict] = []
+        if other is not None:
+            check, tensors = against(ckpt, other, cli.settings, rtol=rtol, atol=atol)
+            checks.append(check)
+        report = report_json(checks)
+        if tensors:
+            report["tensors"] = tensors
+        if as_json:
+            out.json(report)
+        else:
+            colour = {"passed": "green", "failed": "red", "skipped": "yellow"}
+            for c in checks:
+                out.show(f"[{colour[c.status]}]{c.status:>7}[/] {c.name}: {c.detail}")
+        if not report["ok"]:
+            raise typer.Exit(1)

@@ -1,0 +1,90 @@
+"""Where a job writes: checked before anything is written, then prepared.
+
+Checks, in order: the destination (and a staging directory) must not overlap any source; a
+finished output of the same plan means nothing to do; an interrupted run of the same plan is
+resumed; anything else there is replaced only with ``overwrite`` and only if ckptctl wrote all
+of it; a local destination must have room for what the plan writes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ckptctl.errors import OutputExistsError
+from ckptctl.locations import refuse_overlap
+from ckptctl.manifest import INCOMPLETE, completed_by, foreign_files, read_marker
+from ckptctl.model.plan import Plan
+from ckptctl.settings import Settings
+from ckptctl.storage import Storage
+from ckptctl.storage_errors import check_free_space
+
+
+@dataclass(frozen=True)
+class Destination:
+    storage: Storage
+    complete: bool = False
+    """A finished output of this very plan is there already: nothing to do."""
+    clear_first: bool = False
+    """A previous ckptctl output (``overwrite``) or debris of a killed run is removed first."""
+
+
+def plan_sources(plan: Plan) -> dict[str, str | None]:
+    """Every stored checkpoint a plan reads, by the label an error message should use."""
+    sources: dict[str, str | None] = {"source": plan.source_url}
+    for ref in plan.extra_sources:
+        sources[f"source copy ({ref.prefix})"] = ref.url
+    return sources
+
+
+def check_destination(plan: Plan, settings: Settings, *, overwrite: bool = False) -> Destination:
+    """Validate where ``plan`` writes; writes nothing."""
+    refuse_overlap("destination", plan.target_url, plan_sources(plan))
+    if settings.stage_dir is not None:
+        refuse_overlap("--stage-dir", settings.stage_dir, plan_sources(plan))
+    target = Storage(plan.target_url, settings.storage)
+    fingerprint = plan.fingerprint()
+    if not overwrite and completed_by(target, fingerprint):
+        return Destination(target, complete=True)
+    clear = _existing_content(target, overwrite, fingerprint)
+    check_free_space(plan.target_url, plan.estimates.bytes_written - _resumable_bytes(target, plan))
+    return Destination(target, clear_first=clear)
+
+
+def _existing_content(target: Storage, overwrite: bool, fingerprint: str) -> bool:
+    """Whether what is at ``target`` must be removed first; refuses what may not be."""
+    if not target.exists():
+        return False
+    if not target.isdir():
+        raise OutputExistsError(
+            f"{target.url} is a file, not a directory", hint="choose a directory as the destination"
+        )
+    marker = read_marker(target)
+    if marker and marker.get("plan_fingerprint") == fingerprint and not overwrite:
+        return False  # an interrupted run of this very plan: resume it
+    files = target.find_files()
+    # Leftovers of a run killed before it wrote anything are not content.
+    if set(files) <= {INCOMPLETE, INCOMPLETE + ".partial"}:
+        return bool(files)
+    if not overwrite:
+        raise OutputExistsError(
+            f"{target.url} exists and is not empty",
+            hint="pass --overwrite to replace a previous ckptctl output, or choose another "
+            "destination",
+        )
+    foreign = foreign_files(target, files)
+    if foreign:
+        more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
+        raise OutputExistsError(
+            f"--overwrite: {target.url} holds {foreign[0]}{more}, which no ckptctl job wrote; "
+            "ckptctl only replaces its own outputs",
+            hint="remove those files yourself or choose another destination",
+        )
+    return True
+
+
+def _resumable_bytes(target: Storage, plan: Plan) -> int:
+    """Bytes an interrupted run of this plan already wrote at its destination (kept on resume)."""
+    marker = read_marker(target) if target.isdir() else None
+    if not marker or marker.get("plan_fingerprint") != plan.fingerprint():
+        return 0
+    return sum(int(entry.get("size", 0)) for entry in marker.get("done", {}).values())

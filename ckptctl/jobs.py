@@ -1,0 +1,353 @@
+"""Jobs: plan a consolidation or a reshard (or load a saved plan), then run it.
+
+This is the library's front door; the CLI is a thin layer over it (README, "Python API")::
+
+    settings = Settings()
+    job = plan_consolidate("ckpt/", "out/", Format.HF, settings)
+    destination = check_destination(job.plan, settings)   # validates; writes nothing
+    report = run(job, destination)
+
+Planning probes every stored copy read-only and asks ``planners`` for the plan; running checks
+the destination and hands the plan to the executor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ckptctl.calibrate import saved_profiles
+from ckptctl.destination import Destination, check_destination
+from ckptctl.errors import CheckpointError, CkptctlError, UsageError
+from ckptctl.execute import Progress, Report, Sources, execute
+from ckptctl.formats.dcp import DcpCheckpoint
+from ckptctl.formats.megatron import MegatronCheckpoint
+from ckptctl.formats.megatron_layout import MegatronStyle
+from ckptctl.locations import refuse_overlap
+from ckptctl.model.layout import ParallelLayout
+from ckptctl.model.plan import Plan
+from ckptctl.model.stored import Format
+from ckptctl.probe import (
+    Checkpoint,
+    changed_files,
+    file_sizes,
+    fingerprint,
+    open_checkpoint,
+    with_identities,
+)
+from ckptctl.settings import Settings
+from ckptctl.staging import StagedStorage
+from ckptctl.storage_errors import classify
+from planners.consolidate import plan_consolidate as consolidation
+from planners.consolidate import plan_state_dict
+from planners.strategy import Stored, plan_auto
+
+__all__ = ["Destination", "Job", "check_destination", "plan_consolidate", "plan_reshard", "run"]
+
+REMOTE_READ_PARALLEL = 8
+"""Ranged GETs in flight when a source is on an object store (each answers after a round trip)."""
+
+
+@dataclass
+class Job:
+    """A plan and the opened checkpoints it reads, ready to run."""
+
+    plan: Plan
+    sources: Sources
+    settings: Settings
+
+
+def given_sources(
+    src: str, full: list[str] | None = None, replicas: list[str] | None = None
+) -> dict[str, str | None]:
+    """The checkpoints a job is asked to read, labelled for error messages."""
+    sources: dict[str, str | None] = {"source": src}
+    for label, urls in (("--full checkpoint", full), ("--replica", replicas)):
+        sources.update({label + (f" {i + 1}" if i else ""): u for i, u in enumerate(urls or [])})
+    return sources
+
+
+def refuse_dp_reshardable(ckpt: Checkpoint) -> None:
+    """``dp_reshardable`` optimizer state is raw grad-buffer buckets of one TP/PP/DP layout,
+    which only Megatron itself loads, and only at that layout."""
+    if isinstance(ckpt, DcpCheckpoint) and ckpt.dp_reshardable:
+        raise UsageError(
+            f"{ckpt.storage.url}: optimizer state is dp_reshardable (grad-buffer buckets of the "
+            f"saved {ckpt.view.layout.describe()} layout), so it cannot move to another TP/PP "
+            "layout or format; re-save it with --dist-ckpt-optim-fully-reshardable, or take the "
+            "weights alone with consolidate --format hf"
+        )
+
+
+def megatron_style(ckpt: Checkpoint) -> MegatronStyle:
+    """Spelling, order and optimizer format to keep when writing Megatron files."""
+    if isinstance(ckpt, MegatronCheckpoint):
+        return MegatronStyle(ckpt.naming, ckpt.layer_order, ckpt.optimizer)
+    if isinstance(ckpt, DcpCheckpoint):
+        return MegatronStyle(optimizer=ckpt.optimizer)
+    return MegatronStyle()
+
+
+def plan_consolidate(
+    src: str,
+    dst: str,
+    fmt: Format,
+    settings: Settings | None = None,
+    *,
+    dtype: str | None = None,
+    max_shard_bytes: int = 5 << 30,
+    iteration: int | None = None,
+    true_vocab_size: int | None = None,
+) -> Job:
+    """One full checkpoint from ``src``: HF safetensors, TP1 PP1 Megatron, or one torch file."""
+    settings = settings or Settings()
+    refuse_overlap("destination", dst, {"source": src})
+    ckpt = open_checkpoint(src, settings, iteration=iteration, true_vocab_size=true_vocab_size)
+    if fmt is Format.TORCH:
+        if not isinstance(ckpt, DcpCheckpoint):
+            raise UsageError("--format torch consolidates DCP / torch_dist checkpoints")
+        generic = ckpt.as_generic()
+        plan = plan_state_dict(
+            generic.view,
+            source_url=src,
+            source_fingerprint=fingerprint(ckpt.storage, generic.view),
+            target_url=dst,
+        )
+        plan = with_identities(plan, ckpt.storage, generic.view)
+        return Job(plan, Sources(generic), settings)
+    if fmt not in (Format.HF, Format.MEGATRON):
+        raise UsageError(f"consolidate --format {fmt.value}: choose hf, megatron or torch")
+    if fmt is not Format.HF:
+        refuse_dp_reshardable(ckpt)
+    plan = consolidation(
+        ckpt.view,
+        source_url=src,
+        source_fingerprint=fingerprint(ckpt.storage, ckpt.view),
+        target_url=dst,
+        target_format=fmt,
+        style=megatron_style(ckpt),
+        dtype=dtype,
+        max_shard_bytes=max_shard_bytes,
+    )
+    return Job(with_identities(plan, ckpt.storage, ckpt.view), Sources(ckpt), settings)
+
+
+def parse_ranks(text: str | None) -> set[int]:
+    """``0,3,8-11`` -> {0, 3, 8, 9, 10, 11}."""
+    out: set[int] = set()
+    for part in (text or "").split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            if "-" in part:
+                lo, hi = (int(x) for x in part.split("-", 1))
+                out.update(range(lo, hi + 1))
+            else:
+                out.add(int(part))
+        except ValueError:
+            raise UsageError(f"cannot read rank list {text!r}; use e.g. 0,3,8-11") from None
+    return out
+
+
+def lost_files(
+    ckpt: Checkpoint, ranks: set[int], nodes: set[int], ranks_per_node: int | None
+) -> frozenset[str]:
+    """Files lost with these global ranks (Megatron's tp-dp-pp order: DP rank 0 of each
+    (tp, pp) writes its files), or with every rank of these nodes."""
+    if nodes:
+        if not ranks_per_node:
+            raise UsageError("--lost-nodes needs --ranks-per-node")
+        ranks = ranks | {n * ranks_per_node + i for n in nodes for i in range(ranks_per_node)}
+    if not ranks:
+        return frozenset()
+    layout = ckpt.view.layout
+    world = layout.tp * layout.pp * layout.dp
+    if max(ranks) >= world:
+        raise UsageError(f"rank {max(ranks)} is outside the source's world of {world} ranks")
+    out = set()
+    for g in ranks:
+        tp, dp, pp = g % layout.tp, (g // layout.tp) % layout.dp, g // (layout.tp * layout.dp)
+        if dp == 0:
+            out.update(f.path for f in ckpt.view.files if f.rank == (tp, pp))
+    return frozenset(out)
+
+
+def _stored(ckpt: Checkpoint, url: str, lost: frozenset[str] = frozenset()) -> Stored:
+    lost = lost | getattr(ckpt, "lost", frozenset())
+    return Stored(
+        view=ckpt.view,
+        url=url,
+        fingerprint=fingerprint(ckpt.storage, ckpt.view, lost),
+        file_sizes=file_sizes(ckpt.storage, ckpt.view, lost),
+        lost=lost,
+    )
+
+
+def plan_reshard(
+    src: str,
+    dst: str | None,
+    target: dict[str, Any],
+    settings: Settings | None = None,
+    *,
+    full: list[str] | None = None,
+    replicas: list[str] | None = None,
+    lost_ranks: str | None = None,
+    lost_nodes: str | None = None,
+    ranks_per_node: int | None = None,
+    strategy: str = "auto",
+    dtype: str | None = None,
+    iteration: int | None = None,
+    true_vocab_size: int | None = None,
+    target_format: Format = Format.MEGATRON,
+    measured: dict | None = None,
+) -> Job:
+    """Probe the source and every other stored copy, then let the strategy planner choose how
+    to reach the ``target`` layout (``tp``, ``pp``, ...; a missing or ``None`` value keeps the
+    source's). ``dst`` may be ``None`` when only the plan is wanted."""
+    settings = settings or Settings()
+    if dst is not None:
+        refuse_overlap("destination", dst, given_sources(src, full, replicas))
+    others = [*(full or []), *(replicas or [])]
+    options = {"iteration": iteration, "true_vocab_size": true_vocab_size}
+    ckpt = open_checkpoint(src, settings, allow_missing=bool(others), **options)
+    refuse_dp_reshardable(ckpt)
+    extra = [open_checkpoint(u, settings, **options) for u in others]
+    source = ckpt.view.layout
+    layout = ParallelLayout(
+        **{
+            "dp": source.dp,
+            "distributed_optimizer": source.distributed_optimizer,
+            **{k: v for k, v in target.items() if v is not None},
+        }
+    )
+    lost = lost_files(ckpt, parse_ranks(lost_ranks), parse_ranks(lost_nodes), ranks_per_node)
+    primary = _stored(ckpt, src, lost)
+    copies = [_stored(c, u) for c, u in zip(extra, others, strict=True)]
+    if ckpt.view.format in (Format.MEGATRON, Format.TORCH_DIST) and ckpt.view.layout.is_sharded:
+        sharded: Stored | None = primary
+    else:  # a full source is cut, never copied as if it were the target
+        sharded, copies = None, [primary, *copies]
+    plan = plan_auto(
+        sharded,
+        copies,
+        layout,
+        target_url=dst,
+        style=megatron_style(ckpt),
+        strategy=strategy,
+        dtype=dtype,
+        measured=measured if measured is not None else saved_profiles(),
+        target_format=target_format,
+    )
+    # The planner names further copies "@<i>/" in the order it was given them.
+    given = extra if sharded is not None else [ckpt, *extra]
+    by_prefix = {ref.prefix: given[int(ref.prefix[1:-1])] for ref in plan.extra_sources}
+    everything = [ckpt, *extra]
+    lead = next(c for c, u in zip(everything, [src, *others], strict=True) if u == plan.source_url)
+    lead_lost = (lost if lead is ckpt else frozenset()) | _planned_lost(plan, lead)
+    plan = with_identities(plan, lead.storage, lead.view, lead_lost)
+    return Job(plan, Sources(lead, by_prefix), settings)
+
+
+def load_plan(path: Path) -> Plan:
+    try:
+        return Plan.model_validate_json(path.read_text())
+    except FileNotFoundError:
+        raise UsageError(f"--plan {path}: no such file") from None
+    except ValueError as err:
+        first = str(err).splitlines()[0]
+        raise UsageError(f"--plan {path}: not a ckptctl plan ({first})") from None
+
+
+def saved_job(
+    plan_file: Path,
+    operation: str,
+    src: str,
+    dst: str,
+    settings: Settings | None = None,
+    *,
+    iteration: int | None = None,
+    true_vocab_size: int | None = None,
+) -> Job:
+    """A saved plan for exactly this source and destination, if the source is unchanged."""
+    settings = settings or Settings()
+    plan = load_plan(plan_file)
+    if plan.operation != operation:
+        raise UsageError(f"--plan {plan_file} is a {plan.operation} plan, not a {operation} one")
+    if (plan.source_url, plan.target_url) != (src, dst):
+        raise UsageError(
+            f"--plan {plan_file} was made for {plan.source_url} -> {plan.target_url}, "
+            f"not {src} -> {dst}"
+        )
+    options = {"iteration": iteration, "true_vocab_size": true_vocab_size}
+    ckpt = open_checkpoint(src, settings, allow_missing=True, **options)
+    extra = {r.prefix: open_checkpoint(r.url, settings) for r in plan.extra_sources}
+    check_fresh(plan, ckpt, extra)
+    return Job(plan, Sources(ckpt, extra), settings)
+
+
+def check_fresh(plan: Plan, ckpt: Checkpoint, extra: dict[str, Checkpoint]) -> None:
+    """Refuse a saved plan whose source changed since it was made, naming what changed."""
+    lost = getattr(ckpt, "lost", frozenset())
+    now = fingerprint(ckpt.storage, ckpt.view, lost | _planned_lost(plan, ckpt))
+    if now != plan.source_fingerprint:
+        changed = changed_files(plan, ckpt.storage)
+        which = f": {', '.join(changed[:3])}" if changed else ""
+        more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+        raise CheckpointError(
+            f"{plan.source_url} changed since the plan was made{which}{more} (fingerprint "
+            f"{now}, plan {plan.source_fingerprint})",
+            hint="make a new plan with ckptctl plan",
+        )
+    for ref in plan.extra_sources:
+        other = extra[ref.prefix]
+        if fingerprint(other.storage, other.view) != ref.fingerprint:
+            raise CheckpointError(
+                f"{ref.url} changed since the plan was made", hint="make a new plan"
+            )
+
+
+def _planned_lost(plan: Plan, ckpt: Checkpoint) -> frozenset[str]:
+    """Source files the plan treats as lost: those it neither reads nor copies."""
+    used = set(plan.source_files)
+    return frozenset(f.path for f in ckpt.view.files if f.path not in used)
+
+
+def run(
+    job: Job, destination: Destination | None = None, progress: Progress | None = None
+) -> Report:
+    """Write ``job.plan``'s output: check the destination (unless already checked), clear what
+    may be cleared, and execute. Whatever fails, nothing is marked complete."""
+    plan, settings = job.plan, job.settings
+    destination = destination or check_destination(plan, settings)
+    if destination.complete:
+        return Report(files_written=[])
+    if destination.clear_first:
+        destination.storage.remove("")
+    target = destination.storage
+    if settings.stage_dir is not None:
+        target = StagedStorage(target, settings.stage_dir)
+    workers = plan.read_workers
+    if not job.sources.primary.storage.is_local:
+        workers = max(workers, REMOTE_READ_PARALLEL)
+    try:
+        return execute(
+            plan,
+            job.sources,
+            target,
+            progress,
+            settings.memory_budget,
+            workers=workers,
+            checksum=settings.checksum,
+        )
+    except CkptctlError:
+        raise
+    except Exception as err:
+        storage = classify(err, f"{plan.source_url} -> {plan.target_url}")
+        if storage is None:
+            raise
+        raise storage from err
+    finally:
+        if isinstance(target, StagedStorage):
+            target.close()

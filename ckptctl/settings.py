@@ -1,0 +1,57 @@
+"""Settings: one explicit value the CLI builds from its flags and passes down.
+
+A library caller builds its own (``Settings(storage=StorageConfig(endpoint_url=...))``) or takes
+the defaults; nothing is read from module globals or context variables, so no caller inherits
+another's configuration unawares. Pure values: no fsspec, no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+S3_RETRIES = {"max_attempts": 10, "mode": "standard"}
+"""botocore's own retry policy: exponential backoff with jitter on throttling (503 SlowDown),
+5xx and dropped connections."""
+
+S3_TIMEOUTS = {"connect_timeout": 5, "read_timeout": 60}
+"""Seconds; a dead endpoint is also caught up front by ``check_endpoint``."""
+
+
+@dataclass(frozen=True, slots=True)
+class StorageConfig:
+    """How remote stores are reached."""
+
+    endpoint_url: str | None = None
+    options: Mapping[str, Any] = field(default_factory=dict)
+    """fsspec storage options for remote URLs (``--storage-option key=value``)."""
+    part_size: int = 8 << 20
+    """Multipart upload part size (S3 minimum 5 MiB)."""
+    upload_parallel: int = 8
+    """Parts of one object in flight at once."""
+
+    def fs_options(self, protocol: str) -> dict[str, Any]:
+        if protocol in ("file", "local", "memory"):
+            return {}
+        options = dict(self.options)
+        if protocol in ("s3", "s3a"):
+            options.setdefault("config_kwargs", {"retries": dict(S3_RETRIES), **S3_TIMEOUTS})
+            if self.endpoint_url:
+                options["endpoint_url"] = self.endpoint_url
+        return options
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Settings:
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    allow_incomplete: bool = False
+    """Read checkpoints whose ckptctl job never finished (``--allow-incomplete``)."""
+    hf_config: Mapping[str, Any] | None = None
+    """The HF ``config.json`` of a DCP checkpoint holding an HF model (``--hf-config``)."""
+    memory_budget: int = 1 << 30
+    """Tensor data held in memory at once, in bytes."""
+    checksum: str = "xxh3_64"
+    """File checksum recorded in manifests: ``xxh3_64`` or ``sha256``."""
+    stage_dir: str | None = None
+    """Write outputs to this local directory first and upload them in the background."""
