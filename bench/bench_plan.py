@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from ckptctl.formats.megatron_layout import MegatronStyle, OptimizerLayout, megatron_files
+from ckptctl.formats.megatron.layout import MegatronStyle, OptimizerLayout, megatron_files
 from ckptctl.model.layout import ModelSpec, ParallelLayout
 from ckptctl.model.stored import CheckpointView, Format
 from planners.strategy import Stored, plan_auto

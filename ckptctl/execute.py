@@ -19,15 +19,9 @@ from typing import Any, Protocol
 import torch
 import xxhash
 
-from ckptctl.execute_dcp import (
-    torch_dist_directory_files,
-    torch_dist_directory_names,
-    write_dcp_shard,
-    write_state_dict_file,
-)
-from ckptctl.formats.dcp import DcpCheckpoint
-from ckptctl.formats.hf import write_safetensors
-from ckptctl.formats.megatron import (
+from ckptctl.formats.dcp.reader import DcpCheckpoint
+from ckptctl.formats.hf.reader import write_safetensors
+from ckptctl.formats.megatron.reader import (
     MegatronCheckpoint,
     args_for,
     args_from_spec,
@@ -35,7 +29,13 @@ from ckptctl.formats.megatron import (
     distributed_optimizer_entry,
     rank_tree,
 )
-from ckptctl.formats.torchzip import (
+from ckptctl.formats.torch_dist.writer import (
+    torch_dist_directory_files,
+    torch_dist_directory_names,
+    write_dcp_shard,
+    write_state_dict_file,
+)
+from ckptctl.formats.torchsave.archive import (
     TensorRef,
     TensorSlot,
     tensor_bytes,

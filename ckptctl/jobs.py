@@ -21,9 +21,9 @@ from ckptctl.calibrate import saved_profiles
 from ckptctl.destination import Destination, check_destination
 from ckptctl.errors import CheckpointError, CkptctlError, UsageError
 from ckptctl.execute import Progress, Report, Sources, execute
-from ckptctl.formats.dcp import DcpCheckpoint
-from ckptctl.formats.megatron import MegatronCheckpoint
-from ckptctl.formats.megatron_layout import MegatronStyle
+from ckptctl.formats.dcp.reader import DcpCheckpoint
+from ckptctl.formats.megatron.layout import MegatronStyle
+from ckptctl.formats.megatron.reader import MegatronCheckpoint
 from ckptctl.locations import refuse_overlap
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.plan import Plan

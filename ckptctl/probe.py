@@ -7,14 +7,14 @@ import json
 import posixpath
 
 from ckptctl.errors import CheckpointNotFoundError
-from ckptctl.formats.dcp import DcpCheckpoint, find_dcp_dir, probe_dcp
-from ckptctl.formats.dcp_metadata import METADATA_FILE
-from ckptctl.formats.hf import HFCheckpoint, probe_hf
-from ckptctl.formats.hf_layout import CONFIG
-from ckptctl.formats.megatron import MegatronCheckpoint, find_iteration, probe_megatron
-from ckptctl.formats.megatron_layout import TRACKER
-from ckptctl.formats.torch_dist_layout import COMMON, MCORE_METADATA
-from ckptctl.formats.torch_file import STATE_DICT_FILE, TorchFileCheckpoint, probe_torch_file
+from ckptctl.formats.dcp.metadata import METADATA_FILE
+from ckptctl.formats.dcp.reader import DcpCheckpoint, find_dcp_dir, probe_dcp
+from ckptctl.formats.hf.layout import CONFIG
+from ckptctl.formats.hf.reader import HFCheckpoint, probe_hf
+from ckptctl.formats.megatron.layout import TRACKER
+from ckptctl.formats.megatron.reader import MegatronCheckpoint, find_iteration, probe_megatron
+from ckptctl.formats.torch_dist.layout import COMMON, MCORE_METADATA
+from ckptctl.formats.torch_file.reader import STATE_DICT_FILE, TorchFileCheckpoint, probe_torch_file
 from ckptctl.manifest import refuse_incomplete
 from ckptctl.model.plan import Plan
 from ckptctl.model.stored import CheckpointView, Format

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ckptctl.formats.dcp import DcpCheckpoint
-from ckptctl.formats.dcp_records import RecordWindow
-from ckptctl.formats.hf import HFCheckpoint
-from ckptctl.formats.torch_dist_layout import COMMON
+from ckptctl.formats.dcp.reader import DcpCheckpoint
+from ckptctl.formats.dcp.records import RecordWindow
+from ckptctl.formats.hf.reader import HFCheckpoint
+from ckptctl.formats.torch_dist.layout import COMMON
 from ckptctl.integrity import ZIP_MAGIC, ZipEntry, zip_entries
 from ckptctl.probe import Checkpoint
 from ckptctl.storage import Storage

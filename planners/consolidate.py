@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 from ckptctl.errors import UsageError
-from ckptctl.formats.hf_layout import CONFIG, INDEX, hf_config, hf_files, hf_tensors, index_text
-from ckptctl.formats.megatron_layout import (
+from ckptctl.formats.hf.layout import CONFIG, INDEX, hf_config, hf_files, hf_tensors, index_text
+from ckptctl.formats.megatron.layout import (
     TRACKER,
     MegatronStyle,
     megatron_files,

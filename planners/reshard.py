@@ -8,7 +8,7 @@ so no full model is ever assembled and no intermediate full checkpoint is writte
 from __future__ import annotations
 
 from ckptctl.errors import UsageError
-from ckptctl.formats.megatron_layout import (
+from ckptctl.formats.megatron.layout import (
     TRACKER,
     MegatronStyle,
     OptimizerLayout,
@@ -17,7 +17,7 @@ from ckptctl.formats.megatron_layout import (
     target_optimizer,
     tracker_text,
 )
-from ckptctl.formats.torch_dist_layout import (
+from ckptctl.formats.torch_dist.layout import (
     MCORE_METADATA,
     MCORE_METADATA_TEXT,
     torch_dist_files,

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from ckptctl.errors import CheckpointError, CkptctlError, UsageError
-from ckptctl.formats.megatron_layout import TRACKER, MegatronStyle, tracker_text
+from ckptctl.formats.megatron.layout import TRACKER, MegatronStyle, tracker_text
 from ckptctl.model.geometry import nbytes
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.plan import (

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint import metadata as tmd
 from torch.distributed.checkpoint import planner as tplanner
 
 from ckptctl.errors import CheckpointError, UnsafePickleError
-from ckptctl.formats.dcp_metadata import (
+from ckptctl.formats.dcp.metadata import (
     DCP_VERSION,
     DTYPE_NAMES,
     METADATA_FILE,
@@ -32,9 +32,9 @@ from ckptctl.formats.dcp_metadata import (
     metadata_problems,
     parse_metadata,
 )
-from ckptctl.formats.dcp_records import RecordWindow, open_tensor_record
-from ckptctl.formats.dcp_write import metadata_bytes, write_bytes_record, write_tensor_record
-from ckptctl.formats.torchzip import TensorSlot, TorchZipReader, tensor_bytes
+from ckptctl.formats.dcp.records import RecordWindow, open_tensor_record
+from ckptctl.formats.dcp.write import metadata_bytes, write_bytes_record, write_tensor_record
+from ckptctl.formats.torchsave.archive import TensorSlot, TorchZipReader, tensor_bytes
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -453,7 +453,7 @@ def test_dtype_names_are_torch_dtypes_as_pickled() -> None:
 
 def test_reading_metadata_imports_no_torch() -> None:
     code = (
-        "import sys, ckptctl.formats.dcp_metadata as m; "
+        "import sys, ckptctl.formats.dcp.metadata as m; "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from ckptctl import synth
 from ckptctl.errors import CheckpointError, LayoutError
-from ckptctl.formats.megatron_layout import MegatronStyle, OptimizerLayout, megatron_files
+from ckptctl.formats.megatron.layout import MegatronStyle, OptimizerLayout, megatron_files
 from ckptctl.model.layout import ModelSpec, ParallelLayout
 from ckptctl.model.plan import FileKind, coverage_problems
 from ckptctl.model.stored import CheckpointView, Format

@@ -17,14 +17,14 @@ from collections.abc import Callable, Iterable
 from typing import BinaryIO
 
 from ckptctl.errors import CheckpointError
-from ckptctl.formats.dcp_metadata import (
+from ckptctl.formats.dcp.metadata import (
     BytesEntry,
     DcpMetadata,
     StorageInfo,
     TensorEntry,
     metadata_problems,
 )
-from ckptctl.formats.torchzip import TensorSlot, write_torch_zip
+from ckptctl.formats.torchsave.archive import TensorSlot, write_torch_zip
 
 _PICKLE_PROTOCOL = 4  # what torch's pickle.dump writes on Python 3.11-3.13; fixed for stable bytes
 

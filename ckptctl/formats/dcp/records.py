@@ -15,8 +15,8 @@ from collections.abc import Callable
 from typing import Any, BinaryIO
 
 from ckptctl.errors import CheckpointError
-from ckptctl.formats.dcp_metadata import StorageInfo
-from ckptctl.formats.torchzip import TensorRef, TorchZipReader
+from ckptctl.formats.dcp.metadata import StorageInfo
+from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
 from ckptctl.model.geometry import Shape
 from ckptctl.storage import Storage
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError, LayoutError
-from ckptctl.formats.megatron_layout import (
+from ckptctl.formats.megatron.layout import (
     DISTOPT_FILE,
     RANK_FILE,
     TRACKER,
@@ -29,7 +29,7 @@ from ckptctl.formats.megatron_layout import (
     rank_dir,
     rank_params,
 )
-from ckptctl.formats.torchzip import TensorRef, TensorSlot, TorchZipReader
+from ckptctl.formats.torchsave.archive import TensorRef, TensorSlot, TorchZipReader
 from ckptctl.model.catalog import (
     LAYER_PREFIX,
     Naming,

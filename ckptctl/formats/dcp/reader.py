@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError, UnsafePickleError
-from ckptctl.formats.dcp_hf_layout import chunk_pieces, key_table, prefixes
-from ckptctl.formats.dcp_metadata import (
+from ckptctl.formats.dcp.hf_layout import chunk_pieces, key_table, prefixes
+from ckptctl.formats.dcp.metadata import (
     METADATA_FILE,
     BytesEntry,
     DcpMetadata,
@@ -33,7 +33,7 @@ from ckptctl.formats.dcp_metadata import (
     check_metadata,
     parse_metadata,
 )
-from ckptctl.formats.dcp_records import (
+from ckptctl.formats.dcp.records import (
     Fetch,
     RecordWindow,
     RemoteRecord,
@@ -41,17 +41,17 @@ from ckptctl.formats.dcp_records import (
     pread,
     tensor_of,
 )
-from ckptctl.formats.hf_layout import CONFIG, spec_from_config
-from ckptctl.formats.megatron import layout_from_args, spec_from_args, view_ref
-from ckptctl.formats.megatron_layout import GroupOrder, OptimizerLayout
-from ckptctl.formats.torch_dist_layout import (
+from ckptctl.formats.hf.layout import CONFIG, spec_from_config
+from ckptctl.formats.megatron.layout import GroupOrder, OptimizerLayout
+from ckptctl.formats.megatron.reader import layout_from_args, spec_from_args, view_ref
+from ckptctl.formats.torch_dist.layout import (
     COMMON,
     DP_RESHARDABLE_PREFIX,
     MCORE_METADATA,
     chunk_parts,
     model_catalog,
 )
-from ckptctl.formats.torchzip import TensorRef, TorchZipReader
+from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
 from ckptctl.model.geometry import Piece
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.stored import CheckpointView, Format, KeyPath, StoredFile, StoredTensor

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from ckptctl.formats.distopt_layout import replay_buffer
+from ckptctl.formats.megatron.distopt_layout import replay_buffer
 from ckptctl.model.catalog import (
     LAYER_PREFIX,
     Naming,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from math import prod
 
-from ckptctl.formats.megatron_layout import rank_params
+from ckptctl.formats.megatron.layout import rank_params
 from ckptctl.model.catalog import LAYER_PREFIX, Param, parameters, state_name
 from ckptctl.model.geometry import Piece, Shape, Split, shard_shape_and_pieces
 from ckptctl.model.layout import ModelSpec, ParallelLayout

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ckptctl.formats.dcp_metadata import (
+from ckptctl.formats.dcp.metadata import (
     METADATA_FILE,
     BytesEntry,
     Chunk,
@@ -25,14 +25,14 @@ from ckptctl.formats.dcp_metadata import (
     StorageInfo,
     TensorEntry,
 )
-from ckptctl.formats.dcp_write import metadata_bytes, write_bytes_record, write_tensor_record
-from ckptctl.formats.torch_dist_layout import (
+from ckptctl.formats.dcp.write import metadata_bytes, write_bytes_record, write_tensor_record
+from ckptctl.formats.torch_dist.layout import (
     COMMON,
     extra_state_keys,
     model_catalog,
     record_geometry,
 )
-from ckptctl.formats.torchzip import TensorRef, TensorSlot, tensor_bytes, write_torch_zip
+from ckptctl.formats.torchsave.archive import TensorRef, TensorSlot, tensor_bytes, write_torch_zip
 from ckptctl.model.plan import FileWrite, Plan
 
 Record = list[Any]

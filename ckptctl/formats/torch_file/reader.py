@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from ckptctl.formats.megatron import open_torch_file, resolve
-from ckptctl.formats.torchzip import TensorRef, TorchZipReader
+from ckptctl.formats.megatron.reader import open_torch_file, resolve
+from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
 from ckptctl.model.geometry import Piece
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.stored import CheckpointView, Format, KeyPath, StoredFile, StoredTensor

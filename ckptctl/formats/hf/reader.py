@@ -18,7 +18,7 @@ from typing import Any, BinaryIO
 import torch
 
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError
-from ckptctl.formats.hf_layout import CONFIG, INDEX, SINGLE, hf_tensors, spec_from_config
+from ckptctl.formats.hf.layout import CONFIG, INDEX, SINGLE, hf_tensors, spec_from_config
 from ckptctl.model.dtypes import BY_SAFETENSORS, DTYPES
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.stored import CheckpointView, Format, StoredFile, StoredTensor
