@@ -14,7 +14,7 @@ import json
 import struct
 import zipfile
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 from ckptctl.errors import CheckpointError
@@ -51,6 +51,23 @@ def zip_entries(fileobj: BinaryIO, where: str, base: int = 0, record: str = "") 
             ZipEntry(info.filename, base + info.header_offset, info.file_size, info.CRC, record)
         )
     return out
+
+
+@dataclass
+class Targets:
+    """What a checkpoint's files can prove about themselves, per file (each format says)."""
+
+    zips: dict[str, list[ZipEntry]] = field(default_factory=dict)
+    """File -> the zip entries inside it whose CRC-32 can be checked."""
+    safetensors: list[str] = field(default_factory=list)
+    unchecked: list[str] = field(default_factory=list)
+    """What carries no checksum, said in the report."""
+
+
+def whole_file_entries(storage: Storage, rel: str) -> list[ZipEntry]:
+    """The entries of a file that is one ``torch.save`` archive."""
+    with storage.open_read(rel) as f:
+        return zip_entries(f, storage.describe(rel))
 
 
 class _SequentialReader:

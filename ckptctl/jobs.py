@@ -21,9 +21,7 @@ from ckptctl.calibrate import saved_profiles
 from ckptctl.destination import Destination, check_destination
 from ckptctl.errors import CheckpointError, CkptctlError, UsageError
 from ckptctl.execute import Progress, Report, Sources, execute
-from ckptctl.formats.dcp.reader import DcpCheckpoint
 from ckptctl.formats.megatron.layout import MegatronStyle
-from ckptctl.formats.megatron.reader import MegatronCheckpoint
 from ckptctl.locations import refuse_overlap
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.plan import Plan
@@ -71,7 +69,7 @@ def given_sources(
 def refuse_dp_reshardable(ckpt: Checkpoint) -> None:
     """``dp_reshardable`` optimizer state is raw grad-buffer buckets of one TP/PP/DP layout,
     which only Megatron itself loads, and only at that layout."""
-    if isinstance(ckpt, DcpCheckpoint) and ckpt.dp_reshardable:
+    if getattr(ckpt, "dp_reshardable", False):
         raise UsageError(
             f"{ckpt.storage.url}: optimizer state is dp_reshardable (grad-buffer buckets of the "
             f"saved {ckpt.view.layout.describe()} layout), so it cannot move to another TP/PP "
@@ -81,12 +79,9 @@ def refuse_dp_reshardable(ckpt: Checkpoint) -> None:
 
 
 def megatron_style(ckpt: Checkpoint) -> MegatronStyle:
-    """Spelling, order and optimizer format to keep when writing Megatron files."""
-    if isinstance(ckpt, MegatronCheckpoint):
-        return MegatronStyle(ckpt.naming, ckpt.layer_order, ckpt.optimizer)
-    if isinstance(ckpt, DcpCheckpoint):
-        return MegatronStyle(optimizer=ckpt.optimizer)
-    return MegatronStyle()
+    """Spelling, order and optimizer format to keep when writing Megatron files (a source
+    that has a Megatron style says so with a ``style`` attribute)."""
+    return getattr(ckpt, "style", None) or MegatronStyle()
 
 
 def plan_consolidate(
@@ -105,7 +100,7 @@ def plan_consolidate(
     refuse_overlap("destination", dst, {"source": src})
     ckpt = open_checkpoint(src, settings, iteration=iteration, true_vocab_size=true_vocab_size)
     if fmt is Format.TORCH:
-        if not isinstance(ckpt, DcpCheckpoint):
+        if not hasattr(ckpt, "as_generic"):
             raise UsageError("--format torch consolidates DCP / torch_dist checkpoints")
         generic = ckpt.as_generic()
         plan = plan_state_dict(

@@ -4,24 +4,23 @@ from __future__ import annotations
 
 import hashlib
 import json
-import posixpath
+from dataclasses import replace
 
 from ckptctl.errors import CheckpointNotFoundError
-from ckptctl.formats.dcp.metadata import METADATA_FILE
-from ckptctl.formats.dcp.reader import DcpCheckpoint, find_dcp_dir, probe_dcp
-from ckptctl.formats.hf.layout import CONFIG
-from ckptctl.formats.hf.reader import HFCheckpoint, probe_hf
-from ckptctl.formats.megatron.layout import TRACKER
-from ckptctl.formats.megatron.reader import MegatronCheckpoint, find_iteration, probe_megatron
-from ckptctl.formats.torch_dist.layout import COMMON, MCORE_METADATA
-from ckptctl.formats.torch_file.reader import STATE_DICT_FILE, TorchFileCheckpoint, probe_torch_file
+from ckptctl.formats import registry
+from ckptctl.formats.base import Checkpoint, CheckpointFormat, ProbeRequest
 from ckptctl.manifest import refuse_incomplete
 from ckptctl.model.plan import Plan
-from ckptctl.model.stored import CheckpointView, Format
+from ckptctl.model.stored import CheckpointView
 from ckptctl.settings import Settings
 from ckptctl.storage import Storage
 
-Checkpoint = MegatronCheckpoint | HFCheckpoint | DcpCheckpoint | TorchFileCheckpoint
+__all__ = ["Checkpoint", "fingerprint", "format_of", "identities", "open_checkpoint"]
+
+
+def format_of(ckpt: Checkpoint) -> CheckpointFormat:
+    """The registered format an opened checkpoint is in."""
+    return registry.named(str(ckpt.view.format))
 
 
 def open_checkpoint(
@@ -33,39 +32,38 @@ def open_checkpoint(
     allow_missing: bool = False,
     allow_incomplete: bool | None = None,
 ) -> Checkpoint:
-    """Probe ``url`` read-only and open it: its view for planners, and lazy readers."""
+    """Probe ``url`` read-only and open it (its view for planners, lazy readers): each
+    registered format is asked in turn whether it recognises what is stored."""
     settings = settings or Settings()
-    hf_config = dict(settings.hf_config) if settings.hf_config is not None else None
+    request = ProbeRequest(
+        iteration=iteration,
+        true_vocab_size=true_vocab_size,
+        allow_missing=allow_missing,
+        hf_config=settings.hf_config,
+    )
     # A source: never written, whatever happens.
     storage = Storage(url, settings.storage, read_only=True)
     if not storage.exists():
         raise CheckpointNotFoundError(f"{url}: no such checkpoint directory")
-    if not storage.isdir() and url.endswith((".pt", ".pth")):
-        # One torch.save state dict given by its file name (e.g. dcp_to_torch_save's output).
+    if not storage.isdir():  # one file named directly (e.g. dcp_to_torch_save's output)
         parent, _, name = url.rstrip("/").rpartition("/")
-        return probe_torch_file(Storage(parent or ".", settings.storage, read_only=True), name)
-    if not (settings.allow_incomplete if allow_incomplete is None else allow_incomplete):
-        refuse_incomplete(storage)
-    names = set(storage.listdir(""))
-    if METADATA_FILE in names:
-        return probe_dcp(storage, "", None, true_vocab_size, hf_config)
-    if TRACKER in names or any(n.startswith(("mp_rank_", "iter_", "release")) for n in names):
-        if TRACKER in names or iteration is not None:
-            rel, number = find_iteration(storage, iteration)
-            if find_dcp_dir(storage, rel):
-                return probe_dcp(storage, rel, number, true_vocab_size, hf_config)
-        return probe_megatron(
-            storage,
-            iteration=iteration,
-            true_vocab_size=true_vocab_size,
-            allow_missing=allow_missing,
-        )
-    if CONFIG in names:
-        return probe_hf(storage)
-    if STATE_DICT_FILE in names:
-        return probe_torch_file(storage)
+        storage = Storage(parent or ".", settings.storage, read_only=True)
+        request = replace(request, file=name)
+        names = frozenset({name})
+    else:
+        if not (settings.allow_incomplete if allow_incomplete is None else allow_incomplete):
+            refuse_incomplete(storage)
+        names = frozenset(storage.listdir(""))
+    for fmt in registry.formats():
+        ckpt = fmt.probe(storage, names, request)
+        if ckpt is not None:
+            return ckpt
+    known = "; ".join(
+        f"{f.name} ({f.support.recognised_by})" for f in registry.formats() if f.support
+    )
     raise CheckpointNotFoundError(
-        f"{url}: neither a Megatron checkpoint ({TRACKER}, mp_rank_*) nor an HF one ({CONFIG})"
+        f"{url}: neither a Megatron checkpoint nor any other checkpoint ckptctl reads",
+        hint=f"it recognises {known}",
     )
 
 
@@ -73,25 +71,13 @@ def file_sizes(storage: Storage, view: CheckpointView, lost: frozenset[str]) -> 
     return {f.path: storage.size(f.path) for f in view.files if f.path not in lost}
 
 
-def _description_files(storage: Storage, view: CheckpointView) -> list[str]:
-    """Files besides the tensor files that say what the checkpoint is (its metadata)."""
-    if view.format in (Format.DCP, Format.TORCH_DIST) and view.files:
-        base = posixpath.dirname(view.files[0].path)
-        names = (METADATA_FILE, COMMON, MCORE_METADATA)
-        candidates = [posixpath.join(base, n) if base else n for n in names]
-    elif view.format is Format.HF:
-        candidates = [CONFIG]
-    else:
-        candidates = []
-    return [c for c in candidates if storage.exists(c)]
-
-
 def identities(
     storage: Storage, view: CheckpointView, lost: frozenset[str] = frozenset()
 ) -> dict[str, str]:
     """Every file the checkpoint's content depends on -> its content identity."""
     files = [f.path for f in view.files if f.path not in lost]
-    return {p: storage.identity(p) for p in sorted({*files, *_description_files(storage, view)})}
+    described = registry.named(str(view.format)).metadata_files(storage, view)
+    return {p: storage.identity(p) for p in sorted({*files, *described})}
 
 
 def fingerprint(storage: Storage, view: CheckpointView, lost: frozenset[str] = frozenset()) -> str:

@@ -25,15 +25,14 @@ from math import prod
 import torch
 
 from ckptctl.errors import CkptctlError
-from ckptctl.integrity import safetensors_problems, stream_check
+from ckptctl.integrity import Targets, safetensors_problems, stream_check
 from ckptctl.manifest import INCOMPLETE, MANIFEST, new_digest
 from ckptctl.model.catalog import parameters
 from ckptctl.model.geometry import box_difference, nbytes
 from ckptctl.model.stored import canonical_shapes
-from ckptctl.probe import Checkpoint, open_checkpoint
+from ckptctl.probe import Checkpoint, format_of, open_checkpoint
 from ckptctl.settings import Settings
 from ckptctl.storage import Storage
-from ckptctl.verify_targets import Targets, integrity_targets
 
 
 @dataclass
@@ -86,7 +85,7 @@ def _stored_bytes(storage: Storage, ckpt: Checkpoint | None) -> list[Check]:
     """The manifest and the checksums the files carry themselves, in one read of each file."""
     manifest, unreadable = _read_manifest(storage)
     listed: dict[str, dict] = manifest["files"] if manifest else {}
-    targets = integrity_targets(ckpt) if ckpt is not None else Targets()
+    targets = format_of(ckpt).checksums(ckpt) if ckpt is not None else Targets()
     # Zip entries are checked in the same pass as the manifest digest where the roots agree.
     zips = targets.zips if ckpt is None or ckpt.storage.url == storage.url else {}
     algorithm = manifest.get("checksum", "xxh3_64") if manifest else "xxh3_64"

@@ -199,10 +199,10 @@ def _data_spans(path: Path) -> list[tuple[int, int]]:
 
 
 def _dcp_entries(path: Path) -> list:
-    from ckptctl.probe import open_checkpoint
-    from ckptctl.verify_targets import integrity_targets
+    from ckptctl.probe import format_of, open_checkpoint
 
-    targets = integrity_targets(open_checkpoint(str(path.parent)))
+    ckpt = open_checkpoint(str(path.parent))
+    targets = format_of(ckpt).checksums(ckpt)
     return targets.zips[path.name]
 
 

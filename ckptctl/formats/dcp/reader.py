@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from ckptctl.errors import CheckpointError, CheckpointNotFoundError, UnsafePickleError
+from ckptctl.errors import CheckpointError, CheckpointNotFoundError
+from ckptctl.formats.base import SavedTraining
 from ckptctl.formats.dcp.hf_layout import chunk_pieces, key_table, prefixes
 from ckptctl.formats.dcp.metadata import (
     METADATA_FILE,
@@ -42,23 +43,22 @@ from ckptctl.formats.dcp.records import (
     tensor_of,
 )
 from ckptctl.formats.hf.layout import CONFIG, spec_from_config
-from ckptctl.formats.megatron.layout import GroupOrder, OptimizerLayout
-from ckptctl.formats.megatron.reader import layout_from_args, spec_from_args, view_ref
+from ckptctl.formats.megatron.format import recognised
+from ckptctl.formats.megatron.layout import TRACKER, GroupOrder, MegatronStyle, OptimizerLayout
+from ckptctl.formats.megatron.reader import find_iteration
 from ckptctl.formats.torch_dist.layout import (
-    COMMON,
     DP_RESHARDABLE_PREFIX,
     MCORE_METADATA,
-    chunk_parts,
-    model_catalog,
 )
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
+from ckptctl.formats.torchsave.refs import view_ref
 from ckptctl.model.geometry import Piece
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.stored import CheckpointView, Format, KeyPath, StoredFile, StoredTensor
 from ckptctl.storage import Storage
 
 
-def _join(base: str, rel: str) -> str:
+def join(base: str, rel: str) -> str:
     return f"{base}/{rel}" if base else rel
 
 
@@ -96,7 +96,7 @@ class DcpCheckpoint:
     def _source(self, fqn: str, info: StorageInfo) -> tuple[Any, Fetch, str]:
         """A view of exactly the record ``info`` locates, a fetcher of its bytes, and its name
         (call under the lock)."""
-        rel = _join(self.base, info.relative_path)
+        rel = join(self.base, info.relative_path)
         where = f"{self.storage.describe(rel)}@{info.offset} ({fqn})"
         if not self.storage.is_local:
             remote = RemoteRecord(self.storage, rel, info.offset, info.length)
@@ -170,6 +170,10 @@ class DcpCheckpoint:
         )
 
     @property
+    def style(self) -> MegatronStyle:
+        return MegatronStyle(optimizer=self.optimizer)
+
+    @property
     def dp_reshardable(self) -> bool:
         """Optimizer state saved as raw grad-buffer buckets of one TP/PP/DP layout."""
         return any(k.startswith(DP_RESHARDABLE_PREFIX) for k in self.metadata.entries)
@@ -182,6 +186,14 @@ class DcpCheckpoint:
         out.setdefault("checkpoint_version", 3.0)
         out["iteration"] = self.view.iteration or 0
         return out
+
+    def saved_training(self, path: str) -> SavedTraining:
+        """``torch_dist``'s training state from ``common.pt``; an HF model's DCP checkpoint
+        keeps only its optimizer's parameter-group settings."""
+        if self.args is None:
+            return SavedTraining(templates=self.group_templates())
+        step = self.view.optimizer_step if self.view.has_optimizer else None
+        return SavedTraining(self.legacy_carried_state(), self.args, self.group_templates(), step)
 
     def group_templates(self) -> dict[bool, dict[str, Any]]:
         """Each parameter group's settings by kind (True: no weight decay), as the distributed
@@ -216,31 +228,19 @@ def _flat(ref: TensorRef) -> TensorRef:
     return TensorRef(ref.storage, ref.offset, (prod(ref.shape),), (1,))
 
 
-def find_dcp_dir(storage: Storage, rel: str) -> bool:
-    return storage.exists(_join(rel, METADATA_FILE))
-
-
-def probe_dcp(
-    storage: Storage,
-    base: str,
-    iteration: int | None,
-    true_vocab_size: int | None = None,
-    hf_config: dict[str, Any] | None = None,
-) -> DcpCheckpoint:
-    where = storage.describe(_join(base, METADATA_FILE))
-    with storage.open_read(_join(base, METADATA_FILE)) as f:
+def read_metadata(storage: Storage, base: str) -> DcpMetadata:
+    """``.metadata`` through the allow-list, checked, and every record inside its file."""
+    where = storage.describe(join(base, METADATA_FILE))
+    with storage.open_read(join(base, METADATA_FILE)) as f:
         raw = f.read()
-    try:
-        metadata = parse_metadata(raw, where)
-    except UnsafePickleError:
-        raise
+    metadata = parse_metadata(raw, where)
     check_metadata(metadata, where)
     ends: dict[str, int] = {}
     for info in metadata.storage.values():
-        storage.path(_join(base, info.relative_path))  # refuses paths escaping the root
+        storage.path(join(base, info.relative_path))  # refuses paths escaping the root
         ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
     for name, end in sorted(ends.items()):
-        rel = _join(base, name)
+        rel = join(base, name)
         if not storage.exists(rel):
             raise CheckpointNotFoundError(f"{storage.describe(rel)}: missing (named in {where})")
         if (size := storage.size(rel)) < end:
@@ -248,35 +248,58 @@ def probe_dcp(
                 f"{storage.describe(rel)}: {size} bytes, but {METADATA_FILE} places records up "
                 f"to byte {end}; the file is truncated"
             )
-    backend = _mcore_backend(storage, base)
-    if backend is None:
-        keys = [k for k, e in metadata.entries.items() if isinstance(e, TensorEntry)]
-        found = prefixes(keys)
-        if found is not None:
-            config = hf_config if hf_config is not None else _config_beside(storage, base)
-            if config is not None:
-                return _hf_named(storage, base, metadata, iteration, config, found)
-            ckpt = _generic(storage, base, metadata, iteration)
-            ckpt.view = replace(
-                ckpt.view,
-                notes=(
-                    *ckpt.view.notes,
-                    "keys are an HF Llama model's: give its config.json with --hf-config to "
-                    "convert it to HF safetensors or Megatron",
-                ),
-            )
-            return ckpt
-        return _generic(storage, base, metadata, iteration)
-    if backend != "torch_dist":
+    return metadata
+
+
+def locate(
+    storage: Storage, names: frozenset[str], iteration: int | None
+) -> tuple[str, int | None] | None:
+    """The directory holding ``.metadata`` (the root, or a Megatron iteration directory named
+    by the tracker or ``iteration``) and its iteration, or ``None`` if there is none."""
+    if METADATA_FILE in names:
+        return "", None
+    if recognised(names) and (TRACKER in names or iteration is not None):
+        rel, number = find_iteration(storage, iteration)
+        if storage.exists(join(rel, METADATA_FILE)):
+            return rel, number
+    return None
+
+
+def probe_dcp(
+    storage: Storage,
+    base: str,
+    iteration: int | None,
+    hf_config: dict[str, Any] | None = None,
+) -> DcpCheckpoint:
+    """Any DCP checkpoint but Megatron-Core's (``torch_dist`` has its own format)."""
+    metadata = read_metadata(storage, base)
+    backend = mcore_backend(storage, base)
+    if backend is not None:
         raise CheckpointError(
-            f"{storage.describe(_join(base, MCORE_METADATA))}: sharded_backend {backend!r} is "
+            f"{storage.describe(join(base, MCORE_METADATA))}: sharded_backend {backend!r} is "
             "not supported (torch_dist is)"
         )
-    return _torch_dist(storage, base, metadata, iteration, true_vocab_size)
+    keys = [k for k, e in metadata.entries.items() if isinstance(e, TensorEntry)]
+    found = prefixes(keys)
+    if found is None:
+        return _generic(storage, base, metadata, iteration)
+    config = hf_config if hf_config is not None else _config_beside(storage, base)
+    if config is not None:
+        return _hf_named(storage, base, metadata, iteration, config, found)
+    ckpt = _generic(storage, base, metadata, iteration)
+    ckpt.view = replace(
+        ckpt.view,
+        notes=(
+            *ckpt.view.notes,
+            "keys are an HF Llama model's: give its config.json with --hf-config to "
+            "convert it to HF safetensors or Megatron",
+        ),
+    )
+    return ckpt
 
 
-def _mcore_backend(storage: Storage, base: str) -> str | None:
-    rel = _join(base, MCORE_METADATA)
+def mcore_backend(storage: Storage, base: str) -> str | None:
+    rel = join(base, MCORE_METADATA)
     if not storage.exists(rel):
         return None
     try:
@@ -285,17 +308,17 @@ def _mcore_backend(storage: Storage, base: str) -> str | None:
         raise CheckpointError(f"{storage.describe(rel)}: not JSON ({err})") from None
 
 
-def _files(base: str, placed: list[tuple[StorageInfo, StoredTensor]]) -> tuple[StoredFile, ...]:
+def files_of(base: str, placed: list[tuple[StorageInfo, StoredTensor]]) -> tuple[StoredFile, ...]:
     """Stored tensors grouped into the ``.distcp`` files their records lie in."""
     by_file: dict[str, list[StoredTensor]] = {}
     for info, tensor in placed:
-        by_file.setdefault(_join(base, info.relative_path), []).append(tensor)
+        by_file.setdefault(join(base, info.relative_path), []).append(tensor)
     return tuple(StoredFile(path, tuple(ts)) for path, ts in sorted(by_file.items()))
 
 
 def _config_beside(storage: Storage, base: str) -> dict[str, Any] | None:
     """An HF ``config.json`` saved next to the checkpoint (or one directory up)."""
-    for rel in (_join(base, CONFIG), CONFIG):
+    for rel in (join(base, CONFIG), CONFIG):
         if storage.exists(rel):
             try:
                 return json.loads(storage.read_text(rel))
@@ -344,7 +367,7 @@ def _hf_named(
         Format.DCP,
         spec,
         ParallelLayout(),
-        _files(base, placed),
+        files_of(base, placed),
         iteration,
         optim_prefix is not None,
         ("PyTorch DCP checkpoint of an HF Llama model",),
@@ -375,114 +398,9 @@ def _generic(
         Format.DCP,
         None,
         ParallelLayout(),
-        _files(base, placed),
+        files_of(base, placed),
         iteration,
         any(".state." in k or k.startswith("optim") for k in metadata.entries),
         (f"PyTorch DCP checkpoint: {len(metadata.entries) - items} tensors, {items} other items",),
     )
     return DcpCheckpoint(storage, view, base, metadata)
-
-
-def _common_state(storage: Storage, base: str, metadata: DcpMetadata) -> dict[str, Any]:
-    rel = _join(base, COMMON)
-    if storage.exists(rel):
-        with storage.open_read(rel) as f:
-            tree = TorchZipReader(f, storage.describe(rel)).tree
-    elif (info := metadata.storage.get(("common_state/shard_0_1", None))) is not None:
-        # Megatron-Core >= 0.19 keeps it as a byte item: a pickled one-element list.
-        item = _join(base, info.relative_path)
-        with storage.open_read(item) as f:
-            window = RecordWindow(f, info.offset, info.length)
-            tree = open_record(window, info, storage.describe(item)).tree
-        tree = tree[0] if isinstance(tree, list) and tree else tree
-    else:
-        raise CheckpointNotFoundError(
-            f"{storage.describe(rel)}: missing; a torch_dist checkpoint keeps its args there"
-        )
-    if not isinstance(tree, dict) or not isinstance(tree.get("args"), argparse.Namespace):
-        raise CheckpointError(f"{storage.describe(rel)}: no 'args' namespace")
-    return tree
-
-
-def _torch_dist(
-    storage: Storage,
-    base: str,
-    metadata: DcpMetadata,
-    iteration: int | None,
-    true_vocab_size: int | None,
-) -> DcpCheckpoint:
-    common = _common_state(storage, base, metadata)
-    args = common["args"]
-    spec = spec_from_args(args, true_vocab_size)
-    layout = layout_from_args(args)
-    catalog = model_catalog(spec)
-    notes: list[str] = []
-    placed: list[tuple[StorageInfo, StoredTensor]] = []
-    unknown: list[str] = []
-    objects: set[str] = set()
-    dp_reshardable = False
-    for fqn, entry in metadata.entries.items():
-        if isinstance(entry, BytesEntry):
-            if not fqn.startswith("common_state"):
-                objects.add(fqn.split("/")[0].rsplit(".", 1)[-1])
-            continue
-        if fqn.startswith(DP_RESHARDABLE_PREFIX):
-            dp_reshardable = True
-            continue
-        for chunk in entry.chunks:
-            parts = chunk_parts(fqn, chunk.offsets, chunk.sizes, catalog)
-            if parts is None:
-                unknown.append(fqn)
-                break
-            info = metadata.storage[(fqn, chunk.offsets)]
-            placed.extend(
-                (
-                    info,
-                    StoredTensor(
-                        (fqn, *chunk.offsets),
-                        part.canonical,
-                        part.shape,
-                        entry.dtype,
-                        part.pieces,
-                        part.view_offset,
-                    ),
-                )
-                for part in parts
-            )
-    if unknown:
-        raise CheckpointError(
-            f"{storage.describe(base)}: tensors {', '.join(sorted(set(unknown))[:5])} are not "
-            f"parameters of the model its args describe ({spec.num_layers} layers, hidden "
-            f"{spec.hidden_size}); MoE and heterogeneous layers are not supported yet"
-        )
-    optimizer = common.get("optimizer") if isinstance(common.get("optimizer"), dict) else {}
-    sharding = optimizer.get("param_state_sharding_type") if optimizer else None
-    has_optimizer = any(t.canonical.startswith("exp_avg/") for _, t in placed)
-    if sharding == "dp_reshardable" or dp_reshardable:
-        notes.append(
-            "optimizer state is dp_reshardable (raw grad-buffer buckets of the saved TP/PP "
-            "layout): only the weights can be taken from it"
-        )
-    if objects:
-        # Pickled objects (RNG state, TransformerEngine FP8 metadata) have no reshardable form.
-        notes.append(f"not carried: {', '.join(sorted(objects))} (pickled objects)")
-    step = _optimizer_step(optimizer)
-    view = CheckpointView(
-        Format.TORCH_DIST,
-        spec,
-        layout,
-        _files(base, placed),
-        iteration if iteration is not None else common.get("iteration"),
-        has_optimizer,
-        tuple(notes),
-        optimizer_step=step if has_optimizer else None,
-    )
-    return DcpCheckpoint(storage, view, base, metadata, args, common)
-
-
-def _optimizer_step(optimizer: dict[str, Any]) -> float | None:
-    groups = (optimizer.get("optimizer") or {}).get("param_groups") if optimizer else None
-    if isinstance(groups, list) and groups and isinstance(groups[0], dict):
-        step = groups[0].get("step")
-        return float(step) if step is not None else None
-    return None

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import struct
 import threading
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from math import prod
 from typing import Any, BinaryIO
@@ -19,10 +18,10 @@ import torch
 
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError
 from ckptctl.formats.hf.layout import CONFIG, INDEX, SINGLE, hf_tensors, spec_from_config
-from ckptctl.model.dtypes import BY_SAFETENSORS, DTYPES
+from ckptctl.model.dtypes import BY_SAFETENSORS
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.stored import CheckpointView, Format, StoredFile, StoredTensor
-from ckptctl.storage import Storage, write_in_slices
+from ckptctl.storage import Storage
 
 _MAX_HEADER = 100_000_000
 
@@ -91,37 +90,6 @@ def read_box(
         index = (slice(None), *(slice(o, o + s) for o, s in inner))
         block = block[index]
     return block.contiguous()
-
-
-def write_safetensors(
-    f: BinaryIO,
-    tensors: list[tuple[str, str, tuple[int, ...]]],
-    produce: Callable[[int], Iterable[bytes | memoryview]],
-) -> None:
-    """Write ``(name, dtype, shape)`` tensors in order; ``produce(i)`` yields tensor i's bytes."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    sizes = []
-    for name, dtype, shape in tensors:
-        nbytes = prod(shape) * getattr(torch, dtype).itemsize
-        header[name] = {
-            "dtype": DTYPES[dtype].safetensors,
-            "shape": list(shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
-        sizes.append(nbytes)
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
-    f.write(struct.pack("<Q", len(blob)))
-    f.write(blob)
-    for i, expected in enumerate(sizes):
-        written = 0
-        for chunk in produce(i):
-            write_in_slices(f, chunk)
-            written += len(chunk)
-        if written != expected:
-            raise AssertionError(f"tensor {tensors[i][0]}: wrote {written} of {expected} bytes")
 
 
 @dataclass

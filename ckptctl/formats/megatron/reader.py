@@ -8,20 +8,21 @@ or unexpected is reported with the file that holds it.
 from __future__ import annotations
 
 import argparse
-import copy
 import re
 from dataclasses import dataclass, field, replace
-from functools import partial
 from typing import Any
 
 import torch
 
-from ckptctl.errors import CheckpointError, CheckpointNotFoundError, LayoutError
+from ckptctl.errors import CheckpointError, CheckpointNotFoundError
+from ckptctl.formats.base import SavedTraining
+from ckptctl.formats.megatron.args import layout_from_args, spec_from_args
 from ckptctl.formats.megatron.layout import (
     DISTOPT_FILE,
     RANK_FILE,
     TRACKER,
     GroupOrder,
+    MegatronStyle,
     OptimizerLayout,
     iteration_dir,
     megatron_files,
@@ -29,7 +30,9 @@ from ckptctl.formats.megatron.layout import (
     rank_dir,
     rank_params,
 )
-from ckptctl.formats.torchsave.archive import TensorRef, TensorSlot, TorchZipReader
+from ckptctl.formats.megatron.writer import carried_state
+from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
+from ckptctl.formats.torchsave.refs import open_torch_file, resolve, view_ref
 from ckptctl.model.catalog import (
     LAYER_PREFIX,
     Naming,
@@ -38,37 +41,12 @@ from ckptctl.model.catalog import (
     uses_local_names,
 )
 from ckptctl.model.dtypes import dtype_name
-from ckptctl.model.layout import ModelSpec, NormKind, ParallelLayout, PositionEmbedding
+from ckptctl.model.layout import ModelSpec, ParallelLayout
 from ckptctl.model.stored import CheckpointView, Format, KeyPath, StoredFile
 from ckptctl.storage import Storage
 
 _ITER_DIR = re.compile(r"^(iter_\d{7}|release)$")
 _EXTRA_STATE = "._extra_state"
-
-
-def resolve(tree: Any, key: KeyPath) -> Any:
-    """Follow ``key`` into ``tree``; ``"a|b"`` names a dict key that is a tuple of dtypes (the
-    grad-buffer keys of ``distrib_optim.pt``), which JSON plans cannot spell directly."""
-    node = tree
-    for part in key:
-        if isinstance(part, str) and "|" in part and isinstance(node, dict) and part not in node:
-            part = next(
-                (k for k in node if isinstance(k, tuple) and "|".join(map(dtype_name, k)) == part),
-                part,
-            )
-        node = node[part]
-    return node
-
-
-def view_ref(ref: TensorRef, offset: int, shape: tuple[int, ...]) -> TensorRef:
-    """The slice ``[offset, offset + numel)`` of a flat tensor, viewed with ``shape``."""
-    stride, acc = [], 1
-    for n in reversed(shape):
-        stride.append(acc)
-        acc *= max(n, 1)
-    return TensorRef(
-        ref.storage, ref.offset + offset * ref.stride[0], shape, tuple(reversed(stride))
-    )
 
 
 @dataclass
@@ -107,12 +85,15 @@ class MegatronCheckpoint:
     def read_ref(self, path: str, ref: TensorRef) -> torch.Tensor:
         return self.readers[path].read(ref)
 
+    @property
+    def style(self) -> MegatronStyle:
+        """Spelling, layer order and optimizer format, kept when writing Megatron again."""
+        return MegatronStyle(self.naming, self.layer_order, self.optimizer)
 
-def open_torch_file(storage: Storage, rel: str) -> TorchZipReader:
-    """A lazy reader of one ``torch.save`` file; on remote stores its tensor bytes are fetched
-    by exact byte range, in parallel when the executor asks for several."""
-    fetch = None if storage.is_local else partial(storage.read_range, rel)
-    return TorchZipReader(storage.open_read(rel), storage.describe(rel), fetch)
+    def saved_training(self, path: str) -> SavedTraining:
+        """Counters, scheduler and ``args`` as rank file ``path`` keeps them."""
+        step = self.view.optimizer_step if self.view.has_optimizer else None
+        return SavedTraining(carried_state(self.tree(path)), self.args, self.group_templates, step)
 
 
 def find_iteration(storage: Storage, iteration: int | None) -> tuple[str, int | None]:
@@ -153,123 +134,6 @@ def find_iteration(storage: Storage, iteration: int | None) -> tuple[str, int | 
             else "; not a Megatron checkpoint"
         )
     )
-
-
-def _arg(args: argparse.Namespace, *names: str, default: Any = None) -> Any:
-    for name in names:
-        value = getattr(args, name, None)
-        if value is not None:
-            return value
-    return default
-
-
-def spec_from_args(args: argparse.Namespace, true_vocab_size: int | None = None) -> ModelSpec:
-    """Megatron's argument names (and defaults) to a ``ModelSpec``."""
-    for flag in ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"):
-        if getattr(args, flag, False):
-            raise LayoutError(f"args.{flag} is set: this pipeline split is not supported yet")
-    if getattr(args, "pipeline_model_parallel_layout", None):
-        raise LayoutError("args.pipeline_model_parallel_layout is set: not supported yet")
-    hidden = _arg(args, "hidden_size")
-    heads = _arg(args, "num_attention_heads")
-    if hidden is None or heads is None or _arg(args, "num_layers") is None:
-        raise CheckpointError("args lacks num_layers / hidden_size / num_attention_heads")
-    groups = heads
-    if getattr(args, "group_query_attention", False) or getattr(args, "num_query_groups", None):
-        groups = _arg(args, "num_query_groups", default=heads)
-    padded = _arg(args, "padded_vocab_size")
-    vocab = true_vocab_size or _arg(args, "vocab_size", "ckptctl_true_vocab_size", default=padded)
-    if vocab is None:
-        raise CheckpointError("args has neither padded_vocab_size nor vocab_size")
-    norm = str(_arg(args, "normalization", default="LayerNorm"))
-    position = str(_arg(args, "position_embedding_type", default="learned_absolute"))
-    return ModelSpec(
-        num_layers=args.num_layers,
-        hidden_size=hidden,
-        ffn_hidden_size=_arg(args, "ffn_hidden_size", default=4 * hidden),
-        num_attention_heads=heads,
-        num_query_groups=groups,
-        kv_channels=_arg(args, "kv_channels", default=hidden // heads),
-        vocab_size=vocab,
-        make_vocab_size_divisible_by=_arg(args, "make_vocab_size_divisible_by", default=128),
-        gated_linear_unit=bool(_arg(args, "swiglu", default=False)),
-        add_bias_linear=bool(_arg(args, "add_bias_linear", default=True)),
-        add_qkv_bias=bool(_arg(args, "add_qkv_bias", default=False)),
-        tie_embeddings=not _arg(args, "untie_embeddings_and_output_weights", default=False),
-        normalization=NormKind(norm),
-        position_embedding=PositionEmbedding(position),
-        max_position_embeddings=_arg(args, "max_position_embeddings", default=4096),
-        norm_epsilon=float(_arg(args, "norm_epsilon", "layernorm_epsilon", default=1e-5)),
-        rotary_base=float(_arg(args, "rotary_base", default=10000)),
-        num_experts=_arg(args, "num_experts"),
-    )
-
-
-def layout_from_args(args: argparse.Namespace) -> ParallelLayout:
-    if (_arg(args, "expert_model_parallel_size", default=1) or 1) > 1:
-        raise LayoutError("expert parallelism (EP > 1) is not yet supported")
-    return ParallelLayout(
-        tp=_arg(args, "tensor_model_parallel_size", default=1),
-        pp=_arg(args, "pipeline_model_parallel_size", default=1),
-        dp=_arg(args, "data_parallel_size", default=1),
-        vpp=_arg(args, "virtual_pipeline_model_parallel_size", default=1),
-        first_stage_layers=_arg(
-            args, "num_layers_in_first_pipeline_stage", "decoder_first_pipeline_num_layers"
-        ),
-        last_stage_layers=_arg(
-            args, "num_layers_in_last_pipeline_stage", "decoder_last_pipeline_num_layers"
-        ),
-        distributed_optimizer=bool(_arg(args, "use_distributed_optimizer", default=False)),
-    )
-
-
-def args_from_spec(spec: ModelSpec) -> argparse.Namespace:
-    """Megatron arguments describing ``spec``, for checkpoints cut from a full HF model."""
-    return argparse.Namespace(
-        num_layers=spec.num_layers,
-        hidden_size=spec.hidden_size,
-        ffn_hidden_size=spec.ffn_hidden_size,
-        num_attention_heads=spec.num_attention_heads,
-        num_query_groups=spec.num_query_groups,
-        group_query_attention=spec.num_query_groups != spec.num_attention_heads,
-        kv_channels=spec.kv_channels,
-        vocab_size=spec.vocab_size,
-        make_vocab_size_divisible_by=spec.make_vocab_size_divisible_by,
-        swiglu=spec.gated_linear_unit,
-        add_bias_linear=spec.add_bias_linear,
-        add_qkv_bias=spec.add_qkv_bias,
-        untie_embeddings_and_output_weights=not spec.tie_embeddings,
-        normalization=spec.normalization.value,
-        position_embedding_type=spec.position_embedding.value,
-        max_position_embeddings=spec.max_position_embeddings,
-        norm_epsilon=spec.norm_epsilon,
-        rotary_base=spec.rotary_base,
-        rotary_percent=1.0,
-        num_experts=spec.num_experts,
-        data_parallel_size=1,
-        world_size=1,
-    )
-
-
-def args_for(
-    args: argparse.Namespace, spec: ModelSpec, layout: ParallelLayout
-) -> argparse.Namespace:
-    """A copy of ``args`` describing ``layout`` (sizes, padded vocabulary, uneven stages)."""
-    out = copy.copy(args)
-    out.tensor_model_parallel_size = layout.tp
-    out.pipeline_model_parallel_size = layout.pp
-    out.virtual_pipeline_model_parallel_size = layout.vpp if layout.vpp > 1 else None
-    out.num_layers_in_first_pipeline_stage = layout.first_stage_layers
-    out.num_layers_in_last_pipeline_stage = layout.last_stage_layers
-    out.padded_vocab_size = spec.padded_vocab_size(layout.tp)
-    out.use_distributed_optimizer = layout.distributed_optimizer
-    if getattr(out, "vocab_size", None) is None:
-        out.vocab_size = spec.vocab_size
-    if hasattr(out, "data_parallel_size"):
-        out.data_parallel_size = layout.dp
-    if hasattr(out, "world_size"):
-        out.world_size = layout.tp * layout.pp * layout.dp
-    return out
 
 
 def _layer_order(model: dict[str, Any]) -> tuple[str, ...]:
@@ -590,98 +454,3 @@ def _match_groups(
 
 
 # --- writing ----------------------------------------------------------------------------------
-
-
-def carried_state(tree: dict[str, Any]) -> dict[str, Any]:
-    """Training state a rank file carries besides model and optimizer tensors; RNG is dropped
-    because it cannot be resharded (Megatron's ``--no-load-rng``)."""
-    skip = {"args", "checkpoint_version", "iteration", "optimizer", "rng_state"}
-    out = {k: v for k, v in tree.items() if k not in skip and not str(k).startswith("model")}
-    out["checkpoint_version"] = tree.get("checkpoint_version", 3.0)
-    out["iteration"] = tree.get("iteration", 0)
-    opt = tree.get("optimizer")
-    if isinstance(opt, dict) and isinstance(opt.get("optimizer"), dict):
-        out["optimizer_extra"] = {
-            k: v for k, v in opt.items() if k not in ("optimizer", "fp32_from_fp16_params")
-        }
-    return out
-
-
-def _without_step(group: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in group.items() if k != "step"}
-
-
-def distributed_optimizer_entry(
-    kinds: list[bool],
-    group_templates: dict[bool, dict[str, Any]],
-    step: float | None,
-    carried: dict[str, Any],
-) -> dict[str, Any]:
-    """``model_optim_rng.pt['optimizer']`` under the distributed optimizer: group settings only
-    (weight-decay group first, as Megatron-Core 0.16), Adam's step kept per group."""
-    groups = []
-    for kind in sorted(set(kinds)):
-        group = dict(group_templates.get(kind, {}))
-        if "step" not in group and step is not None:
-            group["step"] = step
-        groups.append(group)
-    return {"optimizer": {"param_groups": groups}, **carried.get("optimizer_extra", {})}
-
-
-def rank_tree(
-    file: StoredFile,
-    *,
-    args: argparse.Namespace,
-    carried: dict[str, Any],
-    group_templates: dict[bool, dict[str, Any]],
-    no_weight_decay: dict[str, bool],
-    optimizer_entry: dict[str, Any] | None = None,
-) -> tuple[dict[str, Any], list[TensorSlot]]:
-    """The object tree of one rank file; its tensors are slots, in ``file.tensors`` order.
-
-    ``carried`` is ``carried_state`` of a source file; ``no_weight_decay`` maps canonical
-    parameter names to their parameter-group kind.
-    """
-    tree: dict[str, Any] = {
-        "args": args,
-        "checkpoint_version": carried["checkpoint_version"],
-        "iteration": carried["iteration"],
-    }
-    slots = []
-    index_kind: dict[int, bool] = {}
-    for n, t in enumerate(file.tensors):
-        slot = TensorSlot(str(n), getattr(torch, t.dtype), t.shape)
-        slots.append(slot)
-        node = tree
-        for part in t.key[:-1]:
-            node = node.setdefault(part, {})
-        node[t.key[-1]] = slot
-        if "state" in t.key and t.key[0] == "optimizer":
-            index_kind[int(t.key[t.key.index("state") + 1])] = no_weight_decay[
-                t.canonical.split("/", 1)[1]
-            ]
-    if "optimizer" in tree:
-        opt = tree["optimizer"]
-        torch_state = opt if "state" in opt else opt["optimizer"]  # bare or wrapped
-        # torch packs state in parameter-index order (group after group), not model order.
-        torch_state["state"] = dict(sorted(torch_state["state"].items()))
-        members: dict[bool, list[int]] = {}
-        for index in sorted(index_kind):
-            members.setdefault(index_kind[index], []).append(index)
-        # Adam's step lives per parameter here, so a group-level step (distributed) is dropped.
-        torch_state["param_groups"] = [
-            {**_without_step(group_templates[kind]), "params": indices}
-            for kind, indices in members.items()
-        ]
-        if "fp32_from_fp16_params" in opt:
-            masters = opt["fp32_from_fp16_params"]
-            opt["fp32_from_fp16_params"] = [
-                [masters[g][i] for i in sorted(masters[g])] for g in sorted(masters)
-            ]
-        opt.update(carried.get("optimizer_extra", {}))
-    if optimizer_entry is not None:
-        tree["optimizer"] = optimizer_entry
-    for key, value in carried.items():
-        if key not in tree and key != "optimizer_extra":
-            tree[key] = value
-    return tree, slots

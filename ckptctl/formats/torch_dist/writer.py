@@ -12,11 +12,11 @@ import io
 import posixpath
 from collections.abc import Iterator
 from functools import cache
-from itertools import pairwise
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
+from ckptctl.formats.base import WriteJob
 from ckptctl.formats.dcp.metadata import (
     METADATA_FILE,
     BytesEntry,
@@ -26,21 +26,24 @@ from ckptctl.formats.dcp.metadata import (
     TensorEntry,
 )
 from ckptctl.formats.dcp.write import metadata_bytes, write_bytes_record, write_tensor_record
+from ckptctl.formats.megatron.writer import training_state
 from ckptctl.formats.torch_dist.layout import (
     COMMON,
     extra_state_keys,
     model_catalog,
     record_geometry,
 )
-from ckptctl.formats.torchsave.archive import TensorRef, TensorSlot, tensor_bytes, write_torch_zip
+from ckptctl.formats.torchsave.archive import TensorSlot, write_torch_zip
 from ckptctl.model.plan import FileWrite, Plan
 
 Record = list[Any]
 """``[fqn, chunk offsets, byte offset, length]``."""
 
 
-def write_dcp_shard(plan: Plan, file: FileWrite, out: Any, assemble: Any) -> list[Record]:
-    """Each tensor of ``file`` as one ``torch.save`` record, streamed band by band."""
+def write_dcp_shard(job: WriteJob, file: FileWrite, out: BinaryIO) -> None:
+    """Each tensor of ``file`` as one ``torch.save`` record, streamed band by band; where each
+    record lies goes to the report (``.metadata`` is built from it after the last shard)."""
+    plan, assemble = job.plan, job.assemble
     name = posixpath.basename(file.path)
     records: list[Record] = []
     for tensor in file.tensors:
@@ -62,7 +65,7 @@ def write_dcp_shard(plan: Plan, file: FileWrite, out: Any, assemble: Any) -> lis
         for fqn in extra_state_keys(plan.spec, _layers_in(plan.spec, file)):
             info = write_bytes_record(out, name, _empty_extra_state())
             records.append([fqn, None, info.offset, info.length])
-    return records
+    job.report.records[file.path] = records
 
 
 def _layers_in(spec: Any, file: FileWrite) -> list[int]:
@@ -168,10 +171,10 @@ def torch_dist_directory_names(plan: Plan) -> tuple[str, str]:
     return common, metadata
 
 
-def torch_dist_directory_files(
-    plan: Plan, records: dict[str, list[Record]], state: Any
-) -> list[tuple[str, bytes]]:
-    """``common.pt`` and ``.metadata``, next to the shards."""
+def torch_dist_directory_files(job: WriteJob) -> list[tuple[str, bytes]]:
+    """``common.pt`` and ``.metadata``, next to the shards, once every shard is written."""
+    plan, records = job.plan, job.report.records
+    state = training_state(job, plan.files[0])
     common_path, metadata_path = torch_dist_directory_names(plan)
     common = io.BytesIO()
     write_torch_zip(common, common_state(plan, state), state.carried_slots(), _carried(state))
@@ -179,70 +182,3 @@ def torch_dist_directory_files(
         (common_path, common.getvalue()),
         (metadata_path, metadata_bytes(dcp_metadata(plan, records))),
     ]
-
-
-def write_state_dict_file(file: FileWrite, source: Any, out: Any, assemble: Any) -> None:
-    """One ``torch.save`` file of a whole state dict, as ``dcp_to_torch_save`` writes it:
-    tensors at their key paths, non-tensor items restored from the source's byte records."""
-    owner = source.primary
-    tree: Any = {}
-    slots = []
-    by_key = {}
-    for n, tensor in enumerate(file.tensors):
-        slot = TensorSlot(str(n), getattr(torch, tensor.dtype), tensor.shape)
-        _set_path(tree, owner.key_path(str(tensor.key[0])), slot)
-        slots.append(slot)
-        by_key[slot.key] = tensor
-    inner: dict[str, tuple[Any, TensorRef]] = {}
-    for fqn in owner.byte_items():
-        value, reader = owner.byte_item(fqn)
-        # Tensors inside pickled items (RNG states) are copied from the item's record.
-        value = _slots_for_refs(value, lambda ref, r=reader: _inner_slot(ref, r, inner, slots))
-        _set_path(tree, owner.key_path(fqn), value)
-
-    def produce(slot: TensorSlot) -> Iterator[memoryview]:
-        if slot.key in inner:
-            reader, ref = inner[slot.key]
-            yield tensor_bytes(reader.read(ref))
-        else:
-            yield from assemble.chunks(by_key[slot.key], file.path)
-
-    write_torch_zip(out, tree, slots, produce)
-
-
-def _inner_slot(
-    ref: TensorRef, reader: Any, inner: dict[str, tuple[Any, TensorRef]], slots: list[TensorSlot]
-) -> TensorSlot:
-    slot = TensorSlot(f"item{len(inner)}", ref.dtype, ref.shape)
-    inner[slot.key] = (reader, ref)
-    slots.append(slot)
-    return slot
-
-
-def _slots_for_refs(obj: Any, make: Any) -> Any:
-    if isinstance(obj, TensorRef):
-        return make(obj)
-    if isinstance(obj, dict):
-        return type(obj)((k, _slots_for_refs(v, make)) for k, v in obj.items())
-    if isinstance(obj, list | tuple):
-        return type(obj)(_slots_for_refs(v, make) for v in obj)
-    return obj
-
-
-def _set_path(tree: Any, path: tuple[Any, ...], value: Any) -> None:
-    """Set ``tree[path[0]][path[1]]... = value``, creating dicts (or lists for int keys)."""
-    node = tree
-    for key, following in pairwise(path):
-        if isinstance(node, list):
-            while len(node) <= key:
-                node.append(None)
-            if node[key] is None:
-                node[key] = [] if isinstance(following, int) else {}
-            node = node[key]
-        else:
-            node = node.setdefault(key, [] if isinstance(following, int) else {})
-    last = path[-1]
-    if isinstance(node, list):
-        while len(node) <= last:
-            node.append(None)
-    node[last] = value

@@ -9,14 +9,13 @@ from typing import Any
 
 import torch
 
-from ckptctl.formats.megatron.reader import open_torch_file, resolve
+from ckptctl.formats.torch_file.format import STATE_DICT_FILE
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
+from ckptctl.formats.torchsave.refs import open_torch_file, resolve
 from ckptctl.model.geometry import Piece
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.stored import CheckpointView, Format, KeyPath, StoredFile, StoredTensor
 from ckptctl.storage import Storage
-
-STATE_DICT_FILE = "state_dict.pt"
 
 
 def _tensors(tree: Any, path: KeyPath = ()) -> list[tuple[KeyPath, TensorRef]]:

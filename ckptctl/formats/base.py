@@ -1,0 +1,128 @@
+"""The one interface every checkpoint format implements.
+
+A format is one folder under ``ckptctl/formats/`` holding its pure layout (what planners see),
+its reader and its writer, and exporting ``FORMAT``: a ``CheckpointFormat`` listed once in
+``registry.py`` (or added with ``registry.register``). Probing asks each registered format in
+turn whether it recognises what is stored; the executor asks the format that owns a file kind
+for its writer; ``verify`` asks the source's format which checksums its files carry.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
+
+from ckptctl.formats.support import FormatSupport
+from ckptctl.integrity import Targets, whole_file_entries
+from ckptctl.model.plan import FileWrite, Plan
+from ckptctl.model.stored import CheckpointView, KeyPath
+from ckptctl.storage import Storage
+
+if TYPE_CHECKING:
+    import torch
+
+    from ckptctl.execute import Assembler, Report, Sources
+
+
+class Checkpoint(Protocol):
+    """An opened checkpoint: what it holds (``view``) and a reader of boxes of its tensors."""
+
+    storage: Storage
+    view: CheckpointView
+
+    def read(
+        self,
+        path: str,
+        key: KeyPath,
+        offsets: tuple[int, ...],
+        sizes: tuple[int, ...],
+        view: tuple[int, tuple[int, ...]] | None = None,
+    ) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProbeRequest:
+    """What the caller asked for when opening a checkpoint."""
+
+    iteration: int | None = None
+    """A Megatron iteration other than the tracker's."""
+    true_vocab_size: int | None = None
+    allow_missing: bool = False
+    """Open a sharded checkpoint with rank files missing (they are recovered from copies)."""
+    hf_config: Mapping[str, Any] | None = None
+    """An HF ``config.json`` for checkpoints that hold an HF model but do not say which."""
+    file: str | None = None
+    """The URL named this one file under the storage root, not a directory."""
+
+
+@dataclass(frozen=True)
+class SavedTraining:
+    """Training state a checkpoint keeps besides tensors, for writers that carry it on."""
+
+    carried: Any = None
+    """Counters, scheduler, ... (may hold tensor references, copied as they are)."""
+    args: Any = None
+    """Megatron's ``argparse.Namespace``, when the source has one."""
+    templates: Mapping[bool, Mapping[str, Any]] = field(default_factory=dict)
+    """Optimizer parameter-group settings by kind (True: no weight decay)."""
+    optimizer_step: float | None = None
+
+
+@dataclass(frozen=True)
+class WriteJob:
+    """What a writer is handed for each target file."""
+
+    plan: Plan
+    source: Sources
+    assemble: Assembler
+    report: Report
+
+
+Writer = Callable[[WriteJob, FileWrite, BinaryIO], None]
+"""Writes one target file of the plan into ``out`` (a forward-only stream)."""
+
+
+def lazy(module: str, name: str) -> Callable[..., Any]:
+    """``module.name``, imported on first call: readers and writers import torch, and a
+    registry entry must not (``ckptctl formats`` and ``--help`` touch no tensor)."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return getattr(importlib.import_module(module), name)(*args, **kwargs)
+
+    call.__qualname__ = call.__name__ = name
+    return call
+
+
+@dataclass(frozen=True)
+class CheckpointFormat:
+    """One format: how it is recognised and opened, and (if it is a target) how it is written.
+
+    ``probe`` returns ``None`` for storage that is not in this format; an error for storage
+    that is this format but broken. Formats are asked in registry order."""
+
+    name: str
+    probe: Callable[[Storage, frozenset[str], ProbeRequest], Checkpoint | None]
+    support: FormatSupport | None = None
+    writers: Mapping[str, Writer] = field(default_factory=dict)
+    """File kind (``FileWrite.kind``) -> the function writing such a file."""
+    finish: Callable[[WriteJob], list[tuple[str, bytes]]] | None = None
+    """Files written after every data file (e.g. ``torch_dist``'s ``.metadata``)."""
+    finish_paths: Callable[[Plan], tuple[str, ...]] | None = None
+    """The paths ``finish`` writes, known before the job starts."""
+    description_files: Callable[[Storage, CheckpointView], list[str]] | None = None
+    """Files besides tensor files that say what the checkpoint is (saved-plan fingerprints)."""
+    integrity: Callable[[Any], Targets] | None = None
+    """Which checksums the files of an opened checkpoint carry (default: every tensor file is
+    a ``torch.save`` archive with a CRC-32 per entry)."""
+
+    def checksums(self, ckpt: Checkpoint) -> Targets:
+        if self.integrity is not None:
+            return self.integrity(ckpt)
+        return Targets(
+            zips={f.path: whole_file_entries(ckpt.storage, f.path) for f in ckpt.view.files}
+        )
+
+    def metadata_files(self, storage: Storage, view: CheckpointView) -> list[str]:
+        return self.description_files(storage, view) if self.description_files else []

@@ -1,0 +1,85 @@
+"""The PyTorch Distributed Checkpoint format's registry entry (any DCP checkpoint but
+Megatron-Core's ``torch_dist``, which has its own)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ckptctl.formats.base import CheckpointFormat, ProbeRequest
+from ckptctl.formats.dcp.metadata import METADATA_FILE
+from ckptctl.formats.support import FormatSupport
+from ckptctl.formats.torch_dist.layout import COMMON, MCORE_METADATA
+from ckptctl.integrity import ZIP_MAGIC, Targets, whole_file_entries, zip_entries
+from ckptctl.model.stored import CheckpointView
+from ckptctl.storage import Storage
+
+
+def _probe(storage: Storage, names: frozenset[str], request: ProbeRequest) -> Any:
+    if request.file is not None:
+        return None
+    from ckptctl.formats.dcp.reader import locate, probe_dcp
+
+    found = locate(storage, names, request.iteration)
+    if found is None:
+        return None
+    config = dict(request.hf_config) if request.hf_config is not None else None
+    return probe_dcp(storage, found[0], found[1], config)
+
+
+def description_files(storage: Storage, view: CheckpointView) -> list[str]:
+    """``.metadata`` (and Megatron-Core's ``common.pt`` and ``metadata.json``)."""
+    if not view.files:
+        return []
+    base = view.files[0].path.rpartition("/")[0]
+    candidates = [f"{base}/{n}" if base else n for n in (METADATA_FILE, COMMON, MCORE_METADATA)]
+    return [c for c in candidates if storage.exists(c)]
+
+
+def record_checksums(ckpt: Any) -> Targets:
+    """The CRC-32 of every ``torch.save`` record inside the ``.distcp`` files, and of
+    ``common.pt``; pickled byte records carry none."""
+    from ckptctl.formats.dcp.records import RecordWindow
+
+    storage = ckpt.storage
+    targets = Targets()
+    plain = 0
+    by_file: dict[str, list] = {}
+    for key, info in ckpt.metadata.storage.items():
+        rel = f"{ckpt.base}/{info.relative_path}" if ckpt.base else info.relative_path
+        by_file.setdefault(rel, []).append((key, info))
+    for rel, records in sorted(by_file.items()):
+        entries = targets.zips.setdefault(rel, [])
+        with storage.open_read(rel) as f:
+            for key, info in sorted(records, key=lambda r: r[1].offset):
+                window = RecordWindow(f, info.offset, info.length)
+                if info.transform_descriptors or window.read(4) != ZIP_MAGIC:
+                    plain += 1  # pickled bytes, or a record written without torch.save
+                    continue
+                window.seek(0)
+                fqn = key[0] if isinstance(key, tuple) else key
+                where = f"{storage.describe(rel)}@{info.offset}"
+                entries += zip_entries(window, where, info.offset, f"record {fqn}")
+    common = f"{ckpt.base}/{COMMON}" if ckpt.base else COMMON
+    if storage.exists(common):
+        targets.zips[common] = whole_file_entries(storage, common)
+    if plain:
+        targets.unchecked.append(f"{plain} DCP records store no checksum (pickled bytes)")
+    return targets
+
+
+FORMAT = CheckpointFormat(
+    "dcp",
+    _probe,
+    support=FormatSupport(
+        "dcp",
+        "PyTorch Distributed Checkpoint (torchtitan, FSDP2, DTensor)",
+        ".metadata, __R_N.distcp",
+        True,
+        "",
+        "any DCP state dict to one torch file; HF Llama models (with config.json) to HF, "
+        "Megatron or torch_dist with their Adam state",
+        "CRC-32 of every tensor record",
+    ),
+    description_files=description_files,
+    integrity=record_checksums,
+)

@@ -1,0 +1,47 @@
+"""The HF safetensors format's registry entry."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ckptctl.formats.base import CheckpointFormat, ProbeRequest, lazy
+from ckptctl.formats.hf.layout import CONFIG
+from ckptctl.formats.support import FormatSupport
+from ckptctl.integrity import Targets
+from ckptctl.model.plan import FileKind
+from ckptctl.model.stored import CheckpointView
+from ckptctl.storage import Storage
+
+
+def _probe(storage: Storage, names: frozenset[str], request: ProbeRequest) -> Any:
+    if request.file is not None or CONFIG not in names:
+        return None
+    from ckptctl.formats.hf.reader import probe_hf
+
+    return probe_hf(storage)
+
+
+def _checksums(ckpt: Any) -> Targets:
+    return Targets(safetensors=[f.path for f in ckpt.view.files])
+
+
+def _description(storage: Storage, view: CheckpointView) -> list[str]:
+    return [CONFIG] if storage.exists(CONFIG) else []
+
+
+FORMAT = CheckpointFormat(
+    "hf",
+    _probe,
+    support=FormatSupport(
+        "hf",
+        "HuggingFace safetensors",
+        "config.json, model*.safetensors (+ index)",
+        True,
+        "consolidate --format hf",
+        "Llama family; source of reshard to any Megatron layout",
+        "none in the format: headers and sizes only",
+    ),
+    writers={FileKind.SAFETENSORS: lazy("ckptctl.formats.hf.writer", "write_safetensors_file")},
+    description_files=_description,
+    integrity=_checksums,
+)

@@ -1,0 +1,56 @@
+"""Writing HF safetensors: the header first (every tensor's dtype, shape and byte range), then
+each tensor's bytes streamed in order."""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Callable, Iterable
+from functools import partial
+from math import prod
+from typing import Any, BinaryIO
+
+from ckptctl.formats.base import WriteJob
+from ckptctl.model.dtypes import DTYPES, ITEMSIZE
+from ckptctl.model.plan import FileWrite
+from ckptctl.prefetch import ReadAhead
+from ckptctl.storage import write_in_slices
+
+
+def write_safetensors(
+    f: BinaryIO,
+    tensors: list[tuple[str, str, tuple[int, ...]]],
+    produce: Callable[[int], Iterable[bytes | memoryview]],
+) -> None:
+    """Write ``(name, dtype, shape)`` tensors in order; ``produce(i)`` yields tensor i's bytes."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    sizes = []
+    for name, dtype, shape in tensors:
+        nbytes = prod(shape) * ITEMSIZE[dtype]
+        header[name] = {
+            "dtype": DTYPES[dtype].safetensors,
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+        sizes.append(nbytes)
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    f.write(struct.pack("<Q", len(blob)))
+    f.write(blob)
+    for i, expected in enumerate(sizes):
+        written = 0
+        for chunk in produce(i):
+            write_in_slices(f, chunk)
+            written += len(chunk)
+        if written != expected:
+            raise AssertionError(f"tensor {tensors[i][0]}: wrote {written} of {expected} bytes")
+
+
+def write_safetensors_file(job: WriteJob, file: FileWrite, out: BinaryIO) -> None:
+    """One ``model*.safetensors`` of the plan, tensors assembled and streamed in order."""
+    entries = [(str(t.key[0]), t.dtype, t.shape) for t in file.tensors]
+    produce = partial(job.assemble.chunks, file=file.path)
+    with ReadAhead(list(file.tensors), produce) as ahead:
+        write_safetensors(out, entries, lambda i: ahead(file.tensors[i]))

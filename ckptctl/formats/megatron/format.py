@@ -1,0 +1,50 @@
+"""The Megatron-LM legacy format's registry entry (``--ckpt-format torch``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ckptctl.formats.base import CheckpointFormat, ProbeRequest, lazy
+from ckptctl.formats.megatron.layout import TRACKER
+from ckptctl.formats.support import FormatSupport
+from ckptctl.model.plan import FileKind
+from ckptctl.storage import Storage
+
+
+def recognised(names: frozenset[str]) -> bool:
+    return TRACKER in names or any(n.startswith(("mp_rank_", "iter_", "release")) for n in names)
+
+
+def _probe(storage: Storage, names: frozenset[str], request: ProbeRequest) -> Any:
+    if request.file is not None or not recognised(names):
+        return None
+    from ckptctl.formats.megatron.reader import probe_megatron
+
+    return probe_megatron(
+        storage,
+        iteration=request.iteration,
+        true_vocab_size=request.true_vocab_size,
+        allow_missing=request.allow_missing,
+    )
+
+
+FORMAT = CheckpointFormat(
+    "megatron",
+    _probe,
+    support=FormatSupport(
+        "megatron",
+        "Megatron-LM legacy (--ckpt-format torch)",
+        "latest_checkpointed_iteration.txt, iter_*/mp_rank_*/model_optim_rng.pt",
+        True,
+        "consolidate --format megatron, reshard (default)",
+        "TP/PP/VPP/DP, uneven first/last stages, TE and local names, tied embeddings, GQA, "
+        "SwiGLU, per-parameter Adam state and distrib_optim.pt, scheduler and counters",
+        "CRC-32 of every zip entry",
+    ),
+    writers={
+        FileKind.MEGATRON_RANK: lazy("ckptctl.formats.megatron.writer", "write_rank_file"),
+        FileKind.DISTRIBUTED_OPTIMIZER: lazy(
+            "ckptctl.formats.megatron.writer", "write_distopt_file"
+        ),
+    },
+)

@@ -1,0 +1,242 @@
+"""Writing Megatron legacy rank files: the pickled tree of each ``model_optim_rng.pt`` (model,
+optimizer with its parameter groups, carried training state, ``args``) with tensors streamed
+in, and ``distrib_optim.pt`` as flat buffers in offset order."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterator
+from dataclasses import dataclass
+from math import prod
+from typing import Any, BinaryIO
+
+import torch
+
+from ckptctl.formats.base import SavedTraining, WriteJob
+from ckptctl.formats.megatron.args import args_for, args_from_spec
+from ckptctl.formats.torchsave.archive import TensorRef, TensorSlot, tensor_bytes, write_torch_zip
+from ckptctl.model.catalog import parameters
+from ckptctl.model.plan import FileWrite, TensorWrite
+from ckptctl.model.stored import StoredFile
+from ckptctl.prefetch import ReadAhead
+
+
+def carried_state(tree: dict[str, Any]) -> dict[str, Any]:
+    """Training state a rank file carries besides model and optimizer tensors; RNG is dropped
+    because it cannot be resharded (Megatron's ``--no-load-rng``)."""
+    skip = {"args", "checkpoint_version", "iteration", "optimizer", "rng_state"}
+    out = {k: v for k, v in tree.items() if k not in skip and not str(k).startswith("model")}
+    out["checkpoint_version"] = tree.get("checkpoint_version", 3.0)
+    out["iteration"] = tree.get("iteration", 0)
+    opt = tree.get("optimizer")
+    if isinstance(opt, dict) and isinstance(opt.get("optimizer"), dict):
+        out["optimizer_extra"] = {
+            k: v for k, v in opt.items() if k not in ("optimizer", "fp32_from_fp16_params")
+        }
+    return out
+
+
+def _without_step(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k != "step"}
+
+
+def distributed_optimizer_entry(
+    kinds: list[bool],
+    group_templates: dict[bool, dict[str, Any]],
+    step: float | None,
+    carried: dict[str, Any],
+) -> dict[str, Any]:
+    """``model_optim_rng.pt['optimizer']`` under the distributed optimizer: group settings only
+    (weight-decay group first, as Megatron-Core 0.16), Adam's step kept per group."""
+    groups = []
+    for kind in sorted(set(kinds)):
+        group = dict(group_templates.get(kind, {}))
+        if "step" not in group and step is not None:
+            group["step"] = step
+        groups.append(group)
+    return {"optimizer": {"param_groups": groups}, **carried.get("optimizer_extra", {})}
+
+
+def rank_tree(
+    file: StoredFile,
+    *,
+    args: argparse.Namespace,
+    carried: dict[str, Any],
+    group_templates: dict[bool, dict[str, Any]],
+    no_weight_decay: dict[str, bool],
+    optimizer_entry: dict[str, Any] | None = None,
+) -> tuple[dict[str, Any], list[TensorSlot]]:
+    """The object tree of one rank file; its tensors are slots, in ``file.tensors`` order.
+
+    ``carried`` is ``carried_state`` of a source file; ``no_weight_decay`` maps canonical
+    parameter names to their parameter-group kind.
+    """
+    tree: dict[str, Any] = {
+        "args": args,
+        "checkpoint_version": carried["checkpoint_version"],
+        "iteration": carried["iteration"],
+    }
+    slots = []
+    index_kind: dict[int, bool] = {}
+    for n, t in enumerate(file.tensors):
+        slot = TensorSlot(str(n), getattr(torch, t.dtype), t.shape)
+        slots.append(slot)
+        node = tree
+        for part in t.key[:-1]:
+            node = node.setdefault(part, {})
+        node[t.key[-1]] = slot
+        if "state" in t.key and t.key[0] == "optimizer":
+            index_kind[int(t.key[t.key.index("state") + 1])] = no_weight_decay[
+                t.canonical.split("/", 1)[1]
+            ]
+    if "optimizer" in tree:
+        opt = tree["optimizer"]
+        torch_state = opt if "state" in opt else opt["optimizer"]  # bare or wrapped
+        # torch packs state in parameter-index order (group after group), not model order.
+        torch_state["state"] = dict(sorted(torch_state["state"].items()))
+        members: dict[bool, list[int]] = {}
+        for index in sorted(index_kind):
+            members.setdefault(index_kind[index], []).append(index)
+        # Adam's step lives per parameter here, so a group-level step (distributed) is dropped.
+        torch_state["param_groups"] = [
+            {**_without_step(group_templates[kind]), "params": indices}
+            for kind, indices in members.items()
+        ]
+        if "fp32_from_fp16_params" in opt:
+            masters = opt["fp32_from_fp16_params"]
+            opt["fp32_from_fp16_params"] = [
+                [masters[g][i] for i in sorted(masters[g])] for g in sorted(masters)
+            ]
+        opt.update(carried.get("optimizer_extra", {}))
+    if optimizer_entry is not None:
+        tree["optimizer"] = optimizer_entry
+    for key, value in carried.items():
+        if key not in tree and key != "optimizer_extra":
+            tree[key] = value
+    return tree, slots
+
+
+def write_distopt_file(job: WriteJob, file: FileWrite, out: BinaryIO) -> None:
+    """``distrib_optim.pt``: each flat buffer streamed in offset order, gaps as zeros."""
+    assemble = job.assemble
+    tree: dict[Any, Any] = {"buckets_coalesced": True}
+    slots: list[TensorSlot] = []
+    members: dict[TensorSlot, list[TensorWrite]] = {}
+    for key, length in file.flat:
+        gbuf, dtype_key, state = key
+        param_dtype, grad_dtype = (getattr(torch, name) for name in str(dtype_key).split("|"))
+        buffer = tree.setdefault(gbuf, {}).setdefault((param_dtype, grad_dtype), {})
+        slot = TensorSlot(str(len(slots)), torch.float32, (length,))
+        buffer.pop("numel_unpadded", None)  # Megatron writes it after the state tensors
+        buffer[state] = slot
+        buffer["numel_unpadded"] = length
+        slots.append(slot)
+        members[slot] = sorted(
+            (t for t in file.tensors if t.key == key), key=lambda t: t.view_offset or 0
+        )
+
+    def produce(slot: TensorSlot) -> Iterator[memoryview]:
+        pos = 0
+        for write in members[slot]:
+            assert write.view_offset is not None and write.view_offset >= pos
+            yield from _zeros(write.view_offset - pos)
+            yield from assemble.chunks(write, file.path)
+            pos = write.view_offset + prod(write.shape)
+        yield from _zeros(slot.shape[0] - pos)
+
+    with ReadAhead(slots, produce) as ahead:
+        write_torch_zip(out, tree, slots, ahead)
+
+
+def _zeros(count: int, chunk: int = 1 << 20) -> Iterator[memoryview]:
+    """``count`` fp32 zeros (alignment gaps of a flat buffer), in bounded chunks."""
+    block = memoryview(bytes(4 * min(count, chunk)))
+    while count > 0:
+        n = min(count, chunk)
+        yield block[: 4 * n]
+        count -= n
+
+
+@dataclass
+class TrainingState:
+    """What a target file carries besides tensors: args, counters, scheduler, group settings."""
+
+    owner: Any
+    template_path: str
+    carried: Any
+    args: Any
+    templates: dict[bool, dict[str, Any]]
+    optimizer_step: float | None
+    refs: list[TensorRef]
+    """Tensors inside the carried state, copied as they are (slots ``carried<i>``)."""
+
+    def carried_slots(self) -> list[TensorSlot]:
+        return [TensorSlot(f"carried{i}", r.dtype, r.shape) for i, r in enumerate(self.refs)]
+
+    def carried_bytes(self, slot: TensorSlot) -> memoryview:
+        ref = self.refs[int(slot.key.removeprefix("carried"))]
+        return tensor_bytes(self.owner.read_ref(self.template_path, ref))
+
+
+def training_state(job: WriteJob, file: FileWrite) -> TrainingState:
+    """What a Megatron target file carries besides tensors: the source's training state when
+    it has one (Megatron legacy, ``torch_dist``), else fresh ``args`` and counters."""
+    plan = job.plan
+    refs: list[TensorRef] = []
+    owner, template_path = job.source.owner(plan.source_files[file.carry_from or 0])
+    saved = owner.saved_training(template_path) if hasattr(owner, "saved_training") else None
+    saved = saved or SavedTraining()
+    if saved.args is not None:
+        carried = _materialize(saved.carried or {}, refs)
+        args = args_for(saved.args, plan.spec, plan.target_layout)
+    else:  # no Megatron training state (HF, or an HF model's DCP): fresh args
+        carried = {"checkpoint_version": 3.0, "iteration": plan.iteration or 0}
+        args = args_for(args_from_spec(plan.spec), plan.spec, plan.target_layout)
+    return TrainingState(
+        owner, template_path, carried, args, dict(saved.templates), saved.optimizer_step, refs
+    )
+
+
+def write_rank_file(job: WriteJob, file: FileWrite, out: BinaryIO) -> None:
+    """One ``model_optim_rng.pt``: its pickled tree first, then every tensor streamed."""
+    plan, assemble = job.plan, job.assemble
+    state = training_state(job, file)
+    no_wd = {p.name: p.no_weight_decay for p in parameters(plan.spec)}
+    entry = None
+    if plan.target_layout.distributed_optimizer and state.optimizer_step is not None:
+        kinds = [no_wd[t.canonical] for t in file.tensors]
+        entry = distributed_optimizer_entry(
+            kinds, state.templates, state.optimizer_step, state.carried
+        )
+    tree, slots = rank_tree(
+        file,
+        args=state.args,
+        carried=state.carried,
+        group_templates=state.templates,
+        no_weight_decay=no_wd,
+        optimizer_entry=entry,
+    )
+    writes = {slot.key: write for slot, write in zip(slots, file.tensors, strict=True)}
+    carried_slots = state.carried_slots()
+
+    def produce(slot: TensorSlot) -> Iterator[memoryview]:
+        if slot.key in writes:
+            yield from assemble.chunks(writes[slot.key], file.path)
+        else:
+            yield state.carried_bytes(slot)
+
+    all_slots = [*slots, *carried_slots]
+    with ReadAhead(all_slots, produce) as ahead:
+        write_torch_zip(out, tree, all_slots, ahead)
+
+
+def _materialize(obj: Any, found: list[TensorRef]) -> Any:
+    """Replace tensors inside carried training state by slots (their bytes are copied as-is)."""
+    if isinstance(obj, TensorRef):
+        found.append(obj)
+        return TensorSlot(f"carried{len(found) - 1}", obj.dtype, obj.shape)
+    if isinstance(obj, dict):
+        return type(obj)((k, _materialize(v, found)) for k, v in obj.items())
+    if isinstance(obj, list | tuple):
+        return type(obj)(_materialize(v, found) for v in obj)
+    return obj

@@ -1,0 +1,54 @@
+"""The registry: the only list of checkpoint formats.
+
+Built-in formats are imported on first use (their readers import torch; ``--help`` and other
+commands that touch no checkpoint do not pay for it). ``register`` adds one from outside, e.g.
+a test's toy format: probing asks it first.
+"""
+
+from __future__ import annotations
+
+import importlib
+from functools import cache
+
+from ckptctl.formats.base import CheckpointFormat, Writer
+
+BUILTIN = ("torch_dist", "dcp", "megatron", "hf", "torch_file")
+"""Folders under ``ckptctl/formats`` whose ``format.py`` exports ``FORMAT``, in probing order
+(``torch_dist`` before plain DCP and Megatron: it lives in a Megatron iteration directory as
+DCP files)."""
+
+_added: list[CheckpointFormat] = []
+
+
+@cache
+def _builtin() -> tuple[CheckpointFormat, ...]:
+    return tuple(importlib.import_module(f"ckptctl.formats.{n}.format").FORMAT for n in BUILTIN)
+
+
+def formats() -> tuple[CheckpointFormat, ...]:
+    return (*_added, *_builtin())
+
+
+def register(fmt: CheckpointFormat) -> None:
+    if fmt.name in {f.name for f in formats()}:
+        raise ValueError(f"a format named {fmt.name!r} is already registered")
+    _added.append(fmt)
+
+
+def unregister(name: str) -> None:
+    _added[:] = [f for f in _added if f.name != name]
+
+
+def named(name: str) -> CheckpointFormat:
+    for fmt in formats():
+        if fmt.name == name:
+            return fmt
+    raise KeyError(name)
+
+
+def writer_for(kind: str) -> tuple[CheckpointFormat, Writer]:
+    """The format that writes files of ``kind``, and its writer."""
+    for fmt in formats():
+        if kind in fmt.writers:
+            return fmt, fmt.writers[kind]
+    raise KeyError(f"no registered format writes {kind!r} files")

@@ -1,0 +1,46 @@
+"""Megatron-Core's ``torch_dist`` format's registry entry: DCP files in a Megatron iteration
+directory, with ``metadata.json`` naming the backend and ``common.pt`` holding ``args``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ckptctl.formats.base import CheckpointFormat, ProbeRequest, lazy
+from ckptctl.formats.dcp.format import description_files, record_checksums
+from ckptctl.formats.support import FormatSupport
+from ckptctl.model.plan import FileKind
+from ckptctl.storage import Storage
+
+
+def _probe(storage: Storage, names: frozenset[str], request: ProbeRequest) -> Any:
+    if request.file is not None:
+        return None
+    from ckptctl.formats.dcp.reader import locate, mcore_backend
+    from ckptctl.formats.torch_dist.reader import probe_torch_dist
+
+    found = locate(storage, names, request.iteration)
+    if found is None or mcore_backend(storage, found[0]) != "torch_dist":
+        return None
+    return probe_torch_dist(storage, found[0], found[1], request.true_vocab_size)
+
+
+WRITER = "ckptctl.formats.torch_dist.writer"
+
+FORMAT = CheckpointFormat(
+    "torch_dist",
+    _probe,
+    support=FormatSupport(
+        "torch_dist",
+        "Megatron-Core distributed checkpoint (DCP-based)",
+        "metadata.json (sharded_backend torch_dist), .metadata, *.distcp, common.pt",
+        True,
+        "reshard --format torch_dist",
+        "layer-stacked keys, fully_reshardable optimizer state (dp_reshardable is refused)",
+        "CRC-32 of every tensor record",
+    ),
+    writers={FileKind.DCP_SHARD: lazy(WRITER, "write_dcp_shard")},
+    finish=lazy(WRITER, "torch_dist_directory_files"),
+    finish_paths=lazy(WRITER, "torch_dist_directory_names"),
+    description_files=description_files,
+    integrity=record_checksums,
+)

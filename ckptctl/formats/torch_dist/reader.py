@@ -1,0 +1,124 @@
+"""Reading Megatron-Core ``torch_dist`` checkpoints: DCP records whose layer-stacked keys are
+boxes of the canonical tensors, with ``args`` and training state in ``common.pt``."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ckptctl.errors import CheckpointError, CheckpointNotFoundError
+from ckptctl.formats.dcp.metadata import BytesEntry, DcpMetadata, StorageInfo
+from ckptctl.formats.dcp.reader import DcpCheckpoint, files_of, join, read_metadata
+from ckptctl.formats.dcp.records import RecordWindow, open_record
+from ckptctl.formats.megatron.args import layout_from_args, spec_from_args
+from ckptctl.formats.torch_dist.layout import (
+    COMMON,
+    DP_RESHARDABLE_PREFIX,
+    chunk_parts,
+    model_catalog,
+)
+from ckptctl.formats.torchsave.archive import TorchZipReader
+from ckptctl.model.stored import CheckpointView, Format, StoredTensor
+from ckptctl.storage import Storage
+
+
+def _common_state(storage: Storage, base: str, metadata: DcpMetadata) -> dict[str, Any]:
+    rel = join(base, COMMON)
+    if storage.exists(rel):
+        with storage.open_read(rel) as f:
+            tree = TorchZipReader(f, storage.describe(rel)).tree
+    elif (info := metadata.storage.get(("common_state/shard_0_1", None))) is not None:
+        # Megatron-Core >= 0.19 keeps it as a byte item: a pickled one-element list.
+        item = join(base, info.relative_path)
+        with storage.open_read(item) as f:
+            window = RecordWindow(f, info.offset, info.length)
+            tree = open_record(window, info, storage.describe(item)).tree
+        tree = tree[0] if isinstance(tree, list) and tree else tree
+    else:
+        raise CheckpointNotFoundError(
+            f"{storage.describe(rel)}: missing; a torch_dist checkpoint keeps its args there"
+        )
+    if not isinstance(tree, dict) or not isinstance(tree.get("args"), argparse.Namespace):
+        raise CheckpointError(f"{storage.describe(rel)}: no 'args' namespace")
+    return tree
+
+
+def probe_torch_dist(
+    storage: Storage, base: str, iteration: int | None, true_vocab_size: int | None
+) -> DcpCheckpoint:
+    metadata = read_metadata(storage, base)
+    common = _common_state(storage, base, metadata)
+    args = common["args"]
+    spec = spec_from_args(args, true_vocab_size)
+    layout = layout_from_args(args)
+    catalog = model_catalog(spec)
+    notes: list[str] = []
+    placed: list[tuple[StorageInfo, StoredTensor]] = []
+    unknown: list[str] = []
+    objects: set[str] = set()
+    dp_reshardable = False
+    for fqn, entry in metadata.entries.items():
+        if isinstance(entry, BytesEntry):
+            if not fqn.startswith("common_state"):
+                objects.add(fqn.split("/")[0].rsplit(".", 1)[-1])
+            continue
+        if fqn.startswith(DP_RESHARDABLE_PREFIX):
+            dp_reshardable = True
+            continue
+        for chunk in entry.chunks:
+            parts = chunk_parts(fqn, chunk.offsets, chunk.sizes, catalog)
+            if parts is None:
+                unknown.append(fqn)
+                break
+            info = metadata.storage[(fqn, chunk.offsets)]
+            placed.extend(
+                (
+                    info,
+                    StoredTensor(
+                        (fqn, *chunk.offsets),
+                        part.canonical,
+                        part.shape,
+                        entry.dtype,
+                        part.pieces,
+                        part.view_offset,
+                    ),
+                )
+                for part in parts
+            )
+    if unknown:
+        raise CheckpointError(
+            f"{storage.describe(base)}: tensors {', '.join(sorted(set(unknown))[:5])} are not "
+            f"parameters of the model its args describe ({spec.num_layers} layers, hidden "
+            f"{spec.hidden_size}); MoE and heterogeneous layers are not supported yet"
+        )
+    optimizer = common.get("optimizer") if isinstance(common.get("optimizer"), dict) else {}
+    sharding = optimizer.get("param_state_sharding_type") if optimizer else None
+    has_optimizer = any(t.canonical.startswith("exp_avg/") for _, t in placed)
+    if sharding == "dp_reshardable" or dp_reshardable:
+        notes.append(
+            "optimizer state is dp_reshardable (raw grad-buffer buckets of the saved TP/PP "
+            "layout): only the weights can be taken from it"
+        )
+    if objects:
+        # Pickled objects (RNG state, TransformerEngine FP8 metadata) have no reshardable form.
+        notes.append(f"not carried: {', '.join(sorted(objects))} (pickled objects)")
+    step = _optimizer_step(optimizer)
+    view = CheckpointView(
+        Format.TORCH_DIST,
+        spec,
+        layout,
+        files_of(base, placed),
+        iteration if iteration is not None else common.get("iteration"),
+        has_optimizer,
+        tuple(notes),
+        optimizer_step=step if has_optimizer else None,
+    )
+    return DcpCheckpoint(storage, view, base, metadata, args, common)
+
+
+def _optimizer_step(optimizer: dict[str, Any]) -> float | None:
+    groups = (optimizer.get("optimizer") or {}).get("param_groups") if optimizer else None
+    if isinstance(groups, list) and groups and isinstance(groups[0], dict):
+        step = groups[0].get("step")
+        return float(step) if step is not None else None
+    return None

@@ -1,0 +1,81 @@
+"""Writing one ``torch.save`` file of a whole state dict, as torch's ``dcp_to_torch_save`` does:
+tensors at their key paths, streamed; other items restored from the source's byte records."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from itertools import pairwise
+from typing import Any, BinaryIO
+
+import torch
+
+from ckptctl.formats.base import WriteJob
+from ckptctl.formats.torchsave.archive import TensorRef, TensorSlot, tensor_bytes, write_torch_zip
+from ckptctl.model.plan import FileWrite
+
+
+def write_state_dict_file(job: WriteJob, file: FileWrite, out: BinaryIO) -> None:
+    """One ``torch.save`` file of a whole state dict, as ``dcp_to_torch_save`` writes it:
+    tensors at their key paths, non-tensor items restored from the source's byte records."""
+    owner, assemble = job.source.primary, job.assemble
+    tree: Any = {}
+    slots = []
+    by_key = {}
+    for n, tensor in enumerate(file.tensors):
+        slot = TensorSlot(str(n), getattr(torch, tensor.dtype), tensor.shape)
+        _set_path(tree, owner.key_path(str(tensor.key[0])), slot)
+        slots.append(slot)
+        by_key[slot.key] = tensor
+    inner: dict[str, tuple[Any, TensorRef]] = {}
+    for fqn in owner.byte_items():
+        value, reader = owner.byte_item(fqn)
+        # Tensors inside pickled items (RNG states) are copied from the item's record.
+        value = _slots_for_refs(value, lambda ref, r=reader: _inner_slot(ref, r, inner, slots))
+        _set_path(tree, owner.key_path(fqn), value)
+
+    def produce(slot: TensorSlot) -> Iterator[memoryview]:
+        if slot.key in inner:
+            reader, ref = inner[slot.key]
+            yield tensor_bytes(reader.read(ref))
+        else:
+            yield from assemble.chunks(by_key[slot.key], file.path)
+
+    write_torch_zip(out, tree, slots, produce)
+
+
+def _inner_slot(
+    ref: TensorRef, reader: Any, inner: dict[str, tuple[Any, TensorRef]], slots: list[TensorSlot]
+) -> TensorSlot:
+    slot = TensorSlot(f"item{len(inner)}", ref.dtype, ref.shape)
+    inner[slot.key] = (reader, ref)
+    slots.append(slot)
+    return slot
+
+
+def _slots_for_refs(obj: Any, make: Any) -> Any:
+    if isinstance(obj, TensorRef):
+        return make(obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, _slots_for_refs(v, make)) for k, v in obj.items())
+    if isinstance(obj, list | tuple):
+        return type(obj)(_slots_for_refs(v, make) for v in obj)
+    return obj
+
+
+def _set_path(tree: Any, path: tuple[Any, ...], value: Any) -> None:
+    """Set ``tree[path[0]][path[1]]... = value``, creating dicts (or lists for int keys)."""
+    node = tree
+    for key, following in pairwise(path):
+        if isinstance(node, list):
+            while len(node) <= key:
+                node.append(None)
+            if node[key] is None:
+                node[key] = [] if isinstance(following, int) else {}
+            node = node[key]
+        else:
+            node = node.setdefault(key, [] if isinstance(following, int) else {})
+    last = path[-1]
+    if isinstance(node, list):
+        while len(node) <= last:
+            node.append(None)
+    node[last] = value

@@ -1,0 +1,45 @@
+"""Finding tensors in an unpickled ``torch.save`` tree: follow a key path, view a slice of a flat
+tensor, open a file lazily (by byte range on object stores). Shared by every format whose files
+are ``torch.save`` archives."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
+from ckptctl.model.dtypes import dtype_name
+from ckptctl.model.stored import KeyPath
+from ckptctl.storage import Storage
+
+
+def resolve(tree: Any, key: KeyPath) -> Any:
+    """Follow ``key`` into ``tree``; ``"a|b"`` names a dict key that is a tuple of dtypes (the
+    grad-buffer keys of ``distrib_optim.pt``), which JSON plans cannot spell directly."""
+    node = tree
+    for part in key:
+        if isinstance(part, str) and "|" in part and isinstance(node, dict) and part not in node:
+            part = next(
+                (k for k in node if isinstance(k, tuple) and "|".join(map(dtype_name, k)) == part),
+                part,
+            )
+        node = node[part]
+    return node
+
+
+def view_ref(ref: TensorRef, offset: int, shape: tuple[int, ...]) -> TensorRef:
+    """The slice ``[offset, offset + numel)`` of a flat tensor, viewed with ``shape``."""
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= max(n, 1)
+    return TensorRef(
+        ref.storage, ref.offset + offset * ref.stride[0], shape, tuple(reversed(stride))
+    )
+
+
+def open_torch_file(storage: Storage, rel: str) -> TorchZipReader:
+    """A lazy reader of one ``torch.save`` file; on remote stores its tensor bytes are fetched
+    by exact byte range, in parallel when the executor asks for several."""
+    fetch = None if storage.is_local else partial(storage.read_range, rel)
+    return TorchZipReader(storage.open_read(rel), storage.describe(rel), fetch)
