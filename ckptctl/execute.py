@@ -19,7 +19,7 @@ import torch
 import xxhash
 
 from ckptctl.formats import registry
-from ckptctl.formats.base import WriteJob
+from ckptctl.formats.base import Checkpoint, WriteJob
 from ckptctl.formats.torchsave.archive import (
     tensor_bytes,
 )
@@ -27,17 +27,6 @@ from ckptctl.manifest import MANIFEST, RunLog, new_digest, write_manifest
 from ckptctl.model.geometry import nbytes
 from ckptctl.model.plan import FileKind, FileWrite, Plan, TensorWrite
 from ckptctl.storage import Storage, write_in_slices
-
-
-class Source(Protocol):
-    def read(
-        self,
-        path: str,
-        key: tuple[str | int, ...],
-        offsets: tuple[int, ...],
-        sizes: tuple[int, ...],
-        view: tuple[int, tuple[int, ...]] | None = None,
-    ) -> torch.Tensor: ...
 
 
 class Progress(Protocol):
@@ -90,7 +79,7 @@ class Assembler:
     def __init__(
         self,
         plan: Plan | tuple[str, ...],
-        source: Source,
+        source: Checkpoint,
         report: Report,
         progress: Progress,
         budget: int,
@@ -188,7 +177,7 @@ class Sources:
 
 def execute(
     plan: Plan,
-    source: Source,
+    source: Checkpoint | Sources,
     target: Storage,
     progress: Progress | None = None,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,

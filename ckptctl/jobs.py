@@ -99,10 +99,13 @@ def plan_consolidate(
     settings = settings or Settings()
     refuse_overlap("destination", dst, {"source": src})
     ckpt = open_checkpoint(src, settings, iteration=iteration, true_vocab_size=true_vocab_size)
-    if fmt is Format.TORCH:
-        if not hasattr(ckpt, "as_generic"):
+    if fmt == Format.TORCH:
+        if hasattr(ckpt, "as_generic"):  # DCP: every stored key, whatever model it holds
+            generic = ckpt.as_generic()
+        elif ckpt.view.spec is None:  # a checkpoint of named tensors
+            generic = ckpt
+        else:
             raise UsageError("--format torch consolidates DCP / torch_dist checkpoints")
-        generic = ckpt.as_generic()
         plan = plan_state_dict(
             generic.view,
             source_url=src,
@@ -113,7 +116,7 @@ def plan_consolidate(
         return Job(plan, Sources(generic), settings)
     if fmt not in (Format.HF, Format.MEGATRON):
         raise UsageError(f"consolidate --format {fmt.value}: choose hf, megatron or torch")
-    if fmt is not Format.HF:
+    if fmt != Format.HF:
         refuse_dp_reshardable(ckpt)
     plan = consolidation(
         ckpt.view,

@@ -62,7 +62,7 @@ def verify(
         structure = Check(
             "structure",
             "passed",
-            f"{len(ckpt.view.files)} files, {ckpt.view.format.value} {ckpt.view.layout.describe()}",
+            f"{len(ckpt.view.files)} files, {ckpt.view.format} {ckpt.view.layout.describe()}",
         )
     except CkptctlError as err:
         ckpt, structure = None, Check("structure", "failed", str(err))

@@ -18,7 +18,7 @@ from ckptctl.model.geometry import Piece
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.plan import FileKind, Plan, TextWrite
 from ckptctl.model.stored import CheckpointView, Format, StoredFile, StoredTensor, canonical_shapes
-from planners.convert import megatron_target_notes, plan_files
+from planners.convert import from_source, megatron_target_notes, plan_files
 
 
 def _is_weight(canonical: str) -> bool:
@@ -47,16 +47,10 @@ def plan_state_dict(
         operation="consolidate",
         strategy="merge",
         reason="one torch.save file: every tensor whole at its key path, other items as stored",
-        source_url=source_url,
-        source_format=source.format,
-        source_fingerprint=source_fingerprint,
-        source_files=tuple(f.path for f in source.files),
-        spec=source.spec,
-        source_layout=source.layout,
+        **from_source(source, source_url, source_fingerprint),
         target_url=target_url,
         target_format=Format.TORCH,
         target_layout=ParallelLayout(),
-        iteration=source.iteration,
         files=files,
         finalize=(),
         estimates=estimates,
@@ -85,7 +79,7 @@ def plan_consolidate(
         )
     dtypes = source.canonical_dtypes()
     notes = list(source.notes)
-    if target_format is Format.HF:
+    if target_format == Format.HF:
         weight_dtypes = {
             hf: dtype or dtypes[canonical] for hf, canonical, _, _ in hf_tensors(source.spec)
         }
@@ -123,16 +117,10 @@ def plan_consolidate(
         operation="consolidate",
         strategy="merge",
         reason=reason,
-        source_url=source_url,
-        source_format=source.format,
-        source_fingerprint=source_fingerprint,
-        source_files=tuple(f.path for f in source.files),
-        spec=source.spec,
-        source_layout=source.layout,
+        **from_source(source, source_url, source_fingerprint),
         target_url=target_url,
         target_format=target_format,
         target_layout=layout,
-        iteration=source.iteration,
         files=files,
         finalize=tuple(finalize),
         estimates=estimates,

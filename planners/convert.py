@@ -191,6 +191,19 @@ def megatron_target_notes(
             f"vocabulary padding recomputed for tp={target_layout.tp}: {old} -> {new} rows; "
             "padding rows of embedding, output layer and their optimizer state are zeros"
         )
-    if source.format is Format.MEGATRON and target_format is Format.MEGATRON:
+    if source.format == Format.MEGATRON and target_format == Format.MEGATRON:
         notes.append("RNG state cannot be resharded and is dropped (as Megatron's --no-load-rng)")
     return notes
+
+
+def from_source(source: CheckpointView, url: str, fingerprint: str) -> dict[str, object]:
+    """The fields every plan records about the checkpoint it reads."""
+    return {
+        "source_url": url,
+        "source_format": source.format,
+        "source_fingerprint": fingerprint,
+        "source_files": tuple(f.path for f in source.files),
+        "spec": source.spec,
+        "source_layout": source.layout,
+        "iteration": source.iteration,
+    }

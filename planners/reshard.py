@@ -26,7 +26,7 @@ from ckptctl.model.catalog import OPTIMIZER_STATES
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.plan import FileKind, Plan, TextWrite
 from ckptctl.model.stored import CheckpointView, Format
-from planners.convert import megatron_target_notes, plan_files
+from planners.convert import from_source, megatron_target_notes, plan_files
 
 
 def plan_reshard(
@@ -59,7 +59,7 @@ def plan_reshard(
         style.optimizer if source.has_optimizer else None, target_layout, weight_dtype
     )
     finalize = [TextWrite(path=TRACKER, content=tracker_text(source.iteration))]
-    if target_format is Format.TORCH_DIST:
+    if target_format == Format.TORCH_DIST:
         states = ("fp32_param", "exp_avg", "exp_avg_sq") if source.has_optimizer else ()
         base = iteration_dir(source.iteration)
         targets = torch_dist_files(spec, target_layout, base, weight_dtype, states)
@@ -67,7 +67,7 @@ def plan_reshard(
         # metadata.json is what Megatron checks for completeness: after .metadata, common.pt.
         finalize.insert(0, TextWrite(path=f"{base}/{MCORE_METADATA}", content=MCORE_METADATA_TEXT))
         optimizer = OptimizerLayout() if states else None
-    elif target_format is Format.MEGATRON:
+    elif target_format == Format.MEGATRON:
         targets = megatron_files(
             spec,
             target_layout,
@@ -93,16 +93,10 @@ def plan_reshard(
             else f"{source.layout.describe()} -> {target_layout.describe()}: each target shard "
             "assembled from the overlapping byte ranges of the source shards"
         ),
-        source_url=source_url,
-        source_format=source.format,
-        source_fingerprint=source_fingerprint,
-        source_files=tuple(f.path for f in source.files),
-        spec=spec,
-        source_layout=source.layout,
+        **from_source(source, source_url, source_fingerprint),
         target_url=target_url,
         target_format=target_format,
         target_layout=target_layout,
-        iteration=source.iteration,
         files=files,
         finalize=tuple(finalize),
         estimates=estimates,

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint import metadata as tmd
 from torch.distributed.checkpoint import planner as tplanner
 
 from ckptctl.errors import CheckpointError, UnsafePickleError
+from ckptctl.formats.dcp.checks import check_metadata, metadata_problems
 from ckptctl.formats.dcp.metadata import (
     DCP_VERSION,
     DTYPE_NAMES,
@@ -28,10 +29,8 @@ from ckptctl.formats.dcp.metadata import (
     DcpMetadata,
     StorageInfo,
     TensorEntry,
-    check_metadata,
-    metadata_problems,
-    parse_metadata,
 )
+from ckptctl.formats.dcp.parse import parse_metadata
 from ckptctl.formats.dcp.records import RecordWindow, open_tensor_record
 from ckptctl.formats.dcp.write import metadata_bytes, write_bytes_record, write_tensor_record
 from ckptctl.formats.torchsave.archive import TensorSlot, TorchZipReader, tensor_bytes

@@ -58,7 +58,7 @@ def describe(ckpt: Checkpoint) -> dict[str, Any]:
         )
     return {
         "url": ckpt.storage.url,
-        "format": view.format.value,
+        "format": str(view.format),
         "iteration": view.iteration,
         "spec": view.spec.model_dump(mode="json") if view.spec else None,
         "layout": view.layout.model_dump(mode="json"),

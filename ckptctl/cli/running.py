@@ -66,7 +66,7 @@ def finish(out: Output, plan: Plan, report: Report | None, as_json: bool) -> Non
         out.json(report_dict(plan, report))
     else:
         target = plan.target_layout.describe()
-        if plan.target_format is Format.HF:
+        if plan.target_format == Format.HF:
             target = "HF safetensors"
         out.show(
             f"{plan.operation}: {plan.source_url} ({plan.source_layout.describe()}) -> "

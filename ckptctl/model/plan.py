@@ -109,7 +109,7 @@ class SourceRef(_Frozen):
 
     prefix: str
     url: str
-    format: Format
+    format: str
     fingerprint: str
 
 
@@ -119,7 +119,8 @@ class Plan(_Frozen):
     strategy: str
     reason: str
     source_url: str
-    source_format: Format
+    source_format: str
+    """The registered format's name (``Format`` for the built-in ones)."""
     source_fingerprint: str
     source_files: tuple[str, ...]
     spec: ModelSpec | None

@@ -61,7 +61,8 @@ class StoredFile:
 class CheckpointView:
     """A whole checkpoint as files of canonical pieces, plus what produced it."""
 
-    format: Format
+    format: Format | str
+    """A built-in ``Format``, or the name of a format registered from outside."""
     spec: ModelSpec | None
     """``None`` when the model family is unknown (a generic DCP checkpoint)."""
     layout: ParallelLayout

@@ -1,11 +1,11 @@
-"""Read PyTorch Distributed Checkpoints: Megatron-Core ``torch_dist`` ones and any other.
+"""Read PyTorch Distributed Checkpoints (and the record machinery ``torch_dist`` reuses).
 
-``.metadata`` is parsed by the allow-listing unpickler of ``dcp_metadata``; each tensor chunk is a
+``.metadata`` is parsed by the allow-listing unpickler of ``parse``; each tensor chunk is a
 ``torch.save`` record at ``(file, offset, length)``, opened lazily and read by byte range (exact
 ranged GETs on object stores). What the chunks hold:
 
-* ``torch_dist`` (``metadata.json`` says so; training state in ``common.pt``): chunks are boxes
-  of the canonical tensors (``torch_dist_layout``), so every planner and writer applies.
+* ``torch_dist`` (``metadata.json`` says so; training state in ``common.pt``): read by the
+  ``torch_dist`` format, which builds on the records and reader kept here.
 * any other DCP checkpoint (torchtitan, FSDP2, ...): the model family is unknown, so each key is
   its own canonical tensor; it consolidates into a single torch file.
 """
@@ -24,6 +24,7 @@ import torch
 
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError
 from ckptctl.formats.base import SavedTraining
+from ckptctl.formats.dcp.checks import check_metadata
 from ckptctl.formats.dcp.hf_layout import chunk_pieces, key_table, prefixes
 from ckptctl.formats.dcp.metadata import (
     METADATA_FILE,
@@ -31,9 +32,8 @@ from ckptctl.formats.dcp.metadata import (
     DcpMetadata,
     StorageInfo,
     TensorEntry,
-    check_metadata,
-    parse_metadata,
 )
+from ckptctl.formats.dcp.parse import parse_metadata
 from ckptctl.formats.dcp.records import (
     Fetch,
     RecordWindow,
@@ -122,7 +122,7 @@ class DcpCheckpoint:
 
     def as_generic(self) -> DcpCheckpoint:
         """The same checkpoint read key by key, whatever model it holds."""
-        if self.view.format is Format.DCP and self.view.spec is None:
+        if self.view.format == Format.DCP and self.view.spec is None:
             return self
         generic = _generic(self.storage, self.base, self.metadata, self.view.iteration)
         generic.view = replace(generic.view, layout=self.view.layout)  # as saved, for reports

@@ -4,9 +4,9 @@
 A tensor record is a complete ``torch.save`` zip archive of one chunk, stored at
 ``(offset, length)`` of a ``.distcp`` file among other records. A zip records absolute
 positions, so ``OffsetWriter`` makes the record's first byte position 0, as torch's own
-``torch.save`` into the middle of a stream does (``dcp_records`` has the reading side).
+``torch.save`` into the middle of a stream does (``records`` has the reading side).
 ``.metadata`` is built from torch's real DCP classes and pickled, because torch unpickles exactly
-those (``dcp_metadata`` reads it back without them).
+those (``parse`` reads it back without them).
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from collections.abc import Callable, Iterable
 from typing import BinaryIO
 
 from ckptctl.errors import CheckpointError
+from ckptctl.formats.dcp.checks import metadata_problems
 from ckptctl.formats.dcp.metadata import (
     BytesEntry,
     DcpMetadata,
     StorageInfo,
     TensorEntry,
-    metadata_problems,
 )
 from ckptctl.formats.torchsave.archive import TensorSlot, write_torch_zip
 

@@ -18,20 +18,23 @@ def write_state_dict_file(job: WriteJob, file: FileWrite, out: BinaryIO) -> None
     """One ``torch.save`` file of a whole state dict, as ``dcp_to_torch_save`` writes it:
     tensors at their key paths, non-tensor items restored from the source's byte records."""
     owner, assemble = job.source.primary, job.assemble
+    # A source that nests its state dict (DCP) says where each name sits and which items are
+    # not tensors; any other source is a flat mapping of names to tensors.
+    key_path = getattr(owner, "key_path", lambda name: (name,))
     tree: Any = {}
     slots = []
     by_key = {}
     for n, tensor in enumerate(file.tensors):
         slot = TensorSlot(str(n), getattr(torch, tensor.dtype), tensor.shape)
-        _set_path(tree, owner.key_path(str(tensor.key[0])), slot)
+        _set_path(tree, key_path(str(tensor.key[0])), slot)
         slots.append(slot)
         by_key[slot.key] = tensor
     inner: dict[str, tuple[Any, TensorRef]] = {}
-    for fqn in owner.byte_items():
+    for fqn in owner.byte_items() if hasattr(owner, "byte_items") else ():
         value, reader = owner.byte_item(fqn)
         # Tensors inside pickled items (RNG states) are copied from the item's record.
         value = _slots_for_refs(value, lambda ref, r=reader: _inner_slot(ref, r, inner, slots))
-        _set_path(tree, owner.key_path(fqn), value)
+        _set_path(tree, key_path(fqn), value)
 
     def produce(slot: TensorSlot) -> Iterator[memoryview]:
         if slot.key in inner:

@@ -1,279 +1,35 @@
-"""Synthetic Megatron-LM legacy checkpoints written from a tiny HF Llama, by hand.
-
-This module is a *test oracle*: it must stay independent of the rest of ``ckptctl`` (it imports
-only torch, numpy and transformers) so that a bug in ckptctl's readers or writers cannot hide
-behind the same bug here. Every layout rule is spelled out in plain torch code, following
-``checkpoint-formats.md`` S2 (files, ``args``), S3 (split rules, QKV groups, SwiGLU halves, vocab
-padding, tying, PP/VPP placement), S4.8 (non-distributed optimizer), S4.1-S4.5 (distributed
-optimizer: ``distrib_optim.pt``, coalesced format, Megatron-Core >= 0.8 buffer layout) and S8.3
-(HF name mapping).
-
-Pipeline: :func:`tiny_llama_config` -> :func:`make_model` -> :func:`adam_step` (one real Adam
-step, so moments are non-trivial) -> :func:`to_megatron_canonical` (full, TP-merged, vocab-unpadded
-tensors under Megatron-Core names with global layer indices) -> :func:`write_megatron` (pad,
-split, place, save one ``model_optim_rng.pt`` per (tp, pp) rank, plus ``distrib_optim.pt``
-beside it with ``distributed_optimizer=True``).
-"""
+"""Writing the synthetic model as Megatron-LM legacy rank files, by hand: padding, TP splits,
+PP/VPP placement, ``args``, the torch and distributed optimizer states. Part of the test oracle:
+imports only torch, numpy and transformers (see ``ckptctl.synth``)."""
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import random
-from collections.abc import Callable
 
 import numpy
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-__all__ = [
-    "DISTRIB_OPTIM",
-    "adam_step",
-    "make_model",
-    "padded_vocab_size",
-    "save_hf",
-    "stage_layer_counts",
-    "tiny_llama_config",
-    "to_megatron_canonical",
-    "write_megatron",
-]
-
-_ADAM_BETAS = (0.9, 0.999)
-_ADAM_EPS = 1e-8
-_WEIGHT_DECAY = 0.1
-_RNG_SEED = 1234
-_STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")
-
-# Per-layer parameter suffixes in module registration order (TransformerLayer -> SelfAttention
-# registers linear_proj before linear_qkv; TE's LayerNormLinear registers layer_norm_weight before
-# weight). The local spec has separate norm modules in front of attention and MLP.
-_TE_LAYER_KEYS = (
-    "self_attention.linear_proj.weight",
-    "self_attention.linear_qkv.layer_norm_weight",
-    "self_attention.linear_qkv.weight",
-    "mlp.linear_fc1.layer_norm_weight",
-    "mlp.linear_fc1.weight",
-    "mlp.linear_fc2.weight",
+from ckptctl.synth.distopt import (
+    _distrib_optim_state,
+    _distributed_optimizer_state_dict,
 )
-_LOCAL_LAYER_KEYS = (
-    "input_layernorm.weight",
-    "self_attention.linear_proj.weight",
-    "self_attention.linear_qkv.weight",
-    "pre_mlp_layernorm.weight",
-    "mlp.linear_fc1.weight",
-    "mlp.linear_fc2.weight",
+from ckptctl.synth.model import (
+    _ADAM_BETAS,
+    _ADAM_EPS,
+    _LOCAL_LAYER_KEYS,
+    _LOCAL_TO_TE,
+    _RNG_SEED,
+    _TE_LAYER_KEYS,
+    _WEIGHT_DECAY,
+    DISTRIB_OPTIM,
+    EMBEDDING,
+    FINAL_NORM,
+    OUTPUT,
+    to_megatron_canonical,
 )
-# local-spec suffix -> the TE suffix holding the same tensor in the canonical dict
-_LOCAL_TO_TE = {
-    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-    "self_attention.linear_proj.weight": "self_attention.linear_proj.weight",
-    "self_attention.linear_qkv.weight": "self_attention.linear_qkv.weight",
-    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
-    "mlp.linear_fc1.weight": "mlp.linear_fc1.weight",
-    "mlp.linear_fc2.weight": "mlp.linear_fc2.weight",
-}
-
-EMBEDDING = "embedding.word_embeddings.weight"
-FINAL_NORM = "decoder.final_layernorm.weight"
-OUTPUT = "output_layer.weight"
-DISTRIB_OPTIM = "distrib_optim.pt"
-
-# Distributed-optimizer grad-buffer padding (S4.5, megatron-core >= 0.8): every parameter starts
-# at a multiple of 64 elements, every bucket ends at a multiple of lcm(dp, 128).
-_PARAM_START_ALIGN = 64
-_BUCKET_END_ALIGN = 128
-# distrib_optim.pt world-tensor key -> per-parameter state key (see to_megatron_canonical)
-_DISTRIB_KEYS = {"param": "fp32_param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
-
-
-# --------------------------------------------------------------------------------------------
-# Model, one optimizer step, HF output
-# --------------------------------------------------------------------------------------------
-
-
-def tiny_llama_config(
-    *,
-    vocab_size: int = 1100,
-    hidden_size: int = 64,
-    num_layers: int = 8,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    intermediate_size: int = 128,
-    head_dim: int | None = None,
-    tie_word_embeddings: bool = False,
-) -> LlamaConfig:
-    """A small Llama config; ``head_dim=None`` means ``hidden_size // num_heads``."""
-    return LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        intermediate_size=intermediate_size,
-        head_dim=head_dim if head_dim is not None else hidden_size // num_heads,
-        tie_word_embeddings=tie_word_embeddings,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        max_position_embeddings=128,
-        initializer_range=0.1,
-        attention_bias=False,
-        mlp_bias=False,
-    )
-
-
-def make_model(config: LlamaConfig, seed: int = 0) -> LlamaForCausalLM:
-    """Random fp32 ``LlamaForCausalLM`` in eval mode, deterministic in ``seed``.
-
-    RMSNorm weights are set to ``1 + 0.1*randn`` (HF initialises them to 1, which would hide a
-    swapped input/post-attention/final norm).
-    """
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32)
-    model.set_attn_implementation("eager")
-    norm_gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                noise = torch.randn(param.shape, generator=norm_gen, dtype=torch.float32)
-                param.copy_(1.0 + 0.1 * noise)
-    model.eval()
-    return model
-
-
-def adam_step(
-    model: LlamaForCausalLM, seed: int = 0, lr: float = 1e-3
-) -> dict[str, dict[str, torch.Tensor]]:
-    """One ``torch.optim.Adam`` step on a random batch; returns per-HF-parameter state clones.
-
-    The model's weights are updated in place. With tied embeddings HF has a single parameter
-    ``model.embed_tokens.weight`` (``lm_head`` shares it), so only that name appears.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=gen)
-    optimizer = torch.optim.Adam(
-        model.parameters(),
-        lr=lr,
-        betas=_ADAM_BETAS,
-        eps=_ADAM_EPS,
-        weight_decay=0.0,
-        foreach=False,
-    )
-    optimizer.zero_grad(set_to_none=True)
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    states: dict[str, dict[str, torch.Tensor]] = {}
-    for name, param in model.named_parameters():
-        state = optimizer.state[param]
-        states[name] = {key: state[key].detach().clone() for key in _STATE_KEYS}
-    return states
-
-
-def save_hf(model: LlamaForCausalLM, out_dir: str) -> None:
-    """Write the HF model (safetensors) to ``out_dir``."""
-    model.save_pretrained(out_dir, safe_serialization=True)
-
-
-# --------------------------------------------------------------------------------------------
-# HF -> canonical Megatron-Core (full tensors, global layer indices, vocab unpadded)
-# --------------------------------------------------------------------------------------------
-
-
-def _fuse_qkv(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, nq: int, ng: int, d: int
-) -> torch.Tensor:
-    """Group-interleave: for each kv group g, its r query heads, then k head g, then v head g."""
-    r = nq // ng
-    rows: list[torch.Tensor] = []
-    for g in range(ng):
-        for head in range(g * r, g * r + r):
-            rows.append(q[head * d : (head + 1) * d])
-        rows.append(k[g * d : (g + 1) * d])
-        rows.append(v[g * d : (g + 1) * d])
-    return torch.cat(rows, dim=0)
-
-
-def _canonical_tensors(
-    config: LlamaConfig, hf: Callable[[str], torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    """Map one kind of per-HF-parameter tensor (weight or one optimizer moment) to canonical."""
-    nq = config.num_attention_heads
-    ng = config.num_key_value_heads
-    d = config.head_dim
-    out: dict[str, torch.Tensor] = {EMBEDDING: hf("model.embed_tokens.weight").clone()}
-    for i in range(config.num_hidden_layers):
-        hp = f"model.layers.{i}."
-        mp = f"decoder.layers.{i}."
-        out[mp + "self_attention.linear_proj.weight"] = hf(hp + "self_attn.o_proj.weight").clone()
-        out[mp + "self_attention.linear_qkv.layer_norm_weight"] = hf(
-            hp + "input_layernorm.weight"
-        ).clone()
-        out[mp + "self_attention.linear_qkv.weight"] = _fuse_qkv(
-            hf(hp + "self_attn.q_proj.weight"),
-            hf(hp + "self_attn.k_proj.weight"),
-            hf(hp + "self_attn.v_proj.weight"),
-            nq,
-            ng,
-            d,
-        )
-        out[mp + "mlp.linear_fc1.layer_norm_weight"] = hf(
-            hp + "post_attention_layernorm.weight"
-        ).clone()
-        out[mp + "mlp.linear_fc1.weight"] = torch.cat(
-            [hf(hp + "mlp.gate_proj.weight"), hf(hp + "mlp.up_proj.weight")], dim=0
-        )
-        out[mp + "mlp.linear_fc2.weight"] = hf(hp + "mlp.down_proj.weight").clone()
-    out[FINAL_NORM] = hf("model.norm.weight").clone()
-    if not config.tie_word_embeddings:
-        out[OUTPUT] = hf("lm_head.weight").clone()
-    return out
-
-
-def _canonical_sources(config: LlamaConfig) -> dict[str, str]:
-    """Canonical name -> one HF parameter it comes from (for the scalar Adam ``step``)."""
-    src = {EMBEDDING: "model.embed_tokens.weight", FINAL_NORM: "model.norm.weight"}
-    for i in range(config.num_hidden_layers):
-        hp = f"model.layers.{i}."
-        mp = f"decoder.layers.{i}."
-        src[mp + "self_attention.linear_proj.weight"] = hp + "self_attn.o_proj.weight"
-        src[mp + "self_attention.linear_qkv.layer_norm_weight"] = hp + "input_layernorm.weight"
-        src[mp + "self_attention.linear_qkv.weight"] = hp + "self_attn.q_proj.weight"
-        src[mp + "mlp.linear_fc1.layer_norm_weight"] = hp + "post_attention_layernorm.weight"
-        src[mp + "mlp.linear_fc1.weight"] = hp + "mlp.gate_proj.weight"
-        src[mp + "mlp.linear_fc2.weight"] = hp + "mlp.down_proj.weight"
-    if not config.tie_word_embeddings:
-        src[OUTPUT] = "lm_head.weight"
-    return src
-
-
-def to_megatron_canonical(
-    model: LlamaForCausalLM, states: dict[str, dict[str, torch.Tensor]]
-) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
-    """Full Megatron-Core (TE names) weights and optimizer states, in model order.
-
-    Returns ``(weights, optim)``; ``optim[name]`` holds ``exp_avg``, ``exp_avg_sq``, ``step`` and
-    ``fp32_param`` (the fp32 weight itself, not a copy), each transformed exactly like the weight.
-    """
-    config = model.config
-    params = {name: p.detach().to(torch.float32) for name, p in model.named_parameters()}
-    if config.tie_word_embeddings:
-        params.setdefault("lm_head.weight", params["model.embed_tokens.weight"])
-    weights = _canonical_tensors(config, lambda n: params[n])
-    exp_avg = _canonical_tensors(config, lambda n: states[n]["exp_avg"])
-    exp_avg_sq = _canonical_tensors(config, lambda n: states[n]["exp_avg_sq"])
-    sources = _canonical_sources(config)
-    optim: dict[str, dict[str, torch.Tensor]] = {}
-    for name, weight in weights.items():
-        optim[name] = {
-            "exp_avg": exp_avg[name],
-            "exp_avg_sq": exp_avg_sq[name],
-            "step": states[sources[name]]["step"].clone(),
-            "fp32_param": weight,  # the same tensor as weights[name]
-        }
-    return weights, optim
-
 
 # --------------------------------------------------------------------------------------------
 # Layout: vocab padding, TP split, PP/VPP placement
@@ -559,118 +315,6 @@ def _optimizer_state(
         return torch_state
     # Float16OptimizerWithFloat16Params; bf16 has no grad scaler, so no 'grad_scaler' key.
     return {"optimizer": torch_state, "fp32_from_fp16_params": masters}
-
-
-def _round_up(x: int, multiple: int) -> int:
-    return -(-x // multiple) * multiple
-
-
-def _grad_buffer_layout(
-    numels: list[int], shared: list[bool], dp: int, bucket_size: int | None
-) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]], list[int]]:
-    """Replay megatron-core's ``_ParamAndGradBuffer`` layout with the distributed optimizer (S4.5).
-
-    ``numels`` / ``shared`` describe one buffer's parameters in ``named_parameters()`` order
-    (``shared`` = the ``shared_embedding`` attribute). Parameters are placed from last to first
-    (backprop order), each start rounded up to a multiple of 64; a bucket is closed once it holds
-    ``>= bucket_size`` elements (``None``: never), and its end is padded to a multiple of
-    ``lcm(dp, 128)``. A shared embedding gets a bucket of its own: an open bucket is closed at the
-    (aligned) position before it, and its own bucket is closed right after it.
-
-    Returns ``(index, buckets, unpadded)``: ``index[i] = (start, end, bucket)`` of parameter ``i``
-    in buffer coordinates, ``buckets[b] = (start, padded end)``, ``unpadded[b]`` = bucket size
-    before end padding (intra-bucket alignment gaps included).
-    """
-    end_multiple = math.lcm(dp, _BUCKET_END_ALIGN)
-    index: list[tuple[int, int, int]] = [(0, 0, 0)] * len(numels)
-    buckets: list[tuple[int, int]] = []
-    unpadded: list[int] = []
-    bucket_start = 0
-
-    def close(end: int) -> int:
-        nonlocal bucket_start
-        unpadded.append(end - bucket_start)
-        padded_end = _round_up(end, end_multiple)
-        buckets.append((bucket_start, padded_end))
-        bucket_start = padded_end
-        return padded_end
-
-    pos = 0
-    is_open = False
-    for i in reversed(range(len(numels))):
-        pos = _round_up(pos, _PARAM_START_ALIGN)
-        if shared[i] and is_open:
-            pos = close(pos)
-        start, end = pos, pos + numels[i]
-        index[i] = (start, end, len(buckets))
-        is_open = True
-        if (bucket_size is not None and end - bucket_start >= bucket_size) or shared[i]:
-            pos = close(end)
-            is_open = False
-        else:
-            pos = end
-    if is_open:
-        close(pos)
-    return index, buckets, unpadded
-
-
-def _distrib_optim_state(
-    chunks: list[dict[str, torch.Tensor]],
-    chunk_states: list[dict[str, dict[str, torch.Tensor]]],
-    *,
-    params_dtype: torch.dtype,
-    dp: int,
-    bucket_sizes: list[int | None],
-    shared_names: set[str],
-) -> dict[object, object]:
-    """``distrib_optim.pt`` of one (tp, pp) rank: the coalesced DP-zero format (S4.2).
-
-    One grad buffer per model chunk (all parameters share one dtype and none is expert-parallel),
-    keyed ``(param_dtype, torch.float32)``. Its world tensors are the buckets of
-    :func:`_grad_buffer_layout` with their end padding stripped, concatenated: each parameter's
-    fp32 master weight, ``exp_avg`` and ``exp_avg_sq`` (local TP shard, flattened row-major) at
-    ``[base(bucket) + start - bucket_start, ... + numel)``, zeros in the alignment gaps.
-    """
-    state: dict[object, object] = {"buckets_coalesced": True}
-    for gbuf_idx, (weights, states) in enumerate(zip(chunks, chunk_states, strict=True)):
-        names = list(weights)
-        index, buckets, unpadded = _grad_buffer_layout(
-            [weights[n].numel() for n in names],
-            [n in shared_names for n in names],
-            dp,
-            bucket_sizes[gbuf_idx],
-        )
-        base = [sum(unpadded[:b]) for b in range(len(unpadded))]
-        total = sum(unpadded)
-        tensors = {key: torch.zeros(total, dtype=torch.float32) for key in _DISTRIB_KEYS}
-        for name, (start, end, b) in zip(names, index, strict=True):
-            lo = base[b] + start - buckets[b][0]
-            hi = lo + end - start
-            for key, source in _DISTRIB_KEYS.items():
-                tensor = states[name][source]
-                assert tensor.dtype == torch.float32 and tensor.numel() == end - start
-                tensors[key][lo:hi] = tensor.reshape(-1)
-        world: dict[str, object] = {**tensors, "numel_unpadded": total}
-        state[gbuf_idx] = {(params_dtype, torch.float32): world}
-    return state
-
-
-def _distributed_optimizer_state_dict(torch_state: dict[str, object]) -> dict[str, object]:
-    """``DistributedOptimizer.state_dict()``: the param groups without ``params`` (S4.1).
-
-    The tensors live in ``distrib_optim.pt``. Megatron stores the common Adam step in each group:
-    a float with ``torch.optim.Adam`` (whose group keys these are; ``step.item()``), an ``int``
-    with TE / Apex FusedAdam. No ``grad_scaler`` key: megatron-core adds one only when a grad
-    scaler exists (fp16, or a constant loss scale), never for bf16 or fp32.
-    """
-    steps = {float(st["step"]) for st in torch_state["state"].values()}  # type: ignore[union-attr]
-    assert len(steps) == 1
-    step = steps.pop()
-    groups = [
-        {**{k: v for k, v in group.items() if k != "params"}, "step": step}
-        for group in torch_state["param_groups"]  # type: ignore[union-attr]
-    ]
-    return {"optimizer": {"param_groups": groups}}
 
 
 def _chunk_names(

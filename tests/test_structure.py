@@ -1,0 +1,176 @@
+"""The shape of the code: one format interface (a new format is one folder), dependencies that
+point one way with no cycles, a pure model without torch or fsspec, small modules."""
+
+from __future__ import annotations
+
+import ast
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ckptctl.formats import registry
+from tests.toyformat.format import FORMAT as TOY
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("ckptctl", "planners")
+
+
+@pytest.fixture
+def toy() -> Iterator[None]:
+    registry.register(TOY)
+    yield
+    registry.unregister(TOY.name)
+
+
+def test_a_new_format_is_one_folder(toy, tmp_path: Path, cli) -> None:
+    """The toy format lives in tests/toyformat/ alone; registered, every command handles it."""
+    src = tmp_path / "npy"
+    src.mkdir()
+    tensors = {
+        "embedding.weight": torch.randn(16, 8),
+        "layer.bias": torch.randn(8).to(torch.bfloat16),
+        "step": torch.tensor(3.0),
+    }
+    for name, value in tensors.items():
+        np.save(
+            src / f"{name}.npy",
+            value.float().numpy() if value.dtype == torch.bfloat16 else value.numpy(),
+        )
+    info = cli.json("inspect", src)
+    assert info["format"] == "npy-dir" and info["tensors"] == 3
+    assert "npy-dir" in {f["name"] for f in cli.json("formats")["formats"]}
+    cli("consolidate", src, tmp_path / "one", "--format", "torch")
+    loaded = torch.load(tmp_path / "one/state_dict.pt")
+    assert set(loaded) == set(tensors)
+    assert torch.equal(loaded["embedding.weight"], tensors["embedding.weight"])
+    report = cli.json("verify", tmp_path / "one/state_dict.pt", "--against", src)
+    assert report["ok"] and len(report["tensors"]) == 3
+    checks = {c["name"]: c for c in cli.json("verify", src)["checks"]}
+    assert checks["checksums"]["detail"] == "npy files carry no checksum"
+
+
+def _imports(path: Path) -> set[str]:
+    """Modules of the project (and top-level third-party names) a module imports at load time
+    (imports inside functions are lazy on purpose and are not edges)."""
+    out = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+            out.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.If) and "TYPE_CHECKING" in ast.dump(node.test):
+            continue
+    return out
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            found[name] = path
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {
+        name: {m for m in _imports(path) if m in modules and m != name}
+        for name, path in modules.items()
+    }
+
+
+def test_there_are_no_import_cycles() -> None:
+    graph = _graph()
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycles.append([*stack[stack.index(nxt) :], nxt] if nxt in stack else [node, nxt])
+            elif nxt not in state:
+                visit(nxt, [*stack, nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, f"import cycles: {cycles[:3]}"
+
+
+def _reachable(start: str, graph: dict[str, set[str]]) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        node = todo.pop()
+        if node not in seen:
+            seen.add(node)
+            todo.extend(graph.get(node, ()))
+    return seen
+
+
+FORBIDDEN = ("torch", "fsspec", "s3fs", "rich", "typer")
+
+
+@pytest.mark.parametrize(
+    "pure",
+    [m for m in sorted(_modules()) if m.startswith(("planners", "ckptctl.model"))]
+    + ["ckptctl.settings", "ckptctl.errors", "ckptctl.formats.support"],
+)
+def test_planners_and_the_pure_model_import_no_torch_fsspec_rich_or_typer(pure: str) -> None:
+    graph = _graph()
+    modules = _modules()
+    for module in _reachable(pure, graph):
+        third_party = {m.split(".")[0] for m in _imports(modules[module])}
+        bad = third_party & set(FORBIDDEN)
+        assert not bad, f"{pure} reaches {module}, which imports {sorted(bad)}"
+
+
+def test_the_pure_layouts_of_formats_import_no_torch() -> None:
+    graph = _graph()
+    modules = _modules()
+    for pure in (
+        "ckptctl.formats.megatron.layout",
+        "ckptctl.formats.hf.layout",
+        "ckptctl.formats.torch_dist.layout",
+        "ckptctl.formats.dcp.metadata",
+    ):
+        for module in _reachable(pure, graph):
+            assert "torch" not in {m.split(".")[0] for m in _imports(modules[module])}, module
+
+
+def test_dependencies_point_one_way() -> None:
+    """cli -> planners -> pure model; cli -> jobs/execute -> formats/storage; nothing below
+    the CLI imports it, and the formats do not import the executor or the planners."""
+    graph = _graph()
+    for module, imported in graph.items():
+        if not module.startswith(("ckptctl.cli", "ckptctl.__main__")):
+            assert not any(m.startswith("ckptctl.cli") for m in imported), module
+        if module.startswith("ckptctl.formats"):
+            assert not any(
+                m.startswith(("planners", "ckptctl.execute", "ckptctl.jobs")) for m in imported
+            ), module
+
+
+def test_no_module_is_over_500_lines() -> None:
+    long = {
+        str(path.relative_to(ROOT)): n
+        for path in _modules().values()
+        if (n := len(path.read_text().splitlines())) > 500
+    }
+    assert not long, long
+
+
+def test_the_registry_is_the_only_list_of_formats() -> None:
+    names = [f.name for f in registry.formats()]
+    assert names == ["torch_dist", "dcp", "megatron", "hf", "torch"]
+    for fmt in registry.formats():
+        assert fmt.support is not None and fmt.support.name == fmt.name
+    assert json.dumps([f.support.as_dict() for f in registry.formats()])

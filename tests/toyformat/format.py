@@ -1,0 +1,73 @@
+"""A directory of ``.npy`` files, one named tensor each (``<name>.npy``): read-only."""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ckptctl.formats.base import CheckpointFormat, ProbeRequest
+from ckptctl.formats.support import FormatSupport
+from ckptctl.integrity import Targets
+from ckptctl.model.geometry import Piece
+from ckptctl.model.layout import ParallelLayout
+from ckptctl.model.stored import CheckpointView, KeyPath, StoredFile, StoredTensor
+from ckptctl.storage import Storage
+
+NAME = "npy-dir"
+
+
+@dataclass
+class NpyCheckpoint:
+    storage: Storage
+    view: CheckpointView
+
+    def read(
+        self,
+        path: str,
+        key: KeyPath,
+        offsets: tuple[int, ...],
+        sizes: tuple[int, ...],
+        view: tuple[int, tuple[int, ...]] | None = None,
+    ) -> torch.Tensor:
+        array = np.load(io.BytesIO(self.storage.read_range(path, 0, self.storage.size(path))))
+        box = tuple(slice(o, o + n) for o, n in zip(offsets, sizes, strict=True))
+        return torch.from_numpy(np.ascontiguousarray(array[box]))
+
+
+def _header(storage: Storage, rel: str) -> tuple[tuple[int, ...], str]:
+    with storage.open_read(rel) as f:
+        major, _ = np.lib.format.read_magic(f)
+        read = (
+            np.lib.format.read_array_header_1_0
+            if major == 1
+            else np.lib.format.read_array_header_2_0
+        )
+        shape, _, dtype = read(f)
+    return tuple(shape), str(torch.from_numpy(np.empty(0, dtype)).dtype).removeprefix("torch.")
+
+
+def probe(storage: Storage, names: frozenset[str], request: ProbeRequest) -> NpyCheckpoint | None:
+    if request.file is not None or not names or not all(n.endswith(".npy") for n in names):
+        return None
+    files = []
+    for rel in sorted(names):
+        shape, dtype = _header(storage, rel)
+        zero = (0,) * len(shape)
+        name = rel.removesuffix(".npy")
+        tensor = StoredTensor((name,), name, shape, dtype, (Piece(zero, zero, shape),))
+        files.append(StoredFile(rel, (tensor,)))
+    view = CheckpointView(NAME, None, ParallelLayout(), tuple(files), notes=("toy format",))
+    return NpyCheckpoint(storage, view)
+
+
+FORMAT = CheckpointFormat(
+    NAME,
+    probe,
+    support=FormatSupport(
+        NAME, "a directory of .npy files", "*.npy", True, "", "named tensors", "none"
+    ),
+    integrity=lambda ckpt: Targets(unchecked=["npy files carry no checksum"]),
+)
