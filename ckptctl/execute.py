@@ -26,6 +26,7 @@ from ckptctl.formats.torchsave.archive import (
 from ckptctl.manifest import MANIFEST, RunLog, new_digest, write_manifest
 from ckptctl.model.geometry import nbytes
 from ckptctl.model.plan import FileKind, FileWrite, Plan, TensorWrite
+from ckptctl.model.stored import FlatView, KeyPath, Shape
 from ckptctl.storage import Storage, write_in_slices
 
 
@@ -164,12 +165,7 @@ class Sources:
         return self.primary, path
 
     def read(
-        self,
-        path: str,
-        key: tuple[str | int, ...],
-        offsets: tuple[int, ...],
-        sizes: tuple[int, ...],
-        view: tuple[int, tuple[int, ...]] | None = None,
+        self, path: str, key: KeyPath, offsets: Shape, sizes: Shape, view: FlatView = None
     ) -> torch.Tensor:
         ckpt, rel = self.owner(path)
         return ckpt.read(rel, key, offsets, sizes, view)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 from ckptctl.formats.support import FormatSupport
 from ckptctl.integrity import Targets, whole_file_entries
 from ckptctl.model.plan import FileWrite, Plan
-from ckptctl.model.stored import CheckpointView, KeyPath
+from ckptctl.model.stored import CheckpointView, FlatView, KeyPath, Shape
 from ckptctl.storage import Storage
 
 if TYPE_CHECKING:
@@ -33,12 +33,7 @@ class Checkpoint(Protocol):
     view: CheckpointView
 
     def read(
-        self,
-        path: str,
-        key: KeyPath,
-        offsets: tuple[int, ...],
-        sizes: tuple[int, ...],
-        view: tuple[int, tuple[int, ...]] | None = None,
+        self, path: str, key: KeyPath, offsets: Shape, sizes: Shape, view: FlatView = None
     ) -> torch.Tensor: ...
 
 

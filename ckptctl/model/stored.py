@@ -11,6 +11,9 @@ from ckptctl.model.geometry import Piece, Shape
 from ckptctl.model.layout import ModelSpec, ParallelLayout
 
 KeyPath = tuple[str | int, ...]
+FlatView = tuple[int, Shape] | None
+"""``(offset, shape)``: a tensor viewed as a slice of a flat stored tensor (``distrib_optim.pt``
+buffers, layer-stacked records), or ``None`` for the stored tensor itself."""
 
 
 class Format(StrEnum):

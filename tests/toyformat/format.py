@@ -13,7 +13,7 @@ from ckptctl.formats.support import FormatSupport
 from ckptctl.integrity import Targets
 from ckptctl.model.geometry import Piece
 from ckptctl.model.layout import ParallelLayout
-from ckptctl.model.stored import CheckpointView, KeyPath, StoredFile, StoredTensor
+from ckptctl.model.stored import CheckpointView, FlatView, KeyPath, Shape, StoredFile, StoredTensor
 from ckptctl.storage import Storage
 
 NAME = "npy-dir"
@@ -25,12 +25,7 @@ class NpyCheckpoint:
     view: CheckpointView
 
     def read(
-        self,
-        path: str,
-        key: KeyPath,
-        offsets: tuple[int, ...],
-        sizes: tuple[int, ...],
-        view: tuple[int, tuple[int, ...]] | None = None,
+        self, path: str, key: KeyPath, offsets: Shape, sizes: Shape, view: FlatView = None
     ) -> torch.Tensor:
         array = np.load(io.BytesIO(self.storage.read_range(path, 0, self.storage.size(path))))
         box = tuple(slice(o, o + n) for o, n in zip(offsets, sizes, strict=True))

@@ -54,7 +54,15 @@ from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
 from ckptctl.formats.torchsave.refs import view_ref
 from ckptctl.model.geometry import Piece
 from ckptctl.model.layout import ParallelLayout
-from ckptctl.model.stored import CheckpointView, Format, KeyPath, StoredFile, StoredTensor
+from ckptctl.model.stored import (
+    CheckpointView,
+    FlatView,
+    Format,
+    KeyPath,
+    Shape,
+    StoredFile,
+    StoredTensor,
+)
 from ckptctl.storage import Storage
 
 
@@ -108,12 +116,7 @@ class DcpCheckpoint:
         return window, partial(pread, f.fileno(), info.offset), where
 
     def read(
-        self,
-        path: str,
-        key: KeyPath,
-        offsets: tuple[int, ...],
-        sizes: tuple[int, ...],
-        view: tuple[int, tuple[int, ...]] | None = None,
+        self, path: str, key: KeyPath, offsets: Shape, sizes: Shape, view: FlatView = None
     ) -> torch.Tensor:
         reader, ref = self._open(str(key[0]), tuple(int(k) for k in key[1:]))
         if view is not None:

@@ -20,7 +20,15 @@ from ckptctl.errors import CheckpointError, CheckpointNotFoundError
 from ckptctl.formats.hf.layout import CONFIG, INDEX, SINGLE, hf_tensors, spec_from_config
 from ckptctl.model.dtypes import BY_SAFETENSORS
 from ckptctl.model.layout import ParallelLayout
-from ckptctl.model.stored import CheckpointView, Format, StoredFile, StoredTensor
+from ckptctl.model.stored import (
+    CheckpointView,
+    FlatView,
+    Format,
+    KeyPath,
+    Shape,
+    StoredFile,
+    StoredTensor,
+)
 from ckptctl.storage import Storage
 
 _MAX_HEADER = 100_000_000
@@ -102,12 +110,7 @@ class HFCheckpoint:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def read(
-        self,
-        path: str,
-        key: tuple[str | int, ...],
-        offsets: tuple[int, ...],
-        sizes: tuple[int, ...],
-        view: tuple[int, tuple[int, ...]] | None = None,
+        self, path: str, key: KeyPath, offsets: Shape, sizes: Shape, view: FlatView = None
     ) -> torch.Tensor:
         entry = self.headers[path][str(key[0])]
         if not self.storage.is_local:  # exact ranged GETs, several in flight

@@ -42,7 +42,7 @@ from ckptctl.model.catalog import (
 )
 from ckptctl.model.dtypes import dtype_name
 from ckptctl.model.layout import ModelSpec, ParallelLayout
-from ckptctl.model.stored import CheckpointView, Format, KeyPath, StoredFile
+from ckptctl.model.stored import CheckpointView, FlatView, Format, KeyPath, Shape, StoredFile
 from ckptctl.storage import Storage
 
 _ITER_DIR = re.compile(r"^(iter_\d{7}|release)$")
@@ -66,12 +66,7 @@ class MegatronCheckpoint:
     """Rank files absent from storage (only with ``allow_missing``)."""
 
     def read(
-        self,
-        path: str,
-        key: KeyPath,
-        offsets: tuple[int, ...],
-        sizes: tuple[int, ...],
-        view: tuple[int, tuple[int, ...]] | None = None,
+        self, path: str, key: KeyPath, offsets: Shape, sizes: Shape, view: FlatView = None
     ) -> torch.Tensor:
         reader = self.readers[path]
         ref = resolve(reader.tree, key)

@@ -14,7 +14,15 @@ from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
 from ckptctl.formats.torchsave.refs import open_torch_file, resolve
 from ckptctl.model.geometry import Piece
 from ckptctl.model.layout import ParallelLayout
-from ckptctl.model.stored import CheckpointView, Format, KeyPath, StoredFile, StoredTensor
+from ckptctl.model.stored import (
+    CheckpointView,
+    FlatView,
+    Format,
+    KeyPath,
+    Shape,
+    StoredFile,
+    StoredTensor,
+)
 from ckptctl.storage import Storage
 
 
@@ -35,12 +43,7 @@ class TorchFileCheckpoint:
     reader: TorchZipReader
 
     def read(
-        self,
-        path: str,
-        key: KeyPath,
-        offsets: tuple[int, ...],
-        sizes: tuple[int, ...],
-        view: tuple[int, tuple[int, ...]] | None = None,
+        self, path: str, key: KeyPath, offsets: Shape, sizes: Shape, view: FlatView = None
     ) -> torch.Tensor:
         return self.reader.read(resolve(self.reader.tree, key), offsets, sizes)
 
