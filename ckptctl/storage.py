@@ -19,7 +19,7 @@ import fsspec
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError, StorageError, UsageError
 from ckptctl.multipart import MultipartUpload, abort_stale_uploads
 from ckptctl.settings import StorageConfig
-from ckptctl.storage_errors import check_endpoint, explicit_endpoint
+from ckptctl.storage_errors import CONNECT_TIMEOUT, check_endpoint, explicit_endpoint
 
 WRITE_SLICE = 1 << 20
 
@@ -102,7 +102,8 @@ class Storage:
         self.is_local = "file" in _protocols(self.fs)
         self.is_s3 = "s3" in _protocols(self.fs) and hasattr(self.fs, "call_s3")
         if self.is_s3:
-            check_endpoint(explicit_endpoint(options))
+            timeout = (options.get("config_kwargs") or {}).get("connect_timeout", CONNECT_TIMEOUT)
+            check_endpoint(explicit_endpoint(options), float(timeout))
 
     def path(self, rel: str) -> str:
         norm = posixpath.normpath(rel) if rel else "."

@@ -80,18 +80,20 @@ CONNECT_TIMEOUT = 5.0
 _reachable: set[str] = set()
 
 
-def check_endpoint(endpoint: str | None) -> None:
+def check_endpoint(endpoint: str | None, timeout: float = CONNECT_TIMEOUT) -> None:
     """Fail fast when an explicit object-store endpoint does not answer.
 
     botocore retries a refused or timed-out connection with backoff for a minute or more before
     it gives up; one TCP connection attempt answers the same question within seconds. Checked
-    once per endpoint and process; retries for throttling during a job are untouched."""
+    once per endpoint and process; retries for throttling during a job are untouched. The
+    timeout is botocore's ``connect_timeout`` when the user set one
+    (``--storage-option 'config_kwargs={"connect_timeout": 30}'``)."""
     if not endpoint or endpoint in _reachable:
         return
     url = urllib.parse.urlsplit(endpoint if "://" in endpoint else f"http://{endpoint}")
     port = url.port or (443 if url.scheme == "https" else 80)
     try:
-        with socket.create_connection((url.hostname or "", port), timeout=CONNECT_TIMEOUT):
+        with socket.create_connection((url.hostname or "", port), timeout=timeout):
             pass
     except OSError as err:
         raise StorageError(
