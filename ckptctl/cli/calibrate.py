@@ -19,7 +19,8 @@ def calibrate_cmd(
     ],
     size: Annotated[str, typer.Option("--size", help="Scratch file size.")] = "64MiB",
     save: Annotated[
-        Path | None, typer.Option("--out", help="Where to save the profile [config dir].")
+        Path | None,
+        typer.Option("--out", help="Where to save the profile (default: the config directory)."),
     ] = None,
     as_json: Json = False,
 ) -> None:

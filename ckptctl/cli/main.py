@@ -130,7 +130,7 @@ def _root(
         str | None,
         typer.Option(
             "--endpoint-url",
-            help="S3-compatible endpoint (MinIO, Ceph RGW) [AWS configuration / AWS_ENDPOINT_URL].",
+            help="S3-compatible endpoint (MinIO, Ceph RGW); default: AWS config, AWS_ENDPOINT_URL.",
         ),
     ] = None,
     storage_option: Annotated[

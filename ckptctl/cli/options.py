@@ -8,7 +8,10 @@ with ``command_settings``.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -71,12 +74,14 @@ MemoryBudget = Annotated[
 Tp = Annotated[int, typer.Option("--tp", help="Target tensor-parallel size.")]
 Pp = Annotated[int, typer.Option("--pp", help="Target pipeline-parallel size.")]
 Vpp = Annotated[int, typer.Option("--vpp", help="Virtual pipeline chunks per stage.")]
-Dp = Annotated[int | None, typer.Option("--dp", help="Target data-parallel size [source's].")]
+Dp = Annotated[
+    int | None, typer.Option("--dp", help="Target data-parallel size (default: the source's).")
+]
 DistOpt = Annotated[
     bool | None,
     typer.Option(
         "--distributed-optimizer/--no-distributed-optimizer",
-        help="Write optimizer state as distrib_optim.pt [as the source].",
+        help="Write optimizer state as distrib_optim.pt (default: as the source).",
     ),
 ]
 FirstStage = Annotated[
@@ -224,3 +229,82 @@ def read_hf_config(path: str, config: StorageConfig) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise UsageError(f"--hf-config {path}: not a JSON object")
     return config
+
+
+@dataclass(frozen=True)
+class TargetRequest:
+    """The target layout and the stored copies to reach it from, as ``plan`` and ``reshard``
+    take them."""
+
+    layout: dict[str, Any]
+    full: list[str] | None
+    replicas: list[str] | None
+    lost_ranks: str | None
+    lost_nodes: str | None
+    ranks_per_node: int | None
+    strategy: str
+    target_format: Format
+
+    def plan_options(self) -> dict[str, Any]:
+        """Keyword arguments of ``ckptctl.jobs.plan_reshard``."""
+        return {
+            "full": self.full,
+            "replicas": self.replicas,
+            "lost_ranks": self.lost_ranks,
+            "lost_nodes": self.lost_nodes,
+            "ranks_per_node": self.ranks_per_node,
+            "strategy": self.strategy,
+            "target_format": self.target_format,
+        }
+
+
+def target_request(
+    tp: Tp = 1,
+    pp: Pp = 1,
+    vpp: Vpp = 1,
+    dp: Dp = None,
+    distributed_optimizer: DistOpt = None,
+    first: FirstStage = None,
+    last: LastStage = None,
+    full: Full = None,
+    replica: Replica = None,
+    lost_ranks: LostRanks = None,
+    lost_nodes: LostNodes = None,
+    ranks_per_node: RanksPerNode = None,
+    strategy: Strategy = StrategyName.auto,
+    target_format: ReshardFormat = Format.MEGATRON,
+) -> TargetRequest:
+    return TargetRequest(
+        layout_choices(tp, pp, vpp, dp, first, last, distributed_optimizer),
+        full,
+        replica,
+        lost_ranks,
+        lost_nodes,
+        ranks_per_node,
+        strategy.value,
+        target_format,
+    )
+
+
+def with_options(build: Callable[..., Any], into: str) -> Callable[[Callable[..., Any]], Any]:
+    """Give a command every option of ``build`` as well (one declaration for commands that
+    share a group of options): Typer sees the merged signature, and the command receives
+    ``build(**those options)`` as its parameter ``into``."""
+
+    def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
+        own = inspect.signature(command, eval_str=True)
+        shared = inspect.signature(build, eval_str=True)
+
+        @functools.wraps(command)
+        def run(**kwargs: Any) -> Any:
+            options = {name: kwargs.pop(name) for name in shared.parameters}
+            return command(**kwargs, **{into: build(**options)})
+
+        params = [p for p in own.parameters.values() if p.name != into]
+        at = next((i for i, p in enumerate(params) if p.default is not p.empty), len(params))
+        params[at:at] = shared.parameters.values()
+        run.__signature__ = own.replace(parameters=params)  # type: ignore[attr-defined]
+        run.__annotations__ = {p.name: p.annotation for p in params}
+        return run
+
+    return decorate

@@ -10,53 +10,28 @@ import typer
 from rich.table import Table
 
 from ckptctl.cli.options import (
-    DistOpt,
-    Dp,
-    FirstStage,
-    Full,
     Iteration,
     Json,
-    LastStage,
-    LostNodes,
-    LostRanks,
-    Pp,
-    RanksPerNode,
-    Replica,
-    ReshardFormat,
-    Strategy,
-    StrategyName,
-    Tp,
+    TargetRequest,
     TrueVocab,
-    Vpp,
-    layout_choices,
     state,
+    target_request,
+    with_options,
 )
 from ckptctl.cli.output import Output, boundary, human_bytes
 from ckptctl.jobs import given_sources, plan_reshard
 from ckptctl.locations import refuse_overlap
 from ckptctl.model.geometry import nbytes
 from ckptctl.model.plan import Plan
-from ckptctl.model.stored import Format
 from planners.graph import overlap_graph
 
 
+@with_options(target_request, "target")
 def plan_cmd(
     ctx: typer.Context,
     src: Annotated[str, typer.Argument(help="Stored (sharded or full) checkpoint.")],
     dst: Annotated[str | None, typer.Argument(help="Destination, if data would move.")] = None,
-    tp: Tp = 1,
-    pp: Pp = 1,
-    vpp: Vpp = 1,
-    dp: Dp = None,
-    distributed_optimizer: DistOpt = None,
-    first: FirstStage = None,
-    last: LastStage = None,
-    full: Full = None,
-    replica: Replica = None,
-    lost_ranks: LostRanks = None,
-    lost_nodes: LostNodes = None,
-    ranks_per_node: RanksPerNode = None,
-    strategy: Strategy = StrategyName.auto,
+    target: TargetRequest | None = None,
     save: Annotated[
         Path | None, typer.Option("--out", help="Save the plan as JSON for --plan.")
     ] = None,
@@ -65,7 +40,6 @@ def plan_cmd(
         bool, typer.Option("--show", help="Heat map of which source files feed which targets.")
     ] = False,
     svg: Annotated[Path | None, typer.Option("--svg", help="Also write the map as SVG.")] = None,
-    target_format: ReshardFormat = Format.MEGATRON,
     as_json: Json = False,
     iteration: Iteration = None,
     true_vocab_size: TrueVocab = None,
@@ -75,24 +49,19 @@ def plan_cmd(
     out = Output(as_json)
     cli = state(ctx)
     with boundary(out, cli.debug):
-        sources = given_sources(src, full, replica)
+        assert target is not None
+        sources = given_sources(src, target.full, target.replicas)
         for what, path in (("--out file", save), ("--svg file", svg)):
             if path is not None:
                 refuse_overlap(what, str(path), sources)
         plan = plan_reshard(
             src,
             dst,
-            layout_choices(tp, pp, vpp, dp, first, last, distributed_optimizer),
+            target.layout,
             cli.settings,
-            full=full,
-            replicas=replica,
-            lost_ranks=lost_ranks,
-            lost_nodes=lost_nodes,
-            ranks_per_node=ranks_per_node,
-            strategy=strategy.value,
             iteration=iteration,
             true_vocab_size=true_vocab_size,
-            target_format=target_format,
+            **target.plan_options(),
         ).plan
         if save is not None:
             save.write_text(plan.model_dump_json(indent=1))

@@ -10,34 +10,21 @@ from ckptctl.cli.options import (
     WEIGHT_DTYPES,
     Checksum,
     ChecksumName,
-    DistOpt,
-    Dp,
     DryRun,
-    FirstStage,
-    Full,
     Iteration,
     Json,
-    LastStage,
-    LostNodes,
-    LostRanks,
     MemoryBudget,
     Overwrite,
     PlanFile,
-    Pp,
-    RanksPerNode,
-    Replica,
-    ReshardFormat,
     StageDir,
-    Strategy,
-    StrategyName,
-    Tp,
+    TargetRequest,
     TrueVocab,
-    Vpp,
     WeightDType,
     command_settings,
-    layout_choices,
     parse_size,
     state,
+    target_request,
+    with_options,
 )
 from ckptctl.cli.output import Output, boundary
 from ckptctl.cli.running import carry_out, finish
@@ -47,23 +34,12 @@ from ckptctl.locations import refuse_overlap
 from ckptctl.model.stored import Format
 
 
+@with_options(target_request, "target")
 def reshard_cmd(
     ctx: typer.Context,
     src: Annotated[str, typer.Argument(help="Checkpoint directory or URL (sharded or full).")],
     dst: Annotated[str, typer.Argument(help="Destination directory or URL.")],
-    tp: Tp = 1,
-    pp: Pp = 1,
-    vpp: Vpp = 1,
-    dp: Dp = None,
-    distributed_optimizer: DistOpt = None,
-    first: FirstStage = None,
-    last: LastStage = None,
-    full: Full = None,
-    replica: Replica = None,
-    lost_ranks: LostRanks = None,
-    lost_nodes: LostNodes = None,
-    ranks_per_node: RanksPerNode = None,
-    strategy: Strategy = StrategyName.auto,
+    target: TargetRequest | None = None,
     via_full: Annotated[
         str | None,
         typer.Option(
@@ -77,7 +53,6 @@ def reshard_cmd(
     dtype: WeightDType = None,
     checksum: Checksum = ChecksumName.xxh3_64,
     stage_dir: StageDir = None,
-    target_format: ReshardFormat = Format.MEGATRON,
     dry_run: DryRun = False,
     overwrite: Overwrite = False,
     as_json: Json = False,
@@ -93,7 +68,8 @@ def reshard_cmd(
             checksum=checksum.value,
             stage_dir=stage_dir,
         )
-        sources = given_sources(src, full, replica)
+        assert target is not None
+        sources = given_sources(src, target.full, target.replicas)
         refuse_overlap("destination", dst, sources)
         options = {"iteration": iteration, "true_vocab_size": true_vocab_size}
         if via_full is not None:
@@ -110,16 +86,10 @@ def reshard_cmd(
             job = plan_reshard(
                 src,
                 dst,
-                layout_choices(tp, pp, vpp, dp, first, last, distributed_optimizer),
+                target.layout,
                 settings,
-                full=full,
-                replicas=replica,
-                lost_ranks=lost_ranks,
-                lost_nodes=lost_nodes,
-                ranks_per_node=ranks_per_node,
-                strategy=strategy.value,
                 dtype=WEIGHT_DTYPES[dtype] if dtype else None,
-                target_format=target_format,
+                **target.plan_options(),
                 **options,
             )
         report = carry_out(out, job, overwrite=overwrite, dry_run=dry_run)
