@@ -8,20 +8,13 @@ import typer
 
 from ckptctl.cli.options import (
     WEIGHT_DTYPES,
-    Checksum,
-    ChecksumName,
-    DryRun,
-    Iteration,
+    JobRequest,
     Json,
-    MemoryBudget,
-    Overwrite,
-    PlanFile,
-    StageDir,
-    TrueVocab,
     WeightDType,
-    command_settings,
+    job_request,
     parse_size,
     state,
+    with_options,
 )
 from ckptctl.cli.output import Output, boundary
 from ckptctl.cli.running import carry_out, finish
@@ -29,10 +22,12 @@ from ckptctl.jobs import plan_consolidate, saved_job
 from ckptctl.model.stored import Format
 
 
+@with_options(job_request, "job")
 def consolidate_cmd(
     ctx: typer.Context,
     src: Annotated[str, typer.Argument(help="Sharded checkpoint directory or URL.")],
     dst: Annotated[str, typer.Argument(help="Destination directory or URL.")],
+    job: JobRequest | None = None,
     fmt: Annotated[
         Format,
         typer.Option(
@@ -45,45 +40,26 @@ def consolidate_cmd(
     max_shard_size: Annotated[
         str, typer.Option("--max-shard-size", help="Largest HF safetensors file.")
     ] = "5GiB",
-    plan_file: PlanFile = None,
-    memory_budget: MemoryBudget = "1GiB",
-    checksum: Checksum = ChecksumName.xxh3_64,
-    stage_dir: StageDir = None,
-    dry_run: DryRun = False,
-    overwrite: Overwrite = False,
     as_json: Json = False,
-    iteration: Iteration = None,
-    true_vocab_size: TrueVocab = None,
 ) -> None:
     """Merge a sharded checkpoint into one full checkpoint, streaming one tensor at a time."""
+    assert job is not None
     out = Output(as_json)
     with boundary(out, state(ctx).debug):
-        settings = command_settings(
-            ctx,
-            memory_budget=parse_size(memory_budget),
-            checksum=checksum.value,
-            stage_dir=stage_dir,
-        )
-        if plan_file is not None:
-            job = saved_job(
-                plan_file,
-                "consolidate",
-                src,
-                dst,
-                settings,
-                iteration=iteration,
-                true_vocab_size=true_vocab_size,
+        settings = job.settings(ctx)
+        if job.plan_file is not None:
+            planned = saved_job(
+                job.plan_file, "consolidate", src, dst, settings, **job.source_options()
             )
         else:
-            job = plan_consolidate(
+            planned = plan_consolidate(
                 src,
                 dst,
                 fmt,
                 settings,
                 dtype=WEIGHT_DTYPES[dtype] if dtype else None,
                 max_shard_bytes=parse_size(max_shard_size),
-                iteration=iteration,
-                true_vocab_size=true_vocab_size,
+                **job.source_options(),
             )
-        report = carry_out(out, job, overwrite=overwrite, dry_run=dry_run)
-        finish(out, job.plan, report, as_json)
+        report = carry_out(out, planned, overwrite=job.overwrite, dry_run=job.dry_run)
+        finish(out, planned.plan, report, as_json)

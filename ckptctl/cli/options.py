@@ -289,7 +289,8 @@ def target_request(
 def with_options(build: Callable[..., Any], into: str) -> Callable[[Callable[..., Any]], Any]:
     """Give a command every option of ``build`` as well (one declaration for commands that
     share a group of options): Typer sees the merged signature, and the command receives
-    ``build(**those options)`` as its parameter ``into``."""
+    ``build(**those options)`` as its parameter ``into``. ``build`` runs before the command's
+    error boundary, so it only gathers values; they are read and checked in the command."""
 
     def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
         own = inspect.signature(command, eval_str=True)
@@ -308,3 +309,50 @@ def with_options(build: Callable[..., Any], into: str) -> Callable[[Callable[...
         return run
 
     return decorate
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    """How a writing command (consolidate, reshard) runs, whatever it writes."""
+
+    plan_file: Path | None
+    memory_budget: str
+    """As given; read in ``settings`` (inside the command's error boundary)."""
+    checksum: str
+    stage_dir: str | None
+    dry_run: bool
+    overwrite: bool
+    iteration: int | None
+    true_vocab_size: int | None
+
+    def settings(self, ctx: typer.Context) -> Settings:
+        budget = parse_size(self.memory_budget)
+        return command_settings(
+            ctx, memory_budget=budget, checksum=self.checksum, stage_dir=self.stage_dir
+        )
+
+    def source_options(self) -> dict[str, Any]:
+        """How the source is read (keyword arguments of the ``ckptctl.jobs`` planners)."""
+        return {"iteration": self.iteration, "true_vocab_size": self.true_vocab_size}
+
+
+def job_request(
+    plan_file: PlanFile = None,
+    memory_budget: MemoryBudget = "1GiB",
+    checksum: Checksum = ChecksumName.xxh3_64,
+    stage_dir: StageDir = None,
+    dry_run: DryRun = False,
+    overwrite: Overwrite = False,
+    iteration: Iteration = None,
+    true_vocab_size: TrueVocab = None,
+) -> JobRequest:
+    return JobRequest(
+        plan_file,
+        memory_budget,
+        checksum.value,
+        stage_dir,
+        dry_run,
+        overwrite,
+        iteration,
+        true_vocab_size,
+    )

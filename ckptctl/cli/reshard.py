@@ -8,20 +8,11 @@ import typer
 
 from ckptctl.cli.options import (
     WEIGHT_DTYPES,
-    Checksum,
-    ChecksumName,
-    DryRun,
-    Iteration,
+    JobRequest,
     Json,
-    MemoryBudget,
-    Overwrite,
-    PlanFile,
-    StageDir,
     TargetRequest,
-    TrueVocab,
     WeightDType,
-    command_settings,
-    parse_size,
+    job_request,
     state,
     target_request,
     with_options,
@@ -35,11 +26,13 @@ from ckptctl.model.stored import Format
 
 
 @with_options(target_request, "target")
+@with_options(job_request, "job")
 def reshard_cmd(
     ctx: typer.Context,
     src: Annotated[str, typer.Argument(help="Checkpoint directory or URL (sharded or full).")],
     dst: Annotated[str, typer.Argument(help="Destination directory or URL.")],
     target: TargetRequest | None = None,
+    job: JobRequest | None = None,
     via_full: Annotated[
         str | None,
         typer.Option(
@@ -48,42 +41,29 @@ def reshard_cmd(
             "then cut the target from it.",
         ),
     ] = None,
-    plan_file: PlanFile = None,
-    memory_budget: MemoryBudget = "1GiB",
     dtype: WeightDType = None,
-    checksum: Checksum = ChecksumName.xxh3_64,
-    stage_dir: StageDir = None,
-    dry_run: DryRun = False,
-    overwrite: Overwrite = False,
     as_json: Json = False,
-    iteration: Iteration = None,
-    true_vocab_size: TrueVocab = None,
 ) -> None:
     """Re-split a checkpoint for another TP/PP/VPP/DP layout, shard to shard."""
+    assert target is not None and job is not None
     out = Output(as_json)
     with boundary(out, state(ctx).debug):
-        settings = command_settings(
-            ctx,
-            memory_budget=parse_size(memory_budget),
-            checksum=checksum.value,
-            stage_dir=stage_dir,
-        )
-        assert target is not None
+        settings = job.settings(ctx)
         sources = given_sources(src, target.full, target.replicas)
         refuse_overlap("destination", dst, sources)
-        options = {"iteration": iteration, "true_vocab_size": true_vocab_size}
+        options = job.source_options()
         if via_full is not None:
-            if dry_run or plan_file is not None:
+            if job.dry_run or job.plan_file is not None:
                 raise UsageError("--via-full runs two steps; it takes no --dry-run or --plan")
             refuse_overlap("--via-full directory", via_full, sources)
             refuse_overlap("destination", dst, {"--via-full directory": via_full})
             backup = plan_consolidate(src, via_full, Format.MEGATRON, settings, **options)
-            carry_out(out, backup, overwrite=overwrite, quiet=as_json)
+            carry_out(out, backup, overwrite=job.overwrite, quiet=as_json)
             src = via_full
-        if plan_file is not None:
-            job = saved_job(plan_file, "reshard", src, dst, settings, **options)
+        if job.plan_file is not None:
+            planned = saved_job(job.plan_file, "reshard", src, dst, settings, **options)
         else:
-            job = plan_reshard(
+            planned = plan_reshard(
                 src,
                 dst,
                 target.layout,
@@ -92,5 +72,5 @@ def reshard_cmd(
                 **target.plan_options(),
                 **options,
             )
-        report = carry_out(out, job, overwrite=overwrite, dry_run=dry_run)
-        finish(out, job.plan, report, as_json)
+        report = carry_out(out, planned, overwrite=job.overwrite, dry_run=job.dry_run)
+        finish(out, planned.plan, report, as_json)
