@@ -19,6 +19,16 @@ def _arg(args: argparse.Namespace, *names: str, default: Any = None) -> Any:
     return default
 
 
+def query_groups(args: argparse.Namespace, heads: int) -> int:
+    """Key/value head groups as Megatron-LM builds the model: with ``group_query_attention``
+    off it ignores ``num_query_groups`` (often stored as 1) and uses one group per head. Only
+    ``args`` that predate the flag are taken at their ``num_query_groups``."""
+    gqa = getattr(args, "group_query_attention", None)
+    if gqa is not None and not gqa:
+        return heads
+    return int(_arg(args, "num_query_groups", default=heads))
+
+
 def spec_from_args(args: argparse.Namespace, true_vocab_size: int | None = None) -> ModelSpec:
     """Megatron's argument names (and defaults) to a ``ModelSpec``."""
     for flag in ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"):
@@ -30,9 +40,7 @@ def spec_from_args(args: argparse.Namespace, true_vocab_size: int | None = None)
     heads = _arg(args, "num_attention_heads")
     if hidden is None or heads is None or _arg(args, "num_layers") is None:
         raise CheckpointError("args lacks num_layers / hidden_size / num_attention_heads")
-    groups = heads
-    if getattr(args, "group_query_attention", False) or getattr(args, "num_query_groups", None):
-        groups = _arg(args, "num_query_groups", default=heads)
+    groups = query_groups(args, heads)
     padded = _arg(args, "padded_vocab_size")
     vocab = true_vocab_size or _arg(args, "vocab_size", "ckptctl_true_vocab_size", default=padded)
     if vocab is None:

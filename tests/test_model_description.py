@@ -1,0 +1,48 @@
+"""Reading the model description strictly: fields that change the computation or the layout are
+read as Megatron-LM reads them (issue 14). Judged by transformers' logits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptctl import synth
+
+transformers = pytest.importorskip("transformers")
+
+IDS = torch.randint(0, 1100, (2, 17), generator=torch.Generator().manual_seed(3))
+
+
+def _store_mha_as_megatron_lm_does(root: Path) -> None:
+    """Megatron-LM saves ``num_query_groups`` as given (default 1) even when
+    ``group_query_attention`` is off, and then builds one group per head."""
+    for path in root.rglob("model_optim_rng.pt"):
+        state = torch.load(path, weights_only=False)
+        assert state["args"].num_query_groups == state["args"].num_attention_heads
+        state["args"].num_query_groups = 1
+        state["args"].group_query_attention = False
+        torch.save(state, path)
+
+
+def test_mha_with_a_stale_num_query_groups_converts_right(tmp_path: Path, cli) -> None:
+    config = synth.tiny_llama_config(num_heads=4, num_kv_heads=4)  # MHA
+    model = synth.make_model(config, seed=5)
+    src = tmp_path / "mha"
+    synth.write_megatron(model, synth.adam_step(model, seed=5), src, tp=2, pp=1)
+    _store_mha_as_megatron_lm_does(src)
+    info = cli.json("inspect", src)
+    assert info["spec"]["num_query_groups"] == 4
+    cli("consolidate", src, tmp_path / "hf")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "hf", dtype=torch.float32, attn_implementation="eager"
+    )
+    assert loaded.config.num_key_value_heads == 4
+    with torch.no_grad():
+        assert torch.equal(loaded(IDS).logits, model(IDS).logits)
+    # A reshard keeps every row of the fused QKV (4 groups, not 1) and converts back bit-exactly.
+    cli("reshard", src, tmp_path / "tp1", "--tp", "1", "--pp", "2")
+    assert cli.json("verify", tmp_path / "tp1", "--against", src)["ok"]
+    cli("reshard", tmp_path / "tp1", tmp_path / "back", "--tp", "2", "--pp", "1")
+    assert cli.json("verify", tmp_path / "back", "--against", src)["ok"]
