@@ -46,3 +46,56 @@ def test_mha_with_a_stale_num_query_groups_converts_right(tmp_path: Path, cli) -
     assert cli.json("verify", tmp_path / "tp1", "--against", src)["ok"]
     cli("reshard", tmp_path / "tp1", tmp_path / "back", "--tp", "2", "--pp", "1")
     assert cli.json("verify", tmp_path / "back", "--against", src)["ok"]
+
+
+def _edit_args(root: Path, **fields: object) -> None:
+    for path in root.rglob("model_optim_rng.pt"):
+        state = torch.load(path, weights_only=False)
+        for name, value in fields.items():
+            setattr(state["args"], name, value)
+        torch.save(state, path)
+
+
+@pytest.fixture
+def llama(tmp_path: Path) -> Path:
+    model = synth.make_model(synth.tiny_llama_config(), seed=6)
+    src = tmp_path / "src"
+    synth.write_megatron(model, synth.adam_step(model, seed=6), src, tp=2, pp=1)
+    return src
+
+
+def test_partial_rotary_is_carried_through_reshards_and_refused_for_hf(
+    llama: Path, tmp_path: Path, cli
+) -> None:
+    _edit_args(llama, rotary_percent=0.5)
+    assert cli.json("inspect", llama)["spec"]["rotary_percent"] == 0.5
+    result = cli("consolidate", llama, tmp_path / "hf", code=2)
+    assert "rotary_percent=0.5" in result.stderr and "partial rotary" in result.stderr
+    assert not (tmp_path / "hf").exists()
+    cli("reshard", llama, tmp_path / "tp1", "--tp", "1")
+    path = tmp_path / "tp1/iter_0000001/mp_rank_00/model_optim_rng.pt"
+    resharded = torch.load(path, weights_only=False)
+    assert resharded["args"].rotary_percent == 0.5
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("apply_layernorm_1p", True),
+        ("qk_layernorm", True),
+        ("multi_latent_attention", True),
+        ("mtp_num_layers", 1),
+        ("use_rope_scaling", True),
+        ("window_size", (4096, 0)),
+        ("squared_relu", True),
+    ],
+)
+def test_unmapped_math_changing_fields_are_refused_by_name(
+    llama: Path, tmp_path: Path, field: str, value: object, cli
+) -> None:
+    _edit_args(llama, **{field: value})
+    for command in (["inspect", llama], ["reshard", llama, tmp_path / "out", "--tp", "1"]):
+        result = cli(*command, code=2)
+        assert f"args.{field}={value!r}" in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()

@@ -53,6 +53,8 @@ class ModelSpec(_Frozen):
     max_position_embeddings: int = 4096
     norm_epsilon: float = 1e-5
     rotary_base: float = 10000.0
+    rotary_percent: float = 1.0
+    """Share of each head's dimensions that RoPE rotates (Megatron's ``--rotary-percent``)."""
     num_experts: int | None = None
     """Mixture of experts is refused for now rather than mishandled."""
 

@@ -32,6 +32,12 @@ def check_llama(spec: ModelSpec) -> None:
         problems.append(f"HF Llama needs RoPE, this model uses {spec.position_embedding}")
     if spec.add_qkv_bias and not spec.add_bias_linear:
         problems.append("HF Llama cannot hold QKV-only biases (attention_bias covers o_proj too)")
+    if spec.rotary_percent != 1.0:
+        problems.append(
+            f"rotary_percent={spec.rotary_percent}: HF Llama rotates every head dimension and "
+            "cannot express partial rotary embeddings; keep it as Megatron (reshard, "
+            "consolidate --format megatron)"
+        )
     if problems:
         raise LayoutError(problems)
 

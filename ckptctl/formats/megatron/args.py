@@ -19,6 +19,38 @@ def _arg(args: argparse.Namespace, *names: str, default: Any = None) -> Any:
     return default
 
 
+PLAIN_VALUES: dict[str, tuple[object, ...]] = {
+    "qk_layernorm": (False, None),
+    "multi_latent_attention": (False, None),
+    "mtp_num_layers": (None, 0),
+    "apply_layernorm_1p": (False, None),
+    "squared_relu": (False, None),
+    "use_rope_scaling": (False, None),
+    "window_size": (None,),
+    "heterogeneous_layers_config_path": (None, ""),
+    "heterogeneous_layers_config_encoded_json": (None, ""),
+    "rotary_interleaved": (False, None),
+    "no_rope_freq": (None,),
+}
+"""``args`` fields that change the computation or the tensor layout and that ckptctl does not
+map into the model spec: a checkpoint whose value is anything but these is refused by name
+(exit 0 with wrong weights is the worst outcome there is)."""
+
+
+def refuse_unmapped(args: argparse.Namespace) -> None:
+    """Refuse, by name, every math-changing field of ``args`` that the spec cannot carry."""
+    problems = []
+    for field, plain in PLAIN_VALUES.items():
+        value = getattr(args, field, None)
+        if value not in plain:
+            problems.append(f"args.{field}={value!r}")
+    if problems:
+        raise LayoutError(
+            f"{', '.join(problems)}: not supported yet (these change the model's math or "
+            "tensor layout); ckptctl refuses rather than convert it wrong"
+        )
+
+
 def query_groups(args: argparse.Namespace, heads: int) -> int:
     """Key/value head groups as Megatron-LM builds the model: with ``group_query_attention``
     off it ignores ``num_query_groups`` (often stored as 1) and uses one group per head. Only
@@ -36,6 +68,7 @@ def spec_from_args(args: argparse.Namespace, true_vocab_size: int | None = None)
             raise LayoutError(f"args.{flag} is set: this pipeline split is not supported yet")
     if getattr(args, "pipeline_model_parallel_layout", None):
         raise LayoutError("args.pipeline_model_parallel_layout is set: not supported yet")
+    refuse_unmapped(args)
     hidden = _arg(args, "hidden_size")
     heads = _arg(args, "num_attention_heads")
     if hidden is None or heads is None or _arg(args, "num_layers") is None:
@@ -65,6 +98,7 @@ def spec_from_args(args: argparse.Namespace, true_vocab_size: int | None = None)
         max_position_embeddings=_arg(args, "max_position_embeddings", default=4096),
         norm_epsilon=float(_arg(args, "norm_epsilon", "layernorm_epsilon", default=1e-5)),
         rotary_base=float(_arg(args, "rotary_base", default=10000)),
+        rotary_percent=float(_arg(args, "rotary_percent", default=1.0)),
         num_experts=_arg(args, "num_experts"),
     )
 
@@ -108,7 +142,7 @@ def args_from_spec(spec: ModelSpec) -> argparse.Namespace:
         max_position_embeddings=spec.max_position_embeddings,
         norm_epsilon=spec.norm_epsilon,
         rotary_base=spec.rotary_base,
-        rotary_percent=1.0,
+        rotary_percent=spec.rotary_percent,
         num_experts=spec.num_experts,
         data_parallel_size=1,
         world_size=1,
