@@ -45,22 +45,23 @@ def check_destination(plan: Plan, settings: Settings, *, overwrite: bool = False
     fingerprint = plan.fingerprint()
     if not overwrite and completed_by(target, fingerprint):
         return Destination(target, complete=True)
-    clear = _existing_content(target, overwrite, fingerprint)
-    check_free_space(plan.target_url, plan.estimates.bytes_written - _resumable_bytes(target, plan))
+    marker = read_marker(target) if target.isdir() else None
+    resuming = bool(marker) and marker.get("plan_fingerprint") == fingerprint and not overwrite
+    clear = False if resuming else _existing_content(target, overwrite)
+    kept = sum(int(e.get("size", 0)) for e in marker.get("done", {}).values()) if resuming else 0
+    check_free_space(plan.target_url, plan.estimates.bytes_written - kept)
     return Destination(target, clear_first=clear)
 
 
-def _existing_content(target: Storage, overwrite: bool, fingerprint: str) -> bool:
-    """Whether what is at ``target`` must be removed first; refuses what may not be."""
+def _existing_content(target: Storage, overwrite: bool) -> bool:
+    """Whether what is at ``target`` must be removed first (it is not a run being resumed);
+    refuses what may not be."""
     if not target.exists():
         return False
     if not target.isdir():
         raise OutputExistsError(
             f"{target.url} is a file, not a directory", hint="choose a directory as the destination"
         )
-    marker = read_marker(target)
-    if marker and marker.get("plan_fingerprint") == fingerprint and not overwrite:
-        return False  # an interrupted run of this very plan: resume it
     files = target.find_files()
     # Leftovers of a run killed before it wrote anything are not content.
     if set(files) <= {INCOMPLETE, INCOMPLETE + ".partial"}:
@@ -80,11 +81,3 @@ def _existing_content(target: Storage, overwrite: bool, fingerprint: str) -> boo
             hint="remove those files yourself or choose another destination",
         )
     return True
-
-
-def _resumable_bytes(target: Storage, plan: Plan) -> int:
-    """Bytes an interrupted run of this plan already wrote at its destination (kept on resume)."""
-    marker = read_marker(target) if target.isdir() else None
-    if not marker or marker.get("plan_fingerprint") != plan.fingerprint():
-        return 0
-    return sum(int(entry.get("size", 0)) for entry in marker.get("done", {}).values())

@@ -105,7 +105,7 @@ def changed_files(plan: Plan, storage: Storage) -> list[str]:
     for path, recorded in plan.source_identities:
         try:
             now = storage.identity(path)
-        except (OSError, CheckpointNotFoundError):
+        except OSError:  # gone (CheckpointNotFoundError is one)
             now = "missing"
         if now != recorded:
             changed.append(f"{path} ({'missing' if now == 'missing' else 'changed'})")

@@ -16,6 +16,7 @@ import urllib.parse
 from pydantic import ByteSize
 
 from ckptctl.errors import CkptctlError, StorageError
+from ckptctl.locations import location
 
 _NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
 _READ_ONLY = {errno.EROFS}
@@ -117,8 +118,6 @@ def explicit_endpoint(options: dict) -> str | None:
 def check_free_space(url: str, needed: int) -> None:
     """Refuse a local destination whose file system cannot hold ``needed`` more bytes, before
     anything is written (a full disk found mid-write wastes the whole run)."""
-    from ckptctl.locations import location
-
     where = location(url)
     if where.store != "file" or needed <= 0:
         return

@@ -86,8 +86,10 @@ def _stored_bytes(storage: Storage, ckpt: Checkpoint | None) -> list[Check]:
     manifest, unreadable = _read_manifest(storage)
     listed: dict[str, dict] = manifest["files"] if manifest else {}
     targets = format_of(ckpt).checksums(ckpt) if ckpt is not None else Targets()
-    # Zip entries are checked in the same pass as the manifest digest where the roots agree.
-    zips = targets.zips if ckpt is None or ckpt.storage.url == storage.url else {}
+    # Zip entries are checked in the same pass as the manifest digest where the roots agree
+    # (they differ only for a single ``.pt`` file named directly, which has no manifest).
+    same_root = ckpt is None or ckpt.storage.url == storage.url
+    zips = targets.zips if same_root else {}
     algorithm = manifest.get("checksum", "xxh3_64") if manifest else "xxh3_64"
     manifest_problems: list[str] = []
     crc_problems: list[str] = []
@@ -104,7 +106,7 @@ def _stored_bytes(storage: Storage, ckpt: Checkpoint | None) -> list[Check]:
         crc_problems += stream_check(storage, path, zips.get(path, []), digest)
         if digest is not None and digest.hexdigest() != meta["checksum"]:
             manifest_problems.append(f"{path} checksum differs from the manifest")
-    if ckpt is not None and not zips:
+    if not same_root:
         for path, entries in targets.zips.items():
             crc_problems += stream_check(ckpt.storage, path, entries)
     for path in targets.safetensors:
