@@ -40,6 +40,7 @@ def open_checkpoint(
         true_vocab_size=true_vocab_size,
         allow_missing=allow_missing,
         hf_config=settings.hf_config,
+        trusted_fields=settings.trusted_fields,
     )
     # A source: never written, whatever happens.
     storage = Storage(url, settings.storage, read_only=True)

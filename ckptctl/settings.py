@@ -49,6 +49,9 @@ class Settings:
     """Read checkpoints whose ckptctl job never finished (``--allow-incomplete``)."""
     hf_config: Mapping[str, Any] | None = None
     """The HF ``config.json`` of a DCP checkpoint holding an HF model (``--hf-config``)."""
+    trusted_fields: frozenset[str] = frozenset()
+    """Model-description fields the user vouches for (``--trust-field``): read past, although
+    ckptctl does not know whether they change the model."""
     memory_budget: int = 1 << 30
     """Tensor data held in memory at once, in bytes."""
     checksum: str = "xxh3_64"

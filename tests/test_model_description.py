@@ -82,12 +82,13 @@ def test_partial_rotary_is_carried_through_reshards_and_refused_for_hf(
     ("field", "value"),
     [
         ("apply_layernorm_1p", True),
-        ("qk_layernorm", True),
         ("multi_latent_attention", True),
         ("mtp_num_layers", 1),
         ("use_rope_scaling", True),
         ("window_size", (4096, 0)),
-        ("squared_relu", True),
+        ("openai_gelu", True),
+        ("apply_residual_connection_post_layernorm", True),
+        ("spec", ["my_specs", "custom_layer_spec"]),
     ],
 )
 def test_unmapped_math_changing_fields_are_refused_by_name(
@@ -99,3 +100,31 @@ def test_unmapped_math_changing_fields_are_refused_by_name(
         assert f"args.{field}={value!r}" in result.stderr, result.stderr
         assert "Traceback" not in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_args_that_call_for_tensors_the_files_lack_are_refused(llama: Path, cli) -> None:
+    _edit_args(llama, qk_layernorm=True)
+    result = cli("inspect", llama, code=3)
+    assert "self_attention.q_layernorm.weight" in result.stderr and "qk_layernorm" in result.stderr
+
+
+def test_an_unknown_args_field_is_refused_by_name_unless_trusted(
+    llama: Path, tmp_path: Path, cli
+) -> None:
+    """A Megatron feature ckptctl has never heard of must not pass silently."""
+    _edit_args(llama, attention_sink_tokens=4)
+    for command in (["inspect", llama], ["reshard", llama, tmp_path / "out", "--tp", "1"]):
+        result = cli(*command, code=2)
+        assert "args.attention_sink_tokens: unknown to ckptctl" in result.stderr
+        assert "--trust-field" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()
+    trust = ("--trust-field", "attention_sink_tokens")
+    cli(*trust, "reshard", llama, tmp_path / "out", "--tp", "1")
+    # The field travels on in the output's args, so reading it again needs the same word.
+    assert cli.json(*trust, "verify", tmp_path / "out", "--against", llama)["ok"]
+
+
+def test_json_error_document_names_the_field(llama: Path, cli) -> None:
+    _edit_args(llama, rotary_interleaved=True)
+    result = cli("inspect", llama, "--json", code=2)
+    assert "args.rotary_interleaved=True" in result.stdout

@@ -154,6 +154,15 @@ def _root(
             "(FSDP2 / DTensor training of an HF Llama); looked for beside the checkpoint too.",
         ),
     ] = None,
+    trust_field: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--trust-field",
+            help="A field of the model description (Megatron args, config.json) that ckptctl "
+            "does not know, vouched for as not changing the tensors' layout or meaning "
+            "(repeatable). Unknown fields are refused otherwise.",
+        ),
+    ] = None,
     version: Annotated[
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
     ] = False,
@@ -165,6 +174,7 @@ def _root(
             storage=storage,
             allow_incomplete=allow_incomplete,
             hf_config=read_hf_config(hf_config, storage) if hf_config else None,
+            trusted_fields=frozenset(name.removeprefix("args.") for name in trust_field or ()),
         )
         ctx.obj = CliState(settings, debug)
 

@@ -50,6 +50,8 @@ class ProbeRequest:
     """An HF ``config.json`` for checkpoints that hold an HF model but do not say which."""
     file: str | None = None
     """The URL named this one file under the storage root, not a directory."""
+    trusted_fields: frozenset[str] = frozenset()
+    """Fields of ``args`` / ``config.json`` the user vouches for (``--trust-field``)."""
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ def _probe(storage: Storage, names: frozenset[str], request: ProbeRequest) -> An
     if found is None:
         return None
     config = dict(request.hf_config) if request.hf_config is not None else None
-    return probe_dcp(storage, found[0], found[1], config)
+    return probe_dcp(storage, found[0], found[1], config, request.trusted_fields)
 
 
 def description_files(storage: Storage, view: CheckpointView) -> list[str]:

@@ -18,7 +18,7 @@ def _probe(storage: Storage, names: frozenset[str], request: ProbeRequest) -> An
         return None
     from ckptctl.formats.hf.reader import probe_hf
 
-    return probe_hf(storage)
+    return probe_hf(storage, trusted=request.trusted_fields)
 
 
 def _checksums(ckpt: Any) -> Targets:

@@ -8,7 +8,21 @@ import copy
 from typing import Any
 
 from ckptctl.errors import CheckpointError, LayoutError
-from ckptctl.model.layout import ModelSpec, NormKind, ParallelLayout, PositionEmbedding
+from ckptctl.formats.megatron.args_fields import (
+    HARMLESS,
+    MAPPED,
+    MLA_FIELDS,
+    MOE_FIELDS,
+    PLAIN_VALUES,
+)
+from ckptctl.model.catalog import Naming
+from ckptctl.model.layout import (
+    Activation,
+    ModelSpec,
+    NormKind,
+    ParallelLayout,
+    PositionEmbedding,
+)
 
 
 def _arg(args: argparse.Namespace, *names: str, default: Any = None) -> Any:
@@ -19,36 +33,77 @@ def _arg(args: argparse.Namespace, *names: str, default: Any = None) -> Any:
     return default
 
 
-PLAIN_VALUES: dict[str, tuple[object, ...]] = {
-    "qk_layernorm": (False, None),
-    "multi_latent_attention": (False, None),
-    "mtp_num_layers": (None, 0),
-    "apply_layernorm_1p": (False, None),
-    "squared_relu": (False, None),
-    "use_rope_scaling": (False, None),
-    "window_size": (None,),
-    "heterogeneous_layers_config_path": (None, ""),
-    "heterogeneous_layers_config_encoded_json": (None, ""),
-    "rotary_interleaved": (False, None),
-    "no_rope_freq": (None,),
-}
-"""``args`` fields that change the computation or the tensor layout and that ckptctl does not
-map into the model spec: a checkpoint whose value is anything but these is refused by name
-(exit 0 with wrong weights is the worst outcome there is)."""
+TRUST_HINT = (
+    "if you know a field leaves the tensors' layout and meaning unchanged, pass --trust-field NAME"
+)
 
 
-def refuse_unmapped(args: argparse.Namespace) -> None:
-    """Refuse, by name, every math-changing field of ``args`` that the spec cannot carry."""
+def check_fields(args: argparse.Namespace, trusted: frozenset[str] = frozenset()) -> None:
+    """Refuse, by name, every field of ``args`` the model spec cannot carry: math-changing
+    fields away from their plain values, and fields ckptctl does not know at all."""
+    fields = vars(args)
+    changed, unknown = [], []
+    for name, value in fields.items():
+        if name in trusted or name in MAPPED or name in HARMLESS:
+            continue
+        if name in PLAIN_VALUES:
+            if value not in PLAIN_VALUES[name]:
+                changed.append(f"args.{name}={value!r}")
+        elif name not in MOE_FIELDS and name not in MLA_FIELDS:
+            unknown.append(f"args.{name}")
+        # MoE / MLA fields are read only with num_experts / multi_latent_attention set, and
+        # such models are refused (ModelSpec, PLAIN_VALUES) until they are supported.
     problems = []
-    for field, plain in PLAIN_VALUES.items():
-        value = getattr(args, field, None)
-        if value not in plain:
-            problems.append(f"args.{field}={value!r}")
-    if problems:
-        raise LayoutError(
-            f"{', '.join(problems)}: not supported yet (these change the model's math or "
-            "tensor layout); ckptctl refuses rather than convert it wrong"
+    if changed:
+        problems.append(
+            f"{', '.join(changed)}: not supported yet (these change the model's math or tensor "
+            "layout); ckptctl refuses rather than convert it wrong"
         )
+    if unknown:
+        problems.append(
+            f"{', '.join(unknown)}: unknown to ckptctl, so it cannot tell whether "
+            f"{'they change' if len(unknown) > 1 else 'it changes'} the model; {TRUST_HINT}"
+        )
+    if problems:
+        raise LayoutError("; ".join(problems))
+
+
+def naming_from_args(args: argparse.Namespace) -> Naming | None:
+    """The parameter spelling Megatron-LM loads with, from ``args.transformer_impl`` (None when
+    the args do not say)."""
+    impl = getattr(args, "transformer_impl", None)
+    if impl is None:
+        return None
+    if impl not in _IMPL_NAMING:
+        raise LayoutError(
+            f"args.transformer_impl={impl!r}: not supported yet (ckptctl knows "
+            f"{', '.join(map(repr, _IMPL_NAMING))})"
+        )
+    return _IMPL_NAMING[impl]
+
+
+_IMPL_NAMING = {"transformer_engine": Naming.TE, "local": Naming.LOCAL}
+
+
+def _activation(args: argparse.Namespace) -> tuple[bool, Activation]:
+    """(gated, activation) as Megatron-LM's ``core_transformer_config_from_args`` sets them."""
+    if getattr(args, "swiglu", False):
+        return True, Activation.SILU
+    if getattr(args, "squared_relu", False):
+        return False, Activation.SQUARED_RELU
+    return False, Activation.GELU
+
+
+def _position_embedding(args: argparse.Namespace) -> PositionEmbedding:
+    value = _arg(args, "position_embedding_type", default="learned_absolute")
+    if getattr(args, "use_rotary_position_embeddings", False):
+        value = "rope"  # the flag that predates position_embedding_type
+    if value == "learned_absolute" and getattr(args, "add_position_embedding", True) is False:
+        value = "none"  # --no-position-embedding
+    try:
+        return PositionEmbedding(str(value))
+    except ValueError:
+        raise LayoutError(f"args.position_embedding_type={value!r}: not supported yet") from None
 
 
 def query_groups(args: argparse.Namespace, heads: int) -> int:
@@ -61,14 +116,19 @@ def query_groups(args: argparse.Namespace, heads: int) -> int:
     return int(_arg(args, "num_query_groups", default=heads))
 
 
-def spec_from_args(args: argparse.Namespace, true_vocab_size: int | None = None) -> ModelSpec:
-    """Megatron's argument names (and defaults) to a ``ModelSpec``."""
+def spec_from_args(
+    args: argparse.Namespace,
+    true_vocab_size: int | None = None,
+    trusted: frozenset[str] = frozenset(),
+) -> ModelSpec:
+    """Megatron's argument names (and defaults) to a ``ModelSpec``; every other field is
+    checked by ``check_fields``."""
     for flag in ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"):
         if getattr(args, flag, False):
             raise LayoutError(f"args.{flag} is set: this pipeline split is not supported yet")
     if getattr(args, "pipeline_model_parallel_layout", None):
         raise LayoutError("args.pipeline_model_parallel_layout is set: not supported yet")
-    refuse_unmapped(args)
+    check_fields(args, trusted)
     hidden = _arg(args, "hidden_size")
     heads = _arg(args, "num_attention_heads")
     if hidden is None or heads is None or _arg(args, "num_layers") is None:
@@ -79,7 +139,10 @@ def spec_from_args(args: argparse.Namespace, true_vocab_size: int | None = None)
     if vocab is None:
         raise CheckpointError("args has neither padded_vocab_size nor vocab_size")
     norm = str(_arg(args, "normalization", default="LayerNorm"))
-    position = str(_arg(args, "position_embedding_type", default="learned_absolute"))
+    if norm not in {kind.value for kind in NormKind}:
+        raise LayoutError(f"args.normalization={norm!r}: not supported yet")
+    gated, activation = _activation(args)
+    naming_from_args(args)  # refuses a transformer_impl ckptctl cannot spell
     return ModelSpec(
         num_layers=args.num_layers,
         hidden_size=hidden,
@@ -89,16 +152,19 @@ def spec_from_args(args: argparse.Namespace, true_vocab_size: int | None = None)
         kv_channels=_arg(args, "kv_channels", default=hidden // heads),
         vocab_size=vocab,
         make_vocab_size_divisible_by=_arg(args, "make_vocab_size_divisible_by", default=128),
-        gated_linear_unit=bool(_arg(args, "swiglu", default=False)),
+        gated_linear_unit=gated,
+        activation=activation,
         add_bias_linear=bool(_arg(args, "add_bias_linear", default=True)),
         add_qkv_bias=bool(_arg(args, "add_qkv_bias", default=False)),
         tie_embeddings=not _arg(args, "untie_embeddings_and_output_weights", default=False),
         normalization=NormKind(norm),
-        position_embedding=PositionEmbedding(position),
+        position_embedding=_position_embedding(args),
         max_position_embeddings=_arg(args, "max_position_embeddings", default=4096),
         norm_epsilon=float(_arg(args, "norm_epsilon", "layernorm_epsilon", default=1e-5)),
         rotary_base=float(_arg(args, "rotary_base", default=10000)),
         rotary_percent=float(_arg(args, "rotary_percent", default=1.0)),
+        qk_layernorm=bool(_arg(args, "qk_layernorm", default=False)),
+        hf_family=_arg(args, "ckptctl_hf_family"),
         num_experts=_arg(args, "num_experts"),
     )
 
@@ -123,6 +189,10 @@ def layout_from_args(args: argparse.Namespace) -> ParallelLayout:
 
 def args_from_spec(spec: ModelSpec) -> argparse.Namespace:
     """Megatron arguments describing ``spec``, for checkpoints cut from a full HF model."""
+    if spec.gated_linear_unit and spec.activation is not Activation.SILU:
+        raise LayoutError(
+            f"a gated {spec.activation} MLP: Megatron-LM's args can only express SwiGLU"
+        )
     return argparse.Namespace(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -133,7 +203,9 @@ def args_from_spec(spec: ModelSpec) -> argparse.Namespace:
         kv_channels=spec.kv_channels,
         vocab_size=spec.vocab_size,
         make_vocab_size_divisible_by=spec.make_vocab_size_divisible_by,
-        swiglu=spec.gated_linear_unit,
+        swiglu=spec.gated_linear_unit and spec.activation is Activation.SILU,
+        squared_relu=spec.activation is Activation.SQUARED_RELU,
+        qk_layernorm=spec.qk_layernorm,
         add_bias_linear=spec.add_bias_linear,
         add_qkv_bias=spec.add_qkv_bias,
         untie_embeddings_and_output_weights=not spec.tie_embeddings,
@@ -144,6 +216,8 @@ def args_from_spec(spec: ModelSpec) -> argparse.Namespace:
         rotary_base=spec.rotary_base,
         rotary_percent=spec.rotary_percent,
         num_experts=spec.num_experts,
+        transformer_impl="transformer_engine",
+        ckptctl_hf_family=spec.hf_family,
         data_parallel_size=1,
         world_size=1,
     )

@@ -25,6 +25,7 @@ def _probe(storage: Storage, names: frozenset[str], request: ProbeRequest) -> An
         iteration=request.iteration,
         true_vocab_size=request.true_vocab_size,
         allow_missing=request.allow_missing,
+        trusted=request.trusted_fields,
     )
 
 

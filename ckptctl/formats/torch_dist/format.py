@@ -21,7 +21,9 @@ def _probe(storage: Storage, names: frozenset[str], request: ProbeRequest) -> An
     found = locate(storage, names, request.iteration)
     if found is None or mcore_backend(storage, found[0]) != "torch_dist":
         return None
-    return probe_torch_dist(storage, found[0], found[1], request.true_vocab_size)
+    return probe_torch_dist(
+        storage, found[0], found[1], request.true_vocab_size, request.trusted_fields
+    )
 
 
 WRITER = "ckptctl.formats.torch_dist.writer"

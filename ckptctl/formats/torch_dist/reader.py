@@ -44,12 +44,16 @@ def _common_state(storage: Storage, base: str, metadata: DcpMetadata) -> dict[st
 
 
 def probe_torch_dist(
-    storage: Storage, base: str, iteration: int | None, true_vocab_size: int | None
+    storage: Storage,
+    base: str,
+    iteration: int | None,
+    true_vocab_size: int | None,
+    trusted: frozenset[str] = frozenset(),
 ) -> DcpCheckpoint:
     metadata = read_metadata(storage, base)
     common = _common_state(storage, base, metadata)
     args = common["args"]
-    spec = spec_from_args(args, true_vocab_size)
+    spec = spec_from_args(args, true_vocab_size, trusted)
     layout = layout_from_args(args)
     catalog = model_catalog(spec)
     notes: list[str] = []
