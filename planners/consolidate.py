@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 from ckptctl.errors import UsageError
-from ckptctl.formats.hf.layout import CONFIG, INDEX, hf_config, hf_files, hf_tensors, index_text
+from ckptctl.formats.hf.families import hf_config
+from ckptctl.formats.hf.layout import CONFIG, INDEX, hf_files, hf_tensors, index_text
 from ckptctl.formats.megatron.layout import (
     TRACKER,
     MegatronStyle,

@@ -376,7 +376,7 @@ HF_CASES: dict[str, tuple[Callable[[Path], None], str, int]] = {
     ),
     "not llama": (
         _json_edit("config.json", lambda c: c.update(model_type="gpt2")),
-        "only 'llama' is supported",
+        "model_type='gpt2': ckptctl reads llama, mistral, qwen2, qwen3",
         2,
     ),
     "index without weight_map": (

@@ -9,8 +9,11 @@ from rich.table import Table
 
 from ckptctl.cli.options import Iteration, Json, TrueVocab, state
 from ckptctl.cli.output import Output, boundary, human_bytes
+from ckptctl.errors import LayoutError
+from ckptctl.formats.hf.families import choose_family
 from ckptctl.model.catalog import OPTIMIZER_STATES
 from ckptctl.model.geometry import nbytes
+from ckptctl.model.layout import ModelSpec
 from ckptctl.probe import Checkpoint, open_checkpoint
 
 
@@ -61,6 +64,7 @@ def describe(ckpt: Checkpoint) -> dict[str, Any]:
         "format": str(view.format),
         "iteration": view.iteration,
         "spec": view.spec.model_dump(mode="json") if view.spec else None,
+        "hf": _hf_target(view.spec) if view.spec else None,
         "layout": view.layout.model_dump(mode="json"),
         "tensors": count,
         "weight_bytes": weights,
@@ -71,19 +75,28 @@ def describe(ckpt: Checkpoint) -> dict[str, Any]:
     }
 
 
+def _hf_target(spec: ModelSpec) -> dict[str, Any]:
+    """The transformers class ``consolidate --format hf`` would write, or why none can."""
+    try:
+        family = choose_family(spec)
+    except LayoutError as err:
+        return {"architecture": None, "refused": err.problems}
+    return {"architecture": family.architecture, "refused": []}
+
+
 def _show_inspect(out: Output, info: dict[str, Any]) -> None:
     spec, layout = info["spec"], info["layout"]
     out.show(f"[bold]{info['url']}[/]  {info['format']}  iteration {info['iteration']}")
     if spec is None:
         out.show("model: unknown family (keys are not Megatron-Core's or HF Llama's)")
     else:
+        model = ModelSpec.model_validate(spec)
+        out.show(f"model: {model.describe()}")
+        hf = info["hf"]
         out.show(
-            f"model: {spec['num_layers']} layers, hidden {spec['hidden_size']}, ffn "
-            f"{spec['ffn_hidden_size']}, heads {spec['num_attention_heads']} "
-            f"(query groups {spec['num_query_groups']}, head dim {spec['kv_channels']}), vocab "
-            f"{spec['vocab_size']}, {'SwiGLU' if spec['gated_linear_unit'] else 'MLP'}, "
-            f"{spec['normalization']}, {'tied' if spec['tie_embeddings'] else 'untied'} "
-            "embeddings"
+            f"HF: {hf['architecture']}"
+            if hf["architecture"]
+            else f"HF: none ({'; '.join(hf['refused'])})"
         )
     out.show("layout: " + " ".join(f"{k}={v}" for k, v in layout.items() if v not in (None, False)))
     table = Table("file", "rank (tp, pp)", "tensors", "bytes")

@@ -81,6 +81,12 @@ def layer_suffixes(spec: ModelSpec) -> list[tuple[str, Shape, Split]]:
     out.append(("self_attention.linear_qkv.weight", (spec.qkv_rows, h), Split.COLUMN))
     if bias or spec.add_qkv_bias:
         out.append(("self_attention.linear_qkv.bias", (spec.qkv_rows,), Split.COLUMN))
+    if spec.qk_layernorm:
+        # One norm over a head's kv_channels, shared by every head (TP-replicated).
+        for which in ("q", "k"):
+            out.append((f"self_attention.{which}_layernorm.weight", (d,), Split.REPLICATED))
+            if layernorm:
+                out.append((f"self_attention.{which}_layernorm.bias", (d,), Split.REPLICATED))
     fc1_split = Split.GATED if spec.gated_linear_unit else Split.COLUMN
     out.append(("mlp.linear_fc1.layer_norm_weight", (h,), Split.REPLICATED))
     if layernorm:
@@ -92,6 +98,14 @@ def layer_suffixes(spec: ModelSpec) -> list[tuple[str, Shape, Split]]:
     if bias:
         out.append(("mlp.linear_fc2.bias", (h,), Split.REPLICATED))
     return out
+
+
+def local_spec_order(suffixes: list[str]) -> list[str]:
+    """TE-spelled layer suffixes in the local spec's ``named_parameters`` order: there the
+    pre-attention norm is the layer's own first module (``input_layernorm``), not part of
+    ``linear_qkv``; everything else keeps its place."""
+    first = [s for s in suffixes if s.startswith("self_attention.linear_qkv.layer_norm_")]
+    return first + [s for s in suffixes if s not in first]
 
 
 def parameters(spec: ModelSpec) -> list[Param]:

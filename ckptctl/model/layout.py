@@ -25,6 +25,14 @@ class PositionEmbedding(StrEnum):
     NONE = "none"
 
 
+class Activation(StrEnum):
+    """The MLP's activation (Megatron: ``--swiglu`` gates SiLU, ``--squared-relu``, else GELU)."""
+
+    SILU = "silu"
+    GELU = "gelu"
+    SQUARED_RELU = "squared_relu"
+
+
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -44,7 +52,9 @@ class ModelSpec(_Frozen):
     """The true vocabulary (V0). Megatron pads it per TP size; the padding is never a real token."""
     make_vocab_size_divisible_by: int = 128
     gated_linear_unit: bool = True
-    """SwiGLU: ``linear_fc1`` holds gate and up halves, each split over TP separately."""
+    """Gated MLP: ``linear_fc1`` holds gate and up halves, each split over TP separately."""
+    activation: Activation | None = None
+    """The MLP's activation; unset means SiLU when gated (SwiGLU) and GELU when not."""
     add_bias_linear: bool = False
     add_qkv_bias: bool = False
     tie_embeddings: bool = False
@@ -55,8 +65,21 @@ class ModelSpec(_Frozen):
     rotary_base: float = 10000.0
     rotary_percent: float = 1.0
     """Share of each head's dimensions that RoPE rotates (Megatron's ``--rotary-percent``)."""
+    qk_layernorm: bool = False
+    """A norm over each query and key head before RoPE (``q_layernorm`` / ``k_layernorm``)."""
+    hf_family: str | None = None
+    """The HF model family the model came from (``llama``, ``mistral``, ``qwen2``, ...), kept
+    so that converting back to HF picks the same class; unset: chosen from the other fields."""
     num_experts: int | None = None
     """Mixture of experts is refused for now rather than mishandled."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_activation(cls, data: object) -> object:
+        if isinstance(data, dict) and data.get("activation") is None:
+            gated = data.get("gated_linear_unit", True)
+            data = {**data, "activation": Activation.SILU if gated else Activation.GELU}
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:
@@ -85,6 +108,42 @@ class ModelSpec(_Frozen):
         if problems:
             raise LayoutError(problems)
         return self
+
+    def describe(self) -> str:
+        """Every field that shapes the tensors or the math, in words (``inspect``)."""
+        bias = (
+            "biases on every linear layer"
+            if self.add_bias_linear
+            else "q/k/v biases only"
+            if self.add_qkv_bias
+            else "no biases"
+        )
+        position = str(self.position_embedding)
+        if self.position_embedding is PositionEmbedding.ROPE:
+            share = "" if self.rotary_percent == 1.0 else f", {self.rotary_percent:g} of head dims"
+            position = f"RoPE (base {self.rotary_base:g}{share})"
+        parts = [
+            f"{self.num_layers} layers, hidden {self.hidden_size}, ffn {self.ffn_hidden_size}",
+            f"heads {self.num_attention_heads} (query groups {self.num_query_groups}, "
+            f"head dim {self.kv_channels})",
+            f"vocab {self.vocab_size}",
+            self.mlp_name,
+            f"{self.normalization} (eps {self.norm_epsilon:g})",
+            *(["q/k layernorm"] if self.qk_layernorm else []),
+            bias,
+            position,
+            f"{'tied' if self.tie_embeddings else 'untied'} embeddings",
+            *([f"from HF {self.hf_family}"] if self.hf_family else []),
+        ]
+        return ", ".join(parts)
+
+    @property
+    def mlp_name(self) -> str:
+        """How people call the MLP: SwiGLU, GEGLU, GELU MLP, ..."""
+        act = self.activation or Activation.SILU
+        if self.gated_linear_unit:
+            return {Activation.SILU: "SwiGLU", Activation.GELU: "GEGLU"}.get(act, f"gated {act}")
+        return f"{act.value} MLP"
 
     @property
     def heads_per_group(self) -> int:

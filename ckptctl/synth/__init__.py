@@ -22,6 +22,7 @@ from ckptctl.synth.megatron import (
     write_megatron,
 )
 from ckptctl.synth.model import (
+    _LOCAL_LAYER_KEYS,
     _TE_LAYER_KEYS,
     EMBEDDING,
     FINAL_NORM,
@@ -38,6 +39,7 @@ __all__ = [
     "EMBEDDING",
     "FINAL_NORM",
     "OUTPUT",
+    "_LOCAL_LAYER_KEYS",
     "_TE_LAYER_KEYS",
     "adam_step",
     "make_model",

@@ -257,15 +257,17 @@ def transformer_config(
     dtype: torch.dtype = torch.float32,
     pipeline_dtype: torch.dtype | None = None,
     deallocate_pipeline_outputs: bool = False,
+    **overrides: Any,
 ) -> Any:
     """megatron-core's TransformerConfig for the model, on CPU (``bf16`` iff ``dtype`` is).
 
     ``pipeline_dtype`` and ``deallocate_pipeline_outputs`` are megatron-core's defaults unless
     given: Megatron-LM derives them from its args (``params_dtype`` and ``True``) for training.
+    ``overrides`` replace the Llama-style model fields (a model variant's).
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    return TransformerConfig(
+    fields: dict[str, Any] = dict(
         num_layers=num_layers,
         hidden_size=hidden,
         ffn_hidden_size=ffn_hidden,
@@ -294,6 +296,8 @@ def transformer_config(
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
     )
+    fields.update(overrides)
+    return TransformerConfig(**fields)
 
 
 def gpt_model(
@@ -303,6 +307,7 @@ def gpt_model(
     tie_embeddings: bool = False,
     pre_process: bool = True,
     post_process: bool = True,
+    rotary_percent: float = 1.0,
 ) -> torch.nn.Module:
     """megatron-core's own GPTModel (local layer spec, no TransformerEngine), Llama-style.
 
@@ -316,7 +321,9 @@ def gpt_model(
 
     return GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_layer_spec=get_gpt_layer_local_spec(
+            normalization="RMSNorm", qk_layernorm=config.qk_layernorm
+        ),
         vocab_size=padded_vocab_size(config.tensor_model_parallel_size),
         max_sequence_length=MAX_POSITIONS,
         pre_process=pre_process,
@@ -324,7 +331,7 @@ def gpt_model(
         parallel_output=parallel_output,
         share_embeddings_and_output_weights=tie_embeddings,
         position_embedding_type="rope",
-        rotary_percent=1.0,
+        rotary_percent=rotary_percent,
         rotary_base=ROTARY_BASE,
     )
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ckptctl.errors import CheckpointError, CheckpointNotFoundError
+from ckptctl.errors import CheckpointError, CheckpointNotFoundError, LayoutError
 from ckptctl.formats.base import SavedTraining
 from ckptctl.formats.dcp.checks import check_metadata
 from ckptctl.formats.dcp.hf_layout import chunk_pieces, key_table, prefixes
@@ -42,7 +42,8 @@ from ckptctl.formats.dcp.records import (
     pread,
     tensor_of,
 )
-from ckptctl.formats.hf.layout import CONFIG, spec_from_config
+from ckptctl.formats.hf.families import spec_from_config
+from ckptctl.formats.hf.layout import CONFIG
 from ckptctl.formats.megatron.format import recognised
 from ckptctl.formats.megatron.layout import TRACKER, GroupOrder, MegatronStyle, OptimizerLayout
 from ckptctl.formats.megatron.reader import find_iteration
@@ -174,7 +175,7 @@ class DcpCheckpoint:
 
     @property
     def style(self) -> MegatronStyle:
-        return MegatronStyle(optimizer=self.optimizer)
+        return MegatronStyle(optimizer=self.optimizer).named_for(self.args)
 
     @property
     def dp_reshardable(self) -> bool:
@@ -273,6 +274,7 @@ def probe_dcp(
     base: str,
     iteration: int | None,
     hf_config: dict[str, Any] | None = None,
+    trusted: frozenset[str] = frozenset(),
 ) -> DcpCheckpoint:
     """Any DCP checkpoint but Megatron-Core's (``torch_dist`` has its own format)."""
     metadata = read_metadata(storage, base)
@@ -288,7 +290,7 @@ def probe_dcp(
         return _generic(storage, base, metadata, iteration)
     config = hf_config if hf_config is not None else _config_beside(storage, base)
     if config is not None:
-        return _hf_named(storage, base, metadata, iteration, config, found)
+        return _hf_named(storage, base, metadata, iteration, config, found, trusted)
     ckpt = _generic(storage, base, metadata, iteration)
     ckpt.view = replace(
         ckpt.view,
@@ -337,10 +339,14 @@ def _hf_named(
     iteration: int | None,
     config: dict[str, Any],
     found: tuple[str, str | None],
+    trusted: frozenset[str] = frozenset(),
 ) -> DcpCheckpoint:
     """An HF Llama model's DCP checkpoint (FSDP2 / DTensor): chunks of HF tensors placed in
     the canonical ones by the HF mapping."""
-    spec = spec_from_config(config)
+    try:
+        spec = spec_from_config(config, trusted=trusted)
+    except LayoutError as err:
+        raise LayoutError(f"the model's config.json: {err}") from None
     model_prefix, optim_prefix = found
     table = key_table(spec, model_prefix, optim_prefix)
     placed: list[tuple[StorageInfo, StoredTensor]] = []

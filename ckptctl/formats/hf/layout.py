@@ -1,4 +1,5 @@
-"""HuggingFace ``LlamaForCausalLM`` safetensors as geometry over canonical tensors. Pure.
+"""HuggingFace decoder safetensors (Llama, Mistral, Qwen2, Qwen3) as geometry over canonical
+tensors. Pure. The family (``families.py``) decides which biases and norms exist.
 
 q/k/v come out of the group-interleaved fused QKV (one piece per query group), gate/up are the
 two halves of ``linear_fc1``, the vocabulary is the true (unpadded) one, and a tied model has no
@@ -8,38 +9,17 @@ two halves of ``linear_fc1``, the vocabulary is the true (unpadded) one, and a t
 from __future__ import annotations
 
 import json
-from typing import Any
 
-from ckptctl.errors import LayoutError
+from ckptctl.formats.hf.families import choose_family
 from ckptctl.model.catalog import LAYER_PREFIX
 from ckptctl.model.geometry import Piece, Shape, nbytes
-from ckptctl.model.layout import ModelSpec, NormKind, PositionEmbedding
+from ckptctl.model.layout import ModelSpec
 from ckptctl.model.stored import StoredFile, StoredTensor
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 CONFIG = "config.json"
 DEFAULT_MAX_SHARD_BYTES = 5 << 30
-
-
-def check_llama(spec: ModelSpec) -> None:
-    problems = []
-    if not spec.gated_linear_unit:
-        problems.append("HF Llama needs a gated (SwiGLU) MLP; this model has none")
-    if spec.normalization is not NormKind.RMSNORM:
-        problems.append(f"HF Llama needs RMSNorm, this model uses {spec.normalization}")
-    if spec.position_embedding is not PositionEmbedding.ROPE:
-        problems.append(f"HF Llama needs RoPE, this model uses {spec.position_embedding}")
-    if spec.add_qkv_bias and not spec.add_bias_linear:
-        problems.append("HF Llama cannot hold QKV-only biases (attention_bias covers o_proj too)")
-    if spec.rotary_percent != 1.0:
-        problems.append(
-            f"rotary_percent={spec.rotary_percent}: HF Llama rotates every head dimension and "
-            "cannot express partial rotary embeddings; keep it as Megatron (reshard, "
-            "consolidate --format megatron)"
-        )
-    if problems:
-        raise LayoutError(problems)
 
 
 def _full(shape: Shape) -> tuple[Piece, ...]:
@@ -62,7 +42,7 @@ def _qkv_pieces(spec: ModelSpec, part: str, trailing: Shape) -> tuple[Shape, tup
 
 def hf_tensors(spec: ModelSpec) -> list[tuple[str, str, Shape, tuple[Piece, ...]]]:
     """(HF name, canonical name, shape, pieces) for every tensor, in HF state-dict order."""
-    check_llama(spec)
+    choose_family(spec)
     h, f = spec.hidden_size, spec.ffn_hidden_size
     out: list[tuple[str, str, Shape, tuple[Piece, ...]]] = []
 
@@ -71,13 +51,15 @@ def hf_tensors(spec: ModelSpec) -> list[tuple[str, str, Shape, tuple[Piece, ...]
 
     whole("model.embed_tokens.weight", "embedding.word_embeddings.weight", (spec.vocab_size, h))
     bias = spec.add_bias_linear
+    qkv_bias = bias or spec.add_qkv_bias
+    d = spec.kv_channels
     for i in range(spec.num_layers):
         src, dst = f"{LAYER_PREFIX}{i}.", f"model.layers.{i}."
         qkv = f"{src}self_attention.linear_qkv."
         for part in ("q", "k", "v"):
             shape, pieces = _qkv_pieces(spec, part, (h,))
             out.append((f"{dst}self_attn.{part}_proj.weight", qkv + "weight", shape, pieces))
-            if bias:
+            if qkv_bias:
                 shape, pieces = _qkv_pieces(spec, part, ())
                 out.append((f"{dst}self_attn.{part}_proj.bias", qkv + "bias", shape, pieces))
         whole(
@@ -87,6 +69,9 @@ def hf_tensors(spec: ModelSpec) -> list[tuple[str, str, Shape, tuple[Piece, ...]
         )
         if bias:
             whole(f"{dst}self_attn.o_proj.bias", f"{src}self_attention.linear_proj.bias", (h,))
+        if spec.qk_layernorm:
+            whole(f"{dst}self_attn.q_norm.weight", f"{src}self_attention.q_layernorm.weight", (d,))
+            whole(f"{dst}self_attn.k_norm.weight", f"{src}self_attention.k_layernorm.weight", (d,))
         fc1 = f"{src}mlp.linear_fc1."
         for name, start in (("gate_proj", 0), ("up_proj", f)):
             for kind, trailing in (("weight", (h,)), ("bias", ())):
@@ -130,60 +115,6 @@ def hf_files(
     return tuple(
         StoredFile(f"model-{i + 1:05d}-of-{n:05d}.safetensors", tuple(s))
         for i, s in enumerate(shards)
-    )
-
-
-def hf_config(spec: ModelSpec, dtype: str) -> dict[str, Any]:
-    """``config.json`` of ``LlamaForCausalLM`` for ``spec``."""
-    check_llama(spec)
-    config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": spec.hidden_size,
-        "intermediate_size": spec.ffn_hidden_size,
-        "num_attention_heads": spec.num_attention_heads,
-        "num_key_value_heads": spec.num_query_groups,
-        "head_dim": spec.kv_channels,
-        "num_hidden_layers": spec.num_layers,
-        "vocab_size": spec.vocab_size,
-        "rms_norm_eps": spec.norm_epsilon,
-        "rope_theta": spec.rotary_base,
-        "max_position_embeddings": spec.max_position_embeddings,
-        "tie_word_embeddings": spec.tie_embeddings,
-        "attention_bias": spec.add_bias_linear,
-        "mlp_bias": spec.add_bias_linear,
-        "hidden_act": "silu",
-        "torch_dtype": dtype,
-    }
-    return config
-
-
-def spec_from_config(config: dict[str, Any], make_vocab_size_divisible_by: int = 128) -> ModelSpec:
-    """A ``ModelSpec`` from a Llama ``config.json``."""
-    model_type = config.get("model_type")
-    if model_type not in ("llama", None):
-        raise LayoutError(f"config.json model_type={model_type!r}: only 'llama' is supported")
-    heads = config["num_attention_heads"]
-    hidden = config["hidden_size"]
-    rope = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta")
-    bias = bool(config.get("attention_bias", False))
-    if bias != bool(config.get("mlp_bias", False)):
-        raise LayoutError("attention_bias and mlp_bias differ: Megatron has one add_bias_linear")
-    return ModelSpec(
-        num_layers=config["num_hidden_layers"],
-        hidden_size=hidden,
-        ffn_hidden_size=config["intermediate_size"],
-        num_attention_heads=heads,
-        num_query_groups=config.get("num_key_value_heads") or heads,
-        kv_channels=config.get("head_dim") or hidden // heads,
-        vocab_size=config["vocab_size"],
-        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-        gated_linear_unit=True,
-        add_bias_linear=bias,
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        max_position_embeddings=config.get("max_position_embeddings", 4096),
-        norm_epsilon=float(config.get("rms_norm_eps", 1e-6)),
-        rotary_base=float(rope or 10000.0),
     )
 
 

@@ -16,8 +16,9 @@ from typing import Any, BinaryIO
 
 import torch
 
-from ckptctl.errors import CheckpointError, CheckpointNotFoundError
-from ckptctl.formats.hf.layout import CONFIG, INDEX, SINGLE, hf_tensors, spec_from_config
+from ckptctl.errors import CheckpointError, CheckpointNotFoundError, LayoutError
+from ckptctl.formats.hf.families import spec_from_config
+from ckptctl.formats.hf.layout import CONFIG, INDEX, SINGLE, hf_tensors
 from ckptctl.model.dtypes import BY_SAFETENSORS
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.stored import (
@@ -134,7 +135,11 @@ class _RangeFile:
         return self.storage.read_range(self.path, self.pos, nbytes)
 
 
-def probe_hf(storage: Storage, make_vocab_size_divisible_by: int = 128) -> HFCheckpoint:
+def probe_hf(
+    storage: Storage,
+    make_vocab_size_divisible_by: int = 128,
+    trusted: frozenset[str] = frozenset(),
+) -> HFCheckpoint:
     """Read config and safetensors headers; map every HF tensor onto canonical tensors."""
     if not storage.exists(CONFIG):
         raise CheckpointNotFoundError(f"{storage.describe(CONFIG)}: missing; not an HF checkpoint")
@@ -142,7 +147,10 @@ def probe_hf(storage: Storage, make_vocab_size_divisible_by: int = 128) -> HFChe
         config = json.loads(storage.read_text(CONFIG))
     except ValueError as err:
         raise CheckpointError(f"{storage.describe(CONFIG)}: not JSON ({err})") from None
-    spec = spec_from_config(config, make_vocab_size_divisible_by)
+    try:
+        spec = spec_from_config(config, make_vocab_size_divisible_by, trusted)
+    except LayoutError as err:
+        raise LayoutError(f"{storage.describe(CONFIG)}: {err}") from None
     if storage.exists(INDEX):
         try:
             weight_map = json.loads(storage.read_text(INDEX))["weight_map"]

@@ -7,9 +7,11 @@ optimizer, the torch optimizer state keyed by parameter index in Megatron's para
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
+from typing import Any
 
+from ckptctl.formats.megatron.args import naming_from_args
 from ckptctl.formats.megatron.distopt_layout import replay_buffer
 from ckptctl.model.catalog import (
     LAYER_PREFIX,
@@ -18,6 +20,7 @@ from ckptctl.model.catalog import (
     Stage,
     layer_suffixes,
     local_layer_name,
+    local_spec_order,
     parameters,
     state_name,
 )
@@ -85,6 +88,13 @@ class RankParam:
     tied_copy: bool = False
 
 
+def default_layer_order(spec: ModelSpec, naming: Naming) -> tuple[str, ...]:
+    """A layer's parameters (TE spelling) in megatron-core's ``named_parameters`` order for
+    the layer spec that ``naming`` belongs to."""
+    suffixes = [s for s, _, _ in layer_suffixes(spec)]
+    return tuple(local_spec_order(suffixes) if naming is Naming.LOCAL else suffixes)
+
+
 def rank_params(
     spec: ModelSpec,
     layout: ParallelLayout,
@@ -95,7 +105,7 @@ def rank_params(
     """The parameters a pipeline stage holds, in ``named_parameters`` order over its chunks."""
     params = parameters(spec)
     by_name = {p.name: p for p in params}
-    order = layer_order or tuple(s for s, _, _ in layer_suffixes(spec))
+    order = layer_order or default_layer_order(spec, naming)
     chunks = layout.chunk_layers(spec.num_layers)
     last_stage, last_chunk = layout.pp - 1, layout.vpp - 1
     out: list[RankParam] = []
@@ -290,6 +300,14 @@ class MegatronStyle:
     naming: Naming = Naming.TE
     layer_order: tuple[str, ...] | None = None
     optimizer: OptimizerLayout | None = None
+
+    def named_for(self, args: Any) -> MegatronStyle:
+        """This style spelled as ``args.transformer_impl`` says Megatron-LM will load it (in
+        that spec's layer order), whatever the source's own spelling."""
+        naming = naming_from_args(args) if args is not None else None
+        if naming is None or naming is self.naming:
+            return self
+        return replace(self, naming=naming, layer_order=None)
 
 
 def tracker_text(iteration: int | None) -> str:

@@ -83,7 +83,7 @@ class MegatronCheckpoint:
     @property
     def style(self) -> MegatronStyle:
         """Spelling, layer order and optimizer format, kept when writing Megatron again."""
-        return MegatronStyle(self.naming, self.layer_order, self.optimizer)
+        return MegatronStyle(self.naming, self.layer_order, self.optimizer).named_for(self.args)
 
     def saved_training(self, path: str) -> SavedTraining:
         """Counters, scheduler and ``args`` as rank file ``path`` keeps them."""
@@ -173,6 +173,7 @@ def probe_megatron(
     iteration: int | None = None,
     true_vocab_size: int | None = None,
     allow_missing: bool = False,
+    trusted: frozenset[str] = frozenset(),
 ) -> MegatronCheckpoint:
     """Read-only look at a Megatron legacy checkpoint; raises with every problem found.
 
@@ -191,7 +192,7 @@ def probe_megatron(
     args = first.tree.get("args") if isinstance(first.tree, dict) else None
     if not isinstance(args, argparse.Namespace):
         raise CheckpointError(f"{storage.describe(first_rel)}: no 'args' namespace in the file")
-    spec = spec_from_args(args, true_vocab_size)
+    spec = spec_from_args(args, true_vocab_size, trusted)
     layout = layout_from_args(args)
     layout.check_against(spec)
     expected = {rank_dir(t, p, layout.pp) for t, p in layout.model_parallel_ranks()}
@@ -252,7 +253,14 @@ def probe_megatron(
     # catalog's parameters only, in the order the files store them.
     known = [suffix for suffix, _, _ in layer_suffixes(spec)]
     in_files = [s for s in stored_order if s in known]
-    layer_order = tuple(in_files + [s for s in known if s not in in_files])
+    absent = [s for s in known if s not in in_files]
+    if stored_order and absent:
+        # Before the optimizer is matched: its error would hide the plain cause.
+        raise CheckpointError(
+            f"{storage.describe(first_rel)}: layers lack {', '.join(absent)}, which the "
+            "model args call for (e.g. qk_layernorm, add_qkv_bias, a LayerNorm's bias)"
+        )
+    layer_order = tuple(in_files + absent)
     extra = sorted({k for k in names if k.endswith(_EXTRA_STATE)})
     some_weight = next(v for m in models for v in m.values() if isinstance(v, TensorRef))
     optimizer = _optimizer_layout(trees[first_rel], args)
@@ -269,7 +277,7 @@ def probe_megatron(
     notes = []
     if layout.distributed_optimizer and optimizer is None:
         notes.append("no optimizer state in the rank files: weights only")
-    if extra:
+    if extra and any(m[k] is not None for m in models for k in m if k.endswith(_EXTRA_STATE)):
         notes.append(
             f"{len(extra)} _extra_state entries (TransformerEngine FP8 metadata) are dropped"
         )

@@ -1,0 +1,284 @@
+"""The HF decoder families ckptctl writes and reads, and their ``config.json``, read strictly. Pure.
+
+Each family is one transformers class whose tensors are a fixed function of the model spec:
+
+* ``llama`` (``LlamaForCausalLM``): biases on every linear layer or none (``attention_bias`` with
+  ``mlp_bias``, Megatron's ``add_bias_linear``);
+* ``mistral`` (``MistralForCausalLM``): Llama without biases, full attention only;
+* ``qwen2`` (``Qwen2ForCausalLM``): biases on q/k/v only (Megatron's ``add_qkv_bias``);
+* ``qwen3`` (``Qwen3ForCausalLM``): an RMSNorm over each query and key head (``qk_layernorm``).
+
+All four are gated SiLU MLPs, RMSNorm, full RoPE. A model none of them can hold is refused for HF
+with the reason. Reading a ``config.json``, every key is mapped, checked against the value that
+keeps the model plain, or on the harmless list; any other key is refused by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ckptctl.errors import LayoutError
+from ckptctl.model.layout import Activation, ModelSpec, NormKind, PositionEmbedding
+
+TRUST_HINT = (
+    "if you know a field leaves the tensors' layout and meaning unchanged, pass --trust-field NAME"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    name: str
+    """transformers' ``model_type``."""
+    architecture: str
+    qkv_bias: str
+    """``all`` (q/k/v bias iff every linear has one), ``always`` or ``never``."""
+    qk_norm: bool
+    config_keys: frozenset[str]
+    """Family-specific keys this module maps or checks (beyond the common ones)."""
+
+
+FAMILIES = {
+    f.name: f
+    for f in (
+        Family(
+            "llama", "LlamaForCausalLM", "all", False, frozenset({"attention_bias", "mlp_bias"})
+        ),
+        Family("mistral", "MistralForCausalLM", "never", False, frozenset({"sliding_window"})),
+        Family(
+            "qwen2",
+            "Qwen2ForCausalLM",
+            "always",
+            False,
+            frozenset({"sliding_window", "use_sliding_window", "max_window_layers", "layer_types"}),
+        ),
+        Family(
+            "qwen3",
+            "Qwen3ForCausalLM",
+            "never",
+            True,
+            frozenset(
+                {
+                    "attention_bias",
+                    "sliding_window",
+                    "use_sliding_window",
+                    "max_window_layers",
+                    "layer_types",
+                }
+            ),
+        ),
+    )
+}
+
+_MAPPED = frozenset(
+    """architectures model_type hidden_size intermediate_size num_attention_heads
+    num_key_value_heads head_dim num_hidden_layers vocab_size rms_norm_eps rope_theta
+    rope_parameters rope_scaling max_position_embeddings tie_word_embeddings hidden_act
+    ckptctl_hf_family""".split()  # noqa: SIM905
+)
+_HARMLESS = frozenset(
+    """transformers_version torch_dtype dtype bos_token_id eos_token_id pad_token_id sep_token_id
+    decoder_start_token_id initializer_range use_cache attention_dropout pretraining_tp
+    _name_or_path _attn_implementation_autoset attn_implementation output_attentions
+    output_hidden_states return_dict torchscript use_bfloat16 tf_legacy_loss is_decoder
+    is_encoder_decoder add_cross_attention cross_attention_hidden_size tie_encoder_decoder
+    pruned_heads chunk_size_feed_forward id2label label2id problem_type finetuning_task
+    task_specific_params tokenizer_class prefix max_length min_length do_sample early_stopping
+    num_beams num_beam_groups diversity_penalty temperature top_k top_p typical_p
+    repetition_penalty length_penalty no_repeat_ngram_size encoder_no_repeat_ngram_size
+    bad_words_ids num_return_sequences output_scores return_dict_in_generate forced_bos_token_id
+    forced_eos_token_id remove_invalid_values exponential_decay_length_penalty
+    suppress_tokens begin_suppress_tokens""".split()  # noqa: SIM905
+)
+"""Generation defaults, token ids, initialisation and bookkeeping: nothing a weight means."""
+
+
+def family_summary(family: Family) -> dict[str, str]:
+    """What ``ckptctl formats`` says about a family."""
+    bias = {
+        "all": "biases on every linear layer or none",
+        "always": "q/k/v biases",
+        "never": "no biases",
+    }[family.qkv_bias]
+    norms = ", q/k RMSNorm" if family.qk_norm else ""
+    return {
+        "model_type": family.name,
+        "architecture": family.architecture,
+        "holds": f"SwiGLU, RMSNorm, RoPE, GQA or MHA, tied or untied embeddings, {bias}{norms}",
+    }
+
+
+def choose_family(spec: ModelSpec) -> Family:
+    """The family recorded in the spec, else the one the spec's features call for."""
+    if spec.hf_family is not None:
+        name = spec.hf_family
+    elif spec.qk_layernorm:
+        name = "qwen3"
+    elif spec.add_qkv_bias and not spec.add_bias_linear:
+        name = "qwen2"
+    else:
+        name = "llama"
+    if name not in FAMILIES:
+        raise LayoutError(
+            f"HF family {name!r}: ckptctl writes {', '.join(FAMILIES)} (ckptctl formats)"
+        )
+    family = FAMILIES[name]
+    check_family(spec, family)
+    return family
+
+
+def check_family(spec: ModelSpec, family: Family) -> None:
+    """Raise ``LayoutError`` listing everything in ``spec`` that ``family`` cannot hold."""
+    cls = family.architecture
+    problems = []
+    if not spec.gated_linear_unit or spec.activation is not Activation.SILU:
+        problems.append(
+            f"{cls} needs a gated SiLU MLP (SwiGLU); this model has a {spec.mlp_name} "
+            "(no transformers class ckptctl writes holds it; keep it as Megatron)"
+        )
+    if spec.normalization is not NormKind.RMSNORM:
+        problems.append(f"{cls} needs RMSNorm, this model uses {spec.normalization}")
+    if spec.position_embedding is not PositionEmbedding.ROPE:
+        problems.append(f"{cls} needs RoPE, this model uses {spec.position_embedding}")
+    if spec.rotary_percent != 1.0:
+        problems.append(
+            f"rotary_percent={spec.rotary_percent}: {cls} rotates every head dimension and "
+            "cannot express partial rotary embeddings; keep it as Megatron (reshard, "
+            "consolidate --format megatron)"
+        )
+    if spec.qk_layernorm != family.qk_norm:
+        problems.append(
+            f"{cls} {'needs' if family.qk_norm else 'has no'} q/k layernorm "
+            f"(qk_layernorm={spec.qk_layernorm})"
+        )
+    if spec.add_bias_linear and family.qkv_bias != "all":
+        problems.append(f"{cls} has no biases on its MLP and output projection (add_bias_linear)")
+    qkv_bias = spec.add_qkv_bias or spec.add_bias_linear
+    if family.qkv_bias == "always" and not qkv_bias:
+        problems.append(f"{cls} always has q/k/v biases; this model has none")
+    if family.qkv_bias == "never" and qkv_bias:
+        problems.append(f"{cls} cannot hold q/k/v biases (add_qkv_bias)")
+    if family.qkv_bias == "all" and spec.add_qkv_bias and not spec.add_bias_linear:
+        problems.append(f"{cls} cannot hold q/k/v-only biases (that is Qwen2ForCausalLM)")
+    if problems:
+        raise LayoutError(problems)
+
+
+def hf_config(spec: ModelSpec, dtype: str) -> dict[str, Any]:
+    """``config.json`` for ``spec`` in its family's class."""
+    family = choose_family(spec)
+    config: dict[str, Any] = {
+        "architectures": [family.architecture],
+        "model_type": family.name,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.ffn_hidden_size,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_query_groups,
+        "head_dim": spec.kv_channels,
+        "num_hidden_layers": spec.num_layers,
+        "vocab_size": spec.vocab_size,
+        "rms_norm_eps": spec.norm_epsilon,
+        "rope_theta": spec.rotary_base,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "tie_word_embeddings": spec.tie_embeddings,
+        "hidden_act": "silu",
+        "torch_dtype": dtype,
+    }
+    if family.name == "llama":
+        config["attention_bias"] = config["mlp_bias"] = spec.add_bias_linear
+    if family.name == "qwen3":
+        config["attention_bias"] = False
+    if "sliding_window" in family.config_keys:
+        config["sliding_window"] = None
+    if "use_sliding_window" in family.config_keys:
+        config["use_sliding_window"] = False
+    return config
+
+
+def spec_from_config(
+    config: Mapping[str, Any],
+    make_vocab_size_divisible_by: int = 128,
+    trusted: frozenset[str] = frozenset(),
+) -> ModelSpec:
+    """A ``ModelSpec`` from a ``config.json`` of one of the families, read strictly."""
+    model_type = config.get("model_type") or "llama"
+    if model_type not in FAMILIES:
+        raise LayoutError(
+            f"model_type={model_type!r}: ckptctl reads {', '.join(FAMILIES)} (ckptctl formats)"
+        )
+    family = FAMILIES[model_type]
+    _check_keys(config, family, trusted)
+    heads = config["num_attention_heads"]
+    hidden = config["hidden_size"]
+    bias = bool(config.get("attention_bias", False))
+    if family.name == "llama" and bias != bool(config.get("mlp_bias", False)):
+        raise LayoutError("attention_bias and mlp_bias differ: Megatron has one add_bias_linear")
+    if family.name == "qwen3" and bias:
+        raise LayoutError("attention_bias=true: Megatron cannot hold biases on attention only")
+    return ModelSpec(
+        num_layers=config["num_hidden_layers"],
+        hidden_size=hidden,
+        ffn_hidden_size=config["intermediate_size"],
+        num_attention_heads=heads,
+        num_query_groups=config.get("num_key_value_heads") or heads,
+        kv_channels=config.get("head_dim") or hidden // heads,
+        vocab_size=config["vocab_size"],
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+        gated_linear_unit=True,
+        activation=Activation.SILU,
+        add_bias_linear=bias and family.name == "llama",
+        add_qkv_bias=family.qkv_bias == "always",
+        qk_layernorm=family.qk_norm,
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        max_position_embeddings=config.get("max_position_embeddings", 4096),
+        norm_epsilon=float(config.get("rms_norm_eps", 1e-6)),
+        rotary_base=_rope_theta(config),
+        hf_family=None if family.name == "llama" else family.name,
+    )
+
+
+def _rope_theta(config: Mapping[str, Any]) -> float:
+    parameters = config.get("rope_parameters") or {}
+    return float(config.get("rope_theta") or parameters.get("rope_theta") or 10000.0)
+
+
+def _check_keys(config: Mapping[str, Any], family: Family, trusted: frozenset[str]) -> None:
+    changed, unknown = [], []
+    for key, value in config.items():
+        if key in trusted or key in _HARMLESS:
+            continue
+        if key not in _MAPPED and key not in family.config_keys:
+            unknown.append(key)
+        elif (problem := _plain_problem(key, value, config)) is not None:
+            changed.append(problem)
+    problems = []
+    if changed:
+        problems.append(
+            f"{', '.join(changed)}: not supported yet (these change the model's "
+            "math); ckptctl refuses rather than convert it wrong"
+        )
+    if unknown:
+        problems.append(
+            f"{', '.join(unknown)}: unknown to ckptctl for model_type "
+            f"{family.name!r}, so it cannot tell whether the model changes; {TRUST_HINT}"
+        )
+    if problems:
+        raise LayoutError("; ".join(problems))
+
+
+def _plain_problem(key: str, value: Any, config: Mapping[str, Any]) -> str | None:
+    """The key=value that makes the model more than its family's plain form, if it does."""
+    if key == "hidden_act" and value != "silu":
+        return f"hidden_act={value!r}"
+    if key in ("rope_scaling", "rope_parameters") and value:
+        extra = {k: v for k, v in value.items() if k != "rope_theta"}
+        if extra.get("rope_type", "default") != "default" or set(extra) - {"rope_type"}:
+            return f"{key}={dict(value)!r}"
+    if key == "sliding_window" and value is not None and config.get("use_sliding_window", True):
+        return f"sliding_window={value!r}"
+    if key == "use_sliding_window" and value:
+        return f"use_sliding_window={value!r}"
+    if key == "layer_types" and any(kind != "full_attention" for kind in value or ()):
+        return f"layer_types={value!r}"
+    return None

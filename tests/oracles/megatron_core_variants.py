@@ -1,0 +1,224 @@
+"""Model variants written and read back by megatron-core's own GPTModel (test oracle, issue 14).
+
+Two modes, both on CPU with gloo:
+
+``write OUT --format legacy|torch_dist``
+    Spawns two TP ranks and, for every variant below, builds megatron-core's ``GPTModel``
+    (local layer spec) with that variant's ``TransformerConfig``, randomises its norms and
+    biases, and saves it the way Megatron-LM does (legacy ``model_optim_rng.pt`` per rank, or
+    ``dist_checkpointing.save`` for ``torch_dist``, ``args`` as Megatron-LM stores them, with
+    ``transformer_impl="local"``) to ``OUT/<variant>/``, with megatron-core's own TP forward on
+    a fixed batch in ``OUT/<variant>/reference.pt``.
+
+``forward CKPT OUT_PT --variant NAME``
+    Loads a legacy TP=1 PP=2 checkpoint (one layer per stage) into megatron-core's model, one
+    ``GPTModel`` per pipeline stage with ``load_state_dict(strict=True)``, runs the stages in
+    turn (stage 0's hidden states as stage 1's input tensor) and saves the logits to ``OUT_PT``.
+
+Variants: ``mha`` (group_query_attention off, num_query_groups stored as 1), ``partial_rope``
+(rotary_percent 0.5), ``qkv_bias`` (Qwen2-style), ``qk_layernorm`` (Qwen3-style), ``gelu``
+(non-gated GELU MLP), ``tied`` (shared embedding and output weights).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from mcore_cpu import (
+    CHECKPOINT_VERSION,
+    ITERATION,
+    MODEL_SEED,
+    NORM_SEED,
+    NUM_HEADS,
+    TRUE_VOCAB,
+    causal_mask,
+    gpt_model,
+    model_args,
+    model_parallel,
+    patch_megatron_for_cpu,
+    position_ids,
+    reference_input_ids,
+    spawn,
+    transformer_config,
+)
+
+TP = 2
+NUM_LAYERS = 2
+BATCH, SEQ = 2, 17
+
+# variant -> (args overrides as Megatron-LM stores them, TransformerConfig overrides, GPTModel
+# keywords)
+VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {
+    "mha": (
+        {"group_query_attention": False, "num_query_groups": 1},
+        {"num_query_groups": NUM_HEADS},
+        {},
+    ),
+    "partial_rope": ({"rotary_percent": 0.5}, {}, {"rotary_percent": 0.5}),
+    "qkv_bias": ({"add_qkv_bias": True}, {"add_qkv_bias": True}, {}),
+    "qk_layernorm": ({"qk_layernorm": True}, {"qk_layernorm": True}, {}),
+    "gelu": (
+        {"swiglu": False},
+        {"gated_linear_unit": False, "activation_func": torch.nn.functional.gelu},
+        {},
+    ),
+    "tied": ({"untie_embeddings_and_output_weights": False}, {}, {"tie_embeddings": True}),
+}
+
+
+def megatron_args(variant: str, tp: int, pp: int, ckpt_format: str) -> argparse.Namespace:
+    """The ``args`` Megatron-LM stores for this variant."""
+    args = argparse.Namespace(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=None,
+        **model_args(tp, NUM_LAYERS),
+        num_experts=None,
+        params_dtype=torch.float32,
+        bf16=False,
+        fp16=False,
+        transformer_impl="local",
+        use_distributed_optimizer=False,
+        seq_length=SEQ,
+        ckpt_format=ckpt_format,
+        use_dist_ckpt=ckpt_format == "torch_dist",
+    )
+    for name, value in VARIANTS[variant][0].items():
+        setattr(args, name, value)
+    return args
+
+
+def build(variant: str, tp: int, pp_stage: int | None = None) -> torch.nn.Module:
+    """The variant's GPTModel: the whole model, or one of two pipeline stages (one layer each)."""
+    _, config_overrides, model_kwargs = VARIANTS[variant]
+    layers = NUM_LAYERS if pp_stage is None else NUM_LAYERS // 2
+    config = transformer_config(tp=tp, num_layers=layers, **config_overrides)
+    stages = (
+        {} if pp_stage is None else {"pre_process": pp_stage == 0, "post_process": pp_stage == 1}
+    )
+    return gpt_model(config, parallel_output=False, **stages, **model_kwargs)
+
+
+def randomise(model: torch.nn.Module, rank: int) -> None:
+    """Norm weights ``1 + 0.1 * randn`` and biases ``0.1 * randn`` (megatron-core initialises
+    them to ones and zeros, which would hide a misplaced one), seeded by name, and by TP rank
+    too for a tensor-parallel shard (replicated parameters must agree over ranks)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            norm = "layernorm" in name
+            if not norm and not name.endswith(".bias"):
+                continue
+            split = getattr(param, "tensor_model_parallel", False)
+            seed = NORM_SEED + zlib.crc32(f"{name}@{rank if split else 0}".encode())
+            noise = torch.randn(param.shape, generator=torch.Generator().manual_seed(seed))
+            param.copy_(1.0 + 0.1 * noise if norm else 0.1 * noise)
+
+
+def logits_of(model: torch.nn.Module) -> torch.Tensor:
+    input_ids = reference_input_ids(BATCH, SEQ)
+    with torch.no_grad():
+        logits = model(input_ids, position_ids(BATCH, SEQ), causal_mask(SEQ))
+    return logits[..., :TRUE_VOCAB].float().contiguous()
+
+
+def write_worker(rank: int, port: int, out_dir: Path, ckpt_format: str) -> None:
+    patch_megatron_for_cpu(noop_cuda_synchronize=True)
+    with model_parallel(rank, port, TP, tp=TP, cpu_as_cuda=ckpt_format == "torch_dist"):
+        for variant in VARIANTS:
+            torch.manual_seed(MODEL_SEED)  # the same full model on every rank (see gpt_model)
+            model = build(variant, TP)
+            randomise(model, rank)
+            model.eval()
+            root = out_dir / variant
+            args = megatron_args(variant, TP, 1, ckpt_format)
+            if ckpt_format == "legacy":
+                rank_dir = root / f"iter_{ITERATION:07d}" / f"mp_rank_{rank:02d}"
+                rank_dir.mkdir(parents=True, exist_ok=True)
+                state = {
+                    "args": args,
+                    "checkpoint_version": CHECKPOINT_VERSION,
+                    "iteration": ITERATION,
+                    "model": model.state_dict_for_save_checkpoint(),
+                }
+                torch.save(state, rank_dir / "model_optim_rng.pt")
+            else:
+                save_torch_dist(root, model, args)
+            logits = logits_of(model)
+            if rank == 0:
+                reference = {"input_ids": reference_input_ids(BATCH, SEQ), "logits": logits}
+                torch.save(reference, root / "reference.pt")
+                (root / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
+            dist.barrier()
+
+
+def save_torch_dist(root: Path, model: torch.nn.Module, args: argparse.Namespace) -> None:
+    """Megatron-LM's synchronous ``torch_dist`` save of the model alone."""
+    from megatron.core import dist_checkpointing
+
+    checkpoint_dir = root / f"iter_{ITERATION:07d}"
+    if dist.get_rank() == 0:
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    state = {
+        "args": args,
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "iteration": ITERATION,
+        "model": model.sharded_state_dict(),
+    }
+    dist_checkpointing.save(state, str(checkpoint_dir))
+    dist.barrier()
+
+
+def forward_worker(rank: int, port: int, ckpt: Path, out: Path, variant: str) -> None:
+    patch_megatron_for_cpu(noop_cuda_synchronize=False)
+    with model_parallel(rank, port, 1, tp=1, cpu_as_cuda=False):
+        stages = []
+        for stage in range(2):
+            model = build(variant, 1, pp_stage=stage)
+            path = ckpt / f"iter_{ITERATION:07d}" / f"mp_rank_00_{stage:03d}" / "model_optim_rng.pt"
+            state = torch.load(path, weights_only=False)
+            assert state["args"].pipeline_model_parallel_size == 2
+            # strict: every parameter megatron-core's stage has, named as it names them, and
+            # nothing else (extra state aside, which the local spec does not have).
+            model.load_state_dict(state["model"], strict=True)
+            # ... and in megatron-core's own order (the order Megatron numbers optimizer state by).
+            ours = [k for k in state["model"] if not k.endswith("_extra_state")]
+            theirs = [k for k in model.state_dict() if not k.endswith("_extra_state")]
+            assert ours == theirs, (ours, theirs)
+            model.eval()
+            stages.append(model)
+        input_ids = reference_input_ids(BATCH, SEQ)
+        with torch.no_grad():
+            hidden = stages[0](input_ids, position_ids(BATCH, SEQ), causal_mask(SEQ))
+            stages[1].set_input_tensor(hidden)
+            logits = stages[1](input_ids, position_ids(BATCH, SEQ), causal_mask(SEQ))
+        torch.save(logits[..., :TRUE_VOCAB].float().contiguous(), out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="mode", required=True)
+    write = sub.add_parser("write")
+    write.add_argument("out_dir", type=Path)
+    write.add_argument("--format", choices=("legacy", "torch_dist"), required=True)
+    forward = sub.add_parser("forward")
+    forward.add_argument("ckpt", type=Path)
+    forward.add_argument("out", type=Path)
+    forward.add_argument("--variant", choices=tuple(VARIANTS), required=True)
+    args = parser.parse_args(argv)
+    if args.mode == "write":
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        spawn(write_worker, TP, args.out_dir.resolve(), args.format)
+    else:
+        spawn(forward_worker, 1, args.ckpt.resolve(), args.out.resolve(), args.variant)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
