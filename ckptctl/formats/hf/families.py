@@ -20,11 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptctl.errors import LayoutError
+from ckptctl.formats.fields import refuse_fields
 from ckptctl.model.layout import Activation, ModelSpec, NormKind, PositionEmbedding
-
-TRUST_HINT = (
-    "if you know a field leaves the tensors' layout and meaning unchanged, pass --trust-field NAME"
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,19 +249,7 @@ def _check_keys(config: Mapping[str, Any], family: Family, trusted: frozenset[st
             unknown.append(key)
         elif (problem := _plain_problem(key, value, config)) is not None:
             changed.append(problem)
-    problems = []
-    if changed:
-        problems.append(
-            f"{', '.join(changed)}: not supported yet (these change the model's "
-            "math); ckptctl refuses rather than convert it wrong"
-        )
-    if unknown:
-        problems.append(
-            f"{', '.join(unknown)}: unknown to ckptctl for model_type "
-            f"{family.name!r}, so it cannot tell whether the model changes; {TRUST_HINT}"
-        )
-    if problems:
-        raise LayoutError("; ".join(problems))
+    refuse_fields(changed, unknown, f" for model_type {family.name!r}")
 
 
 def _plain_problem(key: str, value: Any, config: Mapping[str, Any]) -> str | None:

@@ -8,6 +8,7 @@ import copy
 from typing import Any
 
 from ckptctl.errors import CheckpointError, LayoutError
+from ckptctl.formats.fields import refuse_fields
 from ckptctl.formats.megatron.args_fields import (
     HARMLESS,
     MAPPED,
@@ -33,11 +34,6 @@ def _arg(args: argparse.Namespace, *names: str, default: Any = None) -> Any:
     return default
 
 
-TRUST_HINT = (
-    "if you know a field leaves the tensors' layout and meaning unchanged, pass --trust-field NAME"
-)
-
-
 def check_fields(args: argparse.Namespace, trusted: frozenset[str] = frozenset()) -> None:
     """Refuse, by name, every field of ``args`` the model spec cannot carry: math-changing
     fields away from their plain values, and fields ckptctl does not know at all."""
@@ -53,19 +49,7 @@ def check_fields(args: argparse.Namespace, trusted: frozenset[str] = frozenset()
             unknown.append(f"args.{name}")
         # MoE / MLA fields are read only with num_experts / multi_latent_attention set, and
         # such models are refused (ModelSpec, PLAIN_VALUES) until they are supported.
-    problems = []
-    if changed:
-        problems.append(
-            f"{', '.join(changed)}: not supported yet (these change the model's math or tensor "
-            "layout); ckptctl refuses rather than convert it wrong"
-        )
-    if unknown:
-        problems.append(
-            f"{', '.join(unknown)}: unknown to ckptctl, so it cannot tell whether "
-            f"{'they change' if len(unknown) > 1 else 'it changes'} the model; {TRUST_HINT}"
-        )
-    if problems:
-        raise LayoutError("; ".join(problems))
+    refuse_fields(changed, unknown)
 
 
 def naming_from_args(args: argparse.Namespace) -> Naming | None:
