@@ -109,6 +109,7 @@ def plan_consolidate(
             optimizer=target_optimizer(style.optimizer, layout, weight_dtype),
             naming=style.naming,
             layer_order=style.layer_order,
+            expert_naming=style.expert_naming,
         )
         files, estimates = plan_files(source, targets, FileKind.MEGATRON_RANK, carry_from=0)
         finalize = [TextWrite(path=TRACKER, content=tracker_text(source.iteration))]

@@ -76,6 +76,7 @@ def plan_reshard(
             optimizer=optimizer,
             naming=style.naming,
             layer_order=style.layer_order,
+            expert_naming=style.expert_naming,
         )
         files, estimates = plan_files(source, targets, FileKind.MEGATRON_RANK, carry_from=0)
     else:

@@ -283,9 +283,19 @@ MORE: dict[str, tuple[Callable[[Path], None], str, int]] = {
         "no 'args' namespace",
         3,
     ),
-    "mixture of experts": (
+    "experts on one rank only": (
         _edit("args/num_experts", 8),
-        "mixture-of-experts models are not yet supported",
+        "args.num_experts=None disagrees with 8",
+        3,
+    ),
+    "multi-latent attention": (
+        _edit("args/multi_latent_attention", True),
+        "args.multi_latent_attention=True",
+        2,
+    ),
+    "multi-token prediction": (
+        _edit("args/mtp_num_layers", 1),
+        "args.mtp_num_layers=1",
         2,
     ),
     "empty iteration dir": (

@@ -35,9 +35,38 @@ def test_all_problems_reported_together() -> None:
     assert "num_query_groups=2" in text and "num_attention_heads=4" in text and "pp=3" in text
 
 
-def test_moe_is_refused_not_mishandled() -> None:
-    with pytest.raises(ValidationError, match="num_experts=8: mixture-of-experts models are not"):
-        ModelSpec.model_validate({**SPEC.model_dump(), "num_experts": 8})
+MOE = ModelSpec.model_validate({**SPEC.model_dump(), "num_experts": 8, "moe_ffn_hidden_size": 48})
+
+
+def test_expert_layout_problems_name_the_values() -> None:
+    with pytest.raises(LayoutError) as info:
+        ParallelLayout(ep=3, dp=3, tp=1).check_against(MOE)
+    assert "ep=3 does not divide num_experts=8" in str(info.value)
+    with pytest.raises(LayoutError, match="etp=32 does not divide the expert ffn size 48"):
+        ParallelLayout(tp=1, dp=32, etp=32).check_against(MOE)
+    with pytest.raises(ValidationError, match="ep=4 x etp=2 does not divide tp=2 x dp=2"):
+        ParallelLayout(tp=2, dp=2, ep=4)
+    with pytest.raises(LayoutError, match="ep=2 / etp=None need a mixture-of-experts model"):
+        ParallelLayout(dp=2, ep=2).check_against(SPEC)
+    with pytest.raises(ValidationError, match=r"moe_router_topk=9 must lie in 1\.\.num_experts=8"):
+        ModelSpec.model_validate({**MOE.model_dump(), "moe_router_topk": 9})
+    with pytest.raises(ValidationError, match="moe_ffn_hidden_size is set but num_experts is not"):
+        ModelSpec.model_validate({**SPEC.model_dump(), "moe_ffn_hidden_size": 8})
+
+
+def test_global_expert_index_is_ep_rank_times_local_count_plus_local_index() -> None:
+    layout = ParallelLayout(tp=2, dp=8, ep=4)
+    assert layout.expert_dp == 2
+    assert [list(layout.local_experts(MOE, r)) for r in range(4)] == [
+        [0, 1],
+        [2, 3],
+        [4, 5],
+        [6, 7],
+    ]
+    experts = [p for p in parameters(MOE) if p.expert is not None]
+    assert len(experts) == 8 * 8 * 2  # layers x experts x (fc1, fc2)
+    fc1 = next(p for p in experts if p.name.endswith("local_experts.5.linear_fc1.weight"))
+    assert fc1.shape == (96, 64) and fc1.split is Split.GATED and fc1.expert == 5
 
 
 def test_json_round_trip() -> None:

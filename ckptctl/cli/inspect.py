@@ -11,7 +11,7 @@ from ckptctl.cli.options import Iteration, Json, TrueVocab, state
 from ckptctl.cli.output import Output, boundary, human_bytes
 from ckptctl.errors import LayoutError
 from ckptctl.formats.hf.families import choose_family
-from ckptctl.model.catalog import OPTIMIZER_STATES
+from ckptctl.model.catalog import EXPERTS, OPTIMIZER_STATES
 from ckptctl.model.geometry import nbytes
 from ckptctl.model.layout import ModelSpec
 from ckptctl.probe import Checkpoint, open_checkpoint
@@ -50,10 +50,13 @@ def describe(ckpt: Checkpoint) -> dict[str, Any]:
                 optimizer += size
             else:
                 weights += size
+        experts = sorted({e for t in f.tensors if (e := _expert_of(t.canonical)) is not None})
         files.append(
             {
                 "path": f.path,
                 "rank": f.rank,
+                "ep_rank": f.ep_rank,
+                "experts": experts,
                 "tensors": len(f.tensors),
                 "tensor_bytes": file_total,
                 "file_bytes": ckpt.storage.size(f.path),
@@ -75,6 +78,14 @@ def describe(ckpt: Checkpoint) -> dict[str, Any]:
     }
 
 
+def _expert_of(canonical: str) -> int | None:
+    """The global expert a canonical tensor (or its optimizer state) belongs to."""
+    marker = f".{EXPERTS}.local_experts."
+    if marker not in canonical:
+        return None
+    return int(canonical.split(marker, 1)[1].split(".", 1)[0])
+
+
 def _hf_target(spec: ModelSpec) -> dict[str, Any]:
     """The transformers class ``consolidate --format hf`` would write, or why none can."""
     try:
@@ -82,6 +93,17 @@ def _hf_target(spec: ModelSpec) -> dict[str, Any]:
     except LayoutError as err:
         return {"architecture": None, "refused": err.problems}
     return {"architecture": family.architecture, "refused": []}
+
+
+def _ranges(values: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``0-2, 5``."""
+    runs: list[list[int]] = []
+    for v in values:
+        if runs and runs[-1][-1] == v - 1:
+            runs[-1].append(v)
+        else:
+            runs.append([v])
+    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs) or "-"
 
 
 def _show_inspect(out: Output, info: dict[str, Any]) -> None:
@@ -99,14 +121,27 @@ def _show_inspect(out: Output, info: dict[str, Any]) -> None:
             else f"HF: none ({'; '.join(hf['refused'])})"
         )
     out.show("layout: " + " ".join(f"{k}={v}" for k, v in layout.items() if v not in (None, False)))
-    table = Table("file", "rank (tp, pp)", "tensors", "bytes")
+    moe = spec is not None and spec.get("num_experts")
+    if moe:
+        per_rank = spec["num_experts"] // layout["ep"]
+        out.show(
+            f"experts: {per_rank} of {spec['num_experts']} per EP rank (EP{layout['ep']}), "
+            f"expert TP {layout['etp'] or layout['tp']}"
+        )
+    rank_title = "rank (tp, pp, ep)" if moe else "rank (tp, pp)"
+    columns = [rank_title, "tensors", "bytes"] + (["experts"] if moe else [])
+    table = Table("file", *columns)
     for f in info["files"]:
-        table.add_row(
+        rank = (*f["rank"], f["ep_rank"]) if moe and f["rank"] else f["rank"]
+        row = [
             f["path"],
-            str(tuple(f["rank"])) if f["rank"] else "-",
+            str(tuple(rank)) if rank else "-",
             str(f["tensors"]),
             human_bytes(f["file_bytes"]),
-        )
+        ]
+        if moe:
+            row.append(_ranges(f["experts"]))
+        table.add_row(*row)
     out.show(table)
     out.show(
         f"{info['tensors']} tensors: weights {human_bytes(info['weight_bytes'])}, optimizer state "

@@ -74,6 +74,13 @@ MemoryBudget = Annotated[
 Tp = Annotated[int, typer.Option("--tp", help="Target tensor-parallel size.")]
 Pp = Annotated[int, typer.Option("--pp", help="Target pipeline-parallel size.")]
 Vpp = Annotated[int, typer.Option("--vpp", help="Virtual pipeline chunks per stage.")]
+Ep = Annotated[
+    int, typer.Option("--ep", help="Target expert-parallel size (mixture-of-experts models).")
+]
+Etp = Annotated[
+    int | None,
+    typer.Option("--etp", help="Target expert tensor-parallel size (default: the --tp size)."),
+]
 Dp = Annotated[
     int | None, typer.Option("--dp", help="Target data-parallel size (default: the source's).")
 ]
@@ -163,9 +170,14 @@ def layout_choices(
     first: int | None,
     last: int | None,
     distributed_optimizer: bool | None,
+    ep: int = 1,
+    etp: int | None = None,
 ) -> dict[str, Any]:
-    """The target layout as given on the command line; ``None`` keeps the source's choice."""
+    """The target layout as given on the command line; ``None`` keeps the source's choice
+    (expert TP: the target's TP)."""
     return {
+        "ep": ep,
+        "etp": etp,
         "tp": tp,
         "pp": pp,
         "vpp": vpp,
@@ -263,6 +275,8 @@ def target_request(
     pp: Pp = 1,
     vpp: Vpp = 1,
     dp: Dp = None,
+    ep: Ep = 1,
+    etp: Etp = None,
     distributed_optimizer: DistOpt = None,
     first: FirstStage = None,
     last: LastStage = None,
@@ -275,7 +289,7 @@ def target_request(
     target_format: ReshardFormat = Format.MEGATRON,
 ) -> TargetRequest:
     return TargetRequest(
-        layout_choices(tp, pp, vpp, dp, first, last, distributed_optimizer),
+        layout_choices(tp, pp, vpp, dp, first, last, distributed_optimizer, ep, etp),
         full,
         replica,
         lost_ranks,

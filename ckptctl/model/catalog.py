@@ -47,6 +47,52 @@ _TE_TO_LOCAL = {
 _LOCAL_TO_TE = {local: te for te, local in _TE_TO_LOCAL.items()}
 
 LAYER_PREFIX = "decoder.layers."
+EXPERTS = "mlp.experts"
+"""Where a layer's routed experts sit among its parameters. Layer orders hold this one marker
+for the whole expert block, because the block's own order depends on the expert module
+(``ExpertNaming``) and its members on the EP rank."""
+
+
+class ExpertNaming(StrEnum):
+    """How megatron-core's expert modules name a layer's local experts."""
+
+    SEQUENTIAL = "sequential"
+    """``SequentialMLP``: ``mlp.experts.local_experts.<j>.linear_fc1.weight``, expert-major."""
+    TE_GROUPED = "te_grouped"
+    """``TEGroupedMLP`` (``--moe-grouped-gemm`` with TransformerEngine):
+    ``mlp.experts.linear_fc1.weight<j>``, one grouped linear after the other."""
+
+
+def expert_name(layer_prefix: str, expert: int, suffix: str) -> str:
+    """Canonical name of ``suffix`` (e.g. ``linear_fc1.weight``) of global ``expert``."""
+    return f"{layer_prefix}{EXPERTS}.local_experts.{expert}.{suffix}"
+
+
+def stored_expert_name(suffix: str, local: int, naming: ExpertNaming) -> str:
+    """Layer-relative stored name of ``suffix`` of local expert ``local``."""
+    if naming is ExpertNaming.SEQUENTIAL:
+        return f"{EXPERTS}.local_experts.{local}.{suffix}"
+    module, kind = suffix.split(".")
+    return f"{EXPERTS}.{module}.{kind}{local}"
+
+
+def expert_block(
+    suffixes: list[str], experts: range, naming: ExpertNaming
+) -> list[tuple[str, int, str]]:
+    """(expert suffix, global expert, stored layer-relative name) of one layer's expert block,
+    in the module's ``named_parameters`` order."""
+    if naming is ExpertNaming.SEQUENTIAL:
+        pairs = [(e, s) for e in experts for s in suffixes]
+    else:  # grouped linears: all weights of fc1, then its biases, then fc2's
+        pairs = [
+            (e, s)
+            for module in ("linear_fc1", "linear_fc2")
+            for kind in ("weight", "bias")
+            for e in experts
+            for s in suffixes
+            if s == f"{module}.{kind}"
+        ]
+    return [(s, e, stored_expert_name(s, e - experts.start, naming)) for e, s in pairs]
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +104,10 @@ class Param:
     split: Split
     stage: Stage
     layer: int | None = None
+    expert: int | None = None
+    """Global expert index of a routed expert's parameter (split over EP, then ETP)."""
+    buffer: bool = False
+    """A persistent buffer (the router's expert bias): stored, never optimised."""
 
     @property
     def no_weight_decay(self) -> bool:
@@ -65,8 +115,54 @@ class Param:
         return self.name.endswith(".bias") or len(self.shape) == 1
 
 
+def expert_suffixes(spec: ModelSpec) -> list[tuple[str, Shape, Split]]:
+    """One routed expert's parameters (a SwiGLU/GELU MLP of the expert FFN size)."""
+    h, f = spec.hidden_size, spec.expert_ffn_size
+    rows = 2 * f if spec.gated_linear_unit else f
+    fc1_split = Split.GATED if spec.gated_linear_unit else Split.COLUMN
+    out = [("linear_fc1.weight", (rows, h), fc1_split)]
+    if spec.add_bias_linear:
+        out.append(("linear_fc1.bias", (rows,), fc1_split))
+    out.append(("linear_fc2.weight", (h, f), Split.ROW))
+    if spec.add_bias_linear:
+        out.append(("linear_fc2.bias", (h,), Split.REPLICATED))
+    return out
+
+
+def _moe_mlp(spec: ModelSpec, layernorm: bool) -> list[tuple[str, Shape, Split]]:
+    """An MoE layer's MLP part in megatron-core's order: its own norm module, router, the
+    experts (one ``EXPERTS`` marker), shared experts (own gate parameter before its linears)."""
+    h, e = spec.hidden_size, spec.num_experts or 0
+    out: list[tuple[str, Shape, Split]] = [("pre_mlp_layernorm.weight", (h,), Split.REPLICATED)]
+    if layernorm:
+        out.append(("pre_mlp_layernorm.bias", (h,), Split.REPLICATED))
+    out.append(("mlp.router.weight", (e, h), Split.REPLICATED))
+    if spec.add_bias_linear:
+        out.append(("mlp.router.bias", (e,), Split.REPLICATED))
+    if spec.moe_router_expert_bias:
+        out.append((ROUTER_EXPERT_BIAS, (e,), Split.REPLICATED))
+    out.append((EXPERTS, (), Split.REPLICATED))
+    shared = spec.moe_shared_expert_intermediate_size
+    if shared:
+        if spec.moe_shared_expert_gate:
+            out.append(("mlp.shared_experts.gate_weight", (1, h), Split.REPLICATED))
+        rows = 2 * shared if spec.gated_linear_unit else shared
+        fc1_split = Split.GATED if spec.gated_linear_unit else Split.COLUMN
+        out.append(("mlp.shared_experts.linear_fc1.weight", (rows, h), fc1_split))
+        if spec.add_bias_linear:
+            out.append(("mlp.shared_experts.linear_fc1.bias", (rows,), fc1_split))
+        out.append(("mlp.shared_experts.linear_fc2.weight", (h, shared), Split.ROW))
+        if spec.add_bias_linear:
+            out.append(("mlp.shared_experts.linear_fc2.bias", (h,), Split.REPLICATED))
+    return out
+
+
+ROUTER_EXPERT_BIAS = "mlp.router.expert_bias"
+
+
 def layer_suffixes(spec: ModelSpec) -> list[tuple[str, Shape, Split]]:
-    """Parameters of one transformer layer in Megatron-Core's registration order."""
+    """Parameters of one transformer layer in Megatron-Core's registration order; an MoE
+    layer's routed experts are the one ``EXPERTS`` entry (see ``expert_suffixes``)."""
     h, d = spec.hidden_size, spec.kv_channels
     bias = spec.add_bias_linear
     layernorm = spec.normalization is NormKind.LAYERNORM
@@ -87,6 +183,8 @@ def layer_suffixes(spec: ModelSpec) -> list[tuple[str, Shape, Split]]:
             out.append((f"self_attention.{which}_layernorm.weight", (d,), Split.REPLICATED))
             if layernorm:
                 out.append((f"self_attention.{which}_layernorm.bias", (d,), Split.REPLICATED))
+    if spec.is_moe:
+        return out + _moe_mlp(spec, layernorm)
     fc1_split = Split.GATED if spec.gated_linear_unit else Split.COLUMN
     out.append(("mlp.linear_fc1.layer_norm_weight", (h,), Split.REPLICATED))
     if layernorm:
@@ -129,11 +227,21 @@ def _parameters(spec: ModelSpec) -> tuple[Param, ...]:
             )
         )
     suffixes = layer_suffixes(spec)
+    experts = expert_suffixes(spec) if spec.is_moe else []
     for layer in range(spec.num_layers):
-        params.extend(
-            Param(f"{LAYER_PREFIX}{layer}.{suffix}", shape, split, Stage.LAYER, layer)
-            for suffix, shape, split in suffixes
-        )
+        prefix = f"{LAYER_PREFIX}{layer}."
+        for suffix, shape, split in suffixes:
+            if suffix == EXPERTS:
+                params.extend(
+                    Param(expert_name(prefix, e, sub), sub_shape, sub_split, Stage.LAYER, layer, e)
+                    for e in range(spec.num_experts or 0)
+                    for sub, sub_shape, sub_split in experts
+                )
+                continue
+            buffer = suffix == ROUTER_EXPERT_BIAS
+            params.append(
+                Param(f"{prefix}{suffix}", shape, split, Stage.LAYER, layer, buffer=buffer)
+            )
     params.append(Param("decoder.final_layernorm.weight", (h,), Split.REPLICATED, Stage.LAST))
     if spec.normalization is NormKind.LAYERNORM:
         params.append(Param("decoder.final_layernorm.bias", (h,), Split.REPLICATED, Stage.LAST))
@@ -151,10 +259,15 @@ def local_layer_name(suffix: str, naming: Naming) -> str:
     return _TE_TO_LOCAL.get(suffix, suffix) if naming is Naming.LOCAL else suffix
 
 
-def te_layer_suffix(suffix: str) -> str:
-    """The TE spelling of a layer-relative parameter name in either spec."""
+def te_layer_suffix(suffix: str, moe: bool = False) -> str:
+    """The TE spelling of a layer-relative parameter name in either spec (an MoE layer keeps
+    ``pre_mlp_layernorm``: its MLP has no fused norm)."""
+    if moe and suffix.startswith("pre_mlp_layernorm."):
+        return suffix
     return _LOCAL_TO_TE.get(suffix, suffix)
 
 
 def uses_local_names(names: list[str]) -> bool:
-    return any(name.split(".", 3)[-1] in _LOCAL_TO_TE for name in names)
+    """Whether stored names follow the local spec: its attention norm is a module of its own
+    (an MoE layer's ``pre_mlp_layernorm`` is one in both specs, so it cannot tell)."""
+    return any(name.split(".", 3)[-1].startswith("input_layernorm.") for name in names)

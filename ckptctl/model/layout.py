@@ -33,6 +33,11 @@ class Activation(StrEnum):
     SQUARED_RELU = "squared_relu"
 
 
+class RouterScore(StrEnum):
+    SOFTMAX = "softmax"
+    SIGMOID = "sigmoid"
+
+
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -71,7 +76,20 @@ class ModelSpec(_Frozen):
     """The HF model family the model came from (``llama``, ``mistral``, ``qwen2``, ...), kept
     so that converting back to HF picks the same class; unset: chosen from the other fields."""
     num_experts: int | None = None
-    """Mixture of experts is refused for now rather than mishandled."""
+    """Routed experts of every layer's MoE MLP (Megatron's ``--num-experts``); unset: dense."""
+    moe_ffn_hidden_size: int | None = None
+    """One expert's FFN size; unset means ``ffn_hidden_size``."""
+    moe_router_topk: int = 2
+    moe_router_pre_softmax: bool = False
+    """Softmax over all experts before top-k (Qwen2-MoE, no renormalisation) instead of a
+    softmax over the chosen k (Mixtral)."""
+    moe_router_score_function: RouterScore = RouterScore.SOFTMAX
+    moe_router_expert_bias: bool = False
+    """A per-expert routing bias buffer (``mlp.router.expert_bias``, aux-loss-free balancing)."""
+    moe_shared_expert_intermediate_size: int | None = None
+    """FFN size of the always-on shared expert(s) of each MoE layer; unset: none."""
+    moe_shared_expert_gate: bool = False
+    """A sigmoid gate (``gate_weight``, one row) scaling the shared experts' output."""
 
     @model_validator(mode="before")
     @classmethod
@@ -96,10 +114,7 @@ class ModelSpec(_Frozen):
         ):
             if getattr(self, field) <= 0:
                 problems.append(f"{field}={getattr(self, field)} must be positive")
-        if self.num_experts:
-            problems.append(
-                f"num_experts={self.num_experts}: mixture-of-experts models are not yet supported"
-            )
+        problems.extend(self._moe_problems())
         if self.num_query_groups > 0 and self.num_attention_heads % self.num_query_groups:
             problems.append(
                 f"num_query_groups={self.num_query_groups} does not divide "
@@ -108,6 +123,43 @@ class ModelSpec(_Frozen):
         if problems:
             raise LayoutError(problems)
         return self
+
+    def _moe_problems(self) -> list[str]:
+        if self.num_experts is None:
+            moe_only = [
+                name
+                for name in (
+                    "moe_ffn_hidden_size",
+                    "moe_shared_expert_intermediate_size",
+                )
+                if getattr(self, name) is not None
+            ] + [
+                n for n in ("moe_router_expert_bias", "moe_shared_expert_gate") if getattr(self, n)
+            ]
+            return [f"{name} is set but num_experts is not" for name in moe_only]
+        problems = []
+        if self.num_experts < 1:
+            problems.append(f"num_experts={self.num_experts} must be positive")
+        if not 1 <= self.moe_router_topk <= max(self.num_experts, 1):
+            problems.append(
+                f"moe_router_topk={self.moe_router_topk} must lie in 1..num_experts="
+                f"{self.num_experts}"
+            )
+        for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                problems.append(f"{name}={value} must be positive")
+        if self.moe_shared_expert_gate and not self.moe_shared_expert_intermediate_size:
+            problems.append("moe_shared_expert_gate needs moe_shared_expert_intermediate_size")
+        return problems
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
+
+    @property
+    def expert_ffn_size(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
 
     def describe(self) -> str:
         """Every field that shapes the tensors or the math, in words (``inspect``)."""
@@ -128,6 +180,7 @@ class ModelSpec(_Frozen):
             f"head dim {self.kv_channels})",
             f"vocab {self.vocab_size}",
             self.mlp_name,
+            *([self.moe_description()] if self.is_moe else []),
             f"{self.normalization} (eps {self.norm_epsilon:g})",
             *(["q/k layernorm"] if self.qk_layernorm else []),
             bias,
@@ -136,6 +189,17 @@ class ModelSpec(_Frozen):
             *([f"from HF {self.hf_family}"] if self.hf_family else []),
         ]
         return ", ".join(parts)
+
+    def moe_description(self) -> str:
+        routing = f"top-{self.moe_router_topk} of {self.num_experts} experts (ffn "
+        routing += f"{self.expert_ffn_size}, {self.moe_router_score_function}"
+        routing += " before top-k)" if self.moe_router_pre_softmax else ")"
+        if self.moe_router_expert_bias:
+            routing += " with expert bias"
+        if self.moe_shared_expert_intermediate_size:
+            gate = " gated" if self.moe_shared_expert_gate else ""
+            routing += f", shared{gate} expert ffn {self.moe_shared_expert_intermediate_size}"
+        return routing
 
     @property
     def mlp_name(self) -> str:
@@ -174,14 +238,24 @@ class ParallelLayout(_Frozen):
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
     distributed_optimizer: bool = False
+    ep: int = 1
+    """Expert parallelism: each EP rank holds ``num_experts / ep`` experts of every MoE layer."""
+    etp: int | None = None
+    """Expert tensor parallelism (Megatron's ``--expert-tensor-parallel-size``); unset: ``tp``."""
 
     @model_validator(mode="after")
     def _check(self) -> ParallelLayout:
         problems = [
             f"{axis}={getattr(self, axis)} must be at least 1"
-            for axis in ("tp", "pp", "dp", "vpp")
+            for axis in ("tp", "pp", "dp", "vpp", "ep", "expert_tp")
             if getattr(self, axis) < 1
         ]
+        if not problems and (self.tp * self.dp) % (self.ep * self.expert_tp):
+            # Megatron carves the expert groups out of the same ranks: tp*dp = etp*ep*edp.
+            problems.append(
+                f"ep={self.ep} x etp={self.expert_tp} does not divide tp={self.tp} x "
+                f"dp={self.dp}: the experts need that many ranks per pipeline stage (pass --dp)"
+            )
         if self.pp == 1 and self.vpp > 1:
             problems.append(f"vpp={self.vpp} needs pp > 1")
         if self.pp == 1 and (self.first_stage_layers or self.last_stage_layers):
@@ -191,8 +265,17 @@ class ParallelLayout(_Frozen):
         return self
 
     @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def expert_dp(self) -> int:
+        """Data-parallel replicas of each expert shard (Megatron's expert data parallelism)."""
+        return self.tp * self.dp // (self.ep * self.expert_tp)
+
+    @property
     def is_sharded(self) -> bool:
-        return self.tp > 1 or self.pp > 1
+        return self.tp > 1 or self.pp > 1 or self.ep > 1
 
     def check_against(self, spec: ModelSpec) -> None:
         """Raise ``LayoutError`` listing every way this layout cannot split ``spec``."""
@@ -204,14 +287,41 @@ class ParallelLayout(_Frozen):
             problems.append(
                 f"tp={t} does not divide num_attention_heads={spec.num_attention_heads}"
             )
-        if spec.ffn_hidden_size % t:
+        if spec.ffn_hidden_size % t and not spec.is_moe:
             problems.append(f"tp={t} does not divide ffn_hidden_size={spec.ffn_hidden_size}")
+        problems.extend(self._expert_problems(spec))
         try:
             self._stage_layer_counts(spec.num_layers)
         except LayoutError as err:
             problems.extend(err.problems)
         if problems:
             raise LayoutError(problems)
+
+    def _expert_problems(self, spec: ModelSpec) -> list[str]:
+        if spec.num_experts is None:
+            if self.ep > 1 or self.etp is not None:
+                return [f"ep={self.ep} / etp={self.etp} need a mixture-of-experts model"]
+            return []
+        problems = []
+        if spec.num_experts % self.ep:
+            problems.append(f"ep={self.ep} does not divide num_experts={spec.num_experts}")
+        if spec.expert_ffn_size % self.expert_tp:
+            problems.append(
+                f"etp={self.expert_tp} does not divide the expert ffn size {spec.expert_ffn_size}"
+            )
+        shared = spec.moe_shared_expert_intermediate_size
+        if shared and shared % self.tp:
+            problems.append(
+                f"tp={self.tp} does not divide moe_shared_expert_intermediate_size={shared}"
+            )
+        return problems
+
+    def local_experts(self, spec: ModelSpec, ep_rank: int) -> range:
+        """Global indices of the experts EP rank ``ep_rank`` holds (``ep_rank * n_local + j``)."""
+        if spec.num_experts is None:
+            return range(0)
+        n_local = spec.num_experts // self.ep
+        return range(ep_rank * n_local, (ep_rank + 1) * n_local)
 
     def _stage_layer_counts(self, num_layers: int) -> tuple[int, ...]:
         p, v = self.pp, self.vpp
@@ -257,14 +367,21 @@ class ParallelLayout(_Frozen):
                 start += count // v
         return out
 
-    def model_parallel_ranks(self) -> tuple[tuple[int, int], ...]:
-        """All (tp_rank, pp_rank) pairs, pipeline-major as Megatron names its directories."""
-        return tuple((t, p) for p in range(self.pp) for t in range(self.tp))
+    def model_parallel_ranks(self) -> tuple[tuple[int, int, int], ...]:
+        """All (tp_rank, pp_rank, ep_rank) triples, one per Megatron rank directory, pipeline-
+        major then expert rank (as the directory names sort)."""
+        return tuple(
+            (t, p, e) for p in range(self.pp) for e in range(self.ep) for t in range(self.tp)
+        )
 
     def describe(self) -> str:
         parts = [f"TP{self.tp}", f"PP{self.pp}", f"DP{self.dp}"]
         if self.vpp > 1:
             parts.append(f"VPP{self.vpp}")
+        if self.ep > 1 or self.etp is not None:
+            parts.append(f"EP{self.ep}")
+        if self.etp is not None and self.etp != self.tp:
+            parts.append(f"ETP{self.etp}")
         if self.first_stage_layers is not None or self.last_stage_layers is not None:
             parts.append(f"stages {self.first_stage_layers}/../{self.last_stage_layers}")
         if self.distributed_optimizer:

@@ -58,6 +58,8 @@ class StoredFile:
     """(tp rank, pp rank) for Megatron rank files."""
     flat: tuple[tuple[KeyPath, int], ...] = ()
     """Flat tensors (key, length) that ``view_offset`` tensors are slices of; gaps are zeros."""
+    ep_rank: int = 0
+    """Expert-parallel rank of a Megatron rank file (0 without expert parallelism)."""
 
 
 @dataclass(frozen=True, slots=True)

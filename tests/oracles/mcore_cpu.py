@@ -217,14 +217,22 @@ def spawn(worker: Callable[..., None], nprocs: int, *args: Any) -> None:
 
 @contextlib.contextmanager
 def model_parallel(
-    rank: int, port: int, world_size: int, *, tp: int, pp: int = 1, cpu_as_cuda: bool
+    rank: int,
+    port: int,
+    world_size: int,
+    *,
+    tp: int,
+    pp: int = 1,
+    cpu_as_cuda: bool,
+    **parallel: Any,
 ) -> Iterator[None]:
     """This rank's gloo process group and megatron-core's model-parallel state, torn down on exit.
 
     DP is what is left of ``world_size`` after ``tp * pp``. With ``cpu_as_cuda`` the body runs
     inside :class:`CpuAsCudaMode` (needed by megatron-core's optimizer, schedules and
     ``dist_checkpointing``; a plain forward does without). Call :func:`patch_megatron_for_cpu`
-    before entering.
+    before entering. ``parallel`` passes further sizes (``expert_model_parallel_size``, ...) to
+    ``initialize_model_parallel``.
     """
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -236,7 +244,7 @@ def model_parallel(
     try:
         with CpuAsCudaMode() if cpu_as_cuda else contextlib.nullcontext():
             parallel_state.initialize_model_parallel(
-                tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+                tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, **parallel
             )
             yield
     finally:
@@ -434,8 +442,10 @@ def wrap_for_training(
     bf16: bool = False,
     overlap_grad_reduce: bool = False,
     bucket_size: int | None = None,
+    distributed: bool = True,
 ) -> tuple[Any, Any, Any]:
-    """Megatron-LM's setup_model_and_optimizer: DDP, DistributedOptimizer (Adam), scheduler.
+    """Megatron-LM's setup_model_and_optimizer: DDP, DistributedOptimizer (Adam; with
+    ``distributed`` off megatron-core's per-parameter optimizer), scheduler.
 
     ``bf16`` also reduces grads in fp32 (``--accumulate-allreduce-grads-in-fp32``). The
     scheduler's decay spans ten steps of ``global_batch`` samples.
@@ -451,8 +461,8 @@ def wrap_for_training(
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=bf16,
         overlap_grad_reduce=overlap_grad_reduce,
-        use_distributed_optimizer=True,
         bucket_size=bucket_size,
+        use_distributed_optimizer=distributed,
     )
     ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=module)
     optimizer = get_megatron_optimizer(
@@ -467,7 +477,7 @@ def wrap_for_training(
             clip_grad=CLIP_GRAD,
             bf16=bf16,
             params_dtype=config.params_dtype,
-            use_distributed_optimizer=True,
+            use_distributed_optimizer=distributed,
         ),
         [ddp],
     )

@@ -203,7 +203,12 @@ class DcpCheckpoint:
         """Each parameter group's settings by kind (True: no weight decay), as the distributed
         optimizer's param_groups in ``common.pt`` record them (Adam's step aside)."""
         opt = self.common.get("optimizer")
-        groups = (opt or {}).get("optimizer", {}).get("param_groups", []) if opt else []
+        if isinstance(opt, dict) and isinstance(opt.get(0), dict):
+            opt = opt[0]  # a chained dense + expert optimizer: the dense one's groups
+        if isinstance(opt, dict) and "param_groups" in opt:
+            groups = opt["param_groups"]  # megatron-core's per-parameter optimizer
+        else:
+            groups = (opt or {}).get("optimizer", {}).get("param_groups", []) if opt else []
         if self.args is None:
             groups = self._saved_param_groups()
             if len(groups) == 1:  # one group for every parameter: both kinds share it

@@ -6,9 +6,13 @@ Each family is one transformers class whose tensors are a fixed function of the 
   ``mlp_bias``, Megatron's ``add_bias_linear``);
 * ``mistral`` (``MistralForCausalLM``): Llama without biases, full attention only;
 * ``qwen2`` (``Qwen2ForCausalLM``): biases on q/k/v only (Megatron's ``add_qkv_bias``);
-* ``qwen3`` (``Qwen3ForCausalLM``): an RMSNorm over each query and key head (``qk_layernorm``).
+* ``qwen3`` (``Qwen3ForCausalLM``): an RMSNorm over each query and key head (``qk_layernorm``);
+* mixture of experts, every layer routed: ``mixtral`` (``MixtralForCausalLM``, Mistral with
+  experts, top-k weights renormalised), ``qwen2_moe`` (``Qwen2MoeForCausalLM``, Qwen2 with
+  experts and a sigmoid-gated shared expert), ``qwen3_moe`` (``Qwen3MoeForCausalLM``, Qwen3 with
+  experts); the Qwen ones renormalise top-k weights only with ``norm_topk_prob``.
 
-All four are gated SiLU MLPs, RMSNorm, full RoPE. A model none of them can hold is refused for HF
+All are gated SiLU MLPs, RMSNorm, full RoPE. A model none of them can hold is refused for HF
 with the reason. Reading a ``config.json``, every key is mapped, checked against the value that
 keeps the model plain, or on the harmless list; any other key is refused by name.
 """
@@ -21,7 +25,25 @@ from typing import Any
 
 from ckptctl.errors import LayoutError
 from ckptctl.formats.fields import refuse_fields
-from ckptctl.model.layout import Activation, ModelSpec, NormKind, PositionEmbedding
+from ckptctl.model.layout import Activation, ModelSpec, NormKind, PositionEmbedding, RouterScore
+
+
+@dataclass(frozen=True, slots=True)
+class MoeNaming:
+    """How an MoE family names its router and experts (hub checkpoint spelling)."""
+
+    block: str
+    """Module holding router (``<block>.gate``) and experts (``<block>.experts.<e>``)."""
+    parts: tuple[str, str, str]
+    """An expert's gate, up and down projections."""
+    experts_key: str
+    """``config.json`` key of the number of experts."""
+    ffn_key: str
+    """``config.json`` key of one expert's FFN size."""
+    shared_gated_expert: bool = False
+    """Every layer has one shared expert with a sigmoid gate (Qwen2-MoE)."""
+    always_renormalise: bool = False
+    """Top-k weights always renormalised (Mixtral); else ``norm_topk_prob`` says."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +56,15 @@ class Family:
     qk_norm: bool
     config_keys: frozenset[str]
     """Family-specific keys this module maps or checks (beyond the common ones)."""
+    moe: MoeNaming | None = None
+    """Set for mixture-of-experts families: every decoder layer's MLP is routed experts."""
+
+
+_QWEN_MOE_KEYS = frozenset(
+    """num_experts num_local_experts num_experts_per_tok moe_intermediate_size norm_topk_prob
+    decoder_sparse_step mlp_only_layers router_aux_loss_coef output_router_logits sliding_window
+    use_sliding_window max_window_layers layer_types""".split()  # noqa: SIM905
+)
 
 
 FAMILIES = {
@@ -63,6 +94,47 @@ FAMILIES = {
                     "max_window_layers",
                     "layer_types",
                 }
+            ),
+        ),
+        Family(
+            "mixtral",
+            "MixtralForCausalLM",
+            "never",
+            False,
+            frozenset(
+                """num_local_experts num_experts_per_tok router_aux_loss_coef
+                output_router_logits router_jitter_noise sliding_window""".split()  # noqa: SIM905
+            ),
+            MoeNaming(
+                "block_sparse_moe",
+                ("w1", "w3", "w2"),
+                "num_local_experts",
+                "intermediate_size",
+                always_renormalise=True,
+            ),
+        ),
+        Family(
+            "qwen2_moe",
+            "Qwen2MoeForCausalLM",
+            "always",
+            False,
+            _QWEN_MOE_KEYS | {"shared_expert_intermediate_size", "qkv_bias"},
+            MoeNaming(
+                "mlp",
+                ("gate_proj", "up_proj", "down_proj"),
+                "num_experts",
+                "moe_intermediate_size",
+                shared_gated_expert=True,
+            ),
+        ),
+        Family(
+            "qwen3_moe",
+            "Qwen3MoeForCausalLM",
+            "never",
+            True,
+            _QWEN_MOE_KEYS | {"attention_bias"},
+            MoeNaming(
+                "mlp", ("gate_proj", "up_proj", "down_proj"), "num_experts", "moe_intermediate_size"
             ),
         ),
     )
@@ -99,10 +171,15 @@ def family_summary(family: Family) -> dict[str, str]:
         "never": "no biases",
     }[family.qkv_bias]
     norms = ", q/k RMSNorm" if family.qk_norm else ""
+    mlp = "SwiGLU"
+    if family.moe is not None:
+        mlp = "SwiGLU routed experts"
+        if family.moe.shared_gated_expert:
+            mlp += " with a gated shared expert"
     return {
         "model_type": family.name,
         "architecture": family.architecture,
-        "holds": f"SwiGLU, RMSNorm, RoPE, GQA or MHA, tied or untied embeddings, {bias}{norms}",
+        "holds": f"{mlp}, RMSNorm, RoPE, GQA or MHA, tied or untied embeddings, {bias}{norms}",
     }
 
 
@@ -110,6 +187,13 @@ def choose_family(spec: ModelSpec) -> Family:
     """The family recorded in the spec, else the one the spec's features call for."""
     if spec.hf_family is not None:
         name = spec.hf_family
+    elif spec.is_moe:
+        if spec.qk_layernorm:
+            name = "qwen3_moe"
+        elif spec.moe_shared_expert_intermediate_size or spec.add_qkv_bias:
+            name = "qwen2_moe"
+        else:
+            name = "mixtral"
     elif spec.qk_layernorm:
         name = "qwen3"
     elif spec.add_qkv_bias and not spec.add_bias_linear:
@@ -158,8 +242,32 @@ def check_family(spec: ModelSpec, family: Family) -> None:
         problems.append(f"{cls} cannot hold q/k/v biases (add_qkv_bias)")
     if family.qkv_bias == "all" and spec.add_qkv_bias and not spec.add_bias_linear:
         problems.append(f"{cls} cannot hold q/k/v-only biases (that is Qwen2ForCausalLM)")
+    problems.extend(_moe_problems(spec, family))
     if problems:
         raise LayoutError(problems)
+
+
+def _moe_problems(spec: ModelSpec, family: Family) -> list[str]:
+    cls, moe = family.architecture, family.moe
+    if moe is None:
+        return [f"{cls} has no experts (num_experts={spec.num_experts})"] if spec.is_moe else []
+    if not spec.is_moe:
+        return [f"{cls} is a mixture-of-experts class; this model is dense"]
+    problems = []
+    if spec.moe_router_score_function is not RouterScore.SOFTMAX:
+        problems.append(f"{cls} routes by softmax, not {spec.moe_router_score_function}")
+    if spec.moe_router_expert_bias:
+        problems.append(f"{cls} has no router expert bias (moe_router_enable_expert_bias)")
+    if spec.add_bias_linear:
+        problems.append(f"{cls} has no biases on its router and experts (add_bias_linear)")
+    if moe.always_renormalise and spec.moe_router_pre_softmax:
+        problems.append(f"{cls} renormalises the top-k weights; moe_router_pre_softmax does not")
+    shared = spec.moe_shared_expert_intermediate_size
+    if moe.shared_gated_expert and not (shared and spec.moe_shared_expert_gate):
+        problems.append(f"{cls} has a gated shared expert in every layer; this model has not")
+    if not moe.shared_gated_expert and shared:
+        problems.append(f"{cls} has no shared experts (moe_shared_expert_intermediate_size)")
+    return problems
 
 
 def hf_config(spec: ModelSpec, dtype: str) -> dict[str, Any]:
@@ -186,11 +294,31 @@ def hf_config(spec: ModelSpec, dtype: str) -> dict[str, Any]:
         config["attention_bias"] = config["mlp_bias"] = spec.add_bias_linear
     if family.name == "qwen3":
         config["attention_bias"] = False
+    if family.name == "qwen3_moe":
+        config["attention_bias"] = False
     if "sliding_window" in family.config_keys:
         config["sliding_window"] = None
     if "use_sliding_window" in family.config_keys:
         config["use_sliding_window"] = False
+    if family.moe is not None:
+        config.update(_moe_config(spec, family.moe))
     return config
+
+
+def _moe_config(spec: ModelSpec, moe: MoeNaming) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        moe.experts_key: spec.num_experts,
+        "num_experts_per_tok": spec.moe_router_topk,
+        moe.ffn_key: spec.expert_ffn_size,
+        "output_router_logits": False,
+    }
+    if not moe.always_renormalise:
+        out["norm_topk_prob"] = not spec.moe_router_pre_softmax
+        out["decoder_sparse_step"] = 1
+        out["mlp_only_layers"] = []
+    if moe.shared_gated_expert:
+        out["shared_expert_intermediate_size"] = spec.moe_shared_expert_intermediate_size
+    return out
 
 
 def spec_from_config(
@@ -211,9 +339,10 @@ def spec_from_config(
     bias = bool(config.get("attention_bias", False))
     if family.name == "llama" and bias != bool(config.get("mlp_bias", False)):
         raise LayoutError("attention_bias and mlp_bias differ: Megatron has one add_bias_linear")
-    if family.name == "qwen3" and bias:
+    if family.name in ("qwen3", "qwen3_moe") and bias:
         raise LayoutError("attention_bias=true: Megatron cannot hold biases on attention only")
     return ModelSpec(
+        **_moe_spec(config, family),
         num_layers=config["num_hidden_layers"],
         hidden_size=hidden,
         ffn_hidden_size=config["intermediate_size"],
@@ -231,8 +360,30 @@ def spec_from_config(
         max_position_embeddings=config.get("max_position_embeddings", 4096),
         norm_epsilon=float(config.get("rms_norm_eps", 1e-6)),
         rotary_base=_rope_theta(config),
-        hf_family=None if family.name == "llama" else family.name,
+        hf_family=None if family.name in ("llama", "mixtral") else family.name,
     )
+
+
+def _moe_spec(config: Mapping[str, Any], family: Family) -> dict[str, Any]:
+    moe = family.moe
+    if moe is None:
+        return {}
+    experts = config.get("num_experts", config.get("num_local_experts"))
+    if not experts:
+        raise LayoutError(f"config.json: {moe.experts_key} is missing for {family.architecture}")
+    out: dict[str, Any] = {
+        "num_experts": experts,
+        "moe_router_topk": config.get("num_experts_per_tok", 2),
+        "moe_router_pre_softmax": not (
+            moe.always_renormalise or config.get("norm_topk_prob", False)
+        ),
+    }
+    if moe.ffn_key != "intermediate_size":
+        out["moe_ffn_hidden_size"] = config[moe.ffn_key]
+    if moe.shared_gated_expert:
+        out["moe_shared_expert_intermediate_size"] = config["shared_expert_intermediate_size"]
+        out["moe_shared_expert_gate"] = True
+    return out
 
 
 def _rope_theta(config: Mapping[str, Any]) -> float:
@@ -266,4 +417,10 @@ def _plain_problem(key: str, value: Any, config: Mapping[str, Any]) -> str | Non
         return f"use_sliding_window={value!r}"
     if key == "layer_types" and any(kind != "full_attention" for kind in value or ()):
         return f"layer_types={value!r}"
+    if key == "decoder_sparse_step" and value != 1:
+        return f"decoder_sparse_step={value!r} (dense layers between MoE layers)"
+    if key == "mlp_only_layers" and value:
+        return f"mlp_only_layers={value!r} (dense layers between MoE layers)"
+    if key == "qkv_bias" and value is False:
+        return "qkv_bias=False"
     return None

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 
-from ckptctl.formats.hf.families import choose_family
-from ckptctl.model.catalog import LAYER_PREFIX
+from ckptctl.formats.hf.families import MoeNaming, choose_family
+from ckptctl.model.catalog import LAYER_PREFIX, expert_name
 from ckptctl.model.geometry import Piece, Shape, nbytes
 from ckptctl.model.layout import ModelSpec
 from ckptctl.model.stored import StoredFile, StoredTensor
@@ -20,6 +20,9 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 CONFIG = "config.json"
 DEFAULT_MAX_SHARD_BYTES = 5 << 30
+Entry = tuple[str, str, Shape, tuple[Piece, ...]]
+"""(HF name, canonical name, shape, pieces)."""
+_GATED_MLP = ("gate_proj", "up_proj", "down_proj")
 
 
 def _full(shape: Shape) -> tuple[Piece, ...]:
@@ -40,11 +43,11 @@ def _qkv_pieces(spec: ModelSpec, part: str, trailing: Shape) -> tuple[Shape, tup
     return (groups * rows, *trailing), pieces
 
 
-def hf_tensors(spec: ModelSpec) -> list[tuple[str, str, Shape, tuple[Piece, ...]]]:
+def hf_tensors(spec: ModelSpec) -> list[Entry]:
     """(HF name, canonical name, shape, pieces) for every tensor, in HF state-dict order."""
-    choose_family(spec)
+    family = choose_family(spec)
     h, f = spec.hidden_size, spec.ffn_hidden_size
-    out: list[tuple[str, str, Shape, tuple[Piece, ...]]] = []
+    out: list[Entry] = []
 
     def whole(hf: str, canonical: str, shape: Shape) -> None:
         out.append((hf, canonical, shape, _full(shape)))
@@ -72,22 +75,69 @@ def hf_tensors(spec: ModelSpec) -> list[tuple[str, str, Shape, tuple[Piece, ...]
         if spec.qk_layernorm:
             whole(f"{dst}self_attn.q_norm.weight", f"{src}self_attention.q_layernorm.weight", (d,))
             whole(f"{dst}self_attn.k_norm.weight", f"{src}self_attention.k_layernorm.weight", (d,))
-        fc1 = f"{src}mlp.linear_fc1."
-        for name, start in (("gate_proj", 0), ("up_proj", f)):
-            for kind, trailing in (("weight", (h,)), ("bias", ())):
-                if kind == "bias" and not bias:
-                    continue
-                zero = (0,) * len(trailing)
-                piece = Piece((0, *zero), (start, *zero), (f, *trailing))
-                out.append((f"{dst}mlp.{name}.{kind}", fc1 + kind, (f, *trailing), (piece,)))
-        whole(f"{dst}mlp.down_proj.weight", f"{src}mlp.linear_fc2.weight", (h, f))
-        if bias:
-            whole(f"{dst}mlp.down_proj.bias", f"{src}mlp.linear_fc2.bias", (h,))
+        if family.moe is not None:
+            out.extend(_moe_tensors(spec, family.moe, src, dst))
+            pre_mlp_norm = f"{src}pre_mlp_layernorm.weight"
+        else:
+            out.extend(
+                _mlp_tensors(
+                    f"{dst}mlp.", f"{src}mlp.", ("gate_proj", "up_proj", "down_proj"), h, f, bias
+                )
+            )
+            pre_mlp_norm = f"{src}mlp.linear_fc1.layer_norm_weight"
         whole(f"{dst}input_layernorm.weight", qkv + "layer_norm_weight", (h,))
-        whole(f"{dst}post_attention_layernorm.weight", fc1 + "layer_norm_weight", (h,))
+        whole(f"{dst}post_attention_layernorm.weight", pre_mlp_norm, (h,))
     whole("model.norm.weight", "decoder.final_layernorm.weight", (h,))
     if not spec.tie_embeddings:
         whole("lm_head.weight", "output_layer.weight", (spec.vocab_size, h))
+    return out
+
+
+def _mlp_tensors(
+    dst: str, src: str, parts: tuple[str, str, str], h: int, f: int, bias: bool
+) -> list[Entry]:
+    """A gated MLP: gate and up are the halves of ``linear_fc1``, down is ``linear_fc2``."""
+    gate, up, down = parts
+    out: list[Entry] = []
+    for name, start in ((gate, 0), (up, f)):
+        for kind, trailing in (("weight", (h,)), ("bias", ())):
+            if kind == "bias" and not bias:
+                continue
+            zero = (0,) * len(trailing)
+            piece = Piece((0, *zero), (start, *zero), (f, *trailing))
+            out.append((f"{dst}{name}.{kind}", f"{src}linear_fc1.{kind}", (f, *trailing), (piece,)))
+    out.append((f"{dst}{down}.weight", f"{src}linear_fc2.weight", (h, f), _full((h, f))))
+    if bias:
+        out.append((f"{dst}{down}.bias", f"{src}linear_fc2.bias", (h,), _full((h,))))
+    return out
+
+
+def _moe_tensors(spec: ModelSpec, moe: MoeNaming, src: str, dst: str) -> list[Entry]:
+    """Router, then every expert, then the gated shared expert (hub order)."""
+    h, e = spec.hidden_size, spec.num_experts or 0
+    block = f"{dst}{moe.block}."
+    out: list[Entry] = [(f"{block}gate.weight", f"{src}mlp.router.weight", (e, h), _full((e, h)))]
+    for expert in range(e):
+        out.extend(
+            _mlp_tensors(
+                f"{block}experts.{expert}.",
+                expert_name(src, expert, ""),
+                moe.parts,
+                h,
+                spec.expert_ffn_size,
+                False,
+            )
+        )
+    shared = spec.moe_shared_expert_intermediate_size
+    if moe.shared_gated_expert and shared:
+        parts = ("gate_proj", "up_proj", "down_proj")
+        out.extend(
+            _mlp_tensors(
+                f"{dst}mlp.shared_expert.", f"{src}mlp.shared_experts.", parts, h, shared, False
+            )
+        )
+        gate = f"{src}mlp.shared_experts.gate_weight"
+        out.append((f"{dst}mlp.shared_expert_gate.weight", gate, (1, h), _full((1, h))))
     return out
 
 

@@ -14,6 +14,9 @@ from ckptctl.formats.megatron.args_fields import (
     MAPPED,
     MLA_FIELDS,
     MOE_FIELDS,
+    MOE_HARMLESS,
+    MOE_MAPPED,
+    MOE_PLAIN_VALUES,
     PLAIN_VALUES,
 )
 from ckptctl.model.catalog import Naming
@@ -23,6 +26,7 @@ from ckptctl.model.layout import (
     NormKind,
     ParallelLayout,
     PositionEmbedding,
+    RouterScore,
 )
 
 
@@ -38,17 +42,23 @@ def check_fields(args: argparse.Namespace, trusted: frozenset[str] = frozenset()
     """Refuse, by name, every field of ``args`` the model spec cannot carry: math-changing
     fields away from their plain values, and fields ckptctl does not know at all."""
     fields = vars(args)
+    moe = bool(fields.get("num_experts"))
     changed, unknown = [], []
     for name, value in fields.items():
         if name in trusted or name in MAPPED or name in HARMLESS:
             continue
-        if name in PLAIN_VALUES:
+        if moe and (name in MOE_MAPPED or name in MOE_HARMLESS):
+            continue
+        if moe and name in MOE_PLAIN_VALUES:
+            if value not in MOE_PLAIN_VALUES[name]:
+                changed.append(f"args.{name}={value!r}")
+        elif name in PLAIN_VALUES:
             if value not in PLAIN_VALUES[name]:
                 changed.append(f"args.{name}={value!r}")
         elif name not in MOE_FIELDS and name not in MLA_FIELDS:
             unknown.append(f"args.{name}")
-        # MoE / MLA fields are read only with num_experts / multi_latent_attention set, and
-        # such models are refused (ModelSpec, PLAIN_VALUES) until they are supported.
+        # MoE fields without num_experts, and MLA fields without multi_latent_attention (a
+        # PLAIN_VALUES field, so refused when set), are never read by Megatron.
     refuse_fields(changed, unknown)
 
 
@@ -149,14 +159,37 @@ def spec_from_args(
         rotary_percent=float(_arg(args, "rotary_percent", default=1.0)),
         qk_layernorm=bool(_arg(args, "qk_layernorm", default=False)),
         hf_family=_arg(args, "ckptctl_hf_family"),
-        num_experts=_arg(args, "num_experts"),
+        **_moe_spec(args),
     )
 
 
+def _moe_spec(args: argparse.Namespace) -> dict[str, Any]:
+    """The MoE fields of the spec, with megatron-core's defaults, when ``num_experts`` is set."""
+    experts = _arg(args, "num_experts")
+    if not experts:
+        return {}
+    score = _arg(args, "moe_router_score_function", default="softmax")
+    if score not in {s.value for s in RouterScore}:
+        raise LayoutError(f"args.moe_router_score_function={score!r}: not supported yet")
+    return {
+        "num_experts": experts,
+        "moe_ffn_hidden_size": _arg(args, "moe_ffn_hidden_size"),
+        "moe_router_topk": int(_arg(args, "moe_router_topk", default=2)),
+        "moe_router_pre_softmax": bool(_arg(args, "moe_router_pre_softmax", default=False)),
+        "moe_router_score_function": RouterScore(score),
+        "moe_router_expert_bias": bool(_arg(args, "moe_router_enable_expert_bias", default=False)),
+        "moe_shared_expert_intermediate_size": _arg(args, "moe_shared_expert_intermediate_size"),
+        "moe_shared_expert_gate": bool(_arg(args, "moe_shared_expert_gate", default=False)),
+    }
+
+
 def layout_from_args(args: argparse.Namespace) -> ParallelLayout:
-    if (_arg(args, "expert_model_parallel_size", default=1) or 1) > 1:
-        raise LayoutError("expert parallelism (EP > 1) is not yet supported")
+    moe = bool(_arg(args, "num_experts"))
+    etp = _arg(args, "expert_tensor_parallel_size") if moe else None
+    tp = _arg(args, "tensor_model_parallel_size", default=1)
     return ParallelLayout(
+        ep=_arg(args, "expert_model_parallel_size", default=1) if moe else 1,
+        etp=None if etp == tp else etp,
         tp=_arg(args, "tensor_model_parallel_size", default=1),
         pp=_arg(args, "pipeline_model_parallel_size", default=1),
         dp=_arg(args, "data_parallel_size", default=1),
@@ -199,12 +232,28 @@ def args_from_spec(spec: ModelSpec) -> argparse.Namespace:
         norm_epsilon=spec.norm_epsilon,
         rotary_base=spec.rotary_base,
         rotary_percent=spec.rotary_percent,
-        num_experts=spec.num_experts,
+        **_moe_args(spec),
         transformer_impl="transformer_engine",
         ckptctl_hf_family=spec.hf_family,
         data_parallel_size=1,
         world_size=1,
     )
+
+
+def _moe_args(spec: ModelSpec) -> dict[str, Any]:
+    if not spec.is_moe:
+        return {"num_experts": None}
+    return {
+        "num_experts": spec.num_experts,
+        "moe_ffn_hidden_size": spec.expert_ffn_size,
+        "moe_router_topk": spec.moe_router_topk,
+        "moe_router_pre_softmax": spec.moe_router_pre_softmax,
+        "moe_router_score_function": spec.moe_router_score_function.value,
+        "moe_router_enable_expert_bias": spec.moe_router_expert_bias,
+        "moe_shared_expert_intermediate_size": spec.moe_shared_expert_intermediate_size,
+        "moe_shared_expert_gate": spec.moe_shared_expert_gate,
+        "moe_grouped_gemm": False,
+    }
 
 
 def args_for(
@@ -219,6 +268,9 @@ def args_for(
     out.num_layers_in_last_pipeline_stage = layout.last_stage_layers
     out.padded_vocab_size = spec.padded_vocab_size(layout.tp)
     out.use_distributed_optimizer = layout.distributed_optimizer
+    if spec.is_moe:
+        out.expert_model_parallel_size = layout.ep
+        out.expert_tensor_parallel_size = layout.expert_tp
     if getattr(out, "vocab_size", None) is None:
         out.vocab_size = spec.vocab_size
     if hasattr(out, "data_parallel_size"):

@@ -104,6 +104,42 @@ MOE_FIELDS = frozenset(
     """.split()
 )
 
+# With num_experts set, MOE_FIELDS split three ways like the dense ones.
+MOE_MAPPED = frozenset(
+    """
+    expert_tensor_parallel_size moe_ffn_hidden_size moe_grouped_gemm
+    moe_router_enable_expert_bias moe_router_pre_softmax moe_router_score_function
+    moe_router_topk moe_shared_expert_gate moe_shared_expert_intermediate_size
+    moe_use_legacy_grouped_gemm
+    """.split()
+)
+
+MOE_PLAIN_VALUES: dict[str, tuple[object, ...]] = {
+    "moe_apply_probs_on_input": (False,),
+    "moe_extended_tp": (False,),
+    "moe_latent_size": (None,),
+    "moe_layer_freq": (1, "1"),
+    "moe_router_force_load_balancing": (False,),
+    "moe_router_group_topk": (None,),
+    "moe_router_num_groups": (None,),
+    "moe_router_topk_scaling_factor": (None, 1.0),
+}
+
+# Training-time routing losses, token dropping and dispatch kernels: the weights mean the same
+# (token dropping by capacity happens only while training with a capacity factor).
+MOE_HARMLESS = frozenset(
+    """
+    moe_aux_loss_coeff moe_deepep_num_sms moe_enable_deepep moe_enable_routing_replay
+    moe_expert_capacity_factor moe_flex_dispatcher_backend moe_hybridep_num_sms
+    moe_input_jitter_eps moe_layer_recompute moe_pad_expert_input_to_capacity
+    moe_pad_experts_for_cuda_graph_inference moe_per_layer_logging moe_permute_fusion
+    moe_router_bias_update_rate moe_router_dtype moe_router_fusion
+    moe_router_load_balancing_type moe_router_padding_for_fp8
+    moe_router_padding_for_quantization moe_shared_expert_overlap moe_token_dispatcher_type
+    moe_token_drop_policy moe_upcycling_granularity moe_use_upcycling moe_z_loss_coeff
+    """.split()
+)
+
 MLA_FIELDS = frozenset(
     """
     cache_mla_latents kv_lora_rank mscale mscale_all_dim q_lora_rank qk_head_dim

@@ -38,8 +38,9 @@ FORMAT = CheckpointFormat(
         "latest_checkpointed_iteration.txt, iter_*/mp_rank_*/model_optim_rng.pt",
         True,
         "consolidate --format megatron, reshard (default)",
-        "TP/PP/VPP/DP, uneven first/last stages, TE and local names, tied embeddings, GQA, "
-        "SwiGLU, per-parameter Adam state and distrib_optim.pt, scheduler and counters",
+        "TP/PP/VPP/DP/EP, uneven first/last stages, TE and local names, tied embeddings, GQA, "
+        "SwiGLU, MoE experts (sequential or TE grouped), per-parameter Adam state and "
+        "distrib_optim.pt, scheduler and counters",
         "CRC-32 of every zip entry",
     ),
     writers={

@@ -11,13 +11,19 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
 
+from ckptctl.errors import LayoutError
 from ckptctl.formats.megatron.args import naming_from_args
 from ckptctl.formats.megatron.distopt_layout import replay_buffer
 from ckptctl.model.catalog import (
+    EXPERTS,
     LAYER_PREFIX,
+    ExpertNaming,
     Naming,
     Param,
     Stage,
+    expert_block,
+    expert_name,
+    expert_suffixes,
     layer_suffixes,
     local_layer_name,
     local_spec_order,
@@ -41,8 +47,14 @@ def iteration_dir(iteration: int | None) -> str:
     return "release" if iteration is None else f"iter_{iteration:07d}"
 
 
-def rank_dir(tp_rank: int, pp_rank: int, pp: int) -> str:
-    return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+def rank_dir(tp_rank: int, pp_rank: int, pp: int, ep_rank: int = 0, ep: int = 1) -> str:
+    """``mp_rank_TT``, ``_PPP`` appended when pp > 1 and ``_EEE`` when ep > 1."""
+    name = f"mp_rank_{tp_rank:02d}"
+    if pp > 1:
+        name += f"_{pp_rank:03d}"
+    if ep > 1:
+        name += f"_{ep_rank:03d}"
+    return name
 
 
 class GroupOrder(StrEnum):
@@ -67,6 +79,9 @@ class OptimizerLayout:
     distributed: bool = False
     """State in ``distrib_optim.pt`` flat buffers (fp32 master as ``param``) instead of per
     parameter in ``model_optim_rng.pt``."""
+    chained: bool = False
+    """Two optimizers, dense then expert-parallel parameters (megatron-core's ``ChainedOptimizer``
+    under EP > 1): ``optimizer`` is a list of their state dicts, each numbered from 0."""
     overlap_grad_reduce: bool = False
     bucket_size: int | None = None
     """``--ddp-bucket-size``; with overlap on and none given Megatron uses max(40M, 1M * dp)."""
@@ -74,9 +89,17 @@ class OptimizerLayout:
     its ``FP32Optimizer`` stores the bare torch state dict."""
 
     @property
-    def torch_state(self) -> tuple[str, ...]:
-        """Key path of the torch optimizer state dict inside a rank file."""
-        return ("optimizer", "optimizer") if self.wrapped else ("optimizer",)
+    def torch_state(self) -> tuple[str | int, ...]:
+        """Key path of the (first) torch optimizer state dict inside a rank file."""
+        return self.sub_state(0)
+
+    def sub(self, index: int) -> tuple[str | int, ...]:
+        """Key path of sub-optimizer ``index``'s state dict (the wrapper, if wrapped)."""
+        return ("optimizer", index) if self.chained else ("optimizer",)
+
+    def sub_state(self, index: int) -> tuple[str | int, ...]:
+        """Key path of sub-optimizer ``index``'s torch state dict."""
+        return (*self.sub(index), "optimizer") if self.wrapped else self.sub(index)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +109,23 @@ class RankParam:
     """``model`` or ``model<c>``."""
     local_name: str
     tied_copy: bool = False
+
+
+def expert_naming_from_args(args: Any) -> ExpertNaming:
+    """The expert module megatron-core builds: grouped GEMM with TransformerEngine is
+    ``TEGroupedMLP``; the local grouped-GEMM module (``GroupedMLP``) stores its experts
+    transposed and concatenated, which is not supported yet."""
+    if not getattr(args, "moe_grouped_gemm", False):
+        return ExpertNaming.SEQUENTIAL
+    if getattr(args, "transformer_impl", "transformer_engine") == "transformer_engine" and not (
+        getattr(args, "moe_use_legacy_grouped_gemm", False)
+    ):
+        return ExpertNaming.TE_GROUPED
+    raise LayoutError(
+        "args.moe_grouped_gemm with the legacy GroupedMLP (mlp.experts.weight1/weight2, stored "
+        "transposed): not supported yet; save with TransformerEngine's grouped GEMM or without "
+        "grouped GEMM"
+    )
 
 
 def default_layer_order(spec: ModelSpec, naming: Naming) -> tuple[str, ...]:
@@ -101,11 +141,16 @@ def rank_params(
     pp_rank: int,
     naming: Naming = Naming.TE,
     layer_order: tuple[str, ...] | None = None,
+    ep_rank: int = 0,
+    expert_naming: ExpertNaming = ExpertNaming.SEQUENTIAL,
 ) -> list[RankParam]:
-    """The parameters a pipeline stage holds, in ``named_parameters`` order over its chunks."""
+    """The parameters a pipeline stage (and EP rank) holds, in ``named_parameters`` order
+    over its chunks; parameters and persistent buffers alike (``Param.buffer`` tells)."""
     params = parameters(spec)
     by_name = {p.name: p for p in params}
     order = layer_order or default_layer_order(spec, naming)
+    experts = layout.local_experts(spec, ep_rank)
+    expert_parts = [s for s, _, _ in expert_suffixes(spec)] if spec.is_moe else []
     chunks = layout.chunk_layers(spec.num_layers)
     last_stage, last_chunk = layout.pp - 1, layout.vpp - 1
     out: list[RankParam] = []
@@ -115,9 +160,18 @@ def rank_params(
             out.extend(RankParam(p, model_key, p.name) for p in params if p.stage is Stage.FIRST)
         layers = chunks[(pp_rank, chunk)]
         for local, layer in enumerate(layers):
+            prefix, local_prefix = f"{LAYER_PREFIX}{layer}.", f"{LAYER_PREFIX}{local}."
             for suffix in order:
-                param = by_name[f"{LAYER_PREFIX}{layer}.{suffix}"]
-                name = f"{LAYER_PREFIX}{local}.{local_layer_name(suffix, naming)}"
+                if suffix == EXPERTS:
+                    out.extend(
+                        RankParam(
+                            by_name[expert_name(prefix, e, part)], model_key, local_prefix + name
+                        )
+                        for part, e, name in expert_block(expert_parts, experts, expert_naming)
+                    )
+                    continue
+                param = by_name[prefix + suffix]
+                name = f"{local_prefix}{local_layer_name(suffix, naming)}"
                 out.append(RankParam(param, model_key, name))
         if pp_rank == last_stage and chunk == last_chunk:
             out.extend(RankParam(p, model_key, p.name) for p in params if p.stage is Stage.LAST)
@@ -127,14 +181,30 @@ def rank_params(
     return out
 
 
+def sub_optimizers(params: list[RankParam], chained: bool) -> list[list[int]]:
+    """Positions (in ``params``) of the parameters each sub-optimizer holds: all of them, or
+    under a chained optimizer the dense ones then the routed experts'. Buffers hold none."""
+    trained = [pos for pos, rp in enumerate(params) if not rp.param.buffer]
+    if not chained:
+        return [trained]
+    dense = [pos for pos in trained if params[pos].param.expert is None]
+    return [dense, [pos for pos in trained if params[pos].param.expert is not None]]
+
+
 def param_groups(
-    params: list[RankParam], order: GroupOrder = GroupOrder.APPEARANCE
+    params: list[RankParam],
+    order: GroupOrder = GroupOrder.APPEARANCE,
+    members: list[int] | None = None,
 ) -> list[tuple[bool, list[int]]]:
-    """Megatron's default grouping: per group, its kind (no weight decay?) and the positions of
-    its parameters in model order. The torch optimizer numbers parameters group after group."""
+    """Megatron's default grouping of one optimizer's parameters (``members``, positions in
+    ``params``; default: all but buffers): per group, its kind (no weight decay?) and the
+    positions of its parameters in model order. The torch optimizer numbers parameters group
+    after group."""
     groups: dict[bool, list[int]] = {}
-    for pos, rp in enumerate(params):
-        groups.setdefault(rp.param.no_weight_decay, []).append(pos)
+    if members is None:
+        members = [pos for pos, rp in enumerate(params) if not rp.param.buffer]
+    for pos in members:
+        groups.setdefault(params[pos].param.no_weight_decay, []).append(pos)
     kinds = list(groups)
     if order is GroupOrder.DECAY_FIRST:
         kinds.sort()
@@ -160,13 +230,26 @@ def megatron_files(
     optimizer: OptimizerLayout | None,
     naming: Naming = Naming.TE,
     layer_order: tuple[str, ...] | None = None,
+    expert_naming: ExpertNaming = ExpertNaming.SEQUENTIAL,
 ) -> tuple[StoredFile, ...]:
-    """Every rank file of a Megatron legacy checkpoint and the tensors it holds."""
+    """Every rank file of a Megatron legacy checkpoint and the tensors it holds: one per
+    (tp, pp, ep) rank, each with the dense parameters of its (tp, pp) shard and its EP rank's
+    experts, split over expert TP."""
     layout.check_against(spec)
+    if layout.expert_tp != layout.tp:
+        raise LayoutError(
+            f"etp={layout.expert_tp} differs from tp={layout.tp}: legacy rank files name only "
+            "the dense TP rank, so this layout is not supported for them yet"
+        )
+    if optimizer is not None and optimizer.distributed and layout.ep > 1:
+        raise LayoutError(
+            f"the distributed optimizer under ep={layout.ep} keeps expert state in buffers of "
+            "its own (expert data parallelism): not supported yet for legacy files"
+        )
     padded = spec.padded_vocab_size(layout.tp)
     files = []
-    for tp_rank, pp_rank in layout.model_parallel_ranks():
-        params = rank_params(spec, layout, pp_rank, naming, layer_order)
+    for tp_rank, pp_rank, ep_rank in layout.model_parallel_ranks():
+        params = rank_params(spec, layout, pp_rank, naming, layer_order, ep_rank, expert_naming)
         tensors: list[StoredTensor] = []
         geometry = []
         for rp in params:
@@ -174,18 +257,20 @@ def megatron_files(
                 rp.param.split, rp.param.shape, layout.tp, tp_rank, padded
             )
             geometry.append((shape, pieces))
+            # megatron-core keeps the router's expert bias in fp32 whatever the weights' dtype.
+            dtype = "float32" if rp.param.buffer else weight_dtype
             tensors.append(
-                StoredTensor(
-                    (rp.model_key, rp.local_name), rp.param.name, shape, weight_dtype, pieces
-                )
+                StoredTensor((rp.model_key, rp.local_name), rp.param.name, shape, dtype, pieces)
             )
-        rank_path = f"{iteration_dir(iteration)}/{rank_dir(tp_rank, pp_rank, layout.pp)}"
+        directory = rank_dir(tp_rank, pp_rank, layout.pp, ep_rank, layout.ep)
+        rank_path = f"{iteration_dir(iteration)}/{directory}"
         if optimizer is not None and optimizer.distributed:
+            trained = [i for i, rp in enumerate(params) if not rp.param.buffer]
             files.append(
                 _distopt_file(
                     f"{rank_path}/{DISTOPT_FILE}",
-                    params,
-                    geometry,
+                    [params[i] for i in trained],
+                    [geometry[i] for i in trained],
                     layout,
                     pp_rank,
                     optimizer,
@@ -195,28 +280,45 @@ def megatron_files(
                 )
             )
         elif optimizer is not None:
-            groups = param_groups(params, optimizer.group_order)
-            for pos, (index, g, i) in sorted(optimizer_index(groups).items()):
-                name = params[pos].param.name
-                shape, pieces = geometry[pos]
-                for state in optimizer.states:
-                    key: KeyPath = (*optimizer.torch_state, "state", index, state)
-                    if state == "step":
-                        tensors.append(
-                            StoredTensor(key, state_name(state, name), (), "float32", _SCALAR)
-                        )
-                    else:
-                        tensors.append(
-                            StoredTensor(key, state_name(state, name), shape, "float32", pieces)
-                        )
-                if optimizer.master_weights:
-                    key = ("optimizer", "fp32_from_fp16_params", g, i)
-                    tensors.append(
-                        StoredTensor(key, state_name("fp32_param", name), shape, "float32", pieces)
-                    )
-        files.append(StoredFile(f"{rank_path}/{RANK_FILE}", tuple(tensors), (tp_rank, pp_rank)))
+            tensors.extend(_optimizer_tensors(params, geometry, optimizer))
+        files.append(
+            StoredFile(
+                f"{rank_path}/{RANK_FILE}", tuple(tensors), (tp_rank, pp_rank), ep_rank=ep_rank
+            )
+        )
     # Rank files first (their tracker-bearing order), then distributed-optimizer files.
     return tuple(sorted(files, key=lambda f: f.path.endswith(DISTOPT_FILE)))
+
+
+def _optimizer_tensors(
+    params: list[RankParam],
+    geometry: list[tuple[tuple[int, ...], tuple[Piece, ...]]],
+    optimizer: OptimizerLayout,
+) -> list[StoredTensor]:
+    """Per-parameter torch optimizer state (and fp32 masters) of one rank file, sub-optimizer
+    by sub-optimizer, each numbering its parameters group after group."""
+    tensors = []
+    for sub, members in enumerate(sub_optimizers(params, optimizer.chained)):
+        groups = param_groups(params, optimizer.group_order, members)
+        for pos, (index, g, i) in sorted(optimizer_index(groups).items()):
+            name = params[pos].param.name
+            shape, pieces = geometry[pos]
+            for state in optimizer.states:
+                key: KeyPath = (*optimizer.sub_state(sub), "state", index, state)
+                if state == "step":
+                    tensors.append(
+                        StoredTensor(key, state_name(state, name), (), "float32", _SCALAR)
+                    )
+                else:
+                    tensors.append(
+                        StoredTensor(key, state_name(state, name), shape, "float32", pieces)
+                    )
+            if optimizer.master_weights:
+                key = (*optimizer.sub(sub), "fp32_from_fp16_params", g, i)
+                tensors.append(
+                    StoredTensor(key, state_name("fp32_param", name), shape, "float32", pieces)
+                )
+    return tensors
 
 
 def distopt_dtype_key(weight_dtype: str) -> str:
@@ -283,7 +385,7 @@ def _distopt_file(
                         view_offset=buffer.offsets[params[i].local_name],
                     )
                 )
-    return StoredFile(path, tuple(tensors), rank, tuple(flat))
+    return StoredFile(path, tuple(tensors), rank, flat=tuple(flat))
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -300,14 +402,19 @@ class MegatronStyle:
     naming: Naming = Naming.TE
     layer_order: tuple[str, ...] | None = None
     optimizer: OptimizerLayout | None = None
+    expert_naming: ExpertNaming = ExpertNaming.SEQUENTIAL
 
     def named_for(self, args: Any) -> MegatronStyle:
-        """This style spelled as ``args.transformer_impl`` says Megatron-LM will load it (in
-        that spec's layer order), whatever the source's own spelling."""
-        naming = naming_from_args(args) if args is not None else None
-        if naming is None or naming is self.naming:
+        """This style spelled as ``args.transformer_impl`` (and ``moe_grouped_gemm``) say
+        Megatron-LM will load it (in that spec's layer order), whatever the source's own
+        spelling."""
+        if args is None:
             return self
-        return replace(self, naming=naming, layer_order=None)
+        style = replace(self, expert_naming=expert_naming_from_args(args))
+        naming = naming_from_args(args)
+        if naming is None or naming is self.naming:
+            return style
+        return replace(style, naming=naming, layer_order=None)
 
 
 def tracker_text(iteration: int | None) -> str:
@@ -325,6 +432,12 @@ def target_optimizer(
     """
     if source is None:
         return None
+    return replace(_target_optimizer(source, layout, weight_dtype), chained=layout.ep > 1)
+
+
+def _target_optimizer(
+    source: OptimizerLayout, layout: ParallelLayout, weight_dtype: str
+) -> OptimizerLayout:
     if layout.distributed_optimizer:
         if source.distributed:
             return source

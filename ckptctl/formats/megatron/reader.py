@@ -21,27 +21,30 @@ from ckptctl.formats.megatron.layout import (
     DISTOPT_FILE,
     RANK_FILE,
     TRACKER,
-    GroupOrder,
     MegatronStyle,
     OptimizerLayout,
     iteration_dir,
     megatron_files,
-    param_groups,
     rank_dir,
-    rank_params,
+)
+from ckptctl.formats.megatron.optimizer_groups import (
+    match_groups,
+    optimizer_layout,
+    optimizer_step,
 )
 from ckptctl.formats.megatron.writer import carried_state
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
 from ckptctl.formats.torchsave.refs import open_torch_file, resolve, view_ref
 from ckptctl.model.catalog import (
+    EXPERTS,
     LAYER_PREFIX,
+    ExpertNaming,
     Naming,
     layer_suffixes,
     te_layer_suffix,
     uses_local_names,
 )
 from ckptctl.model.dtypes import dtype_name
-from ckptctl.model.layout import ModelSpec, ParallelLayout
 from ckptctl.model.stored import CheckpointView, FlatView, Format, KeyPath, Shape, StoredFile
 from ckptctl.storage import Storage
 
@@ -64,6 +67,7 @@ class MegatronCheckpoint:
     group_templates: dict[bool, dict[str, Any]] = field(default_factory=dict)
     lost: frozenset[str] = frozenset()
     """Rank files absent from storage (only with ``allow_missing``)."""
+    expert_naming: ExpertNaming = ExpertNaming.SEQUENTIAL
 
     def read(
         self, path: str, key: KeyPath, offsets: Shape, sizes: Shape, view: FlatView = None
@@ -83,7 +87,8 @@ class MegatronCheckpoint:
     @property
     def style(self) -> MegatronStyle:
         """Spelling, layer order and optimizer format, kept when writing Megatron again."""
-        return MegatronStyle(self.naming, self.layer_order, self.optimizer).named_for(self.args)
+        style = MegatronStyle(self.naming, self.layer_order, self.optimizer, self.expert_naming)
+        return style.named_for(self.args)
 
     def saved_training(self, path: str) -> SavedTraining:
         """Counters, scheduler and ``args`` as rank file ``path`` keeps them."""
@@ -131,40 +136,35 @@ def find_iteration(storage: Storage, iteration: int | None) -> tuple[str, int | 
     )
 
 
-def _layer_order(model: dict[str, Any]) -> tuple[str, ...]:
-    """Layer-relative parameter names of local layer 0, in stored order, TE spelling."""
+def _layer_order(model: dict[str, Any], moe: bool) -> tuple[str, ...]:
+    """Layer-relative parameter names of local layer 0, in stored order, TE spelling; an MoE
+    layer's experts collapse into the one ``EXPERTS`` marker where their block starts."""
     prefix = f"{LAYER_PREFIX}0."
-    return tuple(
-        te_layer_suffix(k[len(prefix) :])
+    suffixes = [
+        te_layer_suffix(k[len(prefix) :], moe)
         for k in model
         if k.startswith(prefix) and not k.endswith(_EXTRA_STATE)
-    )
+    ]
+    expert_prefix = f"{EXPERTS}."
+    out = [s if not s.startswith(expert_prefix) else EXPERTS for s in suffixes]
+    return tuple(dict.fromkeys(out))
 
 
-def _optimizer_layout(tree: dict[str, Any], args: argparse.Namespace) -> OptimizerLayout | None:
-    opt = tree.get("optimizer")
-    if not isinstance(opt, dict):
-        return None
-    if getattr(args, "use_distributed_optimizer", False):
-        return OptimizerLayout(
-            states=(),
-            master_weights=True,
-            wrapped=True,
-            distributed=True,
-            group_order=GroupOrder.DECAY_FIRST,
-            overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)),
-            bucket_size=getattr(args, "ddp_bucket_size", None),
+def _expert_naming(names: list[str], where: str) -> ExpertNaming:
+    """Which expert module wrote the files, from the names of its parameters."""
+    for name in names:
+        rest = name.split(f".{EXPERTS}.", 1)
+        if len(rest) < 2:
+            continue
+        if rest[1].startswith("local_experts."):
+            return ExpertNaming.SEQUENTIAL
+        if rest[1].startswith(("linear_fc1.", "linear_fc2.")):
+            return ExpertNaming.TE_GROUPED
+        raise CheckpointError(
+            f"{where}: experts stored as {name.split('.', 3)[-1]} (megatron-core's legacy "
+            "GroupedMLP, transposed and concatenated): not supported yet"
         )
-    wrapped = isinstance(opt.get("optimizer"), dict)
-    inner = opt["optimizer"] if wrapped else opt
-    state = inner.get("state")
-    if not state:
-        return None
-    first = state[min(state)]
-    states = tuple(k for k, v in first.items() if isinstance(v, TensorRef))
-    return OptimizerLayout(
-        states=states, master_weights="fp32_from_fp16_params" in opt, wrapped=wrapped
-    )
+    return ExpertNaming.SEQUENTIAL
 
 
 def probe_megatron(
@@ -195,7 +195,9 @@ def probe_megatron(
     spec = spec_from_args(args, true_vocab_size, trusted)
     layout = layout_from_args(args)
     layout.check_against(spec)
-    expected = {rank_dir(t, p, layout.pp) for t, p in layout.model_parallel_ranks()}
+    expected = {
+        rank_dir(t, p, layout.pp, e, layout.ep) for t, p, e in layout.model_parallel_ranks()
+    }
     unexpected = sorted(set(ranks) - expected)
     if unexpected:
         raise CheckpointError(
@@ -228,6 +230,8 @@ def probe_megatron(
             "hidden_size",
             "padded_vocab_size",
             "use_distributed_optimizer",
+            "num_experts",
+            "expert_model_parallel_size",
         ):
             if getattr(other, key, None) != getattr(args, key, None):
                 problems.append(
@@ -248,7 +252,8 @@ def probe_megatron(
     models = [v for t in trees.values() for k, v in t.items() if k.startswith("model")]
     names = [k for m in models for k in m]
     naming = Naming.LOCAL if uses_local_names(names) else Naming.TE
-    stored_order = next((o for m in models if (o := _layer_order(m))), ())
+    stored_order = next((o for m in models if (o := _layer_order(m, spec.is_moe))), ())
+    expert_naming = _expert_naming(names, storage.describe(first_rel))
     # Unknown names are reported by the file check below, missing ones too: the order keeps the
     # catalog's parameters only, in the order the files store them.
     known = [suffix for suffix, _, _ in layer_suffixes(spec)]
@@ -263,16 +268,16 @@ def probe_megatron(
     layer_order = tuple(in_files + absent)
     extra = sorted({k for k in names if k.endswith(_EXTRA_STATE)})
     some_weight = next(v for m in models for v in m.values() if isinstance(v, TensorRef))
-    optimizer = _optimizer_layout(trees[first_rel], args)
+    optimizer = optimizer_layout(trees[first_rel], args)
     templates: dict[bool, dict[str, Any]] = {}
     if optimizer is not None:
         by_rank = {
-            (t, p): trees[join(rank_dir(t, p, layout.pp), RANK_FILE)]
-            for t, p in layout.model_parallel_ranks()
-            if rank_dir(t, p, layout.pp) not in missing
+            (t, p, e): trees[join(rank_dir(t, p, layout.pp, e, layout.ep), RANK_FILE)]
+            for t, p, e in layout.model_parallel_ranks()
+            if rank_dir(t, p, layout.pp, e, layout.ep) not in missing
         }
-        optimizer, templates = _match_groups(
-            spec, layout, (naming, layer_order), optimizer, by_rank
+        optimizer, templates = match_groups(
+            spec, layout, (naming, layer_order, expert_naming), optimizer, by_rank
         )
     notes = []
     if layout.distributed_optimizer and optimizer is None:
@@ -289,6 +294,7 @@ def probe_megatron(
         optimizer=optimizer,
         naming=naming,
         layer_order=layer_order,
+        expert_naming=expert_naming,
     )
     if iter_rel == "":
         files = tuple(replace(f, path=f.path.split("/", 1)[1]) for f in files)
@@ -317,28 +323,21 @@ def probe_megatron(
         number,
         optimizer is not None,
         tuple(notes),
-        _optimizer_step(readers[first_rel], optimizer),
+        optimizer_step(readers[first_rel], optimizer),
     )
     return MegatronCheckpoint(
-        storage, view, readers, args, naming, layer_order or (), optimizer, extra, templates, lost
+        storage,
+        view,
+        readers,
+        args,
+        naming,
+        layer_order or (),
+        optimizer,
+        extra,
+        templates,
+        lost,
+        expert_naming,
     )
-
-
-def _optimizer_step(reader: TorchZipReader, optimizer: OptimizerLayout | None) -> float | None:
-    """Adam's step count: per parameter group (distributed) or per parameter (torch state)."""
-    if optimizer is None:
-        return None
-    torch_state = resolve(reader.tree, optimizer.torch_state)
-    for group in torch_state.get("param_groups", []):
-        if "step" in group:
-            return float(group["step"])
-    for state in torch_state.get("state", {}).values():
-        step = state.get("step")
-        if isinstance(step, TensorRef):
-            return float(reader.read(step).item())
-        if step is not None:
-            return float(step)
-    return None
 
 
 def _check_distopt(
@@ -404,56 +403,6 @@ def _check_file(
             continue
         tensors.append(replace(t, dtype=dtype_name(ref.dtype)))
     return replace(file, tensors=tuple(tensors))
-
-
-def _group_kind(group: dict[str, Any]) -> bool | None:
-    """Whether a stored parameter group is the no-weight-decay one, when it says so."""
-    if "wd_mult" in group:
-        return group["wd_mult"] == 0
-    return None
-
-
-def _match_groups(
-    spec: ModelSpec,
-    layout: ParallelLayout,
-    style: tuple[Naming, tuple[str, ...] | None],
-    optimizer: OptimizerLayout,
-    trees: dict[tuple[int, int], dict[str, Any]],
-) -> tuple[OptimizerLayout, dict[bool, dict[str, Any]]]:
-    """Find the parameter-group order every rank file follows, and each group's settings.
-
-    Megatron-Core changed the order in 0.16 (weight-decay group first); we try both and take the
-    one whose group sizes and ``wd_mult`` agree with every file.
-    """
-    for order in GroupOrder:
-        templates: dict[bool, dict[str, Any]] = {}
-        for (tp_rank, pp_rank), tree in trees.items():
-            try:
-                stored = resolve(tree, optimizer.torch_state)["param_groups"]
-            except (KeyError, IndexError, TypeError):
-                kind = "distributed optimizer's" if optimizer.distributed else "torch optimizer's"
-                raise CheckpointError(
-                    f"the optimizer state of rank (tp, pp) = ({tp_rank}, {pp_rank}) is not the "
-                    f"{kind} layout its args announce (use_distributed_optimizer); cannot map it"
-                ) from None
-            expected = param_groups(rank_params(spec, layout, pp_rank, *style), order)
-            if len(stored) != len(expected):
-                break
-            fits = all(
-                len(group.get("params", members)) == len(members)
-                and _group_kind(group) in (None, kind)
-                for group, (kind, members) in zip(stored, expected, strict=True)
-            )
-            if not fits:
-                break
-            for group, (kind, _) in zip(stored, expected, strict=True):
-                templates.setdefault(kind, {k: v for k, v in group.items() if k != "params"})
-        else:
-            return replace(optimizer, group_order=order), templates
-    raise CheckpointError(
-        "the optimizer's parameter groups match neither of Megatron's orders (weight decay / no "
-        "weight decay by first appearance, or weight decay first); cannot map its state"
-    )
 
 
 # --- writing ----------------------------------------------------------------------------------

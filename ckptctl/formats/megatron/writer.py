@@ -29,6 +29,8 @@ def carried_state(tree: dict[str, Any]) -> dict[str, Any]:
     out["checkpoint_version"] = tree.get("checkpoint_version", 3.0)
     out["iteration"] = tree.get("iteration", 0)
     opt = tree.get("optimizer")
+    if isinstance(opt, list) and opt:  # chained: the dense optimizer's extras stand for all
+        opt = opt[0]
     if isinstance(opt, dict) and isinstance(opt.get("optimizer"), dict):
         out["optimizer_extra"] = {
             k: v for k, v in opt.items() if k not in ("optimizer", "fp32_from_fp16_params")
@@ -77,7 +79,7 @@ def rank_tree(
         "iteration": carried["iteration"],
     }
     slots = []
-    index_kind: dict[int, bool] = {}
+    index_kind: dict[tuple[int, ...], dict[int, bool]] = {}
     for n, t in enumerate(file.tensors):
         slot = TensorSlot(str(n), getattr(torch, t.dtype), t.shape)
         slots.append(slot)
@@ -86,34 +88,66 @@ def rank_tree(
             node = node.setdefault(part, {})
         node[t.key[-1]] = slot
         if "state" in t.key and t.key[0] == "optimizer":
-            index_kind[int(t.key[t.key.index("state") + 1])] = no_weight_decay[
+            at = t.key.index("state")
+            sub = tuple(k for k in t.key[1:at] if isinstance(k, int))
+            index_kind.setdefault(sub, {})[int(t.key[at + 1])] = no_weight_decay[
                 t.canonical.split("/", 1)[1]
             ]
     if "optimizer" in tree:
-        opt = tree["optimizer"]
-        torch_state = opt if "state" in opt else opt["optimizer"]  # bare or wrapped
-        # torch packs state in parameter-index order (group after group), not model order.
-        torch_state["state"] = dict(sorted(torch_state["state"].items()))
-        members: dict[bool, list[int]] = {}
-        for index in sorted(index_kind):
-            members.setdefault(index_kind[index], []).append(index)
-        # Adam's step lives per parameter here, so a group-level step (distributed) is dropped.
-        torch_state["param_groups"] = [
-            {**_without_step(group_templates[kind]), "params": indices}
-            for kind, indices in members.items()
-        ]
-        if "fp32_from_fp16_params" in opt:
-            masters = opt["fp32_from_fp16_params"]
-            opt["fp32_from_fp16_params"] = [
-                [masters[g][i] for i in sorted(masters[g])] for g in sorted(masters)
+        if all(isinstance(k, int) for k in tree["optimizer"]):  # chained: dense, then experts
+            subs = tree["optimizer"]
+            tree["optimizer"] = [
+                _optimizer_dict(subs[i], index_kind.get((i,), {}), group_templates, carried, i > 0)
+                for i in sorted(subs)
             ]
-        opt.update(carried.get("optimizer_extra", {}))
+        else:
+            _optimizer_dict(tree["optimizer"], index_kind.get((), {}), group_templates, carried)
     if optimizer_entry is not None:
         tree["optimizer"] = optimizer_entry
     for key, value in carried.items():
         if key not in tree and key != "optimizer_extra":
             tree[key] = value
     return tree, slots
+
+
+def _optimizer_dict(
+    opt: dict[str, Any],
+    index_kind: dict[int, bool],
+    group_templates: dict[bool, dict[str, Any]],
+    carried: dict[str, Any],
+    experts: bool = False,
+) -> dict[str, Any]:
+    """One (sub-)optimizer's state dict completed in place: state in index order, parameter
+    groups from the templates, fp32 masters as per-group lists, carried extras."""
+    torch_state = opt if "state" in opt else opt["optimizer"]  # bare or wrapped
+    # torch packs state in parameter-index order (group after group), not model order.
+    torch_state["state"] = dict(sorted(torch_state["state"].items()))
+    members: dict[bool, list[int]] = {}
+    for index in sorted(index_kind):
+        members.setdefault(index_kind[index], []).append(index)
+    # Adam's step lives per parameter here, so a group-level step (distributed) is dropped.
+    torch_state["param_groups"] = [
+        {**_without_step(_group_template(group_templates, kind, experts)), "params": indices}
+        for kind, indices in members.items()
+    ]
+    if "fp32_from_fp16_params" in opt:
+        masters = opt["fp32_from_fp16_params"]
+        opt["fp32_from_fp16_params"] = [
+            [masters[g][i] for i in sorted(masters[g])] for g in sorted(masters)
+        ]
+    opt.update(carried.get("optimizer_extra", {}))
+    return opt
+
+
+def _group_template(
+    templates: dict[bool, dict[str, Any]], kind: bool, experts: bool
+) -> dict[str, Any]:
+    """A parameter group's settings; the expert optimizer's groups are the dense ones marked
+    as expert-parallel (megatron-core records it in the group when it records it at all)."""
+    group = dict(templates[kind])
+    if experts and "is_expert_parallel" in group:
+        group["is_expert_parallel"] = True
+    return group
 
 
 def write_distopt_file(job: WriteJob, file: FileWrite, out: BinaryIO) -> None:

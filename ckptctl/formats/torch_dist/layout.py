@@ -12,12 +12,14 @@ of one canonical tensor per layer.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from math import prod
 
+from ckptctl.errors import LayoutError
 from ckptctl.formats.megatron.layout import rank_params
-from ckptctl.model.catalog import LAYER_PREFIX, Param, parameters, state_name
+from ckptctl.model.catalog import EXPERTS, LAYER_PREFIX, Param, expert_name, parameters, state_name
 from ckptctl.model.geometry import Piece, Shape, Split, shard_shape_and_pieces
 from ckptctl.model.layout import ModelSpec, ParallelLayout
 from ckptctl.model.stored import StoredFile, StoredTensor
@@ -43,8 +45,17 @@ class ChunkPart:
     pieces: tuple[Piece, ...]
 
 
+_CHAINED = re.compile(r"^chained_\d+\.")
+"""megatron-core's ``ChainedOptimizer`` (dense, then expert parameters) prefixes each
+optimizer's keys with ``chained_<i>.``."""
+EXPERTS_KEY = f"{EXPERTS}.experts."
+"""Stacked expert keys: ``decoder.layers.mlp.experts.experts.linear_fc1.weight`` is
+``[L, E, ...]``, the second dimension the global expert."""
+
+
 def split_key(fqn: str) -> tuple[str | None, str]:
     """``(optimizer state or None, model key)``; an unknown optimizer state gives ``("?", ...)``."""
+    fqn = _CHAINED.sub("", fqn)
     if fqn.startswith(OPTIMIZER_PREFIX):
         state, _, key = fqn[len(OPTIMIZER_PREFIX) :].partition(".")
         return _STATE_FROM_KEY.get(state, "?"), key
@@ -64,7 +75,16 @@ def chunk_parts(
     state, key = split_key(fqn)
     if state == "?":
         return None
-    if is_stacked(key):
+    if is_stacked(key) and key[len(LAYER_PREFIX) :].startswith(EXPERTS_KEY):
+        suffix = key[len(LAYER_PREFIX) + len(EXPERTS_KEY) :]
+        (first, expert), (layers, experts) = offsets[:2], sizes[:2]
+        inner_offsets, inner_sizes = offsets[2:], sizes[2:]
+        names = [
+            (expert_name(f"{LAYER_PREFIX}{first + i}.", expert + j, suffix), i * experts + j)
+            for i in range(layers)
+            for j in range(experts)
+        ]
+    elif is_stacked(key):
         suffix = key[len(LAYER_PREFIX) :]
         first, layers = offsets[0], sizes[0]
         inner_offsets, inner_sizes = offsets[1:], sizes[1:]
@@ -75,7 +95,7 @@ def chunk_parts(
     parts = []
     per_layer = prod(inner_sizes)
     for name, index in names:
-        param = catalog.get(name)
+        param = catalog.get(name) or catalog.get(name.replace(_FUSED_PRE_MLP, _PRE_MLP))
         if param is None or len(param.shape) != len(inner_sizes):
             return None
         clipped = tuple(
@@ -85,7 +105,7 @@ def chunk_parts(
         pieces = (Piece((0,) * len(clipped), inner_offsets, clipped),) if all(clipped) else ()
         parts.append(
             ChunkPart(
-                canonical=state_name(state, name) if state else name,
+                canonical=state_name(state, param.name) if state else param.name,
                 shape=inner_sizes,
                 # Layer parts are views of the record, which has the extra layer dimension.
                 view_offset=index * per_layer if is_stacked(key) else None,
@@ -93,6 +113,10 @@ def chunk_parts(
             )
         )
     return parts
+
+
+_FUSED_PRE_MLP, _PRE_MLP = ".mlp.linear_fc1.layer_norm_", ".pre_mlp_layernorm."
+"""The local spec saves an MoE layer's own pre-MLP norm under the dense layer's fused name."""
 
 
 @lru_cache(maxsize=8)
@@ -199,6 +223,11 @@ def torch_dist_files(
     """One ``.distcp`` file per model-parallel rank (DP rank 0 saves the main replicas), named
     ``__<rank>_0.distcp`` with Megatron's tp-major rank order within a stage. Optimizer state
     is fp32."""
+    if spec.is_moe:
+        raise LayoutError(
+            "writing a mixture-of-experts model as torch_dist is not supported yet; reshard to "
+            "Megatron legacy (--format megatron) or consolidate to HF"
+        )
     files = []
     for pp_rank in range(layout.pp):
         for tp_rank in range(layout.tp):

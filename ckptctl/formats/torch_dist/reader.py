@@ -17,16 +17,23 @@ from ckptctl.formats.torch_dist.layout import (
     chunk_parts,
     model_catalog,
 )
-from ckptctl.formats.torchsave.archive import TorchZipReader
+from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
 from ckptctl.model.stored import CheckpointView, Format, StoredTensor
 from ckptctl.storage import Storage
 
 
-def _common_state(storage: Storage, base: str, metadata: DcpMetadata) -> dict[str, Any]:
+def _common_state(
+    storage: Storage, base: str, metadata: DcpMetadata
+) -> tuple[dict[str, Any], float | None]:
+    """``common.pt`` (or its byte item) and the torch optimizer's ``common_step``, if any."""
     rel = join(base, COMMON)
+    step = None
     if storage.exists(rel):
         with storage.open_read(rel) as f:
-            tree = TorchZipReader(f, storage.describe(rel)).tree
+            reader = TorchZipReader(f, storage.describe(rel))
+            tree = reader.tree
+            if isinstance(ref := _common_step_ref(tree), TensorRef):
+                step = float(reader.read(ref).item())
     elif (info := metadata.storage.get(("common_state/shard_0_1", None))) is not None:
         # Megatron-Core >= 0.19 keeps it as a byte item: a pickled one-element list.
         item = join(base, info.relative_path)
@@ -40,7 +47,18 @@ def _common_state(storage: Storage, base: str, metadata: DcpMetadata) -> dict[st
         )
     if not isinstance(tree, dict) or not isinstance(tree.get("args"), argparse.Namespace):
         raise CheckpointError(f"{storage.describe(rel)}: no 'args' namespace")
-    return tree
+    return tree, step
+
+
+def _common_step_ref(tree: Any) -> Any:
+    """megatron-core's per-parameter optimizers keep Adam's step once, as ``common_step``
+    (under ``optimizer``, or under ``optimizer[i]`` for a chained dense + expert optimizer)."""
+    optimizer = tree.get("optimizer") if isinstance(tree, dict) else None
+    if not isinstance(optimizer, dict):
+        return None
+    inner = optimizer.get(0, optimizer)
+    state = inner.get("state") if isinstance(inner, dict) else None
+    return state.get("common_step") if isinstance(state, dict) else None
 
 
 def probe_torch_dist(
@@ -51,7 +69,7 @@ def probe_torch_dist(
     trusted: frozenset[str] = frozenset(),
 ) -> DcpCheckpoint:
     metadata = read_metadata(storage, base)
-    common = _common_state(storage, base, metadata)
+    common, common_step = _common_state(storage, base, metadata)
     args = common["args"]
     spec = spec_from_args(args, true_vocab_size, trusted)
     layout = layout_from_args(args)
@@ -106,7 +124,7 @@ def probe_torch_dist(
     if objects:
         # Pickled objects (RNG state, TransformerEngine FP8 metadata) have no reshardable form.
         notes.append(f"not carried: {', '.join(sorted(objects))} (pickled objects)")
-    step = _optimizer_step(optimizer)
+    step = _optimizer_step(optimizer) if common_step is None else common_step
     view = CheckpointView(
         Format.TORCH_DIST,
         spec,

@@ -1,0 +1,128 @@
+"""The optimizer state of Megatron legacy rank files: which layout the files use (torch state,
+wrapped or bare, chained for experts, or the distributed optimizer), the order of Megatron's
+parameter groups, and Adam's step."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+from typing import Any
+
+from ckptctl.errors import CheckpointError
+from ckptctl.formats.megatron.layout import (
+    GroupOrder,
+    OptimizerLayout,
+    param_groups,
+    rank_params,
+    sub_optimizers,
+)
+from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
+from ckptctl.formats.torchsave.refs import resolve
+from ckptctl.model.catalog import ExpertNaming, Naming
+from ckptctl.model.layout import ModelSpec, ParallelLayout
+
+
+def optimizer_layout(tree: dict[str, Any], args: argparse.Namespace) -> OptimizerLayout | None:
+    opt = tree.get("optimizer")
+    chained = isinstance(opt, list) and bool(opt) and all(isinstance(o, dict) for o in opt)
+    if chained:  # megatron-core's ChainedOptimizer: dense then expert-parallel parameters
+        opt = opt[0]
+    if not isinstance(opt, dict):
+        return None
+    if getattr(args, "use_distributed_optimizer", False):
+        return OptimizerLayout(
+            states=(),
+            master_weights=True,
+            wrapped=True,
+            distributed=True,
+            group_order=GroupOrder.DECAY_FIRST,
+            overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)),
+            bucket_size=getattr(args, "ddp_bucket_size", None),
+            chained=chained,
+        )
+    wrapped = isinstance(opt.get("optimizer"), dict)
+    inner = opt["optimizer"] if wrapped else opt
+    state = inner.get("state")
+    if not state:
+        return None
+    first = state[min(state)]
+    states = tuple(k for k, v in first.items() if isinstance(v, TensorRef))
+    return OptimizerLayout(
+        states=states,
+        master_weights="fp32_from_fp16_params" in opt,
+        wrapped=wrapped,
+        chained=chained,
+    )
+
+
+def optimizer_step(reader: TorchZipReader, optimizer: OptimizerLayout | None) -> float | None:
+    """Adam's step count: per parameter group (distributed) or per parameter (torch state)."""
+    if optimizer is None:
+        return None
+    torch_state = resolve(reader.tree, optimizer.torch_state)
+    for group in torch_state.get("param_groups", []):
+        if "step" in group:
+            return float(group["step"])
+    for state in torch_state.get("state", {}).values():
+        step = state.get("step")
+        if isinstance(step, TensorRef):
+            return float(reader.read(step).item())
+        if step is not None:
+            return float(step)
+    return None
+
+
+def _group_kind(group: dict[str, Any]) -> bool | None:
+    """Whether a stored parameter group is the no-weight-decay one, when it says so."""
+    if "wd_mult" in group:
+        return group["wd_mult"] == 0
+    return None
+
+
+def match_groups(
+    spec: ModelSpec,
+    layout: ParallelLayout,
+    style: tuple[Naming, tuple[str, ...] | None, ExpertNaming],
+    optimizer: OptimizerLayout,
+    trees: dict[tuple[int, int, int], dict[str, Any]],
+) -> tuple[OptimizerLayout, dict[bool, dict[str, Any]]]:
+    """Find the parameter-group order every rank file follows, and each group's settings
+    (the dense optimizer's, under a chained one).
+
+    Megatron-Core changed the order in 0.16 (weight-decay group first); we try both and take the
+    one whose group sizes and ``wd_mult`` agree with every file.
+    """
+    naming, layer_order, expert_naming = style
+    for order in GroupOrder:
+        templates: dict[bool, dict[str, Any]] = {}
+        fits = True
+        for (tp_rank, pp_rank, ep_rank), tree in trees.items():
+            params = rank_params(spec, layout, pp_rank, naming, layer_order, ep_rank, expert_naming)
+            for sub, members in enumerate(sub_optimizers(params, optimizer.chained)):
+                try:
+                    stored = resolve(tree, optimizer.sub_state(sub))["param_groups"]
+                except (KeyError, IndexError, TypeError):
+                    kind = "distributed optimizer's" if optimizer.distributed else "torch"
+                    raise CheckpointError(
+                        f"the optimizer state of rank (tp, pp, ep) = ({tp_rank}, {pp_rank}, "
+                        f"{ep_rank}) is not the {kind} layout its args announce "
+                        "(use_distributed_optimizer, expert parallelism); cannot map it"
+                    ) from None
+                expected = param_groups(params, order, members)
+                fits = len(stored) == len(expected) and all(
+                    len(group.get("params", group_members)) == len(group_members)
+                    and _group_kind(group) in (None, kind)
+                    for group, (kind, group_members) in zip(stored, expected, strict=True)
+                )
+                if not fits:
+                    break
+                for group, (kind, _) in zip(stored, expected, strict=True):
+                    templates.setdefault(kind, {k: v for k, v in group.items() if k != "params"})
+            if not fits:
+                break
+        if fits:
+            return replace(optimizer, group_order=order), templates
+    raise CheckpointError(
+        "the optimizer's parameter groups match neither of Megatron's orders (weight decay / no "
+        "weight decay by first appearance, or weight decay first); cannot map its state"
+    )

@@ -1,0 +1,303 @@
+"""Mixture-of-experts checkpoints written and read back by megatron-core's own GPTModel (test
+oracle, issue 15).
+
+Two modes, on CPU with gloo, ``--tp T --ep E`` ranks (T * E processes; data parallelism is E):
+
+``write OUT --tp T --ep E``
+    For every variant below builds megatron-core's ``GPTModel`` with routed experts
+    (``SequentialMLP``, local layer spec), trains it one Adam step with megatron-core's own
+    per-parameter optimizer (a ``ChainedOptimizer`` of dense and expert parameters when E > 1),
+    and saves it as Megatron-LM's legacy format does: ``model_optim_rng.pt`` per (tp, ep) rank
+    in ``mp_rank_TT[_EEE]`` with ``args``, model, optimizer and scheduler, to ``OUT/<variant>/``,
+    with megatron-core's own forward on a fixed batch in ``OUT/<variant>/reference.pt``.
+
+``forward CKPT OUT_PT --tp T --ep E --variant NAME``
+    Loads a legacy checkpoint of that layout into the variant's model with
+    ``load_state_dict(strict=True)`` (and megatron-core's parameter order), runs the fixed batch
+    and saves the logits to ``OUT_PT``.
+
+Variants (each maps onto one transformers class): ``mixtral`` (top-2 of 4, renormalised),
+``qwen2_moe`` (softmax before top-k, q/k/v biases, a shared expert with a sigmoid gate),
+``qwen3_moe`` (q/k layernorm, renormalised top-k).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from mcore_cpu import (
+    CHECKPOINT_VERSION,
+    ITERATION,
+    MODEL_SEED,
+    TRUE_VOCAB,
+    adam_args,
+    causal_mask,
+    lm_batch,
+    model_args,
+    model_parallel,
+    patch_megatron_for_cpu,
+    position_ids,
+    randomise_norms,
+    reference_input_ids,
+    spawn,
+    train_step,
+    transformer_config,
+    wrap_for_training,
+)
+
+NUM_LAYERS = 2
+NUM_EXPERTS = 4
+EXPERT_FFN = 32
+BATCH, SEQ = 2, 13
+TRAIN_SEED = 99
+
+# variant -> (args as Megatron-LM stores them, TransformerConfig fields)
+VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "mixtral": ({}, {}),
+    "qwen2_moe": (
+        {
+            "add_qkv_bias": True,
+            "moe_router_pre_softmax": True,
+            "moe_shared_expert_intermediate_size": 48,
+            "moe_shared_expert_gate": True,
+        },
+        {
+            "add_qkv_bias": True,
+            "moe_router_pre_softmax": True,
+            "moe_shared_expert_intermediate_size": 48,
+            "moe_shared_expert_gate": True,
+        },
+    ),
+    "qwen3_moe": ({"qk_layernorm": True}, {"qk_layernorm": True}),
+}
+
+
+def moe_fields(tp: int, ep: int) -> dict[str, Any]:
+    return {
+        "num_moe_experts": NUM_EXPERTS,
+        "moe_ffn_hidden_size": EXPERT_FFN,
+        "moe_router_topk": 2,
+        "expert_model_parallel_size": ep,
+        "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0,
+        "moe_token_dispatcher_type": "allgather",
+    }
+
+
+def megatron_args(variant: str, tp: int, ep: int) -> argparse.Namespace:
+    args = argparse.Namespace(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=1,
+        virtual_pipeline_model_parallel_size=None,
+        data_parallel_size=ep,
+        world_size=tp * ep,
+        **model_args(tp, NUM_LAYERS),
+        num_experts=NUM_EXPERTS,
+        moe_ffn_hidden_size=EXPERT_FFN,
+        moe_router_topk=2,
+        moe_grouped_gemm=False,
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type="allgather",
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=tp,
+        params_dtype=torch.float32,
+        bf16=False,
+        fp16=False,
+        transformer_impl="local",
+        use_distributed_optimizer=False,
+        seq_length=SEQ,
+        ckpt_format="torch",
+        **adam_args(),
+    )
+    for name, value in VARIANTS[variant][0].items():
+        setattr(args, name, value)
+    return args
+
+
+def build(variant: str, tp: int, ep: int) -> torch.nn.Module:
+    from mcore_cpu import MAX_POSITIONS, ROTARY_BASE, padded_vocab_size
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    fields = {**moe_fields(tp, ep), **VARIANTS[variant][1]}
+    config = transformer_config(tp=tp, num_layers=NUM_LAYERS, **fields)
+    spec = get_gpt_layer_local_spec(
+        num_experts=NUM_EXPERTS,
+        moe_grouped_gemm=False,
+        normalization="RMSNorm",
+        qk_layernorm=config.qk_layernorm,
+    )
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=padded_vocab_size(tp),
+        max_sequence_length=MAX_POSITIONS,
+        parallel_output=True,  # the training loss is vocab-parallel; logits_of gathers
+        position_embedding_type="rope",
+        rotary_base=ROTARY_BASE,
+    )
+
+
+def logits_of(model: torch.nn.Module) -> torch.Tensor:
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    input_ids = reference_input_ids(BATCH, SEQ)
+    with torch.no_grad():
+        logits = model(input_ids, position_ids(BATCH, SEQ), causal_mask(SEQ))
+        if parallel_state.get_tensor_model_parallel_world_size() > 1:
+            logits = gather_from_tensor_model_parallel_region(logits)  # the whole vocabulary
+    return logits[..., :TRUE_VOCAB].float().contiguous()
+
+
+def rank_dir(tp_rank: int, ep_rank: int, ep: int) -> str:
+    return f"mp_rank_{tp_rank:02d}" + (f"_{ep_rank:03d}" if ep > 1 else "")
+
+
+def expert_parallel(rank: int, port: int, tp: int, ep: int) -> Any:
+    """This rank's process group: TP x EP ranks, data parallelism EP (experts take DP ranks)."""
+    return model_parallel(
+        rank, port, tp * ep, tp=tp, cpu_as_cuda=True, expert_model_parallel_size=ep
+    )
+
+
+def cpu_patches() -> None:
+    patch_megatron_for_cpu(noop_cuda_synchronize=True)
+    # Without TransformerEngine megatron-core 0.16.1's moe_utils never defines te_general_gemm,
+    # and the router's gating linear names it: define it as absent.
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def save_torch_dist(root: Path, model: Any, optimizer: Any, scheduler: Any, args: Any) -> None:
+    """Megatron-LM's synchronous ``torch_dist`` save: model and (fully reshardable) optimizer."""
+    from megatron.core import dist_checkpointing
+
+    checkpoint_dir = root / f"iter_{ITERATION:07d}"
+    if dist.get_rank() == 0:
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    model_state = model.sharded_state_dict()
+    state = {
+        "args": args,
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "iteration": ITERATION,
+        "model": model_state,
+        "optimizer": optimizer.sharded_state_dict(model_state),
+        "opt_param_scheduler": scheduler.state_dict(),
+    }
+    dist_checkpointing.save(state, str(checkpoint_dir))
+    dist.barrier()
+
+
+def write_worker(rank: int, port: int, out_dir: Path, tp: int, ep: int, ckpt_format: str) -> None:
+    cpu_patches()
+    with expert_parallel(rank, port, tp, ep):
+        from megatron.core import parallel_state
+
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        ep_rank = parallel_state.get_expert_model_parallel_rank()
+        for variant in VARIANTS:
+            torch.manual_seed(MODEL_SEED)  # the same full model on every rank
+            model = build(variant, tp, ep)
+            randomise_norms(model, seed_per_name=True)
+            ddp, optimizer, scheduler = wrap_for_training(
+                model.config, model, global_batch=BATCH * ep, distributed=False
+            )
+            # One step of Adam on this DP rank's batch, so the state is real. In eval mode: dropout
+            # is off anyway, and megatron-core refuses to *train* experts under TP without
+            # sequence parallelism, which its CPU (torch) norms cannot do.
+            model.eval()
+            generator = torch.Generator().manual_seed(TRAIN_SEED + dist.get_rank() // tp)
+            tokens = torch.randint(0, TRUE_VOCAB, (BATCH, SEQ + 1), generator=generator)
+            train_step(ddp, optimizer, scheduler, [lm_batch(tokens)], global_batch=BATCH * ep)
+            root = out_dir / variant
+            args = megatron_args(variant, tp, ep)
+            if ckpt_format == "torch_dist":
+                args.ckpt_format = "torch_dist"
+                save_torch_dist(root, model, optimizer, scheduler, args)
+            else:
+                shard = root / f"iter_{ITERATION:07d}" / rank_dir(tp_rank, ep_rank, ep)
+                shard.mkdir(parents=True, exist_ok=True)
+                state = {
+                    "args": args,
+                    "checkpoint_version": CHECKPOINT_VERSION,
+                    "iteration": ITERATION,
+                    "model": model.state_dict_for_save_checkpoint(),
+                    "optimizer": optimizer.state_dict(),
+                    "opt_param_scheduler": scheduler.state_dict(),
+                }
+                torch.save(state, shard / "model_optim_rng.pt")
+            logits = logits_of(model)
+            if rank == 0:
+                reference = {"input_ids": reference_input_ids(BATCH, SEQ), "logits": logits}
+                torch.save(reference, root / "reference.pt")
+                (root / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
+            dist.barrier()
+
+
+def forward_worker(
+    rank: int, port: int, ckpt: Path, out: Path, tp: int, ep: int, variant: str
+) -> None:
+    cpu_patches()
+    with expert_parallel(rank, port, tp, ep):
+        from megatron.core import parallel_state
+
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        ep_rank = parallel_state.get_expert_model_parallel_rank()
+        model = build(variant, tp, ep)
+        shard = ckpt / f"iter_{ITERATION:07d}" / rank_dir(tp_rank, ep_rank, ep)
+        path = shard / "model_optim_rng.pt"
+        state = torch.load(path, weights_only=False)
+        model.load_state_dict(state["model"], strict=True)
+        ours = [k for k in state["model"] if not k.endswith("_extra_state")]
+        theirs = [k for k in model.state_dict() if not k.endswith("_extra_state")]
+        assert ours == theirs, (ours, theirs)
+        model.eval()
+        logits = logits_of(model)
+        if rank == 0:
+            torch.save(logits, out)
+        dist.barrier()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="mode", required=True)
+    write = sub.add_parser("write")
+    write.add_argument("out_dir", type=Path)
+    write.add_argument("--format", choices=("legacy", "torch_dist"), default="legacy")
+    forward = sub.add_parser("forward")
+    forward.add_argument("ckpt", type=Path)
+    forward.add_argument("out", type=Path)
+    forward.add_argument("--variant", choices=tuple(VARIANTS), required=True)
+    for mode in (write, forward):
+        mode.add_argument("--tp", type=int, default=1)
+        mode.add_argument("--ep", type=int, default=1)
+    args = parser.parse_args(argv)
+    world = args.tp * args.ep
+    if args.mode == "write":
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        spawn(write_worker, world, args.out_dir.resolve(), args.tp, args.ep, args.format)
+    else:
+        spawn(
+            forward_worker,
+            world,
+            args.ckpt.resolve(),
+            args.out.resolve(),
+            args.tp,
+            args.ep,
+            args.variant,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

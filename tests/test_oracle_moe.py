@@ -1,0 +1,224 @@
+"""Mixture-of-experts checkpoints, judged by megatron-core and transformers (issue 15).
+
+megatron-core 0.16.1's own GPTModel with routed experts writes legacy checkpoints at EP=2 TP=1
+and at EP=1 TP=2 (2 gloo processes each), trained one step with its own optimizer (a chained
+dense + expert optimizer under EP=2), with its own logits. ckptctl then:
+
+* consolidates each to HF, where transformers' Mixtral / Qwen2-MoE / Qwen3-MoE class must give
+  the same logits;
+* reshards it to the other layout, which megatron-core loads strictly (names and order) and runs
+  to the same logits, and back, bit for bit: every weight and every optimizer state;
+* round-trips it through random (TP, PP, EP, DP) layouts (hypothesis), bit for bit.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("megatron.core", reason="megatron-core 0.16.1 is the oracle here")
+transformers = pytest.importorskip("transformers")
+
+TRUE_VOCAB = 1000
+ORACLE = Path(__file__).parent / "oracles" / "megatron_core_moe.py"
+pytestmark = pytest.mark.oracle
+
+HF_CLASS = {
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+# (written layout, the other layout) as reshard options and the oracle's --tp/--ep.
+LAYOUTS = {
+    "ep2": ({"tp": 1, "ep": 2}, {"tp": 2, "ep": 1}),
+    "tp2": ({"tp": 2, "ep": 1}, {"tp": 1, "ep": 2}),
+}
+
+
+def _oracle(*args: object) -> None:
+    subprocess.run(
+        [sys.executable, str(ORACLE), *map(str, args)], check=True, capture_output=True, timeout=600
+    )
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def written(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    root = tmp_path_factory.mktemp(f"moe_{request.param}")
+    own, _ = LAYOUTS[request.param]
+    _oracle("write", root, "--tp", own["tp"], "--ep", own["ep"])
+    return request.param, root
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def _flat(obj: Any, path: str = "") -> dict[str, Any]:
+    """Every tensor and plain value under ``obj``, by key path."""
+    if isinstance(obj, dict):
+        return {
+            k: v for key, value in obj.items() for k, v in _flat(value, f"{path}/{key}").items()
+        }
+    if isinstance(obj, list | tuple):
+        return {k: v for i, value in enumerate(obj) for k, v in _flat(value, f"{path}/{i}").items()}
+    return {path: obj}
+
+
+def _rank_files(root: Path) -> dict[str, dict[str, Any]]:
+    """Per rank directory: model tensors (extra state aside), optimizer tensors and groups."""
+    out = {}
+    for path in sorted(root.rglob("model_optim_rng.pt")):
+        state = torch.load(path, weights_only=False)
+        model = {k: v for k, v in state["model"].items() if not k.endswith("_extra_state")}
+        out[path.parent.name] = _flat({"model": model, "optimizer": state["optimizer"]})
+    return out
+
+
+def _assert_same_files(mine: Path, theirs: Path) -> None:
+    """Same rank files, keys in the same order, every value equal; a tensor's padded
+    vocabulary rows aside (megatron-core fills them with initial values, ckptctl with zeros:
+    they are never a token)."""
+    a, b = _rank_files(mine), _rank_files(theirs)
+    assert a.keys() == b.keys()
+    for rank, values in b.items():
+        assert list(a[rank]) == list(values), rank
+        rows = values["/model/embedding.word_embeddings.weight"].shape[0]
+        tp_rank = int(rank.split("_")[2])
+        true_rows = max(0, min(rows, TRUE_VOCAB - tp_rank * rows))
+        for key, want in values.items():
+            got = a[rank][key]
+            if isinstance(want, torch.Tensor):
+                if want.dim() and want.shape[0] == rows:
+                    got, want = got[:true_rows], want[:true_rows]
+                assert got.dtype == want.dtype and torch.equal(got, want), (rank, key)
+            elif not key.endswith("/params"):
+                assert got == want, (rank, key)
+
+
+def _options(layout: dict[str, int]) -> list[str]:
+    # Experts are carved out of data parallelism: EP=2 needs two DP replicas per TP rank.
+    return ["--tp", str(layout["tp"]), "--ep", str(layout["ep"]), "--dp", str(layout["ep"])]
+
+
+@pytest.mark.parametrize("variant", list(HF_CLASS))
+def test_moe_to_hf_gives_transformers_megatron_cores_logits(
+    written: Any, variant: str, tmp_path: Path, cli
+) -> None:
+    _, root = written
+    src = root / variant
+    reference = torch.load(src / "reference.pt", weights_only=True)
+    info = cli.json("inspect", src)
+    assert info["hf"]["architecture"] == HF_CLASS[variant]
+    assert sorted(e for f in info["files"] for e in f["experts"]) == sorted(
+        list(range(4)) * info["layout"]["tp"]
+    )
+    cli("consolidate", src, tmp_path / "hf", "--format", "hf")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    assert type(model).__name__ == HF_CLASS[variant]
+    with torch.no_grad():
+        logits = model(reference["input_ids"]).logits
+    assert _relative(logits, reference["logits"]) < 1e-5
+
+    # HF -> the written layout -> HF reproduces every tensor and the config's routing.
+    back = tmp_path / "megatron"
+    own, _ = LAYOUTS[written[0]]
+    cli("reshard", tmp_path / "hf", back, *_options(own))
+    cli("consolidate", back, tmp_path / "hf2", "--format", "hf")
+    assert cli.json("verify", tmp_path / "hf2", "--against", tmp_path / "hf")["ok"]
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "hf2")
+    assert config.num_experts_per_tok == 2
+
+
+@pytest.mark.parametrize("variant", list(HF_CLASS))
+def test_moe_reshard_loads_in_megatron_core_and_returns_bit_exact(
+    written: Any, variant: str, tmp_path: Path, cli
+) -> None:
+    name, root = written
+    src = root / variant
+    own, other = LAYOUTS[name]
+    reference = torch.load(src / "reference.pt", weights_only=True)
+
+    moved = tmp_path / "moved"
+    cli("reshard", src, moved, *_options(other))
+    _oracle(
+        "forward", moved, tmp_path / "logits.pt", "--variant", variant,
+        "--tp", other["tp"], "--ep", other["ep"],
+    )  # fmt: skip
+    logits = torch.load(tmp_path / "logits.pt", weights_only=True)
+    assert _relative(logits, reference["logits"]) < 1e-5
+
+    back = tmp_path / "back"
+    cli("reshard", moved, back, *_options(own))
+    assert cli.json("verify", back, "--against", src)["ok"]
+    _assert_same_files(back, src)
+
+
+def _moe_layouts() -> st.SearchStrategy[dict[str, int]]:
+    """(tp, pp, ep, dp) the oracle model allows: 4 heads in 2 groups, 2 layers, 4 experts."""
+    return st.builds(
+        lambda tp, pp, ep, replicas: {"tp": tp, "pp": pp, "ep": ep, "dp": ep * replicas},
+        st.sampled_from([1, 2]),
+        st.sampled_from([1, 2]),
+        st.sampled_from([1, 2, 4]),
+        st.sampled_from([1, 2]),
+    )
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+@given(layout=_moe_layouts(), variant=st.sampled_from(list(HF_CLASS)))
+def test_moe_round_trips_through_any_layout_bit_exact(
+    written: Any,
+    tmp_path_factory: pytest.TempPathFactory,
+    cli,
+    layout: dict[str, int],
+    variant: str,
+) -> None:
+    name, root = written
+    src = root / variant
+    own, _ = LAYOUTS[name]
+    tmp = tmp_path_factory.mktemp("moe_round_trip")
+    options = [f"--{axis}={size}" for axis, size in layout.items()]
+    cli("reshard", src, tmp / "there", *options)
+    info = cli.json("inspect", tmp / "there")
+    per_rank = 4 // layout["ep"]
+    assert all(len(f["experts"]) == per_rank for f in info["files"])
+    cli("reshard", tmp / "there", tmp / "back", *_options(own))
+    _assert_same_files(tmp / "back", src)
+
+
+@pytest.fixture(scope="module")
+def torch_dist_and_legacy(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The same EP=2 run saved both ways by megatron-core (same seeds, same step)."""
+    roots = []
+    for ckpt_format in ("torch_dist", "legacy"):
+        root = tmp_path_factory.mktemp(f"moe_{ckpt_format}")
+        _oracle("write", root, "--ep", 2, "--format", ckpt_format)
+        roots.append(root)
+    return roots[0], roots[1]
+
+
+@pytest.mark.parametrize("variant", list(HF_CLASS))
+def test_moe_torch_dist_reads_as_megatron_cores_legacy_files(
+    torch_dist_and_legacy: tuple[Path, Path], variant: str, tmp_path: Path, cli
+) -> None:
+    torch_dist, legacy = (root / variant for root in torch_dist_and_legacy)
+    # Experts stacked as [L, E, ...], the chained optimizer's per-parameter state and its
+    # common step, to the legacy files megatron-core itself wrote for the same state.
+    cli("reshard", torch_dist, tmp_path / "legacy", *_options({"tp": 1, "ep": 2}))
+    _assert_same_files(tmp_path / "legacy", legacy)
+    cli("consolidate", torch_dist, tmp_path / "hf", "--format", "hf")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    reference = torch.load(torch_dist / "reference.pt", weights_only=True)
+    with torch.no_grad():
+        logits = model(reference["input_ids"]).logits
+    assert _relative(logits, reference["logits"]) < 1e-5
+    # Writing experts as torch_dist is refused, not mishandled.
+    result = cli("reshard", torch_dist, tmp_path / "td", "--format", "torch_dist", code=2)
+    assert "mixture-of-experts model as torch_dist is not supported yet" in result.stderr
