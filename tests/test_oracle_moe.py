@@ -163,11 +163,18 @@ def test_moe_reshard_loads_in_megatron_core_and_returns_bit_exact(
 def _moe_layouts() -> st.SearchStrategy[dict[str, int]]:
     """(tp, pp, ep, dp) the oracle model allows: 4 heads in 2 groups, 2 layers, 4 experts."""
     return st.builds(
-        lambda tp, pp, ep, replicas: {"tp": tp, "pp": pp, "ep": ep, "dp": ep * replicas},
+        lambda tp, pp, ep, replicas, distributed: {
+            "tp": tp,
+            "pp": pp,
+            "ep": ep,
+            "dp": ep * replicas,
+            "distributed": distributed,
+        },
         st.sampled_from([1, 2]),
         st.sampled_from([1, 2]),
         st.sampled_from([1, 2, 4]),
         st.sampled_from([1, 2]),
+        st.booleans(),
     )
 
 
@@ -184,31 +191,36 @@ def test_moe_round_trips_through_any_layout_bit_exact(
     src = root / variant
     own, _ = LAYOUTS[name]
     tmp = tmp_path_factory.mktemp("moe_round_trip")
-    options = [f"--{axis}={size}" for axis, size in layout.items()]
+    options = [f"--{axis}={layout[axis]}" for axis in ("tp", "pp", "ep", "dp")]
+    options += ["--distributed-optimizer"] * layout["distributed"]
     cli("reshard", src, tmp / "there", *options)
     info = cli.json("inspect", tmp / "there")
     per_rank = 4 // layout["ep"]
     assert all(len(f["experts"]) == per_rank for f in info["files"])
-    cli("reshard", tmp / "there", tmp / "back", *_options(own))
+    cli("reshard", tmp / "there", tmp / "back", *_options(own), "--no-distributed-optimizer")
     _assert_same_files(tmp / "back", src)
 
 
 @pytest.fixture(scope="module")
-def torch_dist_and_legacy(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """The same EP=2 run saved both ways by megatron-core (same seeds, same step)."""
-    roots = []
-    for ckpt_format in ("torch_dist", "legacy"):
-        root = tmp_path_factory.mktemp(f"moe_{ckpt_format}")
-        _oracle("write", root, "--ep", 2, "--format", ckpt_format)
-        roots.append(root)
-    return roots[0], roots[1]
+def same_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The same EP=2 run (same seeds, same step) saved by megatron-core as ``torch_dist``, as
+    legacy files, and as legacy files of a run under its DistributedOptimizer."""
+    roots = {}
+    for name, options in (
+        ("torch_dist", ["--format", "torch_dist"]),
+        ("legacy", []),
+        ("distopt", ["--distributed-optimizer"]),
+    ):
+        roots[name] = tmp_path_factory.mktemp(f"moe_{name}")
+        _oracle("write", roots[name], "--ep", 2, *options)
+    return roots
 
 
 @pytest.mark.parametrize("variant", list(HF_CLASS))
 def test_moe_torch_dist_reads_as_megatron_cores_legacy_files(
-    torch_dist_and_legacy: tuple[Path, Path], variant: str, tmp_path: Path, cli
+    same_run: dict[str, Path], variant: str, tmp_path: Path, cli
 ) -> None:
-    torch_dist, legacy = (root / variant for root in torch_dist_and_legacy)
+    torch_dist, legacy = (same_run[name] / variant for name in ("torch_dist", "legacy"))
     # Experts stacked as [L, E, ...], the chained optimizer's per-parameter state and its
     # common step, to the legacy files megatron-core itself wrote for the same state.
     cli("reshard", torch_dist, tmp_path / "legacy", *_options({"tp": 1, "ep": 2}))
@@ -222,3 +234,75 @@ def test_moe_torch_dist_reads_as_megatron_cores_legacy_files(
     # Writing experts as torch_dist is refused, not mishandled.
     result = cli("reshard", torch_dist, tmp_path / "td", "--format", "torch_dist", code=2)
     assert "mixture-of-experts model as torch_dist is not supported yet" in result.stderr
+
+
+def _local_name(canonical: str, ep_rank: int, per_rank: int = 2) -> str:
+    """The name megatron-core's EP rank ``ep_rank`` gives a canonical parameter (local spec)."""
+    canonical = canonical.replace(
+        "self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"
+    )
+    marker = ".mlp.experts.local_experts."
+    if marker not in canonical:
+        return canonical
+    head, tail = canonical.split(marker)
+    expert, rest = tail.split(".", 1)
+    return f"{head}{marker}{int(expert) - ep_rank * per_rank}.{rest}"
+
+
+def _flat_buffers(path: Path) -> list[dict[str, torch.Tensor]]:
+    """Each optimizer's flat buffers in a ``distrib_optim.pt`` (None for an absent one)."""
+    states = torch.load(path, weights_only=False)
+    return [
+        None
+        if state is None
+        else {
+            f"{gbuf}/{key}": value
+            for gbuf, buffers in state.items()
+            if gbuf != "buckets_coalesced"
+            for dtypes in buffers.values()
+            for key, value in dtypes.items()
+            if isinstance(value, torch.Tensor)
+        }
+        for state in states
+    ]
+
+
+@pytest.mark.parametrize("variant", list(HF_CLASS))
+def test_moe_distributed_optimizer_expert_buffers(
+    same_run: dict[str, Path], variant: str, tmp_path: Path, cli
+) -> None:
+    distopt = same_run["distopt"] / variant
+    # distrib_optim.pt under EP=2: [dense state (EP rank 0's file only), expert state over
+    # expert DP]. What ckptctl reads from it, parameter by parameter, is the live
+    # DistributedOptimizers' fp32 masters and moments, bit for bit.
+    from ckptctl.model.catalog import parameters
+    from ckptctl.probe import open_checkpoint
+
+    ckpt = open_checkpoint(str(distopt))
+    checked = set()
+    for file in ckpt.view.files:
+        if not file.path.endswith("distrib_optim.pt"):
+            continue
+        truth = torch.load(distopt / f"truth_{file.path.split('/')[-2]}.pt", weights_only=True)
+        for t in file.tensors:
+            state, name = t.canonical.split("/", 1)
+            got = ckpt.read(
+                file.path, t.key, (0,) * len(t.shape), t.shape, (t.view_offset, t.shape)
+            )
+            want = truth[_local_name(name, file.ep_rank)][state.replace("fp32_", "")]
+            assert torch.equal(got, want), t.canonical
+            checked.add(t.canonical)
+    params = {p.name for p in parameters(ckpt.view.spec)}
+    assert checked == {f"{s}/{p}" for s in ("fp32_param", "exp_avg", "exp_avg_sq") for p in params}
+    # Through TP2 EP1 (one buffer for all parameters) and back: the expert buffers are
+    # megatron-core's bytes, the dense ones too apart from vocabulary padding rows.
+    cli("reshard", distopt, tmp_path / "tp2", "--tp", "2", "--ep", "1", "--dp", "2")
+    back = tmp_path / "back"
+    cli("reshard", tmp_path / "tp2", back, "--ep", "2", "--dp", "2")
+    assert cli.json("verify", back, "--against", distopt)["ok"]
+    for rank in ("mp_rank_00_000", "mp_rank_00_001"):
+        name = f"iter_0000001/{rank}/distrib_optim.pt"
+        mine, theirs = _flat_buffers(back / name), _flat_buffers(distopt / name)
+        assert (mine[0] is None) == (theirs[0] is None) == (rank != "mp_rank_00_000")
+        assert mine[1].keys() == theirs[1].keys()
+        assert all(torch.equal(mine[1][k], theirs[1][k]) for k in theirs[1])

@@ -177,6 +177,31 @@ def cpu_patches() -> None:
         moe_utils.te_general_gemm = None
 
 
+def live_state(optimizer: Any, model: torch.nn.Module) -> dict[str, dict[str, torch.Tensor]]:
+    """Each parameter's fp32 master and Adam moments (local shape) from the live distributed
+    optimizer(s): the sub-optimizer holding it fills the slice this rank owns (megatron-core's
+    own range map), the slices are summed over that optimizer's DP group, and a count proves
+    every element owned exactly once."""
+    subs = getattr(optimizer, "chained_optimizers", [optimizer])
+    out = {}
+    for name, param in model.named_parameters():
+        # Expert-parallel parameters (allreduce off) belong to the second, expert optimizer.
+        owner = subs[-1] if not getattr(param, "allreduce", True) else subs[0]
+        full = {k: torch.zeros(param.numel()) for k in ("param", "exp_avg", "exp_avg_sq")}
+        cover = torch.zeros(param.numel(), dtype=torch.int32)
+        if param in owner.model_param_gbuf_map:
+            owned = owner._get_model_param_range_map(param)["param"]
+            tensors = owner._get_main_param_and_optimizer_states(param)
+            for key, value in full.items():
+                value[owned.start : owned.end] = tensors[key].detach().float().view(-1)
+            cover[owned.start : owned.end] += 1
+        for tensor in (*full.values(), cover):
+            dist.all_reduce(tensor, group=owner.data_parallel_group)
+        assert bool((cover == 1).all()), name
+        out[name] = {k: v.view(param.shape) for k, v in full.items()}
+    return out
+
+
 def save_torch_dist(root: Path, model: Any, optimizer: Any, scheduler: Any, args: Any) -> None:
     """Megatron-LM's synchronous ``torch_dist`` save: model and (fully reshardable) optimizer."""
     from megatron.core import dist_checkpointing
@@ -198,7 +223,9 @@ def save_torch_dist(root: Path, model: Any, optimizer: Any, scheduler: Any, args
     dist.barrier()
 
 
-def write_worker(rank: int, port: int, out_dir: Path, tp: int, ep: int, ckpt_format: str) -> None:
+def write_worker(
+    rank: int, port: int, out_dir: Path, tp: int, ep: int, ckpt_format: str, distributed: bool
+) -> None:
     cpu_patches()
     with expert_parallel(rank, port, tp, ep):
         from megatron.core import parallel_state
@@ -210,7 +237,7 @@ def write_worker(rank: int, port: int, out_dir: Path, tp: int, ep: int, ckpt_for
             model = build(variant, tp, ep)
             randomise_norms(model, seed_per_name=True)
             ddp, optimizer, scheduler = wrap_for_training(
-                model.config, model, global_batch=BATCH * ep, distributed=False
+                model.config, model, global_batch=BATCH * ep, distributed=distributed
             )
             # One step of Adam on this DP rank's batch, so the state is real. In eval mode: dropout
             # is off anyway, and megatron-core refuses to *train* experts under TP without
@@ -221,6 +248,7 @@ def write_worker(rank: int, port: int, out_dir: Path, tp: int, ep: int, ckpt_for
             train_step(ddp, optimizer, scheduler, [lm_batch(tokens)], global_batch=BATCH * ep)
             root = out_dir / variant
             args = megatron_args(variant, tp, ep)
+            args.use_distributed_optimizer = distributed
             if ckpt_format == "torch_dist":
                 args.ckpt_format = "torch_dist"
                 save_torch_dist(root, model, optimizer, scheduler, args)
@@ -235,6 +263,10 @@ def write_worker(rank: int, port: int, out_dir: Path, tp: int, ep: int, ckpt_for
                     "optimizer": optimizer.state_dict(),
                     "opt_param_scheduler": scheduler.state_dict(),
                 }
+                if distributed:  # collective: every rank takes part, DP rank 0s write
+                    optimizer.save_parameter_state(str(shard / "distrib_optim.pt"))
+                    truth = live_state(optimizer, model)
+                    torch.save(truth, root / f"truth_{rank_dir(tp_rank, ep_rank, ep)}.pt")
                 torch.save(state, shard / "model_optim_rng.pt")
             logits = logits_of(model)
             if rank == 0:
@@ -274,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     write = sub.add_parser("write")
     write.add_argument("out_dir", type=Path)
     write.add_argument("--format", choices=("legacy", "torch_dist"), default="legacy")
+    write.add_argument("--distributed-optimizer", action="store_true")
     forward = sub.add_parser("forward")
     forward.add_argument("ckpt", type=Path)
     forward.add_argument("out", type=Path)
@@ -285,7 +318,15 @@ def main(argv: list[str] | None = None) -> int:
     world = args.tp * args.ep
     if args.mode == "write":
         args.out_dir.mkdir(parents=True, exist_ok=True)
-        spawn(write_worker, world, args.out_dir.resolve(), args.tp, args.ep, args.format)
+        spawn(
+            write_worker,
+            world,
+            args.out_dir.resolve(),
+            args.tp,
+            args.ep,
+            args.format,
+            args.distributed_optimizer,
+        )
     else:
         spawn(
             forward_worker,

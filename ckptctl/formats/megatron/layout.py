@@ -241,11 +241,6 @@ def megatron_files(
             f"etp={layout.expert_tp} differs from tp={layout.tp}: legacy rank files name only "
             "the dense TP rank, so this layout is not supported for them yet"
         )
-    if optimizer is not None and optimizer.distributed and layout.ep > 1:
-        raise LayoutError(
-            f"the distributed optimizer under ep={layout.ep} keeps expert state in buffers of "
-            "its own (expert data parallelism): not supported yet for legacy files"
-        )
     padded = spec.padded_vocab_size(layout.tp)
     files = []
     for tp_rank, pp_rank, ep_rank in layout.model_parallel_ranks():
@@ -272,10 +267,9 @@ def megatron_files(
                     [params[i] for i in trained],
                     [geometry[i] for i in trained],
                     layout,
-                    pp_rank,
+                    (tp_rank, pp_rank, ep_rank),
                     optimizer,
                     weight_dtype,
-                    (tp_rank, pp_rank),
                     spec.tie_embeddings,
                 )
             )
@@ -340,52 +334,61 @@ def _distopt_file(
     params: list[RankParam],
     geometry: list[tuple[tuple[int, ...], tuple[Piece, ...]]],
     layout: ParallelLayout,
-    pp_rank: int,
+    where: tuple[int, int, int],
     optimizer: OptimizerLayout,
     weight_dtype: str,
-    rank: tuple[int, int],
     tied: bool,
 ) -> StoredFile:
-    """``distrib_optim.pt``: one grad buffer per model chunk, its state as flat fp32 tensors."""
+    """``distrib_optim.pt``: one grad buffer per model chunk, its state as flat fp32 tensors.
+
+    Under a chained optimizer (EP > 1) the file is a list of the two optimizers' states: the
+    dense one sharded over DP (kept only in EP rank 0's file: the other files are written by
+    ranks that are not its DP rank 0), the expert one over expert DP."""
+    tp_rank, pp_rank, ep_rank = where
     tensors: list[StoredTensor] = []
     flat: list[tuple[KeyPath, int]] = []
-    chunks = list(dict.fromkeys(rp.model_key for rp in params))
-    for gbuf, model_key in enumerate(chunks):
-        members = [i for i, rp in enumerate(params) if rp.model_key == model_key]
-        shared = None
-        if tied and layout.pp > 1:
-            shared = next(
-                (
-                    params[i].local_name
-                    for i in members
-                    if params[i].param.name == "embedding.word_embeddings.weight"
-                ),
-                None,
-            )
-        entries = [(params[i].local_name, _numel(geometry[i][0])) for i in members]
-        buffer = replay_buffer(
-            entries,
-            dp=layout.dp,
-            bucket_size=effective_bucket_size(optimizer, layout.dp, pp_rank, gbuf),
-            shared_embedding=shared,
-        )
-        dtype_key = distopt_dtype_key(weight_dtype)
-        for stored_state, canonical_state in DISTOPT_STATES.items():
-            key: KeyPath = (gbuf, dtype_key, stored_state)
-            flat.append((key, buffer.numel_unpadded))
-            for i in members:
-                shape, pieces = geometry[i]
-                tensors.append(
-                    StoredTensor(
-                        key,
-                        state_name(canonical_state, params[i].param.name),
-                        shape,
-                        "float32",
-                        pieces,
-                        view_offset=buffer.offsets[params[i].local_name],
-                    )
+    for sub, members in enumerate(sub_optimizers(params, optimizer.chained)):
+        if optimizer.chained and sub == 0 and ep_rank != 0:
+            continue
+        dp = layout.expert_dp if sub == 1 else layout.dp
+        prefix: KeyPath = (sub,) if optimizer.chained else ()
+        chunks = list(dict.fromkeys(params[i].model_key for i in members))
+        for gbuf, model_key in enumerate(chunks):
+            in_chunk = [i for i in members if params[i].model_key == model_key]
+            shared = None
+            if tied and layout.pp > 1:
+                shared = next(
+                    (
+                        params[i].local_name
+                        for i in in_chunk
+                        if params[i].param.name == "embedding.word_embeddings.weight"
+                    ),
+                    None,
                 )
-    return StoredFile(path, tuple(tensors), rank, flat=tuple(flat))
+            entries = [(params[i].local_name, _numel(geometry[i][0])) for i in in_chunk]
+            buffer = replay_buffer(
+                entries,
+                dp=dp,
+                bucket_size=effective_bucket_size(optimizer, dp, pp_rank, gbuf),
+                shared_embedding=shared,
+            )
+            dtype_key = distopt_dtype_key(weight_dtype)
+            for stored_state, canonical_state in DISTOPT_STATES.items():
+                key: KeyPath = (*prefix, gbuf, dtype_key, stored_state)
+                flat.append((key, buffer.numel_unpadded))
+                for i in in_chunk:
+                    shape, pieces = geometry[i]
+                    tensors.append(
+                        StoredTensor(
+                            key,
+                            state_name(canonical_state, params[i].param.name),
+                            shape,
+                            "float32",
+                            pieces,
+                            view_offset=buffer.offsets[params[i].local_name],
+                        )
+                    )
+    return StoredFile(path, tuple(tensors), (tp_rank, pp_rank), flat=tuple(flat), ep_rank=ep_rank)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

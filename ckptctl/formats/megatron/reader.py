@@ -345,7 +345,9 @@ def _check_distopt(
 ) -> StoredFile:
     """The flat buffers must exist with the length the replayed layout gives."""
     where = storage.describe(file.path)
-    if not isinstance(tree, dict) or not tree.get("buckets_coalesced"):
+    # A chained optimizer's file lists its optimizers' states (dense, expert; None if absent).
+    parts = [t for t in (tree if isinstance(tree, list) else [tree]) if t is not None]
+    if not parts or not all(isinstance(t, dict) and t.get("buckets_coalesced") for t in parts):
         problems.append(
             f"{where}: not the coalesced distributed-optimizer format of Megatron-Core >= 0.7; "
             "older per-bucket formats are not supported"

@@ -47,12 +47,13 @@ def distributed_optimizer_entry(
     group_templates: dict[bool, dict[str, Any]],
     step: float | None,
     carried: dict[str, Any],
+    experts: bool = False,
 ) -> dict[str, Any]:
     """``model_optim_rng.pt['optimizer']`` under the distributed optimizer: group settings only
     (weight-decay group first, as Megatron-Core 0.16), Adam's step kept per group."""
     groups = []
     for kind in sorted(set(kinds)):
-        group = dict(group_templates.get(kind, {}))
+        group = _group_template(group_templates, kind, experts) if kind in group_templates else {}
         if "step" not in group and step is not None:
             group["step"] = step
         groups.append(group)
@@ -66,7 +67,7 @@ def rank_tree(
     carried: dict[str, Any],
     group_templates: dict[bool, dict[str, Any]],
     no_weight_decay: dict[str, bool],
-    optimizer_entry: dict[str, Any] | None = None,
+    optimizer_entry: Any = None,
 ) -> tuple[dict[str, Any], list[TensorSlot]]:
     """The object tree of one rank file; its tensors are slots, in ``file.tensors`` order.
 
@@ -153,11 +154,14 @@ def _group_template(
 def write_distopt_file(job: WriteJob, file: FileWrite, out: BinaryIO) -> None:
     """``distrib_optim.pt``: each flat buffer streamed in offset order, gaps as zeros."""
     assemble = job.assemble
-    tree: dict[Any, Any] = {"buckets_coalesced": True}
+    chained = bool(file.flat) and len(file.flat[0][0]) == 4
+    # A chained optimizer's file is a list (dense, expert); the dense state may be absent.
+    subs: dict[int, dict[Any, Any]] = {}
     slots: list[TensorSlot] = []
     members: dict[TensorSlot, list[TensorWrite]] = {}
     for key, length in file.flat:
-        gbuf, dtype_key, state = key
+        sub, (gbuf, dtype_key, state) = (key[0], key[1:]) if chained else (0, key)
+        tree = subs.setdefault(int(sub), {"buckets_coalesced": True})
         param_dtype, grad_dtype = (getattr(torch, name) for name in str(dtype_key).split("|"))
         buffer = tree.setdefault(gbuf, {}).setdefault((param_dtype, grad_dtype), {})
         slot = TensorSlot(str(len(slots)), torch.float32, (length,))
@@ -178,8 +182,9 @@ def write_distopt_file(job: WriteJob, file: FileWrite, out: BinaryIO) -> None:
             pos = write.view_offset + prod(write.shape)
         yield from _zeros(slot.shape[0] - pos)
 
+    root: Any = [subs.get(i) for i in range(2)] if chained else subs.get(0, {})
     with ReadAhead(slots, produce) as ahead:
-        write_torch_zip(out, tree, slots, ahead)
+        write_torch_zip(out, root, slots, ahead)
 
 
 def _zeros(count: int, chunk: int = 1 << 20) -> Iterator[memoryview]:
@@ -235,13 +240,26 @@ def write_rank_file(job: WriteJob, file: FileWrite, out: BinaryIO) -> None:
     """One ``model_optim_rng.pt``: its pickled tree first, then every tensor streamed."""
     plan, assemble = job.plan, job.assemble
     state = training_state(job, file)
-    no_wd = {p.name: p.no_weight_decay for p in parameters(plan.spec)}
-    entry = None
+    catalog = {p.name: p for p in parameters(plan.spec)}
+    no_wd = {name: p.no_weight_decay for name, p in catalog.items()}
+    entry: Any = None
     if plan.target_layout.distributed_optimizer and state.optimizer_step is not None:
-        kinds = [no_wd[t.canonical] for t in file.tensors]
-        entry = distributed_optimizer_entry(
-            kinds, state.templates, state.optimizer_step, state.carried
-        )
+        trained = [catalog[t.canonical] for t in file.tensors if not catalog[t.canonical].buffer]
+        step, carried = state.optimizer_step, state.carried
+        if plan.target_layout.ep > 1:  # chained: the dense optimizer's groups, the experts'
+            entry = [
+                distributed_optimizer_entry(
+                    [p.no_weight_decay for p in trained if (p.expert is not None) is experts],
+                    state.templates,
+                    step,
+                    carried,
+                    experts,
+                )
+                for experts in (False, True)
+            ]
+        else:
+            kinds = [p.no_weight_decay for p in trained]
+            entry = distributed_optimizer_entry(kinds, state.templates, step, carried)
     tree, slots = rank_tree(
         file,
         args=state.args,
