@@ -1,0 +1,99 @@
+"""Throughput of resharding a mixture-of-experts checkpoint (EP2 -> EP4) against a dense one of
+the same size (TP2 -> TP4), each as a ratio to this machine's `cp -r` of the same bytes.
+
+Builds, once, a transformers Mixtral (8 experts) and a Llama whose one MLP holds as many
+parameters as the eight experts together (same bytes, same layer count), cuts each into a
+Megatron checkpoint with ckptctl (Mixtral at EP2 TP1 DP2, Llama at TP2), then in one run times
+`cp -r` of each source and the two reshards under ``--memory-budget``. Prints a markdown table:
+seconds, GB/s, ratio to `cp` of the same source, peak RSS.
+
+    python bench/bench_moe.py [--workdir /tmp/ckptctl-bench-moe] [--hidden 1024] [--layers 4]
+        [--budget 512MiB] [--repeat 3] [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from benchlib import du, measure, print_table
+
+EXPERTS = 8
+
+MAKE = r"""
+import sys, torch, transformers
+kind, out, hidden, layers = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+common = dict(vocab_size=32000, hidden_size=hidden, num_hidden_layers=layers,
+              num_attention_heads=16, num_key_value_heads=4)
+expert_ffn = 3 * hidden
+if kind == "moe":
+    config = transformers.MixtralConfig(**common, intermediate_size=expert_ffn,
+                                        num_local_experts=%d, num_experts_per_tok=2)
+    cls = transformers.MixtralForCausalLM
+else:  # the eight experts' parameters in one MLP
+    config = transformers.LlamaConfig(**common, intermediate_size=%d * expert_ffn)
+    cls = transformers.LlamaForCausalLM
+with torch.device("meta"):
+    model = cls(config)
+model = model.to_empty(device="cpu")
+generator = torch.Generator().manual_seed(0)
+with torch.no_grad():
+    for p in model.parameters():
+        p.normal_(0, 0.02, generator=generator)
+model.save_pretrained(out)
+""" % (EXPERTS, EXPERTS)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/ckptctl-bench-moe"))
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--budget", default="512MiB")
+    parser.add_argument("--keep", action="store_true", help="Keep the generated checkpoints.")
+    parser.add_argument("--repeat", type=int, default=3, help="Runs per command (best is kept).")
+    args = parser.parse_args()
+    work = args.workdir
+    ckptctl = [sys.executable, "-m", "ckptctl"]
+    sources = {"moe": ["--ep", "2", "--dp", "2"], "dense": ["--tp", "2"]}
+    for kind, layout in sources.items():
+        if (work / kind).exists():
+            continue
+        hf = work / f"{kind}-hf"
+        work.mkdir(parents=True, exist_ok=True)
+        subprocess.run(
+            [sys.executable, "-c", MAKE, kind, str(hf), str(args.hidden), str(args.layers)],
+            check=True,
+        )
+        subprocess.run([*ckptctl, "reshard", str(hf), str(work / kind), *layout], check=True)
+        shutil.rmtree(hf)
+    tables = []
+    for kind, target, name in (
+        ("moe", ["--ep", "4", "--dp", "4"], "EP2 -> EP4"),
+        ("dense", ["--tp", "4"], "TP2 -> TP4"),
+    ):
+        src = work / kind
+        out = work / f"{kind}-out"
+        runs = [
+            ("cp -r (machine copy speed)", ["cp", "-r", str(src), str(work / "copy")], work / "copy"),
+            (
+                f"ckptctl reshard {name} (--memory-budget {args.budget})",
+                [*ckptctl, "reshard", str(src), str(out), *target, "--memory-budget",
+                 args.budget, "--json"],
+                out,
+            ),
+        ]  # fmt: skip
+        subprocess.run(["cat", *map(str, src.rglob("*.pt"))], stdout=subprocess.DEVNULL, check=True)
+        tables.append((kind, du(src), measure(runs, du(src), args.repeat)))
+    for kind, size, rows in tables:
+        what = f"Mixtral, {EXPERTS} experts, EP2 TP1" if kind == "moe" else "Llama, TP2"
+        print_table(rows, f"{size / 1e9:.2f} GB Megatron {what} (weights)", "")
+    if not args.keep:
+        shutil.rmtree(work)
+
+
+if __name__ == "__main__":
+    main()
