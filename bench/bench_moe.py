@@ -25,16 +25,17 @@ EXPERTS = 8
 
 MAKE = r"""
 import sys, torch, transformers
-kind, out, hidden, layers = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+kind, out = sys.argv[1], sys.argv[2]
+hidden, layers, experts = (int(x) for x in sys.argv[3:6])
 common = dict(vocab_size=32000, hidden_size=hidden, num_hidden_layers=layers,
               num_attention_heads=16, num_key_value_heads=4)
 expert_ffn = 3 * hidden
 if kind == "moe":
     config = transformers.MixtralConfig(**common, intermediate_size=expert_ffn,
-                                        num_local_experts=%d, num_experts_per_tok=2)
+                                        num_local_experts=experts, num_experts_per_tok=2)
     cls = transformers.MixtralForCausalLM
 else:  # the eight experts' parameters in one MLP
-    config = transformers.LlamaConfig(**common, intermediate_size=%d * expert_ffn)
+    config = transformers.LlamaConfig(**common, intermediate_size=experts * expert_ffn)
     cls = transformers.LlamaForCausalLM
 with torch.device("meta"):
     model = cls(config)
@@ -44,7 +45,7 @@ with torch.no_grad():
     for p in model.parameters():
         p.normal_(0, 0.02, generator=generator)
 model.save_pretrained(out)
-""" % (EXPERTS, EXPERTS)
+"""
 
 
 def main() -> None:
@@ -65,7 +66,14 @@ def main() -> None:
         hf = work / f"{kind}-hf"
         work.mkdir(parents=True, exist_ok=True)
         subprocess.run(
-            [sys.executable, "-c", MAKE, kind, str(hf), str(args.hidden), str(args.layers)],
+            [
+                sys.executable,
+                "-c",
+                MAKE,
+                kind,
+                str(hf),
+                *map(str, (args.hidden, args.layers, EXPERTS)),
+            ],
             check=True,
         )
         subprocess.run([*ckptctl, "reshard", str(hf), str(work / kind), *layout], check=True)
@@ -77,8 +85,9 @@ def main() -> None:
     ):
         src = work / kind
         out = work / f"{kind}-out"
+        copy = work / "copy"
         runs = [
-            ("cp -r (machine copy speed)", ["cp", "-r", str(src), str(work / "copy")], work / "copy"),
+            ("cp -r (machine copy speed)", ["cp", "-r", str(src), str(copy)], copy),
             (
                 f"ckptctl reshard {name} (--memory-budget {args.budget})",
                 [*ckptctl, "reshard", str(src), str(out), *target, "--memory-budget",
