@@ -153,7 +153,8 @@ def lost_files(
     ckpt: Checkpoint, ranks: set[int], nodes: set[int], ranks_per_node: int | None
 ) -> frozenset[str]:
     """Files lost with these global ranks (Megatron's tp-dp-pp order: DP rank 0 of each
-    (tp, pp) writes its files), or with every rank of these nodes."""
+    (tp, pp), or under expert parallelism expert-DP rank 0 of each (tp, pp, ep), writes its
+    files), or with every rank of these nodes."""
     if nodes:
         if not ranks_per_node:
             raise UsageError("--lost-nodes needs --ranks-per-node")
@@ -167,8 +168,11 @@ def lost_files(
     out = set()
     for g in ranks:
         tp, dp, pp = g % layout.tp, (g // layout.tp) % layout.dp, g // (layout.tp * layout.dp)
-        if dp == 0:
-            out.update(f.path for f in ckpt.view.files if f.rank == (tp, pp))
+        # Expert ranks are the fastest part of the DP rank (tp-cp-ep-dp-pp): the file of
+        # (tp, pp, ep) is written by its expert-DP rank 0.
+        ep, expert_dp = dp % layout.ep, dp // layout.ep
+        if expert_dp == 0:
+            out.update(f.path for f in ckpt.view.files if f.rank == (tp, pp) and f.ep_rank == ep)
     return frozenset(out)
 
 

@@ -117,3 +117,18 @@ def test_inspect_and_plan_show_experts_per_rank(mixtral: Path, tmp_path: Path, c
     assert "experts: 1 of 4 per EP rank (EP4)" in text
     plan = cli.json("plan", ep4, "--tp", "1", "--ep", "2", "--dp", "4")
     assert plan["target_layout"]["ep"] == 2
+
+
+def test_lost_expert_rank_is_recovered_from_the_full_copy(
+    mixtral: Path, tmp_path: Path, cli
+) -> None:
+    ep2 = tmp_path / "ep2"
+    cli("reshard", mixtral, ep2, "--ep", "2", "--dp", "2")
+    # Global rank 1 is EP rank 1 (experts 2-3): its file is lost; the dense part comes from
+    # EP rank 0's file, the experts from the HF copy.
+    options = ["--ep", "2", "--dp", "2", "--lost-ranks", "1", "--full", str(mixtral)]
+    plan = cli.json("plan", ep2, *options)
+    assert plan["strategy"] == "recovery"
+    cli("reshard", ep2, tmp_path / "healed", *options)
+    assert cli.json("verify", tmp_path / "healed", "--against", mixtral)["ok"]
+    assert cli.json("plan", ep2, "--ep", "2", "--dp", "2")["strategy"] == "direct"
