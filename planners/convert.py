@@ -159,6 +159,7 @@ def plan_files(
                 kind=distopt if target.flat else kind,
                 tensors=tuple(writes),
                 rank=target.rank,
+                ep_rank=target.ep_rank,
                 carry_from=carry_from,
                 flat=target.flat,
             )

@@ -62,7 +62,7 @@ def plan_reshard(
     if target_format == Format.TORCH_DIST:
         states = ("fp32_param", "exp_avg", "exp_avg_sq") if source.has_optimizer else ()
         base = iteration_dir(source.iteration)
-        targets = torch_dist_files(spec, target_layout, base, weight_dtype, states)
+        targets = torch_dist_files(spec, target_layout, base, weight_dtype, states, style.naming)
         files, estimates = plan_files(source, targets, FileKind.DCP_SHARD, carry_from=0)
         # metadata.json is what Megatron checks for completeness: after .metadata, common.pt.
         finalize.insert(0, TextWrite(path=f"{base}/{MCORE_METADATA}", content=MCORE_METADATA_TEXT))

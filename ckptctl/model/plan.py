@@ -71,6 +71,8 @@ class FileWrite(_Frozen):
     kind: FileKind
     tensors: tuple[TensorWrite, ...]
     rank: tuple[int, int] | None = None
+    ep_rank: int = 0
+    """Expert-parallel rank of a Megatron or ``torch_dist`` target file."""
     carry_from: int | None = None
     """Source file whose training state (scheduler, counters) this file carries."""
     flat: tuple[tuple[tuple[str | int, ...], int], ...] = ()

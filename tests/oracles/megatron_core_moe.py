@@ -12,8 +12,9 @@ Two modes, on CPU with gloo, ``--tp T --ep E`` ranks (T * E processes; data para
     with megatron-core's own forward on a fixed batch in ``OUT/<variant>/reference.pt``.
 
 ``forward CKPT OUT_PT --tp T --ep E --variant NAME``
-    Loads a legacy checkpoint of that layout into the variant's model with
-    ``load_state_dict(strict=True)`` (and megatron-core's parameter order), runs the fixed batch
+    Loads a checkpoint of that layout into the variant's model: legacy files with
+    ``load_state_dict(strict=True)`` (and megatron-core's parameter order), ``torch_dist`` with
+    ``dist_checkpointing.load`` (every key the model asks for present); runs the fixed batch
     and saves the logits to ``OUT_PT``.
 
 Variants (each maps onto one transformers class): ``mixtral`` (top-2 of 4, renormalised),
@@ -286,13 +287,24 @@ def forward_worker(
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         ep_rank = parallel_state.get_expert_model_parallel_rank()
         model = build(variant, tp, ep)
-        shard = ckpt / f"iter_{ITERATION:07d}" / rank_dir(tp_rank, ep_rank, ep)
-        path = shard / "model_optim_rng.pt"
-        state = torch.load(path, weights_only=False)
-        model.load_state_dict(state["model"], strict=True)
-        ours = [k for k in state["model"] if not k.endswith("_extra_state")]
-        theirs = [k for k in model.state_dict() if not k.endswith("_extra_state")]
-        assert ours == theirs, (ours, theirs)
+        checkpoint_dir = ckpt / f"iter_{ITERATION:07d}"
+        if (checkpoint_dir / "metadata.json").exists():
+            # torch_dist: megatron-core's own load of the model's sharded state dict; every key
+            # the model asks for must be in the checkpoint ("unexpected" in its words).
+            from megatron.core import dist_checkpointing
+
+            state, _, unexpected = dist_checkpointing.load(
+                {"model": model.sharded_state_dict()}, str(checkpoint_dir), strict="return_all"
+            )
+            assert not unexpected, sorted(map(str, unexpected))
+            model.load_state_dict(state["model"], strict=True)
+        else:
+            shard = checkpoint_dir / rank_dir(tp_rank, ep_rank, ep)
+            state = torch.load(shard / "model_optim_rng.pt", weights_only=False)
+            model.load_state_dict(state["model"], strict=True)
+            ours = [k for k in state["model"] if not k.endswith("_extra_state")]
+            theirs = [k for k in model.state_dict() if not k.endswith("_extra_state")]
+            assert ours == theirs, (ours, theirs)
         model.eval()
         logits = logits_of(model)
         if rank == 0:

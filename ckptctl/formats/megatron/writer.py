@@ -53,7 +53,7 @@ def distributed_optimizer_entry(
     (weight-decay group first, as Megatron-Core 0.16), Adam's step kept per group."""
     groups = []
     for kind in sorted(set(kinds)):
-        group = _group_template(group_templates, kind, experts) if kind in group_templates else {}
+        group = group_template(group_templates, kind, experts) if kind in group_templates else {}
         if "step" not in group and step is not None:
             group["step"] = step
         groups.append(group)
@@ -128,7 +128,7 @@ def _optimizer_dict(
         members.setdefault(index_kind[index], []).append(index)
     # Adam's step lives per parameter here, so a group-level step (distributed) is dropped.
     torch_state["param_groups"] = [
-        {**_without_step(_group_template(group_templates, kind, experts)), "params": indices}
+        {**_without_step(group_template(group_templates, kind, experts)), "params": indices}
         for kind, indices in members.items()
     ]
     if "fp32_from_fp16_params" in opt:
@@ -140,7 +140,7 @@ def _optimizer_dict(
     return opt
 
 
-def _group_template(
+def group_template(
     templates: dict[bool, dict[str, Any]], kind: bool, experts: bool
 ) -> dict[str, Any]:
     """A parameter group's settings; the expert optimizer's groups are the dense ones marked

@@ -19,7 +19,15 @@ from math import prod
 
 from ckptctl.errors import LayoutError
 from ckptctl.formats.megatron.layout import rank_params
-from ckptctl.model.catalog import EXPERTS, LAYER_PREFIX, Param, expert_name, parameters, state_name
+from ckptctl.model.catalog import (
+    EXPERTS,
+    LAYER_PREFIX,
+    Naming,
+    Param,
+    expert_name,
+    parameters,
+    state_name,
+)
 from ckptctl.model.geometry import Piece, Shape, Split, shard_shape_and_pieces
 from ckptctl.model.layout import ModelSpec, ParallelLayout
 from ckptctl.model.stored import StoredFile, StoredTensor
@@ -141,10 +149,19 @@ class TargetChunk:
     pieces: tuple[Piece, ...]
 
 
-def torch_dist_key(param: Param) -> str:
+def torch_dist_key(param: Param, naming: Naming = Naming.TE) -> str:
+    """The sharded key: layer parameters without their layer number (a leading layer
+    dimension instead), routed experts also without their number (an expert dimension)."""
     if param.layer is None:
         return param.name
     suffix = param.name[len(LAYER_PREFIX) :].split(".", 1)[1]
+    if param.expert is not None:
+        return (
+            f"{LAYER_PREFIX}{EXPERTS_KEY}{suffix.split('.local_experts.', 1)[1].split('.', 1)[1]}"
+        )
+    if naming is Naming.LOCAL and suffix.startswith(_PRE_MLP[1:]):
+        # The local spec maps the MoE layer's norm onto the dense layer's fused name.
+        suffix = _FUSED_PRE_MLP[1:] + suffix[len(_PRE_MLP) - 1 :]
     return f"{LAYER_PREFIX}{suffix}"
 
 
@@ -152,28 +169,47 @@ def global_shape(param: Param, spec: ModelSpec, tp: int) -> Shape:
     shape = param.shape
     if param.split is Split.VOCAB:
         shape = (spec.padded_vocab_size(tp), *shape[1:])
+    if param.expert is not None:
+        return (spec.num_layers, spec.num_experts or 0, *shape)
     return (spec.num_layers, *shape) if param.layer is not None else shape
 
 
+def optimizer_key(state: str, key: str, param: Param, layout: ParallelLayout) -> str:
+    """``fully_reshardable`` optimizer state of ``key``; under a chained optimizer (EP > 1)
+    prefixed by its optimizer: ``chained_0`` dense, ``chained_1`` the routed experts."""
+    name = f"{OPTIMIZER_PREFIX}{_KEY_FROM_STATE[state]}.{key}"
+    if layout.ep == 1:
+        return name
+    return f"chained_{int(param.expert is not None)}.{name}"
+
+
 def rank_chunks(
-    spec: ModelSpec, layout: ParallelLayout, tp_rank: int, pp_rank: int, states: tuple[str, ...]
+    spec: ModelSpec,
+    layout: ParallelLayout,
+    rank: tuple[int, int, int],
+    states: tuple[str, ...],
+    naming: Naming = Naming.TE,
 ) -> list[TargetChunk]:
-    """The main-replica chunks model-parallel rank ``(tp_rank, pp_rank)`` saves: its TP boxes of
-    every parameter on its stage (replicated ones on TP rank 0 only; the tied output copy never,
-    it is a replica of the embedding), then the same boxes for each optimizer state."""
+    """The main-replica chunks model-parallel rank ``(tp, pp, ep)`` saves: its TP boxes of
+    every parameter on its stage (replicated ones on TP rank 0 only, dense ones on EP rank 0
+    only; the tied output copy never, it is a replica of the embedding), then the same boxes
+    for each optimizer state. Buffers have no optimizer state."""
+    tp_rank, pp_rank, ep_rank = rank
     padded = spec.padded_vocab_size(layout.tp)
     out: list[TargetChunk] = []
     for prefix_state in (None, *states):
-        for rp in rank_params(spec, layout, pp_rank):
+        for rp in rank_params(spec, layout, pp_rank, ep_rank=ep_rank):
             param = rp.param
             if rp.tied_copy or (param.split is Split.REPLICATED and tp_rank != 0):
+                continue
+            if (param.expert is None and ep_rank != 0) or (prefix_state and param.buffer):
                 continue
             local, pieces = shard_shape_and_pieces(
                 param.split, param.shape, layout.tp, tp_rank, padded
             )
-            key = torch_dist_key(param)
+            key = torch_dist_key(param, naming)
             if prefix_state is not None:
-                key = f"{OPTIMIZER_PREFIX}{_KEY_FROM_STATE[prefix_state]}.{key}"
+                key = optimizer_key(prefix_state, key, param, layout)
             canonical = state_name(prefix_state, param.name) if prefix_state else param.name
             gshape = global_shape(param, spec, layout.tp)
             if param.split is Split.VOCAB:
@@ -184,21 +220,27 @@ def rank_chunks(
                     (p.canonical, p.sizes, (Piece((0,) * len(p.sizes), p.canonical, p.sizes),))
                     for p in pieces
                 ]
+            lead = _leading(param)
             for offsets, sizes, box_pieces in boxes:
-                layer = () if param.layer is None else (param.layer,)
-                one = () if param.layer is None else (1,)
                 out.append(
                     TargetChunk(
                         fqn=key,
                         global_shape=gshape,
-                        offsets=(*layer, *offsets),
-                        sizes=(*one, *sizes),
+                        offsets=(*lead, *offsets),
+                        sizes=(*(1,) * len(lead), *sizes),
                         canonical=canonical,
                         local_shape=tuple(sizes),
                         pieces=box_pieces,
                     )
                 )
     return out
+
+
+def _leading(param: Param) -> tuple[int, ...]:
+    """Offsets of a parameter's chunks in the stacked dimensions: layer, then expert."""
+    if param.layer is None:
+        return ()
+    return (param.layer,) if param.expert is None else (param.layer, param.expert)
 
 
 MCORE_METADATA = "metadata.json"
@@ -219,31 +261,35 @@ def torch_dist_files(
     iteration_dir: str,
     weight_dtype: str,
     states: tuple[str, ...],
+    naming: Naming = Naming.TE,
 ) -> tuple[StoredFile, ...]:
-    """One ``.distcp`` file per model-parallel rank (DP rank 0 saves the main replicas), named
-    ``__<rank>_0.distcp`` with Megatron's tp-major rank order within a stage. Optimizer state
-    is fp32."""
-    if spec.is_moe:
+    """One ``.distcp`` file per model-parallel rank (DP rank 0 saves the main replicas; under
+    expert parallelism each EP rank saves its experts), named ``__<rank>_0.distcp`` with
+    Megatron's global rank order (tp, then ep inside dp, then pp). Optimizer state is fp32."""
+    if spec.is_moe and layout.expert_tp != layout.tp:
         raise LayoutError(
-            "writing a mixture-of-experts model as torch_dist is not supported yet; reshard to "
-            "Megatron legacy (--format megatron) or consolidate to HF"
+            f"etp={layout.expert_tp} differs from tp={layout.tp}: not supported yet for "
+            "torch_dist targets"
         )
     files = []
     for pp_rank in range(layout.pp):
-        for tp_rank in range(layout.tp):
-            rank = pp_rank * layout.tp * layout.dp + tp_rank
-            tensors = tuple(
-                StoredTensor(
-                    (c.fqn, *c.offsets),
-                    c.canonical,
-                    c.local_shape,
-                    "float32" if "/" in c.canonical else weight_dtype,
-                    c.pieces,
+        for ep_rank in range(layout.ep):
+            for tp_rank in range(layout.tp):
+                rank = pp_rank * layout.tp * layout.dp + ep_rank * layout.tp + tp_rank
+                where = (tp_rank, pp_rank, ep_rank)
+                tensors = tuple(
+                    StoredTensor(
+                        (c.fqn, *c.offsets),
+                        c.canonical,
+                        c.local_shape,
+                        "float32" if "/" in c.canonical else weight_dtype,
+                        c.pieces,
+                    )
+                    for c in rank_chunks(spec, layout, where, states, naming)
                 )
-                for c in rank_chunks(spec, layout, tp_rank, pp_rank, states)
-            )
-            path = f"{iteration_dir}/__{rank}_0.distcp" if iteration_dir else f"__{rank}_0.distcp"
-            files.append(StoredFile(path, tensors, (tp_rank, pp_rank)))
+                path = f"__{rank}_0.distcp"
+                path = f"{iteration_dir}/{path}" if iteration_dir else path
+                files.append(StoredFile(path, tensors, (tp_rank, pp_rank), ep_rank=ep_rank))
     return tuple(files)
 
 
@@ -254,8 +300,8 @@ def record_geometry(
     _, key = split_key(fqn)
     name = canonical.split("/", 1)[-1]
     param = model_catalog(spec)[name]
-    stacked = is_stacked(key)
-    return global_shape(param, spec, tp), ((1, *local_shape) if stacked else local_shape)
+    lead = (1,) * len(_leading(param)) if is_stacked(key) else ()
+    return global_shape(param, spec, tp), (*lead, *local_shape)
 
 
 EXTRA_STATE_MODULES = (
@@ -267,12 +313,33 @@ EXTRA_STATE_MODULES = (
 )
 """Layer modules whose ``_extra_state`` (TransformerEngine FP8 metadata) Megatron-Core asks for
 when loading: written empty, as Megatron-Core itself writes it without FP8, so strict loads find
-every key (``core_attention`` only TE layers ask for; others ignore it as unexpected)."""
+every key (``core_attention`` only TE layers ask for; others ignore it as unexpected). An MoE
+layer has shared experts' linears instead of ``mlp.linear_fc*``, and per-expert linears whose
+extra state is an ``(L, E)`` grid."""
 
 
-def extra_state_keys(spec: ModelSpec, layers: list[int]) -> list[str]:
-    return [
-        f"{LAYER_PREFIX}{module}._extra_state/shard_{layer}_{spec.num_layers}"
-        for layer in layers
-        for module in EXTRA_STATE_MODULES
-    ]
+def extra_state_keys(
+    spec: ModelSpec, layers: list[int], experts: range = range(0), dense: bool = True
+) -> list[str]:
+    """Empty ``_extra_state`` items of ``layers``: the dense modules' (``dense``) and the
+    ``experts``' own."""
+    modules = EXTRA_STATE_MODULES
+    if spec.is_moe:
+        modules = modules[:3]
+        if spec.moe_shared_expert_intermediate_size:
+            modules += ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
+    keys = []
+    total_experts = spec.num_experts or 0
+    for layer in layers:
+        if dense:
+            keys.extend(
+                f"{LAYER_PREFIX}{module}._extra_state/shard_{layer}_{spec.num_layers}"
+                for module in modules
+            )
+        keys.extend(
+            f"{LAYER_PREFIX}{EXPERTS_KEY}{linear}._extra_state/"
+            f"shard_{layer}.{expert}_{spec.num_layers}.{total_experts}"
+            for expert in experts
+            for linear in ("linear_fc1", "linear_fc2")
+        )
+    return keys

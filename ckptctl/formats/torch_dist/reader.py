@@ -114,7 +114,8 @@ def probe_torch_dist(
             f"{spec.hidden_size}); MoE and heterogeneous layers are not supported yet"
         )
     optimizer = common.get("optimizer") if isinstance(common.get("optimizer"), dict) else {}
-    sharding = optimizer.get("param_state_sharding_type") if optimizer else None
+    first = optimizer.get(0, optimizer) if optimizer else {}
+    sharding = first.get("param_state_sharding_type") if isinstance(first, dict) else None
     has_optimizer = any(t.canonical.startswith("exp_avg/") for _, t in placed)
     if sharding == "dp_reshardable" or dp_reshardable:
         notes.append(
@@ -139,6 +140,8 @@ def probe_torch_dist(
 
 
 def _optimizer_step(optimizer: dict[str, Any]) -> float | None:
+    if optimizer and isinstance(optimizer.get(0), dict):
+        optimizer = optimizer[0]  # chained: the dense optimizer's groups
     groups = (optimizer.get("optimizer") or {}).get("param_groups") if optimizer else None
     if isinstance(groups, list) and groups and isinstance(groups[0], dict):
         step = groups[0].get("step")

@@ -26,7 +26,7 @@ from ckptctl.formats.dcp.metadata import (
     TensorEntry,
 )
 from ckptctl.formats.dcp.write import metadata_bytes, write_bytes_record, write_tensor_record
-from ckptctl.formats.megatron.writer import training_state
+from ckptctl.formats.megatron.writer import group_template, training_state
 from ckptctl.formats.torch_dist.layout import (
     COMMON,
     extra_state_keys,
@@ -34,6 +34,7 @@ from ckptctl.formats.torch_dist.layout import (
     record_geometry,
 )
 from ckptctl.formats.torchsave.archive import TensorSlot, write_torch_zip
+from ckptctl.model.catalog import parameters
 from ckptctl.model.plan import FileWrite, Plan
 
 Record = list[Any]
@@ -62,7 +63,9 @@ def write_dcp_shard(job: WriteJob, file: FileWrite, out: BinaryIO) -> None:
         info = write_tensor_record(out, name, slot, produce)
         records.append([fqn, offsets, info.offset, info.length])
     if plan.spec is not None and file.rank is not None and file.rank[0] == 0:
-        for fqn in extra_state_keys(plan.spec, _layers_in(plan.spec, file)):
+        layers = _layers_in(plan.spec, file)
+        experts = plan.target_layout.local_experts(plan.spec, file.ep_rank)
+        for fqn in extra_state_keys(plan.spec, layers, experts, dense=file.ep_rank == 0):
             info = write_bytes_record(out, name, _empty_extra_state())
             records.append([fqn, None, info.offset, info.length])
     job.report.records[file.path] = records
@@ -136,6 +139,23 @@ def _group_step(state: Any) -> float | None:
     return None
 
 
+def _optimizer_entry(
+    state: Any, kinds: tuple[bool, ...], step: float | None, experts: bool = False
+) -> dict[str, Any]:
+    """One optimizer's ``fully_reshardable`` common state: its parameter groups (Megatron-Core
+    0.16: weight-decay group first), Adam's step kept per group."""
+    groups = []
+    for no_decay in kinds:
+        if no_decay in state.templates:
+            group = group_template(state.templates, no_decay, experts)
+        else:
+            group = {"wd_mult": 0.0 if no_decay else 1.0, "lr_mult": 1.0}
+        if step is not None:
+            group["step"] = step
+        groups.append(group)
+    return {"optimizer": {"param_groups": groups}, "param_state_sharding_type": "fully_reshardable"}
+
+
 def common_state(plan: Plan, state: Any) -> dict[str, Any]:
     """``common.pt`` of a torch_dist checkpoint: args, counters, scheduler, and the optimizer's
     parameter groups with ``fully_reshardable`` per-parameter state."""
@@ -147,18 +167,15 @@ def common_state(plan: Plan, state: Any) -> dict[str, Any]:
     content: dict[str, Any] = {"singleton_local_shards": False}
     if has_optimizer:
         step = _group_step(state)
-        groups = []
-        for no_decay in (False, True):  # Megatron-Core 0.16: weight-decay group first
-            group = dict(state.templates.get(no_decay, {}))
-            if not group:
-                group = {"wd_mult": 0.0 if no_decay else 1.0, "lr_mult": 1.0}
-            if step is not None:
-                group["step"] = step
-            groups.append(group)
-        tree["optimizer"] = {
-            "optimizer": {"param_groups": groups},
-            "param_state_sharding_type": "fully_reshardable",
-        }
+        if plan.target_layout.ep > 1:  # chained: dense, then expert parameters
+            experts = [p for p in parameters(plan.spec) if not p.buffer and p.expert is not None]
+            expert_kinds = sorted({p.no_weight_decay for p in experts})
+            tree["optimizer"] = {
+                0: _optimizer_entry(state, (False, True), step),
+                1: _optimizer_entry(state, tuple(expert_kinds), step, experts=True),
+            }
+        else:
+            tree["optimizer"] = _optimizer_entry(state, (False, True), step)
         content["distrib_optim_sharding_type"] = "fully_reshardable"
     tree["content_metadata"] = content
     return tree
