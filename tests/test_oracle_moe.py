@@ -231,15 +231,18 @@ def test_moe_torch_dist_both_ways(
     with torch.no_grad():
         logits = model(reference["input_ids"]).logits
     assert _relative(logits, reference["logits"]) < 1e-5
-    # Written as torch_dist at TP2 EP1: megatron-core's dist_checkpointing loads every key its
-    # MoE model asks for, with the same logits; and back to legacy EP2, bit for bit.
-    td = tmp_path / "td"
-    cli("reshard", legacy, td, *_options({"tp": 2, "ep": 1}), "--format", "torch_dist")
-    _oracle("forward", td, tmp_path / "logits.pt", "--variant", variant, "--tp", 2, "--ep", 1)
-    logits = torch.load(tmp_path / "logits.pt", weights_only=True)
-    assert _relative(logits, reference["logits"]) < 1e-5
-    cli("reshard", td, tmp_path / "back", *_options({"tp": 1, "ep": 2}))
-    _assert_same_files(tmp_path / "back", legacy)
+    # Written as torch_dist at TP2 EP1, and at TP2 EP2 with expert TP 1: megatron-core's
+    # dist_checkpointing loads every key its MoE model asks for, with the same logits; and
+    # back to legacy EP2, bit for bit.
+    for name, layout in (("ep1", {"tp": 2, "ep": 1}), ("etp1", {"tp": 2, "ep": 2, "etp": 1})):
+        td = tmp_path / name
+        sizes = [str(x) for axis, size in layout.items() for x in (f"--{axis}", size)]
+        cli("reshard", legacy, td, *sizes, "--dp", "2", "--format", "torch_dist")
+        _oracle("forward", td, tmp_path / f"{name}.pt", "--variant", variant, *sizes)
+        logits = torch.load(tmp_path / f"{name}.pt", weights_only=True)
+        assert _relative(logits, reference["logits"]) < 1e-5
+        cli("reshard", td, tmp_path / f"{name}-back", *_options({"tp": 1, "ep": 2}))
+        _assert_same_files(tmp_path / f"{name}-back", legacy)
 
 
 def _local_name(canonical: str, ep_rank: int, per_rank: int = 2) -> str:

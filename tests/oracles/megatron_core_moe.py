@@ -25,6 +25,7 @@ Variants (each maps onto one transformers class): ``mixtral`` (top-2 of 4, renor
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -121,12 +122,13 @@ def megatron_args(variant: str, tp: int, ep: int) -> argparse.Namespace:
     return args
 
 
-def build(variant: str, tp: int, ep: int) -> torch.nn.Module:
+def build(variant: str, tp: int, ep: int, etp: int | None = None) -> torch.nn.Module:
     from mcore_cpu import MAX_POSITIONS, ROTARY_BASE, padded_vocab_size
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     fields = {**moe_fields(tp, ep), **VARIANTS[variant][1]}
+    fields["expert_tensor_parallel_size"] = tp if etp is None else etp
     config = transformer_config(tp=tp, num_layers=NUM_LAYERS, **fields)
     spec = get_gpt_layer_local_spec(
         num_experts=NUM_EXPERTS,
@@ -161,10 +163,21 @@ def rank_dir(tp_rank: int, ep_rank: int, ep: int) -> str:
     return f"mp_rank_{tp_rank:02d}" + (f"_{ep_rank:03d}" if ep > 1 else "")
 
 
-def expert_parallel(rank: int, port: int, tp: int, ep: int) -> Any:
-    """This rank's process group: TP x EP ranks, data parallelism EP (experts take DP ranks)."""
+def world_size(tp: int, ep: int, etp: int) -> int:
+    """The fewest ranks that hold both decompositions: tp x dp = etp x ep x expert-dp."""
+    return math.lcm(tp, ep * etp)
+
+
+def expert_parallel(rank: int, port: int, tp: int, ep: int, etp: int) -> Any:
+    """This rank's process group for TP, EP and expert TP (experts take DP ranks)."""
     return model_parallel(
-        rank, port, tp * ep, tp=tp, cpu_as_cuda=True, expert_model_parallel_size=ep
+        rank,
+        port,
+        world_size(tp, ep, etp),
+        tp=tp,
+        cpu_as_cuda=True,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
     )
 
 
@@ -228,7 +241,7 @@ def write_worker(
     rank: int, port: int, out_dir: Path, tp: int, ep: int, ckpt_format: str, distributed: bool
 ) -> None:
     cpu_patches()
-    with expert_parallel(rank, port, tp, ep):
+    with expert_parallel(rank, port, tp, ep, tp):
         from megatron.core import parallel_state
 
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -278,15 +291,15 @@ def write_worker(
 
 
 def forward_worker(
-    rank: int, port: int, ckpt: Path, out: Path, tp: int, ep: int, variant: str
+    rank: int, port: int, ckpt: Path, out: Path, tp: int, ep: int, etp: int, variant: str
 ) -> None:
     cpu_patches()
-    with expert_parallel(rank, port, tp, ep):
+    with expert_parallel(rank, port, tp, ep, etp):
         from megatron.core import parallel_state
 
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         ep_rank = parallel_state.get_expert_model_parallel_rank()
-        model = build(variant, tp, ep)
+        model = build(variant, tp, ep, etp)
         checkpoint_dir = ckpt / f"iter_{ITERATION:07d}"
         if (checkpoint_dir / "metadata.json").exists():
             # torch_dist: megatron-core's own load of the model's sharded state dict; every key
@@ -323,11 +336,13 @@ def main(argv: list[str] | None = None) -> int:
     forward.add_argument("ckpt", type=Path)
     forward.add_argument("out", type=Path)
     forward.add_argument("--variant", choices=tuple(VARIANTS), required=True)
+    forward.add_argument("--etp", type=int, help="Expert tensor parallelism (default: --tp).")
     for mode in (write, forward):
         mode.add_argument("--tp", type=int, default=1)
         mode.add_argument("--ep", type=int, default=1)
     args = parser.parse_args(argv)
-    world = args.tp * args.ep
+    etp = getattr(args, "etp", None) or args.tp
+    world = world_size(args.tp, args.ep, etp)
     if args.mode == "write":
         args.out_dir.mkdir(parents=True, exist_ok=True)
         spawn(
@@ -347,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
             args.out.resolve(),
             args.tp,
             args.ep,
+            etp,
             args.variant,
         )
     return 0

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from functools import lru_cache
 from math import prod
 
-from ckptctl.errors import LayoutError
 from ckptctl.formats.megatron.layout import rank_params
 from ckptctl.model.catalog import (
     EXPERTS,
@@ -200,40 +199,64 @@ def rank_chunks(
     for prefix_state in (None, *states):
         for rp in rank_params(spec, layout, pp_rank, ep_rank=ep_rank):
             param = rp.param
-            if rp.tied_copy or (param.split is Split.REPLICATED and tp_rank != 0):
+            if rp.tied_copy or (prefix_state and param.buffer):
                 continue
-            if (param.expert is None and ep_rank != 0) or (prefix_state and param.buffer):
-                continue
-            local, pieces = shard_shape_and_pieces(
-                param.split, param.shape, layout.tp, tp_rank, padded
-            )
-            key = torch_dist_key(param, naming)
-            if prefix_state is not None:
-                key = optimizer_key(prefix_state, key, param, layout)
-            canonical = state_name(prefix_state, param.name) if prefix_state else param.name
-            gshape = global_shape(param, spec, layout.tp)
-            if param.split is Split.VOCAB:
-                # The whole padded slice; rows past the vocabulary are in no piece (zeros).
-                boxes = [((tp_rank * local[0], *(0,) * (len(local) - 1)), local, pieces)]
+            if param.expert is None:
+                if ep_rank != 0 or (param.split is Split.REPLICATED and tp_rank != 0):
+                    continue
+                shards = [(layout.tp, tp_rank)]
             else:
-                boxes = [
-                    (p.canonical, p.sizes, (Piece((0,) * len(p.sizes), p.canonical, p.sizes),))
-                    for p in pieces
-                ]
-            lead = _leading(param)
-            for offsets, sizes, box_pieces in boxes:
-                out.append(
-                    TargetChunk(
-                        fqn=key,
-                        global_shape=gshape,
-                        offsets=(*lead, *offsets),
-                        sizes=(*(1,) * len(lead), *sizes),
-                        canonical=canonical,
-                        local_shape=tuple(sizes),
-                        pieces=box_pieces,
-                    )
+                # Expert TP ranks need not match the dense ones: this file takes the expert
+                # shards whose ETP rank falls to its TP rank (any file may hold any chunk).
+                etp = layout.expert_tp
+                mine = [r for r in range(etp) if r % layout.tp == tp_rank]
+                if param.split is Split.REPLICATED:
+                    mine = [0] if tp_rank == 0 else []
+                shards = [(etp, r) for r in mine]
+            for size, shard_rank in shards:
+                out.extend(
+                    _chunks(spec, layout, param, (size, shard_rank), prefix_state, naming, padded)
                 )
     return out
+
+
+def _chunks(
+    spec: ModelSpec,
+    layout: ParallelLayout,
+    param: Param,
+    shard: tuple[int, int],
+    prefix_state: str | None,
+    naming: Naming,
+    padded: int,
+) -> list[TargetChunk]:
+    """The boxes of one TP (or expert TP) shard of ``param`` (or of its optimizer state)."""
+    size, shard_rank = shard
+    local, pieces = shard_shape_and_pieces(param.split, param.shape, size, shard_rank, padded)
+    key = torch_dist_key(param, naming)
+    if prefix_state is not None:
+        key = optimizer_key(prefix_state, key, param, layout)
+    canonical = state_name(prefix_state, param.name) if prefix_state else param.name
+    if param.split is Split.VOCAB:
+        # The whole padded slice; rows past the vocabulary are in no piece (zeros).
+        boxes = [((shard_rank * local[0], *(0,) * (len(local) - 1)), local, pieces)]
+    else:
+        boxes = [
+            (p.canonical, p.sizes, (Piece((0,) * len(p.sizes), p.canonical, p.sizes),))
+            for p in pieces
+        ]
+    lead = _leading(param)
+    return [
+        TargetChunk(
+            fqn=key,
+            global_shape=global_shape(param, spec, layout.tp),
+            offsets=(*lead, *offsets),
+            sizes=(*(1,) * len(lead), *sizes),
+            canonical=canonical,
+            local_shape=tuple(sizes),
+            pieces=box_pieces,
+        )
+        for offsets, sizes, box_pieces in boxes
+    ]
 
 
 def _leading(param: Param) -> tuple[int, ...]:
@@ -266,11 +289,6 @@ def torch_dist_files(
     """One ``.distcp`` file per model-parallel rank (DP rank 0 saves the main replicas; under
     expert parallelism each EP rank saves its experts), named ``__<rank>_0.distcp`` with
     Megatron's global rank order (tp, then ep inside dp, then pp). Optimizer state is fp32."""
-    if spec.is_moe and layout.expert_tp != layout.tp:
-        raise LayoutError(
-            f"etp={layout.expert_tp} differs from tp={layout.tp}: not supported yet for "
-            "torch_dist targets"
-        )
     files = []
     for pp_rank in range(layout.pp):
         for ep_rank in range(layout.ep):
