@@ -8,7 +8,10 @@ Megatron checkpoint with ckptctl (Mixtral at EP2 TP1 DP2, Llama at TP2), then in
 seconds, GB/s, ratio to `cp` of the same source, peak RSS.
 
     python bench/bench_moe.py [--workdir /tmp/ckptctl-bench-moe] [--hidden 1024] [--layers 4]
-        [--budget 512MiB] [--repeat 3] [--keep]
+        [--budget 512MiB] [--repeat 3] [--keep] [--adam]
+
+``--adam`` gives both sources per-parameter Adam state (moments of the right shapes in
+megatron-core's layout, numbered by ckptctl's layout module: an input for timing, not a test).
 """
 
 from __future__ import annotations
@@ -48,6 +51,50 @@ model.save_pretrained(out)
 """
 
 
+ADAM = r"""
+import sys, glob, torch
+from ckptctl.probe import open_checkpoint
+from ckptctl.formats.megatron.layout import (
+    optimizer_index, param_groups, rank_params, sub_optimizers,
+)
+# Benchmark input only: Adam moments of the right shapes in megatron-core's per-parameter
+# (FP32Optimizer, chained under EP > 1) layout, numbered the way ckptctl's layout module says.
+root = sys.argv[1]
+ckpt = open_checkpoint(root)
+spec, layout, style = ckpt.view.spec, ckpt.view.layout, ckpt.style
+generator = torch.Generator().manual_seed(0)
+for file in ckpt.view.files:
+    state = torch.load(f"{root}/{file.path}", weights_only=False)
+    params = rank_params(spec, layout, file.rank[1], style.naming, style.layer_order,
+                         file.ep_rank, style.expert_naming)
+    model = state["model"]
+    optimizers = []
+    for members in sub_optimizers(params, layout.ep > 1):
+        groups = param_groups(params, members=members)
+        torch_state = {}
+        for pos, (index, _, _) in optimizer_index(groups).items():
+            weight = model[params[pos].local_name]
+            torch_state[index] = {
+                "step": torch.tensor(1.0),
+                "exp_avg": torch.randn(weight.shape, generator=generator),
+                "exp_avg_sq": torch.rand(weight.shape, generator=generator),
+            }
+        optimizers.append({
+            "state": torch_state,
+            "param_groups": [
+                {"wd_mult": 0.0 if kind else 1.0, "lr_mult": 1.0, "lr": 1e-4,
+                 "weight_decay": 0.0 if kind else 0.1, "params": sorted(
+                     optimizer_index(groups)[p][0] for p in ps)}
+                for kind, ps in groups
+            ],
+        })
+    state["optimizer"] = optimizers if layout.ep > 1 else optimizers[0]
+    torch.save(state, f"{root}/{file.path}")
+import os
+os.remove(f"{root}/ckptctl.manifest.json")  # the files changed: now a plain Megatron checkpoint
+"""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/ckptctl-bench-moe"))
@@ -56,6 +103,9 @@ def main() -> None:
     parser.add_argument("--budget", default="512MiB")
     parser.add_argument("--keep", action="store_true", help="Keep the generated checkpoints.")
     parser.add_argument("--repeat", type=int, default=3, help="Runs per command (best is kept).")
+    parser.add_argument(
+        "--adam", action="store_true", help="Give both sources per-parameter Adam state."
+    )
     args = parser.parse_args()
     work = args.workdir
     ckptctl = [sys.executable, "-m", "ckptctl"]
@@ -78,6 +128,8 @@ def main() -> None:
         )
         subprocess.run([*ckptctl, "reshard", str(hf), str(work / kind), *layout], check=True)
         shutil.rmtree(hf)
+        if args.adam:
+            subprocess.run([sys.executable, "-c", ADAM, str(work / kind)], check=True)
     tables = []
     for kind, target, name in (
         ("moe", ["--ep", "4", "--dp", "4"], "EP2 -> EP4"),
@@ -99,7 +151,8 @@ def main() -> None:
         tables.append((kind, du(src), measure(runs, du(src), args.repeat)))
     for kind, size, rows in tables:
         what = f"Mixtral, {EXPERTS} experts, EP2 TP1" if kind == "moe" else "Llama, TP2"
-        print_table(rows, f"{size / 1e9:.2f} GB Megatron {what} (weights)", "")
+        held = "weights and Adam state" if args.adam else "weights"
+        print_table(rows, f"{size / 1e9:.2f} GB Megatron {what} ({held})", "")
     if not args.keep:
         shutil.rmtree(work)
 
