@@ -76,6 +76,8 @@ class OptimizerLayout:
     """Mixed precision: fp32 copies in ``fp32_from_fp16_params``; else the weight is the master."""
     group_order: GroupOrder = GroupOrder.APPEARANCE
     wrapped: bool = True
+    """Megatron's mixed-precision optimizer nests the torch state dict under ``optimizer``;
+    its ``FP32Optimizer`` stores the bare torch state dict."""
     distributed: bool = False
     """State in ``distrib_optim.pt`` flat buffers (fp32 master as ``param``) instead of per
     parameter in ``model_optim_rng.pt``."""
@@ -85,8 +87,6 @@ class OptimizerLayout:
     overlap_grad_reduce: bool = False
     bucket_size: int | None = None
     """``--ddp-bucket-size``; with overlap on and none given Megatron uses max(40M, 1M * dp)."""
-    """Megatron's mixed-precision optimizer nests the torch state dict under ``optimizer``;
-    its ``FP32Optimizer`` stores the bare torch state dict."""
 
     @property
     def torch_state(self) -> tuple[str | int, ...]:
