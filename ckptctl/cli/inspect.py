@@ -11,7 +11,7 @@ from ckptctl.cli.options import Iteration, Json, TrueVocab, state
 from ckptctl.cli.output import Output, boundary, human_bytes
 from ckptctl.errors import LayoutError
 from ckptctl.formats.hf.families import choose_family
-from ckptctl.model.catalog import EXPERTS, OPTIMIZER_STATES
+from ckptctl.model.catalog import OPTIMIZER_STATES, expert_of
 from ckptctl.model.geometry import nbytes
 from ckptctl.model.layout import ModelSpec
 from ckptctl.probe import Checkpoint, open_checkpoint
@@ -50,7 +50,7 @@ def describe(ckpt: Checkpoint) -> dict[str, Any]:
                 optimizer += size
             else:
                 weights += size
-        experts = sorted({e for t in f.tensors if (e := _expert_of(t.canonical)) is not None})
+        experts = sorted({e for t in f.tensors if (e := expert_of(t.canonical)) is not None})
         files.append(
             {
                 "path": f.path,
@@ -76,14 +76,6 @@ def describe(ckpt: Checkpoint) -> dict[str, Any]:
         "files": files,
         "notes": list(view.notes),
     }
-
-
-def _expert_of(canonical: str) -> int | None:
-    """The global expert a canonical tensor (or its optimizer state) belongs to."""
-    marker = f".{EXPERTS}.local_experts."
-    if marker not in canonical:
-        return None
-    return int(canonical.split(marker, 1)[1].split(".", 1)[0])
 
 
 def _hf_target(spec: ModelSpec) -> dict[str, Any]:

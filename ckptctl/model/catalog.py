@@ -68,6 +68,14 @@ def expert_name(layer_prefix: str, expert: int, suffix: str) -> str:
     return f"{layer_prefix}{EXPERTS}.local_experts.{expert}.{suffix}"
 
 
+def expert_of(canonical: str) -> int | None:
+    """The global expert a canonical tensor (or its optimizer state) belongs to, if any."""
+    marker = f".{EXPERTS}.local_experts."
+    if marker not in canonical:
+        return None
+    return int(canonical.split(marker, 1)[1].split(".", 1)[0])
+
+
 def stored_expert_name(suffix: str, local: int, naming: ExpertNaming) -> str:
     """Layer-relative stored name of ``suffix`` of local expert ``local``."""
     if naming is ExpertNaming.SEQUENTIAL:
@@ -83,15 +91,8 @@ def expert_block(
     in the module's ``named_parameters`` order."""
     if naming is ExpertNaming.SEQUENTIAL:
         pairs = [(e, s) for e in experts for s in suffixes]
-    else:  # grouped linears: all weights of fc1, then its biases, then fc2's
-        pairs = [
-            (e, s)
-            for module in ("linear_fc1", "linear_fc2")
-            for kind in ("weight", "bias")
-            for e in experts
-            for s in suffixes
-            if s == f"{module}.{kind}"
-        ]
+    else:  # grouped linears: each suffix (in expert_suffixes order) for every expert in turn
+        pairs = [(e, s) for s in suffixes for e in experts]
     return [(s, e, stored_expert_name(s, e - experts.start, naming)) for e, s in pairs]
 
 

@@ -126,17 +126,17 @@ class ModelSpec(_Frozen):
 
     def _moe_problems(self) -> list[str]:
         if self.num_experts is None:
-            moe_only = [
-                name
-                for name in (
-                    "moe_ffn_hidden_size",
-                    "moe_shared_expert_intermediate_size",
-                )
-                if getattr(self, name) is not None
-            ] + [
-                n for n in ("moe_router_expert_bias", "moe_shared_expert_gate") if getattr(self, n)
+            moe_only = (
+                "moe_ffn_hidden_size",
+                "moe_shared_expert_intermediate_size",
+                "moe_router_expert_bias",
+                "moe_shared_expert_gate",
+            )
+            return [
+                f"{name} is set but num_experts is not"
+                for name in moe_only
+                if getattr(self, name) not in (None, False)
             ]
-            return [f"{name} is set but num_experts is not" for name in moe_only]
         problems = []
         if self.num_experts < 1:
             problems.append(f"num_experts={self.num_experts} must be positive")

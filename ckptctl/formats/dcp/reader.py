@@ -50,6 +50,7 @@ from ckptctl.formats.megatron.reader import find_iteration
 from ckptctl.formats.torch_dist.layout import (
     DP_RESHARDABLE_PREFIX,
     MCORE_METADATA,
+    dense_optimizer,
 )
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
 from ckptctl.formats.torchsave.refs import view_ref
@@ -202,13 +203,10 @@ class DcpCheckpoint:
     def group_templates(self) -> dict[bool, dict[str, Any]]:
         """Each parameter group's settings by kind (True: no weight decay), as the distributed
         optimizer's param_groups in ``common.pt`` record them (Adam's step aside)."""
-        opt = self.common.get("optimizer")
-        if isinstance(opt, dict) and isinstance(opt.get(0), dict):
-            opt = opt[0]  # a chained dense + expert optimizer: the dense one's groups
-        if isinstance(opt, dict) and "param_groups" in opt:
-            groups = opt["param_groups"]  # megatron-core's per-parameter optimizer
-        else:
-            groups = (opt or {}).get("optimizer", {}).get("param_groups", []) if opt else []
+        opt = dense_optimizer(self.common.get("optimizer"))
+        # megatron-core's per-parameter optimizer keeps its groups at the top, the distributed
+        # one under its torch optimizer.
+        groups = opt.get("param_groups") or opt.get("optimizer", {}).get("param_groups", [])
         if self.args is None:
             groups = self._saved_param_groups()
             if len(groups) == 1:  # one group for every parameter: both kinds share it

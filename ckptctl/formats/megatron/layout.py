@@ -202,7 +202,7 @@ def param_groups(
     after group."""
     groups: dict[bool, list[int]] = {}
     if members is None:
-        members = [pos for pos, rp in enumerate(params) if not rp.param.buffer]
+        members = sub_optimizers(params, chained=False)[0]
     for pos in members:
         groups.setdefault(params[pos].param.no_weight_decay, []).append(pos)
     kinds = list(groups)
@@ -260,12 +260,11 @@ def megatron_files(
         directory = rank_dir(tp_rank, pp_rank, layout.pp, ep_rank, layout.ep)
         rank_path = f"{iteration_dir(iteration)}/{directory}"
         if optimizer is not None and optimizer.distributed:
-            trained = [i for i, rp in enumerate(params) if not rp.param.buffer]
             files.append(
                 _distopt_file(
                     f"{rank_path}/{DISTOPT_FILE}",
-                    [params[i] for i in trained],
-                    [geometry[i] for i in trained],
+                    params,
+                    geometry,
                     layout,
                     (tp_rank, pp_rank, ep_rank),
                     optimizer,

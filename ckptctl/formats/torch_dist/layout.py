@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 from math import prod
+from typing import Any
 
 from ckptctl.formats.megatron.layout import rank_params
 from ckptctl.model.catalog import (
@@ -60,6 +61,15 @@ EXPERTS_KEY = f"{EXPERTS}.experts."
 ``[L, E, ...]``, the second dimension the global expert."""
 
 
+def dense_optimizer(common_optimizer: Any) -> dict[str, Any]:
+    """The (dense) optimizer's entry of ``common.pt``'s ``optimizer``: the entry itself, or under
+    a chained dense + expert optimizer (``{0: dense, 1: experts}``) the first one."""
+    if not isinstance(common_optimizer, dict):
+        return {}
+    first = common_optimizer.get(0, common_optimizer)
+    return first if isinstance(first, dict) else {}
+
+
 def split_key(fqn: str) -> tuple[str | None, str]:
     """``(optimizer state or None, model key)``; an unknown optimizer state gives ``("?", ...)``."""
     fqn = _CHAINED.sub("", fqn)
@@ -102,7 +112,7 @@ def chunk_parts(
     parts = []
     per_layer = prod(inner_sizes)
     for name, index in names:
-        param = catalog.get(name) or catalog.get(name.replace(_FUSED_PRE_MLP, _PRE_MLP))
+        param = catalog.get(name) or catalog.get(name.replace(_FUSED_PRE_MLP, _PRE_MLP, 1))
         if param is None or len(param.shape) != len(inner_sizes):
             return None
         clipped = tuple(
@@ -122,7 +132,7 @@ def chunk_parts(
     return parts
 
 
-_FUSED_PRE_MLP, _PRE_MLP = ".mlp.linear_fc1.layer_norm_", ".pre_mlp_layernorm."
+_FUSED_PRE_MLP, _PRE_MLP = "mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm."
 """The local spec saves an MoE layer's own pre-MLP norm under the dense layer's fused name."""
 
 
@@ -158,9 +168,9 @@ def torch_dist_key(param: Param, naming: Naming = Naming.TE) -> str:
         return (
             f"{LAYER_PREFIX}{EXPERTS_KEY}{suffix.split('.local_experts.', 1)[1].split('.', 1)[1]}"
         )
-    if naming is Naming.LOCAL and suffix.startswith(_PRE_MLP[1:]):
+    if naming is Naming.LOCAL and suffix.startswith(_PRE_MLP):
         # The local spec maps the MoE layer's norm onto the dense layer's fused name.
-        suffix = _FUSED_PRE_MLP[1:] + suffix[len(_PRE_MLP) - 1 :]
+        suffix = suffix.replace(_PRE_MLP, _FUSED_PRE_MLP, 1)
     return f"{LAYER_PREFIX}{suffix}"
 
 
@@ -196,8 +206,9 @@ def rank_chunks(
     tp_rank, pp_rank, ep_rank = rank
     padded = spec.padded_vocab_size(layout.tp)
     out: list[TargetChunk] = []
+    params = rank_params(spec, layout, pp_rank, ep_rank=ep_rank)
     for prefix_state in (None, *states):
-        for rp in rank_params(spec, layout, pp_rank, ep_rank=ep_rank):
+        for rp in params:
             param = rp.param
             if rp.tied_copy or (prefix_state and param.buffer):
                 continue

@@ -15,6 +15,7 @@ from ckptctl.formats.torch_dist.layout import (
     COMMON,
     DP_RESHARDABLE_PREFIX,
     chunk_parts,
+    dense_optimizer,
     model_catalog,
 )
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
@@ -53,11 +54,8 @@ def _common_state(
 def _common_step_ref(tree: Any) -> Any:
     """megatron-core's per-parameter optimizers keep Adam's step once, as ``common_step``
     (under ``optimizer``, or under ``optimizer[i]`` for a chained dense + expert optimizer)."""
-    optimizer = tree.get("optimizer") if isinstance(tree, dict) else None
-    if not isinstance(optimizer, dict):
-        return None
-    inner = optimizer.get(0, optimizer)
-    state = inner.get("state") if isinstance(inner, dict) else None
+    optimizer = dense_optimizer(tree.get("optimizer") if isinstance(tree, dict) else None)
+    state = optimizer.get("state")
     return state.get("common_step") if isinstance(state, dict) else None
 
 
@@ -113,9 +111,8 @@ def probe_torch_dist(
             f"parameters of the model its args describe ({spec.num_layers} layers, hidden "
             f"{spec.hidden_size}); MoE and heterogeneous layers are not supported yet"
         )
-    optimizer = common.get("optimizer") if isinstance(common.get("optimizer"), dict) else {}
-    first = optimizer.get(0, optimizer) if optimizer else {}
-    sharding = first.get("param_state_sharding_type") if isinstance(first, dict) else None
+    optimizer = dense_optimizer(common.get("optimizer"))
+    sharding = optimizer.get("param_state_sharding_type")
     has_optimizer = any(t.canonical.startswith("exp_avg/") for _, t in placed)
     if sharding == "dp_reshardable" or dp_reshardable:
         notes.append(
@@ -140,8 +137,6 @@ def probe_torch_dist(
 
 
 def _optimizer_step(optimizer: dict[str, Any]) -> float | None:
-    if optimizer and isinstance(optimizer.get(0), dict):
-        optimizer = optimizer[0]  # chained: the dense optimizer's groups
     groups = (optimizer.get("optimizer") or {}).get("param_groups") if optimizer else None
     if isinstance(groups, list) and groups and isinstance(groups[0], dict):
         step = groups[0].get("step")
