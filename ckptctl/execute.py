@@ -100,6 +100,12 @@ class Assembler:
         digest = xxhash.xxh3_64()
         if not shape:
             yield self._emit(self._band(write, dtype, 0, 1), digest)
+        elif write.transposed:  # stored rows are the tensor's columns: bands of columns
+            column_bytes = max(shape[0] * dtype.itemsize, 1)
+            columns = max(self.band_bytes // column_bytes, 1)
+            for start in range(0, shape[1], columns):
+                band = self._band(write, dtype, start, min(start + columns, shape[1]), dim=1)
+                yield self._emit(band.t().contiguous(), digest)
         else:
             row_bytes = max(prod(shape[1:]) * dtype.itemsize, 1)
             rows = max(self.band_bytes // row_bytes, 1)
@@ -107,6 +113,8 @@ class Assembler:
                 band = self._band(write, dtype, start, min(start + rows, shape[0]))
                 yield self._emit(band, digest)
         key = ".".join(map(str, write.key))
+        if write.view_offset is not None:  # one of several tensors sharing a stored one
+            key += f"@{write.view_offset}"
         self.report.tensor_checksums.setdefault(file, {})[key] = digest.hexdigest()
 
     def _emit(self, band: torch.Tensor, digest: Any) -> memoryview:
@@ -116,10 +124,13 @@ class Assembler:
         self.progress.advance(len(view))
         return view
 
-    def _band(self, write: TensorWrite, dtype: torch.dtype, lo: int, hi: int) -> torch.Tensor:
-        """Rows ``[lo, hi)`` of the target tensor (the whole tensor if it is 0-dimensional)."""
+    def _band(
+        self, write: TensorWrite, dtype: torch.dtype, lo: int, hi: int, dim: int = 0
+    ) -> torch.Tensor:
+        """Indices ``[lo, hi)`` along ``dim`` of the target tensor (the whole tensor if it is
+        0-dimensional)."""
         scalar = not write.shape
-        shape = write.shape if scalar else (hi - lo, *write.shape[1:])
+        shape = write.shape if scalar else _with(write.shape, dim, hi - lo)
         if write.padding:
             out = torch.full(shape, write.fill, dtype=dtype)
         else:
@@ -128,14 +139,14 @@ class Assembler:
         for copy in write.copies:
             src, dst, sizes = copy.src, copy.dst, copy.sizes
             if not scalar:
-                a, b = max(lo, dst[0]), min(hi, dst[0] + sizes[0])
+                a, b = max(lo, dst[dim]), min(hi, dst[dim] + sizes[dim])
                 if a >= b:
                     continue
-                src = (src[0] + a - dst[0], *src[1:])
-                dst = (a - lo, *dst[1:])
-                sizes = (b - a, *sizes[1:])
+                src = _with(src, dim, src[dim] + a - dst[dim])
+                dst = _with(dst, dim, a - lo)
+                sizes = _with(sizes, dim, b - a)
             path = self.source_files[copy.source]
-            reads.append((dst, sizes, (path, copy.key, src, sizes, copy.view)))
+            reads.append((dst, sizes, (path, copy.key, src, sizes, copy.view, copy.transposed)))
         # The reads of a band are disjoint parts of it, so fetching them at once (from
         # different files and stores in parallel) stays within the band's memory.
         if self.pool is not None and len(reads) > 1:
@@ -148,6 +159,10 @@ class Assembler:
             box = tuple(slice(o, o + n) for o, n in zip(dst, sizes, strict=True))
             out[box] = data.to(dtype)
         return out
+
+
+def _with(values: Shape, dim: int, value: int) -> Shape:
+    return (*values[:dim], value, *values[dim + 1 :])
 
 
 class Sources:
@@ -165,9 +180,17 @@ class Sources:
         return self.primary, path
 
     def read(
-        self, path: str, key: KeyPath, offsets: Shape, sizes: Shape, view: FlatView = None
+        self,
+        path: str,
+        key: KeyPath,
+        offsets: Shape,
+        sizes: Shape,
+        view: FlatView = None,
+        transposed: bool = False,
     ) -> torch.Tensor:
         ckpt, rel = self.owner(path)
+        if transposed:  # only formats that store tensors transposed take the flag
+            return ckpt.read(rel, key, offsets, sizes, view, transposed=True)
         return ckpt.read(rel, key, offsets, sizes, view)
 
 

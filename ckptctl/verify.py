@@ -206,7 +206,10 @@ def _numerics(ckpt: Checkpoint, band_bytes: int) -> Check:
                 ]
             for offsets, sizes in ranges:
                 view = None if t.view_offset is None else (t.view_offset, t.shape)
-                data = ckpt.read(f.path, t.key, tuple(offsets), tuple(sizes), view)
+                if t.transposed:
+                    data = ckpt.read(f.path, t.key, offsets, sizes, view, transposed=True)
+                else:
+                    data = ckpt.read(f.path, t.key, tuple(offsets), tuple(sizes), view)
                 if data.is_floating_point() and not torch.isfinite(data).all():
                     bad.append(f"{f.path}: {'.'.join(map(str, t.key))}")
                     break

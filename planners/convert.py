@@ -136,7 +136,15 @@ def plan_files(
                 index, held = candidates[position]
                 view = None if held.view_offset is None else (held.view_offset, held.shape)
                 copies.append(
-                    CopyOp(source=index, key=held.key, src=src, dst=dst, sizes=sizes, view=view)
+                    CopyOp(
+                        source=index,
+                        key=held.key,
+                        src=src,
+                        dst=dst,
+                        sizes=sizes,
+                        view=view,
+                        transposed=held.transposed,
+                    )
                 )
                 bytes_read += nbytes(sizes, held.dtype)
             requests += len(found)
@@ -150,6 +158,8 @@ def plan_files(
                     copies=tuple(copies),
                     padding=tensor.numel - covered,
                     view_offset=tensor.view_offset,
+                    transposed=tensor.transposed,
+                    base_shape=tensor.base_shape,
                 )
             )
             peak = max(peak, 2 * nbytes(tensor.shape, "float32"))

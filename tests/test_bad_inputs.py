@@ -86,6 +86,32 @@ def _malicious(root: Path) -> None:
     (root / RANK0).write_bytes(out.getvalue())
 
 
+def test_tensors_pickled_with_attributes_load_and_other_types_are_refused() -> None:
+    from ckptctl.errors import UnsafePickleError
+    from ckptctl.formats.torchsave.archive import TensorRef, restricted_loads
+
+    # Megatron's fp32 master copies carry tensor-parallel attributes, so torch pickles them
+    # through _rebuild_from_type_v2; they load as plain tensors.
+    master = torch.arange(6.0).view(2, 3)
+    master.tensor_model_parallel = True
+    buf = io.BytesIO()
+    torch.save({"fp32_from_fp16_params": [[master]]}, buf)
+    archive = zipfile.ZipFile(io.BytesIO(buf.getvalue()))
+    data = archive.read(next(n for n in archive.namelist() if n.endswith("data.pkl")))
+    ref = restricted_loads(data, "masters.pt")["fp32_from_fp16_params"][0][0]
+    assert isinstance(ref, TensorRef) and ref.shape == (2, 3)
+
+    class Rebuilt:  # the same call rebuilding as something that is not a tensor type
+        def __reduce__(self):  # type: ignore[no-untyped-def]
+            return (
+                torch._tensor._rebuild_from_type_v2,
+                (torch._utils._rebuild_tensor_v2, argparse.Namespace, (), {}),
+            )
+
+    with pytest.raises(UnsafePickleError, match="refusing to rebuild a tensor"):
+        restricted_loads(pickle.dumps(Rebuilt(), protocol=2), "evil.pt")
+
+
 def _not_a_checkpoint(root: Path) -> None:
     shutil.rmtree(root)
     root.mkdir()

@@ -2,8 +2,8 @@
 
 A tiny transformers Mixtral is the source; ckptctl cuts it into Megatron layouts with expert
 parallelism. The expert modules megatron-core names differently (``TEGroupedMLP`` under
-TransformerEngine with grouped GEMM) follow the target's ``args``; what is not supported yet is
-refused by name, and nothing is written.
+TransformerEngine with grouped GEMM, ``GroupedMLP`` without it) follow the target's ``args``;
+what is not supported yet is refused by name, and nothing is written.
 """
 
 from __future__ import annotations
@@ -80,13 +80,26 @@ def test_te_grouped_experts_follow_the_targets_args(mixtral: Path, tmp_path: Pat
     assert cli.json("verify", back, "--against", mixtral)["ok"]
 
 
-def test_legacy_grouped_mlp_is_refused_by_name(mixtral: Path, tmp_path: Path, cli) -> None:
+def test_grouped_mlp_experts_follow_the_targets_args(mixtral: Path, tmp_path: Path, cli) -> None:
     src = tmp_path / "src"
     cli("reshard", mixtral, src, "--ep", "2", "--dp", "2")
     _set_args(src, moe_grouped_gemm=True, transformer_impl="local")
-    result = cli("reshard", src, tmp_path / "out", "--ep", "1", code=2)
-    assert "legacy GroupedMLP" in result.stderr and "Traceback" not in result.stderr
-    assert not (tmp_path / "out" / "latest_checkpointed_iteration.txt").exists()
+    grouped = tmp_path / "grouped"
+    cli("reshard", src, grouped, "--tp", "2", "--ep", "2", "--dp", "2")
+    state = torch.load(
+        grouped / "release" / "mp_rank_01_001" / "model_optim_rng.pt", weights_only=False
+    )
+    layer = {
+        k.removeprefix("decoder.layers.0."): tuple(v.shape)
+        for k, v in state["model"].items()
+        if k.startswith("decoder.layers.0.mlp.experts.")
+    }
+    # GroupedMLP: one parameter per projection for both local experts, each expert's TP shard
+    # transposed: fc1 [hidden, 2 x (2 x 32 / 2)], fc2 [2 x (32 / 2), hidden].
+    assert layer == {"mlp.experts.weight1": (64, 64), "mlp.experts.weight2": (32, 64)}
+    back = tmp_path / "hf"
+    cli("consolidate", grouped, back, "--format", "hf")
+    assert cli.json("verify", back, "--against", mixtral)["ok"]
 
 
 @pytest.mark.parametrize(

@@ -34,7 +34,12 @@ class Checkpoint(Protocol):
 
     def read(
         self, path: str, key: KeyPath, offsets: Shape, sizes: Shape, view: FlatView = None
-    ) -> torch.Tensor: ...
+    ) -> torch.Tensor:
+        """Box ``[offsets, offsets + sizes)`` of the tensor at ``key`` (or of its ``view``).
+
+        A format whose view declares ``StoredTensor.transposed`` tensors also takes
+        ``transposed=True`` for them: the box is then in the canonical orientation."""
+        ...
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

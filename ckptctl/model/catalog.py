@@ -61,6 +61,16 @@ class ExpertNaming(StrEnum):
     TE_GROUPED = "te_grouped"
     """``TEGroupedMLP`` (``--moe-grouped-gemm`` with TransformerEngine):
     ``mlp.experts.linear_fc1.weight<j>``, one grouped linear after the other."""
+    GROUPED = "grouped"
+    """``GroupedMLP`` (``--moe-grouped-gemm`` without TransformerEngine, or
+    ``--moe-use-legacy-grouped-gemm``): every local expert's fc1 in one parameter
+    ``mlp.experts.weight1`` ``[hidden, n_local * fc1 rows]`` viewed as ``[n_local, hidden, rows]``,
+    fc2 in ``weight2`` ``[n_local * fc2 columns, hidden]``; each expert's block is its shard
+    transposed (the grouped GEMM multiplies without transposing)."""
+
+
+GROUPED_MLP_NAMES = {"linear_fc1.weight": "weight1", "linear_fc2.weight": "weight2"}
+"""``GroupedMLP``'s parameters; it has no biases (megatron-core refuses ``add_bias_linear``)."""
 
 
 def expert_name(layer_prefix: str, expert: int, suffix: str) -> str:
@@ -80,6 +90,8 @@ def stored_expert_name(suffix: str, local: int, naming: ExpertNaming) -> str:
     """Layer-relative stored name of ``suffix`` of local expert ``local``."""
     if naming is ExpertNaming.SEQUENTIAL:
         return f"{EXPERTS}.local_experts.{local}.{suffix}"
+    if naming is ExpertNaming.GROUPED:  # one parameter for all local experts
+        return f"{EXPERTS}.{GROUPED_MLP_NAMES[suffix]}"
     module, kind = suffix.split(".")
     return f"{EXPERTS}.{module}.{kind}{local}"
 

@@ -50,6 +50,8 @@ class CopyOp:
     sizes: tuple[int, ...]
     view: tuple[int, tuple[int, ...]] | None = None
     """(offset, shape) when the source tensor is a slice of a flat stored tensor."""
+    transposed: bool = False
+    """The source tensor is stored transposed (``StoredTensor.transposed``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -64,6 +66,10 @@ class TensorWrite:
     fill: float = 0.0
     view_offset: int | None = None
     """Set when this tensor is a slice of a flat target tensor (``distrib_optim.pt``)."""
+    transposed: bool = False
+    """Written as the transpose of ``shape`` (``StoredTensor.transposed``)."""
+    base_shape: tuple[int, ...] | None = None
+    """Shape of the stored tensor this one is a block of (``StoredTensor.base_shape``)."""
 
 
 class FileWrite(_Frozen):

@@ -40,6 +40,12 @@ class StoredTensor:
     view_offset: int | None = None
     """Set when the tensor is a slice of a flat stored tensor (``distrib_optim.pt``): its
     elements start here in the flat tensor at ``key`` and are viewed with ``shape``."""
+    transposed: bool = False
+    """Stored as the transpose of ``shape`` (2-D): ``shape`` and ``pieces`` are in the
+    canonical tensor's orientation, the bytes are not (megatron-core's ``GroupedMLP``)."""
+    base_shape: Shape | None = None
+    """Shape of the stored tensor at ``key`` when this one is a block of it that is not a flat
+    buffer of the file (``GroupedMLP``'s ``weight1``: one block per local expert)."""
 
     @property
     def numel(self) -> int:
@@ -47,6 +53,16 @@ class StoredTensor:
         for size in self.shape:
             n *= size
         return n
+
+    @property
+    def block_shape(self) -> Shape:
+        """Shape of the tensor's own elements as they lie in storage."""
+        return self.shape[::-1] if self.transposed else self.shape
+
+    @property
+    def stored_shape(self) -> Shape:
+        """Shape of the stored tensor at ``key``."""
+        return self.base_shape or self.block_shape
 
 
 @dataclass(frozen=True, slots=True)

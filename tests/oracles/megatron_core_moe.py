@@ -19,15 +19,25 @@ Two modes, on CPU with gloo, ``--tp T --ep E`` ranks (T * E processes; data para
 
 Variants (each maps onto one transformers class): ``mixtral`` (top-2 of 4, renormalised),
 ``qwen2_moe`` (softmax before top-k, q/k/v biases, a shared expert with a sigmoid gate),
-``qwen3_moe`` (q/k layernorm, renormalised top-k).
+``qwen3_moe`` (q/k layernorm, renormalised top-k); ``--variants`` picks some.
+
+``--grouped`` builds the experts as megatron-core's legacy ``GroupedMLP`` (``--moe-grouped-gemm``
+without TransformerEngine: ``mlp.experts.weight1/weight2``), which trains only in bf16, so
+``write --grouped`` makes a bf16 model (mixed-precision optimizer with fp32 masters); forwards
+run in fp32 (the bf16 weights loaded into fp32 parameters) unless ``--bf16``. The grouped
+GEMM kernel package does not build on CPU: its one operation is supplied as a per-expert matmul
+(``cpu_grouped_gemm``); the weights' layout and the views the module takes of them are
+megatron-core's own.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -91,7 +101,9 @@ def moe_fields(tp: int, ep: int) -> dict[str, Any]:
     }
 
 
-def megatron_args(variant: str, tp: int, ep: int) -> argparse.Namespace:
+def megatron_args(
+    variant: str, tp: int, ep: int, grouped: bool = False, bf16: bool = False
+) -> argparse.Namespace:
     args = argparse.Namespace(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=1,
@@ -102,15 +114,16 @@ def megatron_args(variant: str, tp: int, ep: int) -> argparse.Namespace:
         num_experts=NUM_EXPERTS,
         moe_ffn_hidden_size=EXPERT_FFN,
         moe_router_topk=2,
-        moe_grouped_gemm=False,
+        moe_grouped_gemm=grouped,
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
         moe_token_dispatcher_type="allgather",
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=tp,
-        params_dtype=torch.float32,
-        bf16=False,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        bf16=bf16,
         fp16=False,
+        accumulate_allreduce_grads_in_fp32=bf16,
         transformer_impl="local",
         use_distributed_optimizer=False,
         seq_length=SEQ,
@@ -122,21 +135,30 @@ def megatron_args(variant: str, tp: int, ep: int) -> argparse.Namespace:
     return args
 
 
-def build(variant: str, tp: int, ep: int, etp: int | None = None) -> torch.nn.Module:
+def build(
+    variant: str,
+    tp: int,
+    ep: int,
+    etp: int | None = None,
+    grouped: bool = False,
+    bf16: bool = False,
+) -> torch.nn.Module:
     from mcore_cpu import MAX_POSITIONS, ROTARY_BASE, padded_vocab_size
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     fields = {**moe_fields(tp, ep), **VARIANTS[variant][1]}
     fields["expert_tensor_parallel_size"] = tp if etp is None else etp
-    config = transformer_config(tp=tp, num_layers=NUM_LAYERS, **fields)
+    fields["moe_grouped_gemm"] = grouped
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    config = transformer_config(tp=tp, num_layers=NUM_LAYERS, dtype=dtype, **fields)
     spec = get_gpt_layer_local_spec(
         num_experts=NUM_EXPERTS,
-        moe_grouped_gemm=False,
+        moe_grouped_gemm=grouped,
         normalization="RMSNorm",
         qk_layernorm=config.qk_layernorm,
     )
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=padded_vocab_size(tp),
@@ -145,6 +167,13 @@ def build(variant: str, tp: int, ep: int, etp: int | None = None) -> torch.nn.Mo
         position_embedding_type="rope",
         rotary_base=ROTARY_BASE,
     )
+    # GroupedMLP asserts the bf16 flag, which nothing else in it reads: an fp32 forward keeps
+    # the flag on the experts alone.
+    for module in model.modules():
+        if type(module).__name__ == "GroupedMLP" and not module.config.bf16:
+            module.config = copy.copy(module.config)
+            module.config.bf16 = True
+    return model
 
 
 def logits_of(model: torch.nn.Module) -> torch.Tensor:
@@ -189,6 +218,23 @@ def cpu_patches() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    from megatron.core.transformer.moe import grouped_gemm_util
+
+    grouped_gemm_util.grouped_gemm = SimpleNamespace(ops=SimpleNamespace(gmm=cpu_grouped_gemm))
+    grouped_gemm_util.ops = grouped_gemm_util.grouped_gemm.ops
+
+
+def cpu_grouped_gemm(
+    a: torch.Tensor, b: torch.Tensor, batch_sizes: torch.Tensor, trans_b: bool = False
+) -> torch.Tensor:
+    """The grouped GEMM of the ``grouped_gemm`` package: rows of ``a`` in consecutive groups of
+    ``batch_sizes``, group i multiplied by ``b[i]`` (transposed if asked)."""
+    out, start = [], 0
+    for i, rows in enumerate(batch_sizes.tolist()):
+        weight = b[i].t() if trans_b else b[i]
+        out.append(a[start : start + rows] @ weight)
+        start += rows
+    return torch.cat(out)
 
 
 def live_state(optimizer: Any, model: torch.nn.Module) -> dict[str, dict[str, torch.Tensor]]:
@@ -238,7 +284,14 @@ def save_torch_dist(root: Path, model: Any, optimizer: Any, scheduler: Any, args
 
 
 def write_worker(
-    rank: int, port: int, out_dir: Path, tp: int, ep: int, ckpt_format: str, distributed: bool
+    rank: int,
+    port: int,
+    out_dir: Path,
+    tp: int,
+    ep: int,
+    ckpt_format: str,
+    distributed: bool,
+    options: dict[str, Any],
 ) -> None:
     cpu_patches()
     with expert_parallel(rank, port, tp, ep, tp):
@@ -246,12 +299,16 @@ def write_worker(
 
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         ep_rank = parallel_state.get_expert_model_parallel_rank()
-        for variant in VARIANTS:
+        grouped, bf16 = options["grouped"], options["bf16"]
+        for variant in options["variants"]:
+            from megatron.core.transformer.module import Float16Module
+
             torch.manual_seed(MODEL_SEED)  # the same full model on every rank
-            model = build(variant, tp, ep)
+            model = build(variant, tp, ep, grouped=grouped, bf16=bf16)
             randomise_norms(model, seed_per_name=True)
+            module = Float16Module(model.config, model) if bf16 else model
             ddp, optimizer, scheduler = wrap_for_training(
-                model.config, model, global_batch=BATCH * ep, distributed=distributed
+                model.config, module, global_batch=BATCH * ep, distributed=distributed, bf16=bf16
             )
             # One step of Adam on this DP rank's batch, so the state is real. In eval mode: dropout
             # is off anyway, and megatron-core refuses to *train* experts under TP without
@@ -261,7 +318,7 @@ def write_worker(
             tokens = torch.randint(0, TRUE_VOCAB, (BATCH, SEQ + 1), generator=generator)
             train_step(ddp, optimizer, scheduler, [lm_batch(tokens)], global_batch=BATCH * ep)
             root = out_dir / variant
-            args = megatron_args(variant, tp, ep)
+            args = megatron_args(variant, tp, ep, grouped, bf16)
             args.use_distributed_optimizer = distributed
             if ckpt_format == "torch_dist":
                 args.ckpt_format = "torch_dist"
@@ -291,7 +348,15 @@ def write_worker(
 
 
 def forward_worker(
-    rank: int, port: int, ckpt: Path, out: Path, tp: int, ep: int, etp: int, variant: str
+    rank: int,
+    port: int,
+    ckpt: Path,
+    out: Path,
+    tp: int,
+    ep: int,
+    etp: int,
+    variant: str,
+    options: dict[str, Any],
 ) -> None:
     cpu_patches()
     with expert_parallel(rank, port, tp, ep, etp):
@@ -299,7 +364,7 @@ def forward_worker(
 
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         ep_rank = parallel_state.get_expert_model_parallel_rank()
-        model = build(variant, tp, ep, etp)
+        model = build(variant, tp, ep, etp, options["grouped"], options["bf16"])
         checkpoint_dir = ckpt / f"iter_{ITERATION:07d}"
         if (checkpoint_dir / "metadata.json").exists():
             # torch_dist: megatron-core's own load of the model's sharded state dict; every key
@@ -337,11 +402,20 @@ def main(argv: list[str] | None = None) -> int:
     forward.add_argument("out", type=Path)
     forward.add_argument("--variant", choices=tuple(VARIANTS), required=True)
     forward.add_argument("--etp", type=int, help="Expert tensor parallelism (default: --tp).")
+    write.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), default=list(VARIANTS))
     for mode in (write, forward):
         mode.add_argument("--tp", type=int, default=1)
         mode.add_argument("--ep", type=int, default=1)
+        mode.add_argument("--grouped", action="store_true", help="GroupedMLP experts (bf16).")
+        mode.add_argument("--bf16", action="store_true", help="A bf16 model.")
     args = parser.parse_args(argv)
     etp = getattr(args, "etp", None) or args.tp
+    # GroupedMLP trains only in bf16; forwards run in fp32 unless --bf16.
+    options = {
+        "grouped": args.grouped,
+        "bf16": args.bf16 or (args.grouped and args.mode == "write"),
+        "variants": getattr(args, "variants", None),
+    }
     world = world_size(args.tp, args.ep, etp)
     if args.mode == "write":
         args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -353,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
             args.ep,
             args.format,
             args.distributed_optimizer,
+            options,
         )
     else:
         spawn(
@@ -364,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
             args.ep,
             etp,
             args.variant,
+            options,
         )
     return 0
 

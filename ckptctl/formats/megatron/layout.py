@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from enum import StrEnum
+from math import prod
 from typing import Any
 
 from ckptctl.errors import LayoutError
@@ -30,7 +31,7 @@ from ckptctl.model.catalog import (
     parameters,
     state_name,
 )
-from ckptctl.model.geometry import Piece, shard_shape_and_pieces
+from ckptctl.model.geometry import Piece, Shape, shard_shape_and_pieces
 from ckptctl.model.layout import ModelSpec, ParallelLayout
 from ckptctl.model.stored import KeyPath, StoredFile, StoredTensor
 
@@ -109,23 +110,51 @@ class RankParam:
     """``model`` or ``model<c>``."""
     local_name: str
     tied_copy: bool = False
+    block: int = 0
+    """This parameter's block of a stored parameter that holds ``blocks`` local experts
+    (``GroupedMLP``); the blocks of one stored parameter follow each other in the list."""
+    blocks: int = 1
+
+
+def stored_tensor(
+    rp: RankParam,
+    key: KeyPath,
+    canonical: str,
+    shape: Shape,
+    dtype: str,
+    pieces: tuple[Piece, ...],
+    at: int | None = None,
+) -> StoredTensor:
+    """The stored tensor at ``key`` holding ``canonical`` (``rp``'s weight or optimizer state):
+    the whole tensor there, or its flat slice from ``at``; under ``GroupedMLP`` the parameter's
+    block, transposed, of the grouped tensor (or of its slice of a flat buffer)."""
+    if rp.blocks == 1:
+        return StoredTensor(key, canonical, shape, dtype, pieces, view_offset=at)
+    offset = rp.block * prod(shape)
+    if at is not None:
+        return StoredTensor(key, canonical, shape, dtype, pieces, at + offset, transposed=True)
+    # weight1 is [hidden, n * fc1 rows], weight2 [n * fc2 columns, hidden]: each block is a
+    # contiguous run of elements, the expert's shard transposed.
+    rows, columns = shape
+    grouped = (
+        (columns, rp.blocks * rows) if rp.local_name.endswith("1") else (rp.blocks * columns, rows)
+    )
+    return StoredTensor(
+        key, canonical, shape, dtype, pieces, offset, transposed=True, base_shape=grouped
+    )
 
 
 def expert_naming_from_args(args: Any) -> ExpertNaming:
-    """The expert module megatron-core builds: grouped GEMM with TransformerEngine is
-    ``TEGroupedMLP``; the local grouped-GEMM module (``GroupedMLP``) stores its experts
-    transposed and concatenated, which is not supported yet."""
+    """The expert module megatron-core builds: without grouped GEMM ``SequentialMLP``; with
+    it ``TEGroupedMLP`` under TransformerEngine, else (or when asked for the legacy one)
+    ``GroupedMLP``."""
     if not getattr(args, "moe_grouped_gemm", False):
         return ExpertNaming.SEQUENTIAL
     if getattr(args, "transformer_impl", "transformer_engine") == "transformer_engine" and not (
         getattr(args, "moe_use_legacy_grouped_gemm", False)
     ):
         return ExpertNaming.TE_GROUPED
-    raise LayoutError(
-        "args.moe_grouped_gemm with the legacy GroupedMLP (mlp.experts.weight1/weight2, stored "
-        "transposed): not supported yet; save with TransformerEngine's grouped GEMM or without "
-        "grouped GEMM"
-    )
+    return ExpertNaming.GROUPED
 
 
 def default_layer_order(spec: ModelSpec, naming: Naming) -> tuple[str, ...]:
@@ -163,9 +192,14 @@ def rank_params(
             prefix, local_prefix = f"{LAYER_PREFIX}{layer}.", f"{LAYER_PREFIX}{local}."
             for suffix in order:
                 if suffix == EXPERTS:
+                    grouped = expert_naming is ExpertNaming.GROUPED
                     out.extend(
                         RankParam(
-                            by_name[expert_name(prefix, e, part)], model_key, local_prefix + name
+                            by_name[expert_name(prefix, e, part)],
+                            model_key,
+                            local_prefix + name,
+                            block=e - experts.start if grouped else 0,
+                            blocks=len(experts) if grouped else 1,
                         )
                         for part, e, name in expert_block(expert_parts, experts, expert_naming)
                     )
@@ -183,8 +217,9 @@ def rank_params(
 
 def sub_optimizers(params: list[RankParam], chained: bool) -> list[list[int]]:
     """Positions (in ``params``) of the parameters each sub-optimizer holds: all of them, or
-    under a chained optimizer the dense ones then the routed experts'. Buffers hold none."""
-    trained = [pos for pos, rp in enumerate(params) if not rp.param.buffer]
+    under a chained optimizer the dense ones then the routed experts'. Buffers hold none; a
+    grouped parameter is one, at the position of its first block."""
+    trained = [pos for pos, rp in enumerate(params) if not rp.param.buffer and rp.block == 0]
     if not chained:
         return [trained]
     dense = [pos for pos in trained if params[pos].param.expert is None]
@@ -241,6 +276,11 @@ def megatron_files(
             f"etp={layout.expert_tp} differs from tp={layout.tp}: legacy rank files name only "
             "the dense TP rank, so this layout is not supported for them yet"
         )
+    if expert_naming is ExpertNaming.GROUPED and spec.add_bias_linear and spec.is_moe:
+        raise LayoutError(
+            "args.moe_grouped_gemm without TransformerEngine (GroupedMLP) with add_bias_linear: "
+            "megatron-core's GroupedMLP has no biases; save with --disable-bias-linear"
+        )
     padded = spec.padded_vocab_size(layout.tp)
     files = []
     for tp_rank, pp_rank, ep_rank in layout.model_parallel_ranks():
@@ -254,9 +294,8 @@ def megatron_files(
             geometry.append((shape, pieces))
             # megatron-core keeps the router's expert bias in fp32 whatever the weights' dtype.
             dtype = "float32" if rp.param.buffer else weight_dtype
-            tensors.append(
-                StoredTensor((rp.model_key, rp.local_name), rp.param.name, shape, dtype, pieces)
-            )
+            key = (rp.model_key, rp.local_name)
+            tensors.append(stored_tensor(rp, key, rp.param.name, shape, dtype, pieces))
         directory = rank_dir(tp_rank, pp_rank, layout.pp, ep_rank, layout.ep)
         rank_path = f"{iteration_dir(iteration)}/{directory}"
         if optimizer is not None and optimizer.distributed:
@@ -293,24 +332,24 @@ def _optimizer_tensors(
     tensors = []
     for sub, members in enumerate(sub_optimizers(params, optimizer.chained)):
         groups = param_groups(params, optimizer.group_order, members)
-        for pos, (index, g, i) in sorted(optimizer_index(groups).items()):
-            name = params[pos].param.name
-            shape, pieces = geometry[pos]
-            for state in optimizer.states:
-                key: KeyPath = (*optimizer.sub_state(sub), "state", index, state)
-                if state == "step":
-                    tensors.append(
-                        StoredTensor(key, state_name(state, name), (), "float32", _SCALAR)
-                    )
-                else:
-                    tensors.append(
-                        StoredTensor(key, state_name(state, name), shape, "float32", pieces)
-                    )
-            if optimizer.master_weights:
-                key = (*optimizer.sub(sub), "fp32_from_fp16_params", g, i)
-                tensors.append(
-                    StoredTensor(key, state_name("fp32_param", name), shape, "float32", pieces)
-                )
+        for first, (index, g, i) in sorted(optimizer_index(groups).items()):
+            for pos in range(first, first + params[first].blocks):
+                rp, (shape, pieces) = params[pos], geometry[pos]
+                name = rp.param.name
+                for state in optimizer.states:
+                    key: KeyPath = (*optimizer.sub_state(sub), "state", index, state)
+                    if state == "step":  # one step per stored parameter
+                        if rp.block == 0:
+                            tensors.append(
+                                StoredTensor(key, state_name(state, name), (), "float32", _SCALAR)
+                            )
+                    else:
+                        canonical = state_name(state, name)
+                        tensors.append(stored_tensor(rp, key, canonical, shape, "float32", pieces))
+                if optimizer.master_weights:
+                    key = (*optimizer.sub(sub), "fp32_from_fp16_params", g, i)
+                    canonical = state_name("fp32_param", name)
+                    tensors.append(stored_tensor(rp, key, canonical, shape, "float32", pieces))
     return tensors
 
 
@@ -364,7 +403,9 @@ def _distopt_file(
                     ),
                     None,
                 )
-            entries = [(params[i].local_name, _numel(geometry[i][0])) for i in in_chunk]
+            entries = [
+                (params[i].local_name, params[i].blocks * _numel(geometry[i][0])) for i in in_chunk
+            ]
             buffer = replay_buffer(
                 entries,
                 dp=dp,
@@ -375,18 +416,14 @@ def _distopt_file(
             for stored_state, canonical_state in DISTOPT_STATES.items():
                 key: KeyPath = (*prefix, gbuf, dtype_key, stored_state)
                 flat.append((key, buffer.numel_unpadded))
-                for i in in_chunk:
-                    shape, pieces = geometry[i]
-                    tensors.append(
-                        StoredTensor(
-                            key,
-                            state_name(canonical_state, params[i].param.name),
-                            shape,
-                            "float32",
-                            pieces,
-                            view_offset=buffer.offsets[params[i].local_name],
+                for first in in_chunk:
+                    at = buffer.offsets[params[first].local_name]
+                    for i in range(first, first + params[first].blocks):
+                        shape, pieces = geometry[i]
+                        canonical = state_name(canonical_state, params[i].param.name)
+                        tensors.append(
+                            stored_tensor(params[i], key, canonical, shape, "float32", pieces, at)
                         )
-                    )
     return StoredFile(path, tuple(tensors), (tp_rank, pp_rank), flat=tuple(flat), ep_rank=ep_rank)
 
 

@@ -37,6 +37,7 @@ from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
 from ckptctl.formats.torchsave.refs import open_torch_file, resolve, view_ref
 from ckptctl.model.catalog import (
     EXPERTS,
+    GROUPED_MLP_NAMES,
     LAYER_PREFIX,
     ExpertNaming,
     Naming,
@@ -70,13 +71,24 @@ class MegatronCheckpoint:
     expert_naming: ExpertNaming = ExpertNaming.SEQUENTIAL
 
     def read(
-        self, path: str, key: KeyPath, offsets: Shape, sizes: Shape, view: FlatView = None
+        self,
+        path: str,
+        key: KeyPath,
+        offsets: Shape,
+        sizes: Shape,
+        view: FlatView = None,
+        transposed: bool = False,
     ) -> torch.Tensor:
         reader = self.readers[path]
         ref = resolve(reader.tree, key)
+        if transposed:  # GroupedMLP: read the stored box, hand it back in canonical orientation
+            if view is not None:
+                view = (view[0], view[1][::-1])
+            offsets, sizes = offsets[::-1], sizes[::-1]
         if view is not None:
             ref = view_ref(ref, *view)
-        return reader.read(ref, offsets, sizes)
+        data = reader.read(ref, offsets, sizes)
+        return data.t() if transposed else data
 
     def tree(self, path: str) -> Any:
         return self.readers[path].tree
@@ -160,9 +172,11 @@ def _expert_naming(names: list[str], where: str) -> ExpertNaming:
             return ExpertNaming.SEQUENTIAL
         if rest[1].startswith(("linear_fc1.", "linear_fc2.")):
             return ExpertNaming.TE_GROUPED
+        if rest[1] in GROUPED_MLP_NAMES.values():
+            return ExpertNaming.GROUPED
         raise CheckpointError(
-            f"{where}: experts stored as {name.split('.', 3)[-1]} (megatron-core's legacy "
-            "GroupedMLP, transposed and concatenated): not supported yet"
+            f"{where}: experts stored as {name.split('.', 3)[-1]}, which no megatron-core "
+            "expert module (SequentialMLP, TEGroupedMLP, GroupedMLP) writes; cannot map them"
         )
     return ExpertNaming.SEQUENTIAL
 
@@ -397,10 +411,10 @@ def _check_file(
                 f"{dtype_name(ref.dtype)}; only floating-point weights are supported"
             )
             continue
-        if ref.shape != t.shape:
+        if ref.shape != t.stored_shape:
             problems.append(
                 f"{where}: tensor {'.'.join(map(str, t.key))} has shape {list(ref.shape)}, "
-                f"expected {list(t.shape)} for this layout"
+                f"expected {list(t.stored_shape)} for this layout"
             )
             continue
         tensors.append(replace(t, dtype=dtype_name(ref.dtype)))

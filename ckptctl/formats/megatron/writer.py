@@ -69,7 +69,8 @@ def rank_tree(
     no_weight_decay: dict[str, bool],
     optimizer_entry: Any = None,
 ) -> tuple[dict[str, Any], list[TensorSlot]]:
-    """The object tree of one rank file; its tensors are slots, in ``file.tensors`` order.
+    """The object tree of one rank file; its stored tensors are slots, in ``file.tensors``
+    order (a tensor that several blocks share, as ``GroupedMLP``'s, is one slot).
 
     ``carried`` is ``carried_state`` of a source file; ``no_weight_decay`` maps canonical
     parameter names to their parameter-group kind.
@@ -81,13 +82,17 @@ def rank_tree(
     }
     slots = []
     index_kind: dict[tuple[int, ...], dict[int, bool]] = {}
+    seen: set[tuple[str | int, ...]] = set()
     for n, t in enumerate(file.tensors):
-        slot = TensorSlot(str(n), getattr(torch, t.dtype), t.shape)
-        slots.append(slot)
-        node = tree
-        for part in t.key[:-1]:
-            node = node.setdefault(part, {})
-        node[t.key[-1]] = slot
+        if t.key not in seen:
+            seen.add(t.key)
+            shape = t.base_shape or (t.shape[::-1] if t.transposed else t.shape)
+            slot = TensorSlot(str(n), getattr(torch, t.dtype), shape)
+            slots.append(slot)
+            node = tree
+            for part in t.key[:-1]:
+                node = node.setdefault(part, {})
+            node[t.key[-1]] = slot
         if "state" in t.key and t.key[0] == "optimizer":
             at = t.key.index("state")
             sub = tuple(k for k in t.key[1:at] if isinstance(k, int))
@@ -268,12 +273,21 @@ def write_rank_file(job: WriteJob, file: FileWrite, out: BinaryIO) -> None:
         no_weight_decay=no_wd,
         optimizer_entry=entry,
     )
-    writes = {slot.key: write for slot, write in zip(slots, file.tensors, strict=True)}
+    # A slot is named after the position of its first tensor; its blocks in offset order.
+    by_key: dict[tuple[str | int, ...], list[TensorWrite]] = {}
+    for write in file.tensors:
+        by_key.setdefault(write.key, []).append(write)
+    writes = {
+        str(n): sorted(by_key[t.key], key=lambda w: w.view_offset or 0)
+        for n, t in enumerate(file.tensors)
+        if by_key[t.key][0] is t
+    }
     carried_slots = state.carried_slots()
 
     def produce(slot: TensorSlot) -> Iterator[memoryview]:
         if slot.key in writes:
-            yield from assemble.chunks(writes[slot.key], file.path)
+            for write in writes[slot.key]:
+                yield from assemble.chunks(write, file.path)
         else:
             yield state.carried_bytes(slot)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import io
 import pathlib
 import pickle
@@ -128,6 +129,26 @@ def _rebuild_parameter(data: Any, *_: Any) -> Any:
     return data
 
 
+class _PlainTensorType:
+    """``torch.Tensor`` or ``torch.nn.Parameter`` named as the type a tensor is rebuilt as."""
+
+
+def _rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any, *, where: str) -> Any:
+    """A tensor pickled with Python attributes (Megatron's fp32 master copies carry
+    ``tensor_model_parallel``, ``partition_dim``, ...): rebuilt by an allow-listed function as
+    a plain tensor, or a parameter; the attributes are dropped."""
+    if func not in (_rebuild_tensor, _rebuild_parameter) or not isinstance(
+        new_type, _PlainTensorType
+    ):
+        raise UnsafePickleError(
+            f"{where}: refusing to rebuild a tensor as {new_type!r} with {func!r}; the file "
+            "may be malicious or from an unsupported tool"
+        )
+    if not isinstance(state, dict | None):
+        raise UnsafePickleError(f"{where}: unexpected tensor attributes {type(state).__name__}")
+    return func(*args)
+
+
 _REAL_GLOBALS: dict[tuple[str, str], Any] = {
     ("collections", "OrderedDict"): collections.OrderedDict,
     ("argparse", "Namespace"): argparse.Namespace,
@@ -144,6 +165,8 @@ _REAL_GLOBALS: dict[tuple[str, str], Any] = {
     ("pathlib", "Path"): pathlib.PurePosixPath,
     ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
     ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+    ("torch", "Tensor"): _PlainTensorType(),
+    ("torch.nn.parameter", "Parameter"): _PlainTensorType(),
     ("torch", "Size"): tuple,
     ("torch", "device"): torch.device,
 }
@@ -159,6 +182,8 @@ class _RestrictedUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _REAL_GLOBALS:
             return _REAL_GLOBALS[(module, name)]
+        if (module, name) == ("torch._tensor", "_rebuild_from_type_v2"):
+            return functools.partial(_rebuild_from_type, where=self._where)
         if module == "torch" and name in _STORAGE_DTYPES:
             return _StorageType(_STORAGE_DTYPES[name])
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):

@@ -28,14 +28,23 @@ def resolve(tree: Any, key: KeyPath) -> Any:
 
 
 def view_ref(ref: TensorRef, offset: int, shape: tuple[int, ...]) -> TensorRef:
-    """The slice ``[offset, offset + numel)`` of a flat tensor, viewed with ``shape``."""
+    """Elements ``[offset, offset + numel)`` of a flat tensor (or of a C-contiguous one, in
+    memory order), viewed with ``shape``."""
+    if len(ref.shape) == 1:
+        step = ref.stride[0]
+    elif tuple(ref.stride) == contiguous_strides(ref.shape):
+        step = 1
+    else:
+        raise ValueError(f"cannot view a slice of a non-contiguous tensor {list(ref.shape)}")
+    return TensorRef(ref.storage, ref.offset + offset * step, shape, contiguous_strides(shape))
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     stride, acc = [], 1
     for n in reversed(shape):
         stride.append(acc)
         acc *= max(n, 1)
-    return TensorRef(
-        ref.storage, ref.offset + offset * ref.stride[0], shape, tuple(reversed(stride))
-    )
+    return tuple(reversed(stride))
 
 
 def open_torch_file(storage: Storage, rel: str) -> TorchZipReader:
