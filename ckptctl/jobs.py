@@ -22,6 +22,7 @@ from ckptctl.destination import Destination, check_destination
 from ckptctl.errors import CheckpointError, CkptctlError, UsageError
 from ckptctl.execute import Progress, Report, Sources, execute
 from ckptctl.formats.megatron.layout import MegatronStyle
+from ckptctl.formats.megatron.ranks import coords
 from ckptctl.locations import refuse_overlap
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.plan import Plan
@@ -167,12 +168,12 @@ def lost_files(
         raise UsageError(f"rank {max(ranks)} is outside the source's world of {world} ranks")
     out = set()
     for g in ranks:
-        tp, dp, pp = g % layout.tp, (g // layout.tp) % layout.dp, g // (layout.tp * layout.dp)
-        # Expert ranks are the fastest part of the DP rank (tp-cp-ep-dp-pp): the file of
-        # (tp, pp, ep) is written by its expert-DP rank 0.
-        ep, expert_dp = dp % layout.ep, dp // layout.ep
-        if expert_dp == 0:
-            out.update(f.path for f in ckpt.view.files if f.rank == (tp, pp) and f.ep_rank == ep)
+        # The rank's own file, if it writes one (expert-DP rank 0; Megatron's rank order).
+        c = coords(layout, g)
+        if c.expert_dp == 0:
+            out.update(
+                f.path for f in ckpt.view.files if f.rank == (c.tp, c.pp) and f.ep_rank == c.ep
+            )
     return frozenset(out)
 
 

@@ -107,7 +107,14 @@ def test_grouped_mlp_experts_follow_the_targets_args(mixtral: Path, tmp_path: Pa
     [
         (["--ep", "3", "--dp", "3"], "ep=3 does not divide num_experts=4"),
         (["--ep", "2"], "ep=2 x etp=1 does not divide tp=1 x dp=1"),
-        (["--tp", "2", "--etp", "1", "--ep", "2", "--dp", "2"], "etp=1 differs from tp=2"),
+        (
+            ["--etp", "2", "--ep", "2", "--dp", "4"],
+            "legacy rank files collide (mp_rank_00_000, mp_rank_00_001: each written by",
+        ),
+        (
+            ["--tp", "2", "--etp", "1", "--dp", "2"],
+            "legacy rank files would leave out dense TP shards [1]",
+        ),
     ],
 )
 def test_unsupported_expert_layouts_are_refused(
@@ -145,3 +152,38 @@ def test_lost_expert_rank_is_recovered_from_the_full_copy(
     cli("reshard", ep2, tmp_path / "healed", *options)
     assert cli.json("verify", tmp_path / "healed", "--against", mixtral)["ok"]
     assert cli.json("plan", ep2, "--ep", "2", "--dp", "2")["strategy"] == "direct"
+
+
+@pytest.mark.parametrize(
+    ("tp", "dp", "pp", "ep", "etp"),
+    [(2, 2, 1, 2, 1), (2, 4, 2, 2, 2), (4, 2, 1, 2, 2), (1, 4, 2, 4, 1), (2, 4, 1, 4, 1)],
+)
+def test_rank_coordinates_are_megatron_cores(tp: int, dp: int, pp: int, ep: int, etp: int) -> None:
+    """Which file a rank writes depends on where it sits in the dense and the expert groups:
+    megatron-core's own RankGenerator (the one its parallel_state builds) is the judge."""
+    state = pytest.importorskip("megatron.core.parallel_state")
+    from ckptctl.formats.megatron.ranks import coords
+    from ckptctl.model.layout import ParallelLayout
+
+    layout = ParallelLayout(tp=tp, dp=dp, pp=pp, ep=ep, etp=etp)
+    world = tp * dp * pp
+    order = "tp-cp-ep-dp-pp"
+    dense = state.RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=1, order=order)
+    experts = state.RankGenerator(
+        tp=etp, ep=ep, dp=world // (etp * ep * pp), pp=pp, cp=1, order=order
+    )
+    want: dict[int, dict[str, int]] = {rank: {} for rank in range(world)}
+    for generator, token, field in (
+        (dense, "tp", "tp"),
+        (dense, "dp", "dp"),
+        (dense, "pp", "pp"),
+        (experts, "tp", "etp"),
+        (experts, "ep", "ep"),
+        (experts, "dp", "expert_dp"),
+    ):
+        for group in generator.get_ranks(token):
+            for position, rank in enumerate(group):
+                want[rank][field] = position
+    for rank in range(world):
+        c = coords(layout, rank)
+        assert {field: getattr(c, field) for field in want[rank]} == want[rank], rank

@@ -161,12 +161,14 @@ def test_moe_reshard_loads_in_megatron_core_and_returns_bit_exact(
 
 
 def _moe_layouts() -> st.SearchStrategy[dict[str, int]]:
-    """(tp, pp, ep, dp) the oracle model allows: 4 heads in 2 groups, 2 layers, 4 experts."""
+    """(tp, pp, ep, etp, dp) the oracle model allows (4 heads in 2 groups, 2 layers, 4 experts)
+    and legacy files can hold (expert TP at most TP, and etp x ep >= tp: see ranks.py)."""
     return st.builds(
-        lambda tp, pp, ep, replicas, distributed: {
+        lambda tp, pp, ep, etp, replicas, distributed: {
             "tp": tp,
             "pp": pp,
             "ep": ep,
+            "etp": etp,
             "dp": ep * replicas,
             "distributed": distributed,
         },
@@ -174,7 +176,13 @@ def _moe_layouts() -> st.SearchStrategy[dict[str, int]]:
         st.sampled_from([1, 2]),
         st.sampled_from([1, 2, 4]),
         st.sampled_from([1, 2]),
+        st.sampled_from([1, 2]),
         st.booleans(),
+    ).filter(
+        lambda x: (
+            x["etp"] <= x["tp"] <= x["etp"] * x["ep"]
+            and (x["tp"] * x["dp"]) % (x["etp"] * x["ep"]) == 0
+        )
     )
 
 
@@ -191,7 +199,7 @@ def test_moe_round_trips_through_any_layout_bit_exact(
     src = root / variant
     own, _ = LAYOUTS[name]
     tmp = tmp_path_factory.mktemp("moe_round_trip")
-    options = [f"--{axis}={layout[axis]}" for axis in ("tp", "pp", "ep", "dp")]
+    options = [f"--{axis}={layout[axis]}" for axis in ("tp", "pp", "ep", "etp", "dp")]
     options += ["--distributed-optimizer"] * layout["distributed"]
     cli("reshard", src, tmp / "there", *options)
     info = cli.json("inspect", tmp / "there")
@@ -276,14 +284,9 @@ def _flat_buffers(path: Path) -> list[dict[str, torch.Tensor]]:
     ]
 
 
-@pytest.mark.parametrize("variant", list(HF_CLASS))
-def test_moe_distributed_optimizer_expert_buffers(
-    same_run: dict[str, Path], variant: str, tmp_path: Path, cli
-) -> None:
-    distopt = same_run["distopt"] / variant
-    # distrib_optim.pt under EP=2: [dense state (EP rank 0's file only), expert state over
-    # expert DP]. What ckptctl reads from it, parameter by parameter, is the live
-    # DistributedOptimizers' fp32 masters and moments, bit for bit.
+def _assert_distopt_is_live_state(distopt: Path) -> None:
+    """What ckptctl reads from megatron-core's distrib_optim.pt files, parameter by parameter,
+    is the live DistributedOptimizers' fp32 masters and moments, bit for bit."""
     from ckptctl.model.catalog import parameters
     from ckptctl.probe import open_checkpoint
 
@@ -303,6 +306,16 @@ def test_moe_distributed_optimizer_expert_buffers(
             checked.add(t.canonical)
     params = {p.name for p in parameters(ckpt.view.spec)}
     assert checked == {f"{s}/{p}" for s in ("fp32_param", "exp_avg", "exp_avg_sq") for p in params}
+
+
+@pytest.mark.parametrize("variant", list(HF_CLASS))
+def test_moe_distributed_optimizer_expert_buffers(
+    same_run: dict[str, Path], variant: str, tmp_path: Path, cli
+) -> None:
+    distopt = same_run["distopt"] / variant
+    # distrib_optim.pt under EP=2: [dense state (EP rank 0's file only), expert state over
+    # expert DP].
+    _assert_distopt_is_live_state(distopt)
     # Through TP2 EP1 (one buffer for all parameters) and back: the expert buffers are
     # megatron-core's bytes, the dense ones too apart from vocabulary padding rows.
     cli("reshard", distopt, tmp_path / "tp2", "--tp", "2", "--ep", "1", "--dp", "2")
@@ -315,3 +328,63 @@ def test_moe_distributed_optimizer_expert_buffers(
         assert (mine[0] is None) == (theirs[0] is None) == (rank != "mp_rank_00_000")
         assert mine[1].keys() == theirs[1].keys()
         assert all(torch.equal(mine[1][k], theirs[1][k]) for k in theirs[1])
+
+
+@pytest.mark.parametrize("distributed", [False, True])
+def test_moe_legacy_with_expert_tp_other_than_tp(tmp_path: Path, cli, distributed: bool) -> None:
+    """TP2 EP2 with expert TP 1: the two ranks of expert-DP rank 0 write mp_rank_00_000 (dense
+    TP shard 0, experts 0-1 whole) and mp_rank_01_001 (TP shard 1, experts 2-3); no other."""
+    root = tmp_path / "megatron"
+    layout = ["--tp", 2, "--ep", 2, "--etp", 1]
+    _oracle(
+        "write", root, *layout, "--variants", "mixtral", *["--distributed-optimizer"] * distributed
+    )
+    src = root / "mixtral"
+    assert sorted(p.name for p in (src / "iter_0000001").iterdir()) == [
+        "mp_rank_00_000",
+        "mp_rank_01_001",
+    ]
+    reference = torch.load(src / "reference.pt", weights_only=True)
+    if distributed:
+        _assert_distopt_is_live_state(src)
+
+    cli("consolidate", src, tmp_path / "hf", "--format", "hf")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    with torch.no_grad():
+        assert _relative(model(reference["input_ids"]).logits, reference["logits"]) < 1e-5
+
+    # To EP2 with expert TP 2 (per-parameter state) and back: megatron-core loads what ckptctl
+    # writes (strictly) to the same logits, and every tensor is its own again.
+    cli(
+        "reshard",
+        src,
+        tmp_path / "ep2",
+        "--tp",
+        1,
+        "--ep",
+        2,
+        "--dp",
+        2,
+        "--no-distributed-optimizer",
+    )
+    back = tmp_path / "back"
+    cli(
+        "reshard",
+        tmp_path / "ep2",
+        back,
+        *layout,
+        "--dp",
+        1,
+        *["--distributed-optimizer"] * distributed,
+    )
+    assert cli.json("verify", back, "--against", src)["ok"]
+    _assert_same_files(back, src)
+    for rank in ("mp_rank_00_000", "mp_rank_01_001") if distributed else ():
+        # The expert buffers byte for byte (the dense ones differ in vocabulary padding only).
+        name = f"iter_0000001/{rank}/distrib_optim.pt"
+        mine, theirs = _flat_buffers(back / name), _flat_buffers(src / name)
+        assert mine[1].keys() == theirs[1].keys()
+        assert all(torch.equal(mine[1][k], theirs[1][k]) for k in theirs[1])
+    _oracle("forward", back, tmp_path / "logits.pt", "--variant", "mixtral", *layout)
+    logits = torch.load(tmp_path / "logits.pt", weights_only=True)
+    assert _relative(logits, reference["logits"]) < 1e-5

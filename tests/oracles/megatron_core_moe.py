@@ -1,15 +1,17 @@
 """Mixture-of-experts checkpoints written and read back by megatron-core's own GPTModel (test
 oracle, issue 15).
 
-Two modes, on CPU with gloo, ``--tp T --ep E`` ranks (T * E processes; data parallelism is E):
+Two modes, on CPU with gloo, ``--tp T --ep E [--etp X]`` over the fewest ranks holding both
+decompositions (lcm(T, E * X); data parallelism fills the rest):
 
-``write OUT --tp T --ep E``
+``write OUT --tp T --ep E [--etp X]``
     For every variant below builds megatron-core's ``GPTModel`` with routed experts
     (``SequentialMLP``, local layer spec), trains it one Adam step with megatron-core's own
     per-parameter optimizer (a ``ChainedOptimizer`` of dense and expert parameters when E > 1),
-    and saves it as Megatron-LM's legacy format does: ``model_optim_rng.pt`` per (tp, ep) rank
-    in ``mp_rank_TT[_EEE]`` with ``args``, model, optimizer and scheduler, to ``OUT/<variant>/``,
-    with megatron-core's own forward on a fixed batch in ``OUT/<variant>/reference.pt``.
+    and saves it as Megatron-LM's legacy format does: ``model_optim_rng.pt`` in
+    ``mp_rank_TT[_EEE]`` from each rank of expert-DP rank 0, with ``args``, model, optimizer
+    and scheduler, to ``OUT/<variant>/``, with megatron-core's own forward on a fixed batch in
+    ``OUT/<variant>/reference.pt``.
 
 ``forward CKPT OUT_PT --tp T --ep E --variant NAME``
     Loads a checkpoint of that layout into the variant's model: legacy files with
@@ -102,14 +104,15 @@ def moe_fields(tp: int, ep: int) -> dict[str, Any]:
 
 
 def megatron_args(
-    variant: str, tp: int, ep: int, grouped: bool = False, bf16: bool = False
+    variant: str, tp: int, ep: int, etp: int, grouped: bool = False, bf16: bool = False
 ) -> argparse.Namespace:
+    world = world_size(tp, ep, etp)
     args = argparse.Namespace(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=1,
         virtual_pipeline_model_parallel_size=None,
-        data_parallel_size=ep,
-        world_size=tp * ep,
+        data_parallel_size=world // tp,
+        world_size=world,
         **model_args(tp, NUM_LAYERS),
         num_experts=NUM_EXPERTS,
         moe_ffn_hidden_size=EXPERT_FFN,
@@ -119,7 +122,7 @@ def megatron_args(
         moe_aux_loss_coeff=0.0,
         moe_token_dispatcher_type="allgather",
         expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=tp,
+        expert_tensor_parallel_size=etp,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         bf16=bf16,
         fp16=False,
@@ -289,26 +292,30 @@ def write_worker(
     out_dir: Path,
     tp: int,
     ep: int,
+    etp: int,
     ckpt_format: str,
     distributed: bool,
     options: dict[str, Any],
 ) -> None:
     cpu_patches()
-    with expert_parallel(rank, port, tp, ep, tp):
+    with expert_parallel(rank, port, tp, ep, etp):
         from megatron.core import parallel_state
 
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         ep_rank = parallel_state.get_expert_model_parallel_rank()
+        # Megatron-LM's legacy save: ranks of expert-DP rank 0 write model_optim_rng.pt.
+        saves = parallel_state.get_expert_data_parallel_rank() == 0
+        dp = world_size(tp, ep, etp) // tp
         grouped, bf16 = options["grouped"], options["bf16"]
         for variant in options["variants"]:
             from megatron.core.transformer.module import Float16Module
 
             torch.manual_seed(MODEL_SEED)  # the same full model on every rank
-            model = build(variant, tp, ep, grouped=grouped, bf16=bf16)
+            model = build(variant, tp, ep, etp, grouped=grouped, bf16=bf16)
             randomise_norms(model, seed_per_name=True)
             module = Float16Module(model.config, model) if bf16 else model
             ddp, optimizer, scheduler = wrap_for_training(
-                model.config, module, global_batch=BATCH * ep, distributed=distributed, bf16=bf16
+                model.config, module, global_batch=BATCH * dp, distributed=distributed, bf16=bf16
             )
             # One step of Adam on this DP rank's batch, so the state is real. In eval mode: dropout
             # is off anyway, and megatron-core refuses to *train* experts under TP without
@@ -316,9 +323,9 @@ def write_worker(
             model.eval()
             generator = torch.Generator().manual_seed(TRAIN_SEED + dist.get_rank() // tp)
             tokens = torch.randint(0, TRUE_VOCAB, (BATCH, SEQ + 1), generator=generator)
-            train_step(ddp, optimizer, scheduler, [lm_batch(tokens)], global_batch=BATCH * ep)
+            train_step(ddp, optimizer, scheduler, [lm_batch(tokens)], global_batch=BATCH * dp)
             root = out_dir / variant
-            args = megatron_args(variant, tp, ep, grouped, bf16)
+            args = megatron_args(variant, tp, ep, etp, grouped, bf16)
             args.use_distributed_optimizer = distributed
             if ckpt_format == "torch_dist":
                 args.ckpt_format = "torch_dist"
@@ -338,7 +345,8 @@ def write_worker(
                     optimizer.save_parameter_state(str(shard / "distrib_optim.pt"))
                     truth = live_state(optimizer, model)
                     torch.save(truth, root / f"truth_{rank_dir(tp_rank, ep_rank, ep)}.pt")
-                torch.save(state, shard / "model_optim_rng.pt")
+                if saves:
+                    torch.save(state, shard / "model_optim_rng.pt")
             logits = logits_of(model)
             if rank == 0:
                 reference = {"input_ids": reference_input_ids(BATCH, SEQ), "logits": logits}
@@ -401,11 +409,11 @@ def main(argv: list[str] | None = None) -> int:
     forward.add_argument("ckpt", type=Path)
     forward.add_argument("out", type=Path)
     forward.add_argument("--variant", choices=tuple(VARIANTS), required=True)
-    forward.add_argument("--etp", type=int, help="Expert tensor parallelism (default: --tp).")
     write.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), default=list(VARIANTS))
     for mode in (write, forward):
         mode.add_argument("--tp", type=int, default=1)
         mode.add_argument("--ep", type=int, default=1)
+        mode.add_argument("--etp", type=int, help="Expert tensor parallelism (default: --tp).")
         mode.add_argument("--grouped", action="store_true", help="GroupedMLP experts (bf16).")
         mode.add_argument("--bf16", action="store_true", help="A bf16 model.")
     args = parser.parse_args(argv)
@@ -425,6 +433,7 @@ def main(argv: list[str] | None = None) -> int:
             args.out_dir.resolve(),
             args.tp,
             args.ep,
+            etp,
             args.format,
             args.distributed_optimizer,
             options,

@@ -15,6 +15,7 @@ from typing import Any
 from ckptctl.errors import LayoutError
 from ckptctl.formats.megatron.args import naming_from_args
 from ckptctl.formats.megatron.distopt_layout import replay_buffer
+from ckptctl.formats.megatron.ranks import RankCoords, saving_ranks
 from ckptctl.model.catalog import (
     EXPERTS,
     LAYER_PREFIX,
@@ -46,16 +47,6 @@ _SCALAR = (Piece((), (), ()),)
 
 def iteration_dir(iteration: int | None) -> str:
     return "release" if iteration is None else f"iter_{iteration:07d}"
-
-
-def rank_dir(tp_rank: int, pp_rank: int, pp: int, ep_rank: int = 0, ep: int = 1) -> str:
-    """``mp_rank_TT``, ``_PPP`` appended when pp > 1 and ``_EEE`` when ep > 1."""
-    name = f"mp_rank_{tp_rank:02d}"
-    if pp > 1:
-        name += f"_{pp_rank:03d}"
-    if ep > 1:
-        name += f"_{ep_rank:03d}"
-    return name
 
 
 class GroupOrder(StrEnum):
@@ -268,14 +259,9 @@ def megatron_files(
     expert_naming: ExpertNaming = ExpertNaming.SEQUENTIAL,
 ) -> tuple[StoredFile, ...]:
     """Every rank file of a Megatron legacy checkpoint and the tensors it holds: one per
-    (tp, pp, ep) rank, each with the dense parameters of its (tp, pp) shard and its EP rank's
-    experts, split over expert TP."""
+    saving rank (``ranks.saving_ranks``), each with the dense parameters of its (tp, pp) shard
+    and its EP rank's experts, split over expert TP."""
     layout.check_against(spec)
-    if layout.expert_tp != layout.tp:
-        raise LayoutError(
-            f"etp={layout.expert_tp} differs from tp={layout.tp}: legacy rank files name only "
-            "the dense TP rank, so this layout is not supported for them yet"
-        )
     if expert_naming is ExpertNaming.GROUPED and spec.add_bias_linear and spec.is_moe:
         raise LayoutError(
             "args.moe_grouped_gemm without TransformerEngine (GroupedMLP) with add_bias_linear: "
@@ -283,21 +269,23 @@ def megatron_files(
         )
     padded = spec.padded_vocab_size(layout.tp)
     files = []
-    for tp_rank, pp_rank, ep_rank in layout.model_parallel_ranks():
+    for saver in saving_ranks(layout):
+        tp_rank, pp_rank, ep_rank = saver.tp, saver.pp, saver.ep
         params = rank_params(spec, layout, pp_rank, naming, layer_order, ep_rank, expert_naming)
         tensors: list[StoredTensor] = []
         geometry = []
         for rp in params:
-            shape, pieces = shard_shape_and_pieces(
-                rp.param.split, rp.param.shape, layout.tp, tp_rank, padded
+            # Experts are split over expert TP, the rest over TP.
+            tp, rank = (
+                (layout.tp, tp_rank) if rp.param.expert is None else (layout.expert_tp, saver.etp)
             )
+            shape, pieces = shard_shape_and_pieces(rp.param.split, rp.param.shape, tp, rank, padded)
             geometry.append((shape, pieces))
             # megatron-core keeps the router's expert bias in fp32 whatever the weights' dtype.
             dtype = "float32" if rp.param.buffer else weight_dtype
             key = (rp.model_key, rp.local_name)
             tensors.append(stored_tensor(rp, key, rp.param.name, shape, dtype, pieces))
-        directory = rank_dir(tp_rank, pp_rank, layout.pp, ep_rank, layout.ep)
-        rank_path = f"{iteration_dir(iteration)}/{directory}"
+        rank_path = f"{iteration_dir(iteration)}/{saver.directory(layout)}"
         if optimizer is not None and optimizer.distributed:
             files.append(
                 _distopt_file(
@@ -305,7 +293,7 @@ def megatron_files(
                     params,
                     geometry,
                     layout,
-                    (tp_rank, pp_rank, ep_rank),
+                    saver,
                     optimizer,
                     weight_dtype,
                     spec.tie_embeddings,
@@ -372,7 +360,7 @@ def _distopt_file(
     params: list[RankParam],
     geometry: list[tuple[tuple[int, ...], tuple[Piece, ...]]],
     layout: ParallelLayout,
-    where: tuple[int, int, int],
+    saver: RankCoords,
     optimizer: OptimizerLayout,
     weight_dtype: str,
     tied: bool,
@@ -380,13 +368,13 @@ def _distopt_file(
     """``distrib_optim.pt``: one grad buffer per model chunk, its state as flat fp32 tensors.
 
     Under a chained optimizer (EP > 1) the file is a list of the two optimizers' states: the
-    dense one sharded over DP (kept only in EP rank 0's file: the other files are written by
-    ranks that are not its DP rank 0), the expert one over expert DP."""
-    tp_rank, pp_rank, ep_rank = where
+    dense one sharded over DP (kept only by the files of DP rank 0: with expert TP equal to TP,
+    EP rank 0's), the expert one over expert DP."""
+    tp_rank, pp_rank, ep_rank = saver.tp, saver.pp, saver.ep
     tensors: list[StoredTensor] = []
     flat: list[tuple[KeyPath, int]] = []
     for sub, members in enumerate(sub_optimizers(params, optimizer.chained)):
-        if optimizer.chained and sub == 0 and ep_rank != 0:
+        if optimizer.chained and sub == 0 and saver.dp != 0:
             continue
         dp = layout.expert_dp if sub == 1 else layout.dp
         prefix: KeyPath = (sub,) if optimizer.chained else ()

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ckptctl.errors import CheckpointError, CheckpointNotFoundError
+from ckptctl.errors import CheckpointError, CheckpointNotFoundError, LayoutError
 from ckptctl.formats.base import SavedTraining
 from ckptctl.formats.megatron.args import layout_from_args, spec_from_args
 from ckptctl.formats.megatron.layout import (
@@ -25,13 +25,13 @@ from ckptctl.formats.megatron.layout import (
     OptimizerLayout,
     iteration_dir,
     megatron_files,
-    rank_dir,
 )
 from ckptctl.formats.megatron.optimizer_groups import (
     match_groups,
     optimizer_layout,
     optimizer_step,
 )
+from ckptctl.formats.megatron.ranks import saving_ranks
 from ckptctl.formats.megatron.writer import carried_state
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
 from ckptctl.formats.torchsave.refs import open_torch_file, resolve, view_ref
@@ -209,9 +209,11 @@ def probe_megatron(
     spec = spec_from_args(args, true_vocab_size, trusted)
     layout = layout_from_args(args)
     layout.check_against(spec)
-    expected = {
-        rank_dir(t, p, layout.pp, e, layout.ep) for t, p, e in layout.model_parallel_ranks()
-    }
+    try:
+        savers = {c.directory(layout): c for c in saving_ranks(layout)}
+    except LayoutError as err:
+        raise CheckpointError(f"{storage.describe(iter_rel)}: {err}") from None
+    expected = set(savers)
     unexpected = sorted(set(ranks) - expected)
     if unexpected:
         raise CheckpointError(
@@ -286,9 +288,9 @@ def probe_megatron(
     templates: dict[bool, dict[str, Any]] = {}
     if optimizer is not None:
         by_rank = {
-            (t, p, e): trees[join(rank_dir(t, p, layout.pp, e, layout.ep), RANK_FILE)]
-            for t, p, e in layout.model_parallel_ranks()
-            if rank_dir(t, p, layout.pp, e, layout.ep) not in missing
+            (c.tp, c.pp, c.ep): trees[join(name, RANK_FILE)]
+            for name, c in savers.items()
+            if name not in missing
         }
         optimizer, templates = match_groups(
             spec, layout, (naming, layer_order, expert_naming), optimizer, by_rank
