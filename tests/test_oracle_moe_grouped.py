@@ -3,12 +3,15 @@ expert's shard transposed, one block after the other), judged by megatron-core i
 
 megatron-core 0.16.1 trains a bf16 Mixtral-style model with ``GroupedMLP`` one step at EP=2 over
 2 gloo processes (its per-parameter mixed-precision optimizer, and its DistributedOptimizer) and
-saves it as Megatron-LM does. Its own forward (fp32) on its own files is the truth that:
+saves it as Megatron-LM does (legacy, and ``torch_dist``). Its own forward (fp32) on its own
+files is the truth that:
 
 * transformers' Mixtral reproduces from ckptctl's HF consolidation;
 * megatron-core's ``GroupedMLP`` reproduces from ckptctl's TP2 EP1 reshard (loaded strictly),
   and its ``SequentialMLP`` from a reshard whose ``args`` turn grouped GEMM off;
-* the reshard back to EP2 returns bit for bit, fp32 masters and Adam moments included.
+* the reshard back to EP2 returns bit for bit, fp32 masters and Adam moments included;
+* its ``torch_dist`` save of the same run becomes its own legacy files, bit for bit, and
+  ckptctl's ``torch_dist`` loads into its ``GroupedMLP`` model.
 
 The grouped GEMM package does not build on CPU; the oracle supplies its one operation as a
 per-expert matmul (see ``oracles/megatron_core_moe.py``).
@@ -32,11 +35,22 @@ pytestmark = pytest.mark.oracle
 @pytest.fixture(scope="module")
 def grouped(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     roots = {}
-    for name, options in (("legacy", []), ("distopt", ["--distributed-optimizer"])):
+    for name, options in (
+        ("legacy", []),
+        ("distopt", ["--distributed-optimizer"]),
+        ("torch_dist", ["--format", "torch_dist"]),
+    ):
         root = tmp_path_factory.mktemp(f"moe_grouped_{name}")
         _oracle("write", root, "--ep", 2, "--grouped", "--variants", "mixtral", *options)
         roots[name] = root / "mixtral"
     return roots
+
+
+@pytest.fixture(scope="module")
+def truth(grouped: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> torch.Tensor:
+    """megatron-core's GroupedMLP model, in fp32, on its own legacy files."""
+    out = tmp_path_factory.mktemp("moe_grouped_truth") / "logits.pt"
+    return _forward(grouped["legacy"], out, "--ep", 2, "--grouped")
 
 
 def _forward(ckpt: Path, out: Path, *options: object) -> torch.Tensor:
@@ -53,10 +67,9 @@ def _set_args(root: Path, **fields: object) -> None:
 
 
 def test_grouped_mlp_read_written_and_converted(
-    grouped: dict[str, Path], tmp_path: Path, cli
+    grouped: dict[str, Path], truth: torch.Tensor, tmp_path: Path, cli
 ) -> None:
     src = grouped["legacy"]
-    truth = _forward(src, tmp_path / "own.pt", "--ep", 2, "--grouped")
     reference = torch.load(src / "reference.pt", weights_only=True)
 
     cli("consolidate", src, tmp_path / "hf", "--format", "hf")
@@ -147,3 +160,18 @@ def test_grouped_mlp_distributed_optimizer(grouped: dict[str, Path], tmp_path: P
         mine, theirs = _flat_buffers(back / name), _flat_buffers(distopt / name)
         assert mine[1].keys() == theirs[1].keys()
         assert all(torch.equal(mine[1][k], theirs[1][k]) for k in theirs[1])
+
+
+def test_grouped_mlp_torch_dist_both_ways(
+    grouped: dict[str, Path], truth: torch.Tensor, tmp_path: Path, cli
+) -> None:
+    # megatron-core's torch_dist save of the same run (experts stacked in SequentialMLP's
+    # orientation, Adam's step in the mixed-precision wrapper's common state) becomes its own
+    # legacy GroupedMLP files, bit for bit.
+    legacy = tmp_path / "legacy"
+    cli("reshard", grouped["torch_dist"], legacy, "--ep", 2, "--dp", 2, "--format", "megatron")
+    _assert_same_files(legacy, grouped["legacy"])
+    # ckptctl's torch_dist at TP2 loads into megatron-core's GroupedMLP model, same logits.
+    td = tmp_path / "td"
+    cli("reshard", grouped["legacy"], td, "--tp", 2, "--ep", 1, "--dp", 1, "--format", "torch_dist")
+    assert _relative(_forward(td, tmp_path / "td.pt", "--tp", 2, "--grouped"), truth) < 1e-5

@@ -53,8 +53,11 @@ def _common_state(
 
 def _common_step_ref(tree: Any) -> Any:
     """megatron-core's per-parameter optimizers keep Adam's step once, as ``common_step``
-    (under ``optimizer``, or under ``optimizer[i]`` for a chained dense + expert optimizer)."""
+    (under ``optimizer``, or under ``optimizer[i]`` for a chained dense + expert optimizer; one
+    level deeper, under ``optimizer``, for the mixed-precision wrapper of a bf16/fp16 run)."""
     optimizer = dense_optimizer(tree.get("optimizer") if isinstance(tree, dict) else None)
+    if "state" not in optimizer and isinstance(optimizer.get("optimizer"), dict):
+        optimizer = optimizer["optimizer"]
     state = optimizer.get("state")
     return state.get("common_step") if isinstance(state, dict) else None
 
