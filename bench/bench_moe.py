@@ -5,7 +5,8 @@ Builds, once, a transformers Mixtral (8 experts) and a Llama whose one MLP holds
 parameters as the eight experts together (same bytes, same layer count), cuts each into a
 Megatron checkpoint with ckptctl (Mixtral at EP2 TP1 DP2, Llama at TP2), then in one run times
 `cp -r` of each source and the two reshards under ``--memory-budget``. Prints a markdown table:
-seconds, GB/s, ratio to `cp` of the same source, peak RSS.
+seconds, GB/s, ratio to `cp` of the same source, peak RSS; and the ratio of GB written per
+second to cp's (an MoE target holds more bytes than its source).
 
     python bench/bench_moe.py [--workdir /tmp/ckptctl-bench-moe] [--hidden 1024] [--layers 4]
         [--budget 512MiB] [--repeat 3] [--keep] [--adam]
@@ -152,9 +153,21 @@ def main() -> None:
     for kind, size, rows in tables:
         what = f"Mixtral, {EXPERTS} experts, EP2 TP1" if kind == "moe" else "Llama, TP2"
         held = "weights and Adam state" if args.adam else "weights"
-        print_table(rows, f"{size / 1e9:.2f} GB Megatron {what} ({held})", "")
+        print_table(rows, f"{size / 1e9:.2f} GB Megatron {what} ({held})", per_byte_written(rows))
+
     if not args.keep:
         shutil.rmtree(work)
+
+
+def per_byte_written(rows: list) -> str:
+    """An MoE target holds more bytes than its source (each EP rank file carries the dense part
+    and its optimizer state): compare GB written per second with cp's as well."""
+    (_, cp_seconds, _, cp_written, *_), (_, seconds, _, written, *_) = rows
+    rate, cp_rate = written / seconds, cp_written / cp_seconds
+    return (
+        f"per byte written: ckptctl {rate / 1e9:.2f} GB/s, cp {cp_rate / 1e9:.2f} GB/s: "
+        f"{rate / cp_rate:.2f}x"
+    )
 
 
 if __name__ == "__main__":
