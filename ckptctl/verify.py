@@ -172,7 +172,7 @@ def _coverage(ckpt: Checkpoint) -> Check:
     problems = []
     for name, shape in shapes.items():
         wanted = [name]
-        if view.has_optimizer and view.spec is not None:
+        if view.has_optimizer and view.spec is not None and name not in view.frozen:
             wanted += [f"{s}/{name}" for s in ("exp_avg", "exp_avg_sq")]
         for canonical in wanted:
             held = pieces.get(canonical, [])

@@ -114,6 +114,11 @@ def plan_consolidate(
         files, estimates = plan_files(source, targets, FileKind.MEGATRON_RANK, carry_from=0)
         finalize = [TextWrite(path=TRACKER, content=tracker_text(source.iteration))]
         notes += megatron_target_notes(source, layout, target_format)
+        if source.has_optimizer and style.optimizer is None:
+            notes.append(
+                f"the {source.format} source's optimizer state is not carried to "
+                f"{target_format.value} yet: the target holds weights only"
+            )
         reason = "Megatron TP1 PP1: every tensor merged, optimizer and training state kept"
     return Plan(
         operation="consolidate",

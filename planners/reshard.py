@@ -82,7 +82,12 @@ def plan_reshard(
     else:
         raise UsageError(f"reshard --format {target_format.value}: choose megatron or torch_dist")
     notes = [*source.notes, *megatron_target_notes(source, target_layout, target_format)]
-    if optimizer is None:
+    if optimizer is None and source.has_optimizer:
+        notes.append(
+            f"the {source.format} source's optimizer state is not carried to "
+            f"{target_format.value} yet: the target holds weights only"
+        )
+    elif optimizer is None:
         notes.append("no optimizer state in the source: the target holds weights only")
     is_full = not source.layout.is_sharded
     return Plan(

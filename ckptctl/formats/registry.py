@@ -12,10 +12,10 @@ from functools import cache
 
 from ckptctl.formats.base import CheckpointFormat, Writer
 
-BUILTIN = ("torch_dist", "dcp", "megatron", "hf", "torch_file")
+BUILTIN = ("torch_dist", "dcp", "deepspeed", "megatron", "hf", "torch_file")
 """Folders under ``ckptctl/formats`` whose ``format.py`` exports ``FORMAT``, in probing order
 (``torch_dist`` before plain DCP and Megatron: it lives in a Megatron iteration directory as
-DCP files)."""
+DCP files; DeepSpeed before Megatron: its ``mp_rank_00_model_states.pt`` is no rank directory)."""
 
 _added: list[CheckpointFormat] = []
 

@@ -25,6 +25,8 @@ class Format(StrEnum):
     """Any other PyTorch Distributed Checkpoint: keys are not a known model's."""
     TORCH = "torch"
     """One ``torch.save`` file of the whole state dict (as ``dcp_to_torch_save`` writes)."""
+    DEEPSPEED = "deepspeed"
+    """DeepSpeed ZeRO: ``latest``, ``<tag>/*_model_states.pt`` and ``*_optim_states.pt``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +95,9 @@ class CheckpointView:
     notes: tuple[str, ...] = field(default=())
     optimizer_step: float | None = None
     """Adam's step when it is kept per parameter group (distributed optimizer), not per tensor."""
+    frozen: tuple[str, ...] = ()
+    """Canonical tensors holding frozen parameters (DeepSpeed): their optimizer state is
+    absent, in part or whole."""
 
     def canonical_dtypes(self) -> dict[str, str]:
         return {t.canonical: t.dtype for f in self.files for t in f.tensors}

@@ -39,7 +39,7 @@ FORMAT = CheckpointFormat(
         True,
         "consolidate --format megatron, reshard (default)",
         "TP/PP/VPP/DP/EP, uneven first/last stages, TE and local names, tied embeddings, GQA, "
-        "SwiGLU, MoE experts (sequential or TE grouped), per-parameter Adam state and "
+        "SwiGLU, MoE experts (sequential, TE grouped, GroupedMLP), per-parameter Adam state and "
         "distrib_optim.pt, scheduler and counters",
         "CRC-32 of every zip entry",
     ),

@@ -171,7 +171,14 @@ _REAL_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch", "device"): torch.device,
 }
 # Foreign objects that Megatron files legitimately hold; never imported, kept as stubs.
-_STUB_PREFIXES = ("megatron.", "numpy.", "numpy", "torch._C", "transformer_engine.")
+_STUB_PREFIXES = (
+    "megatron.",
+    "numpy.",
+    "numpy",
+    "torch._C",
+    "transformer_engine.",
+    "deepspeed.",  # loss scaler, ZeRO stage enum, fragment addresses
+)
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
