@@ -111,6 +111,28 @@ def shard_shape_and_pieces(
     raise AssertionError(split)
 
 
+def chunk_pieces(whole: tuple[Piece, ...], offsets: Shape, sizes: Shape) -> tuple[Piece, ...]:
+    """The pieces of the chunk ``[offsets, offsets + sizes)`` of a tensor, in the chunk's
+    own coordinates."""
+    out = []
+    for piece in whole:
+        lo = tuple(max(o, p) for o, p in zip(offsets, piece.local, strict=True))
+        hi = tuple(
+            min(o + s, p + n)
+            for o, s, p, n in zip(offsets, sizes, piece.local, piece.sizes, strict=True)
+        )
+        if any(a >= b for a, b in zip(lo, hi, strict=True)):
+            continue
+        out.append(
+            Piece(
+                tuple(a - o for a, o in zip(lo, offsets, strict=True)),
+                tuple(c + a - p for c, a, p in zip(piece.canonical, lo, piece.local, strict=True)),
+                tuple(b - a for a, b in zip(lo, hi, strict=True)),
+            )
+        )
+    return tuple(out)
+
+
 def overlap(target: Piece, source: Piece) -> Copy | None:
     """The copy that moves the part of ``source`` lying inside ``target``, if any."""
     # Hot in planning (every target piece against every holder): plain loops, early exit.

@@ -59,25 +59,3 @@ def key_table(spec: ModelSpec, model_prefix: str, optim_prefix: str | None) -> d
                     state_name(state, canonical), shape, pieces
                 )
     return table
-
-
-def chunk_pieces(whole: tuple[Piece, ...], offsets: Shape, sizes: Shape) -> tuple[Piece, ...]:
-    """The pieces of the chunk ``[offsets, offsets + sizes)`` of an HF tensor, in the chunk's
-    own coordinates."""
-    out = []
-    for piece in whole:
-        lo = tuple(max(o, p) for o, p in zip(offsets, piece.local, strict=True))
-        hi = tuple(
-            min(o + s, p + n)
-            for o, s, p, n in zip(offsets, sizes, piece.local, piece.sizes, strict=True)
-        )
-        if any(a >= b for a, b in zip(lo, hi, strict=True)):
-            continue
-        out.append(
-            Piece(
-                tuple(a - o for a, o in zip(lo, offsets, strict=True)),
-                tuple(c + a - p for c, a, p in zip(piece.canonical, lo, piece.local, strict=True)),
-                tuple(b - a for a, b in zip(lo, hi, strict=True)),
-            )
-        )
-    return tuple(out)

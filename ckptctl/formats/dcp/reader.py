@@ -25,7 +25,7 @@ import torch
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError, LayoutError
 from ckptctl.formats.base import SavedTraining
 from ckptctl.formats.dcp.checks import check_metadata
-from ckptctl.formats.dcp.hf_layout import chunk_pieces, key_table, prefixes
+from ckptctl.formats.dcp.hf_layout import key_table, prefixes
 from ckptctl.formats.dcp.metadata import (
     METADATA_FILE,
     BytesEntry,
@@ -54,7 +54,7 @@ from ckptctl.formats.torch_dist.layout import (
 )
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
 from ckptctl.formats.torchsave.refs import view_ref
-from ckptctl.model.geometry import Piece
+from ckptctl.model.geometry import Piece, chunk_pieces
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.stored import (
     CheckpointView,

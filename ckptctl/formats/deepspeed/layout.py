@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from math import prod
 
 from ckptctl.model.catalog import state_name
-from ckptctl.model.geometry import Piece, Shape
+from ckptctl.model.geometry import Piece, Shape, chunk_pieces
 from ckptctl.model.stored import KeyPath, StoredTensor
 
 OPTIMIZER_STATE = "optimizer_state_dict"
@@ -54,26 +54,6 @@ def flat_boxes(shape: Shape, start: int, stop: int) -> list[tuple[int, Shape, Sh
     if stop > last_full * row:
         within(last_full, last_full * row, stop)
     return out
-
-
-def compose(box: tuple[Shape, Shape], pieces: tuple[Piece, ...]) -> tuple[Piece, ...]:
-    """Pieces of the part of a tensor inside ``box`` (offsets, sizes), in the box's own local
-    coordinates, given the whole tensor's ``pieces``."""
-    lo, sizes = box
-    out = []
-    for p in pieces:
-        a = [max(x, y) for x, y in zip(lo, p.local, strict=True)]
-        b = [min(x + n, y + m) for x, n, y, m in zip(lo, sizes, p.local, p.sizes, strict=True)]
-        if any(i >= j for i, j in zip(a, b, strict=True)):
-            continue
-        out.append(
-            Piece(
-                tuple(i - x for i, x in zip(a, lo, strict=True)),
-                tuple(c + i - x for c, i, x in zip(p.canonical, a, p.local, strict=True)),
-                tuple(j - i for i, j in zip(a, b, strict=True)),
-            )
-        )
-    return tuple(out)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +102,7 @@ def fragment_tensors(
     for offset, box_lo, box_sizes in flat_boxes(
         shape, fragment.begin, fragment.begin + fragment.numel
     ):
-        local = compose((box_lo, box_sizes), pieces)
+        local = chunk_pieces(pieces, box_lo, box_sizes)
         if not local:
             continue
         at = fragment.start + offset
