@@ -115,11 +115,6 @@ def probe_deepspeed(storage: Storage, names: frozenset[str], request: ProbeReque
             f"{where}: {len(model_files)} model-parallel ranks; only mp_rank_00 (no TP/PP) is "
             "supported"
         )
-    if any(n.startswith("bf16_") for n in optim):
-        raise CheckpointError(
-            f"{where}: written by DeepSpeed's BF16_Optimizer (bf16_zero_pp_rank_*): not "
-            "supported yet"
-        )
     readers = {join(model_files[0]): open_torch_file(storage, join(model_files[0]))}
     states = readers[join(model_files[0])].tree
     dp = int(states.get("dp_world_size", 0))
@@ -145,6 +140,13 @@ def probe_deepspeed(storage: Storage, names: frozenset[str], request: ProbeReque
         rel = join(name)
         reader = readers[rel] = open_torch_file(storage, rel)
         osd = reader.tree["optimizer_state_dict"]
+        if "param_slice_mappings" not in osd or "single_partition_of_fp32_groups" not in osd:
+            # bf16 ZeRO 1/2 runs keep the ZeRO keys under a bf16_ file name; DeepSpeed's
+            # BF16_Optimizer (e.g. Megatron-DeepSpeed) keeps others.
+            raise CheckpointError(
+                f"{storage.describe(rel)}: no ZeRO partitions (single_partition_of_fp32_groups, "
+                "param_slice_mappings): DeepSpeed's BF16_Optimizer state is not supported yet"
+            )
         masters = osd["single_partition_of_fp32_groups"]
         paddings = osd.get("group_paddings", [0] * len(masters))
         sizes = [m.shape[0] + pad for m, pad in zip(masters, paddings, strict=True)]
