@@ -24,7 +24,7 @@ from ckptctl.formats.torchsave.archive import (
     tensor_bytes,
 )
 from ckptctl.manifest import MANIFEST, RunLog, new_digest, write_manifest
-from ckptctl.model.geometry import nbytes
+from ckptctl.model.geometry import nbytes, with_dim
 from ckptctl.model.plan import FileKind, FileWrite, Plan, TensorWrite
 from ckptctl.model.stored import FlatView, KeyPath, Shape
 from ckptctl.storage import Storage, write_in_slices
@@ -130,7 +130,7 @@ class Assembler:
         """Indices ``[lo, hi)`` along ``dim`` of the target tensor (the whole tensor if it is
         0-dimensional)."""
         scalar = not write.shape
-        shape = write.shape if scalar else _with(write.shape, dim, hi - lo)
+        shape = write.shape if scalar else with_dim(write.shape, dim, hi - lo)
         if write.padding:
             out = torch.full(shape, write.fill, dtype=dtype)
         else:
@@ -142,9 +142,9 @@ class Assembler:
                 a, b = max(lo, dst[dim]), min(hi, dst[dim] + sizes[dim])
                 if a >= b:
                     continue
-                src = _with(src, dim, src[dim] + a - dst[dim])
-                dst = _with(dst, dim, a - lo)
-                sizes = _with(sizes, dim, b - a)
+                src = with_dim(src, dim, src[dim] + a - dst[dim])
+                dst = with_dim(dst, dim, a - lo)
+                sizes = with_dim(sizes, dim, b - a)
             path = self.source_files[copy.source]
             reads.append((dst, sizes, (path, copy.key, src, sizes, copy.view, copy.transposed)))
         # The reads of a band are disjoint parts of it, so fetching them at once (from
@@ -159,10 +159,6 @@ class Assembler:
             box = tuple(slice(o, o + n) for o, n in zip(dst, sizes, strict=True))
             out[box] = data.to(dtype)
         return out
-
-
-def _with(values: Shape, dim: int, value: int) -> Shape:
-    return (*values[:dim], value, *values[dim + 1 :])
 
 
 class Sources:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -103,6 +104,12 @@ def test_grouped_mlp_read_written_and_converted(
     _assert_same_files(back, src)
 
 
+def _block(ckpt: Any, path: str, t: Any) -> torch.Tensor:
+    """A GroupedMLP expert block, whole, in the canonical orientation."""
+    zero = (0,) * len(t.shape)
+    return ckpt.read(path, t.key, zero, t.shape, (t.view_offset, t.shape), transposed=True)
+
+
 def test_grouped_mlp_distributed_optimizer(grouped: dict[str, Path], tmp_path: Path, cli) -> None:
     from ckptctl.probe import open_checkpoint
 
@@ -115,23 +122,7 @@ def test_grouped_mlp_distributed_optimizer(grouped: dict[str, Path], tmp_path: P
     assert len(experts) == 2 * 4 * 2  # layers x experts x (fc1, fc2)
     for name in experts:
         (wpath, weight), (mpath, master) = held[name], held[f"fp32_param/{name}"]
-        zero = (0,) * len(weight.shape)
-        got_w = ckpt.read(
-            wpath,
-            weight.key,
-            zero,
-            weight.shape,
-            (weight.view_offset, weight.shape),
-            transposed=True,
-        )
-        got_m = ckpt.read(
-            mpath,
-            master.key,
-            zero,
-            master.shape,
-            (master.view_offset, master.shape),
-            transposed=True,
-        )
+        got_w, got_m = (_block(ckpt, path, t) for path, t in ((wpath, weight), (mpath, master)))
         assert torch.equal(got_m.to(torch.bfloat16), got_w), name
 
     # Through TP2 EP1 with per-parameter state and SequentialMLP names, and back: the expert

@@ -65,7 +65,8 @@ class Copy:
         return prod(self.sizes)
 
 
-def _with(values: Shape, dim: int, value: int) -> Shape:
+def with_dim(values: Shape, dim: int, value: int) -> Shape:
+    """``values`` with entry ``dim`` replaced by ``value``."""
     return (*values[:dim], value, *values[dim + 1 :])
 
 
@@ -86,17 +87,17 @@ def shard_shape_and_pieces(
         if shape[dim] % tp:
             raise ValueError(f"tp={tp} does not divide dim {dim} of shape {shape}")
         n = shape[dim] // tp
-        local = _with(shape, dim, n)
-        return local, (Piece(zero, _with(zero, dim, rank * n), local),)
+        local = with_dim(shape, dim, n)
+        return local, (Piece(zero, with_dim(zero, dim, rank * n), local),)
     if split is Split.GATED:
         if shape[0] % (2 * tp):
             raise ValueError(f"tp={tp} does not divide the gate/up halves of shape {shape}")
         half = shape[0] // 2
         n = half // tp
-        size = _with(shape, 0, n)
-        return _with(shape, 0, 2 * n), (
-            Piece(zero, _with(zero, 0, rank * n), size),
-            Piece(_with(zero, 0, n), _with(zero, 0, half + rank * n), size),
+        size = with_dim(shape, 0, n)
+        return with_dim(shape, 0, 2 * n), (
+            Piece(zero, with_dim(zero, 0, rank * n), size),
+            Piece(with_dim(zero, 0, n), with_dim(zero, 0, half + rank * n), size),
         )
     if split is Split.VOCAB:
         padded = padded_rows if padded_rows is not None else shape[0]
@@ -104,10 +105,10 @@ def shard_shape_and_pieces(
             raise ValueError(f"padded vocabulary {padded} does not fit tp={tp}, rows {shape[0]}")
         n = padded // tp
         start, stop = rank * n, min((rank + 1) * n, shape[0])
-        local = _with(shape, 0, n)
+        local = with_dim(shape, 0, n)
         if stop <= start:
             return local, ()
-        return local, (Piece(zero, _with(zero, 0, start), _with(shape, 0, stop - start)),)
+        return local, (Piece(zero, with_dim(zero, 0, start), with_dim(shape, 0, stop - start)),)
     raise AssertionError(split)
 
 

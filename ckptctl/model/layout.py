@@ -367,13 +367,6 @@ class ParallelLayout(_Frozen):
                 start += count // v
         return out
 
-    def model_parallel_ranks(self) -> tuple[tuple[int, int, int], ...]:
-        """All (tp_rank, pp_rank, ep_rank) triples, one per Megatron rank directory, pipeline-
-        major then expert rank (as the directory names sort)."""
-        return tuple(
-            (t, p, e) for p in range(self.pp) for e in range(self.ep) for t in range(self.tp)
-        )
-
     def describe(self) -> str:
         parts = [f"TP{self.tp}", f"PP{self.pp}", f"DP{self.dp}"]
         if self.vpp > 1:

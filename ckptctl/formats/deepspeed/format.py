@@ -5,18 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from ckptctl.formats.base import CheckpointFormat, ProbeRequest
+from ckptctl.formats.deepspeed.layout import recognised
 from ckptctl.formats.support import FormatSupport
 from ckptctl.storage import Storage
 
-_LATEST = "latest"
-
 
 def _probe(storage: Storage, names: frozenset[str], request: ProbeRequest) -> Any:
-    if request.file is not None:
-        return None
-    tagged = _LATEST in names and "latest_checkpointed_iteration.txt" not in names
-    model_states = any(n.startswith("mp_rank_") and n.endswith("_model_states.pt") for n in names)
-    if not (tagged or model_states):
+    if request.file is not None or not recognised(names):
         return None
     from ckptctl.formats.deepspeed.reader import probe_deepspeed
 

@@ -12,6 +12,7 @@ HF name's own pieces (q/k/v into the fused QKV, gate/up into ``linear_fc1``).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from math import prod
 
@@ -19,7 +20,20 @@ from ckptctl.model.catalog import state_name
 from ckptctl.model.geometry import Piece, Shape, chunk_pieces
 from ckptctl.model.stored import KeyPath, StoredTensor
 
+LATEST = "latest"
+MODEL_STATES = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+OPTIM_STATES = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_?optim_states\.pt$")
+STAGE3_MODEL_STATES = re.compile(r"^zero_pp_rank_\d+_mp_rank_\d+_model_states\.pt$")
 OPTIMIZER_STATE = "optimizer_state_dict"
+
+
+def recognised(names: frozenset[str]) -> bool:
+    """A DeepSpeed checkpoint directory (``latest``, and no Megatron tracker beside it) or one
+    of its tag directories."""
+    tagged = LATEST in names and "latest_checkpointed_iteration.txt" not in names
+    return tagged or any(MODEL_STATES.match(n) for n in names)
+
+
 MASTERS = (OPTIMIZER_STATE, "single_partition_of_fp32_groups")
 MOMENTS = (OPTIMIZER_STATE, "base_optimizer_state", "state")
 ADAM_STATES = ("exp_avg", "exp_avg_sq")

@@ -8,7 +8,6 @@ the model states. The model is the HF one ``config.json`` (beside the checkpoint
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,11 +15,20 @@ import torch
 
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError, LayoutError
 from ckptctl.formats.base import ProbeRequest
-from ckptctl.formats.deepspeed.layout import MASTERS, MOMENTS, fragment_tensors, fragments
+from ckptctl.formats.deepspeed.layout import (
+    LATEST,
+    MASTERS,
+    MODEL_STATES,
+    MOMENTS,
+    OPTIM_STATES,
+    STAGE3_MODEL_STATES,
+    fragment_tensors,
+    fragments,
+)
 from ckptctl.formats.hf.families import spec_from_config
 from ckptctl.formats.hf.layout import CONFIG, hf_tensors
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
-from ckptctl.formats.torchsave.refs import open_torch_file, resolve, view_ref
+from ckptctl.formats.torchsave.refs import open_torch_file, read_box, resolve
 from ckptctl.model.dtypes import dtype_name
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.stored import (
@@ -34,15 +42,6 @@ from ckptctl.model.stored import (
 )
 from ckptctl.storage import Storage
 
-LATEST = "latest"
-MODEL_STATES = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
-OPTIM_STATES = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_?optim_states\.pt$")
-STAGE3_MODEL_STATES = re.compile(r"^zero_pp_rank_\d+_mp_rank_\d+_model_states\.pt$")
-
-
-def recognised(names: frozenset[str]) -> bool:
-    return LATEST in names or any(MODEL_STATES.match(n) for n in names)
-
 
 @dataclass
 class DeepSpeedCheckpoint:
@@ -53,14 +52,10 @@ class DeepSpeedCheckpoint:
     def read(
         self, path: str, key: KeyPath, offsets: Shape, sizes: Shape, view: FlatView = None
     ) -> torch.Tensor:
-        reader = self.readers[path]
-        ref = resolve(reader.tree, key)
-        if view is not None:
-            ref = view_ref(ref, *view)
-        return reader.read(ref, offsets, sizes)
+        return read_box(self.readers[path], key, offsets, sizes, view)
 
 
-def _tag_dir(storage: Storage, names: frozenset[str], request: ProbeRequest) -> str:
+def _tag_dir(storage: Storage, names: frozenset[str]) -> str:
     """The tag directory, relative to the root: the one ``latest`` names, or the root itself."""
     if any(MODEL_STATES.match(n) for n in names):
         return ""
@@ -96,7 +91,7 @@ def _address(value: Any) -> tuple[int, int]:
 
 
 def probe_deepspeed(storage: Storage, names: frozenset[str], request: ProbeRequest) -> Any:
-    tag = _tag_dir(storage, names, request)
+    tag = _tag_dir(storage, names)
 
     def join(name: str) -> str:
         return f"{tag}/{name}" if tag else name

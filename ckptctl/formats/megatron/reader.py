@@ -34,7 +34,7 @@ from ckptctl.formats.megatron.optimizer_groups import (
 from ckptctl.formats.megatron.ranks import saving_ranks
 from ckptctl.formats.megatron.writer import carried_state
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
-from ckptctl.formats.torchsave.refs import open_torch_file, resolve, view_ref
+from ckptctl.formats.torchsave.refs import open_torch_file, read_box, resolve
 from ckptctl.model.catalog import (
     EXPERTS,
     GROUPED_MLP_NAMES,
@@ -79,16 +79,7 @@ class MegatronCheckpoint:
         view: FlatView = None,
         transposed: bool = False,
     ) -> torch.Tensor:
-        reader = self.readers[path]
-        ref = resolve(reader.tree, key)
-        if transposed:  # GroupedMLP: read the stored box, hand it back in canonical orientation
-            if view is not None:
-                view = (view[0], view[1][::-1])
-            offsets, sizes = offsets[::-1], sizes[::-1]
-        if view is not None:
-            ref = view_ref(ref, *view)
-        data = reader.read(ref, offsets, sizes)
-        return data.t() if transposed else data
+        return read_box(self.readers[path], key, offsets, sizes, view, transposed)
 
     def tree(self, path: str) -> Any:
         return self.readers[path].tree

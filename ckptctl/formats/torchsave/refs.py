@@ -5,12 +5,15 @@ are ``torch.save`` archives."""
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
 from ckptctl.model.dtypes import dtype_name
 from ckptctl.model.stored import KeyPath
 from ckptctl.storage import Storage
+
+if TYPE_CHECKING:
+    import torch
 
 
 def resolve(tree: Any, key: KeyPath) -> Any:
@@ -37,6 +40,27 @@ def view_ref(ref: TensorRef, offset: int, shape: tuple[int, ...]) -> TensorRef:
     else:
         raise ValueError(f"cannot view a slice of a non-contiguous tensor {list(ref.shape)}")
     return TensorRef(ref.storage, ref.offset + offset * step, shape, contiguous_strides(shape))
+
+
+def read_box(
+    reader: TorchZipReader,
+    key: KeyPath,
+    offsets: tuple[int, ...],
+    sizes: tuple[int, ...],
+    view: tuple[int, tuple[int, ...]] | None = None,
+    transposed: bool = False,
+) -> torch.Tensor:
+    """Box ``[offsets, offsets + sizes)`` of the tensor at ``key`` (or of its flat ``view``);
+    a ``transposed`` tensor's box is given, and returned, in the canonical orientation."""
+    ref = resolve(reader.tree, key)
+    if transposed:  # read the stored box, hand it back in canonical orientation
+        if view is not None:
+            view = (view[0], view[1][::-1])
+        offsets, sizes = offsets[::-1], sizes[::-1]
+    if view is not None:
+        ref = view_ref(ref, *view)
+    data = reader.read(ref, offsets, sizes)
+    return data.t() if transposed else data
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
