@@ -39,8 +39,9 @@ from ckptctl.settings import Settings
 from ckptctl.staging import StagedStorage
 from ckptctl.storage_errors import classify
 from planners.consolidate import plan_consolidate as consolidation
-from planners.consolidate import plan_state_dict
+from planners.consolidate import plan_hf_state_dict, plan_state_dict
 from planners.strategy import Stored, plan_auto
+from planners.universal import plan_universal
 
 __all__ = ["Destination", "Job", "check_destination", "plan_consolidate", "plan_reshard", "run"]
 
@@ -100,13 +101,24 @@ def plan_consolidate(
     settings = settings or Settings()
     refuse_overlap("destination", dst, {"source": src})
     ckpt = open_checkpoint(src, settings, iteration=iteration, true_vocab_size=true_vocab_size)
+    if fmt == Format.TORCH and hasattr(ckpt, "state_dict_items"):
+        # An HF model trained under another framework (DeepSpeed): weights and Adam state by
+        # HF name, as torch's set_state_dict takes them.
+        plan = plan_hf_state_dict(
+            ckpt.view,
+            source_url=src,
+            source_fingerprint=fingerprint(ckpt.storage, ckpt.view),
+            target_url=dst,
+            dtype=dtype,
+        )
+        return Job(with_identities(plan, ckpt.storage, ckpt.view), Sources(ckpt), settings)
     if fmt == Format.TORCH:
         if hasattr(ckpt, "as_generic"):  # DCP: every stored key, whatever model it holds
             generic = ckpt.as_generic()
         elif ckpt.view.spec is None:  # a checkpoint of named tensors
             generic = ckpt
         else:
-            raise UsageError("--format torch consolidates DCP / torch_dist checkpoints")
+            raise UsageError("--format torch consolidates DCP, torch_dist or DeepSpeed checkpoints")
         plan = plan_state_dict(
             generic.view,
             source_url=src,
@@ -115,8 +127,19 @@ def plan_consolidate(
         )
         plan = with_identities(plan, ckpt.storage, generic.view)
         return Job(plan, Sources(generic), settings)
+    if fmt == Format.DEEPSPEED_UNIVERSAL:
+        refuse_dp_reshardable(ckpt)
+        plan = plan_universal(
+            ckpt.view,
+            source_url=src,
+            source_fingerprint=fingerprint(ckpt.storage, ckpt.view),
+            target_url=dst,
+        )
+        return Job(with_identities(plan, ckpt.storage, ckpt.view), Sources(ckpt), settings)
     if fmt not in (Format.HF, Format.MEGATRON):
-        raise UsageError(f"consolidate --format {fmt.value}: choose hf, megatron or torch")
+        raise UsageError(
+            f"consolidate --format {fmt.value}: choose hf, megatron, torch or deepspeed-universal"
+        )
     if fmt != Format.HF:
         refuse_dp_reshardable(ckpt)
     plan = consolidation(

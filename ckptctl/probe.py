@@ -41,6 +41,7 @@ def open_checkpoint(
         allow_missing=allow_missing,
         hf_config=settings.hf_config,
         trusted_fields=settings.trusted_fields,
+        tag=settings.tag,
     )
     # A source: never written, whatever happens.
     storage = Storage(url, settings.storage, read_only=True)

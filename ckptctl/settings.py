@@ -52,6 +52,8 @@ class Settings:
     trusted_fields: frozenset[str] = frozenset()
     """Model-description fields the user vouches for (``--trust-field``): read past, although
     ckptctl does not know whether they change the model."""
+    tag: str | None = None
+    """The DeepSpeed tag directory to read instead of the one ``latest`` names (``--tag``)."""
     memory_budget: int = 1 << 30
     """Tensor data held in memory at once, in bytes."""
     checksum: str = "xxh3_64"

@@ -6,7 +6,15 @@ import json
 
 from ckptctl.errors import UsageError
 from ckptctl.formats.hf.families import hf_config
-from ckptctl.formats.hf.layout import CONFIG, INDEX, hf_files, hf_tensors, index_text
+from ckptctl.formats.hf.layout import (
+    CONFIG,
+    INDEX,
+    MODEL_KEY,
+    OPTIMIZER_KEY,
+    hf_files,
+    hf_tensors,
+    index_text,
+)
 from ckptctl.formats.megatron.layout import (
     TRACKER,
     MegatronStyle,
@@ -14,7 +22,7 @@ from ckptctl.formats.megatron.layout import (
     target_optimizer,
     tracker_text,
 )
-from ckptctl.model.catalog import OPTIMIZER_STATES
+from ckptctl.model.catalog import OPTIMIZER_STATES, state_name
 from ckptctl.model.geometry import Piece
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.plan import FileKind, Plan, TextWrite
@@ -48,6 +56,56 @@ def plan_state_dict(
         operation="consolidate",
         strategy="merge",
         reason="one torch.save file: every tensor whole at its key path, other items as stored",
+        **from_source(source, source_url, source_fingerprint),
+        target_url=target_url,
+        target_format=Format.TORCH,
+        target_layout=ParallelLayout(),
+        files=files,
+        finalize=(),
+        estimates=estimates,
+        notes=source.notes,
+    )
+
+
+def hf_state_dict_tensors(source: CheckpointView, dtype: str | None = None) -> StoredFile:
+    """The tensors of an HF model's torch state dict: every weight at ``model.<HF name>``
+    (``dtype`` converts weights only) and, for trained parameters, Adam's moments at
+    ``optimizer.state.<HF name>``, each cut from the canonical tensors like the safetensors."""
+    assert source.spec is not None
+    dtypes = source.canonical_dtypes()
+    frozen = set(source.frozen)
+    tensors = []
+    for hf, canonical, shape, pieces in hf_tensors(source.spec):
+        weight_dtype = dtype or dtypes[canonical]
+        tensors.append(StoredTensor((MODEL_KEY, hf), canonical, shape, weight_dtype, pieces))
+        if not source.has_optimizer or canonical in frozen:
+            continue
+        for state in ("exp_avg", "exp_avg_sq"):
+            name = state_name(state, canonical)
+            key = (OPTIMIZER_KEY, "state", hf, state)
+            tensors.append(StoredTensor(key, name, shape, dtypes[name], pieces))
+    return StoredFile(STATE_DICT_FILE, tuple(tensors))
+
+
+def plan_hf_state_dict(
+    source: CheckpointView,
+    *,
+    source_url: str,
+    source_fingerprint: str,
+    target_url: str,
+    dtype: str | None = None,
+) -> Plan:
+    """One ``torch.save`` file of an HF model's weights and Adam state (see
+    ``hf_state_dict_tensors``); the source adds Adam's step and the parameter groups."""
+    if source.spec is None:
+        raise UsageError("the source's model family is unknown; pass --hf-config CONFIG.json")
+    files, estimates = plan_files(
+        source, (hf_state_dict_tensors(source, dtype),), FileKind.TORCH_SAVE
+    )
+    return Plan(
+        operation="consolidate",
+        strategy="merge",
+        reason="one torch.save file: HF-named weights and per-parameter Adam state",
         **from_source(source, source_url, source_fingerprint),
         target_url=target_url,
         target_format=Format.TORCH,

@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO stage 1/2 checkpoints, written and judged by DeepSpeed 0.19.8 itself (issue 16).
+"""DeepSpeed ZeRO stage 1/2/3 checkpoints, written and judged by DeepSpeed 0.19.8 itself (issue 16).
 
 DeepSpeed trains a tiny transformers Llama (tied embeddings, a frozen weight, two parameter
 groups) two AdamW steps on 2 and 4 gloo processes and saves it; ckptctl reads it as the HF
@@ -32,6 +32,9 @@ RUNS = {
     "stage2-dp4": ("2", "4", "fp32"),
     # bf16 weights, fp32 masters: the same ZeRO keys in bf16_zero_pp_rank_* files
     "stage2-bf16-dp2": ("2", "2", "bf16"),
+    # every parameter partitioned on its own; DP 3 pads the last rank's share of each
+    "stage3-dp2": ("3", "2", "fp32"),
+    "stage3-bf16-dp3": ("3", "3", "bf16"),
 }
 
 
@@ -146,7 +149,9 @@ def _by_hf_name(path: Path, state: str) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("run", ["stage2-dp2", "stage1-dp2", "stage2-bf16-dp2"])
+@pytest.mark.parametrize(
+    "run", ["stage2-dp2", "stage1-dp2", "stage2-bf16-dp2", "stage3-dp2", "stage3-bf16-dp3"]
+)
 def test_adam_state_is_ds_to_universals(written: dict[str, Path], run: str, tmp_path: Path) -> None:
     """fp32 masters and both Adam moments of every trained parameter, bit for bit as DeepSpeed's
     own ds_to_universal extracts them from the same files."""

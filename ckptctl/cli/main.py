@@ -163,6 +163,13 @@ def _root(
             "(repeatable). Unknown fields are refused otherwise.",
         ),
     ] = None,
+    tag: Annotated[
+        str | None,
+        typer.Option(
+            "--tag",
+            help="DeepSpeed checkpoint tag directory to read instead of the one 'latest' names.",
+        ),
+    ] = None,
     version: Annotated[
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
     ] = False,
@@ -175,6 +182,7 @@ def _root(
             allow_incomplete=allow_incomplete,
             hf_config=read_hf_config(hf_config, storage) if hf_config else None,
             trusted_fields=frozenset(name.removeprefix("args.") for name in trust_field or ()),
+            tag=tag,
         )
         ctx.obj = CliState(settings, debug)
 

@@ -57,6 +57,8 @@ class ProbeRequest:
     """The URL named this one file under the storage root, not a directory."""
     trusted_fields: frozenset[str] = frozenset()
     """Fields of ``args`` / ``config.json`` the user vouches for (``--trust-field``)."""
+    tag: str | None = None
+    """A DeepSpeed tag directory other than the one ``latest`` names (``--tag``)."""
 
 
 @dataclass(frozen=True)

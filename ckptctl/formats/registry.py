@@ -13,7 +13,8 @@ from functools import cache
 from ckptctl.formats.base import CheckpointFormat, Writer
 
 BUILTIN = ("torch_dist", "dcp", "deepspeed", "megatron", "hf", "torch_file")
-"""Folders under ``ckptctl/formats`` whose ``format.py`` exports ``FORMAT``, in probing order
+"""Folders under ``ckptctl/formats`` whose ``format.py`` exports ``FORMAT`` (or ``FORMATS``), in
+probing order
 (``torch_dist`` before plain DCP and Megatron: it lives in a Megatron iteration directory as
 DCP files; DeepSpeed before Megatron: its ``mp_rank_00_model_states.pt`` is no rank directory)."""
 
@@ -22,7 +23,12 @@ _added: list[CheckpointFormat] = []
 
 @cache
 def _builtin() -> tuple[CheckpointFormat, ...]:
-    return tuple(importlib.import_module(f"ckptctl.formats.{n}.format").FORMAT for n in BUILTIN)
+    out: list[CheckpointFormat] = []
+    for name in BUILTIN:
+        module = importlib.import_module(f"ckptctl.formats.{name}.format")
+        # A folder may hold related formats (DeepSpeed ZeRO and its universal checkpoints).
+        out += getattr(module, "FORMATS", (module.FORMAT,))
+    return tuple(out)
 
 
 def formats() -> tuple[CheckpointFormat, ...]:

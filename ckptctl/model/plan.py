@@ -35,6 +35,9 @@ class FileKind(StrEnum):
     """A ``.distcp`` file: one ``torch.save`` record per tensor chunk (key: fqn, offsets)."""
     TORCH_SAVE = "torch-save"
     """One ``torch.save`` file of the whole state dict (tensor keys are key paths)."""
+    DEEPSPEED_UNIVERSAL = "deepspeed-universal"
+    """One file of a DeepSpeed universal checkpoint: a parameter's state, Adam's step, the
+    optimizer's global state or the model states."""
 
 
 # Copy operations and tensor writes number in the hundred thousands for large models, so they are

@@ -27,6 +27,8 @@ class Format(StrEnum):
     """One ``torch.save`` file of the whole state dict (as ``dcp_to_torch_save`` writes)."""
     DEEPSPEED = "deepspeed"
     """DeepSpeed ZeRO: ``latest``, ``<tag>/*_model_states.pt`` and ``*_optim_states.pt``."""
+    DEEPSPEED_UNIVERSAL = "deepspeed-universal"
+    """DeepSpeed's universal checkpoint: ``latest_universal``, ``<tag>/zero/<param>/<state>.pt``."""
 
 
 @dataclass(frozen=True, slots=True)

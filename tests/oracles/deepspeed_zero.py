@@ -9,6 +9,13 @@
 ``fp32 CKPT OUT_PT``
     DeepSpeed's own ``get_fp32_state_dict_from_zero_checkpoint`` (what ``zero_to_fp32.py``
     runs) on CKPT, saved with ``torch.save``.
+
+``load-universal CKPT OUT_PT --stage S --dtype D --dp N``
+    N processes build the same model and optimizer under ZeRO stage S with
+    ``load_universal_checkpoint: true``, load CKPT (a universal checkpoint, through its
+    ``latest_universal``) and save what the engine then holds: each trained parameter's fp32
+    master and Adam moments (DeepSpeed's ``safe_get_full_*`` accessors), Adam's step per group
+    and the groups' settings.
 """
 
 from __future__ import annotations
@@ -39,7 +46,10 @@ def llama_config() -> object:
     )
 
 
-def worker(rank: int, world: int, port: int, out: Path, stage: int, dtype: str) -> None:
+def build(
+    rank: int, world: int, port: int, stage: int, dtype: str, lr: float = 1e-3, **extra: object
+) -> object:
+    """The DeepSpeed engine of one rank: the tiny Llama, one frozen weight, two AdamW groups."""
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -60,7 +70,7 @@ def worker(rank: int, world: int, port: int, out: Path, stage: int, dtype: str) 
         {"params": [p for _, p in trained if p.dim() > 1], "weight_decay": 0.1},
         {"params": [p for _, p in trained if p.dim() <= 1], "weight_decay": 0.0},
     ]
-    optimizer = torch.optim.AdamW(groups, lr=1e-3)
+    optimizer = torch.optim.AdamW(groups, lr=lr)
     ds_config = {
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
         "gradient_accumulation_steps": 1,
@@ -69,7 +79,13 @@ def worker(rank: int, world: int, port: int, out: Path, stage: int, dtype: str) 
     }
     if dtype == "bf16":
         ds_config["bf16"] = {"enabled": True}
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    ds_config.update(extra)
+    built, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    return built
+
+
+def worker(rank: int, world: int, port: int, out: Path, stage: int, dtype: str) -> None:
+    engine = build(rank, world, port, stage, dtype)
     generator = torch.Generator().manual_seed(rank)
     for _ in range(STEPS):
         ids = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ), generator=generator)
@@ -77,7 +93,31 @@ def worker(rank: int, world: int, port: int, out: Path, stage: int, dtype: str) 
         engine.step()
     engine.save_checkpoint(str(out))
     if rank == 0:
-        config.save_pretrained(out)
+        engine.module.config.save_pretrained(out)
+
+
+def load_universal(
+    rank: int, world: int, port: int, ckpt: Path, out: Path, stage: int, dtype: str
+) -> None:
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    # Another learning rate than the saved one: loading must restore the groups' settings.
+    engine = build(rank, world, port, stage, dtype, 5e-4, checkpoint={"load_universal": True})
+    engine.load_checkpoint(str(ckpt))
+    held = {}
+    for name, param in engine.module.named_parameters():
+        if not param.requires_grad:
+            continue
+        # Collective under ZeRO 3: every rank asks for every parameter.
+        held[name] = {
+            "fp32": safe_get_full_fp32_param(param),
+            **{s: safe_get_full_optimizer_state(param, s) for s in ("exp_avg", "exp_avg_sq")},
+        }
+    optimizer = engine.optimizer.optimizer  # the torch AdamW under ZeRO's wrapper
+    steps = [float(s["step"]) for s in optimizer.state.values() if "step" in s]
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    if rank == 0:
+        torch.save({"params": held, "steps": steps, "groups": groups}, out)
 
 
 def free_port() -> int:
@@ -98,12 +138,31 @@ def main(argv: list[str] | None = None) -> int:
     fp32 = sub.add_parser("fp32")
     fp32.add_argument("ckpt", type=Path)
     fp32.add_argument("out", type=Path)
+    load = sub.add_parser("load-universal")
+    load.add_argument("ckpt", type=Path)
+    load.add_argument("out", type=Path)
+    load.add_argument("--stage", type=int, default=2)
+    load.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    load.add_argument("--dp", type=int, default=2)
     args = parser.parse_args(argv)
     if args.mode == "write":
         args.out.mkdir(parents=True, exist_ok=True)
         mp.spawn(
             worker,
             args=(args.dp, free_port(), args.out.resolve(), args.stage, args.dtype),
+            nprocs=args.dp,
+        )
+    elif args.mode == "load-universal":
+        mp.spawn(
+            load_universal,
+            args=(
+                args.dp,
+                free_port(),
+                args.ckpt.resolve(),
+                args.out.resolve(),
+                args.stage,
+                args.dtype,
+            ),
             nprocs=args.dp,
         )
     else:

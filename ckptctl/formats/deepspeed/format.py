@@ -1,12 +1,13 @@
-"""DeepSpeed ZeRO checkpoints' registry entry (read only, for now)."""
+"""DeepSpeed ZeRO checkpoints' registry entry: read ZeRO 1/2/3, write universal checkpoints."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from ckptctl.formats.base import CheckpointFormat, ProbeRequest
-from ckptctl.formats.deepspeed.layout import recognised
+from ckptctl.formats.base import CheckpointFormat, ProbeRequest, lazy
+from ckptctl.formats.deepspeed.layout import recognised, recognised_universal
 from ckptctl.formats.support import FormatSupport
+from ckptctl.model.plan import FileKind
 from ckptctl.storage import Storage
 
 
@@ -23,12 +24,43 @@ FORMAT = CheckpointFormat(
     _probe,
     support=FormatSupport(
         "deepspeed",
-        "DeepSpeed ZeRO stage 1/2 checkpoint (HF model)",
-        "latest + <tag>/mp_rank_00_model_states.pt, zero_pp_rank_*_optim_states.pt",
+        "DeepSpeed ZeRO stage 1/2/3 checkpoint (HF model)",
+        "latest + <tag>/[zero_pp_rank_*_]mp_rank_00_model_states.pt, *_optim_states.pt",
         True,
         "",
-        "ZeRO 1/2, any DP size, several parameter groups, frozen and tied parameters, fp32 "
-        "masters and Adam moments; the model from config.json or --hf-config",
+        "ZeRO 1/2/3, fp32 and bf16, any DP size, several parameter groups, frozen and tied "
+        "parameters, fp32 masters and Adam moments; --tag; the model from config.json or "
+        "--hf-config",
         "CRC-32 of every zip entry",
     ),
 )
+
+
+def _probe_universal(storage: Storage, names: frozenset[str], request: ProbeRequest) -> Any:
+    if request.file is not None or not recognised_universal(names):
+        return None
+    from ckptctl.formats.deepspeed.universal import probe_universal
+
+    return probe_universal(storage, names, request)
+
+
+UNIVERSAL = CheckpointFormat(
+    "deepspeed-universal",
+    _probe_universal,
+    support=FormatSupport(
+        "deepspeed-universal",
+        "DeepSpeed universal checkpoint (HF model)",
+        "latest_universal + <tag>/zero/<parameter>/fp32.pt",
+        True,
+        "consolidate --format deepspeed-universal (from every format with an HF model)",
+        "fp32 weights, Adam moments and step per parameter, parameter groups; DeepSpeed "
+        "loads it at any DP size with load_universal_checkpoint",
+        "CRC-32 of every zip entry",
+    ),
+    writers={
+        FileKind.DEEPSPEED_UNIVERSAL: lazy(
+            "ckptctl.formats.deepspeed.writer", "write_universal_file"
+        )
+    },
+)
+FORMATS = (UNIVERSAL, FORMAT)  # a universal tag directory holds model states too

@@ -1,14 +1,18 @@
-"""Reading DeepSpeed ZeRO stage 1/2 checkpoints: ``latest`` names the tag directory, which holds
-``mp_rank_00_model_states.pt`` (16-bit module, ``param_shapes``, frozen parameters, tied aliases)
-and one ``zero_pp_rank_<dp>_mp_rank_00_optim_states.pt`` per DP rank (fp32 masters and Adam
-moments of its flat partitions). The fp32 masters are the weights; frozen parameters come from
-the model states. The model is the HF one ``config.json`` (beside the checkpoint, or
+"""Reading DeepSpeed ZeRO checkpoints: ``latest`` (or ``--tag``) names the tag directory. Stages
+1 and 2 keep ``mp_rank_00_model_states.pt`` (16-bit module, ``param_shapes``, frozen parameters,
+tied aliases) and one ``[bf16_]zero_pp_rank_<dp>_mp_rank_00_optim_states.pt`` per DP rank (fp32
+masters and Adam moments of its flat partitions); stage 3 a model-states file per rank too, with
+its share of the frozen parameters. The fp32 masters are the weights; frozen parameters come
+from the model states. The model is the HF one ``config.json`` (beside the checkpoint, or
 ``--hf-config``) describes."""
 
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from math import prod
 from typing import Any
 
 import torch
@@ -17,16 +21,23 @@ from ckptctl.errors import CheckpointError, CheckpointNotFoundError, LayoutError
 from ckptctl.formats.base import ProbeRequest
 from ckptctl.formats.deepspeed.layout import (
     LATEST,
-    MASTERS,
     MODEL_STATES,
-    MOMENTS,
     OPTIM_STATES,
+    OPTIMIZER_STATE,
+    STAGE3_KEYS,
     STAGE3_MODEL_STATES,
+    STAGE12_KEYS,
+    FlatKeys,
+    Fragment,
     fragment_tensors,
+    fragment_views,
     fragments,
+    holds_model_states,
+    partition_numel,
+    stage3_fragments,
 )
 from ckptctl.formats.hf.families import spec_from_config
-from ckptctl.formats.hf.layout import CONFIG, hf_tensors
+from ckptctl.formats.hf.layout import CONFIG, MODEL_KEY, OPTIMIZER_KEY, hf_tensors
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
 from ckptctl.formats.torchsave.refs import open_torch_file, read_box, resolve
 from ckptctl.model.dtypes import dtype_name
@@ -48,6 +59,26 @@ class DeepSpeedCheckpoint:
     storage: Storage
     view: CheckpointView
     readers: dict[str, TorchZipReader]
+    items: list[tuple[KeyPath, Any, TorchZipReader]]
+    """Adam's step per parameter and the parameter groups, for an HF torch state dict."""
+    aliases: dict[KeyPath, KeyPath]
+    """Tied parameters (``shared_params``), by their key path in that state dict."""
+    groups: list[dict[str, Any]]
+    """The optimizer's parameter groups: settings, and ``params`` as HF names."""
+    kept: dict[str, Any]
+    """Model-state entries a universal checkpoint carries on (shapes, counters, scheduler)."""
+
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.groups
+
+    def universal_model_state(self) -> dict[str, Any]:
+        return self.kept
+
+    def state_dict_items(self) -> list[tuple[KeyPath, Any, TorchZipReader]]:
+        return self.items
+
+    def state_dict_aliases(self) -> dict[KeyPath, KeyPath]:
+        return self.aliases
 
     def read(
         self, path: str, key: KeyPath, offsets: Shape, sizes: Shape, view: FlatView = None
@@ -55,21 +86,31 @@ class DeepSpeedCheckpoint:
         return read_box(self.readers[path], key, offsets, sizes, view)
 
 
-def _tag_dir(storage: Storage, names: frozenset[str]) -> str:
-    """The tag directory, relative to the root: the one ``latest`` names, or the root itself."""
-    if any(MODEL_STATES.match(n) for n in names):
+def tag_dir(
+    storage: Storage,
+    names: frozenset[str],
+    asked: str | None,
+    latest: str = LATEST,
+    is_tag: Callable[[frozenset[str]], bool] = holds_model_states,
+) -> str:
+    """The tag directory, relative to the root: ``--tag``, the one ``latest`` names, or the
+    root itself when it is a tag directory."""
+    if asked is None and is_tag(names):
         return ""
-    tag = storage.read_text(LATEST).strip()
+    where = "--tag" if asked is not None else storage.describe(latest)
+    tag = asked if asked is not None else storage.read_text(latest).strip()
     if not tag or "/" in tag or tag in (".", ".."):
-        raise CheckpointError(f"{storage.describe(LATEST)}: {tag!r} is not a tag directory name")
+        raise CheckpointError(f"{where}: {tag!r} is not a tag directory name")
     if not storage.isdir(tag):
+        tags = sorted(n for n in names if storage.isdir(n))
         raise CheckpointNotFoundError(
-            f"{storage.describe(tag)}: the tag {LATEST} names does not exist"
+            f"{storage.describe(tag)}: no such tag (named by {where}); tags here: "
+            + (", ".join(tags[:8]) or "none")
         )
     return tag
 
 
-def _config(storage: Storage, request: ProbeRequest, tag: str) -> dict[str, Any]:
+def model_config(storage: Storage, request: ProbeRequest, tag: str) -> dict[str, Any]:
     if request.hf_config is not None:
         return dict(request.hf_config)
     if not storage.exists(CONFIG):
@@ -90,88 +131,89 @@ def _address(value: Any) -> tuple[int, int]:
     return int(state["start"]), int(state["numel"])
 
 
+def _ranked(listing: set[str], pattern: re.Pattern[str], group: int) -> list[tuple[int, str]]:
+    return sorted((int(m.group(group)), n) for n in listing if (m := pattern.match(n)))
+
+
 def probe_deepspeed(storage: Storage, names: frozenset[str], request: ProbeRequest) -> Any:
-    tag = _tag_dir(storage, names)
+    tag = tag_dir(storage, names, request.tag)
 
     def join(name: str) -> str:
         return f"{tag}/{name}" if tag else name
 
     listing = set(storage.listdir(tag)) if tag else set(names)
     where = storage.describe(tag)
-    if any(STAGE3_MODEL_STATES.match(n) for n in listing):
-        raise CheckpointError(f"{where}: a ZeRO stage 3 checkpoint: not supported yet")
-    model_files = sorted(n for n in listing if MODEL_STATES.match(n))
-    optim = sorted(
-        (n for n in listing if OPTIM_STATES.match(n)),
-        key=lambda n: int(OPTIM_STATES.match(n).group(2)),  # type: ignore[union-attr]
-    )
-    if len(model_files) != 1:
+    stage3 = _ranked(listing, STAGE3_MODEL_STATES, 1)
+    models = _ranked(listing, MODEL_STATES, 1)
+    optim = _ranked(listing, OPTIM_STATES, 2)
+    if stage3 and models:
         raise CheckpointError(
-            f"{where}: {len(model_files)} model-parallel ranks; only mp_rank_00 (no TP/PP) is "
-            "supported"
+            f"{where}: both ZeRO 1/2 (mp_rank_*_model_states.pt) and ZeRO 3 "
+            "(zero_pp_rank_*_model_states.pt) files: mixed stages; keep one save per tag"
         )
-    readers = {join(model_files[0]): open_torch_file(storage, join(model_files[0]))}
-    states = readers[join(model_files[0])].tree
+    mp = {int(OPTIM_STATES.match(n).group(3)) for _, n in optim}  # type: ignore[union-attr]
+    mp |= {int(STAGE3_MODEL_STATES.match(n).group(2)) for _, n in stage3}  # type: ignore[union-attr]
+    if len(models) > 1 or mp - {0}:
+        raise CheckpointError(
+            f"{where}: several model-parallel ranks; only mp_rank_00 (no TP/PP) is supported"
+        )
+    first = join((stage3 or models)[0][1])
+    readers = {first: open_torch_file(storage, first)}
+    states = readers[first].tree
     dp = int(states.get("dp_world_size", 0))
-    ranks = [int(OPTIM_STATES.match(n).group(2)) for n in optim]  # type: ignore[union-attr]
-    if ranks != list(range(dp)):
-        raise CheckpointNotFoundError(
-            f"{where}: optimizer files for DP ranks {ranks}, but dp_world_size={dp}; a rank "
-            "file is missing or foreign"
-        )
-    config = _config(storage, request, tag)
+    for kind, ranked in (("optimizer", optim), ("model-state", stage3 if stage3 else None)):
+        ranks = [r for r, _ in ranked] if ranked is not None else list(range(dp))
+        if ranks != list(range(dp)):
+            raise CheckpointNotFoundError(
+                f"{where}: {kind} files for DP ranks {ranks}, but dp_world_size={dp}; a rank "
+                "file is missing or foreign"
+            )
+    config = model_config(storage, request, tag)
     try:
         spec = spec_from_config(config, 128, request.trusted_fields)
     except LayoutError as err:
         raise LayoutError(f"{storage.describe(CONFIG)}: {err}") from None
     entries = {hf: (canonical, shape, pieces) for hf, canonical, shape, pieces in hf_tensors(spec)}
     param_shapes = [{k: tuple(v) for k, v in g.items()} for g in states["param_shapes"]]
-    frozen_at = _frozen(states, param_shapes)
-    _check_names(entries, param_shapes, frozen_at, states, storage.describe(join(model_files[0])))
+    frozen_shapes = _frozen_shapes(states, param_shapes)
+    _check_names(entries, param_shapes, frozen_shapes, states, storage.describe(first))
 
     files: list[StoredFile] = []
     steps: set[float] = set()
-    for name in optim:
+    for rank, name in optim:
         rel = join(name)
         reader = readers[rel] = open_torch_file(storage, rel)
-        osd = reader.tree["optimizer_state_dict"]
-        if "param_slice_mappings" not in osd or "single_partition_of_fp32_groups" not in osd:
-            # bf16 ZeRO 1/2 runs keep the ZeRO keys under a bf16_ file name; DeepSpeed's
-            # BF16_Optimizer (e.g. Megatron-DeepSpeed) keeps others.
-            raise CheckpointError(
-                f"{storage.describe(rel)}: no ZeRO partitions (single_partition_of_fp32_groups, "
-                "param_slice_mappings): DeepSpeed's BF16_Optimizer state is not supported yet"
-            )
-        masters = osd["single_partition_of_fp32_groups"]
-        paddings = osd.get("group_paddings", [0] * len(masters))
-        sizes = [m.shape[0] + pad for m, pad in zip(masters, paddings, strict=True)]
-        mappings = [{k: _address(v) for k, v in g.items()} for g in osd["param_slice_mappings"]]
-        rank = int(OPTIM_STATES.match(name).group(2))  # type: ignore[union-attr]
+        tensors: list[StoredTensor] = []
         try:
-            frags = fragments(param_shapes, mappings, rank, sizes)
+            frags, flat = _optimizer_fragments(reader.tree, param_shapes, rank, dp, bool(stage3))
+            for frag in frags:
+                canonical, shape, pieces = entries[frag.name]
+                tensors += fragment_tensors(frag, shape, canonical, pieces, flat)
+            for g in range(len(resolve(reader.tree, flat.masters))):
+                _check_flat(reader.tree, g, flat)
+                step = resolve(reader.tree, (*flat.moments, g)).get("step")
+                steps.add(float(reader.read(step).item()) if isinstance(step, TensorRef) else step)
         except ValueError as err:
             raise CheckpointError(f"{storage.describe(rel)}: {err}") from None
-        tensors: list[StoredTensor] = []
-        for frag in frags:
-            canonical, shape, pieces = entries[frag.name]
-            tensors += fragment_tensors(frag, shape, canonical, pieces)
-        for g in range(len(masters)):
-            step = resolve(reader.tree, (*MOMENTS, g)).get("step")
-            if isinstance(step, TensorRef):
-                steps.add(float(reader.read(step).item()))
-            elif step is not None:
-                steps.add(float(step))
-            _check_flat(reader.tree, g, storage.describe(rel))
         files.append(StoredFile(rel, tuple(tensors)))
-    frozen = []
-    for hf, key in frozen_at.items():
-        canonical, shape, pieces = entries[hf]
-        dtype = dtype_name(resolve(states, key).dtype)
-        frozen.append(StoredTensor(key, canonical, shape, dtype, pieces))
-    if frozen:
-        files.insert(0, StoredFile(join(model_files[0]), tuple(frozen)))
+    steps.discard(None)  # type: ignore[arg-type]
+    if stage3:
+        for rank, name in stage3:
+            rel = join(name)
+            reader = readers.setdefault(rel, open_torch_file(storage, rel))
+            frozen = _stage3_frozen(reader.tree, frozen_shapes, entries, rank, dp, rel, storage)
+            files.insert(rank, StoredFile(rel, tuple(frozen)))
+    else:
+        frozen = []
+        for hf, key in _frozen_keys(states, frozen_shapes).items():
+            canonical, shape, pieces = entries[hf]
+            dtype = dtype_name(resolve(states, key).dtype)
+            frozen.append(StoredTensor(key, canonical, shape, dtype, pieces))
+        files.insert(0, StoredFile(first, tuple(frozen)))
+    files = [f for f in files if f.tensors]
     if len(steps) > 1:
         raise CheckpointError(f"{where}: parameter groups at different Adam steps {sorted(steps)}")
+    stage = 3 if stage3 else _stage(readers[join(optim[0][1])].tree)
     view = CheckpointView(
         Format.DEEPSPEED,
         spec,
@@ -179,11 +221,121 @@ def probe_deepspeed(storage: Storage, names: frozenset[str], request: ProbeReque
         tuple(files),
         int(states.get("global_steps", 0)),
         True,
-        (f"DeepSpeed ZeRO stage {_stage(readers[join(optim[0])].tree)}, fp32 masters",),
+        (f"DeepSpeed ZeRO stage {stage}, fp32 masters",),
         optimizer_step=steps.pop() if steps else None,
-        frozen=tuple(sorted({t.canonical for t in frozen})),
+        frozen=tuple(sorted(entries[n][0] for n in frozen_shapes)),
     )
-    return DeepSpeedCheckpoint(storage, view, readers)
+    items: list[tuple[KeyPath, Any, TorchZipReader]] = []
+    groups: list[dict[str, Any]] = []
+    if optim:
+        first_optim = readers[join(optim[0][1])]
+        items, groups = _optimizer_items(first_optim, param_shapes, entries, bool(stage3))
+    shared = states.get("shared_params") or {}
+    aliases = {
+        (MODEL_KEY, alias): (MODEL_KEY, target)
+        for alias, target in shared.items()
+        if target in entries and alias not in entries
+    }
+    kept = {
+        "param_shapes": param_shapes,
+        "frozen_param_shapes": frozen_shapes,
+        "shared_params": dict(shared),
+        "skipped_steps": states.get("skipped_steps", 0),
+        "global_samples": states.get("global_samples", 0),
+    }
+    if _plain(states.get("lr_scheduler")):  # a scheduler's state dict: numbers and lists
+        kept["lr_scheduler"] = states.get("lr_scheduler")
+    return DeepSpeedCheckpoint(storage, view, readers, items, aliases, groups, kept)
+
+
+def _plain(value: Any) -> bool:
+    """Built of Python's own containers and scalars only (safe to pickle again as it is)."""
+    if isinstance(value, dict):
+        return all(_plain(k) and _plain(v) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return all(_plain(v) for v in value)
+    return value is None or isinstance(value, bool | int | float | str)
+
+
+def _optimizer_items(
+    reader: TorchZipReader,
+    param_shapes: list[dict[str, Shape]],
+    entries: dict[str, Any],
+    stage3: bool,
+) -> tuple[list[tuple[KeyPath, Any, TorchZipReader]], list[dict[str, Any]]]:
+    """torch's per-parameter view of DeepSpeed's flat Adam: each parameter takes its flat
+    group's ``step``; each group lists its parameters by HF name instead of flat indices."""
+    flat = STAGE3_KEYS if stage3 else STAGE12_KEYS
+    state = resolve(reader.tree, flat.moments)
+    items: list[tuple[KeyPath, Any, TorchZipReader]] = []
+    groups = []
+    for group in resolve(reader.tree, (*flat.moments[:-1], "param_groups")):
+        names = [n for i in group.get("params", ()) for n in param_shapes[int(i)] if n in entries]
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": names})
+        for i in group.get("params", ()):
+            step = state[int(i)].get("step")
+            items += [
+                ((OPTIMIZER_KEY, "state", n, "step"), step, reader) for n in param_shapes[int(i)]
+            ]
+    items.append(((OPTIMIZER_KEY, "param_groups"), groups, reader))
+    return items, groups
+
+
+def _optimizer_fragments(
+    tree: Any, param_shapes: list[dict[str, Shape]], rank: int, dp: int, stage3: bool
+) -> tuple[list[Fragment], FlatKeys]:
+    """Where this rank's share of each trained parameter lies, and the flat tensors' keys."""
+    osd = tree[OPTIMIZER_STATE]
+    if stage3 != (_stage(tree) == 3):
+        raise ValueError(
+            f"saved by ZeRO stage {_stage(tree)}, beside "
+            f"{'ZeRO 3' if stage3 else 'ZeRO 1/2'} model states: mixed stages"
+        )
+    if stage3:
+        if "fp32_flat_groups" not in osd:
+            raise ValueError("a ZeRO 3 optimizer file without fp32_flat_groups")
+        sizes = [ref.shape[0] for ref in osd["fp32_flat_groups"]]
+        return stage3_fragments(param_shapes, sizes, rank, dp), STAGE3_KEYS
+    if "param_slice_mappings" not in osd or "single_partition_of_fp32_groups" not in osd:
+        # bf16 ZeRO 1/2 runs keep the ZeRO keys under a bf16_ file name; DeepSpeed's
+        # BF16_Optimizer (e.g. Megatron-DeepSpeed) keeps others.
+        raise ValueError(
+            "no ZeRO partitions (single_partition_of_fp32_groups, param_slice_mappings): "
+            "DeepSpeed's BF16_Optimizer state is not supported yet"
+        )
+    masters = osd["single_partition_of_fp32_groups"]
+    paddings = osd.get("group_paddings", [0] * len(masters))
+    sizes = [m.shape[0] + pad for m, pad in zip(masters, paddings, strict=True)]
+    mappings = [{k: _address(v) for k, v in g.items()} for g in osd["param_slice_mappings"]]
+    return fragments(param_shapes, mappings, rank, sizes), STAGE12_KEYS
+
+
+def _stage3_frozen(
+    tree: Any,
+    frozen_shapes: dict[str, Shape],
+    entries: dict[str, Any],
+    rank: int,
+    dp: int,
+    rel: str,
+    storage: Storage,
+) -> list[StoredTensor]:
+    """A ZeRO 3 rank's share of each frozen parameter, in its ``frozen_param_fragments``."""
+    out = []
+    held_by = tree.get("frozen_param_fragments") or {}
+    for name, shape in frozen_shapes.items():
+        numel = prod(shape)
+        part = partition_numel(numel, dp)
+        held = max(0, min(part, numel - rank * part))
+        ref = held_by.get(name)
+        if not isinstance(ref, TensorRef) or prod(ref.shape) < held:
+            raise CheckpointError(
+                f"{storage.describe(rel)}: no frozen_param_fragments[{name!r}] of {held} elements"
+            )
+        canonical, _, pieces = entries[name]
+        frag = Fragment(name, 0, 0, rank * part, held)
+        key = ("frozen_param_fragments", name)
+        out += fragment_views(frag, shape, pieces, [(key, canonical)], dtype_name(ref.dtype))
+    return out
 
 
 def _stage(tree: Any) -> int:
@@ -192,44 +344,52 @@ def _stage(tree: Any) -> int:
     return int(args[0]) if args else int(stage)
 
 
-def _check_flat(tree: Any, group: int, where: str) -> None:
-    master = resolve(tree, (*MASTERS, group))
-    moments = resolve(tree, (*MOMENTS, group))
+def _check_flat(tree: Any, group: int, flat: FlatKeys) -> None:
+    master = resolve(tree, (*flat.masters, group))
+    moments = resolve(tree, (*flat.moments, group))
     for state in ("exp_avg", "exp_avg_sq"):
         ref = moments.get(state)
         if not isinstance(ref, TensorRef) or len(ref.shape) != 1 or ref.shape[0] < master.shape[0]:
-            raise CheckpointError(
-                f"{where}: group {group} has no flat {state} covering its fp32 partition "
+            raise ValueError(
+                f"group {group} has no flat {state} covering its fp32 partition "
                 "(elastic or foreign optimizer state); cannot map it"
             )
 
 
-def _frozen(states: Any, param_shapes: list[dict[str, Shape]]) -> dict[str, KeyPath]:
-    """Where each frozen parameter is kept: ``frozen_param_fragments`` (ZeRO 2), or only the
-    16-bit ``module`` (ZeRO 1 records no frozen parameters; ``zero_to_fp32`` drops them)."""
-    fragments = states.get("frozen_param_fragments")
-    if fragments:
-        return {name: ("frozen_param_fragments", name) for name in fragments}
+def _frozen_shapes(states: Any, param_shapes: list[dict[str, Shape]]) -> dict[str, Shape]:
+    """Frozen parameters and their shapes: ``frozen_param_shapes`` (ZeRO 2 and 3), or, as
+    ZeRO 1 records none (``zero_to_fp32`` drops them), the 16-bit ``module``'s tensors that are
+    neither trained, tied aliases nor buffers."""
+    recorded = states.get("frozen_param_shapes")
+    if recorded:
+        return {name: tuple(shape) for name, shape in recorded.items()}
     trained = {name for group in param_shapes for name in group}
     skip = set((states.get("shared_params") or {}).keys()) | set(states.get("buffer_names") or ())
     module = states.get("module") or {}
     return {
-        name: ("module", name)
+        name: tuple(ref.shape)
         for name, ref in module.items()
         if isinstance(ref, TensorRef) and name not in trained and name not in skip
     }
 
 
+def _frozen_keys(states: Any, frozen: dict[str, Shape]) -> dict[str, KeyPath]:
+    """Where ZeRO 1/2 keep each frozen parameter whole: ``frozen_param_fragments`` (ZeRO 2) or
+    the ``module``."""
+    kept = states.get("frozen_param_fragments") or {}
+    return {n: ("frozen_param_fragments", n) if n in kept else ("module", n) for n in frozen}
+
+
 def _check_names(
     entries: dict[str, Any],
     param_shapes: list[dict[str, Shape]],
-    frozen: dict[str, KeyPath],
+    frozen: dict[str, Shape],
     states: Any,
     where: str,
 ) -> None:
     """Every parameter the HF model has is trained, frozen or a tied alias, with its shape."""
     held = {name: shape for group in param_shapes for name, shape in group.items()}
-    held.update({name: tuple(resolve(states, key).shape) for name, key in frozen.items()})
+    held.update(frozen)
     aliases = set((states.get("shared_params") or {}).keys())
     unknown = sorted(set(held) - set(entries))
     missing = sorted(set(entries) - set(held) - aliases)

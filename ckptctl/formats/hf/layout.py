@@ -25,6 +25,12 @@ Entry = tuple[str, str, Shape, tuple[Piece, ...]]
 _GATED_MLP = ("gate_proj", "up_proj", "down_proj")
 
 
+MODEL_KEY, OPTIMIZER_KEY = "model", "optimizer"
+"""Where an HF model's torch state dict keeps its weights and its optimizer state, as torch's
+``get_state_dict`` / ``set_state_dict`` (``torch.distributed.checkpoint.state_dict``) name
+them: parameters by fully qualified name, Adam state under ``state[name]``."""
+
+
 def _full(shape: Shape) -> tuple[Piece, ...]:
     zero = (0,) * len(shape)
     return (Piece(zero, zero, shape),)

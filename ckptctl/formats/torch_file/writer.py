@@ -24,17 +24,23 @@ def write_state_dict_file(job: WriteJob, file: FileWrite, out: BinaryIO) -> None
     tree: Any = {}
     slots = []
     by_key = {}
+    at_path = {}
     for n, tensor in enumerate(file.tensors):
         slot = TensorSlot(str(n), getattr(torch, tensor.dtype), tensor.shape)
-        _set_path(tree, key_path(str(tensor.key[0])), slot)
+        # A one-element key is a stored name (placed by the source); a longer one, the path.
+        path = key_path(str(tensor.key[0])) if len(tensor.key) == 1 else tensor.key
+        _set_path(tree, path, slot)
+        at_path[tuple(path)] = slot
         slots.append(slot)
         by_key[slot.key] = tensor
     inner: dict[str, tuple[Any, TensorRef]] = {}
-    for fqn in owner.byte_items() if hasattr(owner, "byte_items") else ():
-        value, reader = owner.byte_item(fqn)
-        # Tensors inside pickled items (RNG states) are copied from the item's record.
+    for path, value, reader in _items(owner):
+        # Tensors inside pickled items (RNG states, Adam's step) are copied from their file.
         value = _slots_for_refs(value, lambda ref, r=reader: _inner_slot(ref, r, inner, slots))
-        _set_path(tree, key_path(fqn), value)
+        _set_path(tree, path, value)
+    for alias, target in getattr(owner, "state_dict_aliases", dict)().items():
+        # Tied weights: one storage under two names, as torch.save keeps them.
+        _set_path(tree, alias, at_path[target])
 
     def produce(slot: TensorSlot) -> Iterator[memoryview]:
         if slot.key in inner:
@@ -44,6 +50,18 @@ def write_state_dict_file(job: WriteJob, file: FileWrite, out: BinaryIO) -> None
             yield from assemble.chunks(by_key[slot.key], file.path)
 
     write_torch_zip(out, tree, slots, produce)
+
+
+def _items(owner: Any) -> list[tuple[tuple[Any, ...], Any, Any]]:
+    """Non-tensor items of the state dict: (key path, value, reader of tensors inside it)."""
+    if hasattr(owner, "state_dict_items"):
+        return owner.state_dict_items()
+    key_path = getattr(owner, "key_path", lambda name: (name,))
+    out = []
+    for fqn in owner.byte_items() if hasattr(owner, "byte_items") else ():
+        value, reader = owner.byte_item(fqn)
+        out.append((key_path(fqn), value, reader))
+    return out
 
 
 def _inner_slot(

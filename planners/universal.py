@@ -1,0 +1,91 @@
+"""Plan a DeepSpeed universal checkpoint: every parameter's fp32 weight and Adam state whole,
+one file each, which a DeepSpeed engine of any DP size loads with ``load_universal_checkpoint``
+(layout: ``ckptctl.formats.deepspeed.layout``)."""
+
+from __future__ import annotations
+
+import json
+
+from ckptctl.errors import UsageError
+from ckptctl.formats.deepspeed.layout import (
+    LATEST_UNIVERSAL,
+    PARAM_KEY,
+    STEP_KEY,
+    UNIVERSAL_MODEL_STATES,
+    UNIVERSAL_OPTIMIZER_STATE,
+    universal_tag,
+)
+from ckptctl.formats.hf.families import hf_config
+from ckptctl.formats.hf.layout import CONFIG, hf_tensors
+from ckptctl.model.catalog import state_name
+from ckptctl.model.geometry import Piece
+from ckptctl.model.layout import ParallelLayout
+from ckptctl.model.plan import FileKind, Plan, TextWrite
+from ckptctl.model.stored import CheckpointView, Format, StoredFile, StoredTensor
+from planners.convert import from_source, plan_files
+
+
+def universal_files(source: CheckpointView) -> tuple[str, tuple[StoredFile, ...]]:
+    """The tag and the per-parameter files: fp32 weights always (converted when the source's
+    weights are 16-bit), Adam's moments and step for trained parameters when the source has
+    optimizer state."""
+    assert source.spec is not None
+    tag = universal_tag(source.iteration)
+    frozen = set(source.frozen)
+    out = []
+    for hf, canonical, shape, pieces in hf_tensors(source.spec):
+        folder = f"{tag}/zero/{hf}"
+        out.append(
+            StoredFile(
+                f"{folder}/fp32.pt", (StoredTensor(PARAM_KEY, canonical, shape, "float32", pieces),)
+            )
+        )
+        if not source.has_optimizer or canonical in frozen:
+            continue
+        for state in ("exp_avg", "exp_avg_sq"):
+            tensor = StoredTensor(PARAM_KEY, state_name(state, canonical), shape, "float32", pieces)
+            out.append(StoredFile(f"{folder}/{state}.pt", (tensor,)))
+        step = StoredTensor(STEP_KEY, state_name("step", canonical), (), "float32", (SCALAR,))
+        out.append(StoredFile(f"{folder}/step.pt", (step,)))
+    return tag, tuple(out)
+
+
+SCALAR = Piece((), (), ())
+
+
+def plan_universal(
+    source: CheckpointView, *, source_url: str, source_fingerprint: str, target_url: str
+) -> Plan:
+    if source.spec is None:
+        raise UsageError(
+            "the source's model family is unknown; a universal checkpoint names parameters as "
+            "the HF model does: pass --hf-config CONFIG.json"
+        )
+    if source.has_optimizer and source.optimizer_step is None:
+        raise UsageError(
+            "the source's optimizer state has no Adam step; a universal checkpoint needs one"
+        )
+    tag, targets = universal_files(source)
+    files, estimates = plan_files(source, targets, FileKind.DEEPSPEED_UNIVERSAL)
+    empty = (
+        StoredFile(f"{tag}/{UNIVERSAL_OPTIMIZER_STATE}", ()),
+        StoredFile(f"{tag}/{UNIVERSAL_MODEL_STATES}", ()),
+    )
+    extra, _ = plan_files(source, empty, FileKind.DEEPSPEED_UNIVERSAL)
+    return Plan(
+        operation="consolidate",
+        strategy="merge",
+        reason="DeepSpeed universal checkpoint: each parameter's fp32 weight and Adam state whole",
+        **from_source(source, source_url, source_fingerprint),
+        target_url=target_url,
+        target_format=Format.DEEPSPEED_UNIVERSAL,
+        target_layout=ParallelLayout(),
+        files=(*extra, *files),
+        finalize=(
+            # The HF Trainer's layout: the model's config beside the checkpoint.
+            TextWrite(path=CONFIG, content=json.dumps(hf_config(source.spec, "float32"), indent=2)),
+            TextWrite(path=LATEST_UNIVERSAL, content=tag + "\n"),
+        ),
+        estimates=estimates,
+        notes=source.notes,
+    )
