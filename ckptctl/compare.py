@@ -114,7 +114,12 @@ def _compare_tensor(
         xn, yn = xd[numbers], yd[numbers]
         diff = torch.where(xn == yn, 0.0, (xn - yn).abs())  # inf - inf is no difference
         worst = max(worst, float(diff.max())) if diff.numel() else worst
-        close = torch.allclose(xn, yn, rtol=rtol, atol=atol) and not bool((nan_x ^ nan_y).any())
-        if exact or not close:
+        if exact:
+            # Across dtypes (a bf16 weight kept as fp32), exact means every value is the same:
+            # the conversion lost nothing.
+            lossless = wa.dtype != wb.dtype and bool((xn == yn).all())
+            if not lossless or bool((nan_x ^ nan_y).any()):
+                equal = False
+        elif not torch.allclose(xn, yn, rtol=rtol, atol=atol) or bool((nan_x ^ nan_y).any()):
             equal = False
     return TensorDiff(name, equal, worst, (wa.dtype, wb.dtype), nan_mismatch)

@@ -243,7 +243,13 @@ def against(
             )
         detail += f"largest max abs diff {worst.max_abs_diff:.3g} in {worst.name}"
         return Check("against", "failed", detail), rows
-    return Check("against", "passed", f"{len(diffs)} tensors equal to {other} ({how})"), rows
+    detail = f"{len(diffs)} tensors equal to {other} ({how})"
+    converted = sorted({d.dtypes for d in diffs if d.dtypes[0] != d.dtypes[1]})
+    if converted:
+        count = sum(d.dtypes[0] != d.dtypes[1] for d in diffs)
+        kinds = ", ".join(f"{x} here, {y} there" for x, y in converted)
+        detail += f"; {count} of them equal in value in another dtype ({kinds})"
+    return Check("against", "passed", detail), rows
 
 
 def as_json(checks: list[Check]) -> dict:

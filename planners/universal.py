@@ -69,7 +69,7 @@ def plan_universal(
     files, estimates = plan_files(source, targets, FileKind.DEEPSPEED_UNIVERSAL)
     empty = (
         StoredFile(f"{tag}/{UNIVERSAL_OPTIMIZER_STATE}", ()),
-        StoredFile(f"{tag}/{UNIVERSAL_MODEL_STATES}", ()),
+        *(StoredFile(f"{tag}/{name}", ()) for name in UNIVERSAL_MODEL_STATES),
     )
     extra, _ = plan_files(source, empty, FileKind.DEEPSPEED_UNIVERSAL)
     return Plan(

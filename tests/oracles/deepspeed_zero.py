@@ -4,7 +4,8 @@
     N gloo processes on CPU (``DS_ACCELERATOR=cpu``) train a tiny transformers Llama (tied
     embeddings, one frozen weight, two parameter groups: weight decay / none) two AdamW steps
     under ZeRO stage S and save it with ``engine.save_checkpoint(OUT)``; ``OUT/config.json`` is
-    the model's HF config, as the HF Trainer lays it out.
+    the model's HF config, as the HF Trainer lays it out (the same model is built from
+    ``config.json`` when one is given).
 
 ``fp32 CKPT OUT_PT``
     DeepSpeed's own ``get_fp32_state_dict_from_zero_checkpoint`` (what ``zero_to_fp32.py``
@@ -47,7 +48,14 @@ def llama_config() -> object:
 
 
 def build(
-    rank: int, world: int, port: int, stage: int, dtype: str, lr: float = 1e-3, **extra: object
+    rank: int,
+    world: int,
+    port: int,
+    stage: int,
+    dtype: str,
+    lr: float = 1e-3,
+    config: Path | None = None,
+    **extra: object,
 ) -> object:
     """The DeepSpeed engine of one rank: the tiny Llama, one frozen weight, two AdamW groups."""
     os.environ.update(
@@ -62,8 +70,8 @@ def build(
 
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
-    config = llama_config()
-    model = transformers.LlamaForCausalLM(config)
+    model_config = transformers.AutoConfig.from_pretrained(config) if config else llama_config()
+    model = transformers.LlamaForCausalLM(model_config)
     model.model.layers[0].mlp.down_proj.weight.requires_grad_(False)  # a frozen parameter
     trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [
@@ -102,7 +110,16 @@ def load_universal(
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     # Another learning rate than the saved one: loading must restore the groups' settings.
-    engine = build(rank, world, port, stage, dtype, 5e-4, checkpoint={"load_universal": True})
+    engine = build(
+        rank,
+        world,
+        port,
+        stage,
+        dtype,
+        5e-4,
+        ckpt / "config.json",
+        checkpoint={"load_universal": True},
+    )
     engine.load_checkpoint(str(ckpt))
     held = {}
     for name, param in engine.module.named_parameters():

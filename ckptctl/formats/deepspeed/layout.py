@@ -36,13 +36,14 @@ OPTIMIZER_STATE = "optimizer_state_dict"
 # A universal checkpoint (``ds_to_universal``'s layout, DeepSpeed 0.19.8):
 #   latest_universal                      the tag
 #   <tag>/mp_rank_00_model_states.pt      counters and world sizes the engine reads first
+#   <tag>/zero_pp_rank_0_mp_rank_00_model_states.pt   the same, where a ZeRO 3 engine looks
 #   <tag>/zero/optimizer_state.pt         parameter groups' settings, loss scaling
 #   <tag>/zero/<HF name>/fp32.pt          {"param": fp32 tensor} (ZeRO 3 may keep bare tensors)
 #   <tag>/zero/<HF name>/exp_avg.pt       the same, for trained parameters; exp_avg_sq.pt too
 #   <tag>/zero/<HF name>/step.pt          Adam's step, a 0-d tensor
 LATEST_UNIVERSAL = "latest_universal"
 UNIVERSAL_ZERO = "zero"
-UNIVERSAL_MODEL_STATES = "mp_rank_00_model_states.pt"
+UNIVERSAL_MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
 UNIVERSAL_OPTIMIZER_STATE = "zero/optimizer_state.pt"
 PARAM_KEY = ("param",)
 """Where a parameter's state file keeps its tensor."""

@@ -114,9 +114,9 @@ def probe_universal(storage: Storage, names: frozenset[str], request: ProbeReque
             steps.add(_number(open_torch_file(storage, rel), key, storage.describe(rel)))
     if len(steps) > 1:
         raise CheckpointError(f"{storage.describe(zero)}: parameters at Adam steps {sorted(steps)}")
-    states = join(UNIVERSAL_MODEL_STATES)
     iteration = None
-    if storage.exists(states):
+    states = next((join(n) for n in UNIVERSAL_MODEL_STATES if storage.exists(join(n))), None)
+    if states is not None:
         iteration = int(open_torch_file(storage, states).tree.get("global_steps", 0))
     view = CheckpointView(
         Format.DEEPSPEED_UNIVERSAL,

@@ -38,10 +38,10 @@ def write_universal_file(job: WriteJob, file: FileWrite, out: BinaryIO) -> None:
         tree: Any = slot if tuple(tensor.key) == STEP_KEY else {PARAM_KEY[0]: slot}
         write_torch_zip(out, tree, [slot], lambda _: job.assemble.chunks(tensor, file.path))
         return
-    owner = job.source.primary
+    owner, template = job.source.owner(job.plan.source_files[0])
     if file.path.endswith(UNIVERSAL_OPTIMIZER_STATE):
         step = owner.view.optimizer_step
-        groups = _param_groups(owner)
+        groups = _param_groups(owner, template)
         slots = []
         tree = {"ds_version": DS_VERSION, "param_groups": groups}
         if step is not None:
@@ -54,20 +54,20 @@ def write_universal_file(job: WriteJob, file: FileWrite, out: BinaryIO) -> None:
             yield struct.pack("<f", float(step or 0))
 
         write_torch_zip(out, tree, slots, produce)
-    elif file.path.endswith(UNIVERSAL_MODEL_STATES):
+    elif file.path.rsplit("/", 1)[-1] in UNIVERSAL_MODEL_STATES:
         write_torch_zip(out, _model_states(job, owner), [], lambda _: iter(()))
     else:
         raise ValueError(f"{file.path}: not a file of a universal checkpoint")
 
 
-def _param_groups(owner: Any) -> list[dict[str, Any]]:
+def _param_groups(owner: Any, template: str) -> list[dict[str, Any]]:
     """The source's parameter groups, in the order its training framework made them: DeepSpeed
     keeps its own; Megatron and DCP sources give decay then no-decay settings (the HF Trainer's
     order); a source without optimizer state gives two groups without settings (the engine
     keeps its own)."""
     if hasattr(owner, "param_groups"):
         return owner.param_groups()
-    saved = owner.saved_training("") if hasattr(owner, "saved_training") else None
+    saved = owner.saved_training(template) if hasattr(owner, "saved_training") else None
     templates = saved.templates if saved is not None else {}
     groups = []
     for no_decay in (False, True):
