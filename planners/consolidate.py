@@ -27,7 +27,7 @@ from ckptctl.model.geometry import Piece
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.plan import FileKind, Plan, TextWrite
 from ckptctl.model.stored import CheckpointView, Format, StoredFile, StoredTensor, canonical_shapes
-from planners.convert import from_source, megatron_target_notes, plan_files
+from planners.convert import from_source, megatron_target_notes, plan_files, refuse_frozen
 
 
 def _is_weight(canonical: str) -> bool:
@@ -157,6 +157,7 @@ def plan_consolidate(
         reason = "HF safetensors: full tensors, q/k/v and gate/up split out, vocabulary trimmed"
     else:
         layout = ParallelLayout(dp=source.layout.dp)
+        refuse_frozen(source, style.optimizer is not None, "Megatron")
         some = next(t for f in source.files for t in f.tensors if _is_weight(t.canonical))
         weight_dtype = dtype or some.dtype
         targets = megatron_files(

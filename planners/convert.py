@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import defaultdict
 from math import prod
 
-from ckptctl.errors import CheckpointError
+from ckptctl.errors import CheckpointError, UsageError
 from ckptctl.model.geometry import Piece, Shape, box_difference, nbytes, overlap
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.plan import CopyOp, Estimates, FileKind, FileWrite, TensorWrite
@@ -98,6 +98,9 @@ def plan_files(
         writes = []
         for tensor in target.tensors:
             candidates = _holders_of(tensor.canonical, holders)
+            state, _, weight = tensor.canonical.partition("/")
+            if not candidates and state == "fp32_param" and source.weights_are_masters:
+                candidates = _holders_of(weight, holders)
             if (
                 not candidates
                 and tensor.canonical.startswith("step/")
@@ -205,6 +208,17 @@ def megatron_target_notes(
     if source.format == Format.MEGATRON and target_format == Format.MEGATRON:
         notes.append("RNG state cannot be resharded and is dropped (as Megatron's --no-load-rng)")
     return notes
+
+
+def refuse_frozen(source: CheckpointView, carries_optimizer: bool, target: str) -> None:
+    """Frozen parameters (DeepSpeed) have no Adam state, and Megatron's optimizers hold every
+    parameter: refuse rather than invent state for them."""
+    if source.frozen and carries_optimizer:
+        raise UsageError(
+            f"frozen parameters ({', '.join(source.frozen[:3])}) have no Adam state, but "
+            f"{target}'s optimizer holds every parameter: consolidate --format torch or "
+            "deepspeed-universal keeps the trained parameters' state, --format hf the weights"
+        )
 
 
 def from_source(source: CheckpointView, url: str, fingerprint: str) -> dict[str, object]:

@@ -26,7 +26,7 @@ from ckptctl.model.catalog import OPTIMIZER_STATES
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.plan import FileKind, Plan, TextWrite
 from ckptctl.model.stored import CheckpointView, Format
-from planners.convert import from_source, megatron_target_notes, plan_files
+from planners.convert import from_source, megatron_target_notes, plan_files, refuse_frozen
 
 
 def plan_reshard(
@@ -58,6 +58,7 @@ def plan_reshard(
     optimizer = target_optimizer(
         style.optimizer if source.has_optimizer else None, target_layout, weight_dtype
     )
+    refuse_frozen(source, source.has_optimizer and style.optimizer is not None, "Megatron")
     finalize = [TextWrite(path=TRACKER, content=tracker_text(source.iteration))]
     if target_format == Format.TORCH_DIST:
         states = ("fp32_param", "exp_avg", "exp_avg_sq") if source.has_optimizer else ()

@@ -35,6 +35,8 @@ RUNS = {
     # every parameter partitioned on its own; DP 3 pads the last rank's share of each
     "stage3-dp2": ("3", "2", "fp32"),
     "stage3-bf16-dp3": ("3", "3", "bf16"),
+    # every parameter trained: what a Megatron target (whose optimizer holds all) can take
+    "stage2-bf16-dp2-all": ("2", "2", "bf16", "--no-frozen"),
 }
 
 
@@ -50,8 +52,8 @@ def _oracle(*args: object) -> None:
 def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("deepspeed")
     out = {}
-    for name, (stage, dp, dtype) in RUNS.items():
-        _oracle("write", root / name, "--stage", stage, "--dp", dp, "--dtype", dtype)
+    for name, (stage, dp, dtype, *flags) in RUNS.items():
+        _oracle("write", root / name, "--stage", stage, "--dp", dp, "--dtype", dtype, *flags)
         _oracle("fp32", root / name, root / f"{name}.fp32.pt")
         out[name] = root / name
     return out
@@ -71,8 +73,10 @@ def test_consolidated_weights_are_zero_to_fp32s(
     theirs = torch.load(ckpt.parent / f"{run}.fp32.pt", weights_only=True)
     # zero_to_fp32 also lists the tied alias lm_head.weight; transformers ties it on load.
     assert set(theirs) - set(ours) == {"lm_head.weight"}
-    frozen = "model.layers.0.mlp.down_proj.weight"
-    if frozen not in theirs:  # ZeRO 1 records no frozen parameters and zero_to_fp32 drops
+    frozen = "model.layers.0.mlp.down_proj.weight" if "--no-frozen" not in RUNS[run] else None
+    if (
+        frozen and frozen not in theirs
+    ):  # ZeRO 1 records no frozen parameters and zero_to_fp32 drops
         # them; ckptctl takes them from the saved module
         states = next(ckpt.glob("*/mp_rank_00_model_states.pt"))
         theirs[frozen] = torch.load(states, weights_only=False)["module"][frozen]
@@ -347,3 +351,43 @@ def test_broken_checkpoints_are_refused(written: dict[str, Path], tmp_path: Path
     assert "model.norm.weight" in result.stderr and "Traceback" not in result.stderr
     for out in ("out1", "out2", "out3"):
         assert not (tmp_path / out / "model.safetensors").exists()
+
+
+def test_megatron_target_continues_the_deepspeed_run(
+    written: dict[str, Path], tmp_path: Path, cli
+) -> None:
+    """consolidate --format megatron: fp32 masters and Adam moments on Megatron-Core names
+    (fused QKV, SwiGLU fc1 halves), bit for bit; as bf16 weights (--dtype bf16) with the masters
+    in fp32_from_fp16_params, the weights are DeepSpeed's own bf16 module; a DeepSpeed run with
+    frozen parameters is refused (Megatron's optimizer holds every parameter)."""
+    ckpt = written["stage2-bf16-dp2-all"]
+    cli("consolidate", ckpt, tmp_path / "fp32", "--format", "megatron")
+    report = cli.json("verify", tmp_path / "fp32", "--against", ckpt)
+    assert sum(t["name"].startswith("exp_avg") for t in report["tensors"]) == 28
+    cli("consolidate", tmp_path / "fp32", tmp_path / "hf", "--format", "hf")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    reference = transformers.LlamaForCausalLM(model.config)
+    reference.load_state_dict(torch.load(ckpt.parent / "stage2-bf16-dp2-all.fp32.pt"))
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+
+    cli("consolidate", ckpt, tmp_path / "bf16", "--format", "megatron", "--dtype", "bf16")
+    rank = torch.load(
+        tmp_path / "bf16" / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False
+    )
+    assert len(rank["optimizer"]["fp32_from_fp16_params"][0]) > 0
+    cli("consolidate", tmp_path / "bf16", tmp_path / "hf16", "--format", "hf")
+    ours = safetensors.load_file(tmp_path / "hf16" / "model.safetensors")
+    module = torch.load(next(ckpt.glob("*/mp_rank_00_model_states.pt")), weights_only=False)
+    for name, tensor in ours.items():
+        assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, module["module"][name]), name
+    masters, weights = _by_hf_name(tmp_path / "bf16", "fp32_param"), _by_hf_name(ckpt, "")
+    assert masters.keys() == weights.keys()
+    for name, master in masters.items():
+        assert torch.equal(master, weights[name]), name
+
+    result = cli(
+        "consolidate", written["stage2-dp2"], tmp_path / "no", "--format", "megatron", code=2
+    )
+    assert "frozen parameters" in result.stderr and "--format torch" in result.stderr

@@ -100,6 +100,9 @@ class CheckpointView:
     frozen: tuple[str, ...] = ()
     """Canonical tensors holding frozen parameters (DeepSpeed): their optimizer state is
     absent, in part or whole."""
+    weights_are_masters: bool = False
+    """The weights held are the optimizer's fp32 masters (DeepSpeed): a mixed-precision
+    target's ``fp32_param`` copies them."""
 
     def canonical_dtypes(self) -> dict[str, str]:
         return {t.canonical: t.dtype for f in self.files for t in f.tensors}

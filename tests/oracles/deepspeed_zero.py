@@ -2,10 +2,10 @@
 
 ``write OUT --stage S --dtype fp32|bf16 --dp N``
     N gloo processes on CPU (``DS_ACCELERATOR=cpu``) train a tiny transformers Llama (tied
-    embeddings, one frozen weight, two parameter groups: weight decay / none) two AdamW steps
-    under ZeRO stage S and save it with ``engine.save_checkpoint(OUT)``; ``OUT/config.json`` is
-    the model's HF config, as the HF Trainer lays it out (the same model is built from
-    ``config.json`` when one is given).
+    embeddings, one frozen weight unless ``--no-frozen``, two parameter groups: weight decay /
+    none) two AdamW steps under ZeRO stage S and save it with ``engine.save_checkpoint(OUT)``;
+    ``OUT/config.json`` is the model's HF config, as the HF Trainer lays it out (the same model
+    is built from ``config.json`` when one is given).
 
 ``fp32 CKPT OUT_PT``
     DeepSpeed's own ``get_fp32_state_dict_from_zero_checkpoint`` (what ``zero_to_fp32.py``
@@ -55,6 +55,7 @@ def build(
     dtype: str,
     lr: float = 1e-3,
     config: Path | None = None,
+    frozen: bool = True,
     **extra: object,
 ) -> object:
     """The DeepSpeed engine of one rank: the tiny Llama, one frozen weight, two AdamW groups."""
@@ -72,7 +73,8 @@ def build(
     torch.manual_seed(0)
     model_config = transformers.AutoConfig.from_pretrained(config) if config else llama_config()
     model = transformers.LlamaForCausalLM(model_config)
-    model.model.layers[0].mlp.down_proj.weight.requires_grad_(False)  # a frozen parameter
+    if frozen:
+        model.model.layers[0].mlp.down_proj.weight.requires_grad_(False)
     trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [
         {"params": [p for _, p in trained if p.dim() > 1], "weight_decay": 0.1},
@@ -92,8 +94,10 @@ def build(
     return built
 
 
-def worker(rank: int, world: int, port: int, out: Path, stage: int, dtype: str) -> None:
-    engine = build(rank, world, port, stage, dtype)
+def worker(
+    rank: int, world: int, port: int, out: Path, stage: int, dtype: str, frozen: bool
+) -> None:
+    engine = build(rank, world, port, stage, dtype, frozen=frozen)
     generator = torch.Generator().manual_seed(rank)
     for _ in range(STEPS):
         ids = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ), generator=generator)
@@ -102,6 +106,16 @@ def worker(rank: int, world: int, port: int, out: Path, stage: int, dtype: str) 
     engine.save_checkpoint(str(out))
     if rank == 0:
         engine.module.config.save_pretrained(out)
+    _finish()
+
+
+def _finish() -> None:
+    """Leave the process group before exiting: gloo threads still running at interpreter exit
+    abort the process now and then ("terminate called without an active exception")."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def load_universal(
@@ -135,6 +149,7 @@ def load_universal(
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     if rank == 0:
         torch.save({"params": held, "steps": steps, "groups": groups}, out)
+    _finish()
 
 
 def free_port() -> int:
@@ -152,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     write.add_argument("--stage", type=int, default=2)
     write.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     write.add_argument("--dp", type=int, default=2)
+    write.add_argument("--no-frozen", action="store_true", help="train every parameter")
     fp32 = sub.add_parser("fp32")
     fp32.add_argument("ckpt", type=Path)
     fp32.add_argument("out", type=Path)
@@ -166,7 +182,14 @@ def main(argv: list[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         mp.spawn(
             worker,
-            args=(args.dp, free_port(), args.out.resolve(), args.stage, args.dtype),
+            args=(
+                args.dp,
+                free_port(),
+                args.out.resolve(),
+                args.stage,
+                args.dtype,
+                not args.no_frozen,
+            ),
             nprocs=args.dp,
         )
     elif args.mode == "load-universal":

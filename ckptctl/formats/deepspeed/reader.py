@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError, LayoutError
-from ckptctl.formats.base import ProbeRequest
+from ckptctl.formats.base import ProbeRequest, SavedTraining
 from ckptctl.formats.deepspeed.layout import (
     LATEST,
     MODEL_STATES,
@@ -38,6 +38,7 @@ from ckptctl.formats.deepspeed.layout import (
 )
 from ckptctl.formats.hf.families import spec_from_config
 from ckptctl.formats.hf.layout import CONFIG, MODEL_KEY, OPTIMIZER_KEY, hf_tensors
+from ckptctl.formats.megatron.layout import GroupOrder, MegatronStyle, OptimizerLayout
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
 from ckptctl.formats.torchsave.refs import open_torch_file, read_box, resolve
 from ckptctl.model.dtypes import dtype_name
@@ -70,6 +71,25 @@ class DeepSpeedCheckpoint:
 
     def param_groups(self) -> list[dict[str, Any]]:
         return self.groups
+
+    @property
+    def style(self) -> MegatronStyle:
+        """Adam state per group, as Megatron's distributed optimizer keeps it: a Megatron
+        target stores it per parameter (fp32 weights: ``FP32Optimizer``) or in its own flat
+        buffers."""
+        if not self.view.has_optimizer:
+            return MegatronStyle()
+        layout = OptimizerLayout(states=(), distributed=True, group_order=GroupOrder.DECAY_FIRST)
+        return MegatronStyle(optimizer=layout)
+
+    def saved_training(self, path: str) -> SavedTraining:
+        """The parameter groups' settings by kind (True: no weight decay) and Adam's step;
+        no Megatron args or counters (a Megatron target gets fresh ones)."""
+        templates = {
+            float(g.get("weight_decay", 0.0)) == 0.0: {k: v for k, v in g.items() if k != "params"}
+            for g in self.groups
+        }
+        return SavedTraining(templates=templates, optimizer_step=self.view.optimizer_step)
 
     def universal_model_state(self) -> dict[str, Any]:
         return self.kept
@@ -224,6 +244,7 @@ def probe_deepspeed(storage: Storage, names: frozenset[str], request: ProbeReque
         (f"DeepSpeed ZeRO stage {stage}, fp32 masters",),
         optimizer_step=steps.pop() if steps else None,
         frozen=tuple(sorted(entries[n][0] for n in frozen_shapes)),
+        weights_are_masters=True,
     )
     items: list[tuple[KeyPath, Any, TorchZipReader]] = []
     groups: list[dict[str, Any]] = []
