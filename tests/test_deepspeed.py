@@ -37,7 +37,11 @@ RUNS = {
     "stage3-bf16-dp3": ("3", "3", "bf16"),
     # every parameter trained: what a Megatron target (whose optimizer holds all) can take
     "stage2-bf16-dp2-all": ("2", "2", "bf16", "--no-frozen"),
+    # bf16 with fp32 gradient accumulation at stage 1: DeepSpeed's BF16_Optimizer, which
+    # zero_to_fp32 refuses ("not a zero checkpoint"); ds_to_universal is the judge
+    "bf16-optimizer-dp2": ("1", "2", "bf16", "--fp32-grad-accum"),
 }
+ZERO_TO_FP32_RUNS = [r for r in RUNS if "--fp32-grad-accum" not in RUNS[r]]
 
 
 def _oracle(*args: object) -> None:
@@ -54,12 +58,13 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = {}
     for name, (stage, dp, dtype, *flags) in RUNS.items():
         _oracle("write", root / name, "--stage", stage, "--dp", dp, "--dtype", dtype, *flags)
-        _oracle("fp32", root / name, root / f"{name}.fp32.pt")
+        if name in ZERO_TO_FP32_RUNS:
+            _oracle("fp32", root / name, root / f"{name}.fp32.pt")
         out[name] = root / name
     return out
 
 
-@pytest.mark.parametrize("run", list(RUNS))
+@pytest.mark.parametrize("run", ZERO_TO_FP32_RUNS)
 def test_consolidated_weights_are_zero_to_fp32s(
     written: dict[str, Path], run: str, tmp_path: Path, cli
 ) -> None:
@@ -188,8 +193,12 @@ FROZEN = "model.layers.0.mlp.down_proj.weight"
 
 
 @pytest.mark.parametrize(
-    "run", ["stage2-dp2", "stage1-dp2", "stage2-bf16-dp2", "stage3-dp2", "stage3-bf16-dp3"]
-)
+    "run",
+    [
+        "stage2-dp2", "stage1-dp2", "stage2-bf16-dp2", "stage3-dp2", "stage3-bf16-dp3",
+        "bf16-optimizer-dp2",
+    ],
+)  # fmt: skip
 def test_adam_state_is_ds_to_universals(written: dict[str, Path], run: str) -> None:
     """fp32 masters and both Adam moments of every trained parameter, bit for bit as DeepSpeed's
     own ds_to_universal extracts them from the same files."""
@@ -261,24 +270,28 @@ def _load_universal(universal: Path, out: Path, stage: str, dp: str, dtype: str)
 
 @pytest.mark.parametrize(
     ("run", "stage", "dp", "dtype"),
-    [("stage3-dp2", "2", "3", "fp32"), ("stage2-bf16-dp2", "3", "2", "bf16")],
+    [
+        ("stage3-dp2", "2", "3", "fp32"),
+        ("stage2-bf16-dp2", "3", "2", "bf16"),
+        ("bf16-optimizer-dp2", "1", "3", "bf16"),
+    ],
 )
 def test_universal_checkpoint_resumes_in_deepspeed_at_another_dp(
     written: dict[str, Path], run: str, stage: str, dp: str, dtype: str, tmp_path: Path, cli
 ) -> None:
     """ckptctl's universal checkpoint, loaded by a DeepSpeed engine of another ZeRO stage and
-    DP size with load_universal_checkpoint: the engine's fp32 masters are zero_to_fp32's, its
-    Adam moments ds_to_universal's, its step and group settings the source's."""
+    DP size with load_universal_checkpoint: the engine's fp32 masters and Adam moments are
+    what DeepSpeed's own ds_to_universal extracts, its step and group settings the source's."""
     ckpt = written[run]
     universal = tmp_path / "universal"
     cli("consolidate", ckpt, universal, "--format", "deepspeed-universal")
     assert (universal / "latest_universal").read_text().strip() == "global_step2_universal"
     assert cli.json("verify", universal, "--against", ckpt)["ok"]
     held = _load_universal(universal, tmp_path / "held.pt", stage, dp, dtype)
-    theirs = torch.load(ckpt.parent / f"{run}.fp32.pt", weights_only=True)
     assert len(held["params"]) == 19  # every trained parameter (lm_head is tied)
     for name, states in held["params"].items():
-        assert torch.equal(states["fp32"], theirs[name]), name
+        want = universal_state(ckpt, name, "fp32")
+        assert torch.equal(states["fp32"], want.view(states["fp32"].shape)), name
         for moment in ("exp_avg", "exp_avg_sq"):
             want = universal_state(ckpt, name, moment)
             assert torch.equal(states[moment], want.view(states[moment].shape)), (moment, name)

@@ -95,9 +95,10 @@ def build(
 
 
 def worker(
-    rank: int, world: int, port: int, out: Path, stage: int, dtype: str, frozen: bool
+    rank: int, world: int, port: int, out: Path, stage: int, dtype: str, frozen: bool, fp32: bool
 ) -> None:
-    engine = build(rank, world, port, stage, dtype, frozen=frozen)
+    extra = {"data_types": {"grad_accum_dtype": "fp32"}} if fp32 else {}
+    engine = build(rank, world, port, stage, dtype, frozen=frozen, **extra)
     generator = torch.Generator().manual_seed(rank)
     for _ in range(STEPS):
         ids = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ), generator=generator)
@@ -168,6 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     write.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     write.add_argument("--dp", type=int, default=2)
     write.add_argument("--no-frozen", action="store_true", help="train every parameter")
+    write.add_argument(
+        "--fp32-grad-accum",
+        action="store_true",
+        help="bf16 with fp32 gradient accumulation: ZeRO 1 runs under DeepSpeed's BF16_Optimizer",
+    )
     fp32 = sub.add_parser("fp32")
     fp32.add_argument("ckpt", type=Path)
     fp32.add_argument("out", type=Path)
@@ -189,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.stage,
                 args.dtype,
                 not args.no_frozen,
+                args.fp32_grad_accum,
             ),
             nprocs=args.dp,
         )

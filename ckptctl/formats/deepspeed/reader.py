@@ -234,6 +234,7 @@ def probe_deepspeed(storage: Storage, names: frozenset[str], request: ProbeReque
     if len(steps) > 1:
         raise CheckpointError(f"{where}: parameter groups at different Adam steps {sorted(steps)}")
     stage = 3 if stage3 else _stage(readers[join(optim[0][1])].tree)
+    kind = "BF16_Optimizer (ZeRO 1 partitions)" if stage is None else f"ZeRO stage {stage}"
     view = CheckpointView(
         Format.DEEPSPEED,
         spec,
@@ -241,7 +242,7 @@ def probe_deepspeed(storage: Storage, names: frozenset[str], request: ProbeReque
         tuple(files),
         int(states.get("global_steps", 0)),
         True,
-        (f"DeepSpeed ZeRO stage {stage}, fp32 masters",),
+        (f"DeepSpeed {kind}, fp32 masters",),
         optimizer_step=steps.pop() if steps else None,
         frozen=tuple(sorted(entries[n][0] for n in frozen_shapes)),
         weights_are_masters=True,
@@ -318,11 +319,10 @@ def _optimizer_fragments(
         sizes = [ref.shape[0] for ref in osd["fp32_flat_groups"]]
         return stage3_fragments(param_shapes, sizes, rank, dp), STAGE3_KEYS
     if "param_slice_mappings" not in osd or "single_partition_of_fp32_groups" not in osd:
-        # bf16 ZeRO 1/2 runs keep the ZeRO keys under a bf16_ file name; DeepSpeed's
-        # BF16_Optimizer (e.g. Megatron-DeepSpeed) keeps others.
+        # ZeRO 1/2 and BF16_Optimizer (DeepSpeed >= 0.10) keep both; older saves do not.
         raise ValueError(
-            "no ZeRO partitions (single_partition_of_fp32_groups, param_slice_mappings): "
-            "DeepSpeed's BF16_Optimizer state is not supported yet"
+            "no ZeRO partitions (single_partition_of_fp32_groups, param_slice_mappings): saved "
+            "by a DeepSpeed too old to map; load and save it again with DeepSpeed >= 0.10"
         )
     masters = osd["single_partition_of_fp32_groups"]
     paddings = osd.get("group_paddings", [0] * len(masters))
@@ -359,8 +359,12 @@ def _stage3_frozen(
     return out
 
 
-def _stage(tree: Any) -> int:
+def _stage(tree: Any) -> int | None:
+    """The ZeRO stage an optimizer file records; ``None`` for DeepSpeed's ``BF16_Optimizer``
+    (bf16 with fp32 gradient accumulation), which partitions as ZeRO 1 does but says no stage."""
     stage = tree["optimizer_state_dict"].get("zero_stage")
+    if stage is None:
+        return None
     args = getattr(stage, "_args", None)
     return int(args[0]) if args else int(stage)
 
