@@ -124,6 +124,8 @@ def main() -> None:
         ),
     ]  # fmt: skip
     rows = measure(runs, size, args.repeat)
+    # ds_to_universal also writes latest_universal beside its output folder
+    (work / "latest_universal").unlink(missing_ok=True)
     print_table(
         rows,
         f"{size / 1e9:.2f} GB DeepSpeed ZeRO-2 bf16 tag directory (DP{args.dp})",

@@ -23,7 +23,7 @@ from ckptctl.formats.megatron.layout import (
     tracker_text,
 )
 from ckptctl.model.catalog import OPTIMIZER_STATES, state_name
-from ckptctl.model.geometry import Piece
+from ckptctl.model.geometry import Piece, Shape
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.plan import FileKind, Plan, TextWrite
 from ckptctl.model.stored import CheckpointView, Format, StoredFile, StoredTensor, canonical_shapes
@@ -67,15 +67,28 @@ def plan_state_dict(
     )
 
 
+def named_weights(source: CheckpointView) -> list[tuple[str, str, Shape, tuple[Piece, ...]]]:
+    """(name, canonical, shape, pieces) of every weight: HF names cut from the canonical
+    tensors, or, for a model ckptctl does not know (a DeepSpeed run without ``config.json``),
+    the canonical tensors themselves, whole, under the names the source gives them."""
+    if source.spec is not None:
+        return hf_tensors(source.spec)
+    out = []
+    for name, (shape, _) in canonical_shapes(source).items():
+        if _is_weight(name):
+            zero = (0,) * len(shape)
+            out.append((name, name, shape, (Piece(zero, zero, shape),)))
+    return out
+
+
 def hf_state_dict_tensors(source: CheckpointView, dtype: str | None = None) -> StoredFile:
     """The tensors of an HF model's torch state dict: every weight at ``model.<HF name>``
     (``dtype`` converts weights only) and, for trained parameters, Adam's moments at
     ``optimizer.state.<HF name>``, each cut from the canonical tensors like the safetensors."""
-    assert source.spec is not None
     dtypes = source.canonical_dtypes()
     frozen = set(source.frozen)
     tensors = []
-    for hf, canonical, shape, pieces in hf_tensors(source.spec):
+    for hf, canonical, shape, pieces in named_weights(source):
         weight_dtype = dtype or dtypes[canonical]
         tensors.append(StoredTensor((MODEL_KEY, hf), canonical, shape, weight_dtype, pieces))
         if not source.has_optimizer or canonical in frozen:
@@ -97,8 +110,6 @@ def plan_hf_state_dict(
 ) -> Plan:
     """One ``torch.save`` file of an HF model's weights and Adam state (see
     ``hf_state_dict_tensors``); the source adds Adam's step and the parameter groups."""
-    if source.spec is None:
-        raise UsageError("the source's model family is unknown; pass --hf-config CONFIG.json")
     files, estimates = plan_files(
         source, (hf_state_dict_tensors(source, dtype),), FileKind.TORCH_SAVE
     )

@@ -16,12 +16,13 @@ from ckptctl.formats.deepspeed.layout import (
     universal_tag,
 )
 from ckptctl.formats.hf.families import hf_config
-from ckptctl.formats.hf.layout import CONFIG, hf_tensors
+from ckptctl.formats.hf.layout import CONFIG
 from ckptctl.model.catalog import state_name
 from ckptctl.model.geometry import Piece
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.plan import FileKind, Plan, TextWrite
 from ckptctl.model.stored import CheckpointView, Format, StoredFile, StoredTensor
+from planners.consolidate import named_weights
 from planners.convert import from_source, plan_files
 
 
@@ -29,11 +30,10 @@ def universal_files(source: CheckpointView) -> tuple[str, tuple[StoredFile, ...]
     """The tag and the per-parameter files: fp32 weights always (converted when the source's
     weights are 16-bit), Adam's moments and step for trained parameters when the source has
     optimizer state."""
-    assert source.spec is not None
     tag = universal_tag(source.iteration)
     frozen = set(source.frozen)
     out = []
-    for hf, canonical, shape, pieces in hf_tensors(source.spec):
+    for hf, canonical, shape, pieces in named_weights(source):
         folder = f"{tag}/zero/{hf}"
         out.append(
             StoredFile(
@@ -56,7 +56,8 @@ SCALAR = Piece((), (), ())
 def plan_universal(
     source: CheckpointView, *, source_url: str, source_fingerprint: str, target_url: str
 ) -> Plan:
-    if source.spec is None:
+    if source.spec is None and source.format != Format.DEEPSPEED:
+        # (A DeepSpeed run without config.json names its parameters as the module does.)
         raise UsageError(
             "the source's model family is unknown; a universal checkpoint names parameters as "
             "the HF model does: pass --hf-config CONFIG.json"
@@ -66,6 +67,11 @@ def plan_universal(
             "the source's optimizer state has no Adam step; a universal checkpoint needs one"
         )
     tag, targets = universal_files(source)
+    # The HF Trainer's layout: the model's config beside the checkpoint.
+    config = []
+    if source.spec is not None:
+        text = json.dumps(hf_config(source.spec, "float32"), indent=2)
+        config.append(TextWrite(path=CONFIG, content=text))
     files, estimates = plan_files(source, targets, FileKind.DEEPSPEED_UNIVERSAL)
     empty = (
         StoredFile(f"{tag}/{UNIVERSAL_OPTIMIZER_STATE}", ()),
@@ -81,11 +87,7 @@ def plan_universal(
         target_format=Format.DEEPSPEED_UNIVERSAL,
         target_layout=ParallelLayout(),
         files=(*extra, *files),
-        finalize=(
-            # The HF Trainer's layout: the model's config beside the checkpoint.
-            TextWrite(path=CONFIG, content=json.dumps(hf_config(source.spec, "float32"), indent=2)),
-            TextWrite(path=LATEST_UNIVERSAL, content=tag + "\n"),
-        ),
+        finalize=(*config, TextWrite(path=LATEST_UNIVERSAL, content=tag + "\n")),
         estimates=estimates,
         notes=source.notes,
     )

@@ -21,9 +21,13 @@ import pytest
 import torch
 
 pytest.importorskip("deepspeed", reason="DeepSpeed 0.19.8 is the oracle here")
+
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors.torch")
 
+from tests import test_s3  # noqa: E402  (after the skip: moto's S3 server fixtures)
+
+s3_endpoint, bucket = test_s3.s3_endpoint, test_s3.bucket
 ORACLE = Path(__file__).parent / "oracles" / "deepspeed_zero.py"
 pytestmark = pytest.mark.oracle
 RUNS = {
@@ -404,3 +408,46 @@ def test_megatron_target_continues_the_deepspeed_run(
         "consolidate", written["stage2-dp2"], tmp_path / "no", "--format", "megatron", code=2
     )
     assert "frozen parameters" in result.stderr and "--format torch" in result.stderr
+
+
+def test_without_config_json_torch_and_universal_keep_deepspeeds_names(
+    written: dict[str, Path], tmp_path: Path, cli
+) -> None:
+    """No config.json and no --hf-config: the model is unknown, yet --format torch and
+    deepspeed-universal still work, under the module's own parameter names; HF is refused."""
+    src = tmp_path / "src"
+    shutil.copytree(written["stage3-dp2"], src)
+    (src / "config.json").unlink()
+    cli("consolidate", src, tmp_path / "t", "--format", "torch")
+    state = torch.load(tmp_path / "t" / "state_dict.pt", weights_only=True)
+    theirs = torch.load(written["stage3-dp2"].parent / "stage3-dp2.fp32.pt", weights_only=True)
+    assert state["model"].keys() == theirs.keys()  # lm_head.weight: the tied alias
+    for name, tensor in theirs.items():
+        assert torch.equal(state["model"][name], tensor), name
+    cli("consolidate", src, tmp_path / "u", "--format", "deepspeed-universal")
+    assert not (tmp_path / "u" / "config.json").exists()
+    assert cli.json(
+        "--hf-config",
+        written["stage3-dp2"] / "config.json",
+        "verify",
+        tmp_path / "u",
+        "--against",
+        src,
+    )["ok"]
+    result = cli("consolidate", src, tmp_path / "hf", "--format", "hf", code=2)
+    assert "--hf-config" in result.stderr
+
+
+def test_on_s3(written: dict[str, Path], bucket: str, tmp_path: Path, cli) -> None:
+    """The rank files read by byte range from an object store, a universal checkpoint written
+    to it: the same bytes as from local disk."""
+    ckpt = written["stage3-bf16-dp3"]
+    test_s3._upload(ckpt, f"{bucket}/ds")
+    cli("consolidate", f"{bucket}/ds", tmp_path / "from-s3", "--format", "hf")
+    cli("consolidate", ckpt, tmp_path / "local", "--format", "hf")
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / "from-s3" / name).read_bytes() == (
+            tmp_path / "local" / name
+        ).read_bytes()
+    cli("consolidate", f"{bucket}/ds", f"{bucket}/universal", "--format", "deepspeed-universal")
+    assert cli.json("verify", f"{bucket}/universal", "--against", ckpt)["ok"]

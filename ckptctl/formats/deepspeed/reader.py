@@ -42,6 +42,7 @@ from ckptctl.formats.megatron.layout import GroupOrder, MegatronStyle, Optimizer
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
 from ckptctl.formats.torchsave.refs import open_torch_file, read_box, resolve
 from ckptctl.model.dtypes import dtype_name
+from ckptctl.model.geometry import Piece
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.stored import (
     CheckpointView,
@@ -130,9 +131,15 @@ def tag_dir(
     return tag
 
 
-def model_config(storage: Storage, request: ProbeRequest, tag: str) -> dict[str, Any]:
+def model_config(
+    storage: Storage, request: ProbeRequest, tag: str, required: bool = True
+) -> dict[str, Any] | None:
+    """The HF ``config.json`` given or beside the checkpoint (``None`` if neither and not
+    ``required``)."""
     if request.hf_config is not None:
         return dict(request.hf_config)
+    if not storage.exists(CONFIG) and not required:
+        return None
     if not storage.exists(CONFIG):
         where = storage.describe(CONFIG)
         raise CheckpointError(
@@ -188,15 +195,30 @@ def probe_deepspeed(storage: Storage, names: frozenset[str], request: ProbeReque
                 f"{where}: {kind} files for DP ranks {ranks}, but dp_world_size={dp}; a rank "
                 "file is missing or foreign"
             )
-    config = model_config(storage, request, tag)
-    try:
-        spec = spec_from_config(config, 128, request.trusted_fields)
-    except LayoutError as err:
-        raise LayoutError(f"{storage.describe(CONFIG)}: {err}") from None
-    entries = {hf: (canonical, shape, pieces) for hf, canonical, shape, pieces in hf_tensors(spec)}
     param_shapes = [{k: tuple(v) for k, v in g.items()} for g in states["param_shapes"]]
     frozen_shapes = _frozen_shapes(states, param_shapes)
-    _check_names(entries, param_shapes, frozen_shapes, states, storage.describe(first))
+    config = model_config(storage, request, tag, required=False)
+    notes = []
+    if config is None:
+        # No model description: every parameter whole under its own name, which is all a
+        # torch state dict (or a universal checkpoint) needs.
+        spec = None
+        entries = {
+            name: (name, shape, (Piece((0,) * len(shape), (0,) * len(shape), shape),))
+            for group in (*param_shapes, frozen_shapes)
+            for name, shape in group.items()
+        }
+        notes.append(
+            f"{storage.describe(CONFIG)} missing: tensors keep DeepSpeed's names (--format torch "
+            "or deepspeed-universal); pass --hf-config CONFIG.json for HF and Megatron targets"
+        )
+    else:
+        try:
+            spec = spec_from_config(config, 128, request.trusted_fields)
+        except LayoutError as err:
+            raise LayoutError(f"{storage.describe(CONFIG)}: {err}") from None
+        entries = {hf: (c, shape, pieces) for hf, c, shape, pieces in hf_tensors(spec)}
+        _check_names(entries, param_shapes, frozen_shapes, states, storage.describe(first))
 
     files: list[StoredFile] = []
     steps: set[float] = set()
@@ -242,7 +264,7 @@ def probe_deepspeed(storage: Storage, names: frozenset[str], request: ProbeReque
         tuple(files),
         int(states.get("global_steps", 0)),
         True,
-        (f"DeepSpeed {kind}, fp32 masters",),
+        (f"DeepSpeed {kind}, fp32 masters", *notes),
         optimizer_step=steps.pop() if steps else None,
         frozen=tuple(sorted(entries[n][0] for n in frozen_shapes)),
         weights_are_masters=True,
