@@ -7,13 +7,11 @@ memory follows the largest tensor, not the checkpoint.
 
 from __future__ import annotations
 
-import resource
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from math import prod
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import xxhash
@@ -23,49 +21,11 @@ from ckptctl.formats.base import Checkpoint, WriteJob
 from ckptctl.formats.torchsave.archive import (
     tensor_bytes,
 )
+from ckptctl.job_report import NoProgress, Progress, Report, Sources, peak_rss_bytes
 from ckptctl.manifest import MANIFEST, RunLog, new_digest, write_manifest
 from ckptctl.model.geometry import nbytes, with_dim
 from ckptctl.model.plan import FileKind, FileWrite, Plan, TensorWrite
-from ckptctl.model.stored import FlatView, KeyPath, Shape
 from ckptctl.storage import Storage, write_in_slices
-
-
-class Progress(Protocol):
-    """Where the executor reports bytes written; the CLI renders it, tests may count it."""
-
-    def start(self, total_bytes: int, description: str) -> None: ...
-    def advance(self, nbytes: int) -> None: ...
-    def finish(self) -> None: ...
-
-
-class NoProgress:
-    def start(self, total_bytes: int, description: str) -> None:
-        pass
-
-    def advance(self, nbytes: int) -> None:
-        pass
-
-    def finish(self) -> None:
-        pass
-
-
-@dataclass
-class Report:
-    bytes_read: int = 0
-    read_requests: int = 0
-    bytes_written: int = 0
-    files_written: list[str] = field(default_factory=list)
-    seconds: float = 0.0
-    peak_rss_bytes: int = 0
-    tensor_checksums: dict[str, dict[str, str]] = field(default_factory=dict)
-    """File -> tensor key -> xxh3-64 of its bytes, taken while streaming."""
-    records: dict[str, list[list[Any]]] = field(default_factory=dict)
-    """DCP shard file -> its records ``[fqn, chunk offsets, byte offset, length]``."""
-
-
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
 
 DEFAULT_MEMORY_BUDGET = 1 << 30
 
@@ -159,35 +119,6 @@ class Assembler:
             box = tuple(slice(o, o + n) for o, n in zip(dst, sizes, strict=True))
             out[box] = data.to(dtype)
         return out
-
-
-class Sources:
-    """Routes reads to the checkpoint owning a path: the plan's source, or a further source
-    (replica, full copy) whose files the plan names under a prefix such as ``@0/``."""
-
-    def __init__(self, primary: Any, extra: dict[str, Any] | None = None) -> None:
-        self.primary = primary
-        self.extra = extra or {}
-
-    def owner(self, path: str) -> tuple[Any, str]:
-        for prefix, ckpt in self.extra.items():
-            if path.startswith(prefix):
-                return ckpt, path[len(prefix) :]
-        return self.primary, path
-
-    def read(
-        self,
-        path: str,
-        key: KeyPath,
-        offsets: Shape,
-        sizes: Shape,
-        view: FlatView = None,
-        transposed: bool = False,
-    ) -> torch.Tensor:
-        ckpt, rel = self.owner(path)
-        if transposed:  # only formats that store tensors transposed take the flag
-            return ckpt.read(rel, key, offsets, sizes, view, transposed=True)
-        return ckpt.read(rel, key, offsets, sizes, view)
 
 
 def execute(

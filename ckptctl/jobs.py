@@ -20,9 +20,9 @@ from typing import Any
 from ckptctl.calibrate import saved_profiles
 from ckptctl.destination import Destination, check_destination
 from ckptctl.errors import CheckpointError, CkptctlError, UsageError
-from ckptctl.execute import Progress, Report, Sources, execute
 from ckptctl.formats.megatron.layout import MegatronStyle
 from ckptctl.formats.megatron.ranks import coords
+from ckptctl.job_report import Progress, Report, Sources
 from ckptctl.locations import refuse_overlap
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.plan import Plan
@@ -345,6 +345,8 @@ def run(
 ) -> Report:
     """Write ``job.plan``'s output: check the destination (unless already checked), clear what
     may be cleared, and execute. Whatever fails, nothing is marked complete."""
+    from ckptctl.execute import execute  # imports torch: only jobs that run need it
+
     plan, settings = job.plan, job.settings
     destination = destination or check_destination(plan, settings)
     if destination.complete:

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from dataclasses import replace as dc_replace
 
-import networkx as nx
-
 from ckptctl.model.geometry import nbytes
 from ckptctl.model.plan import Plan
 from ckptctl.model.profile import StorageProfile
@@ -31,6 +29,8 @@ def balance_reads(
         return plan
     total_bw = sum(p.read_bandwidth for p in locations.values())
     total = sum(-(-b // _UNIT) for b in per_file.values())
+    import networkx as nx  # 0.1 s to import: only when a plan is made
+
     graph = nx.DiGraph()
     graph.add_node("sink", demand=total)
     for prefix, profile in locations.items():

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import networkx as nx
-
 from ckptctl.model.geometry import nbytes
 from ckptctl.model.plan import Plan
 
@@ -25,6 +23,8 @@ class Transfers:
 
 
 def overlap_graph(plan: Plan) -> Transfers:
+    import networkx as nx  # 0.1 s to import: only when a plan is made
+
     graph = nx.Graph()
     for file in plan.files:
         graph.add_node(("target", file.path), bipartite=1)
@@ -52,6 +52,8 @@ def execution_order(plan: Plan) -> Plan:
     last, in order: the last one marks the checkpoint complete), and among writes, each next one
     chosen to share the most source files with the one before, so what was just read is still
     in the page cache or the read-ahead."""
+    import networkx as nx  # 0.1 s to import: only when a plan is made
+
     graph = nx.DiGraph()
     reads: dict[int, set[int]] = {}
     for i, file in enumerate(plan.files):

@@ -7,7 +7,7 @@ from typing import Any
 
 from ckptctl.cli.output import Output, RichProgress, human_bytes
 from ckptctl.destination import check_destination
-from ckptctl.execute import Report
+from ckptctl.job_report import Report
 from ckptctl.jobs import Job, run
 from ckptctl.model.plan import Plan
 from ckptctl.model.stored import Format

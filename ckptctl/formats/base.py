@@ -23,7 +23,8 @@ from ckptctl.storage import Storage
 if TYPE_CHECKING:
     import torch
 
-    from ckptctl.execute import Assembler, Report, Sources
+    from ckptctl.execute import Assembler
+    from ckptctl.job_report import Report, Sources
 
 
 class Checkpoint(Protocol):

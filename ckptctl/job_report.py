@@ -1,0 +1,78 @@
+"""What a job reports and reads from, without the executor's tensor machinery: the CLI and
+the job planners import this (and not torch) so that commands which touch no tensor start fast.
+"""
+
+from __future__ import annotations
+
+import resource
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ckptctl.model.stored import FlatView, KeyPath, Shape
+
+
+class Progress(Protocol):
+    """Where the executor reports bytes written; the CLI renders it, tests may count it."""
+
+    def start(self, total_bytes: int, description: str) -> None: ...
+    def advance(self, nbytes: int) -> None: ...
+    def finish(self) -> None: ...
+
+
+class NoProgress:
+    def start(self, total_bytes: int, description: str) -> None:
+        pass
+
+    def advance(self, nbytes: int) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+@dataclass
+class Report:
+    bytes_read: int = 0
+    read_requests: int = 0
+    bytes_written: int = 0
+    files_written: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    peak_rss_bytes: int = 0
+    tensor_checksums: dict[str, dict[str, str]] = field(default_factory=dict)
+    """File -> tensor key -> xxh3-64 of its bytes, taken while streaming."""
+    records: dict[str, list[list[Any]]] = field(default_factory=dict)
+    """DCP shard file -> its records ``[fqn, chunk offsets, byte offset, length]``."""
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class Sources:
+    """Routes reads to the checkpoint owning a path: the plan's source, or a further source
+    (replica, full copy) whose files the plan names under a prefix such as ``@0/``."""
+
+    def __init__(self, primary: Any, extra: dict[str, Any] | None = None) -> None:
+        self.primary = primary
+        self.extra = extra or {}
+
+    def owner(self, path: str) -> tuple[Any, str]:
+        for prefix, ckpt in self.extra.items():
+            if path.startswith(prefix):
+                return ckpt, path[len(prefix) :]
+        return self.primary, path
+
+    def read(
+        self,
+        path: str,
+        key: KeyPath,
+        offsets: Shape,
+        sizes: Shape,
+        view: FlatView = None,
+        transposed: bool = False,
+    ) -> Any:
+        """The box as a tensor (the owning reader's; this module does not import torch)."""
+        ckpt, rel = self.owner(path)
+        if transposed:  # only formats that store tensors transposed take the flag
+            return ckpt.read(rel, key, offsets, sizes, view, transposed=True)
+        return ckpt.read(rel, key, offsets, sizes, view)
