@@ -91,10 +91,6 @@ class Assembler:
         0-dimensional)."""
         scalar = not write.shape
         shape = write.shape if scalar else with_dim(write.shape, dim, hi - lo)
-        if write.padding:
-            out = torch.full(shape, write.fill, dtype=dtype)
-        else:
-            out = torch.empty(shape, dtype=dtype)
         reads = []
         for copy in write.copies:
             src, dst, sizes = copy.src, copy.dst, copy.sizes
@@ -113,9 +109,20 @@ class Assembler:
             results = list(self.pool.map(lambda r: self.source.read(*r[2]), reads))
         else:
             results = [self.source.read(*r[2]) for r in reads]
-        for (dst, sizes, _), data in zip(reads, results, strict=True):
+        for data in results:
             self.report.bytes_read += data.numel() * data.element_size()
             self.report.read_requests += 1
+        if not write.padding and len(reads) == 1:
+            (dst, sizes, _), data = reads[0], results[0]
+            whole = all(o == 0 for o in dst) and tuple(sizes) == tuple(shape)
+            if whole and data.dtype == dtype and data.is_contiguous():
+                # The band is one read as it stands: hand it on, not copied into another buffer.
+                return data.reshape(shape)
+        if write.padding:
+            out = torch.full(shape, write.fill, dtype=dtype)
+        else:
+            out = torch.empty(shape, dtype=dtype)
+        for (dst, sizes, _), data in zip(reads, results, strict=True):
             box = tuple(slice(o, o + n) for o, n in zip(dst, sizes, strict=True))
             out[box] = data.to(dtype)
         return out

@@ -332,8 +332,9 @@ class TorchZipReader:
         start = self._checked_start(ref, last)
         self._f.seek(start + first * itemsize)
         nbytes = (last - first + 1) * itemsize
-        buf = bytearray(nbytes)
-        view = memoryview(buf)
+        # Read straight into the tensor's memory: no zero-filled buffer, no copy afterwards.
+        flat = torch.empty(nbytes // itemsize, dtype=ref.dtype)
+        view = memoryview(flat.view(torch.uint8).numpy()).cast("B")
         got = 0
         while got < nbytes:
             n = self._f.readinto(view[got:]) if hasattr(self._f, "readinto") else None
@@ -344,8 +345,7 @@ class TorchZipReader:
             if not n:
                 raise CheckpointError(f"{self.where}: unexpected end of file in {ref.storage.key}")
             got += n
-        self._check_whole(ref, first * itemsize, buf)
-        flat = torch.frombuffer(buf, dtype=ref.dtype)
+        self._check_whole(ref, first * itemsize, view)
         return torch.as_strided(flat, sizes, ref.stride).contiguous()
 
 
