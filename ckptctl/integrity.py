@@ -13,10 +13,10 @@ from __future__ import annotations
 import json
 import struct
 import zipfile
-import zlib
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
+from ckptctl.crc import crc32
 from ckptctl.errors import CheckpointError
 from ckptctl.storage import Storage
 
@@ -121,7 +121,7 @@ def stream_check(
                 block = reader.read(min(_CHUNK, left))
                 if not block:
                     break
-                crc = zlib.crc32(block, crc)
+                crc = crc32(block, crc)
                 left -= len(block)
             if left:
                 problems.append(f"{label}: file ends {left} bytes early")

@@ -170,7 +170,15 @@ def test_no_module_is_over_500_lines() -> None:
 
 def test_the_registry_is_the_only_list_of_formats() -> None:
     names = [f.name for f in registry.formats()]
-    assert names == ["torch_dist", "dcp", "deepspeed", "megatron", "hf", "torch"]
+    assert names == [
+        "torch_dist",
+        "dcp",
+        "deepspeed-universal",
+        "deepspeed",
+        "megatron",
+        "hf",
+        "torch",
+    ]
     for fmt in registry.formats():
         assert fmt.support is not None and fmt.support.name == fmt.name
     assert json.dumps([f.support.as_dict() for f in registry.formats()])

@@ -28,7 +28,6 @@ import struct
 import threading
 import types
 import zipfile
-import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from math import prod
@@ -36,6 +35,7 @@ from typing import Any, BinaryIO
 
 import torch
 
+from ckptctl.crc import crc32
 from ckptctl.errors import CheckpointError, UnsafePickleError
 from ckptctl.model.dtypes import BY_STORAGE, DTYPES, dtype_name
 from ckptctl.storage import write_in_slices
@@ -282,7 +282,7 @@ class TorchZipReader:
         files are refused instead of carried into the output."""
         key = ref.storage.key
         whole = first == 0 and len(data) == self._data_offsets[key][1]
-        if whole and zlib.crc32(data) != self._crcs[key]:
+        if whole and crc32(data) != self._crcs[key]:
             raise CheckpointError(
                 f"{self.where}: storage record {key} fails its CRC-32 check; the file is "
                 "corrupt (ckptctl verify lists every damaged entry)"
