@@ -27,6 +27,7 @@ import pickle
 import struct
 import threading
 import types
+import warnings
 import zipfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -308,7 +309,11 @@ class TorchZipReader:
         if len(data) != nbytes:
             raise CheckpointError(f"{self.where}: unexpected end of file in {ref.storage.key}")
         self._check_whole(ref, first * ref.dtype.itemsize, data)
-        flat = torch.frombuffer(bytearray(data), dtype=ref.dtype)
+        with warnings.catch_warnings():
+            # Fetched bytes are read-only and nothing writes into a read's result: view them
+            # as they are instead of copying them into a bytearray first.
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(data, dtype=ref.dtype)
         return torch.as_strided(flat, sizes, ref.stride).contiguous()
 
     def _read_at(self, start: int, nbytes: int) -> bytes:
