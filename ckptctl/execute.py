@@ -25,6 +25,7 @@ from ckptctl.job_report import NoProgress, Progress, Report, Sources, peak_rss_b
 from ckptctl.manifest import MANIFEST, RunLog, new_digest, write_manifest
 from ckptctl.model.geometry import nbytes, with_dim
 from ckptctl.model.plan import FileKind, FileWrite, Plan, TensorWrite
+from ckptctl.model.stored import Shape
 from ckptctl.storage import Storage, write_in_slices
 
 DEFAULT_MEMORY_BUDGET = 1 << 30
@@ -103,29 +104,44 @@ class Assembler:
                 sizes = with_dim(sizes, dim, b - a)
             path = self.source_files[copy.source]
             reads.append((dst, sizes, (path, copy.key, src, sizes, copy.view, copy.transposed)))
-        # The reads of a band are disjoint parts of it, so fetching them at once (from
-        # different files and stores in parallel) stays within the band's memory.
-        if self.pool is not None and len(reads) > 1:
-            results = list(self.pool.map(lambda r: self.source.read(*r[2]), reads))
-        else:
-            results = [self.source.read(*r[2]) for r in reads]
-        for data in results:
-            self.report.bytes_read += data.numel() * data.element_size()
-            self.report.read_requests += 1
-        if not write.padding and len(reads) == 1:
-            (dst, sizes, _), data = reads[0], results[0]
-            whole = all(o == 0 for o in dst) and tuple(sizes) == tuple(shape)
-            if whole and data.dtype == dtype and data.is_contiguous():
-                # The band is one read as it stands: hand it on, not copied into another buffer.
+        whole = len(reads) == 1 and not any(reads[0][0]) and tuple(reads[0][1]) == tuple(shape)
+        if whole and not write.padding:
+            # The band is one read: hand the read on as it stands (no copy into another buffer).
+            data = self.source.read(*reads[0][2])
+            self._count(data)
+            if data.dtype == dtype and data.is_contiguous():
                 return data.reshape(shape)
+            return data.to(dtype).reshape(shape)
         if write.padding:
             out = torch.full(shape, write.fill, dtype=dtype)
         else:
             out = torch.empty(shape, dtype=dtype)
-        for (dst, sizes, _), data in zip(reads, results, strict=True):
-            box = tuple(slice(o, o + n) for o, n in zip(dst, sizes, strict=True))
-            out[box] = data.to(dtype)
+
+        def read(entry: tuple[Shape, Shape, tuple[Any, ...]]) -> None:
+            dst, sizes, args = entry
+            box = out[tuple(slice(o, o + n) for o, n in zip(dst, sizes, strict=True))]
+            # A box that is contiguous in the band (whole rows) can take the bytes straight
+            # from the file; otherwise, or if the reader cannot, copy what it returns.
+            into = box if box.is_contiguous() and not args[-1] else None
+            data = (
+                self.source.read(*args, into=into) if into is not None else self.source.read(*args)
+            )
+            self._count(data)
+            if into is None or data.data_ptr() != box.data_ptr():
+                box.copy_(data.to(dtype))
+
+        # The reads of a band are disjoint parts of it, so fetching them at once (from
+        # different files and stores in parallel) stays within the band's memory.
+        if self.pool is not None and len(reads) > 1:
+            list(self.pool.map(read, reads))
+        else:
+            for entry in reads:
+                read(entry)
         return out
+
+    def _count(self, data: torch.Tensor) -> None:
+        self.report.bytes_read += data.numel() * data.element_size()
+        self.report.read_requests += 1
 
 
 def execute(

@@ -70,9 +70,13 @@ class Sources:
         sizes: Shape,
         view: FlatView = None,
         transposed: bool = False,
+        into: Any = None,
     ) -> Any:
-        """The box as a tensor (the owning reader's; this module does not import torch)."""
+        """The box as a tensor (the owning reader's; this module does not import torch); the
+        reader may fill ``into`` and return it instead (formats that say ``reads_into``)."""
         ckpt, rel = self.owner(path)
         if transposed:  # only formats that store tensors transposed take the flag
             return ckpt.read(rel, key, offsets, sizes, view, transposed=True)
+        if into is not None and getattr(ckpt, "reads_into", False):
+            return ckpt.read(rel, key, offsets, sizes, view, into=into)
         return ckpt.read(rel, key, offsets, sizes, view)

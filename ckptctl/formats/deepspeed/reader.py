@@ -12,7 +12,7 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -59,6 +59,9 @@ from ckptctl.storage import Storage
 
 @dataclass
 class DeepSpeedCheckpoint:
+    reads_into: ClassVar[bool] = True
+    """``read`` can put a box's bytes straight into a given tensor."""
+
     storage: Storage
     view: CheckpointView
     readers: dict[str, TorchZipReader]
@@ -103,9 +106,15 @@ class DeepSpeedCheckpoint:
         return self.aliases
 
     def read(
-        self, path: str, key: KeyPath, offsets: Shape, sizes: Shape, view: FlatView = None
+        self,
+        path: str,
+        key: KeyPath,
+        offsets: Shape,
+        sizes: Shape,
+        view: FlatView = None,
+        into: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return read_box(self.readers[path], key, offsets, sizes, view)
+        return read_box(self.readers[path], key, offsets, sizes, view, into=into)
 
 
 def tag_dir(

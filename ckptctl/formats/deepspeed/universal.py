@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from math import prod
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -44,14 +44,23 @@ from ckptctl.storage import Storage
 
 @dataclass
 class UniversalCheckpoint:
+    reads_into: ClassVar[bool] = True
+    """``read`` can put a box's bytes straight into a given tensor."""
+
     storage: Storage
     view: CheckpointView
     readers: dict[str, TorchZipReader]
 
     def read(
-        self, path: str, key: KeyPath, offsets: Shape, sizes: Shape, view: FlatView = None
+        self,
+        path: str,
+        key: KeyPath,
+        offsets: Shape,
+        sizes: Shape,
+        view: FlatView = None,
+        into: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return read_box(self.readers[path], key, offsets, sizes, view)
+        return read_box(self.readers[path], key, offsets, sizes, view, into=into)
 
 
 def probe_universal(storage: Storage, names: frozenset[str], request: ProbeRequest) -> Any:

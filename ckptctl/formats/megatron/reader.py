@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import re
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -57,6 +57,9 @@ _EXTRA_STATE = "._extra_state"
 class MegatronCheckpoint:
     """A probed Megatron checkpoint: its view for planners and the open readers for execution."""
 
+    reads_into: ClassVar[bool] = True
+    """``read`` can put a box's bytes straight into a given tensor."""
+
     storage: Storage
     view: CheckpointView
     readers: dict[str, TorchZipReader]
@@ -78,8 +81,9 @@ class MegatronCheckpoint:
         sizes: Shape,
         view: FlatView = None,
         transposed: bool = False,
+        into: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return read_box(self.readers[path], key, offsets, sizes, view, transposed)
+        return read_box(self.readers[path], key, offsets, sizes, view, transposed, into)
 
     def tree(self, path: str) -> Any:
         return self.readers[path].tree

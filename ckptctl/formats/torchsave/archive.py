@@ -290,9 +290,16 @@ class TorchZipReader:
             )
 
     def read(
-        self, ref: TensorRef, offsets: Shape | None = None, sizes: Shape | None = None
+        self,
+        ref: TensorRef,
+        offsets: Shape | None = None,
+        sizes: Shape | None = None,
+        into: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Read box ``[offsets, offsets + sizes)`` of ``ref`` (the whole tensor by default)."""
+        """Read box ``[offsets, offsets + sizes)`` of ``ref`` (the whole tensor by default).
+        ``into`` (a contiguous tensor of the box's shape) receives the bytes straight from the
+        file when the box lies contiguously there in the same dtype; the result is ``into``
+        then, else a new tensor."""
         offsets = offsets if offsets is not None else (0,) * len(ref.shape)
         sizes = sizes if sizes is not None else ref.shape
         if prod(sizes) == 0:
@@ -300,8 +307,9 @@ class TorchZipReader:
         first = ref.offset + sum(o * s for o, s in zip(offsets, ref.stride, strict=True))
         last = first + sum((n - 1) * s for n, s in zip(sizes, ref.stride, strict=True))
         if self._fetch is None:
+            direct = into is not None and _fits(into, ref, sizes)
             with self._lock:
-                return self._read_span(ref, sizes, first, last)
+                return self._read_span(ref, sizes, first, last, into if direct else None)
         with self._lock:
             start = self._checked_start(ref, last)
         nbytes = (last - first + 1) * ref.dtype.itemsize
@@ -332,13 +340,19 @@ class TorchZipReader:
             )
         return start
 
-    def _read_span(self, ref: TensorRef, sizes: Shape, first: int, last: int) -> torch.Tensor:
+    def _read_span(
+        self, ref: TensorRef, sizes: Shape, first: int, last: int, into: torch.Tensor | None
+    ) -> torch.Tensor:
         itemsize = ref.dtype.itemsize
         start = self._checked_start(ref, last)
         self._f.seek(start + first * itemsize)
         nbytes = (last - first + 1) * itemsize
         # Read straight into the tensor's memory: no zero-filled buffer, no copy afterwards.
-        flat = torch.empty(nbytes // itemsize, dtype=ref.dtype)
+        flat = (
+            into.reshape(-1)
+            if into is not None
+            else torch.empty(nbytes // itemsize, dtype=ref.dtype)
+        )
         view = memoryview(flat.view(torch.uint8).numpy()).cast("B")
         got = 0
         while got < nbytes:
@@ -351,7 +365,22 @@ class TorchZipReader:
                 raise CheckpointError(f"{self.where}: unexpected end of file in {ref.storage.key}")
             got += n
         self._check_whole(ref, first * itemsize, view)
+        if into is not None:
+            return into
         return torch.as_strided(flat, sizes, ref.stride).contiguous()
+
+
+def _fits(into: torch.Tensor, ref: TensorRef, sizes: Shape) -> bool:
+    """The box of ``ref`` lies in the file exactly as ``into`` lays it out in memory: same
+    dtype and shape, both C-contiguous (so the bytes can be read straight into it)."""
+    if into.dtype != ref.dtype or tuple(into.shape) != tuple(sizes) or not into.is_contiguous():
+        return False
+    expected = 1
+    for n, stride in zip(reversed(sizes), reversed(ref.stride), strict=True):
+        if n > 1 and stride != expected:
+            return False
+        expected *= n
+    return True
 
 
 # --- writing -----------------------------------------------------------------------------------

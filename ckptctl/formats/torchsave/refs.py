@@ -49,9 +49,11 @@ def read_box(
     sizes: tuple[int, ...],
     view: tuple[int, tuple[int, ...]] | None = None,
     transposed: bool = False,
+    into: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Box ``[offsets, offsets + sizes)`` of the tensor at ``key`` (or of its flat ``view``);
-    a ``transposed`` tensor's box is given, and returned, in the canonical orientation."""
+    a ``transposed`` tensor's box is given, and returned, in the canonical orientation.
+    ``into``: where the bytes may go straight from the file (see ``TorchZipReader.read``)."""
     ref = resolve(reader.tree, key)
     if transposed:  # read the stored box, hand it back in canonical orientation
         if view is not None:
@@ -59,8 +61,9 @@ def read_box(
         offsets, sizes = offsets[::-1], sizes[::-1]
     if view is not None:
         ref = view_ref(ref, *view)
-    data = reader.read(ref, offsets, sizes)
-    return data.t() if transposed else data
+    if transposed:
+        return reader.read(ref, offsets, sizes).t()
+    return reader.read(ref, offsets, sizes, into)
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
