@@ -12,7 +12,7 @@ import struct
 import threading
 from dataclasses import dataclass, field
 from math import prod
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, ClassVar
 
 import torch
 
@@ -73,9 +73,14 @@ def read_header(f: BinaryIO, where: str) -> dict[str, SafetensorsEntry]:
 
 
 def read_box(
-    f: BinaryIO, entry: SafetensorsEntry, offsets: tuple[int, ...], sizes: tuple[int, ...]
+    f: BinaryIO,
+    entry: SafetensorsEntry,
+    offsets: tuple[int, ...],
+    sizes: tuple[int, ...],
+    into: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Read box ``[offsets, offsets + sizes)``: only the rows spanning it are fetched."""
+    """Read box ``[offsets, offsets + sizes)``: only the rows spanning it are fetched, straight
+    into tensor memory (into ``into`` itself when the box is whole rows of the same dtype)."""
     dtype = getattr(torch, entry.dtype)
     if not entry.shape:
         rows, row_elems, lo = 1, 1, 0
@@ -85,24 +90,47 @@ def read_box(
         rows = sizes[0]
     if rows == 0 or prod(sizes) == 0:
         return torch.empty(sizes, dtype=dtype)
-    start = entry.begin + lo * row_elems * dtype.itemsize
-    nbytes = rows * row_elems * dtype.itemsize
-    f.seek(start)
-    buf = bytearray(f.read(nbytes))
-    if len(buf) != nbytes:
-        raise CheckpointError("safetensors file is truncated")
-    block = torch.frombuffer(buf, dtype=dtype).reshape(
-        (rows, *entry.shape[1:]) if entry.shape else ()
+    whole_rows = tuple(sizes[1:]) == tuple(entry.shape[1:])
+    direct = (
+        into is not None
+        and whole_rows
+        and into.dtype == dtype
+        and into.is_contiguous()
+        and tuple(into.shape) == tuple(sizes)
     )
-    if entry.shape:
+    flat = into.reshape(-1) if direct else torch.empty(rows * row_elems, dtype=dtype)
+    f.seek(entry.begin + lo * row_elems * dtype.itemsize)
+    _read_exactly(f, memoryview(flat.view(torch.uint8).numpy()).cast("B"))
+    if direct:
+        return into  # type: ignore[return-value]
+    block = flat.reshape((rows, *entry.shape[1:]) if entry.shape else ())
+    if entry.shape and not whole_rows:
         inner = zip(offsets[1:], sizes[1:], strict=True)
-        index = (slice(None), *(slice(o, o + s) for o, s in inner))
-        block = block[index]
+        block = block[(slice(None), *(slice(o, o + s) for o, s in inner))]
     return block.contiguous()
+
+
+def _read_exactly(f: Any, view: memoryview) -> None:
+    """Fill ``view`` from ``f``: by ``readinto`` on files, else one exact read (ranged GET)."""
+    if not hasattr(f, "readinto"):
+        data = f.read(len(view))
+        if len(data) != len(view):
+            raise CheckpointError("safetensors file is truncated")
+        view[:] = data
+        return
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            raise CheckpointError("safetensors file is truncated")
+        got += n
 
 
 @dataclass
 class HFCheckpoint:
+    reads_into: ClassVar[bool] = True
+    """``read`` can put a box's bytes straight into a given tensor."""
+
     storage: Storage
     view: CheckpointView
     headers: dict[str, dict[str, SafetensorsEntry]]
@@ -111,15 +139,21 @@ class HFCheckpoint:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def read(
-        self, path: str, key: KeyPath, offsets: Shape, sizes: Shape, view: FlatView = None
+        self,
+        path: str,
+        key: KeyPath,
+        offsets: Shape,
+        sizes: Shape,
+        view: FlatView = None,
+        into: torch.Tensor | None = None,
     ) -> torch.Tensor:
         entry = self.headers[path][str(key[0])]
         if not self.storage.is_local:  # exact ranged GETs, several in flight
-            return read_box(_RangeFile(self.storage, path), entry, offsets, sizes)
+            return read_box(_RangeFile(self.storage, path), entry, offsets, sizes, into)
         with self._lock:  # one handle per file: seek + read must not interleave
             if path not in self._open:
                 self._open[path] = self.storage.open_read(path)
-            return read_box(self._open[path], entry, offsets, sizes)
+            return read_box(self._open[path], entry, offsets, sizes, into)
 
 
 class _RangeFile:
