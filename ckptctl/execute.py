@@ -7,6 +7,7 @@ memory follows the largest tensor, not the checkpoint.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -50,6 +51,7 @@ class Assembler:
         self.source_files = plan.source_files if isinstance(plan, Plan) else tuple(plan)
         self.source, self.report, self.progress = source, report, progress
         self.pool = pool
+        self._counting = threading.Lock()
         # Up to four bands are alive (two queued for writing, one being written, one being
         # built); the one being built is held up to four times (output band, bytes read in
         # parallel, their contiguous copies, a dtype cast).
@@ -140,8 +142,9 @@ class Assembler:
         return out
 
     def _count(self, data: torch.Tensor) -> None:
-        self.report.bytes_read += data.numel() * data.element_size()
-        self.report.read_requests += 1
+        with self._counting:  # reads finish on several threads
+            self.report.bytes_read += data.numel() * data.element_size()
+            self.report.read_requests += 1
 
 
 def execute(
