@@ -49,13 +49,25 @@ def plan_state_dict(
         )
         for name, (shape, dtype) in sorted(canonical_shapes(source).items())
     )
-    files, estimates = plan_files(
-        source, (StoredFile(STATE_DICT_FILE, tensors),), FileKind.TORCH_SAVE
+    return _torch_file_plan(
+        source,
+        StoredFile(STATE_DICT_FILE, tensors),
+        "one torch.save file: every tensor whole at its key path, other items as stored",
+        (source_url, source_fingerprint, target_url),
     )
+
+
+def _torch_file_plan(
+    source: CheckpointView, target: StoredFile, reason: str, urls: tuple[str, str, str]
+) -> Plan:
+    """A plan writing the one ``torch.save`` file ``target`` (urls: source, its fingerprint,
+    target)."""
+    source_url, source_fingerprint, target_url = urls
+    files, estimates = plan_files(source, (target,), FileKind.TORCH_SAVE)
     return Plan(
         operation="consolidate",
         strategy="merge",
-        reason="one torch.save file: every tensor whole at its key path, other items as stored",
+        reason=reason,
         **from_source(source, source_url, source_fingerprint),
         target_url=target_url,
         target_format=Format.TORCH,
@@ -110,21 +122,11 @@ def plan_hf_state_dict(
 ) -> Plan:
     """One ``torch.save`` file of an HF model's weights and Adam state (see
     ``hf_state_dict_tensors``); the source adds Adam's step and the parameter groups."""
-    files, estimates = plan_files(
-        source, (hf_state_dict_tensors(source, dtype),), FileKind.TORCH_SAVE
-    )
-    return Plan(
-        operation="consolidate",
-        strategy="merge",
-        reason="one torch.save file: HF-named weights and per-parameter Adam state",
-        **from_source(source, source_url, source_fingerprint),
-        target_url=target_url,
-        target_format=Format.TORCH,
-        target_layout=ParallelLayout(),
-        files=files,
-        finalize=(),
-        estimates=estimates,
-        notes=source.notes,
+    return _torch_file_plan(
+        source,
+        hf_state_dict_tensors(source, dtype),
+        "one torch.save file: HF-named weights and per-parameter Adam state",
+        (source_url, source_fingerprint, target_url),
     )
 
 

@@ -12,9 +12,7 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
-
-import torch
+from typing import Any
 
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError, LayoutError
 from ckptctl.formats.base import ProbeRequest, SavedTraining
@@ -41,16 +39,14 @@ from ckptctl.formats.hf.families import spec_from_config
 from ckptctl.formats.hf.layout import CONFIG, MODEL_KEY, hf_tensors
 from ckptctl.formats.megatron.layout import GroupOrder, MegatronStyle, OptimizerLayout
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
-from ckptctl.formats.torchsave.refs import open_torch_file, read_box, resolve
+from ckptctl.formats.torchsave.refs import TorchFiles, open_torch_file, resolve
 from ckptctl.model.dtypes import dtype_name
 from ckptctl.model.geometry import Piece
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.stored import (
     CheckpointView,
-    FlatView,
     Format,
     KeyPath,
-    Shape,
     StoredFile,
     StoredTensor,
 )
@@ -58,13 +54,7 @@ from ckptctl.storage import Storage
 
 
 @dataclass
-class DeepSpeedCheckpoint:
-    reads_into: ClassVar[bool] = True
-    """``read`` can put a box's bytes straight into a given tensor."""
-
-    storage: Storage
-    view: CheckpointView
-    readers: dict[str, TorchZipReader]
+class DeepSpeedCheckpoint(TorchFiles):
     items: list[tuple[KeyPath, Any, TorchZipReader]]
     """Adam's step per parameter and the parameter groups, for an HF torch state dict."""
     aliases: dict[KeyPath, KeyPath]
@@ -104,17 +94,6 @@ class DeepSpeedCheckpoint:
 
     def state_dict_aliases(self) -> dict[KeyPath, KeyPath]:
         return self.aliases
-
-    def read(
-        self,
-        path: str,
-        key: KeyPath,
-        offsets: Shape,
-        sizes: Shape,
-        view: FlatView = None,
-        into: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return read_box(self.readers[path], key, offsets, sizes, view, into=into)
 
 
 def tag_dir(

@@ -5,11 +5,8 @@ describes, as for ZeRO checkpoints."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from math import prod
-from typing import Any, ClassVar
-
-import torch
+from typing import Any
 
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError, LayoutError
 from ckptctl.formats.base import ProbeRequest
@@ -26,13 +23,12 @@ from ckptctl.formats.deepspeed.reader import model_config, tag_dir
 from ckptctl.formats.hf.families import spec_from_config
 from ckptctl.formats.hf.layout import CONFIG, hf_tensors
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
-from ckptctl.formats.torchsave.refs import open_torch_file, read_box, resolve
+from ckptctl.formats.torchsave.refs import TorchFiles, open_torch_file, resolve
 from ckptctl.model.catalog import state_name
 from ckptctl.model.dtypes import dtype_name
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.stored import (
     CheckpointView,
-    FlatView,
     Format,
     KeyPath,
     Shape,
@@ -42,25 +38,8 @@ from ckptctl.model.stored import (
 from ckptctl.storage import Storage
 
 
-@dataclass
-class UniversalCheckpoint:
-    reads_into: ClassVar[bool] = True
-    """``read`` can put a box's bytes straight into a given tensor."""
-
-    storage: Storage
-    view: CheckpointView
-    readers: dict[str, TorchZipReader]
-
-    def read(
-        self,
-        path: str,
-        key: KeyPath,
-        offsets: Shape,
-        sizes: Shape,
-        view: FlatView = None,
-        into: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return read_box(self.readers[path], key, offsets, sizes, view, into=into)
+class UniversalCheckpoint(TorchFiles):
+    """A universal checkpoint: one ``torch.save`` file per parameter and state."""
 
 
 def probe_universal(storage: Storage, names: frozenset[str], request: ProbeRequest) -> Any:

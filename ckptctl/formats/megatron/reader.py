@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import re
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
@@ -33,8 +33,8 @@ from ckptctl.formats.megatron.optimizer_groups import (
 )
 from ckptctl.formats.megatron.ranks import saving_ranks
 from ckptctl.formats.megatron.writer import carried_state
-from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
-from ckptctl.formats.torchsave.refs import open_torch_file, read_box, resolve
+from ckptctl.formats.torchsave.archive import TensorRef
+from ckptctl.formats.torchsave.refs import TorchFiles, open_torch_file, resolve
 from ckptctl.model.catalog import (
     EXPERTS,
     GROUPED_MLP_NAMES,
@@ -46,7 +46,7 @@ from ckptctl.model.catalog import (
     uses_local_names,
 )
 from ckptctl.model.dtypes import dtype_name
-from ckptctl.model.stored import CheckpointView, FlatView, Format, KeyPath, Shape, StoredFile
+from ckptctl.model.stored import CheckpointView, Format, StoredFile
 from ckptctl.storage import Storage
 
 _ITER_DIR = re.compile(r"^(iter_\d{7}|release)$")
@@ -54,15 +54,9 @@ _EXTRA_STATE = "._extra_state"
 
 
 @dataclass
-class MegatronCheckpoint:
+class MegatronCheckpoint(TorchFiles):
     """A probed Megatron checkpoint: its view for planners and the open readers for execution."""
 
-    reads_into: ClassVar[bool] = True
-    """``read`` can put a box's bytes straight into a given tensor."""
-
-    storage: Storage
-    view: CheckpointView
-    readers: dict[str, TorchZipReader]
     args: argparse.Namespace
     naming: Naming
     layer_order: tuple[str, ...]
@@ -72,18 +66,6 @@ class MegatronCheckpoint:
     lost: frozenset[str] = frozenset()
     """Rank files absent from storage (only with ``allow_missing``)."""
     expert_naming: ExpertNaming = ExpertNaming.SEQUENTIAL
-
-    def read(
-        self,
-        path: str,
-        key: KeyPath,
-        offsets: Shape,
-        sizes: Shape,
-        view: FlatView = None,
-        transposed: bool = False,
-        into: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return read_box(self.readers[path], key, offsets, sizes, view, transposed, into)
 
     def tree(self, path: str) -> Any:
         return self.readers[path].tree

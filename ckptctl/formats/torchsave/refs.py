@@ -4,12 +4,13 @@ are ``torch.save`` archives."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
 from ckptctl.model.dtypes import dtype_name
-from ckptctl.model.stored import KeyPath
+from ckptctl.model.stored import CheckpointView, FlatView, KeyPath, Shape
 from ckptctl.storage import Storage
 
 if TYPE_CHECKING:
@@ -79,3 +80,27 @@ def open_torch_file(storage: Storage, rel: str) -> TorchZipReader:
     by exact byte range, in parallel when the executor asks for several."""
     fetch = None if storage.is_local else partial(storage.read_range, rel)
     return TorchZipReader(storage.open_read(rel), storage.describe(rel), fetch)
+
+
+@dataclass
+class TorchFiles:
+    """A checkpoint kept as ``torch.save`` files: its view for planners and one lazy reader
+    per file, read box by box (DeepSpeed's ZeRO and universal checkpoints build on it)."""
+
+    storage: Storage
+    view: CheckpointView
+    readers: dict[str, TorchZipReader]
+    reads_into: ClassVar[bool] = True
+    """``read`` can put a box's bytes straight into a given tensor."""
+
+    def read(
+        self,
+        path: str,
+        key: KeyPath,
+        offsets: Shape,
+        sizes: Shape,
+        view: FlatView = None,
+        transposed: bool = False,
+        into: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return read_box(self.readers[path], key, offsets, sizes, view, transposed, into)
