@@ -27,19 +27,19 @@ from planners.convert import from_source, plan_files
 
 
 def universal_files(source: CheckpointView) -> tuple[str, tuple[StoredFile, ...]]:
-    """The tag and the per-parameter files: fp32 weights always (converted when the source's
-    weights are 16-bit), Adam's moments and step for trained parameters when the source has
-    optimizer state."""
+    """The tag and the per-parameter files: ``fp32.pt`` from the fp32 masters where the source
+    keeps them apart (Megatron mixed precision), else from the weights (converted to fp32);
+    Adam's moments and step for trained parameters when the source has optimizer state."""
     tag = universal_tag(source.iteration)
     frozen = set(source.frozen)
+    held = source.canonical_dtypes()
     out = []
     for hf, canonical, shape, pieces in named_weights(source):
         folder = f"{tag}/zero/{hf}"
-        out.append(
-            StoredFile(
-                f"{folder}/fp32.pt", (StoredTensor(PARAM_KEY, canonical, shape, "float32", pieces),)
-            )
-        )
+        master = state_name("fp32_param", canonical)
+        weight = master if master in held else canonical
+        fp32 = StoredTensor(PARAM_KEY, weight, shape, "float32", pieces)
+        out.append(StoredFile(f"{folder}/fp32.pt", (fp32,)))
         if not source.has_optimizer or canonical in frozen:
             continue
         for state in ("exp_avg", "exp_avg_sq"):

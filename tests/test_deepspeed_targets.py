@@ -165,3 +165,24 @@ def test_megatron_target_continues_the_deepspeed_run(
         "consolidate", written["stage2-dp2"], tmp_path / "no", "--format", "megatron", code=2
     )
     assert "frozen parameters" in result.stderr and "--format torch" in result.stderr
+
+
+def test_universal_fp32_files_hold_megatrons_masters_not_its_bf16_weights(
+    tmp_path: Path, cli
+) -> None:
+    """A bf16 Megatron checkpoint keeps fp32 masters beside its weights: the universal
+    checkpoint's fp32.pt files are those masters, not the bf16 weights widened."""
+    from ckptctl import synth
+
+    model = synth.make_model(synth.tiny_llama_config(), seed=5)
+    states = synth.adam_step(model, seed=6)
+    src = tmp_path / "megatron"
+    synth.write_megatron(model, states, str(src), tp=2, params_dtype=torch.bfloat16)
+    cli("consolidate", src, tmp_path / "u", "--format", "deepspeed-universal")
+    zero = tmp_path / "u" / "global_step1_universal" / "zero"
+    widened = 0
+    for name, param in model.named_parameters():
+        held = torch.load(zero / name / "fp32.pt", weights_only=True)["param"]
+        assert held.dtype == torch.float32 and torch.equal(held, param.detach()), name
+        widened += not torch.equal(held, held.bfloat16().float())
+    assert widened > 0  # the masters carry bits the bf16 weights do not
