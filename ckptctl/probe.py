@@ -6,7 +6,7 @@ import hashlib
 import json
 from dataclasses import replace
 
-from ckptctl.errors import CheckpointNotFoundError
+from ckptctl.errors import CheckpointNotFoundError, UsageError
 from ckptctl.formats import registry
 from ckptctl.formats.base import Checkpoint, CheckpointFormat, ProbeRequest
 from ckptctl.manifest import refuse_incomplete
@@ -59,6 +59,14 @@ def open_checkpoint(
     for fmt in registry.formats():
         ckpt = fmt.probe(storage, names, request)
         if ckpt is not None:
+            if request.tag is not None and not fmt.name.startswith("deepspeed"):
+                # A flag that would change nothing is refused, not ignored.
+                raise UsageError(
+                    f"{url}: --tag names a DeepSpeed tag directory, but this is a {fmt.name} "
+                    "checkpoint"
+                    + (" (use --iteration)" if fmt.name == "megatron" else "")
+                    + "; beside other checkpoints, give the DeepSpeed tag's directory (CKPT/TAG)"
+                )
             return ckpt
     known = "; ".join(
         f"{f.name} ({f.support.recognised_by})" for f in registry.formats() if f.support

@@ -132,6 +132,13 @@ def test_tag_is_chosen_or_refused(written: dict[str, Path], tmp_path: Path, cli)
     result = cli("--tag", "global_step9", "inspect", ckpt, code=3)
     assert "no such tag" in result.stderr and "global_step2" in result.stderr
     assert "Traceback" not in result.stderr
+    # Any other format: --tag would change nothing, so it is refused rather than ignored.
+    from ckptctl import synth
+
+    model = synth.make_model(synth.tiny_llama_config(), seed=2)
+    synth.write_megatron(model, synth.adam_step(model), str(tmp_path / "megatron"))
+    result = cli("--tag", "global_step2", "inspect", tmp_path / "megatron", code=2)
+    assert "--tag" in result.stderr and "--iteration" in result.stderr
 
 
 def test_broken_checkpoints_are_refused(written: dict[str, Path], tmp_path: Path, cli) -> None:
