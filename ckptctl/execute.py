@@ -111,9 +111,7 @@ class Assembler:
             # The band is one read: hand the read on as it stands (no copy into another buffer).
             data = self.source.read(*reads[0][2])
             self._count(data)
-            if data.dtype == dtype and data.is_contiguous():
-                return data.reshape(shape)
-            return data.to(dtype).reshape(shape)
+            return data.to(dtype).reshape(shape)  # no copy when the dtype already matches
         if write.padding:
             out = torch.full(shape, write.fill, dtype=dtype)
         else:
@@ -125,9 +123,7 @@ class Assembler:
             # A box that is contiguous in the band (whole rows) can take the bytes straight
             # from the file; otherwise, or if the reader cannot, copy what it returns.
             into = box if box.is_contiguous() and not args[-1] else None
-            data = (
-                self.source.read(*args, into=into) if into is not None else self.source.read(*args)
-            )
+            data = self.source.read(*args, into=into)
             self._count(data)
             if into is None or data.data_ptr() != box.data_ptr():
                 box.copy_(data.to(dtype))

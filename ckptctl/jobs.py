@@ -101,17 +101,18 @@ def plan_consolidate(
     settings = settings or Settings()
     refuse_overlap("destination", dst, {"source": src})
     ckpt = open_checkpoint(src, settings, iteration=iteration, true_vocab_size=true_vocab_size)
+
+    def urls() -> dict[str, str]:
+        fp = fingerprint(ckpt.storage, ckpt.view)
+        return {"source_url": src, "source_fingerprint": fp, "target_url": dst}
+
+    def job(plan: Plan) -> Job:
+        return Job(with_identities(plan, ckpt.storage, ckpt.view), Sources(ckpt), settings)
+
     if fmt == Format.TORCH and hasattr(ckpt, "state_dict_items"):
         # An HF model trained under another framework (DeepSpeed): weights and Adam state by
         # HF name, as torch's set_state_dict takes them.
-        plan = plan_hf_state_dict(
-            ckpt.view,
-            source_url=src,
-            source_fingerprint=fingerprint(ckpt.storage, ckpt.view),
-            target_url=dst,
-            dtype=dtype,
-        )
-        return Job(with_identities(plan, ckpt.storage, ckpt.view), Sources(ckpt), settings)
+        return job(plan_hf_state_dict(ckpt.view, **urls(), dtype=dtype))
     if fmt == Format.TORCH:
         if hasattr(ckpt, "as_generic"):  # DCP: every stored key, whatever model it holds
             generic = ckpt.as_generic()
@@ -129,13 +130,7 @@ def plan_consolidate(
         return Job(plan, Sources(generic), settings)
     if fmt == Format.DEEPSPEED_UNIVERSAL:
         refuse_dp_reshardable(ckpt)
-        plan = plan_universal(
-            ckpt.view,
-            source_url=src,
-            source_fingerprint=fingerprint(ckpt.storage, ckpt.view),
-            target_url=dst,
-        )
-        return Job(with_identities(plan, ckpt.storage, ckpt.view), Sources(ckpt), settings)
+        return job(plan_universal(ckpt.view, **urls()))
     if fmt not in (Format.HF, Format.MEGATRON):
         raise UsageError(
             f"consolidate --format {fmt.value}: choose hf, megatron, torch or deepspeed-universal"
@@ -144,15 +139,13 @@ def plan_consolidate(
         refuse_dp_reshardable(ckpt)
     plan = consolidation(
         ckpt.view,
-        source_url=src,
-        source_fingerprint=fingerprint(ckpt.storage, ckpt.view),
-        target_url=dst,
+        **urls(),
         target_format=fmt,
         style=megatron_style(ckpt),
         dtype=dtype,
         max_shard_bytes=max_shard_bytes,
     )
-    return Job(with_identities(plan, ckpt.storage, ckpt.view), Sources(ckpt), settings)
+    return job(plan)
 
 
 def parse_ranks(text: str | None) -> set[int]:

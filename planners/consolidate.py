@@ -23,7 +23,7 @@ from ckptctl.formats.megatron.layout import (
     tracker_text,
 )
 from ckptctl.model.catalog import OPTIMIZER_STATES, state_name
-from ckptctl.model.geometry import Piece, Shape
+from ckptctl.model.geometry import Piece, Shape, whole
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.plan import FileKind, Plan, TextWrite
 from ckptctl.model.stored import CheckpointView, Format, StoredFile, StoredTensor, canonical_shapes
@@ -44,9 +44,7 @@ def plan_state_dict(
     """One ``torch.save`` file of every tensor, whole, at its stored key (what torch's
     ``dcp_to_torch_save`` writes, without holding the model in memory)."""
     tensors = tuple(
-        StoredTensor(
-            (name,), name, shape, dtype, (Piece((0,) * len(shape), (0,) * len(shape), shape),)
-        )
+        StoredTensor((name,), name, shape, dtype, (whole(shape),))
         for name, (shape, dtype) in sorted(canonical_shapes(source).items())
     )
     return _torch_file_plan(
@@ -88,8 +86,7 @@ def named_weights(source: CheckpointView) -> list[tuple[str, str, Shape, tuple[P
     out = []
     for name, (shape, _) in canonical_shapes(source).items():
         if _is_weight(name):
-            zero = (0,) * len(shape)
-            out.append((name, name, shape, (Piece(zero, zero, shape),)))
+            out.append((name, name, shape, (whole(shape),)))
     return out
 
 

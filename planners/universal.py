@@ -18,7 +18,7 @@ from ckptctl.formats.deepspeed.layout import (
 from ckptctl.formats.hf.families import hf_config
 from ckptctl.formats.hf.layout import CONFIG
 from ckptctl.model.catalog import state_name
-from ckptctl.model.geometry import Piece
+from ckptctl.model.geometry import whole
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.plan import FileKind, Plan, TextWrite
 from ckptctl.model.stored import CheckpointView, Format, StoredFile, StoredTensor
@@ -45,12 +45,9 @@ def universal_files(source: CheckpointView) -> tuple[str, tuple[StoredFile, ...]
         for state in ("exp_avg", "exp_avg_sq"):
             tensor = StoredTensor(PARAM_KEY, state_name(state, canonical), shape, "float32", pieces)
             out.append(StoredFile(f"{folder}/{state}.pt", (tensor,)))
-        step = StoredTensor(STEP_KEY, state_name("step", canonical), (), "float32", (SCALAR,))
+        step = StoredTensor(STEP_KEY, state_name("step", canonical), (), "float32", (whole(()),))
         out.append(StoredFile(f"{folder}/step.pt", (step,)))
     return tag, tuple(out)
-
-
-SCALAR = Piece((), (), ())
 
 
 def plan_universal(
@@ -72,12 +69,12 @@ def plan_universal(
     if source.spec is not None:
         text = json.dumps(hf_config(source.spec, "float32"), indent=2)
         config.append(TextWrite(path=CONFIG, content=text))
-    files, estimates = plan_files(source, targets, FileKind.DEEPSPEED_UNIVERSAL)
-    empty = (
+    # The optimizer's global state and the model states hold no tensors: the writer builds them.
+    untensored = (
         StoredFile(f"{tag}/{UNIVERSAL_OPTIMIZER_STATE}", ()),
         *(StoredFile(f"{tag}/{name}", ()) for name in UNIVERSAL_MODEL_STATES),
     )
-    extra, _ = plan_files(source, empty, FileKind.DEEPSPEED_UNIVERSAL)
+    files, estimates = plan_files(source, (*untensored, *targets), FileKind.DEEPSPEED_UNIVERSAL)
     return Plan(
         operation="consolidate",
         strategy="merge",
@@ -86,7 +83,7 @@ def plan_universal(
         target_url=target_url,
         target_format=Format.DEEPSPEED_UNIVERSAL,
         target_layout=ParallelLayout(),
-        files=(*extra, *files),
+        files=files,
         finalize=(*config, TextWrite(path=LATEST_UNIVERSAL, content=tag + "\n")),
         estimates=estimates,
         notes=source.notes,

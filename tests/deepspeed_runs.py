@@ -68,6 +68,12 @@ def write_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
+@pytest.fixture(scope="module")
+def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The runs, for a test module (``written = runs.written``)."""
+    return write_runs(tmp_path_factory)
+
+
 def by_hf_name(path: Path, state: str) -> dict[str, torch.Tensor]:
     """Every HF parameter's weight (``state`` empty) or Adam state as ckptctl reads it: stored
     fragments placed into canonical tensors, canonical tensors cut into HF names."""

@@ -25,11 +25,7 @@ from tests import deepspeed_runs as runs  # noqa: E402  (after the skips)
 from tests import test_s3  # noqa: E402  (moto's S3 server fixtures)
 
 pytestmark = pytest.mark.oracle
-
-
-@pytest.fixture(scope="module")
-def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return runs.write_runs(tmp_path_factory)
+written = runs.written  # the DeepSpeed runs, written once per session
 
 
 s3_endpoint, bucket = test_s3.s3_endpoint, test_s3.bucket

@@ -19,11 +19,7 @@ safetensors = pytest.importorskip("safetensors.torch")
 from tests import deepspeed_runs as runs  # noqa: E402  (after the skips)
 
 pytestmark = pytest.mark.oracle
-
-
-@pytest.fixture(scope="module")
-def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return runs.write_runs(tmp_path_factory)
+written = runs.written  # the DeepSpeed runs, written once per session
 
 
 @pytest.mark.parametrize("run", ["stage2-dp2", "stage3-bf16-dp3"])

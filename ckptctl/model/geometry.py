@@ -112,6 +112,12 @@ def shard_shape_and_pieces(
     raise AssertionError(split)
 
 
+def whole(shape: Shape) -> Piece:
+    """The one piece of a tensor held whole, at the same place on both sides."""
+    zero = (0,) * len(shape)
+    return Piece(zero, zero, shape)
+
+
 def chunk_pieces(whole: tuple[Piece, ...], offsets: Shape, sizes: Shape) -> tuple[Piece, ...]:
     """The pieces of the chunk ``[offsets, offsets + sizes)`` of a tensor, in the chunk's
     own coordinates."""

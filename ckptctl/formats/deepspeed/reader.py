@@ -41,7 +41,7 @@ from ckptctl.formats.megatron.layout import GroupOrder, MegatronStyle, Optimizer
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
 from ckptctl.formats.torchsave.refs import TorchFiles, open_torch_file, resolve
 from ckptctl.model.dtypes import dtype_name
-from ckptctl.model.geometry import Piece
+from ckptctl.model.geometry import whole
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.stored import (
     CheckpointView,
@@ -127,9 +127,9 @@ def model_config(
     ``required``)."""
     if request.hf_config is not None:
         return dict(request.hf_config)
-    if not storage.exists(CONFIG) and not required:
-        return None
     if not storage.exists(CONFIG):
+        if not required:
+            return None
         where = storage.describe(CONFIG)
         raise CheckpointError(
             f"{where}: missing, so the model is unknown; pass --hf-config CONFIG.json"
@@ -187,7 +187,7 @@ def probe_deepspeed(storage: Storage, names: frozenset[str], request: ProbeReque
         # torch state dict (or a universal checkpoint) needs.
         spec = None
         entries = {
-            name: (name, shape, (Piece((0,) * len(shape), (0,) * len(shape), shape),))
+            name: (name, shape, (whole(shape),))
             for group in (*param_shapes, held_frozen)
             for name, shape in group.items()
         }
@@ -225,7 +225,9 @@ def probe_deepspeed(storage: Storage, names: frozenset[str], request: ProbeReque
     if stage3:
         for rank, name in stage3:
             rel = join(name)
-            reader = readers.setdefault(rel, open_torch_file(storage, rel))
+            if rel not in readers:  # rank 0's is open already
+                readers[rel] = open_torch_file(storage, rel)
+            reader = readers[rel]
             frozen = stage3_frozen(reader.tree, held_frozen, entries, rank, dp, rel, storage)
             files.insert(rank, StoredFile(rel, tuple(frozen)))
     else:

@@ -12,7 +12,7 @@ import json
 
 from ckptctl.formats.hf.families import MoeNaming, choose_family
 from ckptctl.model.catalog import LAYER_PREFIX, expert_name
-from ckptctl.model.geometry import Piece, Shape, nbytes
+from ckptctl.model.geometry import Piece, Shape, nbytes, whole
 from ckptctl.model.layout import ModelSpec
 from ckptctl.model.stored import StoredFile, StoredTensor
 
@@ -32,8 +32,7 @@ them: parameters by fully qualified name, Adam state under ``state[name]``."""
 
 
 def _full(shape: Shape) -> tuple[Piece, ...]:
-    zero = (0,) * len(shape)
-    return (Piece(zero, zero, shape),)
+    return (whole(shape),)
 
 
 def _qkv_pieces(spec: ModelSpec, part: str, trailing: Shape) -> tuple[Shape, tuple[Piece, ...]]:
