@@ -42,9 +42,21 @@ class Report:
     """File -> tensor key -> xxh3-64 of its bytes, taken while streaming."""
     records: dict[str, list[list[Any]]] = field(default_factory=dict)
     """DCP shard file -> its records ``[fqn, chunk offsets, byte offset, length]``."""
+    copied: dict[str, int] = field(default_factory=dict)
+    """Bytes moved without passing through this process, by how: ``copy_file_range`` (the
+    kernel, local files) or ``upload_part_copy`` (the object store, server side)."""
 
 
 def peak_rss_bytes() -> int:
+    """This process's peak resident memory. On Linux from ``VmHWM``: ``ru_maxrss`` survives
+    ``exec``, so a process started by a large parent would report the parent's peak."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
