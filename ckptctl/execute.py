@@ -9,19 +9,18 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from math import prod
+from functools import partial
 from typing import Any
 
 import torch
 import xxhash
 
+from ckptctl.bands import Band, BandQueue, band_ranges
 from ckptctl.formats import registry
 from ckptctl.formats.base import Checkpoint, WriteJob
-from ckptctl.formats.torchsave.archive import (
-    tensor_bytes,
-)
+from ckptctl.formats.torchsave.zip_writer import tensor_bytes
 from ckptctl.job_report import NoProgress, Progress, Report, Sources, peak_rss_bytes
 from ckptctl.manifest import MANIFEST, RunLog, new_digest, write_manifest
 from ckptctl.model.geometry import nbytes, with_dim
@@ -47,7 +46,9 @@ class Assembler:
         progress: Progress,
         budget: int,
         pool: ThreadPoolExecutor | None = None,
+        ahead: int = 1,
     ) -> None:
+        """``ahead``: the pool's threads; twice as many bands are kept in flight."""
         self.source_files = plan.source_files if isinstance(plan, Plan) else tuple(plan)
         self.source, self.report, self.progress = source, report, progress
         self.pool = pool
@@ -56,29 +57,46 @@ class Assembler:
         # built); the one being built is held up to four times (output band, bytes read in
         # parallel, their contiguous copies, a dtype cast).
         self.band_bytes = max(budget // 8, 1) if pool is None else max(budget // 12, 1)
+        self.queue: BandQueue | None = None
+        if pool is not None:
+            # Bands built ahead hold their output and the fetched bytes: a third of the
+            # budget for the bands themselves keeps both within it.
+            build = partial(self._build, parallel=False)  # pool threads must not wait on it
+            self.queue = BandQueue(build, pool, self.band_bytes, budget // 3, 2 * ahead)
+
+    def expect(self, writes: Iterable[TensorWrite]) -> None:
+        """The tensors a writer will ask ``chunks`` for, in its order: with a read pool (object
+        stores) their bands are then fetched and built ahead, several at once."""
+        if self.queue is not None:
+            self.queue.expect(writes)
 
     def chunks(self, write: TensorWrite, file: str = "") -> Iterator[memoryview]:
-        dtype = getattr(torch, write.dtype)
-        shape = write.shape
         digest = xxhash.xxh3_64()
-        if not shape:
-            yield self._emit(self._band(write, dtype, 0, 1), digest)
-        elif write.transposed:  # stored rows are the tensor's columns: bands of columns
-            column_bytes = max(shape[0] * dtype.itemsize, 1)
-            columns = max(self.band_bytes // column_bytes, 1)
-            for start in range(0, shape[1], columns):
-                band = self._band(write, dtype, start, min(start + columns, shape[1]), dim=1)
-                yield self._emit(band.t().contiguous(), digest)
-        else:
-            row_bytes = max(prod(shape[1:]) * dtype.itemsize, 1)
-            rows = max(self.band_bytes // row_bytes, 1)
-            for start in range(0, shape[0], rows):
-                band = self._band(write, dtype, start, min(start + rows, shape[0]))
-                yield self._emit(band, digest)
+        bands = None
+        if self.queue is not None:
+            bands = self.queue.take(write)
+            if bands is None:  # not announced: at least this tensor's bands go ahead
+                self.queue.expect([write])
+                bands = self.queue.take(write)
+        if bands is None:
+            bands = (self._build(write, b) for b in band_ranges(write, self.band_bytes))
+        for band in bands:
+            yield self._emit(band, digest)
         key = ".".join(map(str, write.key))
         if write.view_offset is not None:  # one of several tensors sharing a stored one
             key += f"@{write.view_offset}"
         self.report.tensor_checksums.setdefault(file, {})[key] = digest.hexdigest()
+
+    def _build(self, write: TensorWrite, band: Band, *, parallel: bool = True) -> torch.Tensor:
+        """One band's bytes in the order they are written."""
+        lo, hi, dim = band
+        data = self._band(write, getattr(torch, write.dtype), lo, hi, dim, parallel)
+        return data.t().contiguous() if write.transposed else data
+
+    def forget(self) -> None:
+        """Drop the bands built ahead (a file is done, or failed)."""
+        if self.queue is not None:
+            self.queue.close()
 
     def _emit(self, band: torch.Tensor, digest: Any) -> memoryview:
         view = tensor_bytes(band)
@@ -88,10 +106,16 @@ class Assembler:
         return view
 
     def _band(
-        self, write: TensorWrite, dtype: torch.dtype, lo: int, hi: int, dim: int = 0
+        self,
+        write: TensorWrite,
+        dtype: torch.dtype,
+        lo: int,
+        hi: int,
+        dim: int = 0,
+        parallel: bool = True,
     ) -> torch.Tensor:
         """Indices ``[lo, hi)`` along ``dim`` of the target tensor (the whole tensor if it is
-        0-dimensional)."""
+        0-dimensional); its reads go to the pool if ``parallel`` (not from a pool thread)."""
         scalar = not write.shape
         shape = write.shape if scalar else with_dim(write.shape, dim, hi - lo)
         reads = []
@@ -130,7 +154,7 @@ class Assembler:
 
         # The reads of a band are disjoint parts of it, so fetching them at once (from
         # different files and stores in parallel) stays within the band's memory.
-        if self.pool is not None and len(reads) > 1:
+        if parallel and self.pool is not None and len(reads) > 1:
             list(self.pool.map(read, reads))
         else:
             for entry in reads:
@@ -170,7 +194,7 @@ def execute(
     finish_paths = target_format.finish_paths(plan) if target_format.finish_paths else ()
     log = RunLog(target, plan, checksum, finish_paths)
     pool = ThreadPoolExecutor(workers, thread_name_prefix="ckptctl-read") if workers > 1 else None
-    assemble = Assembler(plan, source, report, progress, memory_budget, pool)
+    assemble = Assembler(plan, source, report, progress, memory_budget, pool, workers)
     job = WriteJob(plan, source, assemble, report)
     try:
         _write_files(job, target, log)
@@ -212,7 +236,10 @@ def _write_files(job: WriteJob, target: Storage, log: RunLog) -> None:
                 _copy_file(source, plan.source_files[file.copy_of or 0], out, job.assemble)
             else:
                 _, write = registry.writer_for(file.kind)
-                write(job, file, out)
+                try:
+                    write(job, file, out)
+                finally:
+                    job.assemble.forget()
         log.finished(
             file.path,
             report.tensor_checksums.get(file.path, {}),
@@ -241,9 +268,15 @@ def _copy_file(source: Sources, path: str, out: Any, assemble: Assembler) -> Non
         assemble.report.bytes_written += n
         assemble.progress.advance(n)
 
-    # Bytes that do not change move by a kernel copy, never through Python.
+    # Bytes that do not change move by a kernel copy, or the object store's own copy, never
+    # through Python.
+    report = assemble.report
     local = ckpt.storage.is_local and hasattr(out, "copy_file")
-    if local and out.copy_file(ckpt.storage.path(rel), advance) is not None:
+    if local and (n := out.copy_file(ckpt.storage.path(rel), advance)) is not None:
+        report.copied["copy_file_range"] = report.copied.get("copy_file_range", 0) + n
+        return
+    if hasattr(out, "copy_object") and (n := out.copy_object(ckpt.storage, rel, advance)):
+        report.copied["upload_part_copy"] = report.copied.get("upload_part_copy", 0) + n
         return
     with ckpt.storage.open_read(rel) as f:
         while chunk := f.read(8 << 20):

@@ -21,6 +21,8 @@ from typing import Any
 MIN_PART_SIZE = 5 << 20
 """S3's smallest part (all but the last)."""
 MAX_PARTS = 10_000
+COPY_PART = 512 << 20
+"""Part size of server-side copies (S3 allows up to 5 GiB; nothing is buffered here)."""
 
 
 class MultipartUpload(io.RawIOBase):
@@ -33,7 +35,8 @@ class MultipartUpload(io.RawIOBase):
         self.bucket, self.key, _ = fs.split_path(path)
         self.part_size = part_size
         self.parallel = max(parallel, 1)
-        self._buffer = bytearray()
+        self._buffer = bytearray(part_size)
+        self._filled = 0
         self._upload_id: str | None = None
         self._parts: list[dict[str, Any]] = []
         self._part_count = 0
@@ -44,15 +47,38 @@ class MultipartUpload(io.RawIOBase):
         return True
 
     def write(self, data: Any) -> int:
+        """Copy ``data`` into the part being filled (the only copy: a full part is handed to
+        the upload as it is, and a fresh one started)."""
         view = memoryview(data).cast("B")
-        self._buffer += view
-        while len(self._buffer) >= self.part_size:
-            part = bytes(self._buffer[: self.part_size])
-            del self._buffer[: self.part_size]
-            self._send(part)
+        pos = 0
+        while pos < len(view):
+            take = min(self.part_size - self._filled, len(view) - pos)
+            self._buffer[self._filled : self._filled + take] = view[pos : pos + take]
+            self._filled += take
+            pos += take
+            if self._filled == self.part_size:
+                part, self._buffer, self._filled = self._buffer, bytearray(self.part_size), 0
+                self._send(self._upload_part, part)
         return len(view)
 
-    def _send(self, part: bytes) -> None:
+    def _rest(self) -> bytes:
+        """The part being filled, as the last (or only) body."""
+        return bytes(memoryview(self._buffer)[: self._filled])
+
+    def copy_object(self, source_path: str, size: int) -> None:
+        """Append all ``size`` bytes of object ``source_path`` (same store) by server-side
+        copy (``UploadPartCopy``): the bytes never pass through this machine. Only at a part
+        boundary, and only for a non-empty source."""
+        if self._filled or size <= 0:
+            raise ValueError("a server-side copy must start a part and copy something")
+        bucket, key, _ = self.fs.split_path(source_path)
+        step = max(self.part_size, COPY_PART)
+        for start in range(0, size, step):
+            byte_range = f"bytes={start}-{min(start + step, size) - 1}"
+            self._send(self._copy_part, {"Bucket": bucket, "Key": key}, byte_range)
+
+    def _send(self, how: Any, *args: Any) -> None:
+        """Queue part number n+1 as ``how(number, *args)`` (an upload or a copy)."""
         if self._upload_id is None:
             started = self.fs.call_s3("create_multipart_upload", Bucket=self.bucket, Key=self.key)
             self._upload_id = started["UploadId"]
@@ -65,9 +91,9 @@ class MultipartUpload(io.RawIOBase):
         while len(self._pending) >= self.parallel:
             self._pending.popleft().result()
         assert self._pool is not None
-        self._pending.append(self._pool.submit(self._upload_part, number, part))
+        self._pending.append(self._pool.submit(how, number, *args))
 
-    def _upload_part(self, number: int, body: bytes) -> None:
+    def _upload_part(self, number: int, body: bytes | bytearray) -> None:
         out = self.fs.call_s3(
             "upload_part",
             Bucket=self.bucket,
@@ -78,15 +104,26 @@ class MultipartUpload(io.RawIOBase):
         )
         self._parts.append({"PartNumber": number, "ETag": out["ETag"]})
 
+    def _copy_part(self, number: int, source: dict[str, str], byte_range: str) -> None:
+        out = self.fs.call_s3(
+            "upload_part_copy",
+            Bucket=self.bucket,
+            Key=self.key,
+            UploadId=self._upload_id,
+            PartNumber=number,
+            CopySource=source,
+            CopySourceRange=byte_range,
+        )
+        self._parts.append({"PartNumber": number, "ETag": out["CopyPartResult"]["ETag"]})
+
     def commit(self) -> None:
         """Publish the object: one PUT if it never filled a part, else the last part and the
         completion request once every part has arrived."""
         if self._upload_id is None:
-            body = bytes(self._buffer)
-            self.fs.call_s3("put_object", Bucket=self.bucket, Key=self.key, Body=body)
+            self.fs.call_s3("put_object", Bucket=self.bucket, Key=self.key, Body=self._rest())
         else:
-            if self._buffer:
-                self._send(bytes(self._buffer))
+            if self._filled:
+                self._send(self._upload_part, self._rest())
             while self._pending:
                 self._pending.popleft().result()
             parts = sorted(self._parts, key=lambda p: p["PartNumber"])
@@ -97,7 +134,7 @@ class MultipartUpload(io.RawIOBase):
                 UploadId=self._upload_id,
                 MultipartUpload={"Parts": parts},
             )
-        self._buffer = bytearray()
+        self._buffer, self._filled = bytearray(), 0
         self._shutdown()
         self.fs.invalidate_cache(self.path)
 
@@ -115,7 +152,7 @@ class MultipartUpload(io.RawIOBase):
                     UploadId=self._upload_id,
                 )
             self._upload_id = None
-        self._buffer = bytearray()
+        self._buffer, self._filled = bytearray(), 0
 
     def _shutdown(self) -> None:
         if self._pool is not None:

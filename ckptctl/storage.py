@@ -105,6 +105,30 @@ class HashingWriter(io.RawIOBase):
         self.size += size
         return size
 
+    def copy_object(self, source: Storage, rel: str, advance: Any = None) -> int | None:
+        """Append object ``rel`` of ``source`` by a server-side copy, when this writes a
+        multipart upload on the same object store and nothing is written yet; the bytes are
+        still read once to hash them (the manifest's checksum), but not uploaded. ``None``
+        when it does not apply (the caller streams the bytes)."""
+        upload = self._inner
+        if not (isinstance(upload, MultipartUpload) and source.is_s3 and source.fs is upload.fs):
+            return None
+        size = source.size(rel)
+        if size == 0 or self.size:
+            return None
+        upload.copy_object(source.path(rel), size)
+        if self.digest is None:
+            if advance is not None:
+                advance(size)
+        else:
+            with source.open_sequential(rel) as f:
+                while chunk := f.read(8 << 20):
+                    self.digest.update(chunk)
+                    if advance is not None:
+                        advance(len(chunk))
+        self.size += size
+        return size
+
 
 REMOTE_BLOCK_SIZE = 128 << 10
 """Read-ahead of remote file objects, used only for zip and safetensors metadata (tensor bytes

@@ -33,7 +33,8 @@ from ckptctl.formats.dcp.metadata import (
 from ckptctl.formats.dcp.parse import parse_metadata
 from ckptctl.formats.dcp.records import RecordWindow, open_tensor_record
 from ckptctl.formats.dcp.write import metadata_bytes, write_bytes_record, write_tensor_record
-from ckptctl.formats.torchsave.archive import TensorSlot, TorchZipReader, tensor_bytes
+from ckptctl.formats.torchsave.archive import TorchZipReader
+from ckptctl.formats.torchsave.zip_writer import TensorSlot, tensor_bytes
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

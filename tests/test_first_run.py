@@ -496,9 +496,11 @@ def test_a_same_layout_reshard_counts_progress_of_copied_files(ck: Path, tmp_pat
     job = plan_reshard(str(ck), str(tmp_path / "o"), {"tp": 2, "pp": 2})
     assert job.plan.strategy == "direct"
     progress = Count()
-    execute(job.plan, job.sources, Storage(str(tmp_path / "o")), progress)
+    report = execute(job.plan, job.sources, Storage(str(tmp_path / "o")), progress)
     size = sum(p.stat().st_size for p in ck.rglob("*.pt"))
     assert progress.total == progress.advanced == size > 0
+    # Unchanged files move by the kernel's copy, never through the process.
+    assert report.copied == {"copy_file_range": size}
 
 
 def test_the_demo_says_where_it_wrote_and_keeps_foreign_directories(tmp_path: Path, cli) -> None:

@@ -49,6 +49,7 @@ def report_dict(plan: Plan, report: Report) -> dict[str, Any]:
         "strategy": plan.strategy,
         "estimates": plan.estimates.model_dump(mode="json"),
         "bytes_written": report.bytes_written,
+        "bytes_copied_without_passing_through": dict(report.copied),
         "seconds": round(report.seconds, 3),
         "throughput_bytes_per_s": int(report.bytes_written / report.seconds)
         if report.seconds

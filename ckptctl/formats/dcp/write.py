@@ -24,7 +24,7 @@ from ckptctl.formats.dcp.metadata import (
     StorageInfo,
     TensorEntry,
 )
-from ckptctl.formats.torchsave.archive import TensorSlot, write_torch_zip
+from ckptctl.formats.torchsave.zip_writer import TensorSlot, write_torch_zip
 
 _PICKLE_PROTOCOL = 4  # what torch's pickle.dump writes on Python 3.11-3.13; fixed for stable bytes
 

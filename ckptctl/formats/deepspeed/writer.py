@@ -17,7 +17,7 @@ from ckptctl.formats.deepspeed.layout import (
     UNIVERSAL_MODEL_STATES,
     UNIVERSAL_OPTIMIZER_STATE,
 )
-from ckptctl.formats.torchsave.archive import TensorSlot, write_torch_zip
+from ckptctl.formats.torchsave.zip_writer import TensorSlot, write_torch_zip
 from ckptctl.model.plan import FileWrite
 
 DS_VERSION = "0.19.8"

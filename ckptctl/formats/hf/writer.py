@@ -52,5 +52,6 @@ def write_safetensors_file(job: WriteJob, file: FileWrite, out: BinaryIO) -> Non
     """One ``model*.safetensors`` of the plan, tensors assembled and streamed in order."""
     entries = [(str(t.key[0]), t.dtype, t.shape) for t in file.tensors]
     produce = partial(job.assemble.chunks, file=file.path)
+    job.assemble.expect(file.tensors)
     with ReadAhead(list(file.tensors), produce) as ahead:
         write_safetensors(out, entries, lambda i: ahead(file.tensors[i]))

@@ -14,7 +14,8 @@ import torch
 
 from ckptctl.formats.base import SavedTraining, WriteJob
 from ckptctl.formats.megatron.args import args_for, args_from_spec
-from ckptctl.formats.torchsave.archive import TensorRef, TensorSlot, tensor_bytes, write_torch_zip
+from ckptctl.formats.torchsave.archive import TensorRef
+from ckptctl.formats.torchsave.zip_writer import TensorSlot, tensor_bytes, write_torch_zip
 from ckptctl.model.catalog import parameters
 from ckptctl.model.plan import FileWrite, TensorWrite
 from ckptctl.model.stored import StoredFile
@@ -188,6 +189,7 @@ def write_distopt_file(job: WriteJob, file: FileWrite, out: BinaryIO) -> None:
         yield from _zeros(slot.shape[0] - pos)
 
     root: Any = [subs.get(i) for i in range(2)] if chained else subs.get(0, {})
+    assemble.expect(w for slot in slots for w in members[slot])
     with ReadAhead(slots, produce) as ahead:
         write_torch_zip(out, root, slots, ahead)
 
@@ -292,6 +294,7 @@ def write_rank_file(job: WriteJob, file: FileWrite, out: BinaryIO) -> None:
             yield state.carried_bytes(slot)
 
     all_slots = [*slots, *carried_slots]
+    assemble.expect(w for slot in all_slots for w in writes.get(slot.key, ()))
     with ReadAhead(all_slots, produce) as ahead:
         write_torch_zip(out, tree, all_slots, ahead)
 

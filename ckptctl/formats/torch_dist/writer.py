@@ -33,7 +33,7 @@ from ckptctl.formats.torch_dist.layout import (
     model_catalog,
     record_geometry,
 )
-from ckptctl.formats.torchsave.archive import TensorSlot, write_torch_zip
+from ckptctl.formats.torchsave.zip_writer import TensorSlot, write_torch_zip
 from ckptctl.model.catalog import parameters
 from ckptctl.model.plan import FileWrite, Plan
 
@@ -47,6 +47,7 @@ def write_dcp_shard(job: WriteJob, file: FileWrite, out: BinaryIO) -> None:
     plan, assemble = job.plan, job.assemble
     name = posixpath.basename(file.path)
     records: list[Record] = []
+    assemble.expect(file.tensors)
     for tensor in file.tensors:
         fqn, offsets = str(tensor.key[0]), [int(k) for k in tensor.key[1:]]
         shape = tensor.shape

@@ -10,7 +10,8 @@ from typing import Any, BinaryIO
 import torch
 
 from ckptctl.formats.base import WriteJob
-from ckptctl.formats.torchsave.archive import TensorRef, TensorSlot, tensor_bytes, write_torch_zip
+from ckptctl.formats.torchsave.archive import TensorRef
+from ckptctl.formats.torchsave.zip_writer import TensorSlot, tensor_bytes, write_torch_zip
 from ckptctl.model.plan import FileWrite
 
 
@@ -49,6 +50,7 @@ def write_state_dict_file(job: WriteJob, file: FileWrite, out: BinaryIO) -> None
         else:
             yield from assemble.chunks(by_key[slot.key], file.path)
 
+    assemble.expect(by_key[s.key] for s in slots if s.key not in inner)
     write_torch_zip(out, tree, slots, produce)
 
 

@@ -29,7 +29,7 @@ import threading
 import types
 import warnings
 import zipfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from math import prod
 from typing import Any, BinaryIO
@@ -38,12 +38,14 @@ import torch
 
 from ckptctl.crc import crc32
 from ckptctl.errors import CheckpointError, UnsafePickleError
-from ckptctl.model.dtypes import BY_STORAGE, DTYPES, dtype_name
-from ckptctl.storage import write_in_slices
+from ckptctl.model.dtypes import BY_STORAGE
 
 Shape = tuple[int, ...]
 
 _ALIGNMENT = 64  # torch aligns storage records so they can be memory-mapped
+_EXTRA_GUESS = 2 * _ALIGNMENT
+"""Most bytes of a local header's extra field (torch's alignment padding) fetched on the guess
+that a record's bytes follow its header this closely."""
 _STORAGE_DTYPES = {storage: getattr(torch, name) for storage, name in BY_STORAGE.items()}
 
 
@@ -226,7 +228,10 @@ class TorchZipReader:
     """Lazy reader of one ``torch.save`` archive on any seekable binary file object."""
 
     def __init__(
-        self, fileobj: BinaryIO, where: str, fetch: Callable[[int, int], bytes] | None = None
+        self,
+        fileobj: BinaryIO,
+        where: str,
+        fetch: Callable[[int, int], bytes] | None = None,
     ) -> None:
         """``fetch(start, nbytes)``, if given, reads tensor bytes by exact range, thread-safely
         and without read-ahead (remote stores: one ranged GET per read, several in flight);
@@ -260,22 +265,57 @@ class TorchZipReader:
     def _storage_span(self, key: str) -> tuple[int, int]:
         """Absolute file offset and size of a storage record's bytes (call under the lock)."""
         if key not in self._data_offsets:
-            try:
-                info = self._zip.getinfo(f"{self._prefix}/data/{key}")
-            except KeyError:
-                raise CheckpointError(f"{self.where}: storage record {key} is missing") from None
-            if info.compress_type != zipfile.ZIP_STORED:
-                raise CheckpointError(f"{self.where}: storage record {key} is compressed")
-            header = self._read_at(info.header_offset, 30)
-            if len(header) < 30 or header[:4] != b"PK\x03\x04":
-                raise CheckpointError(f"{self.where}: corrupt zip header for record {key}")
-            name_len, extra_len = struct.unpack("<HH", header[26:30])
-            self._data_offsets[key] = (
-                info.header_offset + 30 + name_len + extra_len,
-                info.file_size,
-            )
-            self._crcs[key] = info.CRC
+            info = self._record_info(key)
+            self._locate(key, info, self._read_at(info.header_offset, 30))
         return self._data_offsets[key]
+
+    def _record_info(self, key: str) -> zipfile.ZipInfo:
+        try:
+            info = self._zip.getinfo(f"{self._prefix}/data/{key}")
+        except KeyError:
+            raise CheckpointError(f"{self.where}: storage record {key} is missing") from None
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise CheckpointError(f"{self.where}: storage record {key} is compressed")
+        return info
+
+    def _locate(self, key: str, info: zipfile.ZipInfo, header: bytes) -> tuple[int, int]:
+        """Where record ``key``'s bytes start, from its 30-byte local header: the local extra
+        field (torch's alignment padding) differs from the central directory's."""
+        if len(header) < 30 or header[:4] != b"PK\x03\x04":
+            raise CheckpointError(f"{self.where}: corrupt zip header for record {key}")
+        name_len, extra_len = struct.unpack("<HH", header[26:30])
+        self._data_offsets[key] = (info.header_offset + 30 + name_len + extra_len, info.file_size)
+        self._crcs[key] = info.CRC
+        return self._data_offsets[key]
+
+    def _fetch_box(self, ref: TensorRef, offset: int, nbytes: int) -> bytes | memoryview:
+        """Bytes ``[offset, offset + nbytes)`` of ``ref``'s storage record from the remote
+        store. A record not yet located and read from its start is fetched together with its
+        local header in one request (a header alone is a round trip for 30 bytes)."""
+        key = ref.storage.key
+        with self._lock:
+            span = self._data_offsets.get(key)
+            info = None if span is not None else self._record_info(key)
+        assert self._fetch is not None
+        if info is not None:
+            reach = 30 + len(info.filename.encode()) + _EXTRA_GUESS
+            header = self._fetch(info.header_offset, reach + nbytes if offset == 0 else 30)
+            with self._lock:
+                span = self._locate(key, info, bytes(header[:30]))
+            skip = span[0] - info.header_offset
+            if offset == 0 and skip <= reach:
+                self._check_size(ref, span[1], nbytes)
+                return memoryview(header)[skip : skip + nbytes]
+        assert span is not None
+        self._check_size(ref, span[1], offset + nbytes)
+        return self._fetch(span[0] + offset, nbytes)
+
+    def _check_size(self, ref: TensorRef, size: int, end: int) -> None:
+        if end > size:
+            raise CheckpointError(
+                f"{self.where}: storage record {ref.storage.key} holds {size} bytes, fewer than "
+                "its tensor needs; the file is truncated or corrupt"
+            )
 
     def _check_whole(self, ref: TensorRef, first: int, data: Any) -> None:
         """A read that covers a whole storage record is checked against the record's CRC-32
@@ -310,10 +350,8 @@ class TorchZipReader:
             direct = into is not None and _fits(into, ref, sizes)
             with self._lock:
                 return self._read_span(ref, sizes, first, last, into if direct else None)
-        with self._lock:
-            start = self._checked_start(ref, last)
         nbytes = (last - first + 1) * ref.dtype.itemsize
-        data = self._fetch(start + first * ref.dtype.itemsize, nbytes)
+        data = self._fetch_box(ref, first * ref.dtype.itemsize, nbytes)
         if len(data) != nbytes:
             raise CheckpointError(f"{self.where}: unexpected end of file in {ref.storage.key}")
         self._check_whole(ref, first * ref.dtype.itemsize, data)
@@ -333,11 +371,7 @@ class TorchZipReader:
     def _checked_start(self, ref: TensorRef, last: int) -> int:
         """File offset of the storage record holding ``ref`` (call under the lock)."""
         start, size = self._storage_span(ref.storage.key)
-        if (last + 1) * ref.dtype.itemsize > size:
-            raise CheckpointError(
-                f"{self.where}: storage record {ref.storage.key} holds {size} bytes, fewer than "
-                "its tensor needs; the file is truncated or corrupt"
-            )
+        self._check_size(ref, size, (last + 1) * ref.dtype.itemsize)
         return start
 
     def _read_span(
@@ -381,120 +415,3 @@ def _fits(into: torch.Tensor, ref: TensorRef, sizes: Shape) -> bool:
             return False
         expected *= n
     return True
-
-
-# --- writing -----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class _StorageSlot:
-    key: str
-    dtype: torch.dtype
-    numel: int
-
-
-class TensorSlot:
-    """A tensor to be written: pickled by reference, its bytes streamed later."""
-
-    __slots__ = ("_storage", "dtype", "shape")
-
-    def __init__(self, key: str, dtype: torch.dtype, shape: Shape) -> None:
-        self._storage = _StorageSlot(key, dtype, prod(shape))
-        self.dtype = dtype
-        self.shape = tuple(shape)
-
-    @property
-    def key(self) -> str:
-        return self._storage.key
-
-    @property
-    def nbytes(self) -> int:
-        return prod(self.shape) * self.dtype.itemsize
-
-    def __reduce_ex__(self, protocol: int) -> tuple[Any, ...]:
-        stride, acc = [], 1
-        for n in reversed(self.shape):
-            stride.append(acc)
-            acc *= max(n, 1)
-        return (
-            torch._utils._rebuild_tensor_v2,
-            (
-                self._storage,
-                0,
-                self.shape,
-                tuple(reversed(stride)),
-                False,
-                collections.OrderedDict(),
-            ),
-        )
-
-
-class _Pickler(pickle._Pickler):  # type: ignore[name-defined]
-    """Pure-Python pickler: lets stub classes be written under their original global names."""
-
-    def persistent_id(self, obj: Any) -> Any:
-        if isinstance(obj, _StorageSlot):
-            storage_type = getattr(torch, DTYPES[dtype_name(obj.dtype)].storage)
-            return ("storage", storage_type, obj.key, "cpu", obj.numel)
-        return None
-
-    def save_global(self, obj: Any, name: str | None = None) -> None:
-        if isinstance(obj, type) and issubclass(obj, Stub) and obj is not Stub:
-            module, qualname = obj._global
-            self.write(pickle.GLOBAL + f"{module}\n{qualname}\n".encode())
-            self.memoize(obj)
-            return
-        super().save_global(obj, name)
-
-
-def _aligned_entry(zf: zipfile.ZipFile, name: str, size: int) -> Any:
-    """Open a stored zip entry whose data starts on a 64-byte boundary, as torch writes them."""
-    info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
-    info.compress_type = zipfile.ZIP_STORED
-    info.file_size = size
-    zip64 = size * 1.05 > zipfile.ZIP64_LIMIT
-    fixed = 30 + len(name.encode()) + (20 if zip64 else 0) + 4
-    pad = (-(zf.fp.tell() + fixed)) % _ALIGNMENT
-    info.extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
-    return zf.open(info, "w", force_zip64=zip64)
-
-
-def write_torch_zip(
-    fileobj: BinaryIO,
-    tree: Any,
-    slots: list[TensorSlot],
-    produce: Callable[[TensorSlot], Iterable[bytes | memoryview]],
-) -> None:
-    """Write ``tree`` (with ``TensorSlot`` leaves) as a ``torch.save`` archive.
-
-    ``produce(slot)`` yields the slot's bytes in order (C-contiguous, little-endian); it is called
-    once per slot, in the order of ``slots``, so memory holds one slot's data at a time.
-    """
-    pkl = io.BytesIO()
-    _Pickler(pkl, protocol=2).dump(tree)
-    prefix = "archive"
-    with zipfile.ZipFile(fileobj, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
-        for name, payload in (
-            ("data.pkl", pkl.getvalue()),
-            (".format_version", b"1"),
-            (".storage_alignment", str(_ALIGNMENT).encode()),
-            ("byteorder", b"little"),
-        ):
-            with _aligned_entry(zf, f"{prefix}/{name}", len(payload)) as out:
-                out.write(payload)
-        for slot in slots:
-            written = 0
-            with _aligned_entry(zf, f"{prefix}/data/{slot.key}", slot.nbytes) as out:
-                for chunk in produce(slot):
-                    write_in_slices(out, chunk)
-                    written += len(chunk)
-            if written != slot.nbytes:
-                raise AssertionError(f"slot {slot.key}: wrote {written} of {slot.nbytes} bytes")
-        with _aligned_entry(zf, f"{prefix}/version", 1) as out:
-            out.write(b"3")
-
-
-def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """The raw little-endian bytes of a contiguous CPU tensor, without a copy."""
-    flat = tensor.contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B") if flat.numel() else memoryview(b"")

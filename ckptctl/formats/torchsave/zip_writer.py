@@ -1,0 +1,139 @@
+"""``torch.save`` archives written as a stream: the pickle first, then each storage in an
+aligned zip entry, so a multi-gigabyte shard never has to sit in memory; ``torch.load`` reads
+the result. Tensors are pickled as ``TensorSlot`` placeholders that name their storage record.
+
+The pickler subclasses the pure-Python ``pickle._Pickler`` on purpose: only it lets stub classes
+(see ``archive``) be saved under their original global names.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import pickle
+import struct
+import zipfile
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from math import prod
+from typing import Any, BinaryIO
+
+import torch
+
+from ckptctl.formats.torchsave.archive import _ALIGNMENT, Shape, Stub
+from ckptctl.model.dtypes import DTYPES, dtype_name
+from ckptctl.storage import write_in_slices
+
+
+@dataclass(frozen=True, slots=True)
+class _StorageSlot:
+    key: str
+    dtype: torch.dtype
+    numel: int
+
+
+class TensorSlot:
+    """A tensor to be written: pickled by reference, its bytes streamed later."""
+
+    __slots__ = ("_storage", "dtype", "shape")
+
+    def __init__(self, key: str, dtype: torch.dtype, shape: Shape) -> None:
+        self._storage = _StorageSlot(key, dtype, prod(shape))
+        self.dtype = dtype
+        self.shape = tuple(shape)
+
+    @property
+    def key(self) -> str:
+        return self._storage.key
+
+    @property
+    def nbytes(self) -> int:
+        return prod(self.shape) * self.dtype.itemsize
+
+    def __reduce_ex__(self, protocol: int) -> tuple[Any, ...]:
+        stride, acc = [], 1
+        for n in reversed(self.shape):
+            stride.append(acc)
+            acc *= max(n, 1)
+        return (
+            torch._utils._rebuild_tensor_v2,
+            (
+                self._storage,
+                0,
+                self.shape,
+                tuple(reversed(stride)),
+                False,
+                collections.OrderedDict(),
+            ),
+        )
+
+
+class _Pickler(pickle._Pickler):  # type: ignore[name-defined]
+    """Pure-Python pickler: lets stub classes be written under their original global names."""
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, _StorageSlot):
+            storage_type = getattr(torch, DTYPES[dtype_name(obj.dtype)].storage)
+            return ("storage", storage_type, obj.key, "cpu", obj.numel)
+        return None
+
+    def save_global(self, obj: Any, name: str | None = None) -> None:
+        if isinstance(obj, type) and issubclass(obj, Stub) and obj is not Stub:
+            module, qualname = obj._global
+            self.write(pickle.GLOBAL + f"{module}\n{qualname}\n".encode())
+            self.memoize(obj)
+            return
+        super().save_global(obj, name)
+
+
+def _aligned_entry(zf: zipfile.ZipFile, name: str, size: int) -> Any:
+    """Open a stored zip entry whose data starts on a 64-byte boundary, as torch writes them."""
+    info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+    info.compress_type = zipfile.ZIP_STORED
+    info.file_size = size
+    zip64 = size * 1.05 > zipfile.ZIP64_LIMIT
+    fixed = 30 + len(name.encode()) + (20 if zip64 else 0) + 4
+    pad = (-(zf.fp.tell() + fixed)) % _ALIGNMENT
+    info.extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
+    return zf.open(info, "w", force_zip64=zip64)
+
+
+def write_torch_zip(
+    fileobj: BinaryIO,
+    tree: Any,
+    slots: list[TensorSlot],
+    produce: Callable[[TensorSlot], Iterable[bytes | memoryview]],
+) -> None:
+    """Write ``tree`` (with ``TensorSlot`` leaves) as a ``torch.save`` archive.
+
+    ``produce(slot)`` yields the slot's bytes in order (C-contiguous, little-endian); it is called
+    once per slot, in the order of ``slots``, so memory holds one slot's data at a time.
+    """
+    pkl = io.BytesIO()
+    _Pickler(pkl, protocol=2).dump(tree)
+    prefix = "archive"
+    with zipfile.ZipFile(fileobj, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+        for name, payload in (
+            ("data.pkl", pkl.getvalue()),
+            (".format_version", b"1"),
+            (".storage_alignment", str(_ALIGNMENT).encode()),
+            ("byteorder", b"little"),
+        ):
+            with _aligned_entry(zf, f"{prefix}/{name}", len(payload)) as out:
+                out.write(payload)
+        for slot in slots:
+            written = 0
+            with _aligned_entry(zf, f"{prefix}/data/{slot.key}", slot.nbytes) as out:
+                for chunk in produce(slot):
+                    write_in_slices(out, chunk)
+                    written += len(chunk)
+            if written != slot.nbytes:
+                raise AssertionError(f"slot {slot.key}: wrote {written} of {slot.nbytes} bytes")
+        with _aligned_entry(zf, f"{prefix}/version", 1) as out:
+            out.write(b"3")
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes of a contiguous CPU tensor, without a copy."""
+    flat = tensor.contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B") if flat.numel() else memoryview(b"")
