@@ -208,3 +208,15 @@ def test_on_s3(written: dict[str, Path], bucket: str, tmp_path: Path, cli) -> No
         ).read_bytes()
     cli("consolidate", f"{bucket}/ds", f"{bucket}/universal", "--format", "deepspeed-universal")
     assert cli.json("verify", f"{bucket}/universal", "--against", ckpt)["ok"]
+
+
+@pytest.mark.parametrize("run", ["stage2-bf16-dp2", "stage3-dp2", "bf16-optimizer-dp2"])
+def test_inspect_and_dry_runs_do_not_import_torch(
+    written: dict[str, Path], run: str, tmp_path: Path
+) -> None:
+    from tests.test_startup import run as in_fresh_interpreter
+
+    ckpt = written[run]
+    assert in_fresh_interpreter("inspect", ckpt, "--json") == "torch not imported"
+    dry_run = ("consolidate", ckpt, tmp_path / "hf", "--dry-run")
+    assert in_fresh_interpreter(*dry_run) == "torch not imported"

@@ -6,8 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, repr=False)
 class DType:
+    """An element type without torch: what reading a checkpoint's metadata needs (``plan``
+    and ``inspect`` never import torch). Prints and pickles as ``torch.<name>``."""
+
     name: str
     """torch's name without ``torch.``, as DCP ``.metadata`` pickles it."""
     itemsize: int
@@ -15,6 +18,16 @@ class DType:
     """The header code (``F32``), if safetensors can store it."""
     storage: str | None = None
     """The legacy storage class ``torch.save`` pickles for it (``FloatStorage``)."""
+
+    @property
+    def is_floating_point(self) -> bool:
+        """As torch says: real floating types (not complex, not integers)."""
+        return self.name.startswith(("float", "bfloat"))
+
+    def __repr__(self) -> str:
+        return f"torch.{self.name}"
+
+    __str__ = __repr__
 
 
 DTYPES: dict[str, DType] = {
@@ -51,5 +64,5 @@ BY_STORAGE = {d.storage: name for name, d in DTYPES.items() if d.storage}
 
 
 def dtype_name(dtype: object) -> str:
-    """``torch.float32`` (or ``"float32"``) -> ``"float32"``."""
-    return str(dtype).removeprefix("torch.")
+    """``torch.float32`` (or ``"float32"``, or its ``DType``) -> ``"float32"``."""
+    return dtype.name if isinstance(dtype, DType) else str(dtype).removeprefix("torch.")

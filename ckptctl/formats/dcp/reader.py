@@ -18,9 +18,7 @@ import threading
 from dataclasses import dataclass, field, replace
 from functools import partial
 from math import prod
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError, LayoutError
 from ckptctl.formats.base import SavedTraining
@@ -66,6 +64,9 @@ from ckptctl.model.stored import (
     StoredTensor,
 )
 from ckptctl.storage import Storage
+
+if TYPE_CHECKING:
+    import torch
 
 
 def join(base: str, rel: str) -> str:

@@ -17,6 +17,7 @@ from typing import Any, BinaryIO
 from ckptctl.errors import CheckpointError
 from ckptctl.formats.dcp.metadata import StorageInfo
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
+from ckptctl.model.dtypes import dtype_name
 from ckptctl.model.geometry import Shape
 from ckptctl.storage import Storage
 
@@ -147,7 +148,7 @@ def tensor_of(reader: TorchZipReader, dtype: str, sizes: Shape, where: str) -> T
     ref = reader.tree
     if not isinstance(ref, TensorRef):
         raise CheckpointError(f"{where}: record holds {type(ref).__name__}, not a tensor")
-    if str(ref.dtype).removeprefix("torch.") != dtype or ref.shape != tuple(sizes):
+    if dtype_name(ref.dtype) != dtype or ref.shape != tuple(sizes):
         raise CheckpointError(
             f"{where}: record holds a {ref.dtype} tensor of shape {ref.shape}; "
             f".metadata promises {dtype} {tuple(sizes)}"

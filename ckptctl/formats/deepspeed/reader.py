@@ -217,7 +217,7 @@ def probe_deepspeed(storage: Storage, names: frozenset[str], request: ProbeReque
             for g in range(len(resolve(reader.tree, flat.masters))):
                 check_flat(reader.tree, g, flat)
                 step = resolve(reader.tree, (*flat.moments, g)).get("step")
-                steps.add(float(reader.read(step).item()) if isinstance(step, TensorRef) else step)
+                steps.add(reader.read_number(step) if isinstance(step, TensorRef) else step)
         except ValueError as err:
             raise CheckpointError(f"{storage.describe(rel)}: {err}") from None
         files.append(StoredFile(rel, tuple(tensors)))

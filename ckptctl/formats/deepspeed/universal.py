@@ -139,7 +139,7 @@ def _param(reader: TorchZipReader, where: str, shape: Shape) -> tuple[KeyPath, T
 def _number(reader: TorchZipReader, key: KeyPath, where: str) -> float:
     value = resolve(reader.tree, key)
     if isinstance(value, TensorRef):
-        return float(reader.read(value).item())
+        return reader.read_number(value)
     if isinstance(value, int | float):
         return float(value)
     raise CheckpointError(f"{where}: Adam's step is not a number")

@@ -12,14 +12,12 @@ import struct
 import threading
 from dataclasses import dataclass, field
 from math import prod
-from typing import Any, BinaryIO, ClassVar
-
-import torch
+from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar
 
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError, LayoutError
 from ckptctl.formats.hf.families import spec_from_config
 from ckptctl.formats.hf.layout import CONFIG, INDEX, SINGLE, hf_tensors
-from ckptctl.model.dtypes import BY_SAFETENSORS
+from ckptctl.model.dtypes import BY_SAFETENSORS, ITEMSIZE
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.stored import (
     CheckpointView,
@@ -31,6 +29,9 @@ from ckptctl.model.stored import (
     StoredTensor,
 )
 from ckptctl.storage import Storage
+
+if TYPE_CHECKING:
+    import torch
 
 _MAX_HEADER = 100_000_000
 
@@ -66,7 +67,7 @@ def read_header(f: BinaryIO, where: str) -> dict[str, SafetensorsEntry]:
             )
         begin, end = meta["data_offsets"]
         shape = tuple(meta["shape"])
-        if end - begin != prod(shape) * getattr(torch, dtype).itemsize:
+        if end - begin != prod(shape) * ITEMSIZE[dtype]:
             raise CheckpointError(f"{where}: tensor {name} byte range does not match its shape")
         out[name] = SafetensorsEntry(dtype, shape, 8 + n + begin, 8 + n + end)
     return out
@@ -81,6 +82,8 @@ def read_box(
 ) -> torch.Tensor:
     """Read box ``[offsets, offsets + sizes)``: only the rows spanning it are fetched, straight
     into tensor memory (into ``into`` itself when the box is whole rows of the same dtype)."""
+    import torch  # tensors only: reading headers needs none
+
     dtype = getattr(torch, entry.dtype)
     if not entry.shape:
         rows, row_elems, lo = 1, 1, 0

@@ -66,7 +66,7 @@ def optimizer_step(reader: TorchZipReader, optimizer: OptimizerLayout | None) ->
     for state in torch_state.get("state", {}).values():
         step = state.get("step")
         if isinstance(step, TensorRef):
-            return float(reader.read(step).item())
+            return reader.read_number(step)
         if step is not None:
             return float(step)
     return None
@@ -126,3 +126,20 @@ def match_groups(
         "the optimizer's parameter groups match neither of Megatron's orders (weight decay / no "
         "weight decay by first appearance, or weight decay first); cannot map its state"
     )
+
+
+def carried_state(tree: dict[str, Any]) -> dict[str, Any]:
+    """Training state a rank file carries besides model and optimizer tensors; RNG is dropped
+    because it cannot be resharded (Megatron's ``--no-load-rng``)."""
+    skip = {"args", "checkpoint_version", "iteration", "optimizer", "rng_state"}
+    out = {k: v for k, v in tree.items() if k not in skip and not str(k).startswith("model")}
+    out["checkpoint_version"] = tree.get("checkpoint_version", 3.0)
+    out["iteration"] = tree.get("iteration", 0)
+    opt = tree.get("optimizer")
+    if isinstance(opt, list) and opt:  # chained: the dense optimizer's extras stand for all
+        opt = opt[0]
+    if isinstance(opt, dict) and isinstance(opt.get("optimizer"), dict):
+        out["optimizer_extra"] = {
+            k: v for k, v in opt.items() if k not in ("optimizer", "fp32_from_fp16_params")
+        }
+    return out

@@ -10,9 +10,7 @@ from __future__ import annotations
 import argparse
 import re
 from dataclasses import dataclass, field, replace
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError, LayoutError
 from ckptctl.formats.base import SavedTraining
@@ -27,12 +25,12 @@ from ckptctl.formats.megatron.layout import (
     megatron_files,
 )
 from ckptctl.formats.megatron.optimizer_groups import (
+    carried_state,
     match_groups,
     optimizer_layout,
     optimizer_step,
 )
 from ckptctl.formats.megatron.ranks import saving_ranks
-from ckptctl.formats.megatron.writer import carried_state
 from ckptctl.formats.torchsave.archive import TensorRef
 from ckptctl.formats.torchsave.refs import TorchFiles, open_torch_file, resolve
 from ckptctl.model.catalog import (
@@ -48,6 +46,9 @@ from ckptctl.model.catalog import (
 from ckptctl.model.dtypes import dtype_name
 from ckptctl.model.stored import CheckpointView, Format, StoredFile
 from ckptctl.storage import Storage
+
+if TYPE_CHECKING:
+    import torch
 
 _ITER_DIR = re.compile(r"^(iter_\d{7}|release)$")
 _EXTRA_STATE = "._extra_state"

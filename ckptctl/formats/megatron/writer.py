@@ -22,23 +22,6 @@ from ckptctl.model.stored import StoredFile
 from ckptctl.prefetch import ReadAhead
 
 
-def carried_state(tree: dict[str, Any]) -> dict[str, Any]:
-    """Training state a rank file carries besides model and optimizer tensors; RNG is dropped
-    because it cannot be resharded (Megatron's ``--no-load-rng``)."""
-    skip = {"args", "checkpoint_version", "iteration", "optimizer", "rng_state"}
-    out = {k: v for k, v in tree.items() if k not in skip and not str(k).startswith("model")}
-    out["checkpoint_version"] = tree.get("checkpoint_version", 3.0)
-    out["iteration"] = tree.get("iteration", 0)
-    opt = tree.get("optimizer")
-    if isinstance(opt, list) and opt:  # chained: the dense optimizer's extras stand for all
-        opt = opt[0]
-    if isinstance(opt, dict) and isinstance(opt.get("optimizer"), dict):
-        out["optimizer_extra"] = {
-            k: v for k, v in opt.items() if k not in ("optimizer", "fp32_from_fp16_params")
-        }
-    return out
-
-
 def _without_step(group: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k != "step"}
 

@@ -34,7 +34,7 @@ def _common_state(
             reader = TorchZipReader(f, storage.describe(rel))
             tree = reader.tree
             if isinstance(ref := _common_step_ref(tree), TensorRef):
-                step = float(reader.read(ref).item())
+                step = reader.read_number(ref)
     elif (info := metadata.storage.get(("common_state/shard_0_1", None))) is not None:
         # Megatron-Core >= 0.19 keeps it as a byte item: a pickled one-element list.
         item = join(base, info.relative_path)

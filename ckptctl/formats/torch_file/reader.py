@@ -5,13 +5,12 @@ its key path joined with dots, which is how DCP flattens the same state dict."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ckptctl.formats.torch_file.format import STATE_DICT_FILE
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
 from ckptctl.formats.torchsave.refs import open_torch_file, resolve
+from ckptctl.model.dtypes import dtype_name
 from ckptctl.model.geometry import Piece
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.stored import (
@@ -24,6 +23,9 @@ from ckptctl.model.stored import (
     StoredTensor,
 )
 from ckptctl.storage import Storage
+
+if TYPE_CHECKING:
+    import torch
 
 
 def _tensors(tree: Any, path: KeyPath = ()) -> list[tuple[KeyPath, TensorRef]]:
@@ -58,7 +60,7 @@ def probe_torch_file(storage: Storage, rel: str = STATE_DICT_FILE) -> TorchFileC
                 key,
                 ".".join(map(str, key)),
                 ref.shape,
-                str(ref.dtype).removeprefix("torch."),
+                dtype_name(ref.dtype),
                 (Piece(zero, zero, ref.shape),),
             )
         )

@@ -32,13 +32,14 @@ import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from math import prod
-from typing import Any, BinaryIO
-
-import torch
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ckptctl.crc import crc32
 from ckptctl.errors import CheckpointError, UnsafePickleError
-from ckptctl.model.dtypes import BY_STORAGE
+from ckptctl.model.dtypes import BY_STORAGE, DTYPES, DType, dtype_name
+
+if TYPE_CHECKING:
+    import torch
 
 Shape = tuple[int, ...]
 
@@ -46,13 +47,26 @@ _ALIGNMENT = 64  # torch aligns storage records so they can be memory-mapped
 _EXTRA_GUESS = 2 * _ALIGNMENT
 """Most bytes of a local header's extra field (torch's alignment padding) fetched on the guess
 that a record's bytes follow its header this closely."""
-_STORAGE_DTYPES = {storage: getattr(torch, name) for storage, name in BY_STORAGE.items()}
+_NUMBER_FORMATS = {
+    "float64": "<d",
+    "float32": "<f",
+    "float16": "<e",
+    "bfloat16": "<f",
+    "int64": "<q",
+    "int32": "<i",
+    "int16": "<h",
+    "int8": "<b",
+    "uint8": "<B",
+    "bool": "<?",
+}
+"""``struct`` formats of one little-endian element, as ``torch.save`` stores them."""
+_STORAGE_DTYPES = {storage: DTYPES[name] for storage, name in BY_STORAGE.items()}
 
 
 @dataclass(frozen=True, slots=True)
 class StorageRef:
     key: str
-    dtype: torch.dtype
+    dtype: DType
     numel: int
 
 
@@ -66,7 +80,7 @@ class TensorRef:
     stride: Shape
 
     @property
-    def dtype(self) -> torch.dtype:
+    def dtype(self) -> DType:
         return self.storage.dtype
 
     @property
@@ -118,7 +132,7 @@ def _stub_type(module: str, name: str) -> type[Stub]:
 
 
 class _StorageType:
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: DType) -> None:
         self.dtype = dtype
 
 
@@ -171,7 +185,6 @@ _REAL_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch", "Tensor"): _PlainTensorType(),
     ("torch.nn.parameter", "Parameter"): _PlainTensorType(),
     ("torch", "Size"): tuple,
-    ("torch", "device"): torch.device,
 }
 # Foreign objects that Megatron files legitimately hold; never imported, kept as stubs.
 _STUB_PREFIXES = (
@@ -196,9 +209,9 @@ class _RestrictedUnpickler(pickle.Unpickler):
             return functools.partial(_rebuild_from_type, where=self._where)
         if module == "torch" and name in _STORAGE_DTYPES:
             return _StorageType(_STORAGE_DTYPES[name])
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        if module.startswith(_STUB_PREFIXES):
+        if module == "torch" and name in DTYPES:
+            return DTYPES[name]  # written back as the same global
+        if (module, name) == ("torch", "device") or module.startswith(_STUB_PREFIXES):
             return _stub_type(module, name)
         raise UnsafePickleError(
             f"{self._where}: refusing pickled global {module}.{name} (not on the allow-list); "
@@ -340,16 +353,19 @@ class TorchZipReader:
         ``into`` (a contiguous tensor of the box's shape) receives the bytes straight from the
         file when the box lies contiguously there in the same dtype; the result is ``into``
         then, else a new tensor."""
+        import torch  # only reading tensor bytes needs it, not reading the archive's metadata
+
+        dtype = getattr(torch, ref.dtype.name)
         offsets = offsets if offsets is not None else (0,) * len(ref.shape)
         sizes = sizes if sizes is not None else ref.shape
         if prod(sizes) == 0:
-            return torch.empty(sizes, dtype=ref.dtype)
+            return torch.empty(sizes, dtype=dtype)
         first = ref.offset + sum(o * s for o, s in zip(offsets, ref.stride, strict=True))
         last = first + sum((n - 1) * s for n, s in zip(sizes, ref.stride, strict=True))
         if self._fetch is None:
             direct = into is not None and _fits(into, ref, sizes)
             with self._lock:
-                return self._read_span(ref, sizes, first, last, into if direct else None)
+                return self._read_span(ref, dtype, sizes, first, last, into if direct else None)
         nbytes = (last - first + 1) * ref.dtype.itemsize
         data = self._fetch_box(ref, first * ref.dtype.itemsize, nbytes)
         if len(data) != nbytes:
@@ -359,8 +375,27 @@ class TorchZipReader:
             # Fetched bytes are read-only and nothing writes into a read's result: view them
             # as they are instead of copying them into a bytearray first.
             warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(data, dtype=ref.dtype)
+            flat = torch.frombuffer(data, dtype=dtype)
         return torch.as_strided(flat, sizes, ref.stride).contiguous()
+
+    def read_number(self, ref: TensorRef) -> float:
+        """A one-element tensor's value (Adam's step, an iteration count) without torch: the
+        only tensor a plan reads."""
+        fmt = _NUMBER_FORMATS.get(ref.dtype.name)
+        if ref.numel != 1 or fmt is None:
+            return float(self.read(ref).item())
+        size = ref.dtype.itemsize
+        if self._fetch is None:
+            with self._lock:
+                start = self._checked_start(ref, ref.offset)
+                data = self._read_at(start + ref.offset * size, size)
+        else:
+            data = bytes(self._fetch_box(ref, ref.offset * size, size))
+        if len(data) != size:
+            raise CheckpointError(f"{self.where}: unexpected end of file in {ref.storage.key}")
+        if ref.dtype.name == "bfloat16":  # the upper half of a float32
+            data = b"\0\0" + data
+        return float(struct.unpack(fmt, data)[0])
 
     def _read_at(self, start: int, nbytes: int) -> bytes:
         if self._fetch is not None:
@@ -375,17 +410,23 @@ class TorchZipReader:
         return start
 
     def _read_span(
-        self, ref: TensorRef, sizes: Shape, first: int, last: int, into: torch.Tensor | None
+        self,
+        ref: TensorRef,
+        dtype: torch.dtype,
+        sizes: Shape,
+        first: int,
+        last: int,
+        into: torch.Tensor | None,
     ) -> torch.Tensor:
+        import torch
+
         itemsize = ref.dtype.itemsize
         start = self._checked_start(ref, last)
         self._f.seek(start + first * itemsize)
         nbytes = (last - first + 1) * itemsize
         # Read straight into the tensor's memory: no zero-filled buffer, no copy afterwards.
         flat = (
-            into.reshape(-1)
-            if into is not None
-            else torch.empty(nbytes // itemsize, dtype=ref.dtype)
+            into.reshape(-1) if into is not None else torch.empty(nbytes // itemsize, dtype=dtype)
         )
         view = memoryview(flat.view(torch.uint8).numpy()).cast("B")
         got = 0
@@ -407,7 +448,11 @@ class TorchZipReader:
 def _fits(into: torch.Tensor, ref: TensorRef, sizes: Shape) -> bool:
     """The box of ``ref`` lies in the file exactly as ``into`` lays it out in memory: same
     dtype and shape, both C-contiguous (so the bytes can be read straight into it)."""
-    if into.dtype != ref.dtype or tuple(into.shape) != tuple(sizes) or not into.is_contiguous():
+    if (
+        dtype_name(into.dtype) != ref.dtype.name
+        or tuple(into.shape) != tuple(sizes)
+        or not into.is_contiguous()
+    ):
         return False
     expected = 1
     for n, stride in zip(reversed(sizes), reversed(ref.stride), strict=True):

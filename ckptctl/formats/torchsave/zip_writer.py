@@ -21,7 +21,7 @@ from typing import Any, BinaryIO
 import torch
 
 from ckptctl.formats.torchsave.archive import _ALIGNMENT, Shape, Stub
-from ckptctl.model.dtypes import DTYPES, dtype_name
+from ckptctl.model.dtypes import DTYPES, DType, dtype_name
 from ckptctl.storage import write_in_slices
 
 
@@ -37,7 +37,8 @@ class TensorSlot:
 
     __slots__ = ("_storage", "dtype", "shape")
 
-    def __init__(self, key: str, dtype: torch.dtype, shape: Shape) -> None:
+    def __init__(self, key: str, dtype: torch.dtype | DType, shape: Shape) -> None:
+        dtype = getattr(torch, dtype_name(dtype))  # a source's DType or torch's own
         self._storage = _StorageSlot(key, dtype, prod(shape))
         self.dtype = dtype
         self.shape = tuple(shape)
@@ -84,6 +85,15 @@ class _Pickler(pickle._Pickler):  # type: ignore[name-defined]
             self.memoize(obj)
             return
         super().save_global(obj, name)
+
+    def _save_dtype(self, obj: DType) -> None:
+        """A dtype read from a source (``args.params_dtype``) goes back as torch writes its
+        own: the global ``torch.<name>``."""
+        self.write(pickle.GLOBAL + f"torch\n{obj.name}\n".encode())
+        self.memoize(obj)
+
+    dispatch = pickle._Pickler.dispatch.copy()  # type: ignore[attr-defined]
+    dispatch[DType] = _save_dtype
 
 
 def _aligned_entry(zf: zipfile.ZipFile, name: str, size: int) -> Any:

@@ -1,0 +1,83 @@
+"""Commands that touch no tensor bytes (``--version``, ``--help``, ``formats``, ``inspect``,
+``plan``, ``--dry-run``) never import torch, whatever the checkpoint's format: torch costs
+1.5-2 s of start-up. Each command runs in a fresh interpreter that reports whether it did."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ckptctl import synth
+
+DRIVER = """
+import sys
+from ckptctl.cli.main import main
+sys.argv = ["ckptctl", *sys.argv[1:]]
+try:
+    main()
+finally:
+    sys.stderr.write("torch imported\\n" if "torch" in sys.modules else "torch not imported\\n")
+"""
+
+
+def run(*argv: object) -> str:
+    done = subprocess.run(
+        [sys.executable, "-c", DRIVER, *map(str, argv)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stderr.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One small checkpoint per format ckptctl reads (DeepSpeed ZeRO's own has its tests)."""
+    from typer.testing import CliRunner
+
+    from ckptctl.cli.main import app
+
+    root = tmp_path_factory.mktemp("startup")
+    model = synth.make_model(synth.tiny_llama_config(num_heads=4, num_kv_heads=2), seed=2)
+    synth.write_megatron(model, synth.adam_step(model, seed=2), root / "megatron", tp=2, pp=2)
+    synth.save_hf(model, str(root / "hf"))
+    runner = CliRunner()
+    megatron = str(root / "megatron")
+    for argv in (
+        ["reshard", megatron, str(root / "torch_dist"), "--tp", "2", "--format", "torch_dist"],
+        ["consolidate", str(root / "torch_dist"), str(root / "torch"), "--format", "torch"],
+        ["consolidate", megatron, str(root / "universal"), "--format", "deepspeed-universal"],
+    ):
+        result = runner.invoke(app, argv)
+        assert result.exit_code == 0, result.output
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(root / "dcp"))
+    return {
+        "megatron": root / "megatron",
+        "hf": root / "hf",
+        "torch_dist": root / "torch_dist",
+        "torch": root / "torch" / "state_dict.pt",
+        "deepspeed-universal": root / "universal",
+        "dcp": root / "dcp",
+    }
+
+
+def test_version_help_and_formats_do_not_import_torch() -> None:
+    for argv in (["--version"], ["--help"], ["formats"], ["reshard", "--help"]):
+        assert run(*argv) == "torch not imported", argv
+
+
+@pytest.mark.parametrize(
+    "fmt", ["megatron", "hf", "torch_dist", "torch", "deepspeed-universal", "dcp"]
+)
+def test_inspect_plan_and_dry_runs_do_not_import_torch(
+    fmt: str, checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    src = checkpoints[fmt]
+    assert run("inspect", src, "--json") == "torch not imported"
+    target = ("--format", "torch") if fmt in ("dcp", "torch") else ()  # keys of no known model
+    assert run("consolidate", src, tmp_path / "out", *target, "--dry-run") == "torch not imported"
+    if fmt in ("megatron", "torch_dist"):
+        assert run("plan", src, tmp_path / "out", "--tp", "1", "--pp", "1") == "torch not imported"
