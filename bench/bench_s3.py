@@ -10,10 +10,13 @@ checkpoint with Adam state (TP2 PP2), then times in one run:
 * ``ckptctl reshard`` s3 -> s3 (TP2 PP2 -> TP1 PP4), ``ckptctl consolidate --format megatron``
   s3 -> local, and ``ckptctl reshard`` local -> s3 with ``--stage-dir``.
 
-Every ckptctl run is a fresh process (its start-up counted) writing to a fresh prefix. One more,
-untimed, consolidate runs through a counting proxy to compare the bytes fetched from the server
-with the bytes the plan needs. Prints a markdown table: seconds, GB/s, ratio to s3fs in the same
-direction, ckptctl's own seconds and peak RSS.
+First ``ckptctl calibrate`` measures the server and the local disk (profiles kept under a
+scratch ``CKPTCTL_HOME``), so each ckptctl row shows the cost model's estimate beside the time
+it took. Every ckptctl run is a fresh process (its start-up counted) writing to a fresh
+prefix. One more, untimed, consolidate runs through a counting proxy to compare the bytes
+fetched from the server with the bytes the plan needs. Prints a markdown table: seconds,
+GB/s, ratio to s3fs in the same direction, ckptctl's own seconds, the cost model's estimate
+and peak RSS.
 
     python bench/bench_s3.py [--workdir /tmp/ckptctl-bench-s3] [--hidden 1024] [--repeat 2]
         [--server seaweedfs|moto | --endpoint-url URL]
@@ -137,20 +140,38 @@ def main() -> None:
         fs = s3fs.S3FileSystem()
         fs.put(str(src), f"{BUCKET}/src", recursive=True)
         objects = list(fs.find(f"{BUCKET}/src"))
+        # The cost model's figures for this server and disk, measured as `plan` would use them.
+        os.environ["CKPTCTL_HOME"] = str(work / "home")
+        shutil.rmtree(work / "home", ignore_errors=True)
+        profiles = {
+            "s3": ckptctl("calibrate", f"s3://{BUCKET}", "--size", "256MiB"),
+            "local": ckptctl("calibrate", str(work), "--size", "256MiB"),
+        }
         rows = run_all(fs, objects, src, work, args.repeat)
         fetched, needed = count_fetched(endpoint, work)
         range_ms = ranged_get_ms(fs, objects)
     print(f"\ncheckpoint: {size / 1e9:.2f} GB in {len(objects)} objects; server {args.server}")
     print(f"{endpoint}; best of {args.repeat}; every ckptctl run a fresh process\n")
-    print("| run | direction | seconds | GB/s | vs s3fs, same direction | converting | peak RSS |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    for name, p in profiles.items():
+        print(
+            f"calibrated {name}: read {p['read_bandwidth'] / 1e9:.3f} GB/s ({p['concurrency']} "
+            f"in flight), write {p['write_bandwidth'] / 1e9:.3f} GB/s, latency "
+            f"{p['latency'] * 1e3:.1f} ms"
+        )
+    print()
+    print(
+        "| run | direction | seconds | GB/s | vs s3fs, same direction | converting "
+        "| cost model | peak RSS |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     baseline = {direction: t for name, direction, t, _ in rows if name.startswith("s3fs")}
     for name, direction, t, report in rows:
         inner = f"{report['seconds']:.2f}" if report else "-"
+        model = f"{report['estimates']['seconds']:.2f}" if report else "-"
         rss = f"{report['peak_rss_bytes'] / 2**20:.0f} MiB" if report else "-"
         print(
             f"| {name} | {direction} | {t:.2f} | {size / t / 1e9:.3f} | "
-            f"{baseline[direction] / t:.2f}x | {inner} | {rss} |"
+            f"{baseline[direction] / t:.2f}x | {inner} | {model} | {rss} |"
         )
     print(
         f"\nconsolidate s3 -> local fetched {fetched / 1e6:.1f} MB for the {needed / 1e6:.1f} MB "

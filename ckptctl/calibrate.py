@@ -10,10 +10,11 @@ import os
 import random
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ckptctl.model.profile import StorageProfile
-from ckptctl.settings import StorageConfig
+from ckptctl.settings import REMOTE_READ_PARALLEL, StorageConfig
 from ckptctl.storage import Storage, write_in_slices
 
 SCRATCH = ".ckptctl-calibrate"
@@ -24,29 +25,37 @@ def profile_dir() -> Path:
     return Path(home) / "profiles"
 
 
+READ_PIECE = 4 << 20
+"""Size of each ranged read of the bandwidth probe: about one tensor band of a real job."""
+
+
 def calibrate(
     url: str, size: int = 64 << 20, probes: int = 32, config: StorageConfig | None = None
 ) -> StorageProfile:
+    """Measure ``url`` the way jobs use it: a streamed (multipart) write, ranged reads with as
+    many in flight as a job keeps (one on local disks), and single small reads for latency."""
     storage = Storage(url, config)
     payload = os.urandom(1 << 20) * max(size >> 20, 1)
+    parallel = 1 if storage.is_local else REMOTE_READ_PARALLEL
     started = time.perf_counter()
     with storage.open_write(SCRATCH) as f:
         write_in_slices(f, payload)
     write_seconds = time.perf_counter() - started
     try:
+        starts = range(0, len(payload), READ_PIECE)
         started = time.perf_counter()
-        with storage.open_read(SCRATCH) as f:
-            while f.read(8 << 20):
-                pass
+        with ThreadPoolExecutor(parallel) as pool:
+            got = sum(pool.map(lambda s: len(storage.read_range(SCRATCH, s, READ_PIECE)), starts))
         read_seconds = time.perf_counter() - started
+        if got != len(payload):
+            raise OSError(f"{url}: read back {got} of {len(payload)} calibration bytes")
         latencies = []
         rng = random.Random(0)
-        with storage.open_read(SCRATCH) as f:
-            for _ in range(probes):
-                f.seek(rng.randrange(0, len(payload) - 4096))
-                t = time.perf_counter()
-                f.read(4096)
-                latencies.append(time.perf_counter() - t)
+        for _ in range(probes):
+            offset = rng.randrange(0, len(payload) - 4096)
+            t = time.perf_counter()
+            storage.read_range(SCRATCH, offset, 4096)
+            latencies.append(time.perf_counter() - t)
     finally:
         storage.remove(SCRATCH)
     return StorageProfile(
@@ -54,7 +63,7 @@ def calibrate(
         read_bandwidth=len(payload) / max(read_seconds, 1e-9),
         write_bandwidth=len(payload) / max(write_seconds, 1e-9),
         latency=statistics.median(latencies),
-        concurrency=1,
+        concurrency=parallel,
     )
 
 

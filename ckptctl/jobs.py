@@ -35,7 +35,7 @@ from ckptctl.probe import (
     open_checkpoint,
     with_identities,
 )
-from ckptctl.settings import Settings
+from ckptctl.settings import REMOTE_READ_PARALLEL, Settings
 from ckptctl.staging import StagedStorage
 from ckptctl.storage_errors import classify
 from planners.consolidate import plan_consolidate as consolidation
@@ -44,9 +44,6 @@ from planners.strategy import Stored, plan_auto
 from planners.universal import plan_universal
 
 __all__ = ["Destination", "Job", "check_destination", "plan_consolidate", "plan_reshard", "run"]
-
-REMOTE_READ_PARALLEL = 8
-"""Ranged GETs in flight when a source is on an object store (each answers after a round trip)."""
 
 
 @dataclass

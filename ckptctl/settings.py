@@ -18,6 +18,10 @@ S3_RETRIES = {"max_attempts": 10, "mode": "standard"}
 S3_TIMEOUTS = {"connect_timeout": 5, "read_timeout": 60}
 """Seconds; a dead endpoint is also caught up front by ``check_endpoint``."""
 
+REMOTE_READ_PARALLEL = 8
+"""Ranged GETs in flight when a source is on an object store (each answers after a round trip);
+``ckptctl calibrate`` measures read bandwidth the same way."""
+
 
 @dataclass(frozen=True, slots=True)
 class StorageConfig:
