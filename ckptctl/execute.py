@@ -179,8 +179,8 @@ def execute(
     """Write every file of ``plan`` to ``target``, then its finalize files in order.
 
     Tensor data in flight stays within about ``memory_budget`` bytes, whatever the tensor sizes.
-    ``workers`` > 1 fetches the source ranges of a band in parallel (worth it on object
-    storage; on a local disk it only adds allocator arenas, so the default is 1).
+    ``workers`` > 1 builds that many bands at once, ahead of the writer (object stores: GETs in
+    flight; local disks: reading overlaps hashing and writing).
     """
     progress = progress or NoProgress()
     if not isinstance(source, Sources):

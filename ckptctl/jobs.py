@@ -35,7 +35,7 @@ from ckptctl.probe import (
     open_checkpoint,
     with_identities,
 )
-from ckptctl.settings import REMOTE_READ_PARALLEL, Settings
+from ckptctl.settings import LOCAL_READ_PARALLEL, REMOTE_READ_PARALLEL, Settings
 from ckptctl.staging import StagedStorage
 from ckptctl.storage_errors import classify
 from planners.consolidate import plan_consolidate as consolidation
@@ -346,9 +346,8 @@ def run(
     target = destination.storage
     if settings.stage_dir is not None:
         target = StagedStorage(target, settings.stage_dir)
-    workers = plan.read_workers
-    if not job.sources.primary.storage.is_local:
-        workers = max(workers, REMOTE_READ_PARALLEL)
+    local = job.sources.primary.storage.is_local
+    workers = max(plan.read_workers, LOCAL_READ_PARALLEL if local else REMOTE_READ_PARALLEL)
     try:
         return execute(
             plan,

@@ -18,6 +18,9 @@ S3_RETRIES = {"max_attempts": 10, "mode": "standard"}
 S3_TIMEOUTS = {"connect_timeout": 5, "read_timeout": 60}
 """Seconds; a dead endpoint is also caught up front by ``check_endpoint``."""
 
+LOCAL_READ_PARALLEL = 2
+"""Bands built at once from a local disk: one is read while the bytes of the one before are
+hashed and written (measured: reshard 3.2-3.5 s -> 2.0-2.8 s, 2.2 GB on 2 cores)."""
 REMOTE_READ_PARALLEL = 8
 """Ranged GETs in flight when a source is on an object store (each answers after a round trip);
 ``ckptctl calibrate`` measures read bandwidth the same way."""
