@@ -26,7 +26,7 @@ from ckptctl.job_report import Progress, Report, Sources
 from ckptctl.locations import refuse_overlap
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.plan import Plan
-from ckptctl.model.stored import Format
+from ckptctl.model.stored import CheckpointView, Format
 from ckptctl.probe import (
     Checkpoint,
     changed_files,
@@ -40,6 +40,7 @@ from ckptctl.staging import StagedStorage
 from ckptctl.storage_errors import classify
 from planners.consolidate import plan_consolidate as consolidation
 from planners.consolidate import plan_hf_state_dict, plan_state_dict
+from planners.cost import profile_for, with_time
 from planners.strategy import Stored, plan_auto
 from planners.universal import plan_universal
 
@@ -103,8 +104,9 @@ def plan_consolidate(
         fp = fingerprint(ckpt.storage, ckpt.view)
         return {"source_url": src, "source_fingerprint": fp, "target_url": dst}
 
-    def job(plan: Plan) -> Job:
-        return Job(with_identities(plan, ckpt.storage, ckpt.view), Sources(ckpt), settings)
+    def job(plan: Plan, view: CheckpointView = ckpt.view, read: Checkpoint = ckpt) -> Job:
+        plan = _timed(with_identities(plan, ckpt.storage, view))
+        return Job(plan, Sources(read), settings)
 
     if fmt == Format.TORCH and hasattr(ckpt, "state_dict_items"):
         # An HF model trained under another framework (DeepSpeed): weights and Adam state by
@@ -123,8 +125,7 @@ def plan_consolidate(
             source_fingerprint=fingerprint(ckpt.storage, generic.view),
             target_url=dst,
         )
-        plan = with_identities(plan, ckpt.storage, generic.view)
-        return Job(plan, Sources(generic), settings)
+        return job(plan, generic.view, generic)
     if fmt == Format.DEEPSPEED_UNIVERSAL:
         refuse_dp_reshardable(ckpt)
         return job(plan_universal(ckpt.view, **urls()))
@@ -143,6 +144,14 @@ def plan_consolidate(
         max_shard_bytes=max_shard_bytes,
     )
     return job(plan)
+
+
+def _timed(plan: Plan) -> Plan:
+    """The plan with the cost model's time: source reads and target writes, each at its
+    storage's calibrated (or built-in) profile."""
+    measured = saved_profiles()
+    source, target = profile_for(plan.source_url, measured), profile_for(plan.target_url, measured)
+    return plan.model_copy(update={"estimates": with_time(plan.estimates, source, target)})
 
 
 def parse_ranks(text: str | None) -> set[int]:

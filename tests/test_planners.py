@@ -222,6 +222,9 @@ def test_calibrated_profile_is_saved_and_used_by_plans(
     checkpoint: Path, tmp_path: Path, cli
 ) -> None:
     before = cli.json("plan", checkpoint, tmp_path / "o", "--tp", "4", "--pp", "1")
+    consolidate = ("consolidate", checkpoint, tmp_path / "hf", "--dry-run")
+    merged = cli.json(*consolidate)["estimates"]["seconds"]
+    assert merged > 0
     measured = cli.json("calibrate", str(checkpoint), "--size", "2MiB")
     assert measured["read_bandwidth"] > 0 and measured["latency"] >= 0
     assert Path(measured["saved_to"]).exists()
@@ -231,6 +234,7 @@ def test_calibrated_profile_is_saved_and_used_by_plans(
     Path(measured["saved_to"]).write_text(json.dumps(slow))
     after = cli.json("plan", checkpoint, tmp_path / "o", "--tp", "4", "--pp", "1")
     assert after["estimates"]["seconds"] > 100 * before["estimates"]["seconds"]
+    assert cli.json(*consolidate)["estimates"]["seconds"] > 100 * merged
     assert not any(p.name.startswith(".ckptctl") for p in checkpoint.iterdir())
 
 
