@@ -509,3 +509,26 @@ def test_the_demo_says_where_it_wrote_and_keeps_foreign_directories(tmp_path: Pa
     (mine / "thesis.tex").write_text("years of work")
     line = one_line_error(cli("demo", "--out", mine, code=2).stderr)
     assert "not empty" in line and (mine / "thesis.tex").exists()
+
+
+def test_copies_the_kernel_refuses_are_streamed_instead(
+    ck: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """copy_file_range fails across some file systems (EXDEV) or where it is not supported
+    (ENOSYS, EOPNOTSUPP): the file is then streamed, byte for byte the same."""
+    import errno
+    import os
+
+    from ckptctl.execute import execute
+    from ckptctl.jobs import plan_reshard
+    from ckptctl.storage import Storage
+
+    def refuse(*args: object) -> int:
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "copy_file_range", refuse)
+    job = plan_reshard(str(ck), str(tmp_path / "o"), {"tp": 2, "pp": 2})
+    report = execute(job.plan, job.sources, Storage(str(tmp_path / "o")))
+    assert report.copied == {}
+    for path in ck.rglob("*.pt"):
+        assert (tmp_path / "o" / path.relative_to(ck)).read_bytes() == path.read_bytes()

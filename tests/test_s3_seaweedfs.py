@@ -107,3 +107,17 @@ def test_an_unchanged_layout_is_copied_by_the_server_and_hashed_once(
     for path in sizes:
         assert fs.cat_file(path.replace("/src/", "/dst/")) == fs.cat_file(path)
     assert cli.json("verify", f"{lake}/dst")["ok"]
+
+
+def test_unchanged_files_between_disk_and_server_are_streamed(
+    endpoint: str, source: Path, tmp_path: Path, cli
+) -> None:
+    """No kernel or server-side copy applies between a local disk and an object store: the
+    same direct plan streams the bytes, and says so."""
+    lake = f"s3://{BUCKET}/mixed"
+    up = cli.json(*LAKE, "reshard", source, f"{lake}/src", "--tp", "2", "--pp", "2")
+    assert up["strategy"] == "direct" and up["bytes_copied_without_passing_through"] == {}
+    down = cli.json("reshard", f"{lake}/src", tmp_path / "back", "--tp", "2", "--pp", "2")
+    assert down["bytes_copied_without_passing_through"] == {}
+    for path in source.rglob("*.pt"):
+        assert (tmp_path / "back" / path.relative_to(source)).read_bytes() == path.read_bytes()
