@@ -7,7 +7,7 @@ in-RAM merge (``torch.load`` every shard, concatenate, ``torch.save``: what conv
 the whole model do). Prints a markdown table: seconds, GB/s, ratio to `cp`, peak RSS.
 
     python bench/bench_convert.py [--workdir /tmp/ckptctl-bench] [--hidden 2048] [--budget 512MiB]
-        [--repeat 3] [--keep]
+        [--repeat 3] [--keep] [--cold]
 """
 
 from __future__ import annotations
@@ -44,6 +44,9 @@ def main() -> None:
     parser.add_argument("--budget", default="512MiB")
     parser.add_argument("--keep", action="store_true", help="Keep the generated checkpoint.")
     parser.add_argument("--repeat", type=int, default=3, help="Runs per command (best is kept).")
+    parser.add_argument(
+        "--cold", action="store_true", help="Drop the page cache before each run (root)."
+    )
     args = parser.parse_args()
     work = args.workdir
     src = work / "src"
@@ -115,12 +118,13 @@ def main() -> None:
             work / "naive.pt",
         ),
     ]
-    # Warm the page cache so every run reads from the same place.
-    subprocess.run(["cat", *map(str, src.rglob("*.pt"))], stdout=subprocess.DEVNULL, check=True)
-    rows = measure(runs, size, args.repeat)
+    if not args.cold:  # warm the page cache so every run reads from the same place
+        subprocess.run(["cat", *map(str, src.rglob("*.pt"))], stdout=subprocess.DEVNULL, check=True)
+    rows = measure(runs, size, args.repeat, cold=args.cold)
+    cache = "page cache dropped before each run" if args.cold else "page cache warm"
     print_table(
         rows,
-        f"{size / 1e9:.2f} GB Megatron TP2 PP2 with Adam state",
+        f"{size / 1e9:.2f} GB Megatron TP2 PP2 with Adam state; {cache}",
         "'seconds': the whole process until its output is on disk (Python and torch start-up, "
         "~1.3 s here, and a final sync included); 'of which converting': ckptctl's own --json "
         "figure.",

@@ -151,7 +151,8 @@ def main() -> None:
 
     print_table(
         rows,
-        f"{size / 1e9:.2f} GB PyTorch DCP (dcp.save, no_dist) of fp32 model + Adam state",
+        f"{size / 1e9:.2f} GB PyTorch DCP (dcp.save, no_dist) of fp32 model + Adam state; "
+        "page cache warm",
         "'seconds': the whole process until its output is on disk (Python and torch start-up "
         "and a final sync included); 'of which converting': ckptctl's own --json figure.",
     )

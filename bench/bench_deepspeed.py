@@ -128,7 +128,7 @@ def main() -> None:
     (work / "latest_universal").unlink(missing_ok=True)
     print_table(
         rows,
-        f"{size / 1e9:.2f} GB DeepSpeed ZeRO-2 bf16 tag directory (DP{args.dp})",
+        f"{size / 1e9:.2f} GB DeepSpeed ZeRO-2 bf16 tag directory (DP{args.dp}); page cache warm",
         "GB/s and 'vs cp' count the source's bytes read per second; the HF output holds the "
         "fp32 masters, the universal one the masters and both moments.",
     )

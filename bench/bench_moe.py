@@ -153,7 +153,8 @@ def main() -> None:
     for kind, size, rows in tables:
         what = f"Mixtral, {EXPERTS} experts, EP2 TP1" if kind == "moe" else "Llama, TP2"
         held = "weights and Adam state" if args.adam else "weights"
-        print_table(rows, f"{size / 1e9:.2f} GB Megatron {what} ({held})", per_byte_written(rows))
+        source = f"{size / 1e9:.2f} GB Megatron {what} ({held}); page cache warm"
+        print_table(rows, source, per_byte_written(rows))
 
     if not args.keep:
         shutil.rmtree(work)

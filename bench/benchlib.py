@@ -44,18 +44,35 @@ def timed(cmd: list[str]) -> tuple[float, int, float | None]:
     return seconds, int(done.stderr.strip().splitlines()[-1]) * 1024, inner
 
 
+def drop_caches() -> None:
+    """Empty the page cache (root only): every file, the source's and Python's and torch's
+    own, then comes from the disk."""
+    subprocess.run(["sync"], check=True)
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError as err:
+        sys.exit(f"--cold needs to drop the page cache (root): {err}")
+
+
 def measure(
-    runs: list[tuple[str, list[str], Path]], size: int, repeat: int, keep: Collection[Path] = ()
+    runs: list[tuple[str, list[str], Path]],
+    size: int,
+    repeat: int,
+    keep: Collection[Path] = (),
+    cold: bool = False,
 ) -> list[Row]:
     """Each run's best of ``repeat`` (the machine is shared and noisy), as table rows whose rate
     is ``size`` source bytes per second, relative to the first run (the machine's ``cp``).
-    Outputs are removed after each attempt, except the last one of those in ``keep``."""
+    Outputs are removed after each attempt, except the last one of those in ``keep``. ``cold``:
+    the page cache is emptied before each attempt."""
     rows: list[Row] = []
     for name, cmd, out in runs:
         best = None
         for attempt in range(repeat):
             remove(out)
             subprocess.run(["sync"], check=True)
+            if cold:
+                drop_caches()
             seconds, rss, inner = timed(cmd)
             run = (seconds, rss, du(out), inner)
             best = run if best is None or seconds < best[0] else best
@@ -69,7 +86,7 @@ def measure(
 
 
 def print_table(rows: list[Row], source: str, footnote: str) -> None:
-    print(f"\nsource: {source}; page cache warm; times include a final sync (output on disk)\n")
+    print(f"\nsource: {source}; times include a final sync (output on disk)\n")
     print("| run | seconds | of which converting | GB written | source GB/s | vs cp | peak RSS |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, seconds, inner, written, rate, ratio, rss in rows:
