@@ -65,8 +65,8 @@ class Assembler:
             self.queue = BandQueue(build, pool, self.band_bytes, budget // 3, 2 * ahead)
 
     def expect(self, writes: Iterable[TensorWrite]) -> None:
-        """The tensors a writer will ask ``chunks`` for, in its order: with a read pool (object
-        stores) their bands are then fetched and built ahead, several at once."""
+        """The tensors a writer will ask ``chunks`` for, in its order: with a read pool their
+        bands are then fetched and built ahead, several at once."""
         if self.queue is not None:
             self.queue.expect(writes)
 

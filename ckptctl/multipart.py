@@ -37,6 +37,9 @@ class MultipartUpload(io.RawIOBase):
         self.parallel = max(parallel, 1)
         self._buffer = bytearray(part_size)
         self._filled = 0
+        self._copied = False
+        """A server-side copy ended the object: its last part may be under 5 MiB, so nothing
+        may follow it."""
         self._upload_id: str | None = None
         self._parts: list[dict[str, Any]] = []
         self._part_count = 0
@@ -50,6 +53,8 @@ class MultipartUpload(io.RawIOBase):
         """Copy ``data`` into the part being filled (the only copy: a full part is handed to
         the upload as it is, and a fresh one started)."""
         view = memoryview(data).cast("B")
+        if self._copied and len(view):
+            raise ValueError(f"{self.path}: nothing may be written after a server-side copy")
         pos = 0
         while pos < len(view):
             take = min(self.part_size - self._filled, len(view) - pos)
@@ -68,14 +73,15 @@ class MultipartUpload(io.RawIOBase):
     def copy_object(self, source_path: str, size: int) -> None:
         """Append all ``size`` bytes of object ``source_path`` (same store) by server-side
         copy (``UploadPartCopy``): the bytes never pass through this machine. Only at a part
-        boundary, and only for a non-empty source."""
-        if self._filled or size <= 0:
+        boundary, only for a non-empty source, and as the object's end."""
+        if self._filled or self._copied or size <= 0:
             raise ValueError("a server-side copy must start a part and copy something")
         bucket, key, _ = self.fs.split_path(source_path)
         step = max(self.part_size, COPY_PART)
         for start in range(0, size, step):
             byte_range = f"bytes={start}-{min(start + step, size) - 1}"
             self._send(self._copy_part, {"Bucket": bucket, "Key": key}, byte_range)
+        self._copied = True
 
     def _send(self, how: Any, *args: Any) -> None:
         """Queue part number n+1 as ``how(number, *args)`` (an upload or a copy)."""
