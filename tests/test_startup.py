@@ -81,3 +81,35 @@ def test_inspect_plan_and_dry_runs_do_not_import_torch(
     assert run("consolidate", src, tmp_path / "out", *target, "--dry-run") == "torch not imported"
     if fmt in ("megatron", "torch_dist"):
         assert run("plan", src, tmp_path / "out", "--tp", "1", "--pp", "1") == "torch not imported"
+
+
+@pytest.mark.parametrize(
+    "dtype", ["float64", "float32", "float16", "bfloat16", "int64", "int32", "int8", "bool"]
+)
+def test_numbers_read_without_torch_equal_torchs(dtype: str, tmp_path: Path) -> None:
+    """Adam's step and other one-element tensors a plan reads are decoded with ``struct``;
+    each dtype's value equals torch's own, also at an offset into a shared storage."""
+    import torch
+
+    from ckptctl.errors import CheckpointError
+    from ckptctl.formats.torchsave.archive import TorchZipReader
+
+    kind = getattr(torch, dtype)
+    base = torch.tensor([0, 3, 1, 0], dtype=torch.float64) * 1.7 + 2.5
+    values = base.to(kind)
+    torch.save({"alone": values[1].clone(), "inside": values[2:3]}, tmp_path / "n.pt")
+    with open(tmp_path / "n.pt", "rb") as f:
+        reader = TorchZipReader(f, "n.pt")
+        for key in ("alone", "inside"):
+            ref = reader.tree[key]
+            assert reader.read_number(ref) == float(reader.read(ref).item())
+    # A flipped byte in a whole one-element record fails its CRC-32, as any read would.
+    data = bytearray((tmp_path / "n.pt").read_bytes())
+    with open(tmp_path / "n.pt", "rb") as f:
+        reader = TorchZipReader(f, "n.pt")
+        start, _ = reader._storage_span(reader.tree["alone"].storage.key)
+    data[start] ^= 0x40
+    (tmp_path / "bad.pt").write_bytes(bytes(data))
+    with open(tmp_path / "bad.pt", "rb") as f, pytest.raises(CheckpointError, match="CRC-32"):
+        reader = TorchZipReader(f, "bad.pt")
+        reader.read_number(reader.tree["alone"])

@@ -393,6 +393,7 @@ class TorchZipReader:
             data = bytes(self._fetch_box(ref, ref.offset * size, size))
         if len(data) != size:
             raise CheckpointError(f"{self.where}: unexpected end of file in {ref.storage.key}")
+        self._check_whole(ref, ref.offset * size, data)
         if ref.dtype.name == "bfloat16":  # the upper half of a float32
             data = b"\0\0" + data
         return float(struct.unpack(fmt, data)[0])
