@@ -14,10 +14,9 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from math import prod
 from typing import Any
 
-from ckptctl.model.dtypes import ITEMSIZE
+from ckptctl.model.geometry import nbytes, with_dim
 from ckptctl.model.plan import TensorWrite
 
 Band = tuple[int, int, int]
@@ -28,22 +27,18 @@ Band = tuple[int, int, int]
 def band_ranges(write: TensorWrite, band_bytes: int) -> list[Band]:
     """The bands a target tensor is streamed in: whole rows (columns for a tensor stored
     transposed) up to ``band_bytes`` each, in the order of its bytes."""
-    shape, size = write.shape, ITEMSIZE[write.dtype]
+    shape = write.shape
     if not shape:
         return [(0, 1, 0)]
-    if write.transposed:  # stored rows are the tensor's columns
-        step = max(band_bytes // max(shape[0] * size, 1), 1)
-        return [(lo, min(lo + step, shape[1]), 1) for lo in range(0, shape[1], step)]
-    step = max(band_bytes // max(prod(shape[1:]) * size, 1), 1)
-    return [(lo, min(lo + step, shape[0]), 0) for lo in range(0, shape[0], step)]
+    dim = 1 if write.transposed else 0  # stored rows are the tensor's columns
+    step = max(band_bytes // max(band_nbytes(write, (0, 1, dim)), 1), 1)
+    return [(lo, min(lo + step, shape[dim]), dim) for lo in range(0, shape[dim], step)]
 
 
 def band_nbytes(write: TensorWrite, band: Band) -> int:
     lo, hi, dim = band
-    if not write.shape:
-        return ITEMSIZE[write.dtype]
-    other = prod(write.shape) // max(write.shape[dim], 1)
-    return (hi - lo) * other * ITEMSIZE[write.dtype]
+    shape = with_dim(write.shape, dim, hi - lo) if write.shape else ()
+    return nbytes(shape, write.dtype)
 
 
 @dataclass

@@ -77,10 +77,11 @@ def seaweedfs(workdir: Path) -> Iterator[str]:
     }
     (workdir / "s3.json").write_text(json.dumps(identities))
     names = ("s3", "master", "volume", "filer", "admin")
-    http = dict(zip(names, _free_ports(len(names) * 2)[::2], strict=True))
-    grpc = dict(zip(names, _free_ports(len(names) * 2)[1::2], strict=True))
-    ports = [f"-{name}.port={http[name]}" for name in names]
-    ports += [f"-{name}.port.grpc={grpc[name]}" for name in names]
+    ports = _free_ports(len(names) * 2)  # one call: ports held at once are all distinct
+    http = dict(zip(names, ports[::2], strict=True))
+    grpc = dict(zip(names, ports[1::2], strict=True))
+    flags = [f"-{name}.port={http[name]}" for name in names]
+    flags += [f"-{name}.port.grpc={grpc[name]}" for name in names]
     argv = [
         binary,
         "mini",
@@ -93,7 +94,7 @@ def seaweedfs(workdir: Path) -> Iterator[str]:
         "-s3.port.iceberg=0",
         "-s3.port.lance=0",
         f"-s3.config={workdir / 's3.json'}",
-        *ports,
+        *flags,
     ]
     log = (workdir / "weed.log").open("wb")
     server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=workdir)
