@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from ckptctl.arrays import to_torch, words
 from ckptctl.execute import Assembler, NoProgress, Report, Sources
 from ckptctl.model.catalog import parameters
 from ckptctl.model.geometry import Piece, nbytes
@@ -26,14 +28,6 @@ class TensorDiff:
     nan_mismatch: int = 0
     """Elements that are NaN on one side only (NaN compares unequal to everything, so a max
     abs diff alone would hide them)."""
-
-
-_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bit patterns: equal exactly when the bytes are (NaNs included)."""
-    return t.view(_SAME_WIDTH_INT[t.element_size()])
 
 
 def _canonical_file(ckpt: Checkpoint, names: list[str], shapes: dict[str, tuple]) -> StoredFile:
@@ -103,10 +97,10 @@ def _compare_tensor(
     step = max(asm_a.band_bytes // max(nbytes(wa.shape[1:], wa.dtype), 1), 1)
     for lo in range(0, rows, step):
         hi = min(lo + step, rows)
-        x = asm_a._band(wa, getattr(torch, wa.dtype), lo, hi)
-        y = asm_b._band(wb, getattr(torch, wb.dtype), lo, hi)
-        if wa.dtype == wb.dtype and torch.equal(_bits(x), _bits(y)):
-            continue
+        xa, ya = asm_a._band(wa, lo, hi), asm_b._band(wb, lo, hi)
+        if wa.dtype == wb.dtype and np.array_equal(words(xa), words(ya)):
+            continue  # same bits: nothing to compare by value
+        x, y = to_torch(xa), to_torch(ya)
         xd, yd = x.double(), y.double()
         nan_x, nan_y = xd.isnan(), yd.isnan()
         nan_mismatch += int((nan_x ^ nan_y).sum())

@@ -14,13 +14,13 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
-import torch
+import numpy as np
 import xxhash
 
+from ckptctl import arrays
 from ckptctl.bands import Band, BandQueue, band_ranges
 from ckptctl.formats import registry
 from ckptctl.formats.base import Checkpoint, WriteJob
-from ckptctl.formats.torchsave.zip_writer import tensor_bytes
 from ckptctl.job_report import NoProgress, Progress, Report, Sources, peak_rss_bytes
 from ckptctl.manifest import MANIFEST, RunLog, new_digest, write_manifest
 from ckptctl.model.geometry import nbytes, with_dim
@@ -87,19 +87,20 @@ class Assembler:
             key += f"@{write.view_offset}"
         self.report.tensor_checksums.setdefault(file, {})[key] = digest.hexdigest()
 
-    def _build(self, write: TensorWrite, band: Band, *, parallel: bool = True) -> torch.Tensor:
+    def _build(self, write: TensorWrite, band: Band, *, parallel: bool = True) -> np.ndarray:
         """One band's bytes in the order they are written."""
         lo, hi, dim = band
-        data = self._band(write, getattr(torch, write.dtype), lo, hi, dim, parallel)
-        return data.t().contiguous() if write.transposed else data
+        data = self._band(write, lo, hi, dim, parallel)
+        # A transposed band is reordered as words: numpy copies those at memory speed.
+        return np.ascontiguousarray(arrays.words(data).T) if write.transposed else data
 
     def forget(self) -> None:
         """Drop the bands built ahead (a file is done, or failed)."""
         if self.queue is not None:
             self.queue.close()
 
-    def _emit(self, band: torch.Tensor, digest: Any) -> memoryview:
-        view = tensor_bytes(band)
+    def _emit(self, band: np.ndarray, digest: Any) -> memoryview:
+        view = arrays.raw_bytes(band)
         digest.update(view)
         self.report.bytes_written += len(view)
         self.progress.advance(len(view))
@@ -108,12 +109,11 @@ class Assembler:
     def _band(
         self,
         write: TensorWrite,
-        dtype: torch.dtype,
         lo: int,
         hi: int,
         dim: int = 0,
         parallel: bool = True,
-    ) -> torch.Tensor:
+    ) -> np.ndarray:
         """Indices ``[lo, hi)`` along ``dim`` of the target tensor (the whole tensor if it is
         0-dimensional); its reads go to the pool if ``parallel`` (not from a pool thread)."""
         scalar = not write.shape
@@ -135,22 +135,23 @@ class Assembler:
             # The band is one read: hand the read on as it stands (no copy into another buffer).
             data = self.source.read(*reads[0][2])
             self._count(data)
-            return data.to(dtype).reshape(shape)  # no copy when the dtype already matches
+            return arrays.cast(data, write.dtype).reshape(shape)  # no copy if dtypes match
         if write.padding:
-            out = torch.full(shape, write.fill, dtype=dtype)
+            out = arrays.full(shape, write.dtype, write.fill)
         else:
-            out = torch.empty(shape, dtype=dtype)
+            out = arrays.empty(shape, write.dtype)
 
         def read(entry: tuple[Shape, Shape, tuple[Any, ...]]) -> None:
             dst, sizes, args = entry
-            box = out[tuple(slice(o, o + n) for o, n in zip(dst, sizes, strict=True))]
+            # (the Ellipsis keeps a 0-dimensional box a view, not a scalar copy)
+            box = out[(*(slice(o, o + n) for o, n in zip(dst, sizes, strict=True)), ...)]
             # A box that is contiguous in the band (whole rows) can take the bytes straight
             # from the file; otherwise, or if the reader cannot, copy what it returns.
-            into = box if box.is_contiguous() and not args[-1] else None
+            into = box if box.flags.c_contiguous and not args[-1] else None
             data = self.source.read(*args, into=into)
             self._count(data)
-            if into is None or data.data_ptr() != box.data_ptr():
-                box.copy_(data.to(dtype))
+            if into is None or data is not into:
+                arrays.words(box)[...] = arrays.words(arrays.cast(data, write.dtype))
 
         # The reads of a band are disjoint parts of it, so fetching them at once (from
         # different files and stores in parallel) stays within the band's memory.
@@ -161,9 +162,9 @@ class Assembler:
                 read(entry)
         return out
 
-    def _count(self, data: torch.Tensor) -> None:
+    def _count(self, data: np.ndarray) -> None:
         with self._counting:  # reads finish on several threads
-            self.report.bytes_read += data.numel() * data.element_size()
+            self.report.bytes_read += data.nbytes
             self.report.read_requests += 1
 
 

@@ -22,8 +22,7 @@ import json
 from dataclasses import asdict, dataclass
 from math import prod
 
-import torch
-
+from ckptctl.arrays import finite
 from ckptctl.errors import CkptctlError
 from ckptctl.integrity import Targets, safetensors_problems, stream_check
 from ckptctl.manifest import INCOMPLETE, MANIFEST, new_digest
@@ -210,7 +209,7 @@ def _numerics(ckpt: Checkpoint, band_bytes: int) -> Check:
                     data = ckpt.read(f.path, t.key, offsets, sizes, view, transposed=True)
                 else:
                     data = ckpt.read(f.path, t.key, tuple(offsets), tuple(sizes), view)
-                if data.is_floating_point() and not torch.isfinite(data).all():
+                if not finite(data):
                     bad.append(f"{f.path}: {'.'.join(map(str, t.key))}")
                     break
             checked += 1

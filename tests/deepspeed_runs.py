@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from ckptctl.arrays import to_torch
+
 ORACLE = Path(__file__).parent / "oracles" / "deepspeed_zero.py"
 RUNS = {
     "stage2-dp2": ("2", "2", "fp32"),
@@ -92,7 +94,7 @@ def by_hf_name(path: Path, state: str) -> dict[str, torch.Tensor]:
             if t.canonical not in wanted:
                 continue
             view = None if t.view_offset is None else (t.view_offset, t.shape)
-            data = ckpt.read(file.path, t.key, (0,) * len(t.shape), t.shape, view)
+            data = to_torch(ckpt.read(file.path, t.key, (0,) * len(t.shape), t.shape, view))
             for p in t.pieces:
                 dst = tuple(slice(o, o + n) for o, n in zip(p.canonical, p.sizes, strict=True))
                 src = tuple(slice(o, o + n) for o, n in zip(p.local, p.sizes, strict=True))

@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as tmd
 from torch.distributed.checkpoint import planner as tplanner
 
+from ckptctl.arrays import from_torch, raw_bytes, to_torch
 from ckptctl.errors import CheckpointError, UnsafePickleError
 from ckptctl.formats.dcp.checks import check_metadata, metadata_problems
 from ckptctl.formats.dcp.metadata import (
@@ -27,6 +28,7 @@ from ckptctl.formats.dcp.metadata import (
     BytesEntry,
     Chunk,
     DcpMetadata,
+    SaveInfo,
     StorageInfo,
     TensorEntry,
 )
@@ -34,7 +36,7 @@ from ckptctl.formats.dcp.parse import parse_metadata
 from ckptctl.formats.dcp.records import RecordWindow, open_tensor_record
 from ckptctl.formats.dcp.write import metadata_bytes, write_bytes_record, write_tensor_record
 from ckptctl.formats.torchsave.archive import TorchZipReader
-from ckptctl.formats.torchsave.zip_writer import TensorSlot, tensor_bytes
+from ckptctl.formats.torchsave.zip_writer import TensorSlot
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -134,7 +136,7 @@ def test_each_tensor_record_reads_bitwise_through_a_window(torch_ckpt: Path) -> 
         info = md.storage[(fqn, chunk.offsets)]
         with open(torch_ckpt / info.relative_path, "rb") as f:
             reader, ref = open_tensor_record(f, info, entry.dtype, chunk.sizes, fqn)
-            got = reader.read(ref)
+            got = to_torch(reader.read(ref))
         want = _lookup(state, path)
         assert got.dtype == want.dtype and got.shape == want.shape
         assert torch.equal(_bits(got), _bits(want))
@@ -399,7 +401,7 @@ def test_written_checkpoint_loads_with_torch_dcp_load(tmp_path: Path) -> None:
             for fqn, offsets, t in items:
                 slot = TensorSlot(fqn, t.dtype, tuple(t.shape))
                 storage[(fqn, offsets)] = write_tensor_record(
-                    f, name, slot, lambda _s, t=t: [tensor_bytes(t)]
+                    f, name, slot, lambda _s, t=t: [raw_bytes(from_torch(t))]
                 )
 
     def chunks(fqn: str) -> tuple[Chunk, ...]:
@@ -435,6 +437,83 @@ def test_written_checkpoint_loads_with_torch_dcp_load(tmp_path: Path) -> None:
     with open(out / info.relative_path, "rb") as f:
         alone = torch.load(RecordWindow(f, info.offset, info.length), weights_only=True)
     assert torch.equal(alone, want["w"][4:])
+
+
+def _built_by_torch(md: DcpMetadata) -> tmd.Metadata:
+    """``md`` built from torch's own DCP classes: what torch's saver would pickle."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    def entry(e: TensorEntry | BytesEntry) -> Any:
+        if isinstance(e, BytesEntry):
+            return tmd.BytesStorageMetadata()
+        return tmd.TensorStorageMetadata(
+            properties=tmd.TensorProperties(dtype=getattr(torch, e.dtype)),
+            size=torch.Size(e.shape),
+            chunks=[
+                tmd.ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes))
+                for c in e.chunks
+            ],
+        )
+
+    out = tmd.Metadata(
+        state_dict_metadata={fqn: entry(e) for fqn, e in md.entries.items()},
+        planner_data=dict(md.planner_data or {fqn: (fqn,) for fqn in md.entries}),
+        storage_data={
+            tmd.MetadataIndex(fqn, offsets): _StorageInfo(
+                i.relative_path, i.offset, i.length, list(i.transform_descriptors) or None
+            )
+            for (fqn, offsets), i in md.storage.items()
+        },
+        version=md.version,
+    )
+    if md.save_info is not None:
+        s = md.save_info
+        out.storage_meta = tmd.StorageMeta(s.checkpoint_id, s.save_id, s.load_id, list(s.modules))
+    return out
+
+
+@pytest.mark.parametrize("with_save_info", [False, True])
+def test_metadata_written_without_torch_unpickles_to_torchs_own(with_save_info: bool) -> None:
+    """``.metadata`` is pickled without importing torch; torch unpickles it into exactly the
+    ``Metadata`` its own classes build for the same checkpoint."""
+    shape = (4, 6)
+    boxes = [((0, 0), (2, 6)), ((2, 0), (2, 6))]
+    entries: dict[str, TensorEntry | BytesEntry] = {
+        f"t.{dtype}": TensorEntry(
+            dtype=dtype,
+            shape=shape,
+            chunks=tuple(Chunk(offsets=o, sizes=s) for o, s in boxes),
+        )
+        for dtype in ("float32", "bfloat16", "float8_e4m3fn", "int64", "bool")
+    }
+    entries["scalar"] = TensorEntry(
+        dtype="float32", shape=(), chunks=(Chunk(offsets=(), sizes=()),)
+    )
+    entries["meta"] = BytesEntry()
+    storage: dict[Any, StorageInfo] = {}
+    for fqn, e in entries.items():
+        for c in e.chunks if isinstance(e, TensorEntry) else (None,):
+            key = (fqn, None if c is None else c.offsets)
+            storage[key] = StorageInfo(
+                relative_path=f"__{len(storage) % 2}_0.distcp",
+                offset=len(storage),
+                length=7,
+            )
+    save_info = (
+        SaveInfo(checkpoint_id="ckpt", save_id="s1", modules=("model",)) if with_save_info else None
+    )
+    md = DcpMetadata(
+        entries=entries,
+        storage=storage,
+        planner_data={"meta": ("state", "meta")} | {k: (k,) for k in entries if k != "meta"},
+        save_info=save_info,
+        version=DCP_VERSION if with_save_info else None,
+    )
+    got = pickle.loads(metadata_bytes(md))
+    assert type(got) is tmd.Metadata
+    assert got == _built_by_torch(md)
+    theirs = pickle.dumps(_built_by_torch(md), protocol=4)
+    assert parse_metadata(metadata_bytes(md), "ours") == parse_metadata(theirs, "theirs")
 
 
 def test_writer_refuses_metadata_with_problems() -> None:

@@ -23,6 +23,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ckptctl.arrays import to_torch
+
 pytest.importorskip("megatron.core", reason="megatron-core 0.16.1 is the oracle here")
 transformers = pytest.importorskip("transformers")
 
@@ -298,8 +300,8 @@ def _assert_distopt_is_live_state(distopt: Path) -> None:
         truth = torch.load(distopt / f"truth_{file.path.split('/')[-2]}.pt", weights_only=True)
         for t in file.tensors:
             state, name = t.canonical.split("/", 1)
-            got = ckpt.read(
-                file.path, t.key, (0,) * len(t.shape), t.shape, (t.view_offset, t.shape)
+            got = to_torch(
+                ckpt.read(file.path, t.key, (0,) * len(t.shape), t.shape, (t.view_offset, t.shape))
             )
             want = truth[_local_name(name, file.ep_rank)][state.replace("fp32_", "")]
             assert torch.equal(got, want), t.canonical

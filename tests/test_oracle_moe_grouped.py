@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 import torch
 
+from ckptctl.arrays import to_torch
 from tests.test_oracle_moe import _assert_same_files, _flat_buffers, _oracle, _relative
 
 pytest.importorskip("megatron.core", reason="megatron-core 0.16.1 is the oracle here")
@@ -107,7 +108,9 @@ def test_grouped_mlp_read_written_and_converted(
 def _block(ckpt: Any, path: str, t: Any) -> torch.Tensor:
     """A GroupedMLP expert block, whole, in the canonical orientation."""
     zero = (0,) * len(t.shape)
-    return ckpt.read(path, t.key, zero, t.shape, (t.view_offset, t.shape), transposed=True)
+    return to_torch(
+        ckpt.read(path, t.key, zero, t.shape, (t.view_offset, t.shape), transposed=True)
+    )
 
 
 def test_grouped_mlp_distributed_optimizer(grouped: dict[str, Path], tmp_path: Path, cli) -> None:

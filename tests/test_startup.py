@@ -84,6 +84,38 @@ def test_inspect_plan_and_dry_runs_do_not_import_torch(
 
 
 @pytest.mark.parametrize(
+    ("fmt", "argv"),
+    [
+        ("megatron", ["consolidate", "--format", "hf"]),
+        ("megatron", ["consolidate", "--format", "megatron"]),
+        ("megatron", ["reshard", "--tp", "1", "--pp", "2"]),
+        ("megatron", ["consolidate", "--format", "deepspeed-universal"]),
+        ("megatron", ["reshard", "--tp", "1", "--format", "torch_dist"]),
+        ("torch_dist", ["consolidate", "--format", "torch"]),
+        ("torch_dist", ["reshard", "--tp", "2", "--pp", "2"]),
+        ("hf", ["reshard", "--format", "megatron", "--tp", "2"]),
+        ("dcp", ["consolidate", "--format", "torch"]),
+        ("deepspeed-universal", ["consolidate", "--format", "hf"]),
+    ],
+)
+def test_jobs_that_keep_dtypes_move_bytes_without_torch(
+    fmt: str, argv: list[str], checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """Bytes are read, cut, hashed and written as numpy arrays: torch (1.5-2 s to import) is
+    needed only for dtype casts and value comparisons (``verify --against``). The
+    outputs' correctness is proven elsewhere; here, that a plain job and ``verify`` of its
+    output (numerics included) never pay for torch, and that a cast does (DCP ``.metadata``
+    is pickled without torch's classes, see ``test_dcp_metadata``)."""
+    command, *options = argv
+    out = tmp_path / "out"
+    assert run(command, checkpoints[fmt], out, *options) == "torch not imported"
+    assert run("verify", out) == "torch not imported"
+    if command == "consolidate" and "hf" in options:
+        cast = ("consolidate", checkpoints[fmt], tmp_path / "bf16", *options, "--dtype", "bf16")
+        assert run(*cast) == "torch imported"
+
+
+@pytest.mark.parametrize(
     "dtype", ["float64", "float32", "float16", "bfloat16", "int64", "int32", "int8", "bool"]
 )
 def test_numbers_read_without_torch_equal_torchs(dtype: str, tmp_path: Path) -> None:
@@ -91,6 +123,7 @@ def test_numbers_read_without_torch_equal_torchs(dtype: str, tmp_path: Path) -> 
     each dtype's value equals torch's own, also at an offset into a shared storage."""
     import torch
 
+    from ckptctl.arrays import to_torch
     from ckptctl.errors import CheckpointError
     from ckptctl.formats.torchsave.archive import TorchZipReader
 
@@ -102,7 +135,7 @@ def test_numbers_read_without_torch_equal_torchs(dtype: str, tmp_path: Path) -> 
         reader = TorchZipReader(f, "n.pt")
         for key in ("alone", "inside"):
             ref = reader.tree[key]
-            assert reader.read_number(ref) == float(reader.read(ref).item())
+            assert reader.read_number(ref) == float(to_torch(reader.read(ref)).item())
     # A flipped byte in a whole one-element record fails its CRC-32, as any read would.
     data = bytearray((tmp_path / "n.pt").read_bytes())
     with open(tmp_path / "n.pt", "rb") as f:

@@ -21,7 +21,7 @@ from ckptctl.model.stored import CheckpointView, FlatView, KeyPath, Shape
 from ckptctl.storage import Storage
 
 if TYPE_CHECKING:
-    import torch
+    import numpy as np
 
     from ckptctl.execute import Assembler
     from ckptctl.job_report import Report, Sources
@@ -35,8 +35,11 @@ class Checkpoint(Protocol):
 
     def read(
         self, path: str, key: KeyPath, offsets: Shape, sizes: Shape, view: FlatView = None
-    ) -> torch.Tensor:
-        """Box ``[offsets, offsets + sizes)`` of the tensor at ``key`` (or of its ``view``).
+    ) -> np.ndarray:
+        """Box ``[offsets, offsets + sizes)`` of the tensor at ``key`` (or of its ``view``), as
+        a numpy array of the dtype ``ckptctl.arrays.numpy_dtype`` maps the stored one to
+        (little-endian; bfloat16 and float8 as the named words it defines). Jobs move these
+        arrays without importing torch.
 
         A format whose view declares ``StoredTensor.transposed`` tensors also takes
         ``transposed=True`` for them: the box is then in the canonical orientation."""

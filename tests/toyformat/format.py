@@ -6,8 +6,8 @@ import io
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
+from ckptctl.arrays import dtype_of
 from ckptctl.formats.base import CheckpointFormat, ProbeRequest
 from ckptctl.formats.support import FormatSupport
 from ckptctl.integrity import Targets
@@ -26,10 +26,10 @@ class NpyCheckpoint:
 
     def read(
         self, path: str, key: KeyPath, offsets: Shape, sizes: Shape, view: FlatView = None
-    ) -> torch.Tensor:
+    ) -> np.ndarray:
         array = np.load(io.BytesIO(self.storage.read_range(path, 0, self.storage.size(path))))
         box = tuple(slice(o, o + n) for o, n in zip(offsets, sizes, strict=True))
-        return torch.from_numpy(np.ascontiguousarray(array[box]))
+        return np.ascontiguousarray(array[box]).astype(array.dtype.newbyteorder("<"))
 
 
 def _header(storage: Storage, rel: str) -> tuple[tuple[int, ...], str]:
@@ -41,7 +41,7 @@ def _header(storage: Storage, rel: str) -> tuple[tuple[int, ...], str]:
             else np.lib.format.read_array_header_2_0
         )
         shape, _, dtype = read(f)
-    return tuple(shape), str(torch.from_numpy(np.empty(0, dtype)).dtype).removeprefix("torch.")
+    return tuple(shape), dtype_of(np.empty(0, dtype))
 
 
 def probe(storage: Storage, names: frozenset[str], request: ProbeRequest) -> NpyCheckpoint | None:

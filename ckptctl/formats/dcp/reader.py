@@ -66,7 +66,7 @@ from ckptctl.model.stored import (
 from ckptctl.storage import Storage
 
 if TYPE_CHECKING:
-    import torch
+    import numpy as np
 
 
 def join(base: str, rel: str) -> str:
@@ -120,7 +120,7 @@ class DcpCheckpoint:
 
     def read(
         self, path: str, key: KeyPath, offsets: Shape, sizes: Shape, view: FlatView = None
-    ) -> torch.Tensor:
+    ) -> np.ndarray:
         reader, ref = self._open(str(key[0]), tuple(int(k) for k in key[1:]))
         if view is not None:
             ref = view_ref(_flat(ref), *view)

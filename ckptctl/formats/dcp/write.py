@@ -12,18 +12,16 @@ those (``parse`` reads it back without them).
 from __future__ import annotations
 
 import io
-import pickle
 from collections.abc import Callable, Iterable
 from typing import BinaryIO
 
 from ckptctl.errors import CheckpointError
 from ckptctl.formats.dcp.checks import metadata_problems
 from ckptctl.formats.dcp.metadata import (
-    BytesEntry,
     DcpMetadata,
     StorageInfo,
-    TensorEntry,
 )
+from ckptctl.formats.dcp.metadata_pickle import metadata_pickle
 from ckptctl.formats.torchsave.zip_writer import TensorSlot, write_torch_zip
 
 _PICKLE_PROTOCOL = 4  # what torch's pickle.dump writes on Python 3.11-3.13; fixed for stable bytes
@@ -93,50 +91,4 @@ def metadata_bytes(md: DcpMetadata) -> bytes:
     problems = metadata_problems(md)
     if problems:
         raise CheckpointError(f"refusing to write .metadata: {'; '.join(problems[:20])}")
-    # Imported here: torch.distributed.checkpoint takes ~0.7 s to import and only writing
-    # needs its classes. ``_StorageInfo`` is private, but it is the class torch's reader
-    # expects in ``storage_data``.
-    import torch
-    from torch.distributed.checkpoint import metadata as dcp
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-
-    def entry(e: TensorEntry | BytesEntry) -> dcp.TensorStorageMetadata | dcp.BytesStorageMetadata:
-        if isinstance(e, BytesEntry):
-            return dcp.BytesStorageMetadata()
-        return dcp.TensorStorageMetadata(
-            properties=dcp.TensorProperties(dtype=getattr(torch, e.dtype)),
-            size=torch.Size(e.shape),
-            chunks=[
-                dcp.ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes))
-                for c in e.chunks
-            ],
-        )
-
-    storage = {
-        dcp.MetadataIndex(fqn, offsets): _StorageInfo(
-            info.relative_path,
-            info.offset,
-            info.length,
-            list(info.transform_descriptors) or None,
-        )
-        for (fqn, offsets), info in md.storage.items()
-    }
-    # torch's planners look key paths up in planner_data; a flat name is its own path.
-    planner_data = md.planner_data or {fqn: (fqn,) for fqn in md.entries}
-    out = dcp.Metadata(
-        state_dict_metadata={fqn: entry(e) for fqn, e in md.entries.items()},
-        planner_data=dict(planner_data),
-        storage_data=storage,
-    )
-    # Set after construction: fields that older torch's Metadata lacks stay plain attributes.
-    if md.save_info is not None:
-        meta = md.save_info
-        out.storage_meta = dcp.StorageMeta(
-            checkpoint_id=meta.checkpoint_id,
-            save_id=meta.save_id,
-            load_id=meta.load_id,
-            modules=list(meta.modules),
-        )
-    if md.version is not None:
-        out.version = md.version
-    return pickle.dumps(out, protocol=_PICKLE_PROTOCOL)
+    return metadata_pickle(md, _PICKLE_PROTOCOL)

@@ -8,8 +8,6 @@ import struct
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
-import torch
-
 from ckptctl.formats.base import WriteJob
 from ckptctl.formats.deepspeed.layout import (
     PARAM_KEY,
@@ -34,7 +32,7 @@ ADAM_SETTINGS = frozenset(
 def write_universal_file(job: WriteJob, file: FileWrite, out: BinaryIO) -> None:
     if file.tensors:
         (tensor,) = file.tensors
-        slot = TensorSlot("0", getattr(torch, tensor.dtype), tensor.shape)
+        slot = TensorSlot("0", tensor.dtype, tensor.shape)
         tree: Any = slot if tuple(tensor.key) == STEP_KEY else {PARAM_KEY[0]: slot}
         write_torch_zip(out, tree, [slot], lambda _: job.assemble.chunks(tensor, file.path))
         return
@@ -46,7 +44,7 @@ def write_universal_file(job: WriteJob, file: FileWrite, out: BinaryIO) -> None:
         tree = {"ds_version": DS_VERSION, "param_groups": groups}
         if step is not None:
             # ZeRO 3's loader takes Adam's step from here; stages 1 and 2 from each step.pt.
-            slot = TensorSlot("step", torch.float32, ())
+            slot = TensorSlot("step", "float32", ())
             slots.append(slot)
             tree["optimizer_state_dict"] = {"state": {0: {"step": slot}}, "param_groups": groups}
 

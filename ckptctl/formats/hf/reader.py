@@ -12,8 +12,11 @@ import struct
 import threading
 from dataclasses import dataclass, field
 from math import prod
-from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar
+from typing import Any, BinaryIO, ClassVar
 
+import numpy as np
+
+from ckptctl.arrays import numpy_dtype, words
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError, LayoutError
 from ckptctl.formats.hf.families import spec_from_config
 from ckptctl.formats.hf.layout import CONFIG, INDEX, SINGLE, hf_tensors
@@ -29,9 +32,6 @@ from ckptctl.model.stored import (
     StoredTensor,
 )
 from ckptctl.storage import Storage
-
-if TYPE_CHECKING:
-    import torch
 
 _MAX_HEADER = 100_000_000
 
@@ -78,13 +78,11 @@ def read_box(
     entry: SafetensorsEntry,
     offsets: tuple[int, ...],
     sizes: tuple[int, ...],
-    into: torch.Tensor | None = None,
-) -> torch.Tensor:
+    into: np.ndarray | None = None,
+) -> np.ndarray:
     """Read box ``[offsets, offsets + sizes)``: only the rows spanning it are fetched, straight
-    into tensor memory (into ``into`` itself when the box is whole rows of the same dtype)."""
-    import torch  # tensors only: reading headers needs none
-
-    dtype = getattr(torch, entry.dtype)
+    into array memory (into ``into`` itself when the box is whole rows of the same dtype)."""
+    dtype = numpy_dtype(entry.dtype)
     if not entry.shape:
         rows, row_elems, lo = 1, 1, 0
     else:
@@ -92,25 +90,25 @@ def read_box(
         lo = offsets[0]
         rows = sizes[0]
     if rows == 0 or prod(sizes) == 0:
-        return torch.empty(sizes, dtype=dtype)
+        return np.empty(sizes, dtype)
     whole_rows = tuple(sizes[1:]) == tuple(entry.shape[1:])
     direct = (
         into is not None
         and whole_rows
         and into.dtype == dtype
-        and into.is_contiguous()
+        and into.flags.c_contiguous
         and tuple(into.shape) == tuple(sizes)
     )
-    flat = into.reshape(-1) if direct else torch.empty(rows * row_elems, dtype=dtype)
+    flat = into.reshape(-1) if direct else np.empty(rows * row_elems, dtype)
     f.seek(entry.begin + lo * row_elems * dtype.itemsize)
-    _read_exactly(f, memoryview(flat.view(torch.uint8).numpy()).cast("B"))
+    _read_exactly(f, memoryview(words(flat)).cast("B"))
     if direct:
         return into  # type: ignore[return-value]
     block = flat.reshape((rows, *entry.shape[1:]) if entry.shape else ())
     if entry.shape and not whole_rows:
         inner = zip(offsets[1:], sizes[1:], strict=True)
-        block = block[(slice(None), *(slice(o, o + s) for o, s in inner))]
-    return block.contiguous()
+        block = np.ascontiguousarray(block[(slice(None), *(slice(o, o + s) for o, s in inner))])
+    return block
 
 
 def _read_exactly(f: Any, view: memoryview) -> None:
@@ -132,7 +130,7 @@ def _read_exactly(f: Any, view: memoryview) -> None:
 @dataclass
 class HFCheckpoint:
     reads_into: ClassVar[bool] = True
-    """``read`` can put a box's bytes straight into a given tensor."""
+    """``read`` can put a box's bytes straight into a given array."""
 
     storage: Storage
     view: CheckpointView
@@ -148,8 +146,8 @@ class HFCheckpoint:
         offsets: Shape,
         sizes: Shape,
         view: FlatView = None,
-        into: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        into: np.ndarray | None = None,
+    ) -> np.ndarray:
         entry = self.headers[path][str(key[0])]
         if not self.storage.is_local:  # exact ranged GETs, several in flight
             return read_box(_RangeFile(self.storage, path), entry, offsets, sizes, into)

@@ -48,7 +48,7 @@ from ckptctl.model.stored import CheckpointView, Format, StoredFile
 from ckptctl.storage import Storage
 
 if TYPE_CHECKING:
-    import torch
+    import numpy as np
 
 _ITER_DIR = re.compile(r"^(iter_\d{7}|release)$")
 _EXTRA_STATE = "._extra_state"
@@ -71,7 +71,7 @@ class MegatronCheckpoint(TorchFiles):
     def tree(self, path: str) -> Any:
         return self.readers[path].tree
 
-    def read_ref(self, path: str, ref: TensorRef) -> torch.Tensor:
+    def read_ref(self, path: str, ref: TensorRef) -> np.ndarray:
         return self.readers[path].read(ref)
 
     @property

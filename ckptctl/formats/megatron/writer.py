@@ -10,13 +10,13 @@ from dataclasses import dataclass
 from math import prod
 from typing import Any, BinaryIO
 
-import torch
-
+from ckptctl.arrays import raw_bytes
 from ckptctl.formats.base import SavedTraining, WriteJob
 from ckptctl.formats.megatron.args import args_for, args_from_spec
 from ckptctl.formats.torchsave.archive import TensorRef
-from ckptctl.formats.torchsave.zip_writer import TensorSlot, tensor_bytes, write_torch_zip
+from ckptctl.formats.torchsave.zip_writer import TensorSlot, write_torch_zip
 from ckptctl.model.catalog import parameters
+from ckptctl.model.dtypes import DTYPES
 from ckptctl.model.plan import FileWrite, TensorWrite
 from ckptctl.model.stored import StoredFile
 from ckptctl.prefetch import ReadAhead
@@ -71,7 +71,7 @@ def rank_tree(
         if t.key not in seen:
             seen.add(t.key)
             shape = t.base_shape or (t.shape[::-1] if t.transposed else t.shape)
-            slot = TensorSlot(str(n), getattr(torch, t.dtype), shape)
+            slot = TensorSlot(str(n), t.dtype, shape)
             slots.append(slot)
             node = tree
             for part in t.key[:-1]:
@@ -151,9 +151,9 @@ def write_distopt_file(job: WriteJob, file: FileWrite, out: BinaryIO) -> None:
     for key, length in file.flat:
         sub, (gbuf, dtype_key, state) = (key[0], key[1:]) if chained else (0, key)
         tree = subs.setdefault(int(sub), {"buckets_coalesced": True})
-        param_dtype, grad_dtype = (getattr(torch, name) for name in str(dtype_key).split("|"))
+        param_dtype, grad_dtype = (DTYPES[name] for name in str(dtype_key).split("|"))
         buffer = tree.setdefault(gbuf, {}).setdefault((param_dtype, grad_dtype), {})
-        slot = TensorSlot(str(len(slots)), torch.float32, (length,))
+        slot = TensorSlot(str(len(slots)), "float32", (length,))
         buffer.pop("numel_unpadded", None)  # Megatron writes it after the state tensors
         buffer[state] = slot
         buffer["numel_unpadded"] = length
@@ -204,7 +204,7 @@ class TrainingState:
 
     def carried_bytes(self, slot: TensorSlot) -> memoryview:
         ref = self.refs[int(slot.key.removeprefix("carried"))]
-        return tensor_bytes(self.owner.read_ref(self.template_path, ref))
+        return raw_bytes(self.owner.read_ref(self.template_path, ref))
 
 
 def training_state(job: WriteJob, file: FileWrite) -> TrainingState:

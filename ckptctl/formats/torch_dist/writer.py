@@ -14,8 +14,7 @@ from collections.abc import Iterator
 from functools import cache
 from typing import Any, BinaryIO
 
-import torch
-
+from ckptctl.arrays import first_value
 from ckptctl.formats.base import WriteJob
 from ckptctl.formats.dcp.metadata import (
     METADATA_FILE,
@@ -55,7 +54,7 @@ def write_dcp_shard(job: WriteJob, file: FileWrite, out: BinaryIO) -> None:
             _, shape = record_geometry(
                 fqn, tensor.canonical, tensor.shape, plan.spec, plan.target_layout.tp
             )
-        slot = TensorSlot("0", getattr(torch, tensor.dtype), shape)
+        slot = TensorSlot("0", tensor.dtype, shape)
 
         def produce(_: TensorSlot, t: Any = tensor) -> Iterator[memoryview]:
             # A layer chunk is assembled without its leading dimension of 1: same bytes.
@@ -136,7 +135,7 @@ def _group_step(state: Any) -> float | None:
             if t.canonical.startswith("step/"):
                 view = None if t.view_offset is None else (t.view_offset, t.shape)
                 zero = (0,) * len(t.shape)
-                return float(owner.read(file.path, t.key, zero, t.shape, view).reshape(-1)[0])
+                return float(first_value(owner.read(file.path, t.key, zero, t.shape, view)))
     return None
 
 

@@ -25,7 +25,7 @@ from ckptctl.model.stored import (
 from ckptctl.storage import Storage
 
 if TYPE_CHECKING:
-    import torch
+    import numpy as np
 
 
 def _tensors(tree: Any, path: KeyPath = ()) -> list[tuple[KeyPath, TensorRef]]:
@@ -46,7 +46,7 @@ class TorchFileCheckpoint:
 
     def read(
         self, path: str, key: KeyPath, offsets: Shape, sizes: Shape, view: FlatView = None
-    ) -> torch.Tensor:
+    ) -> np.ndarray:
         return self.reader.read(resolve(self.reader.tree, key), offsets, sizes)
 
 

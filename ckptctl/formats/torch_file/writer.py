@@ -7,11 +7,10 @@ from collections.abc import Iterator
 from itertools import pairwise
 from typing import Any, BinaryIO
 
-import torch
-
+from ckptctl.arrays import raw_bytes
 from ckptctl.formats.base import WriteJob
 from ckptctl.formats.torchsave.archive import TensorRef
-from ckptctl.formats.torchsave.zip_writer import TensorSlot, tensor_bytes, write_torch_zip
+from ckptctl.formats.torchsave.zip_writer import TensorSlot, write_torch_zip
 from ckptctl.model.plan import FileWrite
 
 
@@ -27,7 +26,7 @@ def write_state_dict_file(job: WriteJob, file: FileWrite, out: BinaryIO) -> None
     by_key = {}
     at_path = {}
     for n, tensor in enumerate(file.tensors):
-        slot = TensorSlot(str(n), getattr(torch, tensor.dtype), tensor.shape)
+        slot = TensorSlot(str(n), tensor.dtype, tensor.shape)
         # A one-element key is a stored name (placed by the source); a longer one, the path.
         path = key_path(str(tensor.key[0])) if len(tensor.key) == 1 else tensor.key
         _set_path(tree, path, slot)
@@ -46,7 +45,7 @@ def write_state_dict_file(job: WriteJob, file: FileWrite, out: BinaryIO) -> None
     def produce(slot: TensorSlot) -> Iterator[memoryview]:
         if slot.key in inner:
             reader, ref = inner[slot.key]
-            yield tensor_bytes(reader.read(ref))
+            yield raw_bytes(reader.read(ref))
         else:
             yield from assemble.chunks(by_key[slot.key], file.path)
 

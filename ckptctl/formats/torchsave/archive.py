@@ -27,19 +27,18 @@ import pickle
 import struct
 import threading
 import types
-import warnings
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from math import prod
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import Any, BinaryIO
 
+import numpy as np
+
+from ckptctl.arrays import dtype_of, first_value, numpy_dtype, words
 from ckptctl.crc import crc32
 from ckptctl.errors import CheckpointError, UnsafePickleError
-from ckptctl.model.dtypes import BY_STORAGE, DTYPES, DType, dtype_name
-
-if TYPE_CHECKING:
-    import torch
+from ckptctl.model.dtypes import BY_STORAGE, DTYPES, DType
 
 Shape = tuple[int, ...]
 
@@ -347,43 +346,38 @@ class TorchZipReader:
         ref: TensorRef,
         offsets: Shape | None = None,
         sizes: Shape | None = None,
-        into: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        into: np.ndarray | None = None,
+    ) -> np.ndarray:
         """Read box ``[offsets, offsets + sizes)`` of ``ref`` (the whole tensor by default).
-        ``into`` (a contiguous tensor of the box's shape) receives the bytes straight from the
+        ``into`` (a contiguous array of the box's shape) receives the bytes straight from the
         file when the box lies contiguously there in the same dtype; the result is ``into``
-        then, else a new tensor."""
-        import torch  # only reading tensor bytes needs it, not reading the archive's metadata
-
-        dtype = getattr(torch, ref.dtype.name)
+        then, else a new array."""
+        dtype = numpy_dtype(ref.dtype)
         offsets = offsets if offsets is not None else (0,) * len(ref.shape)
         sizes = sizes if sizes is not None else ref.shape
         if prod(sizes) == 0:
-            return torch.empty(sizes, dtype=dtype)
+            return np.empty(sizes, dtype)
         first = ref.offset + sum(o * s for o, s in zip(offsets, ref.stride, strict=True))
         last = first + sum((n - 1) * s for n, s in zip(sizes, ref.stride, strict=True))
         if self._fetch is None:
             direct = into is not None and _fits(into, ref, sizes)
             with self._lock:
-                return self._read_span(ref, dtype, sizes, first, last, into if direct else None)
+                return self._read_span(ref, sizes, first, last, into if direct else None)
         nbytes = (last - first + 1) * ref.dtype.itemsize
         data = self._fetch_box(ref, first * ref.dtype.itemsize, nbytes)
         if len(data) != nbytes:
             raise CheckpointError(f"{self.where}: unexpected end of file in {ref.storage.key}")
         self._check_whole(ref, first * ref.dtype.itemsize, data)
-        with warnings.catch_warnings():
-            # Fetched bytes are read-only and nothing writes into a read's result: view them
-            # as they are instead of copying them into a bytearray first.
-            warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(data, dtype=dtype)
-        return torch.as_strided(flat, sizes, ref.stride).contiguous()
+        # Fetched bytes are read-only and nothing writes into a read's result: view them as
+        # they are instead of copying them into a bytearray first.
+        return _strided(np.frombuffer(data, dtype), sizes, ref.stride)
 
     def read_number(self, ref: TensorRef) -> float:
         """A one-element tensor's value (Adam's step, an iteration count) without torch: the
         only tensor a plan reads."""
         fmt = _NUMBER_FORMATS.get(ref.dtype.name)
         if ref.numel != 1 or fmt is None:
-            return float(self.read(ref).item())
+            return float(first_value(self.read(ref)))
         size = ref.dtype.itemsize
         if self._fetch is None:
             with self._lock:
@@ -411,25 +405,19 @@ class TorchZipReader:
         return start
 
     def _read_span(
-        self,
-        ref: TensorRef,
-        dtype: torch.dtype,
-        sizes: Shape,
-        first: int,
-        last: int,
-        into: torch.Tensor | None,
-    ) -> torch.Tensor:
-        import torch
-
+        self, ref: TensorRef, sizes: Shape, first: int, last: int, into: np.ndarray | None
+    ) -> np.ndarray:
         itemsize = ref.dtype.itemsize
         start = self._checked_start(ref, last)
         self._f.seek(start + first * itemsize)
         nbytes = (last - first + 1) * itemsize
-        # Read straight into the tensor's memory: no zero-filled buffer, no copy afterwards.
+        # Read straight into the array's memory: no zero-filled buffer, no copy afterwards.
         flat = (
-            into.reshape(-1) if into is not None else torch.empty(nbytes // itemsize, dtype=dtype)
+            into.reshape(-1)
+            if into is not None
+            else np.empty(nbytes // itemsize, numpy_dtype(ref.dtype))
         )
-        view = memoryview(flat.view(torch.uint8).numpy()).cast("B")
+        view = memoryview(words(flat)).cast("B")
         got = 0
         while got < nbytes:
             n = self._f.readinto(view[got:]) if hasattr(self._f, "readinto") else None
@@ -443,16 +431,28 @@ class TorchZipReader:
         self._check_whole(ref, first * itemsize, view)
         if into is not None:
             return into
-        return torch.as_strided(flat, sizes, ref.stride).contiguous()
+        return _strided(flat, sizes, ref.stride)
 
 
-def _fits(into: torch.Tensor, ref: TensorRef, sizes: Shape) -> bool:
+def _strided(flat: np.ndarray, sizes: Shape, stride: Shape) -> np.ndarray:
+    """The box of ``sizes`` elements laid out by ``stride`` (in elements) from ``flat``'s
+    first, as a C-contiguous array (``flat`` itself, reshaped, when it already is one)."""
+    size = flat.dtype.itemsize
+    box = np.lib.stride_tricks.as_strided(
+        flat, sizes, tuple(s * size for s in stride), writeable=False
+    )
+    if box.flags.c_contiguous:
+        return flat[: prod(sizes)].reshape(sizes)
+    return np.ascontiguousarray(box)
+
+
+def _fits(into: np.ndarray, ref: TensorRef, sizes: Shape) -> bool:
     """The box of ``ref`` lies in the file exactly as ``into`` lays it out in memory: same
     dtype and shape, both C-contiguous (so the bytes can be read straight into it)."""
     if (
-        dtype_name(into.dtype) != ref.dtype.name
+        dtype_of(into) != ref.dtype.name
         or tuple(into.shape) != tuple(sizes)
-        or not into.is_contiguous()
+        or not into.flags.c_contiguous
     ):
         return False
     expected = 1

@@ -14,7 +14,7 @@ from ckptctl.model.stored import CheckpointView, FlatView, KeyPath, Shape
 from ckptctl.storage import Storage
 
 if TYPE_CHECKING:
-    import torch
+    import numpy as np
 
 
 def resolve(tree: Any, key: KeyPath) -> Any:
@@ -50,8 +50,8 @@ def read_box(
     sizes: tuple[int, ...],
     view: tuple[int, tuple[int, ...]] | None = None,
     transposed: bool = False,
-    into: torch.Tensor | None = None,
-) -> torch.Tensor:
+    into: np.ndarray | None = None,
+) -> np.ndarray:
     """Box ``[offsets, offsets + sizes)`` of the tensor at ``key`` (or of its flat ``view``);
     a ``transposed`` tensor's box is given, and returned, in the canonical orientation.
     ``into``: where the bytes may go straight from the file (see ``TorchZipReader.read``)."""
@@ -63,7 +63,7 @@ def read_box(
     if view is not None:
         ref = view_ref(ref, *view)
     if transposed:
-        return reader.read(ref, offsets, sizes).t()
+        return reader.read(ref, offsets, sizes).T
     return reader.read(ref, offsets, sizes, into)
 
 
@@ -91,7 +91,7 @@ class TorchFiles:
     view: CheckpointView
     readers: dict[str, TorchZipReader]
     reads_into: ClassVar[bool] = True
-    """``read`` can put a box's bytes straight into a given tensor."""
+    """``read`` can put a box's bytes straight into a given array."""
 
     def read(
         self,
@@ -101,6 +101,6 @@ class TorchFiles:
         sizes: Shape,
         view: FlatView = None,
         transposed: bool = False,
-        into: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        into: np.ndarray | None = None,
+    ) -> np.ndarray:
         return read_box(self.readers[path], key, offsets, sizes, view, transposed, into)

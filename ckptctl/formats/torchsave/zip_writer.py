@@ -18,17 +18,18 @@ from dataclasses import dataclass
 from math import prod
 from typing import Any, BinaryIO
 
-import torch
-
-from ckptctl.formats.torchsave.archive import _ALIGNMENT, Shape, Stub
+from ckptctl.formats.torchsave.archive import _ALIGNMENT, Shape, Stub, _stub_type
 from ckptctl.model.dtypes import DTYPES, DType, dtype_name
 from ckptctl.storage import write_in_slices
+
+# torch's own names, pickled as globals without importing torch (``torch.load`` resolves them).
+_REBUILD_TENSOR = _stub_type("torch._utils", "_rebuild_tensor_v2")
 
 
 @dataclass(frozen=True, slots=True)
 class _StorageSlot:
     key: str
-    dtype: torch.dtype
+    dtype: DType
     numel: int
 
 
@@ -37,8 +38,8 @@ class TensorSlot:
 
     __slots__ = ("_storage", "dtype", "shape")
 
-    def __init__(self, key: str, dtype: torch.dtype | DType, shape: Shape) -> None:
-        dtype = getattr(torch, dtype_name(dtype))  # a source's DType or torch's own
+    def __init__(self, key: str, dtype: object, shape: Shape) -> None:
+        dtype = DTYPES[dtype_name(dtype)]  # a name, a source's DType or torch's own
         self._storage = _StorageSlot(key, dtype, prod(shape))
         self.dtype = dtype
         self.shape = tuple(shape)
@@ -57,7 +58,7 @@ class TensorSlot:
             stride.append(acc)
             acc *= max(n, 1)
         return (
-            torch._utils._rebuild_tensor_v2,
+            _REBUILD_TENSOR,
             (
                 self._storage,
                 0,
@@ -74,7 +75,9 @@ class _Pickler(pickle._Pickler):  # type: ignore[name-defined]
 
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, _StorageSlot):
-            storage_type = getattr(torch, DTYPES[dtype_name(obj.dtype)].storage)
+            if obj.dtype.storage is None:
+                raise ValueError(f"torch.save has no storage class for {obj.dtype}")
+            storage_type = _stub_type("torch", obj.dtype.storage)
             return ("storage", storage_type, obj.key, "cpu", obj.numel)
         return None
 
@@ -141,9 +144,3 @@ def write_torch_zip(
                 raise AssertionError(f"slot {slot.key}: wrote {written} of {slot.nbytes} bytes")
         with _aligned_entry(zf, f"{prefix}/version", 1) as out:
             out.write(b"3")
-
-
-def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """The raw little-endian bytes of a contiguous CPU tensor, without a copy."""
-    flat = tensor.contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B") if flat.numel() else memoryview(b"")

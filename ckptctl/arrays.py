@@ -1,0 +1,157 @@
+"""Boxes of tensor elements as numpy arrays: how bytes move through a job without torch.
+
+Moving a checkpoint's bytes needs no tensor math: boxes are read, sliced, transposed, copied
+into bands and hashed. numpy does all of that, imports in a tenth of torch's time and releases
+the GIL on large copies, so readers return numpy arrays and the executor builds bands from them.
+torch is imported only for what only it defines exactly: casts between dtypes (its rounding and
+NaN bits are what users' training code produces) and value comparisons.
+
+Every torch dtype maps to one numpy dtype of the same size. numpy has no bfloat16 or float8, so
+those elements are held as a one-field structured dtype whose field is named after the torch
+dtype: the array still knows what its bytes are, and views of it as plain integer words
+(``words``) copy and transpose at memcpy speed.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from math import prod
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ckptctl.model.dtypes import DTYPES, DType, dtype_name
+
+if TYPE_CHECKING:
+    import torch
+
+_NATIVE = {
+    "float64",
+    "float32",
+    "float16",
+    "int64",
+    "int32",
+    "int16",
+    "int8",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "bool",
+    "complex64",
+    "complex128",
+}
+
+
+def _numpy_dtype(d: DType) -> np.dtype:
+    if d.name in _NATIVE:
+        return np.dtype(d.name).newbyteorder("<")
+    return np.dtype([(d.name, f"<u{d.itemsize}")])
+
+
+NUMPY_DTYPES: dict[str, np.dtype] = {name: _numpy_dtype(d) for name, d in DTYPES.items()}
+_BY_NUMPY = {dt: name for name, dt in NUMPY_DTYPES.items()}
+_WORDS = {n: np.dtype(f"<u{n}") for n in (1, 2, 4, 8)}
+
+
+def numpy_dtype(dtype: object) -> np.dtype:
+    """The numpy dtype holding elements of ``dtype`` (a torch name, ``DType`` or torch dtype)."""
+    return NUMPY_DTYPES[dtype_name(dtype)]
+
+
+def dtype_of(array: np.ndarray) -> str:
+    """The torch name of ``array``'s elements."""
+    return _BY_NUMPY[array.dtype]
+
+
+def words(array: np.ndarray) -> np.ndarray:
+    """``array`` viewed as unsigned integers of its element size (no copy): what copies,
+    transposes and fills work on, whatever the elements mean."""
+    size = array.dtype.itemsize
+    return array.view(_WORDS[size]) if size in _WORDS else array.view(np.uint8)
+
+
+def empty(shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    return np.empty(shape, NUMPY_DTYPES[dtype])
+
+
+def full(shape: tuple[int, ...], dtype: str, value: float) -> np.ndarray:
+    """``shape`` filled with ``value`` as torch would store it in ``dtype``."""
+    out = empty(shape, dtype)
+    if value == 0 and math.copysign(1.0, value) > 0:
+        words(out).fill(0)  # +0 is all zero bits in every dtype
+    elif dtype in _NATIVE:
+        out.fill(value)
+    else:
+        import torch
+
+        one = torch.full((), value, dtype=getattr(torch, dtype))
+        words(out).fill(int(words(from_torch(one)).reshape(-1)[0]))
+    return out
+
+
+def cast(array: np.ndarray, dtype: str) -> np.ndarray:
+    """``array``'s values in ``dtype``: ``array`` itself when it is already so, else torch's
+    conversion (the bits a training run would produce)."""
+    if dtype_of(array) == dtype:
+        return array
+    import torch
+
+    return from_torch(to_torch(array).to(getattr(torch, dtype)))
+
+
+def to_torch(array: np.ndarray) -> torch.Tensor:
+    """A torch tensor sharing ``array``'s memory (read-only arrays come from fetched bytes that
+    nothing writes into)."""
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        if array.dtype.names is None:
+            return torch.from_numpy(array)
+        # bfloat16, float8, ...: numpy holds them as words, which torch reinterprets.
+        raw = words(np.ascontiguousarray(array)).reshape(-1)
+        flat = torch.from_numpy(raw.view(f"<i{raw.dtype.itemsize}"))
+    return flat.view(getattr(torch, dtype_of(array))).reshape(array.shape)
+
+
+def from_torch(tensor: torch.Tensor) -> np.ndarray:
+    """A numpy array sharing a CPU tensor's memory (made contiguous first if it is not)."""
+    import torch
+
+    flat = tensor.contiguous().reshape(-1)
+    raw = flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, np.uint8)
+    return raw.view(numpy_dtype(tensor.dtype)).reshape(tuple(tensor.shape))
+
+
+def raw_bytes(array: np.ndarray) -> memoryview:
+    """The little-endian bytes of ``array`` in C order (without a copy if it is contiguous)."""
+    if not array.size:
+        return memoryview(b"")
+    return memoryview(np.ascontiguousarray(words(array)).reshape(-1)).cast("B")
+
+
+def nbytes_of(array: np.ndarray) -> int:
+    return prod(array.shape) * array.dtype.itemsize
+
+
+def finite(array: np.ndarray) -> bool:
+    """No NaN or infinity among floating-point elements (True for other dtypes)."""
+    name = dtype_of(array)
+    if not DTYPES[name].is_floating_point:
+        return True
+    if name in _NATIVE:
+        return bool(np.isfinite(array).all())
+    if name == "bfloat16":  # all exponent bits set is infinity or NaN
+        return not bool(((words(array) & 0x7F80) == 0x7F80).any())
+    import torch
+
+    return bool(torch.isfinite(to_torch(array).float()).all())
+
+
+def first_value(array: np.ndarray) -> Any:
+    """The first element as a Python number (Adam's step kept as a tensor)."""
+    if array.dtype.names is None:
+        return array.reshape(-1)[0].item()
+    return to_torch(array).reshape(-1)[0].item()
