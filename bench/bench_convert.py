@@ -125,9 +125,9 @@ def main() -> None:
     print_table(
         rows,
         f"{size / 1e9:.2f} GB Megatron TP2 PP2 with Adam state; {cache}",
-        "'seconds': the whole process until its output is on disk (Python and torch start-up, "
-        "~1.3 s here, and a final sync included); 'of which converting': ckptctl's own --json "
-        "figure.",
+        "'seconds': the whole process until its output is on disk (Python start-up and a final "
+        "sync included; ckptctl imports no torch for these jobs, the naive merge does); 'of "
+        "which converting': ckptctl's own --json figure.",
     )
     if not args.keep:
         shutil.rmtree(src)

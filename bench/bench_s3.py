@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from benchlib import du
+from benchlib import compile_bytecode, du
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # the tests' S3 servers and counting proxy
@@ -116,6 +116,7 @@ def main() -> None:
     parser.add_argument("--server", choices=("seaweedfs", "moto"), default="seaweedfs")
     parser.add_argument("--endpoint-url", help="An S3 endpoint to use instead of starting one.")
     args = parser.parse_args()
+    compile_bytecode()
 
     work = args.workdir
     src = work / "src"
