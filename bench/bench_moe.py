@@ -18,6 +18,7 @@ megatron-core's layout, numbered by ckptctl's layout module: an input for timing
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import subprocess
 import sys
@@ -111,9 +112,13 @@ def main() -> None:
     work = args.workdir
     ckptctl = [sys.executable, "-m", "ckptctl"]
     sources = {"moe": ["--ep", "2", "--dp", "2"], "dense": ["--tp", "2"]}
+    made_with = json.dumps({"hidden": args.hidden, "layers": args.layers, "adam": args.adam})
     for kind, layout in sources.items():
-        if (work / kind).exists():
-            continue
+        stamp = work / f"{kind}.made-with.json"
+        if (work / kind).exists() and stamp.exists() and stamp.read_text() == made_with:
+            continue  # kept from an earlier run with the same options
+        for stale in (work / kind, work / f"{kind}-hf"):
+            shutil.rmtree(stale, ignore_errors=True)
         hf = work / f"{kind}-hf"
         work.mkdir(parents=True, exist_ok=True)
         subprocess.run(
@@ -131,6 +136,7 @@ def main() -> None:
         shutil.rmtree(hf)
         if args.adam:
             subprocess.run([sys.executable, "-c", ADAM, str(work / kind)], check=True)
+        stamp.write_text(made_with)
     tables = []
     for kind, target, name in (
         ("moe", ["--ep", "4", "--dp", "4"], "EP2 -> EP4"),
