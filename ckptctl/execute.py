@@ -19,6 +19,7 @@ import xxhash
 
 from ckptctl import arrays
 from ckptctl.bands import Band, BandQueue, band_ranges
+from ckptctl.distributed import Group
 from ckptctl.formats import registry
 from ckptctl.formats.base import Checkpoint, WriteJob
 from ckptctl.job_report import NoProgress, Progress, Report, Sources, peak_rss_bytes
@@ -27,6 +28,7 @@ from ckptctl.model.geometry import nbytes, with_dim
 from ckptctl.model.plan import FileKind, FileWrite, Plan, TensorWrite
 from ckptctl.model.stored import Shape
 from ckptctl.storage import Storage, write_in_slices
+from planners.shares import split_files
 
 DEFAULT_MEMORY_BUDGET = 1 << 30
 
@@ -176,32 +178,68 @@ def execute(
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     workers: int = 1,
     checksum: str = "xxh3_64",
+    group: Group | None = None,
 ) -> Report:
     """Write every file of ``plan`` to ``target``, then its finalize files in order.
 
     Tensor data in flight stays within about ``memory_budget`` bytes, whatever the tensor sizes.
     ``workers`` > 1 builds that many bands at once, ahead of the writer (object stores: GETs in
-    flight; local disks: reading overlaps hashing and writing).
+    flight; local disks: reading overlaps hashing and writing). With a process ``group``, this
+    process writes its share of the files (``planners.shares``); rank 0 commits once every rank
+    has sent what it wrote, and its report covers the whole job (``ranks``: each one's).
     """
     progress = progress or NoProgress()
     if not isinstance(source, Sources):
         source = Sources(source)
     report = Report()
     started = time.perf_counter()
-    total = sum(_file_bytes(plan, f, source) for f in plan.files)
-    progress.start(total, f"{plan.operation} -> {plan.target_url}")
-    target.begin_writing()
+    sizes = [_file_bytes(plan, f, source) for f in plan.files]
+    rank, world = (group.rank, group.world) if group else (0, 1)
+    mine = split_files(plan.files, sizes, world)[rank]
+    progress.start(sum(sizes), f"{plan.operation} -> {plan.target_url}")
+    if group is not None:
+        progress = _GroupProgress(progress, group)
     target_format = registry.named(str(plan.target_format))
     finish_paths = target_format.finish_paths(plan) if target_format.finish_paths else ()
-    log = RunLog(target, plan, checksum, finish_paths)
+    if rank == 0:
+        target.begin_writing()  # on S3, aborts stale uploads: before any rank starts its own
+        log = RunLog(target, plan, checksum, finish_paths, rank, world)
+    if group is not None:
+        group.agree(None)  # rank 0's log holds every finished file before the others look
+    if rank:
+        log = RunLog(target, plan, checksum, finish_paths, rank, world)
     pool = ThreadPoolExecutor(workers, thread_name_prefix="ckptctl-read") if workers > 1 else None
     assemble = Assembler(plan, source, report, progress, memory_budget, pool, workers)
     job = WriteJob(plan, source, assemble, report)
+    failure: Exception | None = None
     try:
-        _write_files(job, target, log)
+        _write_files(job, mine, sizes, target, log)
+    except Exception as err:  # the other ranks must hear of it, or they wait for this one
+        failure = err
     finally:
         if pool is not None:
             pool.shutdown(wait=True)
+    own_written = report.bytes_written
+    if group is not None:
+        group.agree(None if failure is None else str(failure) or type(failure).__name__)
+        _gather(group, report, log)
+    if failure is not None:
+        raise failure
+    if rank == 0:
+        _commit(job, target, log, target_format, checksum)
+    if group is not None:
+        group.agree(None)  # every rank returns once the job is committed
+    progress.finish()
+    report.seconds = time.perf_counter() - started
+    report.peak_rss_bytes = peak_rss_bytes()
+    if group is not None:
+        report.ranks = _rank_figures(group, report, own_written)
+    return report
+
+
+def _commit(job: WriteJob, target: Storage, log: RunLog, target_format: Any, checksum: str) -> None:
+    """Files written after every data file, then the finalize texts, then the manifest."""
+    plan, report = job.plan, job.report
     extra_files: list[str] = []
     for path, payload in target_format.finish(job) if target_format.finish else ():
         with target.open_write(path, new_digest(checksum)) as out:
@@ -215,26 +253,93 @@ def execute(
     write_manifest(
         target, plan, report.tensor_checksums, log.done, algorithm=checksum, extra=extra_files
     )
+    log.clear_rank_logs()
     report.files_written.append(MANIFEST)
-    progress.finish()
-    report.seconds = time.perf_counter() - started
-    report.peak_rss_bytes = peak_rss_bytes()
-    return report
 
 
-def _write_files(job: WriteJob, target: Storage, log: RunLog) -> None:
-    plan, source, report = job.plan, job.source, job.report
-    for file in plan.files:
+def _gather(group: Group, report: Report, log: RunLog) -> None:
+    """Rank 0 takes in what every rank wrote: checksums, DCP records, counts."""
+    target = group.all_gather(
+        {
+            "done": log.done,
+            "tensors": report.tensor_checksums,
+            "records": report.records,
+            "files": report.files_written,
+            "read": report.bytes_read,
+            "requests": report.read_requests,
+            "written": report.bytes_written,
+            "copied": report.copied,
+        }
+    )
+    if group.rank:
+        return
+    for r, part in enumerate(target):
+        if r == 0:
+            continue
+        log.done.update(part["done"])
+        report.tensor_checksums.update(part["tensors"])
+        report.records.update(part["records"])
+        report.files_written.extend(part["files"])
+        report.bytes_read += part["read"]
+        report.read_requests += part["requests"]
+        report.bytes_written += part["written"]
+        for how, n in part["copied"].items():
+            report.copied[how] = report.copied.get(how, 0) + n
+
+
+def _rank_figures(group: Group, report: Report, written: int) -> list[dict[str, Any]]:
+    """Each rank's own figures (rank 0's report sums them)."""
+    mine = {
+        "rank": group.rank,
+        "seconds": round(report.seconds, 3),
+        "peak_rss_bytes": report.peak_rss_bytes,
+        "bytes_written": written,
+    }
+    return group.all_gather(mine)
+
+
+class _GroupProgress:
+    """This rank's progress sent to the group; rank 0 shows the whole job's."""
+
+    def __init__(self, inner: Progress, group: Group, every: int = 64 << 20) -> None:
+        self.inner, self.group, self.every = inner, group, every
+        self.done = self.sent = self.others = 0
+
+    def start(self, total: int, label: str) -> None:
+        self.inner.start(total, label)
+
+    def advance(self, n: int) -> None:
+        self.done += n
+        self.inner.advance(n)
+        if self.done - self.sent >= self.every:
+            self.sent = self.done
+            self.group.report_progress(self.done)
+            if self.group.rank == 0:
+                others = sum(self.group.progress()[1:])
+                self.inner.advance(others - self.others)
+                self.others = others
+
+    def finish(self) -> None:
+        self.group.report_progress(self.done)
+        self.inner.finish()
+
+
+def _write_files(
+    job: WriteJob, share: tuple[int, ...], sizes: list[int], target: Storage, log: RunLog
+) -> None:
+    plan, report = job.plan, job.report
+    for i in share:
+        file = plan.files[i]
         reused = log.reusable(file.path)
         if reused is not None:  # resuming: this file was finished and is intact
             report.tensor_checksums[file.path] = reused["tensors"]
             report.records[file.path] = reused.get("records", [])
-            job.assemble.progress.advance(_file_bytes(plan, file, source))
+            job.assemble.progress.advance(sizes[i])
             report.files_written.append(file.path)
             continue
         with target.open_write(file.path, new_digest(log.algorithm)) as out:
             if file.kind == FileKind.COPY:
-                _copy_file(source, plan.source_files[file.copy_of or 0], out, job.assemble)
+                _copy_file(job.source, plan.source_files[file.copy_of or 0], out, job.assemble)
             else:
                 _, write = registry.writer_for(file.kind)
                 try:

@@ -45,6 +45,8 @@ class Report:
     copied: dict[str, int] = field(default_factory=dict)
     """Bytes moved without passing through this process, by how: ``copy_file_range`` (the
     kernel, local files) or ``upload_part_copy`` (the object store, server side)."""
+    ranks: list[dict[str, Any]] = field(default_factory=list)
+    """A job run by several processes: each rank's own figures (the rest sums them)."""
 
 
 def peak_rss_bytes() -> int:

@@ -19,6 +19,7 @@ from typing import Any
 
 from ckptctl.calibrate import saved_profiles
 from ckptctl.destination import Destination, check_destination
+from ckptctl.distributed import Group
 from ckptctl.errors import CheckpointError, CkptctlError, UsageError
 from ckptctl.formats.megatron.layout import MegatronStyle
 from ckptctl.formats.megatron.ranks import coords
@@ -340,7 +341,10 @@ def _planned_lost(plan: Plan, ckpt: Checkpoint) -> frozenset[str]:
 
 
 def run(
-    job: Job, destination: Destination | None = None, progress: Progress | None = None
+    job: Job,
+    destination: Destination | None = None,
+    progress: Progress | None = None,
+    group: Group | None = None,
 ) -> Report:
     """Write ``job.plan``'s output: check the destination (unless already checked), clear what
     may be cleared, and execute. Whatever fails, nothing is marked complete."""
@@ -366,6 +370,7 @@ def run(
             settings.memory_budget,
             workers=workers,
             checksum=settings.checksum,
+            group=group,
         )
     except CkptctlError:
         raise

@@ -42,9 +42,21 @@ def file_checksum(
     return digest.hexdigest()
 
 
+def rank_log(rank: int) -> str:
+    """The log of files finished by rank ``rank`` (> 0) of a job run by several processes;
+    rank 0's is the in-progress marker itself."""
+    return f"{INCOMPLETE}.rank{rank}"
+
+
 class RunLog:
     """The in-progress marker doubles as a log of finished files (size, checksum, tensor
-    checksums), rewritten after each one, so a rerun of the same plan can resume."""
+    checksums), rewritten after each one, so a rerun of the same plan can resume.
+
+    A job run by several processes (``rank`` of ``world``) keeps one log per rank, so no two
+    processes rewrite one file: rank 0 writes the marker (``planned``, ``world``), rank ``r``
+    ``rank_log(r)``. Rank 0 opens its log first: it takes in what every log of an interrupted
+    run of the same plan holds, whatever that run's number of processes, so each rank can reuse
+    any finished file; the other ranks open theirs after it (the caller's barrier)."""
 
     def __init__(
         self,
@@ -52,43 +64,68 @@ class RunLog:
         plan: Plan,
         algorithm: str = "xxh3_64",
         extra: tuple[str, ...] = (),
+        rank: int = 0,
+        world: int = 1,
     ) -> None:
         self.storage = storage
         self.algorithm = algorithm
+        self.rank, self.world = rank, world
         self.fingerprint = plan.fingerprint()
         # Every path this job may write: what a later --overwrite may remove as ckptctl's own.
         self.planned = sorted(
-            {f.path for f in plan.files} | {t.path for t in plan.finalize} | set(extra)
+            {f.path for f in plan.files}
+            | {t.path for t in plan.finalize}
+            | set(extra)
+            | {rank_log(r) for r in range(1, world)}
         )
         self.done: dict[str, dict[str, Any]] = {}
+        """Files this process finished or kept (rank 0: also those other ranks kept before)."""
         previous = read_marker(storage)
-        if (
-            previous
+        same = (
+            bool(previous)
             and previous.get("plan_fingerprint") == self.fingerprint
             and previous.get("checksum", "xxh3_64") == algorithm
-        ):
-            self.done = dict(previous.get("done", {}))
-        self._save(plan.operation)
+        )
+        self.known: dict[str, dict[str, Any]] = dict(previous.get("done", {})) if same else {}
+        """Files an earlier run (or rank 0, merging every rank's log) recorded as finished."""
+        if rank == 0:
+            stale = [rank_log(r) for r in range(1, int((previous or {}).get("world", 1)))]
+            for name in stale if same else ():
+                with contextlib.suppress(ValueError, FileNotFoundError, OSError):
+                    if self.storage.exists(name):
+                        self.known.update(json.loads(self.storage.read_text(name))["done"])
+            self.done = dict(self.known)
+            self._save(plan.operation)
+            for name in stale:  # merged into the marker above, or from another plan
+                self.storage.remove(name)
+        else:
+            self._save()
 
     def _save(self, operation: str = "") -> None:
+        if self.rank:
+            body: dict[str, Any] = {"plan_fingerprint": self.fingerprint, "done": self.done}
+            self.storage.write_text(rank_log(self.rank), json.dumps(body))
+            return
         body = {
             "operation": operation,
             "plan_fingerprint": self.fingerprint,
             "checksum": self.algorithm,
             "planned": self.planned,
+            "world": self.world,
             "done": self.done,
         }
         self.storage.write_text(INCOMPLETE, json.dumps(body))
 
     def reusable(self, path: str) -> dict[str, Any] | None:
         """The log entry of ``path`` if the file on disk still matches it."""
-        entry = self.done.get(path)
+        entry = self.known.get(path)
         if entry is None or not self.storage.exists(path):
             return None
         if self.storage.size(path) != entry["size"]:
             return None
         if file_checksum(self.storage, path, algorithm=self.algorithm) != entry["checksum"]:
             return None
+        self.done[path] = entry
         return entry
 
     def finished(
@@ -105,6 +142,11 @@ class RunLog:
         if records is not None:
             self.done[path]["records"] = records
         self._save()
+
+    def clear_rank_logs(self) -> None:
+        """After the manifest: the other ranks' logs are no longer needed."""
+        for r in range(1, self.world):
+            self.storage.remove(rank_log(r))
 
 
 def read_marker(storage: Storage) -> dict[str, Any] | None:
@@ -179,7 +221,7 @@ def foreign_files(storage: Storage, files: list[str]) -> list[str]:
     """Those of ``files`` (relative paths under ``storage``) that no ckptctl job wrote there: not
     listed by its manifest, nor planned or logged by its in-progress marker. ``--overwrite``
     removes a destination only when this is empty."""
-    owned = {MANIFEST, INCOMPLETE}
+    owned = {MANIFEST, INCOMPLETE} | {p for p in files if p.startswith(f"{INCOMPLETE}.rank")}
     if MANIFEST in files:
         with contextlib.suppress(ValueError, AttributeError):
             owned |= set(json.loads(storage.read_text(MANIFEST)).get("files", {}))

@@ -17,7 +17,7 @@ from ckptctl.cli.options import (
     with_options,
 )
 from ckptctl.cli.output import Output, boundary
-from ckptctl.cli.running import carry_out, finish
+from ckptctl.cli.running import carry_out, finish, launch_workers
 from ckptctl.jobs import plan_consolidate, saved_job
 from ckptctl.model.stored import Format
 
@@ -46,6 +46,7 @@ def consolidate_cmd(
     assert job is not None
     out = Output(as_json)
     with boundary(out, state(ctx).debug):
+        launch_workers(job)
         settings = job.settings(ctx)
         if job.plan_file is not None:
             planned = saved_job(

@@ -157,6 +157,16 @@ Checksum = Annotated[
     typer.Option("--checksum", help="File checksum recorded in the manifest."),
 ]
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Plan only; write nothing.")]
+Workers = Annotated[
+    int,
+    typer.Option(
+        "--workers",
+        min=1,
+        help="Run the job as this many processes on this machine, each writing its share of "
+        "the files (as under torchrun, which ckptctl also runs on); the manifest is written "
+        "once every process has finished.",
+    ),
+]
 Overwrite = Annotated[
     bool, typer.Option("--overwrite", help="Replace an existing checkpoint at the destination.")
 ]
@@ -338,6 +348,7 @@ class JobRequest:
     overwrite: bool
     iteration: int | None
     true_vocab_size: int | None
+    workers: int = 1
 
     def settings(self, ctx: typer.Context) -> Settings:
         budget = parse_size(self.memory_budget)
@@ -359,6 +370,7 @@ def job_request(
     overwrite: Overwrite = False,
     iteration: Iteration = None,
     true_vocab_size: TrueVocab = None,
+    workers: Workers = 1,
 ) -> JobRequest:
     return JobRequest(
         plan_file,
@@ -369,4 +381,5 @@ def job_request(
         overwrite,
         iteration,
         true_vocab_size,
+        workers,
     )

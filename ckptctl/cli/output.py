@@ -33,14 +33,18 @@ class Output:
     def __init__(self, as_json: bool = False, quiet: bool = False) -> None:
         self.as_json = as_json
         self.quiet = quiet
+        self.silent = False
+        """One rank of several other than rank 0: errors only (rank 0 speaks for the job)."""
         self.out = Console(file=sys.stdout, soft_wrap=True)
         self.err = Console(file=sys.stderr, soft_wrap=True)
 
     def info(self, message: str) -> None:
-        if not self.quiet and not self.as_json:
+        if not self.quiet and not self.as_json and not self.silent:
             self.err.print(message, highlight=False)
 
     def warn(self, message: str) -> None:
+        if self.silent:
+            return
         self.err.print(f"[yellow]warning:[/] {message}", highlight=False)
 
     def error(self, message: str) -> None:
@@ -54,11 +58,14 @@ class Output:
             self.json({"error": message, "exit_code": exit_code, "hint": hint})
 
     def json(self, data: Any) -> None:
+        if self.silent and "error" not in data:
+            return
         sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
         sys.stdout.flush()
 
     def show(self, renderable: Any) -> None:
-        self.out.print(renderable)
+        if not self.silent:
+            self.out.print(renderable)
 
 
 def human_bytes(n: float) -> str:

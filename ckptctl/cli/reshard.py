@@ -18,7 +18,7 @@ from ckptctl.cli.options import (
     with_options,
 )
 from ckptctl.cli.output import Output, boundary
-from ckptctl.cli.running import carry_out, finish
+from ckptctl.cli.running import carry_out, finish, launch_workers
 from ckptctl.errors import UsageError
 from ckptctl.jobs import given_sources, plan_consolidate, plan_reshard, saved_job
 from ckptctl.locations import refuse_overlap
@@ -48,6 +48,7 @@ def reshard_cmd(
     assert target is not None and job is not None
     out = Output(as_json)
     with boundary(out, state(ctx).debug):
+        launch_workers(job)
         settings = job.settings(ctx)
         sources = given_sources(src, target.full, target.replicas)
         refuse_overlap("destination", dst, sources)

@@ -3,30 +3,85 @@ then write with a progress bar, then report as text or one JSON document."""
 
 from __future__ import annotations
 
+import os
+import sys
+from dataclasses import replace
 from typing import Any
 
+import typer
+
+from ckptctl.cli.options import JobRequest
 from ckptctl.cli.output import Output, RichProgress, human_bytes
-from ckptctl.destination import check_destination
+from ckptctl.destination import Destination, check_destination
+from ckptctl.distributed import Group, from_environment, launch
+from ckptctl.errors import CkptctlError
 from ckptctl.job_report import Report
 from ckptctl.jobs import Job, run
 from ckptctl.model.plan import Plan
 from ckptctl.model.stored import Format
+from ckptctl.storage import Storage
+
+
+def launch_workers(job: JobRequest) -> None:
+    """``--workers K`` (outside torchrun): run this same command as K processes and exit with
+    their outcome. Under torchrun, or in one of those processes, go on as one rank."""
+    if job.workers > 1 and not job.dry_run and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        raise typer.Exit(launch(job.workers, sys.argv[1:]))
 
 
 def carry_out(
     out: Output, job: Job, *, overwrite: bool = False, dry_run: bool = False, quiet: bool = False
 ) -> Report | None:
-    """Nothing is written, and no warning printed, before every check has passed."""
+    """Nothing is written, and no warning printed, before every check has passed. Launched as
+    one rank of several (torchrun, ``--workers``), only rank 0 speaks and checks the
+    destination; every rank first checks that all planned the same job."""
     if dry_run:
         _warn_notes(out, job.plan, quiet)
         return None
-    destination = check_destination(job.plan, job.settings, overwrite=overwrite)
-    if destination.complete:
-        out.info(f"{job.plan.target_url} is already complete for this plan; nothing to do")
-        return Report(files_written=[])
-    _warn_notes(out, job.plan, quiet)
-    progress = RichProgress(out.err, enabled=not (out.as_json or quiet))
-    return run(job, destination, progress)
+    group = from_environment()
+    try:
+        if group is None:
+            destination = check_destination(job.plan, job.settings, overwrite=overwrite)
+        else:
+            out.silent = group.rank != 0
+            destination = _checked_by_rank0(job, group, overwrite)
+        if destination.complete:
+            out.info(f"{job.plan.target_url} is already complete for this plan; nothing to do")
+            return Report(files_written=[])
+        _warn_notes(out, job.plan, quiet)
+        progress = RichProgress(out.err, enabled=not (out.as_json or quiet or out.silent))
+        return run(job, destination, progress, group)
+    finally:
+        if group is not None:
+            group.close()  # gloo's threads end before the interpreter does
+
+
+def _checked_by_rank0(job: Job, group: Group, overwrite: bool) -> Destination:
+    """The same plan everywhere, then rank 0 alone checks (and clears) the destination."""
+    prints = group.all_gather(job.plan.fingerprint())
+    if len(set(prints)) > 1:
+        differ = ", ".join(f"rank {r}: {fp}" for r, fp in enumerate(prints))
+        raise CkptctlError(
+            f"the ranks planned different jobs (plan fingerprints {differ}); every rank must "
+            "run the same command on the same source"
+        )
+    destination, failure = None, None
+    if group.rank == 0:
+        try:
+            destination = check_destination(job.plan, job.settings, overwrite=overwrite)
+            if destination.clear_first:
+                destination.storage.remove("")
+                destination = replace(destination, clear_first=False)
+        except CkptctlError as err:
+            failure = err
+    group.agree(None if failure is None else str(failure))
+    if failure is not None:
+        raise failure
+    complete = group.all_gather(destination.complete if destination else None)[0]
+    if destination is None:
+        target = Storage(job.plan.target_url, job.settings.storage)
+        destination = Destination(target, complete=complete)
+    return destination
 
 
 def _warn_notes(out: Output, plan: Plan, quiet: bool) -> None:
@@ -56,6 +111,7 @@ def report_dict(plan: Plan, report: Report) -> dict[str, Any]:
         else 0,
         "peak_rss_bytes": report.peak_rss_bytes,
         "notes": list(plan.notes),
+        **({"ranks": report.ranks} if report.ranks else {}),
     }
 
 

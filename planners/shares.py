@@ -1,0 +1,51 @@
+"""Which process writes which target file when one job runs on several (``--workers``,
+torchrun): shares balanced by bytes, each kept near the source files it reads. Pure.
+
+Files are dealt largest first, each to the least loaded process that it fits on (load plus the
+file within ``slack`` of an even share), preferring among those the process that already reads
+most of the same source files (its page cache or connections are warm for them). A file too big
+for any share goes to the least loaded process. Every process computes the same shares from the
+same plan, so nothing has to be sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ckptctl.model.plan import FileKind, FileWrite
+
+
+def sources_of(file: FileWrite) -> frozenset[int]:
+    """The plan's source files (indices) that ``file`` reads."""
+    if file.kind is FileKind.COPY:
+        return frozenset({file.copy_of or 0})
+    return frozenset(c.source for t in file.tensors for c in t.copies)
+
+
+def split_files(
+    files: Sequence[FileWrite], sizes: Sequence[int], ranks: int, slack: float = 0.05
+) -> tuple[tuple[int, ...], ...]:
+    """Indices into ``files`` for each of ``ranks`` processes, each share in plan order.
+
+    ``sizes[i]`` is the bytes file ``i`` moves (the caller knows copied files' sizes)."""
+    if ranks < 1:
+        raise ValueError(f"ranks must be at least 1, not {ranks}")
+    even = sum(sizes) / ranks
+    load = [0] * ranks
+    reads: list[set[int]] = [set() for _ in range(ranks)]
+    shares: list[list[int]] = [[] for _ in range(ranks)]
+    for i in sorted(range(len(files)), key=lambda i: (-sizes[i], i)):
+        wanted = sources_of(files[i])
+        fits = [r for r in range(ranks) if load[r] + sizes[i] <= even * (1 + slack)]
+        if fits:
+            rank = max(fits, key=lambda r: (len(wanted & reads[r]), -load[r], -r))
+        else:
+            rank = min(range(ranks), key=lambda r: (load[r], r))
+        load[rank] += sizes[i]
+        reads[rank] |= wanted
+        shares[rank].append(i)
+    return tuple(tuple(sorted(share)) for share in shares)
+
+
+def share_bytes(sizes: Sequence[int], shares: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    return tuple(sum(sizes[i] for i in share) for share in shares)

@@ -1,0 +1,191 @@
+"""One job on several processes (``--workers K``, torchrun's environment, gloo): shares of the
+target files balanced by bytes, outputs byte-identical to one process, one commit by rank 0,
+no manifest when a rank dies and a rerun that completes, plans that differ refused."""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ckptctl import synth
+from ckptctl.manifest import INCOMPLETE, MANIFEST
+from ckptctl.model.plan import CopyOp, FileKind, FileWrite, TensorWrite
+from planners.shares import share_bytes, split_files
+
+# --- shares (pure) ------------------------------------------------------------------------------
+
+
+def _file(path: str, sources: list[int]) -> FileWrite:
+    copies = tuple(
+        CopyOp(source=s, key=("w",), src=(0,), dst=(i,), sizes=(1,)) for i, s in enumerate(sources)
+    )
+    tensor = TensorWrite(
+        key=("w",), canonical="w", shape=(len(sources),), dtype="float32", copies=copies
+    )
+    return FileWrite(path=path, kind=FileKind.MEGATRON_RANK, tensors=(tensor,))
+
+
+def test_shares_cover_every_file_once_and_balance_bytes() -> None:
+    sizes = [90, 10, 40, 40, 30, 30, 20, 20, 10, 10]
+    files = [_file(f"f{i}", [i]) for i in range(len(sizes))]
+    for ranks in (1, 2, 3, 4, 16):
+        shares = split_files(files, sizes, ranks)
+        assert len(shares) == ranks
+        assert sorted(i for share in shares for i in share) == list(range(len(files)))
+        assert all(list(share) == sorted(share) for share in shares)  # plan order kept
+        loads = share_bytes(sizes, shares)
+        # no share above an even split, or the largest file where that alone is more
+        assert max(loads) <= max(sum(sizes) / ranks * 1.05, max(sizes)) + max(sizes) / 2
+    assert share_bytes(sizes, split_files(files, sizes, 2)) == (150, 150)
+    assert split_files(files, sizes, 3) == split_files(files, sizes, 3)  # every rank agrees
+
+
+def test_shares_keep_files_near_the_sources_they_read() -> None:
+    # Two groups of files, each reading its own sources: equal sizes, so locality decides.
+    files = [_file(f"a{i}", [0, 1]) for i in range(2)] + [_file(f"b{i}", [2, 3]) for i in range(2)]
+    shares = split_files(files, [10, 10, 10, 10], 2)
+    assert sorted(shares) == [(0, 1), (2, 3)]
+
+
+def test_shares_refuse_no_ranks() -> None:
+    with pytest.raises(ValueError, match="at least 1"):
+        split_files([], [], 0)
+
+
+# --- jobs on several processes ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("workers")
+    config = synth.tiny_llama_config(
+        hidden_size=128, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=256
+    )
+    model = synth.make_model(config, seed=5)
+    synth.write_megatron(model, synth.adam_step(model, seed=5), str(root / "src"), tp=2, pp=2)
+    return root / "src"
+
+
+def ckptctl(*argv: object, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ckptctl", *map(str, argv)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def same_tree(a: Path, b: Path) -> None:
+    files_a = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+    files_b = sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
+    assert files_a == files_b
+    for rel in files_a:
+        assert filecmp.cmp(a / rel, b / rel, shallow=False), rel
+
+
+def reference(tmp_path: Path, out: Path, *argv: object) -> Path:
+    """``argv``'s output by one process, moved aside so the parallel run writes to the same
+    path (the plan, and so the manifest, names its target)."""
+    done = ckptctl(*argv)
+    assert done.returncode == 0, done.stderr
+    ref = tmp_path / "reference"
+    out.rename(ref)
+    return ref
+
+
+@pytest.mark.parametrize(
+    ("workers", "argv"),
+    [
+        (2, ["reshard", "--tp", "1", "--pp", "4"]),
+        (4, ["reshard", "--tp", "4", "--pp", "2"]),
+        (2, ["reshard", "--tp", "2", "--pp", "2", "--format", "torch_dist"]),
+        (2, ["consolidate", "--format", "hf", "--max-shard-size", "1MiB"]),
+        (3, ["consolidate", "--format", "deepspeed-universal"]),
+    ],
+)
+def test_several_processes_write_what_one_writes(
+    workers: int, argv: list[str], source: Path, tmp_path: Path
+) -> None:
+    command, *options = argv
+    out = tmp_path / "out"
+    ref = reference(tmp_path, out, command, source, out, *options)
+    done = ckptctl(command, source, out, *options, "--workers", workers, "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)  # one document, from rank 0
+    assert [r["rank"] for r in report["ranks"]] == list(range(workers))
+    assert sum(r["bytes_written"] for r in report["ranks"]) == report["bytes_written"]
+    same_tree(ref, out)
+    assert not any(p.name.startswith(INCOMPLETE) for p in out.rglob("*"))
+
+
+def _rank_pid(launcher: subprocess.Popen, rank: int) -> int | None:
+    children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children")
+    for pid in children.read_text().split() if children.exists() else ():
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            if f"RANK={rank}".encode() in f.read().split(b"\0"):
+                return int(pid)
+    return None
+
+
+def test_a_killed_rank_leaves_no_manifest_and_the_rerun_completes(
+    source: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    argv = ["reshard", source, out, "--tp", "1", "--pp", "4"]
+    ref = reference(tmp_path, out, *argv)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "ckptctl", *map(str, argv), "--workers", "2"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.monotonic() + 60
+    while not (out / f"{INCOMPLETE}.rank1").exists():  # rank 1 has started writing
+        assert launcher.poll() is None and time.monotonic() < deadline, "rank 1 never started"
+        time.sleep(0.01)
+    pid = _rank_pid(launcher, 1)
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    assert launcher.wait(60) != 0
+    assert not (out / MANIFEST).exists()
+    assert (out / INCOMPLETE).exists()
+    done = ckptctl(*argv, "--workers", "2")  # the same command again
+    assert done.returncode == 0, done.stderr
+    same_tree(ref, out)
+
+
+def test_ranks_that_plan_different_jobs_are_refused(source: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_port())}
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-m", "ckptctl", "reshard", str(source), str(out), "--tp", "1",
+             "--pp", pp],
+            env={**os.environ, **env, "RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank, pp in ((0, "4"), (1, "2"))
+    ]  # fmt: skip
+    for proc in ranks:
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 1
+        assert "the ranks planned different jobs" in err
+        assert "Traceback" not in err
+    assert not out.exists() or not any(out.iterdir())
+
+
+def _port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
