@@ -24,8 +24,8 @@ from ckptctl.formats import registry
 from ckptctl.formats.base import Checkpoint, WriteJob
 from ckptctl.job_report import NoProgress, Progress, Report, Sources, peak_rss_bytes
 from ckptctl.manifest import MANIFEST, RunLog, new_digest, write_manifest
-from ckptctl.model.geometry import nbytes, with_dim
-from ckptctl.model.plan import FileKind, FileWrite, Plan, TensorWrite
+from ckptctl.model.geometry import with_dim
+from ckptctl.model.plan import FileKind, Plan, TensorWrite
 from ckptctl.model.stored import Shape
 from ckptctl.storage import Storage, write_in_slices
 from planners.shares import split_files
@@ -193,7 +193,7 @@ def execute(
         source = Sources(source)
     report = Report()
     started = time.perf_counter()
-    sizes = [_file_bytes(plan, f, source) for f in plan.files]
+    sizes = [source.file_bytes(plan, f) for f in plan.files]
     rank, world = (group.rank, group.world) if group else (0, 1)
     mine = split_files(plan.files, sizes, world)[rank]
     progress.start(sum(sizes), f"{plan.operation} -> {plan.target_url}")
@@ -354,15 +354,6 @@ def _write_files(
             records=report.records.get(file.path),
         )
         report.files_written.append(file.path)
-
-
-def _file_bytes(plan: Plan, file: FileWrite, source: Sources) -> int:
-    """Bytes the progress bar counts for one target file: its tensors, or the whole source
-    file it copies."""
-    if file.kind == FileKind.COPY:
-        ckpt, rel = source.owner(plan.source_files[file.copy_of or 0])
-        return ckpt.storage.size(rel)
-    return sum(nbytes(t.shape, t.dtype) for t in file.tensors)
 
 
 def _copy_file(source: Sources, path: str, out: Any, assemble: Assembler) -> None:

@@ -8,6 +8,8 @@ import resource
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from ckptctl.model.geometry import nbytes
+from ckptctl.model.plan import FileKind, FileWrite, Plan
 from ckptctl.model.stored import FlatView, KeyPath, Shape
 
 
@@ -69,6 +71,14 @@ class Sources:
     def __init__(self, primary: Any, extra: dict[str, Any] | None = None) -> None:
         self.primary = primary
         self.extra = extra or {}
+
+    def file_bytes(self, plan: Plan, file: FileWrite) -> int:
+        """Bytes a target file moves: its tensors', or the size of the source file it copies
+        (what progress counts and what shares of a job on several processes balance)."""
+        if file.kind == FileKind.COPY:
+            ckpt, rel = self.owner(plan.source_files[file.copy_of or 0])
+            return int(ckpt.storage.size(rel))
+        return sum(nbytes(t.shape, t.dtype) for t in file.tensors)
 
     def owner(self, path: str) -> tuple[Any, str]:
         for prefix, ckpt in self.extra.items():

@@ -49,3 +49,18 @@ def split_files(
 
 def share_bytes(sizes: Sequence[int], shares: Sequence[Sequence[int]]) -> tuple[int, ...]:
     return tuple(sum(sizes[i] for i in share) for share in shares)
+
+
+def parallel_seconds(
+    seconds: float, sizes: Sequence[int], shares: Sequence[Sequence[int]], shared_storage: bool
+) -> float:
+    """The cost model's time for a job split into ``shares``, from its one-process time.
+
+    The model charges storage bandwidth and latency: processes sharing one machine's disk
+    and NIC (``shared_storage``) share that bandwidth, so they cannot beat one process's
+    estimate; processes on nodes with their own NVMe and NIC (against an object store that
+    scales with clients) each take their share's part of it, and the job the largest."""
+    total = sum(sizes)
+    if shared_storage or not total:
+        return seconds
+    return seconds * max(share_bytes(sizes, shares)) / total

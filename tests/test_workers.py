@@ -18,7 +18,7 @@ import pytest
 from ckptctl import synth
 from ckptctl.manifest import INCOMPLETE, MANIFEST
 from ckptctl.model.plan import CopyOp, FileKind, FileWrite, TensorWrite
-from planners.shares import share_bytes, split_files
+from planners.shares import parallel_seconds, share_bytes, split_files
 
 # --- shares (pure) ------------------------------------------------------------------------------
 
@@ -58,6 +58,30 @@ def test_shares_keep_files_near_the_sources_they_read() -> None:
 def test_shares_refuse_no_ranks() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         split_files([], [], 0)
+
+
+def test_cost_model_speed_up_needs_storage_of_its_own() -> None:
+    sizes = [30, 30, 20, 20]
+    shares = ((0, 2), (1, 3))
+    # one machine: the processes share its disk and NIC, the model's bound
+    assert parallel_seconds(10.0, sizes, shares, shared_storage=True) == 10.0
+    # a node each: the largest share's part of the time
+    assert parallel_seconds(10.0, sizes, shares, shared_storage=False) == 5.0
+    assert parallel_seconds(10.0, sizes, ((0, 1, 2), (3,)), shared_storage=False) == 8.0
+
+
+def test_plan_shows_each_workers_share(source: Path, tmp_path: Path) -> None:
+    done = ckptctl("plan", source, tmp_path / "out", "--tp", "1", "--pp", "4", "--workers", 3,
+                   "--json")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout)
+    workers = plan["workers"]
+    files = [f for s in workers["shares"] for f in s["files"]]
+    assert sorted(files) == sorted(f["path"] for f in plan["files"])
+    assert workers["seconds_one_machine"] == plan["estimates"]["seconds"]
+    assert workers["seconds_one_node_each"] < plan["estimates"]["seconds"]
+    text = ckptctl("plan", source, tmp_path / "out", "--tp", "1", "--pp", "4", "--workers", 2)
+    assert "on 2 nodes each with its own disk and NIC" in text.stdout
 
 
 # --- jobs on several processes ------------------------------------------------------------------

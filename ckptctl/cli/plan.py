@@ -4,7 +4,7 @@ alternative with its estimate or the reason it cannot be used, the largest trans
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
@@ -14,16 +14,18 @@ from ckptctl.cli.options import (
     Json,
     TargetRequest,
     TrueVocab,
+    Workers,
     state,
     target_request,
     with_options,
 )
 from ckptctl.cli.output import Output, boundary, human_bytes
-from ckptctl.jobs import given_sources, plan_reshard
+from ckptctl.jobs import Job, given_sources, plan_reshard
 from ckptctl.locations import refuse_overlap
 from ckptctl.model.geometry import nbytes
 from ckptctl.model.plan import Plan
 from planners.graph import overlap_graph
+from planners.shares import parallel_seconds, share_bytes, split_files
 
 
 @with_options(target_request, "target")
@@ -43,6 +45,7 @@ def plan_cmd(
     as_json: Json = False,
     iteration: Iteration = None,
     true_vocab_size: TrueVocab = None,
+    workers: Workers = 1,
 ) -> None:
     """Decide how to reach a layout: load shards directly, shard-to-shard, recover lost
     shards, or cut a full checkpoint; with estimates for every alternative."""
@@ -54,7 +57,7 @@ def plan_cmd(
         for what, path in (("--out file", save), ("--svg file", svg)):
             if path is not None:
                 refuse_overlap(what, str(path), sources)
-        plan = plan_reshard(
+        job = plan_reshard(
             src,
             dst,
             target.layout,
@@ -62,16 +65,56 @@ def plan_cmd(
             iteration=iteration,
             true_vocab_size=true_vocab_size,
             **target.plan_options(),
-        ).plan
+        )
+        plan = job.plan
+        shares = worker_shares(job, workers) if workers > 1 else None
         if save is not None:
             save.write_text(plan.model_dump_json(indent=1))
             out.info(f"plan saved to {save} (fingerprint {plan.fingerprint()})")
         if as_json:
-            out.json(plan.model_dump(mode="json"))
+            out.json(plan.model_dump(mode="json") | ({"workers": shares} if shares else {}))
         else:
             show(out, plan)
+            if shares:
+                show_shares(out, shares)
             if show_map or svg is not None:
                 show_grid(out, plan, svg)
+
+
+def worker_shares(job: Job, workers: int) -> dict[str, Any]:
+    """What each of ``workers`` processes would write, and the cost model's time for them on
+    one machine (storage shared) and on as many nodes (each with its own disk and NIC)."""
+    plan = job.plan
+    sizes = [job.sources.file_bytes(plan, f) for f in plan.files]
+    shares = split_files(plan.files, sizes, workers)
+    seconds = plan.estimates.seconds
+    one_node = parallel_seconds(seconds, sizes, shares, shared_storage=True)
+    nodes = parallel_seconds(seconds, sizes, shares, shared_storage=False)
+    return {
+        "count": workers,
+        "shares": [
+            {"rank": r, "files": [plan.files[i].path for i in share], "bytes": n}
+            for r, (share, n) in enumerate(zip(shares, share_bytes(sizes, shares), strict=True))
+        ],
+        "seconds_one_process": seconds,
+        "seconds_one_machine": one_node,
+        "seconds_one_node_each": nodes,
+    }
+
+
+def show_shares(out: Output, shares: dict[str, Any]) -> None:
+    table = Table("rank", "files", "bytes")
+    for share in shares["shares"]:
+        table.add_row(str(share["rank"]), str(len(share["files"])), human_bytes(share["bytes"]))
+    out.show(table)
+    one, machine, nodes = (
+        shares[k] for k in ("seconds_one_process", "seconds_one_machine", "seconds_one_node_each")
+    )
+    out.show(
+        f"cost model: ~{one:.2f} s on one process; {shares['count']} processes on this machine "
+        f"share its storage bandwidth: ~{machine:.2f} s; on {shares['count']} nodes each with "
+        f"its own disk and NIC: ~{nodes:.2f} s ({one / nodes if nodes else 1:.1f}x)"
+    )
 
 
 def show(out: Output, plan: Plan) -> None:
