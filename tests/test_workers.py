@@ -19,6 +19,10 @@ from ckptctl import synth
 from ckptctl.manifest import INCOMPLETE, MANIFEST
 from ckptctl.model.plan import CopyOp, FileKind, FileWrite, TensorWrite
 from planners.shares import parallel_seconds, share_bytes, split_files
+from tests import test_s3
+from tests.test_reshard import assert_same_checkpoint
+
+s3_endpoint, bucket = test_s3.s3_endpoint, test_s3.bucket  # moto's S3 server fixtures
 
 # --- shares (pure) ------------------------------------------------------------------------------
 
@@ -148,6 +152,20 @@ def test_several_processes_write_what_one_writes(
     assert sum(r["bytes_written"] for r in report["ranks"]) == report["bytes_written"]
     same_tree(ref, out)
     assert not any(p.name.startswith(INCOMPLETE) for p in out.rglob("*"))
+
+
+def test_ranks_read_and_write_s3_each_with_its_own_connections(
+    bucket: str, source: Path, tmp_path: Path
+) -> None:
+    for argv in (
+        ["reshard", source, f"{bucket}/tp1", "--tp", "1", "--pp", "4"],
+        ["reshard", f"{bucket}/tp1", tmp_path / "back", "--tp", "2", "--pp", "2"],
+    ):
+        done = ckptctl(*argv, "--workers", 2)
+        assert done.returncode == 0, done.stderr
+    checked = json.loads(ckptctl("verify", f"{bucket}/tp1", "--json").stdout)
+    assert checked["ok"], checked
+    assert_same_checkpoint(source, tmp_path / "back")
 
 
 def _rank_pid(launcher: subprocess.Popen, rank: int) -> int | None:
