@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from math import prod
 
 from ckptctl.arrays import finite
+from ckptctl.distributed import Group
 from ckptctl.errors import CkptctlError
 from ckptctl.integrity import Targets, safetensors_problems, stream_check
 from ckptctl.manifest import INCOMPLETE, MANIFEST, new_digest
@@ -32,6 +33,7 @@ from ckptctl.model.stored import canonical_shapes
 from ckptctl.probe import Checkpoint, format_of, open_checkpoint
 from ckptctl.settings import Settings
 from ckptctl.storage import Storage
+from planners.shares import split_sizes
 
 
 @dataclass
@@ -48,7 +50,10 @@ def verify(
     *,
     numerics: bool = False,
     band_bytes: int = 64 << 20,
+    group: Group | None = None,
 ) -> list[Check]:
+    """The checks of ``url``; with a process ``group``, each rank reads its share of the files
+    and every rank returns the same checks."""
     settings = settings or Settings()
     storage = Storage(url, settings.storage, read_only=True)
     checks = [
@@ -65,7 +70,7 @@ def verify(
         )
     except CkptctlError as err:
         ckpt, structure = None, Check("structure", "failed", str(err))
-    checks.extend(_stored_bytes(storage, ckpt))
+    checks.extend(_stored_bytes(storage, ckpt, group))
     checks.append(structure)
     if ckpt is None:
         checks.append(Check("coverage", "skipped", "the structure check failed"))
@@ -73,14 +78,28 @@ def verify(
         return checks
     checks.append(_coverage(ckpt))
     checks.append(
-        _numerics(ckpt, band_bytes)
+        _numerics(ckpt, band_bytes, group)
         if numerics
         else Check("numerics", "skipped", "not asked (--numerics)")
     )
     return checks
 
 
-def _stored_bytes(storage: Storage, ckpt: Checkpoint | None) -> list[Check]:
+def _mine(group: Group | None, sizes: list[int]) -> set[int]:
+    """The items (of these sizes) this rank checks: all of them without a group."""
+    if group is None:
+        return set(range(len(sizes)))
+    return set(split_sizes(sizes, group.world)[group.rank])
+
+
+def _everyone(group: Group | None, problems: list[tuple[int, str]]) -> list[str]:
+    """Every rank's problems, in the order of the items they concern."""
+    if group is not None:
+        problems = [p for part in group.all_gather(problems) for p in part]
+    return [text for _, text in sorted(problems, key=lambda p: p[0])]
+
+
+def _stored_bytes(storage: Storage, ckpt: Checkpoint | None, group: Group | None) -> list[Check]:
     """The manifest and the checksums the files carry themselves, in one read of each file."""
     manifest, unreadable = _read_manifest(storage)
     listed: dict[str, dict] = manifest["files"] if manifest else {}
@@ -90,39 +109,49 @@ def _stored_bytes(storage: Storage, ckpt: Checkpoint | None) -> list[Check]:
     same_root = ckpt is None or ckpt.storage.url == storage.url
     zips = targets.zips if same_root else {}
     algorithm = manifest.get("checksum", "xxh3_64") if manifest else "xxh3_64"
-    manifest_problems: list[str] = []
-    crc_problems: list[str] = []
-    for path in sorted(set(listed) | set(zips)):
+    manifest_problems: list[tuple[int, str]] = []
+    crc_problems: list[tuple[int, str]] = []
+    paths = sorted(set(listed) | set(zips))
+    sizes = [
+        int(listed.get(p, {}).get("size", 0)) or sum(e.size for e in zips.get(p, [])) for p in paths
+    ]
+    mine = _mine(group, sizes)
+    for n, path in enumerate(paths):
+        if n not in mine:
+            continue
         meta = listed.get(path)
         if meta is not None:
             if not storage.exists(path):
-                manifest_problems.append(f"{path} missing")
+                manifest_problems.append((n, f"{path} missing"))
                 continue
             if (size := storage.size(path)) != meta["size"]:
-                manifest_problems.append(f"{path} has {size} bytes, manifest says {meta['size']}")
+                said = f"{path} has {size} bytes, manifest says {meta['size']}"
+                manifest_problems.append((n, said))
                 meta = None
         digest = new_digest(algorithm) if meta is not None else None
-        crc_problems += stream_check(storage, path, zips.get(path, []), digest)
+        crc_problems += [(n, p) for p in stream_check(storage, path, zips.get(path, []), digest)]
         if digest is not None and digest.hexdigest() != meta["checksum"]:
-            manifest_problems.append(f"{path} checksum differs from the manifest")
+            manifest_problems.append((n, f"{path} checksum differs from the manifest"))
     if not same_root:
         for path, entries in targets.zips.items():
-            crc_problems += stream_check(ckpt.storage, path, entries)
+            crc_problems += [(len(paths), p) for p in stream_check(ckpt.storage, path, entries)]
     for path in targets.safetensors:
-        crc_problems += safetensors_problems(ckpt.storage, path)  # type: ignore[union-attr]
+        found = safetensors_problems(ckpt.storage, path)  # type: ignore[union-attr]
+        crc_problems += [(len(paths), p) for p in found]
+    in_manifest, in_files = _everyone(group, manifest_problems), _everyone(group, crc_problems)
     if unreadable:
         manifest_check = Check("manifest", "failed", unreadable)
     elif manifest is None:
         manifest_check = Check(
             "manifest", "skipped", "no ckptctl manifest (not written by ckptctl)"
         )
-    elif manifest_problems:
-        manifest_check = Check("manifest", "failed", "; ".join(manifest_problems[:5]))
+    elif in_manifest:
+        manifest_check = Check("manifest", "failed", "; ".join(in_manifest[:5]))
     else:
         manifest_check = Check(
             "manifest", "passed", f"{len(listed)} files, sizes and checksums match"
         )
-    return [manifest_check, _checksum_check(targets, crc_problems, manifest is not None)]
+    return [manifest_check, _checksum_check(targets, in_files, manifest is not None)]
 
 
 def _checksum_check(targets: Targets, problems: list[str], has_manifest: bool) -> Check:
@@ -189,10 +218,14 @@ def _coverage(ckpt: Checkpoint) -> Check:
     return Check("coverage", "passed", f"every element of {len(shapes)} tensors ({states}) held")
 
 
-def _numerics(ckpt: Checkpoint, band_bytes: int) -> Check:
-    bad = []
+def _numerics(ckpt: Checkpoint, band_bytes: int, group: Group | None) -> Check:
+    bad: list[tuple[int, str]] = []
     checked = 0
-    for f in ckpt.view.files:
+    files = ckpt.view.files
+    mine = _mine(group, [sum(nbytes(t.shape, t.dtype) for t in f.tensors) for f in files])
+    for n, f in enumerate(files):
+        if n not in mine:
+            continue
         for t in f.tensors:
             if not t.shape:
                 ranges = [((), ())]
@@ -210,11 +243,14 @@ def _numerics(ckpt: Checkpoint, band_bytes: int) -> Check:
                 else:
                     data = ckpt.read(f.path, t.key, tuple(offsets), tuple(sizes), view)
                 if not finite(data):
-                    bad.append(f"{f.path}: {'.'.join(map(str, t.key))}")
+                    bad.append((n, f"{f.path}: {'.'.join(map(str, t.key))}"))
                     break
             checked += 1
-    if bad:
-        return Check("numerics", "failed", "NaN/Inf in " + "; ".join(bad[:5]))
+    if group is not None:
+        checked = sum(group.all_gather(checked))
+    found = _everyone(group, bad)
+    if found:
+        return Check("numerics", "failed", "NaN/Inf in " + "; ".join(found[:5]))
     return Check("numerics", "passed", f"{checked} tensors finite")
 
 

@@ -28,21 +28,32 @@ def split_files(
     """Indices into ``files`` for each of ``ranks`` processes, each share in plan order.
 
     ``sizes[i]`` is the bytes file ``i`` moves (the caller knows copied files' sizes)."""
+    return split_sizes(sizes, ranks, [sources_of(f) for f in files], slack)
+
+
+def split_sizes(
+    sizes: Sequence[int],
+    ranks: int,
+    reads: Sequence[frozenset[int]] | None = None,
+    slack: float = 0.05,
+) -> tuple[tuple[int, ...], ...]:
+    """Indices of items of ``sizes`` bytes for each of ``ranks`` processes (``reads``: what
+    each item reads, to keep items reading the same sources together)."""
     if ranks < 1:
         raise ValueError(f"ranks must be at least 1, not {ranks}")
     even = sum(sizes) / ranks
     load = [0] * ranks
-    reads: list[set[int]] = [set() for _ in range(ranks)]
+    reading: list[set[int]] = [set() for _ in range(ranks)]
     shares: list[list[int]] = [[] for _ in range(ranks)]
-    for i in sorted(range(len(files)), key=lambda i: (-sizes[i], i)):
-        wanted = sources_of(files[i])
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        wanted = reads[i] if reads is not None else frozenset()
         fits = [r for r in range(ranks) if load[r] + sizes[i] <= even * (1 + slack)]
         if fits:
-            rank = max(fits, key=lambda r: (len(wanted & reads[r]), -load[r], -r))
+            rank = max(fits, key=lambda r: (len(wanted & reading[r]), -load[r], -r))
         else:
             rank = min(range(ranks), key=lambda r: (load[r], r))
         load[rank] += sizes[i]
-        reads[rank] |= wanted
+        reading[rank] |= wanted
         shares[rank].append(i)
     return tuple(tuple(sorted(share)) for share in shares)
 

@@ -168,6 +168,24 @@ def test_ranks_read_and_write_s3_each_with_its_own_connections(
     assert_same_checkpoint(source, tmp_path / "back")
 
 
+def test_verify_on_several_processes_finds_what_one_finds(source: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert ckptctl("reshard", source, out, "--tp", "1", "--pp", "4").returncode == 0
+    one = json.loads(ckptctl("verify", out, "--numerics", "--json").stdout)
+    two = ckptctl("verify", out, "--numerics", "--json", "--workers", 2)
+    assert two.returncode == 0, two.stderr
+    assert one["ok"] and json.loads(two.stdout) == one
+    victim = sorted(out.rglob("model_optim_rng.pt"))[-1]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    one = json.loads(ckptctl("verify", out, "--json").stdout)
+    two = ckptctl("verify", out, "--json", "--workers", 3)
+    assert two.returncode == 1
+    assert not one["ok"] and json.loads(two.stdout) == one
+    assert "checksum differs from the manifest" in json.dumps(one)
+
+
 def _rank_pid(launcher: subprocess.Popen, rank: int) -> int | None:
     children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children")
     for pid in children.read_text().split() if children.exists() else ():

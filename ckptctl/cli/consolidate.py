@@ -46,7 +46,7 @@ def consolidate_cmd(
     assert job is not None
     out = Output(as_json)
     with boundary(out, state(ctx).debug):
-        launch_workers(job)
+        launch_workers(job.workers, job.dry_run)
         settings = job.settings(ctx)
         if job.plan_file is not None:
             planned = saved_job(

@@ -48,7 +48,7 @@ def reshard_cmd(
     assert target is not None and job is not None
     out = Output(as_json)
     with boundary(out, state(ctx).debug):
-        launch_workers(job)
+        launch_workers(job.workers, job.dry_run)
         settings = job.settings(ctx)
         sources = given_sources(src, target.full, target.replicas)
         refuse_overlap("destination", dst, sources)

@@ -10,7 +10,6 @@ from typing import Any
 
 import typer
 
-from ckptctl.cli.options import JobRequest
 from ckptctl.cli.output import Output, RichProgress, human_bytes
 from ckptctl.destination import Destination, check_destination
 from ckptctl.distributed import Group, from_environment, launch
@@ -22,11 +21,11 @@ from ckptctl.model.stored import Format
 from ckptctl.storage import Storage
 
 
-def launch_workers(job: JobRequest) -> None:
+def launch_workers(workers: int, dry_run: bool = False) -> None:
     """``--workers K`` (outside torchrun): run this same command as K processes and exit with
     their outcome. Under torchrun, or in one of those processes, go on as one rank."""
-    if job.workers > 1 and not job.dry_run and int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        raise typer.Exit(launch(job.workers, sys.argv[1:]))
+    if workers > 1 and not dry_run and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        raise typer.Exit(launch(workers, sys.argv[1:]))
 
 
 def carry_out(

@@ -6,8 +6,10 @@ from typing import Annotated
 
 import typer
 
-from ckptctl.cli.options import Json, state
+from ckptctl.cli.options import Json, Workers, state
 from ckptctl.cli.output import Output, boundary
+from ckptctl.cli.running import launch_workers
+from ckptctl.distributed import from_environment
 
 
 def verify_cmd(
@@ -21,6 +23,7 @@ def verify_cmd(
     rtol: Annotated[float, typer.Option("--rtol", help="Relative tolerance.")] = 0.0,
     atol: Annotated[float, typer.Option("--atol", help="Absolute tolerance.")] = 0.0,
     as_json: Json = False,
+    workers: Workers = 1,
 ) -> None:
     """Check a checkpoint is whole: completion marker, manifest sizes and checksums, the
     checksums its files carry (zip CRC-32), structure, coverage of every tensor, (--numerics)
@@ -32,9 +35,17 @@ def verify_cmd(
     out = Output(as_json)
     cli = state(ctx)
     with boundary(out, cli.debug):
-        checks = verify(ckpt, cli.settings, numerics=numerics)
+        launch_workers(workers)
+        group = from_environment()
+        if group is not None:
+            out.silent = group.rank != 0
+        try:
+            checks = verify(ckpt, cli.settings, numerics=numerics, group=group)
+        finally:
+            if group is not None:
+                group.close()
         tensors: list[dict] = []
-        if other is not None:
+        if other is not None and (group is None or group.rank == 0):  # rank 0 compares
             check, tensors = against(ckpt, other, cli.settings, rtol=rtol, atol=atol)
             checks.append(check)
         report = report_json(checks)
