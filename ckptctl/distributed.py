@@ -28,6 +28,7 @@ class RankError(CkptctlError):
     """Another rank failed or disagrees: this one stops without writing anything more."""
 
     exit_code = 1
+    from_another_rank = True
 
 
 @dataclass
@@ -132,7 +133,7 @@ def launch(workers: int, argv: Sequence[str]) -> int:
             failed = [c for c in codes if c not in (None, 0)]
             if failed:
                 _stop(procs)
-                return failed[0]
+                return 128 - failed[0] if failed[0] < 0 else failed[0]  # killed: as a shell says
             if all(c == 0 for c in codes):
                 return 0
             time.sleep(0.05)

@@ -131,7 +131,8 @@ def boundary(out: Output, debug: bool = False) -> Iterator[None]:
         if debug:
             raise
         message, code, hint = explain(err)
-        out.fail(message, code, hint)
+        if not (out.silent and getattr(err, "from_another_rank", False)):
+            out.fail(message, code, hint)  # (the failing rank says it once)
         raise typer.Exit(code) from None
 
 
