@@ -186,6 +186,20 @@ def test_verify_on_several_processes_finds_what_one_finds(source: Path, tmp_path
     assert "checksum differs from the manifest" in json.dumps(one)
 
 
+def test_torchrun_runs_one_job(source: Path, tmp_path: Path) -> None:
+    """torch's own launcher (``torchrun --standalone``): its environment is all ckptctl needs."""
+    out = tmp_path / "out"
+    ref = reference(tmp_path, out, "reshard", source, out, "--tp", "1", "--pp", "4")
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "ckptctl", "reshard", str(source), str(out), "--tp", "1", "--pp", "4", "--json"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [r["rank"] for r in json.loads(done.stdout)["ranks"]] == [0, 1]  # one document
+    same_tree(ref, out)
+
+
 def _rank_pid(launcher: subprocess.Popen, rank: int) -> int | None:
     children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children")
     for pid in children.read_text().split() if children.exists() else ():
