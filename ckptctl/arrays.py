@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from math import prod
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -130,10 +129,6 @@ def raw_bytes(array: np.ndarray) -> memoryview:
     if not array.size:
         return memoryview(b"")
     return memoryview(np.ascontiguousarray(words(array)).reshape(-1)).cast("B")
-
-
-def nbytes_of(array: np.ndarray) -> int:
-    return prod(array.shape) * array.dtype.itemsize
 
 
 def finite(array: np.ndarray) -> bool:

@@ -78,9 +78,15 @@ class Group:
             dist.destroy_process_group()
 
 
+def launched_world() -> int:
+    """How many processes the launcher (torchrun, ``--workers``) started for this job: 1 when
+    this process runs alone."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def from_environment() -> Group | None:
     """The job's process group when launched by torchrun (or ``--workers``), else None."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = launched_world()
     if world <= 1:
         return None
     missing = [name for name in WORLD_ENV if name not in os.environ]

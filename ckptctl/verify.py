@@ -132,10 +132,13 @@ def _stored_bytes(storage: Storage, ckpt: Checkpoint | None, group: Group | None
         crc_problems += [(n, p) for p in stream_check(storage, path, zips.get(path, []), digest)]
         if digest is not None and digest.hexdigest() != meta["checksum"]:
             manifest_problems.append((n, f"{path} checksum differs from the manifest"))
-    if not same_root:
+    # Checks of files outside the manifest's list: rank 0's alone (each rank's problems are
+    # gathered, so a check every rank made would be reported once per rank).
+    lead = group is None or group.rank == 0
+    if not same_root and lead:
         for path, entries in targets.zips.items():
             crc_problems += [(len(paths), p) for p in stream_check(ckpt.storage, path, entries)]
-    for path in targets.safetensors:
+    for path in targets.safetensors if lead else ():
         found = safetensors_problems(ckpt.storage, path)  # type: ignore[union-attr]
         crc_problems += [(len(paths), p) for p in found]
     in_manifest, in_files = _everyone(group, manifest_problems), _everyone(group, crc_problems)

@@ -3,7 +3,6 @@ then write with a progress bar, then report as text or one JSON document."""
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import replace
 from typing import Any
@@ -12,7 +11,7 @@ import typer
 
 from ckptctl.cli.output import Output, RichProgress, human_bytes
 from ckptctl.destination import Destination, check_destination
-from ckptctl.distributed import Group, from_environment, launch
+from ckptctl.distributed import Group, from_environment, launch, launched_world
 from ckptctl.errors import CkptctlError
 from ckptctl.job_report import Report
 from ckptctl.jobs import Job, run
@@ -24,7 +23,7 @@ from ckptctl.storage import Storage
 def launch_workers(workers: int, dry_run: bool = False) -> None:
     """``--workers K`` (outside torchrun): run this same command as K processes and exit with
     their outcome. Under torchrun, or in one of those processes, go on as one rank."""
-    if workers > 1 and not dry_run and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+    if workers > 1 and not dry_run and launched_world() == 1:
         raise typer.Exit(launch(workers, sys.argv[1:]))
 
 
