@@ -5,3 +5,15 @@ The package holds the vocabulary (layout model, plan schema: pure) and every sid
 """
 
 __version__ = "0.1.0"
+
+_TRAINING = ("save", "async_save", "load", "Checkpointer")
+
+
+def __getattr__(name: str) -> object:
+    """``ckptctl.save`` / ``async_save`` / ``load`` / ``Checkpointer`` (the training-loop API)
+    import torch only when first used, so the CLI starts without it."""
+    if name in _TRAINING:
+        from ckptctl import training
+
+        return getattr(training, name)
+    raise AttributeError(f"module 'ckptctl' has no attribute {name!r}")

@@ -126,6 +126,19 @@ class DcpCheckpoint:
             ref = view_ref(_flat(ref), *view)
         return reader.read(ref, offsets, sizes)
 
+    def read_box(
+        self,
+        fqn: str,
+        chunk: tuple[int, ...],
+        start: Shape,
+        sizes: Shape,
+        into: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """Box ``[start, start + sizes)`` of the record of ``fqn``'s chunk at ``chunk``, read
+        straight into ``into`` where the record lays the box out as ``into`` does."""
+        reader, ref = self._open(fqn, chunk)
+        return reader.read(ref, start, sizes, into)
+
     def as_generic(self) -> DcpCheckpoint:
         """The same checkpoint read key by key, whatever model it holds."""
         if self.view.format == Format.DCP and self.view.spec is None:
@@ -386,6 +399,11 @@ def _hf_named(
         ("PyTorch DCP checkpoint of an HF Llama model",),
     )
     return DcpCheckpoint(storage, view, base, metadata)
+
+
+def open_dcp(storage: Storage, base: str, metadata: DcpMetadata) -> DcpCheckpoint:
+    """A reader of any DCP checkpoint's records, key by key (``metadata`` already checked)."""
+    return _generic(storage, base, metadata, None)
 
 
 def _generic(

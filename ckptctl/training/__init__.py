@@ -1,0 +1,43 @@
+"""The training loop's side of ckptctl: ``save``, ``async_save`` and ``load`` as
+``torch.distributed.checkpoint`` spells them, on one process-wide ``Checkpointer``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from concurrent.futures import Future
+from typing import Any
+
+from ckptctl.training.checkpointer import Checkpointer, SaveReport
+from ckptctl.training.loading import LoadReport
+
+_default: Checkpointer | None = None
+
+
+def default_checkpointer() -> Checkpointer:
+    global _default
+    if _default is None:
+        _default = Checkpointer()
+    return _default
+
+
+def save(state_dict: Mapping[str, Any], *, checkpoint_id: str) -> SaveReport:
+    return default_checkpointer().save(state_dict, checkpoint_id=checkpoint_id)
+
+
+def async_save(state_dict: Mapping[str, Any], *, checkpoint_id: str) -> Future[SaveReport]:
+    return default_checkpointer().async_save(state_dict, checkpoint_id=checkpoint_id)
+
+
+def load(state_dict: dict[str, Any], *, checkpoint_id: str, full: str | None = None) -> LoadReport:
+    return default_checkpointer().load(state_dict, checkpoint_id=checkpoint_id, full=full)
+
+
+__all__ = [
+    "Checkpointer",
+    "LoadReport",
+    "SaveReport",
+    "async_save",
+    "default_checkpointer",
+    "load",
+    "save",
+]
