@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptctl.manifest import MANIFEST
 from ckptctl.settings import StorageConfig
 from ckptctl.storage import Storage
 from ckptctl.training.coordination import Coordinator
@@ -121,7 +122,7 @@ class Checkpointer:
             if coordinator.rank == 0:
                 try:
                     manifest = commit(storage, checkpoint_id, results)
-                    problem = {"files": sorted(manifest["files"])}
+                    problem = {"files": [*sorted(manifest["files"]), MANIFEST]}
                 except Exception as err:
                     problem = f"{type(err).__name__}: {err}"
             problem = coordinator.from_rank0(problem)

@@ -113,10 +113,14 @@ class _Sharded:
     def read(self, read: Read, into: np.ndarray | None) -> np.ndarray:
         return self.reader.read_box(read.fqn, read.chunk.offsets, read.chunk_start, read.size, into)
 
-    def value(self, fqn: str) -> Any:
+    def value_file(self, fqn: str) -> str:
         entry = self.metadata.entries.get(fqn)
         if not isinstance(entry, BytesEntry):
-            raise CheckpointError(f"{self.storage.url}: no value {fqn} in the checkpoint")
+            raise CheckpointError(f"{self.storage.url}: {fqn}: not in the checkpoint")
+        return self.metadata.storage[(fqn, None)].relative_path
+
+    def value(self, fqn: str) -> Any:
+        self.value_file(fqn)
         info = self.metadata.storage[(fqn, None)]
         data = self.storage.read_range(info.relative_path, info.offset, info.length)
         return safe_value(data, f"{self.storage.describe(info.relative_path)} ({fqn})")
@@ -131,6 +135,7 @@ class _TorchFile:
         self.reader = open_torch_file(storage, rel)
         leaves = flatten(self.reader.tree, tensor=TensorRef)
         self.refs = {k: v.value for k, v in leaves.items() if isinstance(v.value, TensorRef)}
+        self.values = {k: v.value for k, v in leaves.items() if k not in self.refs}
 
     def tensors(self) -> dict[str, StoredTensor]:
         return {
@@ -144,6 +149,11 @@ class _TorchFile:
 
     def read(self, read: Read, into: np.ndarray | None) -> np.ndarray:
         return self.reader.read(self.refs[read.fqn], read.chunk_start, read.size, into)
+
+    def value(self, fqn: str) -> Any:
+        if fqn not in self.values:
+            raise CheckpointError(f"{self.reader.where}: {fqn}: not in the full checkpoint")
+        return self.values[fqn]
 
 
 def safe_value(data: bytes, where: str) -> Any:
@@ -212,8 +222,17 @@ def _from_storage(
         raise CheckpointError(f"{checkpoint_id}: {decision.problems[0]}{more}{hint}")
     by_file = _fill(decision, tensors, {"sharded": sharded.read, FULL: _reader(fallback)})
     for fqn, leaf in leaves.items():
-        if fqn not in tensors:
+        if fqn in tensors:
+            continue
+        if sharded.value_file(fqn) not in sharded.lost:
             leaf.parent[leaf.key] = sharded.value(fqn)
+        elif fallback is not None:
+            leaf.parent[leaf.key] = fallback.value(fqn)
+        else:
+            raise CheckpointError(
+                f"{checkpoint_id}: {fqn}: its file {sharded.value_file(fqn)} is lost (pass "
+                "full= a full checkpoint of the same step)"
+            )
     files = [f"{s}:{f}" if s == FULL else f for s, f in decision.files]
     report = LoadReport(checkpoint_id, decision.strategy, decision.reason, files)
     report.bytes_by_file = by_file

@@ -6,11 +6,11 @@ transformers Llama sharded with FSDP2 (``fully_shard``) and AdamW.
 * ``train STEPS``: train, ``ckptctl.async_save`` after every step into ``OUT/step_<i>`` while
   training goes on; rank 0 writes the losses, the time each save blocked training and the time a
   synchronous ``torch.save`` of the same state takes to ``OUT/train_<W>.json``.
-* ``resume STEP STEPS HOW``: a fresh model, loaded from ``OUT/step_<STEP>`` by ``ckptctl``
-  (``HOW=ckptctl``), torch's own ``dcp.load`` (``HOW=torch``) or ``ckptctl`` with the full
-  checkpoint ``OUT/full.pt`` as fallback (``HOW=full``), then trained on to ``STEPS``; writes
-  ``OUT/resume_<HOW>_<W>.json`` (losses, each rank's load decision and files read, and the full
-  model and optimizer state right after loading, as torch's own ``full_tensor``).
+* ``resume CKPT STEP STEPS HOW [FULL]``: a fresh model, loaded from ``OUT/CKPT`` (saved after
+  step ``STEP``) by ``ckptctl`` (``HOW=ckptctl``, with ``FULL`` as the full checkpoint to fall
+  back on) or torch's own ``dcp.load`` (``HOW=torch``), then trained on to ``STEPS``; writes
+  ``OUT/resume_<HOW>_<W>.json`` (losses, each rank's load decision and bytes read per file, and
+  the full model and optimizer state right after loading, as torch's own ``full_tensor``).
 * ``kill STEPS KILL_AT``: like ``train``, but rank 1 is killed (SIGKILL) right after handing
   the save of step ``KILL_AT`` to the background.
 """
@@ -83,20 +83,18 @@ def state(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> dict
 
 def full_state(sd: dict) -> dict:
     """Every tensor whole (torch's own gather), as lists of floats, for the test to compare."""
-    out = {}
+    out: dict[str, list[float]] = {}
+
+    def walk(prefix: str, v: object) -> None:
+        if isinstance(v, dict):
+            for k, w in v.items():
+                walk(f"{prefix}.{k}", w)
+        elif isinstance(v, torch.Tensor):
+            t = v.full_tensor() if hasattr(v, "full_tensor") else v
+            out[prefix] = t.float().flatten().tolist()
+
     for part in ("model", "optim"):
-        flat = {}
-
-        def walk(prefix: str, v: object) -> None:
-            if isinstance(v, dict):
-                for k, w in v.items():
-                    walk(f"{prefix}.{k}", w)
-            elif isinstance(v, torch.Tensor):
-                t = v.full_tensor() if hasattr(v, "full_tensor") else v
-                flat[prefix] = t.float().flatten().tolist()
-
         walk(part, sd[part])
-        out.update(flat)
     return out
 
 
@@ -126,15 +124,14 @@ def train(out: str, steps: int, kill_at: int | None = None) -> None:
             json.dump(body, f)
 
 
-def resume(out: str, at: int, steps: int, how: str) -> None:
+def resume(out: str, name: str, at: int, steps: int, how: str, full: str | None) -> None:
     model, opt = build()
     sd = state(model, opt, -1)
-    ckpt = f"{out}/step_{at}"
+    ckpt = f"{out}/{name}"
     if how == "torch":
         dcp.load(sd, checkpoint_id=ckpt)
         decision = {"strategy": "torch dcp.load"}
     else:
-        full = f"{out}/full.pt" if how == "full" else None
         report = ckptctl.load(sd, checkpoint_id=ckpt, full=full)
         decision = {
             "strategy": report.strategy,
@@ -160,8 +157,9 @@ def main() -> None:
     elif scenario == "kill":
         train(out, int(args[0]), kill_at=int(args[1]))
     elif scenario == "resume":
-        resume(out, int(args[0]), int(args[1]), args[2])
+        resume(out, args[0], int(args[1]), int(args[2]), args[3], (args[4:] or [None])[0])
     ckptctl.training.default_checkpointer().close()
+    dist.barrier()  # no rank tears gloo down while another still talks to it
     dist.destroy_process_group()
 
 
