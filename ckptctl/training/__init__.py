@@ -9,6 +9,8 @@ from typing import Any
 
 from ckptctl.training.checkpointer import Checkpointer, SaveReport
 from ckptctl.training.loading import LoadReport
+from ckptctl.training.tiers import Tiers
+from planners.retention import Retention
 
 _default: Checkpointer | None = None
 
@@ -20,12 +22,16 @@ def default_checkpointer() -> Checkpointer:
     return _default
 
 
-def save(state_dict: Mapping[str, Any], *, checkpoint_id: str) -> SaveReport:
-    return default_checkpointer().save(state_dict, checkpoint_id=checkpoint_id)
+def save(
+    state_dict: Mapping[str, Any], *, checkpoint_id: str, step: int | None = None
+) -> SaveReport:
+    return default_checkpointer().save(state_dict, checkpoint_id=checkpoint_id, step=step)
 
 
-def async_save(state_dict: Mapping[str, Any], *, checkpoint_id: str) -> Future[SaveReport]:
-    return default_checkpointer().async_save(state_dict, checkpoint_id=checkpoint_id)
+def async_save(
+    state_dict: Mapping[str, Any], *, checkpoint_id: str, step: int | None = None
+) -> Future[SaveReport]:
+    return default_checkpointer().async_save(state_dict, checkpoint_id=checkpoint_id, step=step)
 
 
 def load(state_dict: dict[str, Any], *, checkpoint_id: str, full: str | None = None) -> LoadReport:
@@ -35,7 +41,9 @@ def load(state_dict: dict[str, Any], *, checkpoint_id: str, full: str | None = N
 __all__ = [
     "Checkpointer",
     "LoadReport",
+    "Retention",
     "SaveReport",
+    "Tiers",
     "async_save",
     "default_checkpointer",
     "load",

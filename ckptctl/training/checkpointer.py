@@ -12,16 +12,25 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptctl.manifest import MANIFEST
+from ckptctl.errors import UsageError
+from ckptctl.manifest import INCOMPLETE, MANIFEST
 from ckptctl.settings import StorageConfig
 from ckptctl.storage import Storage
 from ckptctl.training.coordination import Coordinator
-from ckptctl.training.saving import RankResult, Staged, begin, commit, stage, write_rank
+from ckptctl.training.saving import Staged, begin, commit, rank_file, stage, write_rank
 from ckptctl.training.state import assign_writers, items_of, resolve_stateful
+from ckptctl.training.tiers import (
+    Tiers,
+    begin_lake_copy,
+    copy_file,
+    finish_lake_copy,
+    manifest_of,
+    prune_local,
+)
 
 log = logging.getLogger("ckptctl")
 
@@ -37,6 +46,11 @@ class SaveReport:
     """By this rank."""
     files: list[str] = field(default_factory=list)
     """Files of the whole checkpoint (known on every rank after the commit)."""
+    step: int | None = None
+    lake_seconds: float = 0.0
+    """With tiers: time to copy the committed checkpoint to the lake (0 if not copied)."""
+    pruned: list[str] = field(default_factory=list)
+    """With tiers: local checkpoints the retention policy removed after this save."""
 
 
 @dataclass
@@ -50,18 +64,23 @@ class _Memory:
 class Checkpointer:
     """Saves and loads of one training process. ``keep_in_memory`` keeps the last save's staged
     copy of everything this rank holds, so ``load`` of that checkpoint in the same process
-    reads memory, not storage (it costs one copy of the rank's state in host memory)."""
+    reads memory, not storage (it costs one copy of the rank's state in host memory).
+    ``tiers`` saves checkpoint ``name`` under a local root first, then copies it to the lake
+    and applies the retention policy; ``load`` then takes the local copy when it is complete and
+    the lake's otherwise."""
 
     def __init__(
         self,
         *,
         keep_in_memory: bool = False,
         storage: StorageConfig | None = None,
+        tiers: Tiers | None = None,
         timeout_seconds: float = 600.0,
     ) -> None:
         self.keep_in_memory = keep_in_memory
         self.storage_config = storage or StorageConfig()
         self.timeout_seconds = timeout_seconds
+        self.tiers = tiers
         self._coordinator: Coordinator | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckptctl-save")
         self._pending: concurrent.futures.Future[SaveReport] | None = None
@@ -74,27 +93,34 @@ class Checkpointer:
         return self._coordinator
 
     def async_save(
-        self, state_dict: Mapping[str, Any], *, checkpoint_id: str
+        self, state_dict: Mapping[str, Any], *, checkpoint_id: str, step: int | None = None
     ) -> concurrent.futures.Future[SaveReport]:
         """Stage ``state_dict`` to host memory, then write it in the background; the future
-        completes when the checkpoint is complete (every rank written, manifest last), or
-        holds the error (on every rank) when any rank failed."""
+        completes when the checkpoint is complete (every rank written, manifest last; with
+        ``tiers``, also copied to the lake), or holds the error (on every rank) when any rank
+        failed. ``step`` is recorded in the manifest; ``tiers`` need it (retention)."""
         start = time.perf_counter()
+        if self.tiers is not None and step is None:
+            raise UsageError("async_save: pass step= (the retention policy of tiers= needs it)")
         coordinator = self.coordinator()
         self.wait()
-        storage = Storage(str(checkpoint_id), self.storage_config)
+        name = str(checkpoint_id)
+        root = self.tiers.local if self.tiers else None
+        storage = Storage(f"{root.rstrip('/')}/{name}" if root else name, self.storage_config)
         items = items_of(resolve_stateful(state_dict))
         mine = assign_writers(items, coordinator.rank, coordinator.world)
         staged = stage(items, mine, self._buffers, self.keep_in_memory)
         self._buffers = staged
         self.memory = None  # its buffers now hold the new state
-        report = SaveReport(str(checkpoint_id), time.perf_counter() - start)
+        report = SaveReport(name, time.perf_counter() - start, step=step)
         self._pending = self._pool.submit(self._write, storage, staged, report)
         return self._pending
 
-    def save(self, state_dict: Mapping[str, Any], *, checkpoint_id: str) -> SaveReport:
+    def save(
+        self, state_dict: Mapping[str, Any], *, checkpoint_id: str, step: int | None = None
+    ) -> SaveReport:
         """``async_save`` and wait for it."""
-        return self.async_save(state_dict, checkpoint_id=checkpoint_id).result()
+        return self.async_save(state_dict, checkpoint_id=checkpoint_id, step=step).result()
 
     def wait(self) -> None:
         """Until the save in flight (if any) has finished; its error stays with its future."""
@@ -102,44 +128,75 @@ class Checkpointer:
             concurrent.futures.wait([self._pending])
             self._pending = None
 
+    def _everyone(self, what: str, action: Callable[[], Any]) -> list[Any]:
+        """Run ``action`` on every rank; every rank gets every result, or the same error if
+        any rank failed (so no rank goes on to a step the others will not reach)."""
+        try:
+            outcome: tuple[Any, str | None] = (action(), None)
+        except Exception as err:
+            outcome = (None, f"{type(err).__name__}: {err}")
+        outcomes = self.coordinator().gather(outcome)
+        for rank, (_, error) in enumerate(outcomes):
+            if error is not None:
+                raise RuntimeError(f"ckptctl: {what} failed on rank {rank}: {error}")
+        return [value for value, _ in outcomes]
+
+    def _rank0(self, what: str, action: Callable[[], Any]) -> Any:
+        """Run ``action`` on rank 0 alone; every rank gets its result or its error."""
+        outcome: tuple[Any, str | None] = (None, None)
+        if self.coordinator().rank == 0:
+            try:
+                outcome = (action(), None)
+            except Exception as err:
+                outcome = (None, f"{type(err).__name__}: {err}")
+        value, error = self.coordinator().from_rank0(outcome)
+        if error is not None:
+            raise RuntimeError(f"ckptctl: {what} failed on rank 0: {error}")
+        return value
+
     def _write(self, storage: Storage, staged: dict[str, Staged], report: SaveReport) -> SaveReport:
         start = time.perf_counter()
-        coordinator = self.coordinator()
-        checkpoint_id = report.checkpoint_id
-        problem = None
-        if coordinator.rank == 0:
-            try:
-                begin(storage, checkpoint_id)
-            except Exception as err:  # every rank must reach the collective below
-                problem = f"{type(err).__name__}: {err}"
-        problem = coordinator.from_rank0(problem)
-        if problem is None:
-            try:
-                result = write_rank(storage, coordinator.rank, staged)
-            except Exception as err:
-                result = RankResult(coordinator.rank, error=f"{type(err).__name__}: {err}")
-            results = coordinator.gather(result)
-            if coordinator.rank == 0:
-                try:
-                    manifest = commit(storage, checkpoint_id, results)
-                    problem = {"files": [*sorted(manifest["files"]), MANIFEST]}
-                except Exception as err:
-                    problem = f"{type(err).__name__}: {err}"
-            problem = coordinator.from_rank0(problem)
-            report.bytes_written = result.size
-        if isinstance(problem, str):
-            raise RuntimeError(f"ckptctl: save to {checkpoint_id} failed: {problem}")
-        report.files = problem["files"]
+        rank, name = self.coordinator().rank, report.checkpoint_id
+        what = f"save to {storage.url}"
+        self._rank0(what, lambda: begin(storage, name))
+        results = self._everyone(what, lambda: write_rank(storage, rank, staged))
+        manifest = self._rank0(what, lambda: commit(storage, name, results, report.step))
+        report.files = [*sorted(manifest["files"]), MANIFEST]
+        report.bytes_written = results[rank].size
         report.write_seconds = time.perf_counter() - start
         if self.keep_in_memory:
-            self.memory = _Memory(checkpoint_id, staged)
+            self.memory = _Memory(name, staged)
+        tiers = self.tiers
+        if tiers is not None:
+            assert report.step is not None
+            if tiers.retention.goes_to_lake(report.step):
+                self._copy_to_lake(storage, tiers.at(tiers.lake, name, self.storage_config))
+                report.lake_seconds = time.perf_counter() - start - report.write_seconds
+            report.pruned = self._rank0(
+                f"retention on {tiers.local}",
+                lambda: prune_local(tiers.local, tiers.retention, self.storage_config),
+            )
         log.info(
             "ckptctl: saved %s (blocked %.3f s, written in %.3f s)",
-            checkpoint_id,
+            name,
             report.blocked_seconds,
             report.write_seconds,
         )
         return report
+
+    def _copy_to_lake(self, local: Storage, lake: Storage) -> None:
+        """Each rank copies its own shard file; rank 0 commits the lake copy last."""
+        what = f"copy to the lake ({lake.url})"
+        rank = self.coordinator().rank
+        self._rank0(what, lambda: begin_lake_copy(lake))
+
+        def mine() -> int:
+            files = manifest_of(local)["files"]
+            own = rank_file(rank)
+            return copy_file(local, lake, own, files[own]["checksum"]) if own in files else 0
+
+        self._everyone(what, mine)
+        self._rank0(what, lambda: finish_lake_copy(local, lake))
 
     def load(
         self, state_dict: dict[str, Any], *, checkpoint_id: str, full: str | None = None
@@ -150,14 +207,25 @@ class Checkpointer:
         from ckptctl.training.loading import load_into
 
         self.wait()
-        memory = self.memory if self.memory and self.memory.checkpoint_id == checkpoint_id else None
+        name = str(checkpoint_id)
+        memory = self.memory if self.memory and self.memory.checkpoint_id == name else None
         return load_into(
             state_dict,
-            str(checkpoint_id),
+            self._where(name),
             self.storage_config,
             full=full,
             memory=memory.staged if memory else None,
         )
+
+    def _where(self, name: str) -> str:
+        """Without tiers ``name`` itself; with them the local copy when it is complete (this
+        node kept it), else the lake's (a replaced node, or retention removed it)."""
+        if self.tiers is None:
+            return name
+        local = self.tiers.at(self.tiers.local, name, self.storage_config)
+        if local.exists(MANIFEST) and not local.exists(INCOMPLETE):
+            return local.url
+        return self.tiers.at(self.tiers.lake, name, self.storage_config).url
 
     def close(self) -> None:
         self.wait()

@@ -101,7 +101,7 @@ def _pin(src: torch.Tensor) -> bool:
 
 @dataclass
 class RankResult:
-    """What one rank wrote (or why it failed), sent to rank 0."""
+    """What one rank wrote, sent to rank 0."""
 
     rank: int
     file: str | None = None
@@ -111,7 +111,6 @@ class RankResult:
     values: list[dict[str, Any]] = field(default_factory=list)
     held: list[str] = field(default_factory=list)
     """Every name this rank holds (rank 0 checks that each was stored by some rank)."""
-    error: str | None = None
 
 
 def rank_file(rank: int) -> str:
@@ -167,14 +166,11 @@ def begin(storage: Storage, checkpoint_id: str) -> None:
         storage.remove(stale)
 
 
-def commit(storage: Storage, checkpoint_id: str, results: list[RankResult]) -> dict[str, Any]:
+def commit(
+    storage: Storage, checkpoint_id: str, results: list[RankResult], step: int | None = None
+) -> dict[str, Any]:
     """Rank 0, once every rank has written: ``.metadata``, then the manifest, then the marker
     goes. Refuses (leaving the checkpoint incomplete) when the ranks' parts do not add up."""
-    failed = [r for r in results if r.error]
-    if failed:
-        raise CheckpointError(
-            f"save to {checkpoint_id} failed on rank {failed[0].rank}: {failed[0].error}"
-        )
     md = _metadata(checkpoint_id, results)
     missing = sorted({n for r in results for n in r.held} - set(md.entries))
     if missing:
@@ -194,6 +190,7 @@ def commit(storage: Storage, checkpoint_id: str, results: list[RankResult]) -> d
         "format": "dcp",
         "checkpoint_id": checkpoint_id,
         "world": len(results),
+        "step": step,
         "checksum": "xxh3_64",
         "files": dict(sorted(files.items())),
         "tensors": {},
