@@ -308,7 +308,8 @@ class Storage:
             with self.fs.open(partial, "wb") as f:
                 yield HashingWriter(f, digest)
         except BaseException:
-            with contextlib.suppress(OSError):
+            # fsspec raises ValueError for a directory in the way: the original error matters.
+            with contextlib.suppress(OSError, ValueError):
                 self.fs.rm(partial)
             raise
         self.fs.mv(partial, final)

@@ -24,6 +24,7 @@ from ckptctl.training import Checkpointer
 from ckptctl.training.state import flatten
 
 WORKER = Path(__file__).parent / "training" / "worker.py"
+PLACEMENTS = Path(__file__).parent / "training" / "placements.py"
 STEPS = 4
 
 
@@ -116,6 +117,16 @@ def test_the_in_memory_copy_serves_a_load_in_the_same_process(tmp_path: Path) ->
     saver.close()
 
 
+def test_the_in_memory_copy_is_bounded(tmp_path: Path) -> None:
+    saver = Checkpointer(keep_in_memory=True, memory_limit=64)
+    state, out = nested_state(), tmp_path / "ckpt"
+    saver.save(state, checkpoint_id=str(out))
+    again = zeros_like(state)
+    assert saver.load(again, checkpoint_id=str(out)).strategy == "direct"  # from storage
+    assert same(again, state)
+    saver.close()
+
+
 def test_a_checkpoint_whose_save_never_finished_is_refused(tmp_path: Path) -> None:
     out = tmp_path / "ckpt"
     ckptctl.save({"w": torch.ones(3)}, checkpoint_id=str(out))
@@ -127,10 +138,12 @@ def test_a_checkpoint_whose_save_never_finished_is_refused(tmp_path: Path) -> No
 # --- a real FSDP2 training job under torchrun --------------------------------------------------
 
 
-def torchrun(workers: int, *args: object, check: bool = True) -> subprocess.CompletedProcess:
+def torchrun(
+    workers: int, *args: object, check: bool = True, script: Path = WORKER
+) -> subprocess.CompletedProcess:
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         "--nproc-per-node", str(workers), str(WORKER), *map(str, args)],
+         "--nproc-per-node", str(workers), str(script), *map(str, args)],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     if check:
@@ -231,3 +244,23 @@ def torchrun_losses(tmp_path: Path) -> list[float]:
     out.mkdir()
     torchrun(2, out, "train", STEPS)
     return result(out / "train_2.json")["losses"]
+
+
+def test_dtensors_of_any_placement_load_into_any_other(tmp_path: Path) -> None:
+    """A 2x2 mesh: row, column and 3-D shards, replicated on one mesh dimension, uneven splits;
+    loaded into other placements, each rank's shards equal what torch's ``distribute_tensor``
+    cuts, and what torch's own ``dcp.load`` fills from the same checkpoint."""
+    torchrun(4, tmp_path, script=PLACEMENTS)
+    for rank in range(4):
+        found = result(tmp_path / f"rank{rank}.json")
+        assert found["ours_wrong"] == [] and found["torchs_wrong"] == [], (rank, found)
+        assert found["strategy"] == "reshard"
+
+
+def test_a_rank_that_cannot_write_fails_the_save_on_every_rank(tmp_path: Path) -> None:
+    torchrun(2, tmp_path, "fail")
+    for rank in range(2):
+        error = result(tmp_path / f"fail_{rank}.json")["error"]
+        assert error and "failed on rank 1" in error and "__1_0.distcp" in error, error
+    assert not (tmp_path / "step_0" / MANIFEST).exists()
+    assert (tmp_path / "step_0" / INCOMPLETE).exists()

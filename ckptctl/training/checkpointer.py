@@ -22,7 +22,7 @@ from ckptctl.settings import StorageConfig
 from ckptctl.storage import Storage
 from ckptctl.training.coordination import Coordinator
 from ckptctl.training.saving import Staged, begin, commit, rank_file, stage, write_rank
-from ckptctl.training.state import assign_writers, items_of, resolve_stateful
+from ckptctl.training.state import TensorItem, assign_writers, items_of, resolve_stateful
 from ckptctl.training.tiers import (
     Tiers,
     begin_lake_copy,
@@ -62,22 +62,26 @@ class _Memory:
 
 
 class Checkpointer:
-    """Saves and loads of one training process. ``keep_in_memory`` keeps the last save's staged
-    copy of everything this rank holds, so ``load`` of that checkpoint in the same process
-    reads memory, not storage (it costs one copy of the rank's state in host memory).
-    ``tiers`` saves checkpoint ``name`` under a local root first, then copies it to the lake
-    and applies the retention policy; ``load`` then takes the local copy when it is complete and
-    the lake's otherwise."""
+    """Saves and loads of one training process.
+
+    ``keep_in_memory`` keeps the last save's staged copy of everything this rank holds, so
+    ``load`` of that checkpoint in the same process reads memory, not storage (it costs one copy
+    of the rank's state in host memory); ``memory_limit`` (bytes) bounds it: a larger state is
+    not kept. ``tiers`` saves checkpoint ``name`` under a local root first, then copies it to
+    the lake and applies the retention policy; ``load`` then takes the local copy when it is
+    complete and the lake's otherwise."""
 
     def __init__(
         self,
         *,
         keep_in_memory: bool = False,
+        memory_limit: int | None = None,
         storage: StorageConfig | None = None,
         tiers: Tiers | None = None,
         timeout_seconds: float = 600.0,
     ) -> None:
         self.keep_in_memory = keep_in_memory
+        self.memory_limit = memory_limit
         self.storage_config = storage or StorageConfig()
         self.timeout_seconds = timeout_seconds
         self.tiers = tiers
@@ -109,12 +113,27 @@ class Checkpointer:
         storage = Storage(f"{root.rstrip('/')}/{name}" if root else name, self.storage_config)
         items = items_of(resolve_stateful(state_dict))
         mine = assign_writers(items, coordinator.rank, coordinator.world)
-        staged = stage(items, mine, self._buffers, self.keep_in_memory)
+        keep = self._keeps(items)
+        staged = stage(items, mine, self._buffers, keep)
         self._buffers = staged
         self.memory = None  # its buffers now hold the new state
         report = SaveReport(name, time.perf_counter() - start, step=step)
-        self._pending = self._pool.submit(self._write, storage, staged, report)
+        self._pending = self._pool.submit(self._write, storage, staged, sorted(items), keep, report)
         return self._pending
+
+    def _keeps(self, items: Mapping[str, Any]) -> bool:
+        """Whether this save stays in memory: asked for, and within ``memory_limit``."""
+        if not self.keep_in_memory:
+            return False
+        size = sum(i.nbytes for i in items.values() if isinstance(i, TensorItem))
+        if self.memory_limit is not None and size > self.memory_limit:
+            log.warning(
+                "ckptctl: not keeping this save in memory: %d bytes over memory_limit=%d",
+                size,
+                self.memory_limit,
+            )
+            return False
+        return True
 
     def save(
         self, state_dict: Mapping[str, Any], *, checkpoint_id: str, step: int | None = None
@@ -154,17 +173,24 @@ class Checkpointer:
             raise RuntimeError(f"ckptctl: {what} failed on rank 0: {error}")
         return value
 
-    def _write(self, storage: Storage, staged: dict[str, Staged], report: SaveReport) -> SaveReport:
+    def _write(
+        self,
+        storage: Storage,
+        staged: dict[str, Staged],
+        held: list[str],
+        keep: bool,
+        report: SaveReport,
+    ) -> SaveReport:
         start = time.perf_counter()
         rank, name = self.coordinator().rank, report.checkpoint_id
         what = f"save to {storage.url}"
         self._rank0(what, lambda: begin(storage, name))
-        results = self._everyone(what, lambda: write_rank(storage, rank, staged))
+        results = self._everyone(what, lambda: write_rank(storage, rank, staged, held))
         manifest = self._rank0(what, lambda: commit(storage, name, results, report.step))
         report.files = [*sorted(manifest["files"]), MANIFEST]
         report.bytes_written = results[rank].size
         report.write_seconds = time.perf_counter() - start
-        if self.keep_in_memory:
+        if keep:
             self.memory = _Memory(name, staged)
         tiers = self.tiers
         if tiers is not None:

@@ -117,10 +117,12 @@ def rank_file(rank: int) -> str:
     return f"__{rank}_0.distcp"
 
 
-def write_rank(storage: Storage, rank: int, staged: dict[str, Staged]) -> RankResult:
+def write_rank(
+    storage: Storage, rank: int, staged: dict[str, Staged], held: list[str]
+) -> RankResult:
     """Stream the items this rank stores into its ``.distcp`` file, record by record, straight
-    from the staged memory (no further copy)."""
-    result = RankResult(rank, held=sorted(staged))
+    from the staged memory (no further copy); ``held`` names everything the rank holds."""
+    result = RankResult(rank, held=held)
     mine = [s for s in staged.values() if s.write]
     if not mine:
         return result

@@ -11,6 +11,8 @@ transformers Llama sharded with FSDP2 (``fully_shard``) and AdamW.
   back on) or torch's own ``dcp.load`` (``HOW=torch``), then trained on to ``STEPS``; writes
   ``OUT/resume_<HOW>_<W>.json`` (losses, each rank's load decision and bytes read per file, and
   the full model and optimizer state right after loading, as torch's own ``full_tensor``).
+* ``fail``: one save whose shard file rank 1 cannot create (a directory is in its way); every
+  rank's future must hold the error, written to ``OUT/fail_<rank>.json``.
 * ``kill STEPS KILL_AT``: like ``train``, but rank 1 is killed (SIGKILL) right after handing
   the save of step ``KILL_AT`` to the background.
 """
@@ -149,6 +151,22 @@ def resume(out: str, name: str, at: int, steps: int, how: str, full: str | None)
             json.dump(body, f)
 
 
+def fail(out: str) -> None:
+    model, opt = build()
+    train_step(model, opt, 0)
+    if dist.get_rank() == 0:
+        os.makedirs(f"{out}/step_0/__1_0.distcp.partial/blocker")
+    dist.barrier()
+    future = ckptctl.async_save(state(model, opt, 0), checkpoint_id=f"{out}/step_0")
+    try:
+        future.result()
+        error = None
+    except Exception as err:
+        error = str(err)
+    with open(f"{out}/fail_{dist.get_rank()}.json", "w") as f:
+        json.dump({"error": error}, f)
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     out, scenario, *args = sys.argv[1:]
@@ -156,6 +174,8 @@ def main() -> None:
         train(out, int(args[0]))
     elif scenario == "kill":
         train(out, int(args[0]), kill_at=int(args[1]))
+    elif scenario == "fail":
+        fail(out)
     elif scenario == "resume":
         resume(out, args[0], int(args[1]), int(args[2]), args[3], (args[4:] or [None])[0])
     ckptctl.training.default_checkpointer().close()
