@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import threading
+import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote, urlsplit
@@ -30,6 +31,9 @@ class Request:
     received: int
     """Request body bytes."""
     status: int
+    arrived: float = 0.0
+    """``time.monotonic()`` when the request line came in, and when the answer was ready."""
+    answered: float = 0.0
 
 
 class S3Proxy:
@@ -114,6 +118,7 @@ class S3Proxy:
         return fail
 
     def _handle(self, handler: BaseHTTPRequestHandler) -> None:
+        arrived = time.monotonic()
         body = self._read_body(handler)
         split = urlsplit(handler.path)
         key = unquote(split.path.lstrip("/"))
@@ -147,6 +152,8 @@ class S3Proxy:
                     len(payload),
                     len(body),
                     response.status,
+                    arrived,
+                    time.monotonic(),
                 )
             )
         handler.send_response(response.status)

@@ -98,3 +98,43 @@ def test_tiers_keep_the_newest_locally_and_every_nth_step_in_the_lake(
     with pytest.raises(Exception, match="step="):
         saver.async_save(states[0], checkpoint_id="step_9")
     saver.close()
+
+
+def test_two_ranks_stream_their_files_to_s3_at_once(
+    bucket: str,  # noqa: F811
+    proxy: S3Proxy,  # noqa: F811
+) -> None:
+    """Observed at the server: both ranks' parts arrive interleaved (each file is streamed
+    while the other is still being written), and ``.metadata`` and the manifest come last."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent / "training" / "s3_save.py"
+    proxy.reset()
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(script), f"{bucket}/two/step_3"],
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, "AWS_ENDPOINT_URL": proxy.url},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+
+    def written(r) -> bool:
+        part = r.method == "PUT" and "partNumber" in r.query
+        whole = r.method == "PUT" and r.key.endswith(("/.metadata", "/ckptctl.manifest.json"))
+        return r.status < 300 and r.key.startswith("lake/two/") and (part or whole)
+
+    writes = [r for r in proxy.requests if written(r)]
+    names = [r.key.rsplit("/", 1)[-1] for r in writes]
+    spans = {
+        f: (min(r.arrived for r in rs), max(r.answered for r in rs), len(rs))
+        for f in ("__0_0.distcp", "__1_0.distcp")
+        if (rs := [r for r in writes if r.key.endswith(f)])
+    }
+    assert len(spans) == 2 and all(n >= 3 for _, _, n in spans.values()), names
+    (start_a, end_a, _), (start_b, end_b, _) = spans.values()
+    assert start_b < end_a and start_a < end_b, f"the files went up one after the other: {spans}"
+    last = sorted(writes, key=lambda r: r.arrived)[-2:]
+    assert [r.key.rsplit("/", 1)[-1] for r in last] == [".metadata", "ckptctl.manifest.json"]
