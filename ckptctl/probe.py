@@ -6,6 +6,7 @@ import hashlib
 import json
 from dataclasses import replace
 
+from ckptctl.compression.view import open_view
 from ckptctl.errors import CheckpointNotFoundError, UsageError
 from ckptctl.formats import registry
 from ckptctl.formats.base import Checkpoint, CheckpointFormat, ProbeRequest
@@ -47,6 +48,11 @@ def open_checkpoint(
     storage = Storage(url, settings.storage, read_only=True)
     if not storage.exists():
         raise CheckpointNotFoundError(f"{url}: no such checkpoint directory")
+    if storage.isdir() and not (
+        settings.allow_incomplete if allow_incomplete is None else allow_incomplete
+    ):
+        refuse_incomplete(storage)  # a compressed checkpoint's own marker, before its view
+    storage = open_view(storage, settings.storage)  # a compressed checkpoint: what it stores
     if not storage.isdir():  # one file named directly (e.g. dcp_to_torch_save's output)
         parent, _, name = url.rstrip("/").rpartition("/")
         storage = Storage(parent or ".", settings.storage, read_only=True)

@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass
 from math import prod
 
 from ckptctl.arrays import finite
+from ckptctl.compression.jobs import check_compressed
+from ckptctl.compression.view import CompressedStorage, open_view
 from ckptctl.distributed import Group
 from ckptctl.errors import CkptctlError
 from ckptctl.integrity import Targets, safetensors_problems, stream_check
@@ -70,7 +72,19 @@ def verify(
         )
     except CkptctlError as err:
         ckpt, structure = None, Check("structure", "failed", str(err))
-    checks.extend(_stored_bytes(storage, ckpt, group))
+    view = open_view(storage, settings.storage)
+    if isinstance(view, CompressedStorage):
+        problems = check_compressed(view) if group is None or group.rank == 0 else []
+        problems = group.all_gather(problems)[0] if group is not None else problems
+        detail = f"{len(view.files)} files decode to the bytes that were compressed" + (
+            f" (against the base {view.index['base']['url']})" if view.index.get("base") else ""
+        )
+        checks.append(
+            Check("compressed", "failed", "; ".join(problems[:5]))
+            if problems
+            else Check("compressed", "passed", detail)
+        )
+    checks.extend(_stored_bytes(view, ckpt, group))
     checks.append(structure)
     if ckpt is None:
         checks.append(Check("coverage", "skipped", "the structure check failed"))

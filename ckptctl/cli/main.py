@@ -16,6 +16,7 @@ import typer.core
 from ckptctl import __version__
 from ckptctl.cli import (
     calibrate,
+    compress,
     consolidate,
     demo,
     formats,
@@ -196,6 +197,8 @@ for name, command in (
     ("verify", verify.verify_cmd),
     ("demo", demo.demo_cmd),
     ("formats", formats.formats_cmd),
+    ("compress", compress.compress_cmd),
+    ("decompress", compress.decompress_cmd),
 ):
     app.command(name)(command)
 

@@ -1,0 +1,204 @@
+"""``ckptctl compress`` and ``decompress``: store a checkpoint's files losslessly as chunks
+(``codec``), optionally as deltas against a base checkpoint, and restore them byte for byte.
+
+Both stream one chunk at a time (bounded memory), refuse to write into or over a source or the
+base, mark the output incomplete until its last file is written, and check what they restore
+against the checksums recorded at compression.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import xxhash
+
+from ckptctl import __version__
+from ckptctl.compression.codec import CHUNK_SIZE, LEVEL, encode
+from ckptctl.compression.view import DATA, FORMAT, INDEX, CompressedStorage, open_view
+from ckptctl.errors import CheckpointError, OutputExistsError
+from ckptctl.locations import refuse_overlap
+from ckptctl.manifest import INCOMPLETE, MANIFEST, MANIFEST_VERSION, refuse_incomplete
+from ckptctl.settings import StorageConfig
+from ckptctl.storage import Storage
+
+
+@dataclass
+class CompressReport:
+    source: str
+    target: str
+    files: int
+    bytes_in: int
+    bytes_out: int
+    seconds: float
+    delta_files: int = 0
+
+    @property
+    def ratio(self) -> float:
+        return self.bytes_in / self.bytes_out if self.bytes_out else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**self.__dict__, "ratio": round(self.ratio, 4)}
+
+
+def _absolute(url: str) -> str:
+    return url if "://" in url else os.path.abspath(url)
+
+
+def _fresh_target(url: str, config: StorageConfig, sources: dict[str, str | None]) -> Storage:
+    refuse_overlap("destination", url, sources)
+    target = Storage(url, config)
+    if target.exists() and set(target.find_files()) - {INCOMPLETE}:
+        raise OutputExistsError(
+            f"{url} exists and is not empty", hint="choose an empty or new destination"
+        )
+    target.begin_writing()
+    return target
+
+
+def compress(
+    source_url: str, target_url: str, base_url: str | None, config: StorageConfig
+) -> CompressReport:
+    start = time.perf_counter()
+    source = open_view(Storage(source_url, config, read_only=True), config)
+    if not source.isdir():
+        raise CheckpointError(f"{source_url}: not a checkpoint directory")
+    refuse_incomplete(source)
+    base = open_view(Storage(base_url, config, read_only=True), config) if base_url else None
+    if base is not None and not base.isdir():
+        raise CheckpointError(f"--base {base_url}: not a checkpoint directory")
+    target = _fresh_target(target_url, config, {"source": source_url, "base": base_url})
+    target.write_text(INCOMPLETE, json.dumps({"operation": "compress"}))
+    files: dict[str, Any] = {}
+    base_files: dict[str, Any] = {}
+    written: dict[str, Any] = {}
+    report = CompressReport(source_url, target_url, 0, 0, 0, 0.0)
+    for rel in source.find_files():
+        against = base if base is not None and base.exists(rel) and not base.isdir(rel) else None
+        entry, base_entry, out = _compress_file(source, target, rel, against)
+        files[rel] = entry
+        written[f"{DATA}/{rel}"] = out
+        if base_entry is not None:
+            base_files[rel] = base_entry
+            report.delta_files += 1
+        report.files += 1
+        report.bytes_in += entry["size"]
+        report.bytes_out += out["size"]
+    index = {
+        "format": FORMAT,
+        "version": 1,
+        "codec": f"xor+shuffle+zstd-{LEVEL}",
+        "chunk_size": CHUNK_SIZE,
+        "lossy": False,
+        "source": {"url": source_url, "bytes": report.bytes_in},
+        "base": {"url": _absolute(base_url), "files": base_files} if base_url else None,
+        "files": files,
+    }
+    text = json.dumps(index, indent=1, sort_keys=True)
+    target.write_text(INDEX, text)
+    written[INDEX] = {"size": len(text.encode()), "checksum": xxhash.xxh3_64_hexdigest(text.encode())}
+    manifest = {
+        "manifest_version": MANIFEST_VERSION,
+        "tool": f"ckptctl {__version__}",
+        "operation": "compress",
+        "format": FORMAT,
+        "checksum": "xxh3_64",
+        "files": written,
+        "tensors": {},
+    }
+    target.write_text(MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+    target.remove(INCOMPLETE)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _compress_file(
+    source: Storage, target: Storage, rel: str, base: Storage | None
+) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any]]:
+    """Encode ``rel`` chunk by chunk: its index entry, its base's entry, the written file's."""
+    original, base_digest = xxhash.xxh3_64(), xxhash.xxh3_64()
+    base_size = base.size(rel) if base is not None else 0
+    chunks, size = [], 0
+    with (
+        source.open_sequential(rel) as f,
+        target.open_write(f"{DATA}/{rel}", xxhash.xxh3_64()) as out,
+    ):
+        while block := f.read(CHUNK_SIZE):
+            original.update(block)
+            against = None
+            if base is not None:
+                against = base.read_range(rel, size, max(0, min(len(block), base_size - size)))
+                base_digest.update(against)
+            mode, payload = encode(block, against)
+            chunks.append([out.size, len(payload), mode])
+            out.write(payload)
+            size += len(block)
+    if base is not None and size < base_size:  # the rest of the base, for its checksum
+        base_digest.update(base.read_range(rel, size, base_size - size))
+    entry = {"size": size, "checksum": original.hexdigest(), "chunks": chunks}
+    base_entry = (
+        {"size": base_size, "identity": base.identity(rel), "checksum": base_digest.hexdigest()}
+        if base is not None
+        else None
+    )
+    return entry, base_entry, {"size": out.size, "checksum": out.digest.hexdigest()}
+
+
+def decompress(source_url: str, target_url: str, config: StorageConfig) -> CompressReport:
+    """Restore the original files (only them: no file of ckptctl's own is added), each checked
+    against its recorded checksum before it is renamed into place."""
+    start = time.perf_counter()
+    inner = Storage(source_url, config, read_only=True)
+    refuse_incomplete(inner)
+    view = open_view(inner, config)
+    if not isinstance(view, CompressedStorage):
+        raise CheckpointError(f"{source_url}: not a compressed checkpoint (no {INDEX})")
+    sources: dict[str, str | None] = {"source": source_url}
+    if view.index.get("base"):
+        sources["base"] = view.index["base"]["url"]
+    target = _fresh_target(target_url, config, sources)
+    target.write_text(INCOMPLETE, json.dumps({"operation": "decompress"}))
+    report = CompressReport(source_url, target_url, 0, 0, 0, 0.0)
+    for rel, entry in sorted(view.files.items()):
+        with target.open_write(rel, xxhash.xxh3_64()) as out:
+            for n in range(len(entry["chunks"])):
+                out.write(view.chunk(rel, n))
+            if out.digest.hexdigest() != entry["checksum"] or out.size != entry["size"]:
+                raise CheckpointError(
+                    f"{view.describe(rel)}: decodes to {out.size} bytes with checksum "
+                    f"{out.digest.hexdigest()}, recorded {entry['size']} / {entry['checksum']}"
+                )
+        report.files += 1
+        report.bytes_in += sum(c[1] for c in entry["chunks"])
+        report.bytes_out += entry["size"]
+    target.remove(INCOMPLETE)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def check_compressed(view: CompressedStorage) -> list[str]:
+    """Problems of a compressed checkpoint: its data files against its own manifest, and every
+    original file decoded (against the base, checked too) against its recorded checksum."""
+    problems = []
+    inner = view.inner
+    try:
+        listed = json.loads(inner.read_text(MANIFEST))["files"]
+    except (ValueError, KeyError, CheckpointError) as err:
+        return [f"{MANIFEST} unreadable ({err})"]
+    for rel, meta in sorted(listed.items()):
+        if not inner.exists(rel) or inner.size(rel) != meta["size"]:
+            problems.append(f"{rel} missing or not {meta['size']} bytes")
+    for rel, entry in sorted(view.files.items()):
+        digest = xxhash.xxh3_64()
+        try:
+            for n in range(len(entry["chunks"])):
+                digest.update(view.chunk(rel, n))
+        except CheckpointError as err:
+            problems.append(str(err))
+            continue
+        if digest.hexdigest() != entry["checksum"]:
+            problems.append(f"{rel} decodes to other bytes than were compressed")
+    return problems

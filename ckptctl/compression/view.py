@@ -1,0 +1,213 @@
+"""A compressed checkpoint seen as the checkpoint it stores: ``CompressedStorage`` answers every
+read a format reader makes (listings, sizes, whole files, byte ranges) by decoding only the
+chunks that hold the bytes asked for, so every command reads it as it would read the original.
+
+Layout of a compressed checkpoint directory::
+
+    ckptctl.compressed.json   index: each original file's size, checksum and chunks; the base
+    data/<original path>      the file's encoded chunks, back to back
+    ckptctl.manifest.json     written last: the directory is complete
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import posixpath
+import threading
+from typing import Any, BinaryIO
+
+from ckptctl.compression.codec import decode
+from ckptctl.errors import CheckpointError, CheckpointNotFoundError
+from ckptctl.settings import StorageConfig
+from ckptctl.storage import Storage
+
+INDEX = "ckptctl.compressed.json"
+DATA = "data"
+FORMAT = "ckptctl-compressed"
+
+
+def is_compressed(storage: Storage) -> bool:
+    return storage.isdir() and storage.exists(INDEX)
+
+
+def open_view(storage: Storage, config: StorageConfig | None = None) -> Storage:
+    """``storage`` itself, or the view of the checkpoint it holds compressed."""
+    return CompressedStorage(storage, config) if is_compressed(storage) else storage
+
+
+class CompressedStorage(Storage):
+    """Read-only view of the original files of a compressed checkpoint (and of its base)."""
+
+    def __init__(self, inner: Storage, config: StorageConfig | None = None) -> None:
+        # Not Storage.__init__: no file system of its own; reads go through ``inner``.
+        self.inner = inner
+        self.url = inner.url
+        self.read_only = True
+        self.config = inner.config
+        self.fs = inner.fs
+        self.root = inner.root
+        self.is_local = False  # readers must come through read_range/open_read, never the disk
+        self.is_s3 = False
+        try:
+            index = json.loads(inner.read_text(INDEX))
+            if index.get("format") != FORMAT or index.get("version") != 1:
+                raise ValueError(f"format {index.get('format')!r} version {index.get('version')}")
+            self.files: dict[str, dict[str, Any]] = index["files"]
+            self.chunk_size = int(index["chunk_size"])
+        except (ValueError, KeyError, TypeError) as err:
+            raise CheckpointError(f"{inner.describe(INDEX)}: unreadable index ({err})") from None
+        self.index = index
+        self.lossy = bool(index.get("lossy"))
+        self._base_info = index.get("base")
+        self._base: Storage | None = None
+        self._checked: set[str] = set()
+        self._config = config or inner.config
+        self._cache: dict[tuple[str, int], bytes] = {}
+        self._lock = threading.Lock()
+
+    # --- the base -------------------------------------------------------------------------
+
+    def base(self) -> Storage:
+        if self._base is None:
+            assert self._base_info is not None
+            url = self._base_info["url"]
+            plain = Storage(url, self._config, read_only=True)
+            if not plain.exists():
+                raise CheckpointNotFoundError(
+                    f"{self.url} was compressed against the base {url}, which does not exist",
+                    hint="restore the base checkpoint at that place (it is needed to read this "
+                    "one), or decompress this checkpoint where the base is present",
+                )
+            self._base = open_view(plain, self._config)
+        return self._base
+
+    def _base_file(self, rel: str) -> Storage:
+        """The base, after checking its file ``rel`` is the one the delta was taken against."""
+        base = self.base()
+        if rel not in self._checked:
+            want = self._base_info["files"][rel]  # type: ignore[index]
+            found = base.identity(rel) if base.exists(rel) else "missing"
+            if found != want["identity"]:
+                raise CheckpointError(
+                    f"{self.url}: its base file {base.describe(rel)} changed since compression "
+                    f"({found}; recorded {want['identity']}); refusing to decode against it",
+                    hint="restore the base the checkpoint was compressed against",
+                )
+            self._checked.add(rel)
+        return base
+
+    # --- the original files ---------------------------------------------------------------
+
+    def _entry(self, rel: str) -> dict[str, Any]:
+        self.path(rel)  # refuses paths escaping the root
+        entry = self.files.get(posixpath.normpath(rel))
+        if entry is None:
+            raise CheckpointNotFoundError(f"{self.describe(rel)}: file not found")
+        return entry
+
+    def exists(self, rel: str = "") -> bool:
+        return rel in ("", ".") or rel in self.files or self.isdir(rel)
+
+    def isdir(self, rel: str = "") -> bool:
+        prefix = "" if rel in ("", ".") else rel.rstrip("/") + "/"
+        return any(f.startswith(prefix) for f in self.files)
+
+    def size(self, rel: str) -> int:
+        return int(self._entry(rel)["size"])
+
+    def identity(self, rel: str) -> str:
+        entry = self._entry(rel)
+        return f"size={entry['size']} xxh3={entry['checksum']}"
+
+    def listdir(self, rel: str = "") -> list[str]:
+        prefix = "" if rel in ("", ".") else rel.rstrip("/") + "/"
+        names = {f[len(prefix) :].split("/", 1)[0] for f in self.files if f.startswith(prefix)}
+        if not names:
+            raise CheckpointNotFoundError(f"{self.describe(rel)}: no such directory")
+        return sorted(names)
+
+    def find_files(self, rel: str = "") -> list[str]:
+        prefix = "" if rel in ("", ".") else rel.rstrip("/") + "/"
+        return sorted(f[len(prefix) :] for f in self.files if f.startswith(prefix))
+
+    def read_text(self, rel: str) -> str:
+        return self.read_range(rel, 0, self.size(rel)).decode()
+
+    def open_read(self, rel: str) -> BinaryIO:
+        return io.BufferedReader(_ChunkedFile(self, rel, self.size(rel)), 1 << 20)  # type: ignore[return-value]
+
+    def open_sequential(self, rel: str, block_size: int = 8 << 20) -> BinaryIO:
+        return self.open_read(rel)
+
+    def chunk(self, rel: str, n: int) -> bytes:
+        """Chunk ``n`` of ``rel``, decoded (the last one or two are cached)."""
+        key = (rel, n)
+        with self._lock:
+            if key in self._cache:
+                return self._cache[key]
+        entry = self._entry(rel)
+        offset, length, mode = entry["chunks"][n]
+        start = n * self.chunk_size
+        size = min(self.chunk_size, int(entry["size"]) - start)
+        payload = self.inner.read_range(f"{DATA}/{rel}", offset, length)
+        base = None
+        if mode.startswith("x"):
+            base_file = self._base_file(rel)
+            base_size = base_file.size(rel)
+            base = base_file.read_range(rel, start, max(0, min(size, base_size - start)))
+        try:
+            data = decode(mode, payload, size, base)
+        except Exception as err:
+            raise CheckpointError(
+                f"{self.inner.describe(f'{DATA}/{rel}')}: chunk {n} does not decode ({err}); the "
+                "compressed file is damaged"
+            ) from None
+        with self._lock:
+            if len(self._cache) >= 4:
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[key] = data
+        return data
+
+    def read_range(self, rel: str, start: int, nbytes: int) -> bytes:
+        size = self.size(rel)
+        end = min(size, start + nbytes)
+        if start >= end:
+            return b""
+        first, last = start // self.chunk_size, (end - 1) // self.chunk_size
+        parts = [self.chunk(rel, n) for n in range(first, last + 1)]
+        joined = parts[0] if len(parts) == 1 else b"".join(parts)
+        skip = start - first * self.chunk_size
+        return joined[skip : skip + end - start]
+
+    # --- never written through ------------------------------------------------------------
+
+    def begin_writing(self) -> None:
+        self._refuse_if_source("")
+
+
+class _ChunkedFile(io.RawIOBase):
+    def __init__(self, view: CompressedStorage, rel: str, size: int) -> None:
+        super().__init__()
+        self._view, self._rel, self._size, self._pos = view, rel, size, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        data = self._view.read_range(self._rel, self._pos, len(view))
+        view[: len(data)] = data
+        self._pos += len(data)
+        return len(data)

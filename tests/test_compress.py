@@ -1,0 +1,112 @@
+"""``ckptctl compress`` / ``decompress`` on consecutive checkpoints of a real (tiny) training
+run: every format round-trips byte for byte, with and without a base; every command reads the
+compressed copy as the original; a base that changed is refused."""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptctl
+from ckptctl.cli.main import app
+from ckptctl.synth.model import make_model, tiny_llama_config
+
+STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama trained with AdamW; after each step: a DCP checkpoint (``ckptctl.save``)
+    and HF safetensors (transformers' ``save_pretrained``)."""
+    out = tmp_path_factory.mktemp("run")
+    model = make_model(tiny_llama_config(), seed=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    torch.manual_seed(2)
+    for step in range(STEPS):
+        x = torch.randint(0, model.config.vocab_size, (2, 16))
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}
+        ckptctl.save(state, checkpoint_id=str(out / f"dcp_{step}"))
+        model.save_pretrained(out / f"hf_{step}")
+    return out
+
+
+def same_tree(a: Path, b: Path) -> None:
+    files_a = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+    files_b = sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
+    assert files_a == files_b
+    _, mismatch, errors = filecmp.cmpfiles(a, b, [str(f) for f in files_a], shallow=False)
+    assert not mismatch and not errors
+
+
+def size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize("kind", ["dcp", "hf", "megatron", "torch"])
+@pytest.mark.parametrize("with_base", [False, True], ids=["alone", "delta"])
+def test_round_trip_is_byte_exact_and_commands_read_it(
+    run: Path, tmp_path: Path, cli, kind: str, with_base: bool
+) -> None:
+    src, base = run / f"{kind}_1", run / f"{kind}_0"
+    if kind in ("megatron", "torch"):  # converted from the run's checkpoints by ckptctl itself
+        for step in range(STEPS):
+            if not (run / f"{kind}_{step}").exists():
+                origin = run / (f"hf_{step}" if kind == "megatron" else f"dcp_{step}")
+                cli("consolidate", origin, run / f"{kind}_{step}", "--format", kind)
+    packed, restored = tmp_path / "packed", tmp_path / "restored"
+    args = ["compress", src, packed, *(["--base", base] if with_base else []), "--json"]
+    report = json.loads(cli(*args).stdout)
+    assert report["bytes_in"] == size(src) and report["bytes_out"] < size(src)
+    assert (report["delta_files"] > 0) == with_base
+
+    cli("decompress", packed, restored)
+    same_tree(src, restored)
+
+    checks = cli.json("verify", packed, "--against", src)
+    assert checks["ok"], checks
+    assert {c["name"] for c in checks["checks"] if c["status"] == "passed"} >= {
+        "compressed",
+        "structure",
+        "coverage",
+    }
+    assert cli.json("inspect", packed)["format"] == cli.json("inspect", src)["format"]
+
+
+def test_consolidating_a_compressed_checkpoint_writes_what_the_original_gives(
+    run: Path, tmp_path: Path, cli
+) -> None:
+    cli("compress", run / "dcp_1", tmp_path / "packed", "--base", run / "dcp_0")
+    cli("consolidate", tmp_path / "packed", tmp_path / "from-packed", "--format", "torch")
+    cli("consolidate", run / "dcp_1", tmp_path / "from-original", "--format", "torch")
+    a, b = tmp_path / "from-packed" / "state_dict.pt", tmp_path / "from-original" / "state_dict.pt"
+    assert a.read_bytes() == b.read_bytes()
+
+
+def test_a_base_that_changed_is_refused_by_name(run: Path, tmp_path: Path, cli) -> None:
+    base = tmp_path / "base"
+    cli("consolidate", run / "hf_0", base, "--format", "hf")
+    cli("compress", run / "hf_1", tmp_path / "packed", "--base", base)
+    weights = base / "model.safetensors"
+    os.utime(weights, ns=(1, 1))  # same bytes, but not provably the same file any more
+    done = cli.runner.invoke(app, ["verify", str(tmp_path / "packed"), "--json"])
+    assert done.exit_code != 0
+    assert "model.safetensors changed since compression" in done.stdout
+    refused = cli.runner.invoke(app, ["decompress", str(tmp_path / "packed"), str(tmp_path / "o")])
+    assert refused.exit_code == 3 and "model.safetensors" in refused.output
+
+
+def test_outputs_never_land_in_a_source_or_the_base(run: Path, cli) -> None:
+    done = cli.runner.invoke(app, ["compress", str(run / "hf_1"), str(run / "hf_1" / "packed")])
+    assert done.exit_code == 2 and "never writes into" in done.output
+    done = cli.runner.invoke(
+        app, ["compress", str(run / "hf_1"), str(run / "hf_0" / "x"), "--base", str(run / "hf_0")]
+    )
+    assert done.exit_code == 2 and "base" in done.output
