@@ -6,7 +6,7 @@ import hashlib
 import json
 from dataclasses import replace
 
-from ckptctl.compression.view import open_view
+from ckptctl.compression.view import CompressedStorage, open_view
 from ckptctl.errors import CheckpointNotFoundError, UsageError
 from ckptctl.formats import registry
 from ckptctl.formats.base import Checkpoint, CheckpointFormat, ProbeRequest
@@ -64,6 +64,8 @@ def open_checkpoint(
         names = frozenset(storage.listdir(""))
     for fmt in registry.formats():
         ckpt = fmt.probe(storage, names, request)
+        if ckpt is not None and isinstance(storage, CompressedStorage):
+            ckpt.view = replace(ckpt.view, notes=(*ckpt.view.notes, storage.summary()))
         if ckpt is not None:
             if request.tag is not None and not fmt.name.startswith("deepspeed"):
                 # A flag that would change nothing is refused, not ignored.

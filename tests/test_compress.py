@@ -77,7 +77,10 @@ def test_round_trip_is_byte_exact_and_commands_read_it(
         "structure",
         "coverage",
     }
-    assert cli.json("inspect", packed)["format"] == cli.json("inspect", src)["format"]
+    inspected = cli.json("inspect", packed)
+    assert inspected["format"] == cli.json("inspect", src)["format"]
+    (note,) = [n for n in inspected["notes"] if n.startswith("compressed")]
+    assert "lossless" in note and ("against the base" in note) == with_base
 
 
 def test_consolidating_a_compressed_checkpoint_writes_what_the_original_gives(

@@ -8,9 +8,11 @@ against the checksums recorded at compression.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +26,9 @@ from ckptctl.locations import refuse_overlap
 from ckptctl.manifest import INCOMPLETE, MANIFEST, MANIFEST_VERSION, refuse_incomplete
 from ckptctl.settings import StorageConfig
 from ckptctl.storage import Storage
+
+_WORKERS = os.cpu_count() or 2
+_POOL = ThreadPoolExecutor(_WORKERS, thread_name_prefix="ckptctl-compress")
 
 
 @dataclass
@@ -99,7 +104,10 @@ def compress(
     }
     text = json.dumps(index, indent=1, sort_keys=True)
     target.write_text(INDEX, text)
-    written[INDEX] = {"size": len(text.encode()), "checksum": xxhash.xxh3_64_hexdigest(text.encode())}
+    written[INDEX] = {
+        "size": len(text.encode()),
+        "checksum": xxhash.xxh3_64_hexdigest(text.encode()),
+    }
     manifest = {
         "manifest_version": MANIFEST_VERSION,
         "tool": f"ckptctl {__version__}",
@@ -122,20 +130,30 @@ def _compress_file(
     original, base_digest = xxhash.xxh3_64(), xxhash.xxh3_64()
     base_size = base.size(rel) if base is not None else 0
     chunks, size = [], 0
+    pending: collections.deque[Future[tuple[str, bytes]]] = collections.deque()
+
+    def drain(keep: int) -> None:
+        while len(pending) > keep:
+            mode, payload = pending.popleft().result()
+            chunks.append([out.size, len(payload), mode])
+            out.write(payload)
+
     with (
         source.open_sequential(rel) as f,
         target.open_write(f"{DATA}/{rel}", xxhash.xxh3_64()) as out,
     ):
+        # Chunks encode in parallel (zstd and numpy release the GIL) and are written in order;
+        # a few in flight bound the memory.
         while block := f.read(CHUNK_SIZE):
             original.update(block)
             against = None
             if base is not None:
                 against = base.read_range(rel, size, max(0, min(len(block), base_size - size)))
                 base_digest.update(against)
-            mode, payload = encode(block, against)
-            chunks.append([out.size, len(payload), mode])
-            out.write(payload)
+            pending.append(_POOL.submit(encode, block, against))
             size += len(block)
+            drain(2 * _WORKERS)
+        drain(0)
     if base is not None and size < base_size:  # the rest of the base, for its checksum
         base_digest.update(base.read_range(rel, size, base_size - size))
     entry = {"size": size, "checksum": original.hexdigest(), "chunks": chunks}

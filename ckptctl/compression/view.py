@@ -66,6 +66,18 @@ class CompressedStorage(Storage):
         self._cache: dict[tuple[str, int], bytes] = {}
         self._lock = threading.Lock()
 
+    def summary(self) -> str:
+        """One line for ``inspect`` and ``plan``: how much smaller, against what."""
+        original = sum(int(f["size"]) for f in self.files.values())
+        stored = sum(c[1] for f in self.files.values() for c in f["chunks"])
+        base = self._base_info["url"] if self._base_info else None
+        return (
+            f"compressed ({self.index.get('codec')}): {original} bytes stored in {stored}, "
+            f"ratio {original / max(stored, 1):.2f}"
+            + (f", as deltas against the base {base}" if base else "")
+            + (", lossy" if self.lossy else ", lossless")
+        )
+
     # --- the base -------------------------------------------------------------------------
 
     def base(self) -> Storage:
