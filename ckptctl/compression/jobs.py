@@ -182,8 +182,13 @@ def decompress(source_url: str, target_url: str, config: StorageConfig) -> Compr
     report = CompressReport(source_url, target_url, 0, 0, 0, 0.0)
     for rel, entry in sorted(view.files.items()):
         with target.open_write(rel, xxhash.xxh3_64()) as out:
-            for n in range(len(entry["chunks"])):
-                out.write(view.chunk(rel, n))
+            pending: collections.deque[Future[bytes]] = collections.deque()
+            for n in range(len(entry["chunks"])):  # decoded in parallel, written in order
+                pending.append(_POOL.submit(view.chunk, rel, n))
+                while len(pending) > 2 * _WORKERS:
+                    out.write(pending.popleft().result())
+            while pending:
+                out.write(pending.popleft().result())
             if out.digest.hexdigest() != entry["checksum"] or out.size != entry["size"]:
                 raise CheckpointError(
                     f"{view.describe(rel)}: decodes to {out.size} bytes with checksum "
