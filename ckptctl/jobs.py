@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptctl.calibrate import saved_profiles
+from ckptctl.compression.view import CompressedStorage
 from ckptctl.destination import Destination, check_destination
 from ckptctl.distributed import Group
 from ckptctl.errors import CheckpointError, CkptctlError, UsageError
@@ -41,7 +42,7 @@ from ckptctl.staging import StagedStorage
 from ckptctl.storage_errors import classify
 from planners.consolidate import plan_consolidate as consolidation
 from planners.consolidate import plan_hf_state_dict, plan_state_dict
-from planners.cost import profile_for, with_time
+from planners.cost import profile_for, through_decoder, with_time
 from planners.strategy import Stored, plan_auto
 from planners.universal import plan_universal
 
@@ -106,7 +107,8 @@ def plan_consolidate(
         return {"source_url": src, "source_fingerprint": fp, "target_url": dst}
 
     def job(plan: Plan, view: CheckpointView = ckpt.view, read: Checkpoint = ckpt) -> Job:
-        plan = _timed(with_identities(plan, ckpt.storage, view))
+        ratio = ckpt.storage.stored_ratio() if isinstance(ckpt.storage, CompressedStorage) else None
+        plan = _timed(with_identities(plan, ckpt.storage, view), ratio)
         return Job(plan, Sources(read), settings)
 
     if fmt == Format.TORCH and hasattr(ckpt, "state_dict_items"):
@@ -147,11 +149,14 @@ def plan_consolidate(
     return job(plan)
 
 
-def _timed(plan: Plan) -> Plan:
+def _timed(plan: Plan, compressed_ratio: float | None = None) -> Plan:
     """The plan with the cost model's time: source reads and target writes, each at its
-    storage's calibrated (or built-in) profile."""
+    storage's calibrated (or built-in) profile; a compressed source fetches fewer bytes and
+    spends CPU decoding them."""
     measured = saved_profiles()
     source, target = profile_for(plan.source_url, measured), profile_for(plan.target_url, measured)
+    if compressed_ratio is not None:
+        source = through_decoder(source, compressed_ratio)
     return plan.model_copy(update={"estimates": with_time(plan.estimates, source, target)})
 
 

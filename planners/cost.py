@@ -23,6 +23,23 @@ def profile_for(url: str, measured: dict[str, StorageProfile] | None = None) -> 
     return PROFILES["local-nvme"]
 
 
+DECODE_BANDWIDTH = 0.36e9
+"""Bytes per second a compressed checkpoint's chunks decode to (``ckptctl decompress`` of a
+delta on this project's 2-core bench machine, ``bench/bench_compress.py``): the CPU a read of
+a compressed source costs."""
+
+
+def through_decoder(
+    profile: StorageProfile, ratio: float, decode_bandwidth: float = DECODE_BANDWIDTH
+) -> StorageProfile:
+    """The profile of reading a compressed checkpoint on ``profile``: each original byte costs
+    ``1 / ratio`` stored bytes fetched, then decoding (one after the other, per chunk)."""
+    per_byte = 1 / (profile.read_bandwidth * ratio) + 1 / decode_bandwidth
+    return profile.model_copy(
+        update={"name": f"{profile.name}, compressed", "read_bandwidth": 1 / per_byte}
+    )
+
+
 def with_time(estimates: Estimates, source: StorageProfile, target: StorageProfile) -> Estimates:
     seconds = source.seconds(estimates.bytes_read, estimates.read_requests) + target.seconds(
         estimates.bytes_written, estimates.write_requests, write=True

@@ -113,3 +113,17 @@ def test_outputs_never_land_in_a_source_or_the_base(run: Path, cli) -> None:
         app, ["compress", str(run / "hf_1"), str(run / "hf_0" / "x"), "--base", str(run / "hf_0")]
     )
     assert done.exit_code == 2 and "base" in done.output
+
+
+def test_the_plan_counts_the_cpu_decoding_costs(run: Path, tmp_path: Path, cli) -> None:
+    from planners.cost import DECODE_BANDWIDTH
+
+    cli("compress", run / "dcp_1", tmp_path / "packed", "--base", run / "dcp_0")
+    args = ("--format", "torch", "--dry-run")
+    packed = cli.json("consolidate", tmp_path / "packed", tmp_path / "a", *args)
+    plain = cli.json("consolidate", run / "dcp_1", tmp_path / "b", *args)
+    assert packed["estimates"]["bytes_read"] == plain["estimates"]["bytes_read"]
+    extra = packed["estimates"]["seconds"] - plain["estimates"]["seconds"]
+    decoding = packed["estimates"]["bytes_read"] / DECODE_BANDWIDTH
+    assert 0.5 * decoding < extra <= decoding  # fewer bytes fetched, then decoded
+    assert any("ratio" in n for n in packed["notes"])

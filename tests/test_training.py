@@ -173,7 +173,7 @@ def test_async_saves_during_training_are_complete_and_block_little(trained: Path
     # The first save also makes the background process group; later ones only copy to memory.
     blocked = sorted(run["blocked"][1:])[len(run["blocked"][1:]) // 2]
     plain = sorted(run["torch_save"])[len(run["torch_save"]) // 2]
-    assert blocked < plain, (run["blocked"], run["torch_save"])
+    assert 2 * blocked < plain, (run["blocked"], run["torch_save"])
 
 
 def test_resuming_the_same_layout_reads_each_ranks_own_shard(trained: Path) -> None:

@@ -66,6 +66,11 @@ class CompressedStorage(Storage):
         self._cache: dict[tuple[str, int], bytes] = {}
         self._lock = threading.Lock()
 
+    def stored_ratio(self) -> float:
+        """Original bytes per stored byte."""
+        original = sum(int(f["size"]) for f in self.files.values())
+        return original / max(1, sum(c[1] for f in self.files.values() for c in f["chunks"]))
+
     def summary(self) -> str:
         """One line for ``inspect`` and ``plan``: how much smaller, against what."""
         original = sum(int(f["size"]) for f in self.files.values())

@@ -36,7 +36,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import ckptctl
 import ckptctl.training
 
-HIDDEN = int(os.environ.get("WORKER_HIDDEN", "64"))
+HIDDEN = int(os.environ.get("WORKER_HIDDEN", "256"))
 BATCH, SEQ, VOCAB = 4, 16, 128
 
 
