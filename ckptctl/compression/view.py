@@ -17,6 +17,7 @@ import posixpath
 import threading
 from typing import Any, BinaryIO
 
+from ckptctl.byteview import ByteView
 from ckptctl.compression.codec import decode
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError
 from ckptctl.settings import StorageConfig
@@ -203,28 +204,12 @@ class CompressedStorage(Storage):
         self._refuse_if_source("")
 
 
-class _ChunkedFile(io.RawIOBase):
+class _ChunkedFile(ByteView):
     def __init__(self, view: CompressedStorage, rel: str, size: int) -> None:
-        super().__init__()
-        self._view, self._rel, self._size, self._pos = view, rel, size, 0
+        super().__init__(size)
+        self._view, self._rel = view, rel
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        self._pos = max(0, base + pos)
-        return self._pos
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        data = self._view.read_range(self._rel, self._pos, len(view))
+    def _read_at(self, pos: int, view: memoryview) -> int:
+        data = self._view.read_range(self._rel, pos, len(view))
         view[: len(data)] = data
-        self._pos += len(data)
         return len(data)

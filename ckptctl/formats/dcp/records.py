@@ -9,11 +9,11 @@ pickle and zip directory live there) and everything else by exact range.
 
 from __future__ import annotations
 
-import io
 import os
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
+from ckptctl.byteview import ByteView
 from ckptctl.errors import CheckpointError
 from ckptctl.formats.dcp.metadata import StorageInfo
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
@@ -25,45 +25,7 @@ Fetch = Callable[[int, int], bytes]
 """``fetch(start, nbytes)``: bytes of a record, by position within it."""
 
 
-class _RecordView(io.RawIOBase):
-    """A read-only, seekable file of ``length`` bytes with its own position; subclasses say
-    how ``n`` bytes at a position are read (``_read_at``)."""
-
-    def __init__(self, length: int) -> None:
-        super().__init__()
-        if length < 0:
-            raise ValueError(f"negative record length {length}")
-        self._length = length
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        bases = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}
-        if whence not in bases or bases[whence] + pos < 0:
-            raise ValueError(f"invalid seek ({pos}, whence={whence})")
-        self._pos = bases[whence] + pos
-        return self._pos
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        n = max(0, min(len(view), self._length - self._pos))
-        got = self._read_at(self._pos, view[:n]) if n else 0
-        self._pos += got
-        return got
-
-    def _read_at(self, pos: int, view: memoryview) -> int:
-        raise NotImplementedError
-
-
-class RecordWindow(_RecordView):
+class RecordWindow(ByteView):
     """Bytes ``[offset, offset + length)`` of a seekable binary file.
 
     Seeks the underlying file on every read, so several windows may share one file object (not
@@ -90,7 +52,7 @@ def pread(fd: int, base: int, start: int, nbytes: int) -> bytes:
     return os.pread(fd, nbytes, base + start)
 
 
-class RemoteRecord(_RecordView):
+class RemoteRecord(ByteView):
     """One record on an object store, read with as few requests as its layout allows.
 
     A ``torch.save`` archive keeps its pickle at the start and its zip directory at the end,
