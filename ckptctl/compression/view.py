@@ -67,15 +67,19 @@ class CompressedStorage(Storage):
         self._cache: dict[tuple[str, int], bytes] = {}
         self._lock = threading.Lock()
 
+    def _totals(self) -> tuple[int, int]:
+        """Bytes of the original files, and bytes their chunks are stored in."""
+        original = sum(int(f["size"]) for f in self.files.values())
+        return original, sum(c[1] for f in self.files.values() for c in f["chunks"])
+
     def stored_ratio(self) -> float:
         """Original bytes per stored byte."""
-        original = sum(int(f["size"]) for f in self.files.values())
-        return original / max(1, sum(c[1] for f in self.files.values() for c in f["chunks"]))
+        original, stored = self._totals()
+        return original / max(1, stored)
 
     def summary(self) -> str:
         """One line for ``inspect`` and ``plan``: how much smaller, against what."""
-        original = sum(int(f["size"]) for f in self.files.values())
-        stored = sum(c[1] for f in self.files.values() for c in f["chunks"])
+        original, stored = self._totals()
         base = self._base_info["url"] if self._base_info else None
         return (
             f"compressed ({self.index.get('codec')}): {original} bytes stored in {stored}, "

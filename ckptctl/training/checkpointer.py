@@ -109,8 +109,8 @@ class Checkpointer:
         coordinator = self.coordinator()
         self.wait()
         name = str(checkpoint_id)
-        root = self.tiers.local if self.tiers else None
-        storage = Storage(f"{root.rstrip('/')}/{name}" if root else name, self.storage_config)
+        tiers, config = self.tiers, self.storage_config
+        storage = tiers.at(tiers.local, name, config) if tiers else Storage(name, config)
         items = items_of(resolve_stateful(state_dict))
         mine = assign_writers(items, coordinator.rank, coordinator.world)
         keep = self._keeps(items)

@@ -22,10 +22,8 @@ import torch
 
 from ckptctl.arrays import from_torch
 from ckptctl.errors import CheckpointError
-from ckptctl.formats.dcp.checks import check_metadata
 from ckptctl.formats.dcp.metadata import METADATA_FILE, BytesEntry, DcpMetadata, TensorEntry
-from ckptctl.formats.dcp.parse import parse_metadata
-from ckptctl.formats.dcp.reader import DcpCheckpoint, open_dcp
+from ckptctl.formats.dcp.reader import DcpCheckpoint, open_dcp, read_metadata_and_lost
 from ckptctl.formats.torchsave.archive import TensorRef
 from ckptctl.formats.torchsave.refs import open_torch_file
 from ckptctl.manifest import INCOMPLETE
@@ -77,27 +75,10 @@ class _Sharded:
                 f"{storage.url} is not a complete checkpoint ({why}): its save never "
                 "finished; load the previous one"
             )
-        where = storage.describe(METADATA_FILE)
-        with storage.open_read(METADATA_FILE) as f:
-            md = parse_metadata(f.read(), where)
-        check_metadata(md, where)
+        md, short = read_metadata_and_lost(storage, "")
         self.metadata: DcpMetadata = md
-        self.lost = frozenset(self._lost_files(md))
+        self.lost = frozenset(short)
         self.reader: DcpCheckpoint = open_dcp(storage, "", md)
-
-    def _lost_files(self, md: DcpMetadata) -> list[str]:
-        """Record files missing or shorter than the records they should hold."""
-        ends: dict[str, int] = {}
-        for info in md.storage.values():
-            self.storage.path(info.relative_path)  # refuses names escaping the root
-            end = info.offset + info.length
-            ends[info.relative_path] = max(ends.get(info.relative_path, 0), end)
-        present = set(self.storage.listdir())
-        return [
-            name
-            for name, end in ends.items()
-            if name not in present or self.storage.size(name) < end
-        ]
 
     def tensors(self) -> dict[str, StoredTensor]:
         md, out = self.metadata, {}
@@ -120,7 +101,7 @@ class _Sharded:
         return self.metadata.storage[(fqn, None)].relative_path
 
     def value(self, fqn: str) -> Any:
-        self.value_file(fqn)
+        self.value_file(fqn)  # refuses a name that is not a stored value
         info = self.metadata.storage[(fqn, None)]
         data = self.storage.read_range(info.relative_path, info.offset, info.length)
         return safe_value(data, f"{self.storage.describe(info.relative_path)} ({fqn})")
@@ -224,13 +205,14 @@ def _from_storage(
     for fqn, leaf in leaves.items():
         if fqn in tensors:
             continue
-        if sharded.value_file(fqn) not in sharded.lost:
+        file = sharded.value_file(fqn)
+        if file not in sharded.lost:
             leaf.parent[leaf.key] = sharded.value(fqn)
         elif fallback is not None:
             leaf.parent[leaf.key] = fallback.value(fqn)
         else:
             raise CheckpointError(
-                f"{checkpoint_id}: {fqn}: its file {sharded.value_file(fqn)} is lost (pass "
+                f"{checkpoint_id}: {fqn}: its file {file} is lost (pass "
                 "full= a full checkpoint of the same step)"
             )
     files = [f"{s}:{f}" if s == FULL else f for s, f in decision.files]

@@ -127,7 +127,7 @@ def _dtensor_box(fqn: str, t: DTensor) -> tuple[tuple[int, ...], bool, bool]:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     for p in t.placements:
-        if not isinstance(p, Shard | Replicate) or type(p) not in (Shard, Replicate):
+        if type(p) not in (Shard, Replicate):  # subclasses (_StridedShard) are not boxes
             raise UsageError(
                 f"state dict: {fqn} is a DTensor with placement {p}; ckptctl stores Shard and "
                 "Replicate placements (redistribute it, e.g. full_tensor() or Replicate(), "

@@ -251,6 +251,24 @@ def _flat(ref: TensorRef) -> TensorRef:
 
 def read_metadata(storage: Storage, base: str) -> DcpMetadata:
     """``.metadata`` through the allow-list, checked, and every record inside its file."""
+    metadata, short = read_metadata_and_lost(storage, base)
+    where = storage.describe(join(base, METADATA_FILE))
+    for name, (size, end) in sorted(short.items()):
+        rel = join(base, name)
+        if size is None:
+            raise CheckpointNotFoundError(f"{storage.describe(rel)}: missing (named in {where})")
+        raise CheckpointError(
+            f"{storage.describe(rel)}: {size} bytes, but {METADATA_FILE} places records up "
+            f"to byte {end}; the file is truncated"
+        )
+    return metadata
+
+
+def read_metadata_and_lost(
+    storage: Storage, base: str
+) -> tuple[DcpMetadata, dict[str, tuple[int | None, int]]]:
+    """``.metadata`` through the allow-list and checked, and the record files that are missing
+    (size ``None``) or shorter than the records placed in them: ``name -> (size, needed)``."""
     where = storage.describe(join(base, METADATA_FILE))
     with storage.open_read(join(base, METADATA_FILE)) as f:
         raw = f.read()
@@ -260,16 +278,14 @@ def read_metadata(storage: Storage, base: str) -> DcpMetadata:
     for info in metadata.storage.values():
         storage.path(join(base, info.relative_path))  # refuses paths escaping the root
         ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    short: dict[str, tuple[int | None, int]] = {}
     for name, end in sorted(ends.items()):
         rel = join(base, name)
         if not storage.exists(rel):
-            raise CheckpointNotFoundError(f"{storage.describe(rel)}: missing (named in {where})")
-        if (size := storage.size(rel)) < end:
-            raise CheckpointError(
-                f"{storage.describe(rel)}: {size} bytes, but {METADATA_FILE} places records up "
-                f"to byte {end}; the file is truncated"
-            )
-    return metadata
+            short[name] = (None, end)
+        elif (size := storage.size(rel)) < end:
+            short[name] = (size, end)
+    return metadata, short
 
 
 def locate(
