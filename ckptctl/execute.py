@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
+from math import prod
 from typing import Any
 
 import numpy as np
@@ -24,13 +25,31 @@ from ckptctl.formats import registry
 from ckptctl.formats.base import Checkpoint, WriteJob
 from ckptctl.job_report import NoProgress, Progress, Report, Sources, peak_rss_bytes
 from ckptctl.manifest import MANIFEST, RunLog, new_digest, write_manifest
+from ckptctl.model.dtypes import DTYPES
 from ckptctl.model.geometry import with_dim
 from ckptctl.model.plan import FileKind, Plan, TensorWrite
 from ckptctl.model.stored import Shape
+from ckptctl.runs import Run
 from ckptctl.storage import Storage, write_in_slices
 from planners.shares import split_files
 
 DEFAULT_MEMORY_BUDGET = 1 << 30
+
+
+MIN_AVERAGE_RUN = 64 << 10
+"""A tensor made of several runs moves by kernel copy only if they average this many bytes:
+each run costs a few system calls, which many small pieces would spend in vain."""
+
+
+def _contiguous_box(shape: Shape, offsets: Shape, sizes: Shape) -> bool:
+    """The box is one contiguous range of a C-ordered array of ``shape``: after its first
+    dimension of more than one element, it spans every dimension whole."""
+    spanning = False
+    for n, o, full in zip(sizes, offsets, shape, strict=True):
+        if spanning and (o != 0 or n != full):
+            return False
+        spanning = spanning or n > 1
+    return True
 
 
 class Assembler:
@@ -65,14 +84,29 @@ class Assembler:
             # budget for the bands themselves keeps both within it.
             build = partial(self._build, parallel=False)  # pool threads must not wait on it
             self.queue = BandQueue(build, pool, self.band_bytes, budget // 3, 2 * ahead)
+        self._runs: dict[int, list[Run] | None] = {}
+        """Tensors announced by ``expect``: the runs they move as (``None``: bands)."""
 
     def expect(self, writes: Iterable[TensorWrite]) -> None:
         """The tensors a writer will ask ``chunks`` for, in its order: with a read pool their
-        bands are then fetched and built ahead, several at once."""
+        bands are then fetched and built ahead, several at once (tensors that move as runs
+        need no bands)."""
+        banded = []
+        for write in writes:
+            runs = self._runs[id(write)] = self._runs_of(write)
+            if runs is None:
+                banded.append(write)
         if self.queue is not None:
-            self.queue.expect(writes)
+            self.queue.expect(banded)
 
-    def chunks(self, write: TensorWrite, file: str = "") -> Iterator[memoryview]:
+    def chunks(self, write: TensorWrite, file: str = "") -> Iterator[memoryview | Run]:
+        """The tensor's bytes in order: bands built in memory, or, where the tensor is
+        contiguous ranges of local source files in its dtype, ``Run``s that the writer moves by
+        kernel copy (their checksums are taken as the writer emits them)."""
+        runs = self._runs.pop(id(write)) if id(write) in self._runs else self._runs_of(write)
+        if runs is not None:
+            yield from self._watched(write, file, runs)
+            return
         digest = xxhash.xxh3_64()
         bands = None
         if self.queue is not None:
@@ -84,6 +118,61 @@ class Assembler:
             bands = (self._build(write, b) for b in band_ranges(write, self.band_bytes))
         for band in bands:
             yield self._emit(band, digest)
+        self._record(write, file, digest)
+
+    def _runs_of(self, write: TensorWrite) -> list[Run] | None:
+        """The tensor as runs of local source files, in order, when its copies tile it with
+        contiguous boxes that lie contiguously in their files in its dtype (and are not so
+        many small pieces that a band is cheaper); ``None`` otherwise."""
+        if write.padding or write.transposed or not write.copies:
+            return None
+        strides = [prod(write.shape[i + 1 :]) for i in range(len(write.shape))]
+        placed = []
+        for copy in write.copies:
+            if copy.transposed or not _contiguous_box(write.shape, copy.dst, copy.sizes):
+                return None
+            path = self.source_files[copy.source]
+            run = self.source.locate(path, copy.key, copy.src, copy.sizes, copy.view)
+            if run is None or run.dtype != write.dtype:
+                return None
+            placed.append((sum(d * s for d, s in zip(copy.dst, strides, strict=True)), run))
+        placed.sort(key=lambda p: p[0])
+        itemsize = DTYPES[write.dtype].itemsize
+        cursor = 0
+        for start, run in placed:
+            if start * itemsize != cursor:  # a gap or an overlap: bands sort it out
+                return None
+            cursor += run.nbytes
+        total = prod(write.shape) * itemsize
+        if cursor != total or (len(placed) > 1 and total / len(placed) < MIN_AVERAGE_RUN):
+            return None
+        return [run for _, run in placed]
+
+    def _watched(self, write: TensorWrite, file: str, runs: list[Run]) -> Iterator[Run]:
+        """``runs`` with the tensor's checksum and the job's counts attached: both are taken
+        on the writer's thread as it emits each run."""
+        digest = xxhash.xxh3_64()
+
+        def advance(view: memoryview) -> None:
+            with self._counting:
+                self.report.bytes_written += len(view)
+            self.progress.advance(len(view))
+
+        def done(run: Run) -> None:
+            with self._counting:
+                self.report.bytes_read += run.nbytes
+                self.report.read_requests += 1
+                if run.copied:
+                    copied = self.report.copied
+                    copied["copy_file_range"] = copied.get("copy_file_range", 0) + run.copied
+
+        for run in runs:
+            run.observers += [digest.update, advance]
+            run.finished.append(done)
+        runs[-1].finished.append(lambda _: self._record(write, file, digest))
+        yield from runs
+
+    def _record(self, write: TensorWrite, file: str, digest: Any) -> None:
         key = ".".join(map(str, write.key))
         if write.view_offset is not None:  # one of several tensors sharing a stored one
             key += f"@{write.view_offset}"
@@ -104,7 +193,8 @@ class Assembler:
     def _emit(self, band: np.ndarray, digest: Any) -> memoryview:
         view = arrays.raw_bytes(band)
         digest.update(view)
-        self.report.bytes_written += len(view)
+        with self._counting:  # runs are counted on the writer's thread
+            self.report.bytes_written += len(view)
         self.progress.advance(len(view))
         return view
 
@@ -214,6 +304,7 @@ def execute(
     failure: Exception | None = None
     try:
         _write_files(job, mine, sizes, target, log)
+        target.drain()  # every rank's files are durable before rank 0 commits
     except Exception as err:  # the other ranks must hear of it, or they wait for this one
         failure = err
     finally:
@@ -250,6 +341,7 @@ def _commit(job: WriteJob, target: Storage, log: RunLog, target_format: Any, che
     for text in plan.finalize:
         target.write_text(text.path, text.content)
         report.files_written.append(text.path)
+    target.drain()  # and every file is on the device before the manifest vouches for it
     write_manifest(
         target, plan, report.tensor_checksums, log.done, algorithm=checksum, extra=extra_files
     )

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 from ckptctl.model.geometry import nbytes
 from ckptctl.model.plan import FileKind, FileWrite, Plan
 from ckptctl.model.stored import FlatView, KeyPath, Shape
+from ckptctl.runs import Run
 
 
 class Progress(Protocol):
@@ -104,3 +105,12 @@ class Sources:
         if into is not None and getattr(ckpt, "reads_into", False):
             return ckpt.read(rel, key, offsets, sizes, view, into=into)
         return ckpt.read(rel, key, offsets, sizes, view)
+
+    def locate(
+        self, path: str, key: KeyPath, offsets: Shape, sizes: Shape, view: FlatView = None
+    ) -> Run | None:
+        """The box as a run of a local source file (bytes that can move by kernel copy), when
+        its reader can say where it lies contiguously; ``None`` otherwise."""
+        ckpt, rel = self.owner(path)
+        locate = getattr(ckpt, "locate", None)
+        return locate(rel, key, offsets, sizes, view) if locate is not None else None

@@ -104,6 +104,7 @@ def compress(
     }
     text = json.dumps(index, indent=1, sort_keys=True)
     target.write_text(INDEX, text)
+    target.drain()  # data and index on the device before the manifest vouches for them
     written[INDEX] = {
         "size": len(text.encode()),
         "checksum": xxhash.xxh3_64_hexdigest(text.encode()),
@@ -197,6 +198,7 @@ def decompress(source_url: str, target_url: str, config: StorageConfig) -> Compr
         report.files += 1
         report.bytes_in += sum(c[1] for c in entry["chunks"])
         report.bytes_out += entry["size"]
+    target.drain()
     target.remove(INCOMPLETE)
     report.seconds = time.perf_counter() - start
     return report

@@ -50,6 +50,7 @@ class CompressedStorage(Storage):
         self.root = inner.root
         self.is_local = False  # readers must come through read_range/open_read, never the disk
         self.is_s3 = False
+        self._unsynced = []
         try:
             index = json.loads(inner.read_text(INDEX))
             if index.get("format") != FORMAT or index.get("version") != 1:

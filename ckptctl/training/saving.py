@@ -149,6 +149,7 @@ def write_rank(
                     **_at(info),
                 }
             )
+    storage.drain()  # on the device before rank 0 can vouch for it
     result.file, result.size, result.checksum = name, out.size, out.digest.hexdigest()
     return result
 
@@ -185,6 +186,7 @@ def commit(
         out.write(body)
     files = {r.file: {"size": r.size, "checksum": r.checksum} for r in results if r.file}
     files[METADATA_FILE] = {"size": out.size, "checksum": out.digest.hexdigest()}
+    storage.drain()
     manifest = {
         "manifest_version": MANIFEST_VERSION,
         "tool": f"ckptctl {__version__}",

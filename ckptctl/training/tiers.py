@@ -47,7 +47,8 @@ def copy_file(src: Storage, dst: Storage, rel: str, checksum: str) -> int:
                 f"{src.describe(rel)} changed while it was copied to the lake (checksum "
                 f"{out.digest.hexdigest()}, manifest {checksum}); the lake copy was not committed"
             )
-        return out.size
+    dst.drain()
+    return out.size
 
 
 def manifest_of(storage: Storage) -> dict:

@@ -92,16 +92,21 @@ class RemoteRecord(ByteView):
 
 
 def open_record(
-    window: Any, info: StorageInfo, where: str, fetch: Fetch | None = None
+    window: Any,
+    info: StorageInfo,
+    where: str,
+    fetch: Fetch | None = None,
+    origin: tuple[str, int] | None = None,
 ) -> TorchZipReader:
     """A lazy reader of one record; ``window`` shows exactly its bytes (a ``RecordWindow`` or a
-    ``RemoteRecord``), ``fetch`` reads them by range."""
+    ``RemoteRecord``), ``fetch`` reads them by range; ``origin``: the local file and offset
+    holding the record, if any."""
     if info.transform_descriptors:
         raise CheckpointError(
             f"{where}: record uses stream transform(s) {list(info.transform_descriptors)} "
             "that ckptctl cannot undo"
         )
-    return TorchZipReader(window, where, fetch)
+    return TorchZipReader(window, where, fetch, origin)
 
 
 def tensor_of(reader: TorchZipReader, dtype: str, sizes: Shape, where: str) -> TensorRef:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Callable, Iterable
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from ckptctl.errors import CheckpointError
 from ckptctl.formats.dcp.checks import metadata_problems
@@ -23,6 +23,7 @@ from ckptctl.formats.dcp.metadata import (
 )
 from ckptctl.formats.dcp.metadata_pickle import metadata_pickle
 from ckptctl.formats.torchsave.zip_writer import TensorSlot, write_torch_zip
+from ckptctl.runs import Run
 
 _PICKLE_PROTOCOL = 4  # what torch's pickle.dump writes on Python 3.11-3.13; fixed for stable bytes
 
@@ -59,6 +60,11 @@ class OffsetWriter(io.RawIOBase):
 
     def flush(self) -> None:
         self._f.flush()
+
+    def copy_range(self, run: Run, observers: list[Any]) -> int | None:
+        """A kernel copy of ``run`` when the file below takes one (``Run.write_to``)."""
+        copy = getattr(self._f, "copy_range", None)
+        return copy(run, observers) if copy is not None else None
 
 
 def write_tensor_record(

@@ -31,6 +31,7 @@ from ckptctl.model.stored import (
     StoredFile,
     StoredTensor,
 )
+from ckptctl.runs import Run
 from ckptctl.storage import Storage
 
 _MAX_HEADER = 100_000_000
@@ -79,9 +80,11 @@ def read_box(
     offsets: tuple[int, ...],
     sizes: tuple[int, ...],
     into: np.ndarray | None = None,
+    where: str = "safetensors file",
 ) -> np.ndarray:
     """Read box ``[offsets, offsets + sizes)``: only the rows spanning it are fetched, straight
-    into array memory (into ``into`` itself when the box is whole rows of the same dtype)."""
+    into array memory (into ``into`` itself when the box is whole rows of the same dtype);
+    ``where`` names the file in errors."""
     dtype = numpy_dtype(entry.dtype)
     if not entry.shape:
         rows, row_elems, lo = 1, 1, 0
@@ -101,7 +104,7 @@ def read_box(
     )
     flat = into.reshape(-1) if direct else np.empty(rows * row_elems, dtype)
     f.seek(entry.begin + lo * row_elems * dtype.itemsize)
-    _read_exactly(f, memoryview(words(flat)).cast("B"))
+    _read_exactly(f, memoryview(words(flat)).cast("B"), where)
     if direct:
         return into  # type: ignore[return-value]
     block = flat.reshape((rows, *entry.shape[1:]) if entry.shape else ())
@@ -111,19 +114,22 @@ def read_box(
     return block
 
 
-def _read_exactly(f: Any, view: memoryview) -> None:
+def _read_exactly(f: Any, view: memoryview, where: str) -> None:
     """Fill ``view`` from ``f``: by ``readinto`` on files, else one exact read (ranged GET)."""
+    truncated = CheckpointError(
+        f"{where}: ends before the tensor bytes its header promises; the file is truncated"
+    )
     if not hasattr(f, "readinto"):
         data = f.read(len(view))
         if len(data) != len(view):
-            raise CheckpointError("safetensors file is truncated")
+            raise truncated
         view[:] = data
         return
     got = 0
     while got < len(view):
         n = f.readinto(view[got:])
         if not n:
-            raise CheckpointError("safetensors file is truncated")
+            raise truncated
         got += n
 
 
@@ -150,11 +156,27 @@ class HFCheckpoint:
     ) -> np.ndarray:
         entry = self.headers[path][str(key[0])]
         if not self.storage.is_local:  # exact ranged GETs, several in flight
-            return read_box(_RangeFile(self.storage, path), entry, offsets, sizes, into)
+            where = self.storage.describe(path)
+            return read_box(_RangeFile(self.storage, path), entry, offsets, sizes, into, where)
         with self._lock:  # one handle per file: seek + read must not interleave
             if path not in self._open:
                 self._open[path] = self.storage.open_read(path)
-            return read_box(self._open[path], entry, offsets, sizes, into)
+            where = self.storage.describe(path)
+            return read_box(self._open[path], entry, offsets, sizes, into, where)
+
+    def locate(
+        self, path: str, key: KeyPath, offsets: Shape, sizes: Shape, view: FlatView = None
+    ) -> Run | None:
+        """The box as a run of the local file, when it is whole rows of the tensor."""
+        entry = self.headers[path][str(key[0])]
+        if not self.storage.is_local or view is not None or prod(sizes) == 0:
+            return None
+        if entry.shape and tuple(sizes[1:]) != tuple(entry.shape[1:]):
+            return None
+        row = prod(entry.shape[1:]) * ITEMSIZE[entry.dtype]
+        start = entry.begin + (offsets[0] * row if entry.shape else 0)
+        nbytes = prod(sizes) * ITEMSIZE[entry.dtype]
+        return Run(self.storage.path(path), start, nbytes, entry.dtype)
 
 
 class _RangeFile:

@@ -14,13 +14,14 @@ from ckptctl.formats.base import WriteJob
 from ckptctl.model.dtypes import DTYPES, ITEMSIZE
 from ckptctl.model.plan import FileWrite
 from ckptctl.prefetch import ReadAhead
+from ckptctl.runs import Run
 from ckptctl.storage import write_in_slices
 
 
 def write_safetensors(
     f: BinaryIO,
     tensors: list[tuple[str, str, tuple[int, ...]]],
-    produce: Callable[[int], Iterable[bytes | memoryview]],
+    produce: Callable[[int], Iterable[bytes | memoryview | Run]],
 ) -> None:
     """Write ``(name, dtype, shape)`` tensors in order; ``produce(i)`` yields tensor i's bytes."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
@@ -42,8 +43,12 @@ def write_safetensors(
     for i, expected in enumerate(sizes):
         written = 0
         for chunk in produce(i):
-            write_in_slices(f, chunk)
-            written += len(chunk)
+            if isinstance(chunk, Run):  # unchanged source bytes: a kernel copy where possible
+                chunk.write_to(f)
+                written += chunk.nbytes
+            else:
+                write_in_slices(f, chunk)
+                written += len(chunk)
         if written != expected:
             raise AssertionError(f"tensor {tensors[i][0]}: wrote {written} of {expected} bytes")
 

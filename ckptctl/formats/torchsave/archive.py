@@ -39,6 +39,7 @@ from ckptctl.arrays import dtype_of, first_value, numpy_dtype, words
 from ckptctl.crc import crc32
 from ckptctl.errors import CheckpointError, UnsafePickleError
 from ckptctl.model.dtypes import BY_STORAGE, DTYPES, DType
+from ckptctl.runs import Run
 
 Shape = tuple[int, ...]
 
@@ -244,12 +245,16 @@ class TorchZipReader:
         fileobj: BinaryIO,
         where: str,
         fetch: Callable[[int, int], bytes] | None = None,
+        origin: tuple[str, int] | None = None,
     ) -> None:
         """``fetch(start, nbytes)``, if given, reads tensor bytes by exact range, thread-safely
         and without read-ahead (remote stores: one ranged GET per read, several in flight);
-        ``fileobj`` then serves only the zip directory and the pickle."""
+        ``fileobj`` then serves only the zip directory and the pickle. ``origin``: the local
+        file holding the archive and the archive's offset in it, when there is one (its tensor
+        bytes can then move by kernel copy, see ``locate``)."""
         self._f = fileobj
         self._fetch = fetch
+        self.origin = origin
         self.where = where
         try:
             self._zip = zipfile.ZipFile(fileobj)
@@ -371,6 +376,28 @@ class TorchZipReader:
         # Fetched bytes are read-only and nothing writes into a read's result: view them as
         # they are instead of copying them into a bytearray first.
         return _strided(np.frombuffer(data, dtype), sizes, ref.stride)
+
+    def locate(self, ref: TensorRef, offsets: Shape, sizes: Shape) -> Run | None:
+        """The box as a run of the local file holding the archive, when its elements lie
+        contiguously there (``None`` otherwise, or when the archive is not a local file). A
+        run covering a whole storage record carries the record's CRC-32, checked as it is
+        copied."""
+        if self.origin is None or prod(sizes) == 0:
+            return None
+        expected = 1
+        for n, stride in zip(reversed(sizes), reversed(ref.stride), strict=True):
+            if n > 1 and stride != expected:
+                return None
+            expected *= n
+        size = ref.dtype.itemsize
+        first = ref.offset + sum(o * s for o, s in zip(offsets, ref.stride, strict=True))
+        nbytes = prod(sizes) * size
+        with self._lock:
+            start = self._checked_start(ref, first + prod(sizes) - 1)
+        whole = first == 0 and nbytes == self._data_offsets[ref.storage.key][1]
+        crc = self._crcs[ref.storage.key] if whole else None
+        path, base = self.origin
+        return Run(path, base + start + first * size, nbytes, ref.dtype.name, crc)
 
     def read_number(self, ref: TensorRef) -> float:
         """A one-element tensor's value (Adam's step, an iteration count) without torch: the

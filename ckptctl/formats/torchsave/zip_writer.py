@@ -18,8 +18,10 @@ from dataclasses import dataclass
 from math import prod
 from typing import Any, BinaryIO
 
+from ckptctl.crc import crc32
 from ckptctl.formats.torchsave.archive import _ALIGNMENT, Shape, Stub, _stub_type
 from ckptctl.model.dtypes import DTYPES, DType, dtype_name
+from ckptctl.runs import Run
 from ckptctl.storage import write_in_slices
 
 # torch's own names, pickled as globals without importing torch (``torch.load`` resolves them).
@@ -111,16 +113,40 @@ def _aligned_entry(zf: zipfile.ZipFile, name: str, size: int) -> Any:
     return zf.open(info, "w", force_zip64=zip64)
 
 
+_ENTRY_STATE = ("_crc", "_file_size", "_compress_size", "_fileobj", "_compressor")
+
+
+def _append_run(entry: Any, run: Run) -> None:
+    """Append ``run`` to an open zip entry without its bytes passing through Python: the
+    entry's file takes the kernel copy and the entry's CRC-32 and sizes are advanced from the
+    mapped pages, as its own ``write`` would. zipfile keeps that state in private attributes
+    (unchanged from Python 3.6 to 3.14); if a release renames them, or the entry compresses,
+    the run goes through ``write`` instead."""
+    if not all(hasattr(entry, name) for name in _ENTRY_STATE) or entry._compressor is not None:
+        run.write_to(entry)
+        return
+    state = [entry._crc]
+
+    def see(view: memoryview) -> None:
+        state[0] = crc32(view, state[0])
+
+    run.write_to(entry._fileobj, see)
+    entry._crc = state[0]
+    entry._file_size += run.nbytes
+    entry._compress_size += run.nbytes
+
+
 def write_torch_zip(
     fileobj: BinaryIO,
     tree: Any,
     slots: list[TensorSlot],
-    produce: Callable[[TensorSlot], Iterable[bytes | memoryview]],
+    produce: Callable[[TensorSlot], Iterable[bytes | memoryview | Run]],
 ) -> None:
     """Write ``tree`` (with ``TensorSlot`` leaves) as a ``torch.save`` archive.
 
     ``produce(slot)`` yields the slot's bytes in order (C-contiguous, little-endian); it is called
-    once per slot, in the order of ``slots``, so memory holds one slot's data at a time.
+    once per slot, in the order of ``slots``, so memory holds one slot's data at a time. A
+    ``Run`` among them moves from its source file by a kernel copy where the output allows.
     """
     pkl = io.BytesIO()
     _Pickler(pkl, protocol=2).dump(tree)
@@ -138,8 +164,12 @@ def write_torch_zip(
             written = 0
             with _aligned_entry(zf, f"{prefix}/data/{slot.key}", slot.nbytes) as out:
                 for chunk in produce(slot):
-                    write_in_slices(out, chunk)
-                    written += len(chunk)
+                    if isinstance(chunk, Run):
+                        _append_run(out, chunk)
+                        written += chunk.nbytes
+                    else:
+                        write_in_slices(out, chunk)
+                        written += len(chunk)
             if written != slot.nbytes:
                 raise AssertionError(f"slot {slot.key}: wrote {written} of {slot.nbytes} bytes")
         with _aligned_entry(zf, f"{prefix}/version", 1) as out:

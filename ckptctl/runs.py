@@ -1,0 +1,190 @@
+"""Runs: bytes that move from a local source file to the output unchanged.
+
+When a target tensor (or a contiguous part of it) is a contiguous range of a source file in
+the same dtype, nothing needs to pass through Python: the kernel copies the range
+(``copy_file_range``; file systems that can share blocks do), and the checksums every output
+carries (the zip entry's CRC-32, the tensor's and the file's xxh3) are computed from a
+read-only map of the source's pages, never from a copy of them. Writers that cannot take a
+kernel copy (object stores, compressed views) get the same mapped pages through ``write``.
+
+A run is emitted by the writer that owns the output (``Run.write_to``): observers (checksums,
+progress) see its bytes in order, then its ``finished`` callbacks run, on the writing thread,
+so a read-ahead thread that hands runs on never finalises a checksum too early.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, BinaryIO
+
+from ckptctl.crc import crc32
+from ckptctl.errors import CheckpointError
+
+WINDOW = 64 << 20
+"""Bytes mapped (and copied by one kernel call) at a time: bounds the pages a run keeps
+mapped, so peak RSS does not grow with the source."""
+
+Observer = Callable[[memoryview], object]
+
+
+class Run:
+    """Bytes ``[offset, offset + nbytes)`` of local file ``path``, holding elements of
+    ``dtype``; ``crc``, when the source records one for exactly these bytes (a whole zip
+    entry), is checked as they pass."""
+
+    __slots__ = ("copied", "crc", "dtype", "finished", "nbytes", "observers", "offset", "path")
+
+    def __init__(
+        self, path: str, offset: int, nbytes: int, dtype: str, crc: int | None = None
+    ) -> None:
+        self.path, self.offset, self.nbytes, self.dtype, self.crc = path, offset, nbytes, dtype, crc
+        self.observers: list[Observer] = []
+        self.finished: list[Callable[[Run], object]] = []
+        self.copied = 0
+        """Bytes the kernel copied (0 when they went through ``write``)."""
+
+    def views(self) -> Iterator[memoryview]:
+        """The run's bytes, a mapped window at a time (each released before the next)."""
+        with open(self.path, "rb") as f:
+            self.check_size(f.fileno())
+            yield from _mapped(f.fileno(), self.offset, self.nbytes)
+
+    def check_size(self, fd: int) -> None:
+        """Refuse a file that ends before the run does (mapped pages past the end of a file
+        would kill the process with SIGBUS instead of raising)."""
+        size = os.fstat(fd).st_size
+        if self.offset + self.nbytes > size:
+            raise CheckpointError(
+                f"{self.path}: ends at byte {size}, before the {self.nbytes} bytes at "
+                f"{self.offset} its index promises; the file is truncated"
+            )
+
+    def write_to(self, out: BinaryIO | Any, *see: Observer) -> None:
+        """Append the run to ``out``, by a kernel copy when ``out`` offers one (``copy_range``)
+        and both ends allow it, else by writing the mapped pages; ``see`` and the run's own
+        observers get every byte, in order."""
+        observers = [*see, *self.observers]
+        check = _CrcCheck(self) if self.crc is not None else None
+        if check is not None:
+            observers.append(check)
+        copy = getattr(out, "copy_range", None)
+        copied = copy(self, observers) if copy is not None else None
+        if copied is None:
+            for view in self.views():
+                for observe in observers:
+                    observe(view)
+                _write_all(out, view)
+        else:
+            self.copied = copied
+        if check is not None:
+            check.verify()
+        for done in self.finished:
+            done(self)
+
+
+def copy_run(dst_fd: int, run: Run, observers: list[Observer]) -> bool:
+    """Kernel-copy ``run`` to the current position of ``dst_fd`` and feed ``observers`` from
+    mapped pages of the source meanwhile: the copy runs on helper threads (the system call
+    releases the GIL) while this thread hashes, so the two use both cores. False, with nothing
+    written, when the kernel cannot copy between these two files (the caller writes the bytes
+    instead)."""
+    with open(run.path, "rb") as f:
+        src = f.fileno()
+        run.check_size(src)
+        base = os.lseek(dst_fd, 0, os.SEEK_CUR)
+        first = min(run.nbytes, PROBE)
+        try:  # a first piece on this thread: a kernel that cannot copy says so here
+            _copy(src, dst_fd, run.offset, base, first)
+        except OSError:
+            os.lseek(dst_fd, base, os.SEEK_SET)
+            os.ftruncate(dst_fd, base)
+            return False
+        pieces, done = [], first
+        while done < run.nbytes:
+            step = min(WINDOW, max(SPLIT, -(-(run.nbytes - done) // 2)), run.nbytes - done)
+            pieces.append((run.offset + done, base + done, step))
+            done += step
+        copies = [_copiers().submit(_copy, src, dst_fd, *piece) for piece in pieces]
+        try:
+            for view in _mapped(src, run.offset, run.nbytes):
+                for observe in observers:
+                    observe(view)
+        finally:
+            for copy in copies:
+                copy.result()
+        os.lseek(dst_fd, base + run.nbytes, os.SEEK_SET)
+    return True
+
+
+PROBE = 1 << 20
+"""Bytes copied before the rest is handed to helper threads (a kernel that cannot copy between
+the two files fails on these, and nothing else has been written)."""
+SPLIT = 4 << 20
+"""Smallest piece a helper thread copies: runs of twice this are copied by two at once."""
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _copiers() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(2, thread_name_prefix="ckptctl-copy")
+        return _pool
+
+
+def _copy(src: int, dst: int, src_offset: int, dst_offset: int, nbytes: int) -> None:
+    """``nbytes`` from ``src_offset`` of ``src`` to ``dst_offset`` of ``dst``, in the kernel."""
+    done = 0
+    while done < nbytes:
+        n = os.copy_file_range(src, dst, nbytes - done, src_offset + done, dst_offset + done)
+        if n <= 0:
+            raise OSError(f"copy_file_range copied nothing at byte {src_offset + done}")
+        done += n
+
+
+def _mapped(fd: int, offset: int, nbytes: int) -> Iterator[memoryview]:
+    start, end = offset, offset + nbytes
+    while start < end:
+        base = start - start % mmap.ALLOCATIONGRANULARITY
+        length = min(end, base + WINDOW) - base
+        pages = mmap.mmap(fd, length, prot=mmap.PROT_READ, offset=base)
+        try:
+            pages.madvise(mmap.MADV_SEQUENTIAL)
+            view = memoryview(pages)[start - base : length]
+            try:
+                yield view
+            finally:
+                view.release()
+        finally:
+            pages.close()
+        start = base + length
+
+
+def _write_all(out: Any, view: memoryview) -> None:
+    step = 1 << 20  # page-cache writes of ~1 MiB run far faster than larger ones
+    for start in range(0, len(view), step):
+        out.write(view[start : start + step])
+
+
+class _CrcCheck:
+    """The run's CRC-32 against the one its source records (a corrupt source is refused,
+    as a whole-record read is)."""
+
+    def __init__(self, run: Run) -> None:
+        self.run, self.value = run, 0
+
+    def __call__(self, view: memoryview) -> None:
+        self.value = crc32(view, self.value)
+
+    def verify(self) -> None:
+        if self.value != self.run.crc:
+            raise CheckpointError(
+                f"{self.run.path}: the record at byte {self.run.offset} fails its CRC-32 check; "
+                "the file is corrupt (ckptctl verify lists every damaged entry)"
+            )

@@ -1,0 +1,193 @@
+"""Bytes that do not change move by the kernel's copy (``ckptctl/runs.py``): every output is
+byte for byte what the in-memory path writes, the copy is counted in ``--json``, a kernel that
+cannot copy falls back cleanly, a corrupt or truncated source is refused, and every file is on
+the device before the manifest vouches for it."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from ckptctl import synth
+from ckptctl.execute import Assembler
+
+
+@pytest.fixture(scope="module")
+def megatron(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Wide enough that the largest tensors are runs of several pages.
+    config = synth.tiny_llama_config(
+        num_layers=4, hidden_size=128, intermediate_size=352, num_heads=8, num_kv_heads=4
+    )
+    model = synth.make_model(config, seed=0)
+    out = tmp_path_factory.mktemp("zero-copy") / "ck"
+    synth.write_megatron(model, synth.adam_step(model, seed=0), out, tp=2, pp=2)
+    return out
+
+
+def tree(root: Path) -> dict[str, str]:
+    """Every file's digest; the manifest's without the plan fingerprint (it names the
+    target directory)."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            data = p.read_bytes()
+            if p.name == "ckptctl.manifest.json":
+                body = json.loads(data)
+                body.pop("plan_fingerprint")
+                data = json.dumps(body, sort_keys=True).encode()
+            out[str(p.relative_to(root))] = hashlib.sha256(data).hexdigest()
+    return out
+
+
+def in_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every tensor assembled in memory, as before kernel copies existed."""
+    monkeypatch.setattr(Assembler, "_runs_of", lambda self, write: None)
+
+
+JOBS = {
+    "hf": ("consolidate", "--format", "hf"),
+    "megatron": ("consolidate", "--format", "megatron"),
+    "universal": ("consolidate", "--format", "deepspeed-universal"),
+    "torch_dist": ("reshard", "--tp", "2", "--pp", "1", "--format", "torch_dist"),
+    "tp2-pp4": ("reshard", "--tp", "2", "--pp", "4"),
+    "tp1-pp4": ("reshard", "--tp", "1", "--pp", "4"),
+    "tp4-pp1": ("reshard", "--tp", "4", "--pp", "1"),
+}
+
+
+@pytest.mark.parametrize("job", list(JOBS))
+def test_kernel_copies_write_the_same_bytes_as_memory(
+    job: str, megatron: Path, tmp_path: Path, cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    command, *options = JOBS[job]
+    report = cli.json(command, megatron, tmp_path / "kernel", *options)
+    copied = report["bytes_copied_without_passing_through"].get("copy_file_range", 0)
+    # Merging or splitting along a row-parallel dimension interleaves rows: those tensors are
+    # assembled in memory. Tensors moving whole between pipeline stages are runs.
+    share = {"tp4-pp1": 0.2, "megatron": 0.3, "tp1-pp4": 0.3, "tp2-pp4": 0.8}.get(job, 0.5)
+    assert copied > share * report["bytes_written"], report["bytes_copied_without_passing_through"]
+    with monkeypatch.context() as patch:
+        in_memory(patch)
+        plain = cli.json(command, megatron, tmp_path / "memory", *options)
+    assert plain["bytes_copied_without_passing_through"] == {}
+    assert tree(tmp_path / "kernel") == tree(tmp_path / "memory")
+    cli("verify", tmp_path / "kernel")
+
+
+def test_other_sources_move_by_kernel_copy_too(megatron: Path, tmp_path: Path, cli) -> None:
+    """safetensors tensors and DCP records (each a torch.save archive inside a .distcp file)
+    are runs of their files as well."""
+    cli("consolidate", megatron, tmp_path / "hf", "--format", "hf")
+    cli("reshard", megatron, tmp_path / "dcp", "--tp", "1", "--pp", "1", "--format", "torch_dist")
+    for source, fmt in (("hf", "megatron"), ("dcp", "torch")):
+        report = cli.json(
+            "consolidate", tmp_path / source, tmp_path / f"{source}-out", "--format", fmt
+        )
+        assert report["bytes_copied_without_passing_through"]["copy_file_range"] > 0
+        cli("verify", tmp_path / f"{source}-out", "--against", tmp_path / source)
+
+
+def test_a_kernel_that_cannot_copy_falls_back_to_writing(
+    megatron: Path, tmp_path: Path, cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cli("consolidate", megatron, tmp_path / "kernel", "--format", "megatron")
+
+    def refuse(*args: object) -> int:
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "copy_file_range", refuse)
+    report = cli.json("consolidate", megatron, tmp_path / "refused", "--format", "megatron")
+    assert report["bytes_copied_without_passing_through"] == {}
+    assert tree(tmp_path / "refused") == tree(tmp_path / "kernel")
+
+
+def _largest_record(path: Path) -> tuple[int, int]:
+    """Byte span of the largest storage record's data in a torch.save file."""
+    with zipfile.ZipFile(path) as zf, open(path, "rb") as f:
+        info = max(zf.infolist(), key=lambda i: i.file_size)
+        f.seek(info.header_offset + 26)
+        name_len, extra_len = (
+            int.from_bytes(f.read(2), "little"),
+            int.from_bytes(f.read(2), "little"),
+        )
+    start = info.header_offset + 30 + name_len + extra_len
+    return start, start + info.file_size
+
+
+def test_a_corrupt_record_moved_whole_is_refused(megatron: Path, tmp_path: Path, cli) -> None:
+    """A run that is a whole stored record is checked against the record's CRC-32 as it is
+    copied: a flipped byte fails the job, and nothing is marked complete."""
+    src = Path(shutil.copytree(megatron, tmp_path / "src"))
+    path = src / "iter_0000001/mp_rank_00_000/model_optim_rng.pt"
+    start, end = _largest_record(path)
+    raw = bytearray(path.read_bytes())
+    raw[(start + end) // 2] ^= 0x01
+    path.write_bytes(bytes(raw))
+    result = cli("reshard", src, tmp_path / "out", "--tp", "2", "--pp", "1", code=3)
+    (line,) = [x for x in result.stderr.splitlines() if x.startswith("error:")]
+    assert "fails its CRC-32 check" in line and "mp_rank_00_000" in line
+    assert not (tmp_path / "out/ckptctl.manifest.json").exists()
+
+
+def test_a_truncated_safetensors_source_is_an_error_not_a_crash(
+    megatron: Path, tmp_path: Path, cli
+) -> None:
+    """Mapped pages past a file's end would kill the process (SIGBUS): a source shorter than
+    its header says is refused by name first."""
+    cli("consolidate", megatron, tmp_path / "hf", "--format", "hf")
+    (shard,) = (tmp_path / "hf").glob("*.safetensors")
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 4096)
+    result = cli("consolidate", tmp_path / "hf", tmp_path / "out", "--format", "megatron", code=3)
+    (line,) = [x for x in result.stderr.splitlines() if x.startswith("error:")]
+    assert shard.name in line and "truncated" in line
+    assert not (tmp_path / "out/ckptctl.manifest.json").exists()
+
+
+def test_every_file_is_flushed_to_the_device_before_the_manifest(
+    megatron: Path, tmp_path: Path, cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    flushed: list[str] = []
+    real = os.fdatasync
+
+    def record(fd: int) -> None:
+        real(fd)
+        flushed.append(os.readlink(f"/proc/self/fd/{fd}"))
+
+    from ckptctl import manifest
+
+    real_write = manifest.write_manifest
+
+    def check_then_write(target, *args, **kwargs):  # type: ignore[no-untyped-def]
+        written = {str(p) for p in (tmp_path / "out").rglob("*") if p.is_file()}
+        written.discard(str(tmp_path / "out" / "ckptctl.incomplete"))
+        assert written and written <= set(flushed), sorted(written - set(flushed))
+        return real_write(target, *args, **kwargs)
+
+    monkeypatch.setattr(os, "fdatasync", record)
+    monkeypatch.setattr("ckptctl.execute.write_manifest", check_then_write)
+    cli("reshard", megatron, tmp_path / "out", "--tp", "1", "--pp", "4")
+    assert (tmp_path / "out/ckptctl.manifest.json").exists()
+
+
+def test_a_run_past_the_end_of_its_file_is_refused_by_name(tmp_path: Path) -> None:
+    import io
+
+    from ckptctl.errors import CheckpointError
+    from ckptctl.runs import Run
+
+    path = tmp_path / "short.bin"
+    data = os.urandom(10_000)
+    path.write_bytes(data)
+    with pytest.raises(CheckpointError, match=r"short\.bin: ends at byte 10000.*truncated"):
+        Run(str(path), 8192, 4096, "float32").write_to(io.BytesIO())
+    out = io.BytesIO()
+    Run(str(path), 5000, 5000, "float32").write_to(out)  # a run at an unaligned offset
+    assert out.getvalue() == data[5000:]
