@@ -180,7 +180,7 @@ def _start_writeback(f: Any) -> None:
     """Ask the kernel to start writing a finished file to the device now, without waiting, so
     that its writeback overlaps the work that follows instead of all of it waiting in
     ``drain`` (Linux; elsewhere ``drain`` does it all)."""
-    if not hasattr(os, "sync_file_range") or os.environ.get("CKX"):
+    if not hasattr(os, "sync_file_range"):
         return
     with contextlib.suppress(OSError, AttributeError, io.UnsupportedOperation):
         os.sync_file_range(f.fileno(), 0, 0, os.SYNC_FILE_RANGE_WRITE)
