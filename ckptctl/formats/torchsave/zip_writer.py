@@ -125,13 +125,19 @@ def _append_run(entry: Any, run: Run) -> None:
     if not all(hasattr(entry, name) for name in _ENTRY_STATE) or entry._compressor is not None:
         run.write_to(entry)
         return
-    state = [entry._crc]
+    if entry._file_size == 0 and run.crc is not None:
+        # The run is a whole source record, checked against its CRC-32 as it passes: when it
+        # starts the entry, that is the entry's CRC so far (one pass over the bytes, not two).
+        run.write_to(entry._fileobj)
+        entry._crc = run.crc
+    else:
+        state = [entry._crc]
 
-    def see(view: memoryview) -> None:
-        state[0] = crc32(view, state[0])
+        def see(view: memoryview) -> None:
+            state[0] = crc32(view, state[0])
 
-    run.write_to(entry._fileobj, see)
-    entry._crc = state[0]
+        run.write_to(entry._fileobj, see)
+        entry._crc = state[0]
     entry._file_size += run.nbytes
     entry._compress_size += run.nbytes
 
