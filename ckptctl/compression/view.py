@@ -18,7 +18,6 @@ import threading
 from typing import Any, BinaryIO
 
 from ckptctl.byteview import ByteView
-from ckptctl.compression.codec import decode
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError
 from ckptctl.settings import StorageConfig
 from ckptctl.storage import Storage
@@ -179,6 +178,8 @@ class CompressedStorage(Storage):
             base_file = self._base_file(rel)
             base_size = base_file.size(rel)
             base = base_file.read_range(rel, start, max(0, min(size, base_size - start)))
+        from ckptctl.compression.codec import decode  # zstd: imported only when decoding
+
         try:
             data = decode(mode, payload, size, base)
         except Exception as err:
