@@ -29,6 +29,30 @@ delta on this project's 2-core bench machine, ``bench/bench_compress.py``): the 
 a compressed source costs."""
 
 
+ENCODE_BANDWIDTH = 0.31e9
+"""Bytes per second ``ckptctl compress`` encodes (byte-plane shuffle and zstd-3 on every
+core of this project's 2-core bench machine, ``bench/bench_compress.py``; a delta also XORs
+with the base)."""
+
+
+def compress_seconds(
+    bytes_in: int,
+    ratio: float,
+    files: int,
+    source: StorageProfile,
+    target: StorageProfile,
+    base: StorageProfile | None = None,
+    encode_bandwidth: float = ENCODE_BANDWIDTH,
+) -> float:
+    """Time to compress ``bytes_in`` bytes in ``files`` files to ``bytes_in / ratio``: the
+    source read (and the base, for a delta), encoding, and the stored bytes written; summed,
+    like the rest of the model (the job overlaps them, so this is an upper bound)."""
+    seconds = source.seconds(bytes_in, files) + bytes_in / encode_bandwidth
+    if base is not None:
+        seconds += base.seconds(bytes_in, files)
+    return seconds + target.seconds(int(bytes_in / max(ratio, 1e-9)), files, write=True)
+
+
 def through_decoder(
     profile: StorageProfile, ratio: float, decode_bandwidth: float = DECODE_BANDWIDTH
 ) -> StorageProfile:

@@ -127,3 +127,38 @@ def test_the_plan_counts_the_cpu_decoding_costs(run: Path, tmp_path: Path, cli) 
     decoding = packed["estimates"]["bytes_read"] / DECODE_BANDWIDTH
     assert 0.5 * decoding < extra <= decoding  # fewer bytes fetched, then decoded
     assert any("ratio" in n for n in packed["notes"])
+
+
+@pytest.mark.parametrize("with_base", [False, True], ids=["alone", "delta"])
+def test_a_dry_run_measures_the_ratio_the_job_gets_and_writes_nothing(
+    run: Path, tmp_path: Path, cli, with_base: bool
+) -> None:
+    from ckptctl.model.profile import PROFILES
+    from planners.cost import compress_seconds
+
+    base = ("--base", run / "dcp_0") if with_base else ()
+    plan = cli.json("compress", run / "dcp_1", tmp_path / "packed", *base, "--dry-run")
+    assert not (tmp_path / "packed").exists()
+    assert plan["bytes_in"] == size(run / "dcp_1") and plan["files"] == 3
+    assert plan["delta_files"] == (3 if with_base else 0)
+    done = cli.json("compress", run / "dcp_1", tmp_path / "packed", *base)
+    # Eight 4 MiB chunks spread over the bytes: most of this small checkpoint.
+    assert plan["ratio"] == pytest.approx(done["ratio"], rel=0.05)
+    local = PROFILES["local-nvme"]
+    expected = compress_seconds(
+        plan["bytes_in"], plan["ratio"], 3, local, local, local if with_base else None
+    )
+    assert plan["estimated_seconds"] == pytest.approx(expected, abs=1e-3)
+
+
+def test_a_dry_run_refuses_what_the_job_would(run: Path, tmp_path: Path, cli) -> None:
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "thesis.tex").write_text("years of work")
+    done = cli.runner.invoke(
+        app, ["compress", str(run / "hf_1"), str(tmp_path / "full"), "--dry-run"]
+    )
+    assert done.exit_code == 2 and "not empty" in done.output
+    done = cli.runner.invoke(
+        app, ["compress", str(run / "hf_1"), str(run / "hf_1" / "x"), "--dry-run"]
+    )
+    assert done.exit_code == 2 and "never writes into" in done.output

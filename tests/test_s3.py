@@ -392,3 +392,27 @@ def test_missing_credentials_are_a_storage_error(
     doc = json.loads(result.stdout)
     assert "no credentials" in doc["error"] and "AWS_ACCESS_KEY_ID" in doc["hint"]
     s3fs.S3FileSystem.clear_instance_cache()
+
+
+def test_compressed_checkpoints_live_in_the_lake(
+    bucket: str, local_ckpt: Path, tmp_path: Path, cli
+) -> None:
+    """compress s3 -> s3 (alone and as a delta against another S3 checkpoint), every command
+    reading the result there, and decompress s3 -> local restoring every byte."""
+    from tests.test_reshard import assert_same_checkpoint
+
+    cli("reshard", local_ckpt, f"{bucket}/step", "--tp", "2", "--pp", "2")
+    cli("reshard", local_ckpt, f"{bucket}/base", "--tp", "2", "--pp", "2")
+    alone = cli.json("compress", f"{bucket}/step", f"{bucket}/packed")
+    delta = cli.json("compress", f"{bucket}/step", f"{bucket}/delta", "--base", f"{bucket}/base")
+    assert alone["ratio"] > 1 and delta["ratio"] > 10 * alone["ratio"]  # identical to its base
+    for packed in ("packed", "delta"):
+        assert cli.json("verify", f"{bucket}/{packed}")["ok"]
+        assert "ratio" in " ".join(cli.json("inspect", f"{bucket}/{packed}")["notes"])
+        cli("consolidate", f"{bucket}/{packed}", tmp_path / f"{packed}-hf")
+        cli("decompress", f"{bucket}/{packed}", tmp_path / f"{packed}-back")
+        assert_same_checkpoint(local_ckpt, tmp_path / f"{packed}-back")
+    cli("consolidate", local_ckpt, tmp_path / "plain-hf")
+    for packed in ("packed", "delta"):
+        a = (tmp_path / f"{packed}-hf/model.safetensors").read_bytes()
+        assert a == (tmp_path / "plain-hf/model.safetensors").read_bytes()

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from ckptctl.cli.options import Json, state
+from ckptctl.cli.options import DryRun, Json, state
 from ckptctl.cli.output import Output, boundary, human_bytes
 
 
@@ -19,6 +19,25 @@ def _show(out: Output, verb: str, r: Any) -> None:
         f"(ratio {max(r.bytes_in, r.bytes_out) / max(min(r.bytes_in, r.bytes_out), 1):.2f}) "
         f"in {r.seconds:.2f} s, "
         f"{human_bytes(rate)}/s in"
+    )
+
+
+def _show_plan(
+    out: Output, source: str, target: str, base: str | None, storage: Any, as_json: bool
+) -> None:
+    from ckptctl.calibrate import saved_profiles
+    from ckptctl.compression.plan import plan_compress
+
+    plan = plan_compress(source, target, base, storage, saved_profiles())
+    if as_json:
+        out.json(plan.as_dict())
+        return
+    delta = f", {plan.delta_files} as deltas against {base}" if base else ""
+    out.show(
+        f"compress {plan.files} files ({human_bytes(plan.bytes_in)}{delta}) -> {target}\n"
+        f"ratio {plan.ratio:.2f} measured on {human_bytes(plan.sampled_bytes)} of sampled "
+        f"chunks: about {human_bytes(plan.estimated_bytes_out)} stored, "
+        f"~{plan.estimated_seconds:.1f} s (cost model)\nnothing written (--dry-run)"
     )
 
 
@@ -34,16 +53,21 @@ def compress_cmd(
             "the same files of it (it must stay in place, unchanged, to read this one).",
         ),
     ] = None,
+    dry_run: DryRun = False,
     as_json: Json = False,
 ) -> None:
     """Store a checkpoint losslessly: byte planes shuffled and zstd-compressed in 4 MiB
     chunks, XOR-ed first with the same bytes of --base. inspect, plan, consolidate, reshard and
-    verify read the result directly; decompress restores the original files byte for byte."""
-    from ckptctl.compression.jobs import compress
-
+    verify read the result directly; decompress restores the original files byte for byte.
+    --dry-run measures the ratio on a few chunks and estimates the time, writing nothing."""
     out = Output(as_json)
     cli = state(ctx)
     with boundary(out, cli.debug):
+        if dry_run:
+            _show_plan(out, source, target, base, cli.settings.storage, as_json)
+            return
+        from ckptctl.compression.jobs import compress
+
         report = compress(source, target, base, cli.settings.storage)
         if as_json:
             out.json(report.as_dict())

@@ -53,13 +53,19 @@ def _absolute(url: str) -> str:
     return url if "://" in url else os.path.abspath(url)
 
 
-def _fresh_target(url: str, config: StorageConfig, sources: dict[str, str | None]) -> Storage:
+def check_destination(url: str, config: StorageConfig, sources: dict[str, str | None]) -> Storage:
+    """The destination, refused if it lies inside (or over) a source or holds files."""
     refuse_overlap("destination", url, sources)
     target = Storage(url, config)
     if target.exists() and set(target.find_files()) - {INCOMPLETE}:
         raise OutputExistsError(
             f"{url} exists and is not empty", hint="choose an empty or new destination"
         )
+    return target
+
+
+def _fresh_target(url: str, config: StorageConfig, sources: dict[str, str | None]) -> Storage:
+    target = check_destination(url, config, sources)
     target.begin_writing()
     return target
 
