@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from math import prod
+from typing import Any
 
 from ckptctl.arrays import finite
 from ckptctl.compression.jobs import check_compressed
@@ -144,7 +145,10 @@ def _stored_bytes(storage: Storage, ckpt: Checkpoint | None, group: Group | None
                 meta = None
         digest = new_digest(algorithm) if meta is not None else None
         crc_problems += [(n, p) for p in stream_check(storage, path, zips.get(path, []), digest)]
-        if digest is not None and digest.hexdigest() != meta["checksum"]:
+        expected = meta["checksum"] if meta is not None else None
+        if expected is not None and hasattr(storage, "decoded_checksum"):
+            expected = storage.decoded_checksum(path, expected, algorithm)  # quantized files
+        if digest is not None and digest.hexdigest() != expected:
             manifest_problems.append((n, f"{path} checksum differs from the manifest"))
     # Checks of files outside the manifest's list: rank 0's alone (each rank's problems are
     # gathered, so a check every rank made would be reported once per rank).
@@ -165,8 +169,9 @@ def _stored_bytes(storage: Storage, ckpt: Checkpoint | None, group: Group | None
     elif in_manifest:
         manifest_check = Check("manifest", "failed", "; ".join(in_manifest[:5]))
     else:
+        lossy = " (quantized files: as recorded when compressed)" if _lossy(storage) else ""
         manifest_check = Check(
-            "manifest", "passed", f"{len(listed)} files, sizes and checksums match"
+            "manifest", "passed", f"{len(listed)} files, sizes and checksums match{lossy}"
         )
     return [manifest_check, _checksum_check(targets, in_files, manifest is not None)]
 
@@ -280,7 +285,14 @@ def against(
     a, b = (open_checkpoint(u, settings) for u in (url, other))
     diffs = compare(a, b, rtol=rtol, atol=atol)
     rows = [asdict(d) for d in diffs]
-    bad = [d for d in diffs if not d.equal]
+    # A quantized checkpoint (compress --quantize) differs by design: each such tensor is
+    # judged against the largest error recorded when it was quantized, the others stay exact.
+    bounds = {**_lossy_bounds(a), **_lossy_bounds(b)}
+    within = [d for d in diffs if not d.equal and _within(d, bounds)]
+    for row in rows:
+        if row["name"] in bounds:
+            row["quantized_max_abs_error"] = bounds[row["name"]]
+    bad = [d for d in diffs if not d.equal and d not in within]
     how = "bit-exact" if rtol == 0 and atol == 0 else f"rtol={rtol}, atol={atol}"
     if not diffs:
         return Check("against", "failed", f"no tensor in common with {other}"), rows
@@ -295,13 +307,35 @@ def against(
             )
         detail += f"largest max abs diff {worst.max_abs_diff:.3g} in {worst.name}"
         return Check("against", "failed", detail), rows
-    detail = f"{len(diffs)} tensors equal to {other} ({how})"
+    detail = f"{len(diffs) - len(within)} tensors equal to {other} ({how})"
+    if within:
+        worst = max(within, key=lambda d: d.max_abs_diff)
+        detail += (
+            f"; {len(within)} quantized tensors within the error recorded at compression "
+            f"(largest max abs diff {worst.max_abs_diff:.3g} in {worst.name})"
+        )
     converted = sorted({d.dtypes for d in diffs if d.dtypes[0] != d.dtypes[1]})
     if converted:
         count = sum(d.dtypes[0] != d.dtypes[1] for d in diffs)
         kinds = ", ".join(f"{x} here, {y} there" for x, y in converted)
         detail += f"; {count} of them equal in value in another dtype ({kinds})"
     return Check("against", "passed", detail), rows
+
+
+def _lossy(storage: Any) -> bool:
+    return bool(getattr(storage, "lossy", False))
+
+
+def _lossy_bounds(ckpt: Checkpoint) -> dict[str, float]:
+    """Largest error of each tensor a ``compress --quantize`` stored lossily (its canonical
+    name), over all its pieces."""
+    bounds = getattr(ckpt.storage, "quantization_errors", None)
+    return bounds() if bounds is not None else {}
+
+
+def _within(diff: Any, bounds: dict[str, float]) -> bool:
+    bound = bounds.get(diff.name)
+    return bound is not None and not diff.nan_mismatch and diff.max_abs_diff <= bound
 
 
 def as_json(checks: list[Check]) -> dict:

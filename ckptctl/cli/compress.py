@@ -53,6 +53,15 @@ def compress_cmd(
             "the same files of it (it must stay in place, unchanged, to read this one).",
         ),
     ] = None,
+    quantize: Annotated[
+        str | None,
+        typer.Option(
+            "--quantize",
+            help="LOSSY, opt-in: store float tensors as int8 per block of 256 (a quarter of "
+            "fp32's bytes): 'weights' (model weights only) or 'all' (optimizer state and fp32 "
+            "masters too). Recorded as lossy; verify --against reports each tensor's error.",
+        ),
+    ] = None,
     dry_run: DryRun = False,
     as_json: Json = False,
 ) -> None:
@@ -68,7 +77,7 @@ def compress_cmd(
             return
         from ckptctl.compression.jobs import compress
 
-        report = compress(source, target, base, cli.settings.storage)
+        report = compress(source, target, base, cli.settings.storage, quantize)
         if as_json:
             out.json(report.as_dict())
         else:

@@ -57,5 +57,21 @@ def verify_cmd(
             colour = {"passed": "green", "failed": "red", "skipped": "yellow"}
             for c in checks:
                 out.show(f"[{colour[c.status]}]{c.status:>7}[/] {c.name}: {c.detail}")
+            _show_quantized(out, tensors)
         if not report["ok"]:
             raise typer.Exit(1)
+
+
+def _show_quantized(out: Output, tensors: list[dict]) -> None:
+    """Each quantized tensor's error against the other checkpoint (compress --quantize)."""
+    rows = [t for t in tensors if "quantized_max_abs_error" in t]
+    if not rows:
+        return
+    from rich.table import Table
+
+    table = Table(title="quantized tensors (lossy)", title_justify="left")
+    for column in ("tensor", "max abs diff", "recorded at compression"):
+        table.add_column(column, justify="left" if column == "tensor" else "right")
+    for t in rows:
+        table.add_row(t["name"], f"{t['max_abs_diff']:.3g}", f"{t['quantized_max_abs_error']:.3g}")
+    out.show(table)

@@ -20,8 +20,25 @@ import xxhash
 
 from ckptctl import __version__
 from ckptctl.compression.codec import CHUNK_SIZE, LEVEL, encode
-from ckptctl.compression.view import DATA, FORMAT, INDEX, CompressedStorage, open_view
-from ckptctl.errors import CheckpointError, OutputExistsError
+from ckptctl.compression.lossy import (
+    LossyFile,
+    check_region,
+    crc_patches,
+    find_regions,
+    to_index,
+    write_region,
+    zip_windows,
+)
+from ckptctl.compression.quantize import SCHEME
+from ckptctl.compression.view import (
+    DATA,
+    FORMAT,
+    INDEX,
+    QUANTIZED,
+    CompressedStorage,
+    open_view,
+)
+from ckptctl.errors import CheckpointError, OutputExistsError, UsageError
 from ckptctl.locations import refuse_overlap
 from ckptctl.manifest import INCOMPLETE, MANIFEST, MANIFEST_VERSION, refuse_incomplete
 from ckptctl.settings import StorageConfig
@@ -71,13 +88,26 @@ def _fresh_target(url: str, config: StorageConfig, sources: dict[str, str | None
 
 
 def compress(
-    source_url: str, target_url: str, base_url: str | None, config: StorageConfig
+    source_url: str,
+    target_url: str,
+    base_url: str | None,
+    config: StorageConfig,
+    quantize: str | None = None,
 ) -> CompressReport:
+    """``quantize`` (``weights`` or ``all``): opt-in lossy storage of those float tensors
+    (``lossy``); never without it."""
     start = time.perf_counter()
     source = open_view(Storage(source_url, config, read_only=True), config)
     if not source.isdir():
         raise CheckpointError(f"{source_url}: not a checkpoint directory")
     refuse_incomplete(source)
+    if quantize is not None and base_url is not None:
+        raise UsageError(
+            "--quantize with --base: not supported (a delta of dequantized values against "
+            "exact ones would not shrink)",
+            hint="quantize each checkpoint alone, or store deltas losslessly",
+        )
+    lossy = _lossy_files(source_url, source, config, quantize) if quantize else {}
     base = open_view(Storage(base_url, config, read_only=True), config) if base_url else None
     if base is not None and not base.isdir():
         raise CheckpointError(f"--base {base_url}: not a checkpoint directory")
@@ -89,7 +119,11 @@ def compress(
     report = CompressReport(source_url, target_url, 0, 0, 0, 0.0)
     for rel in source.find_files():
         against = base if base is not None and base.exists(rel) and not base.isdir(rel) else None
-        entry, base_entry, out = _compress_file(source, target, rel, against)
+        quantized = lossy.get(rel)
+        if quantized is not None:
+            written[f"{DATA}/{rel}{QUANTIZED}"] = _write_codes(source, target, quantized)
+            report.bytes_out += written[f"{DATA}/{rel}{QUANTIZED}"]["size"]
+        entry, base_entry, out = _compress_file(source, target, rel, against, quantized)
         files[rel] = entry
         written[f"{DATA}/{rel}"] = out
         if base_entry is not None:
@@ -103,7 +137,8 @@ def compress(
         "version": 1,
         "codec": f"xor+shuffle+zstd-{LEVEL}",
         "chunk_size": CHUNK_SIZE,
-        "lossy": False,
+        "lossy": bool(lossy),
+        "quantize": {"scope": quantize, "scheme": SCHEME} if lossy else None,
         "source": {"url": source_url, "bytes": report.bytes_in},
         "base": {"url": _absolute(base_url), "files": base_files} if base_url else None,
         "files": files,
@@ -120,6 +155,7 @@ def compress(
         "tool": f"ckptctl {__version__}",
         "operation": "compress",
         "format": FORMAT,
+        "lossy": bool(lossy),
         "checksum": "xxh3_64",
         "files": written,
         "tensors": {},
@@ -130,11 +166,46 @@ def compress(
     return report
 
 
+def _lossy_files(
+    url: str, source: Storage, config: StorageConfig, scope: str
+) -> dict[str, LossyFile]:
+    """The files holding tensors ``scope`` names, with the regions that quantize soundly (a
+    tensor holding NaN or inf stays exact) and the zip CRC-32s their decoded bytes need."""
+    from ckptctl.probe import open_checkpoint
+    from ckptctl.settings import Settings
+
+    ckpt = open_checkpoint(url, Settings(storage=config))
+    out = {}
+    for rel, regions in find_regions(ckpt, scope).items():
+        kept = [r for r in regions if check_region(source, rel, r)]
+        if kept:
+            windows = zip_windows(ckpt, rel, source.size(rel))
+            out[rel] = LossyFile(source, rel, kept, crc_patches(source, rel, windows, kept))
+    return out
+
+
+def _write_codes(source: Storage, target: Storage, lossy: LossyFile) -> dict[str, Any]:
+    """``data/<file>.q``: each region's int8 codes and scales, piece by piece."""
+    with target.open_write(f"{DATA}/{lossy.rel}{QUANTIZED}", xxhash.xxh3_64()) as out:
+        for region in lossy.regions:
+            lossy.at.append(out.size)
+            write_region(source, lossy.rel, region, out)
+    lossy.stored_bytes = out.size
+    return {"size": out.size, "checksum": out.digest.hexdigest()}
+
+
 def _compress_file(
-    source: Storage, target: Storage, rel: str, base: Storage | None
+    source: Storage,
+    target: Storage,
+    rel: str,
+    base: Storage | None,
+    lossy: LossyFile | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any]]:
-    """Encode ``rel`` chunk by chunk: its index entry, its base's entry, the written file's."""
+    """Encode ``rel`` chunk by chunk: its index entry, its base's entry, the written file's.
+    With ``lossy`` regions, what is encoded has them zeroed (their codes are stored apart)
+    and the recorded checksum is the decoded file's."""
     original, base_digest = xxhash.xxh3_64(), xxhash.xxh3_64()
+    decoded = xxhash.xxh3_64()
     base_size = base.size(rel) if base is not None else 0
     chunks, size = [], 0
     pending: collections.deque[Future[tuple[str, bytes]]] = collections.deque()
@@ -153,6 +224,9 @@ def _compress_file(
         # a few in flight bound the memory.
         while block := f.read(CHUNK_SIZE):
             original.update(block)
+            if lossy is not None:
+                decoded.update(lossy.decoded(size, block))
+                block = lossy.stored(size, block)
             against = None
             if base is not None:
                 against = base.read_range(rel, size, max(0, min(len(block), base_size - size)))
@@ -163,7 +237,13 @@ def _compress_file(
         drain(0)
     if base is not None and size < base_size:  # the rest of the base, for its checksum
         base_digest.update(base.read_range(rel, size, base_size - size))
-    entry = {"size": size, "checksum": original.hexdigest(), "chunks": chunks}
+    entry: dict[str, Any] = {"size": size, "checksum": original.hexdigest(), "chunks": chunks}
+    if lossy is not None:
+        entry["checksum"] = decoded.hexdigest()
+        entry["original_checksum"] = original.hexdigest()
+        entry["quantized"] = [
+            to_index(r, at) for r, at in zip(lossy.regions, lossy.at, strict=True)
+        ]
     base_entry = (
         {"size": base_size, "identity": base.identity(rel), "checksum": base_digest.hexdigest()}
         if base is not None
@@ -188,6 +268,12 @@ def decompress(source_url: str, target_url: str, config: StorageConfig) -> Compr
     target.write_text(INCOMPLETE, json.dumps({"operation": "decompress"}))
     report = CompressReport(source_url, target_url, 0, 0, 0, 0.0)
     for rel, entry in sorted(view.files.items()):
+        if rel == MANIFEST and view.lossy:
+            text = lossy_manifest(view.read_text(rel), view.files, view.index["quantize"])
+            target.write_text(rel, text)
+            report.files += 1
+            report.bytes_out += len(text.encode())
+            continue
         with target.open_write(rel, xxhash.xxh3_64()) as out:
             pending: collections.deque[Future[bytes]] = collections.deque()
             for n in range(len(entry["chunks"])):  # decoded in parallel, written in order
@@ -202,12 +288,33 @@ def decompress(source_url: str, target_url: str, config: StorageConfig) -> Compr
                     f"{out.digest.hexdigest()}, recorded {entry['size']} / {entry['checksum']}"
                 )
         report.files += 1
-        report.bytes_in += sum(c[1] for c in entry["chunks"])
+        report.bytes_in += sum(c[1] for c in entry["chunks"]) + entry.get("quantized_bytes", 0)
         report.bytes_out += entry["size"]
     target.drain()
     target.remove(INCOMPLETE)
     report.seconds = time.perf_counter() - start
     return report
+
+
+def lossy_manifest(text: str, files: dict[str, Any], quantize: dict[str, Any]) -> str:
+    """The source's ckptctl manifest, for its files as a quantized copy restores them: their
+    checksums as decoded, the tensor checksums of quantized files dropped (they no longer
+    hold), and marked lossy, so ``verify`` checks the copy as what it is."""
+    try:
+        manifest = json.loads(text)
+        listed = manifest["files"]
+    except (ValueError, KeyError, TypeError):
+        return text  # not one of ours: restored as it was
+    changed = []
+    for rel, meta in listed.items():
+        entry = files.get(rel) or {}
+        if entry.get("original_checksum") == meta.get("checksum"):
+            meta["checksum"] = entry["checksum"]
+            changed.append(rel)
+    for rel in changed:
+        (manifest.get("tensors") or {}).pop(rel, None)
+    manifest["lossy"] = {**quantize, "files": sorted(changed)}
+    return json.dumps(manifest, indent=1, sort_keys=True)
 
 
 def check_compressed(view: CompressedStorage) -> list[str]:

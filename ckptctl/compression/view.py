@@ -24,6 +24,8 @@ from ckptctl.storage import Storage
 
 INDEX = "ckptctl.compressed.json"
 DATA = "data"
+QUANTIZED = ".q"
+"""Suffix of the file beside ``data/<path>`` holding the int8 codes of its quantized tensors."""
 FORMAT = "ckptctl-compressed"
 
 
@@ -70,7 +72,29 @@ class CompressedStorage(Storage):
     def _totals(self) -> tuple[int, int]:
         """Bytes of the original files, and bytes their chunks are stored in."""
         original = sum(int(f["size"]) for f in self.files.values())
-        return original, sum(c[1] for f in self.files.values() for c in f["chunks"])
+        codes = sum(int(f.get("quantized_bytes", 0)) for f in self.files.values())
+        return original, codes + sum(c[1] for f in self.files.values() for c in f["chunks"])
+
+    def decoded_checksum(self, rel: str, recorded: str, algorithm: str) -> str:
+        """What a file the source's own manifest lists with ``recorded`` must decode to: the
+        file as compressed, or for a quantized one (its original had ``recorded``) the
+        checksum of its dequantized bytes."""
+        entry = self.files.get(rel) or {}
+        if algorithm == "xxh3_64" and entry.get("original_checksum") == recorded:
+            return str(entry["checksum"])
+        return recorded
+
+    def quantization_errors(self) -> dict[str, float]:
+        """Largest absolute error of each quantized tensor (its canonical name)."""
+        out: dict[str, float] = {}
+        for entry in self.files.values():
+            for row in entry.get("quantized", []):
+                name, error = str(row[4]), float(row[6])
+                out[name] = max(out.get(name, 0.0), error)
+        return out
+
+    def _scope(self) -> str:
+        return str((self.index.get("quantize") or {}).get("scope"))
 
     def stored_ratio(self) -> float:
         """Original bytes per stored byte."""
@@ -85,7 +109,11 @@ class CompressedStorage(Storage):
             f"compressed ({self.index.get('codec')}): {original} bytes stored in {stored}, "
             f"ratio {original / max(stored, 1):.2f}"
             + (f", as deltas against the base {base}" if base else "")
-            + (", lossy" if self.lossy else ", lossless")
+            + (
+                f", lossy ({self.index['quantize']['scope']} quantized)"
+                if self.lossy
+                else ", lossless"
+            )
         )
 
     # --- the base -------------------------------------------------------------------------
@@ -187,11 +215,30 @@ class CompressedStorage(Storage):
                 f"{self.inner.describe(f'{DATA}/{rel}')}: chunk {n} does not decode ({err}); the "
                 "compressed file is damaged"
             ) from None
+        if entry.get("quantized"):
+            data = self._dequantized(rel, start, data, entry["quantized"])
         with self._lock:
             if len(self._cache) >= 4:
                 self._cache.pop(next(iter(self._cache)))
             self._cache[key] = data
         return data
+
+    def _dequantized(self, rel: str, start: int, data: bytes, rows: list[Any]) -> bytes:
+        """A decoded chunk with its quantized regions (stored as zeros) filled in from their
+        codes (``compress --quantize``)."""
+        from ckptctl.compression.lossy import from_index, stored_bytes
+
+        out = bytearray(data)
+
+        def read(offset: int, nbytes: int) -> bytes:
+            return self.inner.read_range(f"{DATA}/{rel}{QUANTIZED}", offset, nbytes)
+
+        for row in rows:
+            region, at = from_index(row)
+            lo, hi = max(start, region.offset), min(start + len(out), region.end)
+            if lo < hi:
+                out[lo - start : hi - start] = stored_bytes(read, region, at, lo, hi)
+        return bytes(out)
 
     def read_range(self, rel: str, start: int, nbytes: int) -> bytes:
         size = self.size(rel)

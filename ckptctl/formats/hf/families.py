@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ckptctl.errors import LayoutError
+from ckptctl.errors import CheckpointError, LayoutError
 from ckptctl.formats.fields import refuse_fields
 from ckptctl.model.layout import Activation, ModelSpec, NormKind, PositionEmbedding, RouterScore
 
@@ -321,6 +321,11 @@ def _moe_config(spec: ModelSpec, moe: MoeNaming) -> dict[str, Any]:
     return out
 
 
+_REQUIRED = (
+    "hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"
+)  # fmt: skip
+
+
 def spec_from_config(
     config: Mapping[str, Any],
     make_vocab_size_divisible_by: int = 128,
@@ -334,6 +339,12 @@ def spec_from_config(
         )
     family = FAMILIES[model_type]
     _check_keys(config, family, trusted)
+    missing = [key for key in _REQUIRED if key not in config]
+    if missing:
+        raise CheckpointError(
+            f"config.json lacks {', '.join(missing)}: not a model description ckptctl can read",
+            hint="give the model's own config.json (--hf-config)",
+        )
     heads = config["num_attention_heads"]
     hidden = config["hidden_size"]
     bias = bool(config.get("attention_bias", False))
