@@ -1,6 +1,7 @@
 """Compressed checkpoints: ratio and throughput of ``ckptctl compress`` (alone, and as a delta
 against the previous checkpoint of the same run) against plain ``zstd`` of the same files and
-``cp -r``, in one run, with peak RSS; then ``decompress``.
+``cp -r``, in one run, with peak RSS; then ``decompress``. Two more rows show the opt-in lossy
+``--quantize`` (int8 per block of 256: weights only, then optimizer state too).
 
 The checkpoints are consecutive steps of a real (small) training run: a transformers Llama
 trained on CPU with AdamW (lr 1e-4), saved with ``ckptctl.save`` (DCP: fp32 weights, Adam
@@ -73,6 +74,16 @@ def main() -> None:
             "ckptctl compress --base previous step",
             [*ckptctl, "compress", str(src), str(work / "delta"), "--base", str(base)],
             work / "delta",
+        ),
+        (
+            "ckptctl compress --quantize weights (LOSSY)",
+            [*ckptctl, "compress", str(src), str(work / "qw"), "--quantize", "weights"],
+            work / "qw",
+        ),
+        (
+            "ckptctl compress --quantize all (LOSSY)",
+            [*ckptctl, "compress", str(src), str(work / "qa"), "--quantize", "all"],
+            work / "qa",
         ),
     ]
     rows = measure(runs, size, args.repeat, keep=[work / "delta"])

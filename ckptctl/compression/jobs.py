@@ -180,7 +180,8 @@ def _lossy_files(
         kept = [r for r in regions if check_region(source, rel, r)]
         if kept:
             windows = zip_windows(ckpt, rel, source.size(rel))
-            out[rel] = LossyFile(source, rel, kept, crc_patches(source, rel, windows, kept))
+            patches = crc_patches(source, rel, windows, kept, _POOL)
+            out[rel] = LossyFile(source, rel, kept, patches)
     return out
 
 
@@ -189,7 +190,7 @@ def _write_codes(source: Storage, target: Storage, lossy: LossyFile) -> dict[str
     with target.open_write(f"{DATA}/{lossy.rel}{QUANTIZED}", xxhash.xxh3_64()) as out:
         for region in lossy.regions:
             lossy.at.append(out.size)
-            write_region(source, lossy.rel, region, out)
+            write_region(source, lossy.rel, region, out, _POOL)
     lossy.stored_bytes = out.size
     return {"size": out.size, "checksum": out.digest.hexdigest()}
 
@@ -208,13 +209,15 @@ def _compress_file(
     decoded = xxhash.xxh3_64()
     base_size = base.size(rel) if base is not None else 0
     chunks, size = [], 0
-    pending: collections.deque[Future[tuple[str, bytes]]] = collections.deque()
+    pending: collections.deque[Future[tuple[str, bytes, bytes | None]]] = collections.deque()
 
     def drain(keep: int) -> None:
         while len(pending) > keep:
-            mode, payload = pending.popleft().result()
+            mode, payload, as_decoded = pending.popleft().result()
             chunks.append([out.size, len(payload), mode])
             out.write(payload)
+            if as_decoded is not None:
+                decoded.update(as_decoded)
 
     with (
         source.open_sequential(rel) as f,
@@ -224,14 +227,11 @@ def _compress_file(
         # a few in flight bound the memory.
         while block := f.read(CHUNK_SIZE):
             original.update(block)
-            if lossy is not None:
-                decoded.update(lossy.decoded(size, block))
-                block = lossy.stored(size, block)
             against = None
             if base is not None:
                 against = base.read_range(rel, size, max(0, min(len(block), base_size - size)))
                 base_digest.update(against)
-            pending.append(_POOL.submit(encode, block, against))
+            pending.append(_POOL.submit(_encode, block, against, lossy, size))
             size += len(block)
             drain(2 * _WORKERS)
         drain(0)
@@ -250,6 +250,15 @@ def _compress_file(
         else None
     )
     return entry, base_entry, {"size": out.size, "checksum": out.digest.hexdigest()}
+
+
+def _encode(
+    block: bytes, base: bytes | None, lossy: LossyFile | None, at: int
+) -> tuple[str, bytes, bytes | None]:
+    """One chunk encoded (regions zeroed first when quantized), and as it will decode."""
+    if lossy is None:
+        return (*encode(block, base), None)
+    return (*encode(lossy.stored(at, block), base), lossy.decoded(at, block))
 
 
 def decompress(source_url: str, target_url: str, config: StorageConfig) -> CompressReport:

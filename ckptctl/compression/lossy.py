@@ -11,9 +11,11 @@ computed again wherever needed instead of being held in memory.
 
 from __future__ import annotations
 
+import collections
 import os
 import struct
 import zipfile
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -119,28 +121,45 @@ def region_values(source: Storage, rel: str, region: Region, first: int, count: 
 
 
 def check_region(source: Storage, rel: str, region: Region) -> bool:
-    """Whether quantizing the region is sound (no NaN or inf; no negative second moment),
-    recording its largest error; a region that is not stays exact."""
-    worst = 0.0
+    """Whether quantizing the region is sound: no NaN or inf, no negative second moment (a
+    region that is not stays exact)."""
     for first in range(0, region.numel, STEP):
         values = region_values(source, rel, region, first, min(STEP, region.numel - first))
         if not np.isfinite(values).all() or (region.transform == q.SQRT and (values < 0).any()):
             return False
-        back = q.to_float32(_dequantized(values, region), region.dtype)
-        # in float64, as verify --against measures it (float32 subtraction would round)
-        error = np.abs(back.astype(np.float64) - values.astype(np.float64))
-        worst = max(worst, float(error.max(initial=0.0)))
-    region.max_abs_error = worst
     return True
 
 
-def write_region(source: Storage, rel: str, region: Region, out: Any) -> None:
-    """The region's pieces: each one's int8 codes, then its float32 scales."""
-    for first in range(0, region.numel, STEP):
+def write_region(source: Storage, rel: str, region: Region, out: Any, pool: Executor) -> None:
+    """The region's pieces (each one's int8 codes, then its float32 scales), quantized on
+    ``pool`` a few at a time and written in order, recording the largest error they leave."""
+    worst = 0.0
+
+    def piece(first: int) -> tuple[bytes, bytes, float]:
         values = region_values(source, rel, region, first, min(STEP, region.numel - first))
         codes, scales = q.quantize(values, region.transform)
-        out.write(codes.tobytes())
-        out.write(scales.astype("<f4").tobytes())
+        back = q.dequantize(codes, scales, region.transform)
+        back = q.to_float32(q.from_float32(back, region.dtype), region.dtype)
+        # in float64, as verify --against measures it (float32 subtraction would round)
+        error = np.abs(back.astype(np.float64) - values.astype(np.float64))
+        return codes.tobytes(), scales.astype("<f4").tobytes(), float(error.max(initial=0.0))
+
+    for codes, scales, error in in_order(pool, piece, range(0, region.numel, STEP)):
+        out.write(codes)
+        out.write(scales)
+        worst = max(worst, error)
+    region.max_abs_error = worst
+
+
+def in_order(pool: Executor, fn: Any, items: Any, ahead: int = 4) -> Any:
+    """``fn(item)`` for each item, computed on ``pool`` up to ``ahead`` at once, in order."""
+    pending: collections.deque[Future[Any]] = collections.deque()
+    for item in items:
+        pending.append(pool.submit(fn, item))
+        if len(pending) >= ahead:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
 
 
 def _dequantized(values: np.ndarray, region: Region) -> bytes:
@@ -210,27 +229,34 @@ def zip_windows(ckpt: Any, rel: str, size: int) -> list[tuple[int, int]]:
 
 
 def crc_patches(
-    source: Storage, rel: str, windows: list[tuple[int, int]], regions: list[Region]
+    source: Storage,
+    rel: str,
+    windows: list[tuple[int, int]],
+    regions: list[Region],
+    pool: Executor,
 ) -> list[tuple[int, bytes]]:
     """``(file offset, 4 bytes)``: every CRC-32 field of a zip entry whose data overlaps a
-    region, with the CRC of the entry's data as decoded (regions dequantized)."""
-    patches: list[tuple[int, bytes]] = []
+    region, with the CRC of the entry's data as decoded (regions dequantized); entries are
+    computed on ``pool``, a few at a time."""
     path = source.path(rel)
-    produce = partial(lossy_bytes, source, rel)
     with open(path, "rb") as f:
-        for start, length in windows:
-            for entry in _entries(f, start, length):
-                data_start, data_end = entry["data"]
-                if not any(r.offset < data_end and data_start < r.end for r in regions):
-                    continue
-                value = 0
-                for at in range(data_start, data_end, 8 << 20):
-                    f.seek(at)
-                    block = bytearray(f.read(min(8 << 20, data_end - at)))
-                    overlay(block, at, regions, produce)
-                    value = crc32(block, value)
-                packed = struct.pack("<I", value)
-                patches += [(at, packed) for at in entry["crc_at"]]
+        entries = [e for start, length in windows for e in _entries(f, start, length)]
+    touched = [
+        e for e in entries if any(r.offset < e["data"][1] and e["data"][0] < r.end for r in regions)
+    ]
+
+    def crc_of(entry: dict[str, Any]) -> bytes:
+        data_start, data_end = entry["data"]
+        value = 0
+        for at in range(data_start, data_end, 8 << 20):
+            block = bytearray(source.read_range(rel, at, min(8 << 20, data_end - at)))
+            overlay(block, at, regions, partial(lossy_bytes, source, rel))
+            value = crc32(block, value)
+        return struct.pack("<I", value)
+
+    patches: list[tuple[int, bytes]] = []
+    for entry, packed in zip(touched, in_order(pool, crc_of, touched), strict=True):
+        patches += [(at, packed) for at in entry["crc_at"]]
     return sorted(patches)
 
 

@@ -61,8 +61,10 @@ def quantize(values: np.ndarray, transform: str) -> tuple[np.ndarray, np.ndarray
 
 def dequantize(codes: np.ndarray, scales: np.ndarray, transform: str) -> np.ndarray:
     """float32 values of ``codes`` (starting on a block boundary; one scale per block)."""
-    block = np.arange(len(codes)) // BLOCK
-    x = codes.astype(np.float32) * scales[block]
+    n = len(codes)
+    padded = np.zeros(scale_count(n) * BLOCK, np.float32)
+    padded[:n] = codes
+    x = (padded.reshape(-1, BLOCK) * scales[: scale_count(n), None]).reshape(-1)[:n]
     return x * x if transform == SQRT else x
 
 
