@@ -35,6 +35,14 @@ core of this project's 2-core bench machine, ``bench/bench_compress.py``; a delt
 with the base)."""
 
 
+QUANTIZE_BANDWIDTH = 0.13e9
+"""Bytes of quantized tensors per second ``compress --quantize`` handles (int8 codes, the zip
+CRC-32s over the dequantized bytes, the decoded file's checksum; 2 cores,
+``bench/bench_compress.py``)."""
+QUANTIZED_BYTES_PER_ELEMENT = 1 + 4 / 256
+"""An int8 code per element and a float32 scale per block of 256."""
+
+
 def compress_seconds(
     bytes_in: int,
     ratio: float,
@@ -43,11 +51,14 @@ def compress_seconds(
     target: StorageProfile,
     base: StorageProfile | None = None,
     encode_bandwidth: float = ENCODE_BANDWIDTH,
+    quantized: int = 0,
 ) -> float:
     """Time to compress ``bytes_in`` bytes in ``files`` files to ``bytes_in / ratio``: the
-    source read (and the base, for a delta), encoding, and the stored bytes written; summed,
-    like the rest of the model (the job overlaps them, so this is an upper bound)."""
+    source read (and the base, for a delta), encoding (and quantizing ``quantized`` of the
+    bytes), and the stored bytes written; summed, like the rest of the model (the job
+    overlaps them, so this is an upper bound)."""
     seconds = source.seconds(bytes_in, files) + bytes_in / encode_bandwidth
+    seconds += quantized / QUANTIZE_BANDWIDTH
     if base is not None:
         seconds += base.seconds(bytes_in, files)
     return seconds + target.seconds(int(bytes_in / max(ratio, 1e-9)), files, write=True)

@@ -212,3 +212,20 @@ def test_nothing_is_quantized_unless_asked(trained: Path, tmp_path: Path, cli) -
         ["compress", str(trained / "hf"), str(tmp_path / "y"), "--quantize", "half"],
     )
     assert done.exit_code == 2 and "choose weights or all" in done.output
+
+
+def test_a_quantizing_dry_run_estimates_what_the_job_stores(
+    trained: Path, tmp_path: Path, cli
+) -> None:
+    for scope in ("weights", "all"):
+        plan = cli.json(
+            "compress", trained / "dcp", tmp_path / scope, "--quantize", scope, "--dry-run"
+        )
+        assert not (tmp_path / scope).exists() and plan["quantize"] == scope
+        done = cli.json("compress", trained / "dcp", tmp_path / scope, "--quantize", scope)
+        assert plan["estimated_bytes_out"] == pytest.approx(done["bytes_out"], rel=0.1)
+    weights = cli.json(
+        "compress", trained / "dcp", tmp_path / "x", "--quantize", "weights", "--dry-run"
+    )
+    every = cli.json("compress", trained / "dcp", tmp_path / "x", "--quantize", "all", "--dry-run")
+    assert 0 < weights["quantized_bytes"] < every["quantized_bytes"] < every["bytes_in"]

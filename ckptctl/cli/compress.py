@@ -23,16 +23,24 @@ def _show(out: Output, verb: str, r: Any) -> None:
 
 
 def _show_plan(
-    out: Output, source: str, target: str, base: str | None, storage: Any, as_json: bool
+    out: Output,
+    source: str,
+    target: str,
+    base: str | None,
+    storage: Any,
+    as_json: bool,
+    quantize: str | None,
 ) -> None:
     from ckptctl.calibrate import saved_profiles
     from ckptctl.compression.plan import plan_compress
 
-    plan = plan_compress(source, target, base, storage, saved_profiles())
+    plan = plan_compress(source, target, base, storage, saved_profiles(), quantize)
     if as_json:
         out.json(plan.as_dict())
         return
     delta = f", {plan.delta_files} as deltas against {base}" if base else ""
+    if quantize:
+        delta += f", {human_bytes(plan.quantized_bytes)} of tensors quantized (LOSSY)"
     out.show(
         f"compress {plan.files} files ({human_bytes(plan.bytes_in)}{delta}) -> {target}\n"
         f"ratio {plan.ratio:.2f} measured on {human_bytes(plan.sampled_bytes)} of sampled "
@@ -73,7 +81,7 @@ def compress_cmd(
     cli = state(ctx)
     with boundary(out, cli.debug):
         if dry_run:
-            _show_plan(out, source, target, base, cli.settings.storage, as_json)
+            _show_plan(out, source, target, base, cli.settings.storage, as_json, quantize)
             return
         from ckptctl.compression.jobs import compress
 

@@ -102,11 +102,7 @@ def compress(
         raise CheckpointError(f"{source_url}: not a checkpoint directory")
     refuse_incomplete(source)
     if quantize is not None and base_url is not None:
-        raise UsageError(
-            "--quantize with --base: not supported (a delta of dequantized values against "
-            "exact ones would not shrink)",
-            hint="quantize each checkpoint alone, or store deltas losslessly",
-        )
+        refuse_quantized_delta()
     lossy = _lossy_files(source_url, source, config, quantize) if quantize else {}
     base = open_view(Storage(base_url, config, read_only=True), config) if base_url else None
     if base is not None and not base.isdir():
@@ -164,6 +160,14 @@ def compress(
     target.remove(INCOMPLETE)
     report.seconds = time.perf_counter() - start
     return report
+
+
+def refuse_quantized_delta() -> None:
+    raise UsageError(
+        "--quantize with --base: not supported (a delta of dequantized values against exact "
+        "ones would not shrink)",
+        hint="quantize each checkpoint alone, or store deltas losslessly",
+    )
 
 
 def _lossy_files(

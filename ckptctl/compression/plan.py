@@ -14,7 +14,7 @@ from ckptctl.manifest import refuse_incomplete
 from ckptctl.model.profile import StorageProfile
 from ckptctl.settings import StorageConfig
 from ckptctl.storage import Storage
-from planners.cost import compress_seconds, profile_for
+from planners.cost import QUANTIZED_BYTES_PER_ELEMENT, compress_seconds, profile_for
 
 SAMPLES = 8
 """Chunks encoded to measure the ratio (4 MiB each: a fraction of a second)."""
@@ -31,9 +31,12 @@ class CompressPlan:
     """Files stored as deltas (the base holds a file of the same name)."""
     sampled_bytes: int
     ratio: float
-    """Measured on the sampled chunks."""
+    """Measured on the sampled chunks (losslessly encoded)."""
     estimated_bytes_out: int
     estimated_seconds: float
+    quantize: str | None = None
+    quantized_bytes: int = 0
+    """Bytes of the tensors ``--quantize`` would store lossily (before the check for NaN)."""
 
     def as_dict(self) -> dict[str, Any]:
         return {"operation": "compress", "dry_run": True, **asdict(self)}
@@ -45,6 +48,7 @@ def plan_compress(
     base_url: str | None,
     config: StorageConfig,
     measured: dict[str, StorageProfile] | None = None,
+    quantize: str | None = None,
 ) -> CompressPlan:
     """The plan, after the checks the job makes first (complete source, base present, a
     destination that is new and outside both), with nothing written."""
@@ -58,6 +62,10 @@ def plan_compress(
     if base is not None and not base.isdir():
         raise CheckpointError(f"--base {base_url}: not a checkpoint directory")
     check_destination(target_url, config, {"source": source_url, "base": base_url})
+    if quantize is not None and base_url is not None:
+        from ckptctl.compression.jobs import refuse_quantized_delta
+
+        refuse_quantized_delta()
     files = {rel: source.size(rel) for rel in source.find_files()}
     with_base = {rel for rel in files if base is not None and base.exists(rel)}
     total = sum(files.values())
@@ -70,13 +78,20 @@ def plan_compress(
         sampled += len(block)
         stored += len(encode(block, against)[1])
     ratio = sampled / stored if stored else 1.0
+    quantized = codes = 0
+    if quantize is not None:
+        regions = _regions(source_url, config, quantize)
+        quantized = sum(r.nbytes for r in regions)
+        codes = int(sum(r.numel for r in regions) * QUANTIZED_BYTES_PER_ELEMENT)
+    stored_bytes = codes + int((total - quantized) / ratio)
     seconds = compress_seconds(
         total,
-        ratio,
+        total / max(stored_bytes, 1),
         len(files),
         profile_for(source_url, measured),
         profile_for(target_url, measured),
         profile_for(base_url, measured) if base_url else None,
+        quantized=quantized,
     )
     return CompressPlan(
         source_url,
@@ -87,9 +102,20 @@ def plan_compress(
         len(with_base),
         sampled,
         round(ratio, 4),
-        int(total / ratio),
+        stored_bytes,
         round(seconds, 3),
+        quantize,
+        quantized,
     )
+
+
+def _regions(url: str, config: StorageConfig, scope: str) -> list[Any]:
+    from ckptctl.compression.lossy import find_regions
+    from ckptctl.probe import open_checkpoint
+    from ckptctl.settings import Settings
+
+    found = find_regions(open_checkpoint(url, Settings(storage=config)), scope)
+    return [r for regions in found.values() for r in regions]
 
 
 def _samples(files: dict[str, int]) -> list[tuple[str, int]]:
