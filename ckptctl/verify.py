@@ -170,6 +170,9 @@ def _stored_bytes(storage: Storage, ckpt: Checkpoint | None, group: Group | None
         manifest_check = Check("manifest", "failed", "; ".join(in_manifest[:5]))
     else:
         lossy = " (quantized files: as recorded when compressed)" if _lossy(storage) else ""
+        if isinstance(manifest.get("lossy"), dict):  # restored from a quantized copy
+            scope = manifest["lossy"].get("scope")
+            lossy = f" (a LOSSY copy: {scope} quantized by ckptctl compress --quantize)"
         manifest_check = Check(
             "manifest", "passed", f"{len(listed)} files, sizes and checksums match{lossy}"
         )

@@ -107,8 +107,11 @@ def test_quantized_dcp_with_adam_state_is_read_by_torchs_own_loader(
     cli("compress", trained / "dcp", tmp_path / "q", "--quantize", "all")
     cli("decompress", tmp_path / "q", tmp_path / "back")
     assert _records_crc_ok(tmp_path / "back/__0_0.distcp", tmp_path / "back") > 10
-    checks = {c["name"]: c for c in cli.json("verify", tmp_path / "back")["checks"]}
+    report = cli.json("verify", tmp_path / "back")
+    assert report["ok"], report  # the restored manifest describes the lossy copy
+    checks = {c["name"]: c for c in report["checks"]}
     assert checks["checksums"]["status"] == "passed"  # ckptctl's own CRC check agrees
+    assert "LOSSY copy: all quantized" in checks["manifest"]["detail"]
 
     model = make_model(tiny_llama_config(hidden_size=128, intermediate_size=256), seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
