@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import mmap
 import os
 import posixpath
 from collections.abc import Iterator
@@ -33,10 +32,6 @@ def write_in_slices(out: BinaryIO, data: bytes | memoryview) -> None:
     view = memoryview(data).cast("B")
     for start in range(0, len(view), WRITE_SLICE):
         out.write(view[start : start + WRITE_SLICE])
-
-
-COPY_STEP = 64 << 20
-"""Bytes per kernel copy call (progress is reported between calls)."""
 
 
 class HashingWriter(io.RawIOBase):
@@ -75,37 +70,9 @@ class HashingWriter(io.RawIOBase):
         Python, and file systems that can share the blocks), hashing it from a read-only map of
         its pages; ``advance(nbytes)`` reports progress. ``None`` when either side is not a
         plain local file, or the kernel cannot copy between them (the caller streams it)."""
-        fileno = getattr(self._inner, "fileno", None)
-        if fileno is None or not hasattr(os, "copy_file_range"):
-            return None
-        try:
-            dst = fileno()
-        except (OSError, io.UnsupportedOperation):
-            return None
-        self._inner.flush()
-        with open(src, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            done = 0
-            try:
-                while done < size:
-                    n = os.copy_file_range(f.fileno(), dst, min(COPY_STEP, size - done), done)
-                    if n <= 0:
-                        raise OSError("copy_file_range copied nothing")
-                    done += n
-                    if advance is not None:
-                        advance(n)
-            except OSError:
-                if done:  # part of it went out: the caller cannot start again cleanly
-                    raise
-                return None
-            if self.digest is not None and size:
-                with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as pages:
-                    view = memoryview(pages)
-                    for start in range(0, size, COPY_STEP):
-                        self.digest.update(view[start : start + COPY_STEP])
-                    view.release()
-        self.size += size
-        return size
+        whole = Run(src, 0, os.path.getsize(src), "")
+        observers = [] if advance is None else [lambda view: advance(len(view))]
+        return self.copy_range(whole, observers)
 
     def copy_range(self, run: Run, observers: list[Any]) -> int | None:
         """Append ``run`` by a kernel copy, hashing it (and feeding ``observers``) from mapped
@@ -120,7 +87,7 @@ class HashingWriter(io.RawIOBase):
             return None
         self._inner.flush()
         if self.digest is not None:
-            observers = [*observers, self.digest.update]
+            observers = [self.digest.update, *observers]
         if not copy_run(dst, run, observers):
             return None
         self.size += run.nbytes

@@ -382,13 +382,8 @@ class TorchZipReader:
         contiguously there (``None`` otherwise, or when the archive is not a local file). A
         run covering a whole storage record carries the record's CRC-32, checked as it is
         copied."""
-        if self.origin is None or prod(sizes) == 0:
+        if self.origin is None or prod(sizes) == 0 or not _contiguous(sizes, ref.stride):
             return None
-        expected = 1
-        for n, stride in zip(reversed(sizes), reversed(ref.stride), strict=True):
-            if n > 1 and stride != expected:
-                return None
-            expected *= n
         size = ref.dtype.itemsize
         first = ref.offset + sum(o * s for o, s in zip(offsets, ref.stride, strict=True))
         nbytes = prod(sizes) * size
@@ -482,9 +477,14 @@ def _fits(into: np.ndarray, ref: TensorRef, sizes: Shape) -> bool:
         or not into.flags.c_contiguous
     ):
         return False
+    return _contiguous(sizes, ref.stride)
+
+
+def _contiguous(sizes: Shape, stride: Shape) -> bool:
+    """A box of ``sizes`` elements laid out by ``stride`` is one run of consecutive ones."""
     expected = 1
-    for n, stride in zip(reversed(sizes), reversed(ref.stride), strict=True):
-        if n > 1 and stride != expected:
+    for n, step in zip(reversed(sizes), reversed(stride), strict=True):
+        if n > 1 and step != expected:
             return False
         expected *= n
     return True
