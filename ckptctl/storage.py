@@ -126,21 +126,22 @@ RANGE_PART = 16 << 20
 """Sub-range size for parallel GETs of one large range (AWS suggests 8-16 MiB)."""
 
 
-def _flush_file(path: str) -> None:
+def _flush(path: str, sync: Any = None) -> None:
+    """``fdatasync`` (or ``sync``) of the file or directory at ``path``."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.fdatasync(fd)
+        (sync or os.fdatasync)(fd)
     finally:
         os.close(fd)
 
 
+def _flush_file(path: str) -> None:
+    _flush(path)
+
+
 def _flush_folder(path: str) -> None:
     with contextlib.suppress(OSError):  # file systems that cannot sync a directory
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _flush(path, os.fsync)
 
 
 def _start_writeback(f: Any) -> None:
