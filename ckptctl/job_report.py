@@ -110,7 +110,14 @@ class Sources:
         self, path: str, key: KeyPath, offsets: Shape, sizes: Shape, view: FlatView = None
     ) -> Run | None:
         """The box as a run of a local source file (bytes that can move by kernel copy), when
-        its reader can say where it lies contiguously; ``None`` otherwise."""
+        its format can say where it lies contiguously (``where``); ``None`` otherwise, and for
+        sources not on a local disk (object stores, compressed views)."""
         ckpt, rel = self.owner(path)
-        locate = getattr(ckpt, "locate", None)
-        return locate(rel, key, offsets, sizes, view) if locate is not None else None
+        where = getattr(ckpt, "where", None)
+        if where is None or not ckpt.storage.is_local:
+            return None
+        span = where(rel, key, offsets, sizes, view)
+        if span is None:
+            return None
+        local = ckpt.storage.path(span.rel)
+        return Run(local, span.offset, span.nbytes, span.dtype, span.crc)

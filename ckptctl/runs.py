@@ -19,6 +19,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from ckptctl.crc import crc32
@@ -29,6 +30,20 @@ WINDOW = 64 << 20
 mapped, so peak RSS does not grow with the source."""
 
 Observer = Callable[[memoryview], object]
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """Where a box of a tensor lies in a checkpoint's files, when it lies contiguously: bytes
+    ``[offset, offset + nbytes)`` of file ``rel`` (relative to the checkpoint root), holding
+    elements of ``dtype``; ``crc`` is the CRC-32 the file records for exactly these bytes (a
+    whole zip entry), if any. Formats answer ``where`` with it, on any storage."""
+
+    rel: str
+    offset: int
+    nbytes: int
+    dtype: str
+    crc: int | None = None
 
 
 class Run:

@@ -416,3 +416,21 @@ def test_compressed_checkpoints_live_in_the_lake(
     for packed in ("packed", "delta"):
         a = (tmp_path / f"{packed}-hf/model.safetensors").read_bytes()
         assert a == (tmp_path / "plain-hf/model.safetensors").read_bytes()
+
+
+def test_quantizing_in_the_lake(bucket: str, local_ckpt: Path, tmp_path: Path, cli) -> None:
+    """compress --quantize of a checkpoint on S3 to S3: tensors located by ranged reads, the
+    result read there by every command and held to its recorded errors."""
+    import zipfile
+
+    cli("reshard", local_ckpt, f"{bucket}/step", "--tp", "2", "--pp", "2")
+    report = cli.json("compress", f"{bucket}/step", f"{bucket}/q", "--quantize", "all")
+    assert report["ratio"] > 2
+    checks = cli.json("verify", f"{bucket}/q", "--against", local_ckpt)
+    assert checks["ok"], checks
+    assert any("quantized_max_abs_error" in t for t in checks["tensors"])
+    cli("decompress", f"{bucket}/q", tmp_path / "back")
+    for path in (tmp_path / "back").rglob("*.pt"):
+        with zipfile.ZipFile(path) as zf:
+            assert zf.testzip() is None, path
+    assert cli.json("verify", tmp_path / "back")["ok"]

@@ -12,7 +12,6 @@ computed again wherever needed instead of being held in memory.
 from __future__ import annotations
 
 import collections
-import os
 import struct
 import zipfile
 from concurrent.futures import Executor, Future
@@ -73,13 +72,12 @@ def find_regions(ckpt: Any, scope: str) -> dict[str, list[Region]]:
     and not overlapping (a tensor viewed twice is quantized once)."""
     if scope not in SCOPES:
         raise UsageError(f"--quantize {scope}: choose weights or all")
-    if not ckpt.storage.is_local or not hasattr(ckpt, "locate"):
+    if not hasattr(ckpt, "where"):
         raise UsageError(
-            f"--quantize: {ckpt.storage.url} must be a checkpoint on a local disk in a format "
-            "whose tensors ckptctl can locate (Megatron, DeepSpeed, DCP, torch_dist, HF)",
-            hint="copy it to local disk first, or compress it losslessly",
+            f"--quantize: ckptctl cannot locate the tensors of {ckpt.storage.url} in its files "
+            "(it can for Megatron, DeepSpeed, DCP, torch_dist, HF and torch files)",
+            hint="compress it losslessly",
         )
-    root = ckpt.storage.path("")
     found: dict[str, list[Region]] = {}
     for file in ckpt.view.files:
         for t in file.tensors:
@@ -88,15 +86,14 @@ def find_regions(ckpt: Any, scope: str) -> dict[str, list[Region]]:
             if scope == "weights" and is_optimizer_state(t.canonical, t.key):
                 continue
             view = (t.view_offset, t.shape) if t.view_offset is not None else None
-            run = ckpt.locate(file.path, t.key, (0,) * len(t.shape), t.shape, view)
-            if run is None:
+            span = ckpt.where(file.path, t.key, (0,) * len(t.shape), t.shape, view)
+            if span is None:
                 continue
-            rel = os.path.relpath(run.path, root).replace(os.sep, "/")
             transform = q.transform_for(f"{t.canonical} {t.key}")
-            found.setdefault(rel, []).append(
+            found.setdefault(span.rel, []).append(
                 Region(
-                    run.offset,
-                    run.nbytes,
+                    span.offset,
+                    span.nbytes,
                     t.dtype,
                     transform,
                     t.canonical,
@@ -224,8 +221,8 @@ def zip_windows(ckpt: Any, rel: str, size: int) -> list[tuple[int, int]]:
         return sorted(
             {(i.offset, i.length) for i in metadata.storage.values() if i.relative_path == name}
         )
-    path = ckpt.storage.path(rel)
-    return [(0, size)] if zipfile.is_zipfile(path) else []
+    with ckpt.storage.open_read(rel) as f:
+        return [(0, size)] if zipfile.is_zipfile(f) else []
 
 
 def crc_patches(
@@ -238,8 +235,7 @@ def crc_patches(
     """``(file offset, 4 bytes)``: every CRC-32 field of a zip entry whose data overlaps a
     region, with the CRC of the entry's data as decoded (regions dequantized); entries are
     computed on ``pool``, a few at a time."""
-    path = source.path(rel)
-    with open(path, "rb") as f:
+    with source.open_read(rel) as f:
         entries = [e for start, length in windows for e in _entries(f, start, length)]
     touched = [
         e for e in entries if any(r.offset < e["data"][1] and e["data"][0] < r.end for r in regions)

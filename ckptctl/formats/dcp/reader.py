@@ -63,7 +63,7 @@ from ckptctl.model.stored import (
     StoredFile,
     StoredTensor,
 )
-from ckptctl.runs import Run
+from ckptctl.runs import Span
 from ckptctl.storage import Storage
 
 if TYPE_CHECKING:
@@ -101,10 +101,8 @@ class DcpCheckpoint:
                     raise CheckpointError(f"{self.storage.url}: no record for {fqn} at {offsets}")
                 sizes = next(c.sizes for c in entry.chunks if c.offsets == offsets)
                 window, fetch, where = self._source(fqn, info)
-                origin = None
-                if self.storage.is_local:  # tensor bytes can move by kernel copy
-                    origin = (self.storage.path(join(self.base, info.relative_path)), info.offset)
-                reader = open_record(window, info, where, fetch, origin)
+                place = (join(self.base, info.relative_path), info.offset)
+                reader = open_record(window, info, where, fetch, place)
                 self._records[key] = (reader, tensor_of(reader, entry.dtype, sizes, where))
             return self._records[key]
 
@@ -130,14 +128,14 @@ class DcpCheckpoint:
             ref = view_ref(_flat(ref), *view)
         return reader.read(ref, offsets, sizes)
 
-    def locate(
+    def where(
         self, path: str, key: KeyPath, offsets: Shape, sizes: Shape, view: FlatView = None
-    ) -> Run | None:
-        """The box as a run of a local ``.distcp`` file, when it lies there contiguously."""
+    ) -> Span | None:
+        """Where the box lies in its ``.distcp`` file, when it lies there contiguously."""
         reader, ref = self._open(str(key[0]), tuple(int(k) for k in key[1:]))
         if view is not None:
             ref = view_ref(_flat(ref), *view)
-        return reader.locate(ref, offsets, sizes)
+        return reader.span(ref, offsets, sizes)
 
     def read_box(
         self,

@@ -96,17 +96,17 @@ def open_record(
     info: StorageInfo,
     where: str,
     fetch: Fetch | None = None,
-    origin: tuple[str, int] | None = None,
+    place: tuple[str, int] | None = None,
 ) -> TorchZipReader:
     """A lazy reader of one record; ``window`` shows exactly its bytes (a ``RecordWindow`` or a
-    ``RemoteRecord``), ``fetch`` reads them by range; ``origin``: the local file and offset
-    holding the record, if any."""
+    ``RemoteRecord``), ``fetch`` reads them by range; ``place``: the file holding the record
+    and the record's offset in it."""
     if info.transform_descriptors:
         raise CheckpointError(
             f"{where}: record uses stream transform(s) {list(info.transform_descriptors)} "
             "that ckptctl cannot undo"
         )
-    return TorchZipReader(window, where, fetch, origin)
+    return TorchZipReader(window, where, fetch, place)
 
 
 def tensor_of(reader: TorchZipReader, dtype: str, sizes: Shape, where: str) -> TensorRef:

@@ -31,7 +31,7 @@ from ckptctl.model.stored import (
     StoredFile,
     StoredTensor,
 )
-from ckptctl.runs import Run
+from ckptctl.runs import Span
 from ckptctl.storage import Storage
 
 _MAX_HEADER = 100_000_000
@@ -164,19 +164,18 @@ class HFCheckpoint:
             where = self.storage.describe(path)
             return read_box(self._open[path], entry, offsets, sizes, into, where)
 
-    def locate(
+    def where(
         self, path: str, key: KeyPath, offsets: Shape, sizes: Shape, view: FlatView = None
-    ) -> Run | None:
-        """The box as a run of the local file, when it is whole rows of the tensor."""
+    ) -> Span | None:
+        """Where the box lies in the file, when it is whole rows of the tensor."""
         entry = self.headers[path][str(key[0])]
-        if not self.storage.is_local or view is not None or prod(sizes) == 0:
+        if view is not None or prod(sizes) == 0:
             return None
         if entry.shape and tuple(sizes[1:]) != tuple(entry.shape[1:]):
             return None
         row = prod(entry.shape[1:]) * ITEMSIZE[entry.dtype]
         start = entry.begin + (offsets[0] * row if entry.shape else 0)
-        nbytes = prod(sizes) * ITEMSIZE[entry.dtype]
-        return Run(self.storage.path(path), start, nbytes, entry.dtype)
+        return Span(path, start, prod(sizes) * ITEMSIZE[entry.dtype], entry.dtype)
 
 
 class _RangeFile:

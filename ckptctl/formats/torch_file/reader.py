@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptctl.formats.torch_file.format import STATE_DICT_FILE
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
-from ckptctl.formats.torchsave.refs import locate_box, open_torch_file, resolve
+from ckptctl.formats.torchsave.refs import open_torch_file, resolve, span_of_box
 from ckptctl.model.dtypes import dtype_name
 from ckptctl.model.geometry import Piece
 from ckptctl.model.layout import ParallelLayout
@@ -22,7 +22,7 @@ from ckptctl.model.stored import (
     StoredFile,
     StoredTensor,
 )
-from ckptctl.runs import Run
+from ckptctl.runs import Span
 from ckptctl.storage import Storage
 
 if TYPE_CHECKING:
@@ -50,11 +50,11 @@ class TorchFileCheckpoint:
     ) -> np.ndarray:
         return self.reader.read(resolve(self.reader.tree, key), offsets, sizes)
 
-    def locate(
+    def where(
         self, path: str, key: KeyPath, offsets: Shape, sizes: Shape, view: FlatView = None
-    ) -> Run | None:
-        """The box as a run of the local file, when it lies there contiguously."""
-        return locate_box(self.reader, key, offsets, sizes, view)
+    ) -> Span | None:
+        """Where the box lies in the file, when it lies there contiguously."""
+        return span_of_box(self.reader, key, offsets, sizes, view)
 
 
 def probe_torch_file(storage: Storage, rel: str = STATE_DICT_FILE) -> TorchFileCheckpoint:

@@ -39,7 +39,7 @@ from ckptctl.arrays import dtype_of, first_value, numpy_dtype, words
 from ckptctl.crc import crc32
 from ckptctl.errors import CheckpointError, UnsafePickleError
 from ckptctl.model.dtypes import BY_STORAGE, DTYPES, DType
-from ckptctl.runs import Run
+from ckptctl.runs import Span
 
 Shape = tuple[int, ...]
 
@@ -245,16 +245,16 @@ class TorchZipReader:
         fileobj: BinaryIO,
         where: str,
         fetch: Callable[[int, int], bytes] | None = None,
-        origin: tuple[str, int] | None = None,
+        place: tuple[str, int] | None = None,
     ) -> None:
         """``fetch(start, nbytes)``, if given, reads tensor bytes by exact range, thread-safely
         and without read-ahead (remote stores: one ranged GET per read, several in flight);
-        ``fileobj`` then serves only the zip directory and the pickle. ``origin``: the local
-        file holding the archive and the archive's offset in it, when there is one (its tensor
-        bytes can then move by kernel copy, see ``locate``)."""
+        ``fileobj`` then serves only the zip directory and the pickle. ``place``: the file
+        holding the archive (relative to its checkpoint's root) and the archive's offset in it,
+        so ``span`` can say where a box's bytes lie."""
         self._f = fileobj
         self._fetch = fetch
-        self.origin = origin
+        self.place = place
         self.where = where
         try:
             self._zip = zipfile.ZipFile(fileobj)
@@ -377,12 +377,11 @@ class TorchZipReader:
         # they are instead of copying them into a bytearray first.
         return _strided(np.frombuffer(data, dtype), sizes, ref.stride)
 
-    def locate(self, ref: TensorRef, offsets: Shape, sizes: Shape) -> Run | None:
-        """The box as a run of the local file holding the archive, when its elements lie
-        contiguously there (``None`` otherwise, or when the archive is not a local file). A
-        run covering a whole storage record carries the record's CRC-32, checked as it is
-        copied."""
-        if self.origin is None or prod(sizes) == 0 or not _contiguous(sizes, ref.stride):
+    def span(self, ref: TensorRef, offsets: Shape, sizes: Shape) -> Span | None:
+        """Where the box's bytes lie in the file holding the archive, when they lie
+        contiguously (``None`` otherwise, or when the reader was not told its ``place``). A
+        span covering a whole storage record carries the record's CRC-32."""
+        if self.place is None or prod(sizes) == 0 or not _contiguous(sizes, ref.stride):
             return None
         size = ref.dtype.itemsize
         first = ref.offset + sum(o * s for o, s in zip(offsets, ref.stride, strict=True))
@@ -391,8 +390,8 @@ class TorchZipReader:
             start = self._checked_start(ref, first + prod(sizes) - 1)
         whole = first == 0 and nbytes == self._data_offsets[ref.storage.key][1]
         crc = self._crcs[ref.storage.key] if whole else None
-        path, base = self.origin
-        return Run(path, base + start + first * size, nbytes, ref.dtype.name, crc)
+        rel, base = self.place
+        return Span(rel, base + start + first * size, nbytes, ref.dtype.name, crc)
 
     def read_number(self, ref: TensorRef) -> float:
         """A one-element tensor's value (Adam's step, an iteration count) without torch: the

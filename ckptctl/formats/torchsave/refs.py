@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
 from ckptctl.model.dtypes import dtype_name
 from ckptctl.model.stored import CheckpointView, FlatView, KeyPath, Shape
-from ckptctl.runs import Run
+from ckptctl.runs import Span
 from ckptctl.storage import Storage
 
 if TYPE_CHECKING:
@@ -68,21 +68,19 @@ def read_box(
     return reader.read(ref, offsets, sizes, into)
 
 
-def locate_box(
+def span_of_box(
     reader: TorchZipReader,
     key: KeyPath,
     offsets: tuple[int, ...],
     sizes: tuple[int, ...],
     view: tuple[int, tuple[int, ...]] | None = None,
-) -> Run | None:
-    """Where ``read_box`` would read the box, as a run of a local file, when it lies there
-    contiguously (see ``TorchZipReader.locate``)."""
-    if reader.origin is None:
-        return None
+) -> Span | None:
+    """Where ``read_box`` would read the box, when it lies contiguously in the file (see
+    ``TorchZipReader.span``)."""
     ref = resolve(reader.tree, key)
     if view is not None:
         ref = view_ref(ref, *view)
-    return reader.locate(ref, offsets, sizes)
+    return reader.span(ref, offsets, sizes)
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -96,11 +94,8 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 def open_torch_file(storage: Storage, rel: str) -> TorchZipReader:
     """A lazy reader of one ``torch.save`` file; on remote stores its tensor bytes are fetched
     by exact byte range, in parallel when the executor asks for several."""
-    if storage.is_local:
-        origin = (storage.path(rel), 0)
-        return TorchZipReader(storage.open_read(rel), storage.describe(rel), origin=origin)
-    fetch = partial(storage.read_range, rel)
-    return TorchZipReader(storage.open_read(rel), storage.describe(rel), fetch)
+    fetch = None if storage.is_local else partial(storage.read_range, rel)
+    return TorchZipReader(storage.open_read(rel), storage.describe(rel), fetch, (rel, 0))
 
 
 @dataclass
@@ -126,8 +121,8 @@ class TorchFiles:
     ) -> np.ndarray:
         return read_box(self.readers[path], key, offsets, sizes, view, transposed, into)
 
-    def locate(
+    def where(
         self, path: str, key: KeyPath, offsets: Shape, sizes: Shape, view: FlatView = None
-    ) -> Run | None:
-        """The box as a run of a local file, when ``read`` would read it contiguously."""
-        return locate_box(self.readers[path], key, offsets, sizes, view)
+    ) -> Span | None:
+        """Where the box lies in file ``path``, when ``read`` would read it contiguously."""
+        return span_of_box(self.readers[path], key, offsets, sizes, view)
