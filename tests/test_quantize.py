@@ -54,6 +54,7 @@ def test_quantized_hf_weights_load_in_transformers_within_the_recorded_error(
     assert json.loads((tmp_path / "q/ckptctl.manifest.json").read_text())["lossy"] is True
     note = " ".join(cli.json("inspect", tmp_path / "q")["notes"])
     assert "lossy (weights quantized)" in note
+    assert f"ratio {report['ratio']:.2f}" in note  # the codes count in the stored bytes
 
     cli("decompress", tmp_path / "q", tmp_path / "back")
     original = load_file(trained / "hf/model.safetensors")

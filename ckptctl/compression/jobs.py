@@ -248,6 +248,7 @@ def _compress_file(
         entry["quantized"] = [
             to_index(r, at) for r, at in zip(lossy.regions, lossy.at, strict=True)
         ]
+        entry["quantized_bytes"] = lossy.stored_bytes  # the codes file, counted in the ratio
     base_entry = (
         {"size": base_size, "identity": base.identity(rel), "checksum": base_digest.hexdigest()}
         if base is not None
