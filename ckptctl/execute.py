@@ -154,9 +154,9 @@ class Assembler:
         digest = xxhash.xxh3_64()
 
         def advance(view: memoryview) -> None:
-            with self._counting:
+            with self._counting:  # bands may be counted on a read-ahead thread meanwhile
                 self.report.bytes_written += len(view)
-            self.progress.advance(len(view))
+                self.progress.advance(len(view))
 
         def done(run: Run) -> None:
             with self._counting:
@@ -186,7 +186,8 @@ class Assembler:
         return np.ascontiguousarray(arrays.words(data).T) if write.transposed else data
 
     def forget(self) -> None:
-        """Drop the bands built ahead (a file is done, or failed)."""
+        """Drop the bands built ahead and the runs planned (a file is done, or failed)."""
+        self._runs.clear()
         if self.queue is not None:
             self.queue.close()
 
@@ -195,7 +196,7 @@ class Assembler:
         digest.update(view)
         with self._counting:  # runs are counted on the writer's thread
             self.report.bytes_written += len(view)
-        self.progress.advance(len(view))
+            self.progress.advance(len(view))
         return view
 
     def _band(
