@@ -162,3 +162,20 @@ def test_a_dry_run_refuses_what_the_job_would(run: Path, tmp_path: Path, cli) ->
         app, ["compress", str(run / "hf_1"), str(run / "hf_1" / "x"), "--dry-run"]
     )
     assert done.exit_code == 2 and "never writes into" in done.output
+
+
+def test_a_damaged_chunk_fails_verify_however_the_file_is_checked(
+    run: Path, tmp_path: Path, cli
+) -> None:
+    """Files the manifest pass decodes are not decoded twice; a damaged one still fails the
+    compressed check, with the manifest's."""
+    cli("compress", run / "dcp_1", tmp_path / "packed", "--base", run / "dcp_0")
+    data = tmp_path / "packed/data/__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    done = cli.runner.invoke(app, ["verify", str(tmp_path / "packed"), "--json"])
+    assert done.exit_code == 1
+    checks = {c["name"]: c for c in json.loads(done.stdout)["checks"]}
+    assert checks["compressed"]["status"] == "failed"
+    assert "__0_0.distcp" in checks["compressed"]["detail"]
