@@ -38,6 +38,23 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+CONVERSIONS = {
+    "megatron": lambda run, step, out: (
+        "consolidate", run / f"hf_{step}", out, "--format", "megatron"
+    ),
+    "torch": lambda run, step, out: (
+        "consolidate", run / f"dcp_{step}", out, "--format", "torch"
+    ),
+    "torch_dist": lambda run, step, out: (
+        "reshard", run / f"hf_{step}", out, "--tp", "1", "--pp", "1", "--format", "torch_dist"
+    ),
+    "universal": lambda run, step, out: (
+        "consolidate", run / f"hf_{step}", out, "--format", "deepspeed-universal"
+    ),
+}  # fmt: skip
+"""The other formats' checkpoints of each step, converted from the run's by ckptctl."""
+
+
 def same_tree(a: Path, b: Path) -> None:
     files_a = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
     files_b = sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
@@ -50,17 +67,16 @@ def size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-@pytest.mark.parametrize("kind", ["dcp", "hf", "megatron", "torch"])
+@pytest.mark.parametrize("kind", ["dcp", "hf", "megatron", "torch", "torch_dist", "universal"])
 @pytest.mark.parametrize("with_base", [False, True], ids=["alone", "delta"])
 def test_round_trip_is_byte_exact_and_commands_read_it(
     run: Path, tmp_path: Path, cli, kind: str, with_base: bool
 ) -> None:
     src, base = run / f"{kind}_1", run / f"{kind}_0"
-    if kind in ("megatron", "torch"):  # converted from the run's checkpoints by ckptctl itself
+    if kind not in ("dcp", "hf"):  # converted from the run's checkpoints by ckptctl itself
         for step in range(STEPS):
             if not (run / f"{kind}_{step}").exists():
-                origin = run / (f"hf_{step}" if kind == "megatron" else f"dcp_{step}")
-                cli("consolidate", origin, run / f"{kind}_{step}", "--format", kind)
+                cli(*CONVERSIONS[kind](run, step, run / f"{kind}_{step}"))
     packed, restored = tmp_path / "packed", tmp_path / "restored"
     args = ["compress", src, packed, *(["--base", base] if with_base else []), "--json"]
     report = json.loads(cli(*args).stdout)

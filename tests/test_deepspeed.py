@@ -220,3 +220,44 @@ def test_inspect_and_dry_runs_do_not_import_torch(
     assert in_fresh_interpreter("inspect", ckpt, "--json") == "torch not imported"
     dry_run = ("consolidate", ckpt, tmp_path / "hf", "--dry-run")
     assert in_fresh_interpreter(*dry_run) == "torch not imported"
+
+
+@pytest.mark.parametrize("with_base", [False, True], ids=["alone", "delta"])
+def test_compressed_zero_checkpoints_round_trip_and_read_as_the_original(
+    written: dict[str, Path], tmp_path: Path, cli, with_base: bool
+) -> None:
+    """compress (issue 20) of a real ZeRO checkpoint, as a delta against another run with the
+    same files or alone: restored byte for byte, and read by every command as the original."""
+    import filecmp
+
+    src, base = written["stage2-bf16-dp2"], written["stage2-bf16-dp2-all"]
+    cli("compress", src, tmp_path / "packed", *(["--base", base] if with_base else []))
+    cli("decompress", tmp_path / "packed", tmp_path / "back")
+    files = sorted(str(p.relative_to(src)) for p in src.rglob("*") if p.is_file())
+    assert sorted(str(p.relative_to(tmp_path / "back")) for p in (tmp_path / "back").rglob("*")
+                  if p.is_file()) == files  # fmt: skip
+    _, mismatch, errors = filecmp.cmpfiles(src, tmp_path / "back", files, shallow=False)
+    assert not mismatch and not errors
+    assert cli.json("verify", tmp_path / "packed", "--against", src)["ok"]
+    cli("consolidate", tmp_path / "packed", tmp_path / "hf-packed", "--format", "hf")
+    cli("consolidate", src, tmp_path / "hf-plain", "--format", "hf")
+    a = (tmp_path / "hf-packed/model.safetensors").read_bytes()
+    assert a == (tmp_path / "hf-plain/model.safetensors").read_bytes()
+
+
+def test_quantized_zero_checkpoint_stays_within_its_recorded_errors(
+    written: dict[str, Path], tmp_path: Path, cli
+) -> None:
+    """--quantize all of ZeRO's flat fp32 partitions (masters and moments) and bf16 module:
+    each tensor within the error recorded at compression, and DeepSpeed's own files valid."""
+    import zipfile
+
+    src = written["stage2-bf16-dp2"]
+    cli("compress", src, tmp_path / "q", "--quantize", "all")
+    checks = cli.json("verify", tmp_path / "q", "--against", src)
+    assert checks["ok"], checks
+    assert sum("quantized_max_abs_error" in t for t in checks["tensors"]) >= 3
+    cli("decompress", tmp_path / "q", tmp_path / "back")
+    for path in (tmp_path / "back").rglob("*.pt"):
+        with zipfile.ZipFile(path) as zf:
+            assert zf.testzip() is None, path
