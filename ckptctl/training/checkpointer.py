@@ -184,6 +184,9 @@ class Checkpointer:
         start = time.perf_counter()
         rank, name = self.coordinator().rank, report.checkpoint_id
         what = f"save to {storage.url}"
+        # Every rank's client is ready while rank 0 marks the checkpoint incomplete, so all
+        # ranks start streaming together (one rank's client built late would serialise them).
+        storage.connect()
         self._rank0(what, lambda: begin(storage, name))
         results = self._everyone(what, lambda: write_rank(storage, rank, staged, held))
         manifest = self._rank0(what, lambda: commit(storage, name, results, report.step))
