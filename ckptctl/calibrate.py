@@ -14,8 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ckptctl.model.profile import StorageProfile
+from ckptctl.runs import write_in_slices
 from ckptctl.settings import REMOTE_READ_PARALLEL, StorageConfig
-from ckptctl.storage import Storage, write_in_slices
+from ckptctl.storage import Storage
 
 SCRATCH = ".ckptctl-calibrate"
 

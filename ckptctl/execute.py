@@ -29,8 +29,8 @@ from ckptctl.model.dtypes import DTYPES
 from ckptctl.model.geometry import with_dim
 from ckptctl.model.plan import FileKind, Plan, TensorWrite
 from ckptctl.model.stored import Shape
-from ckptctl.runs import Run
-from ckptctl.storage import Storage, write_in_slices
+from ckptctl.runs import Run, write_in_slices
+from ckptctl.storage import Storage
 from planners.shares import split_files
 
 DEFAULT_MEMORY_BUDGET = 1 << 30

@@ -23,16 +23,6 @@ from ckptctl.runs import Run, copy_run
 from ckptctl.settings import StorageConfig
 from ckptctl.storage_errors import CONNECT_TIMEOUT, check_endpoint, explicit_endpoint
 
-WRITE_SLICE = 1 << 20
-
-
-def write_in_slices(out: BinaryIO, data: bytes | memoryview) -> None:
-    """Write ``data`` in 1 MiB slices: on Linux page-cache writes of tens of MiB in one call run
-    an order of magnitude slower than the same bytes in ~1 MiB calls (measured: 0.37 vs 5 GB/s)."""
-    view = memoryview(data).cast("B")
-    for start in range(0, len(view), WRITE_SLICE):
-        out.write(view[start : start + WRITE_SLICE])
-
 
 class HashingWriter(io.RawIOBase):
     """A forward-only writer that counts and hashes what passes through it."""
@@ -133,10 +123,6 @@ def _flush(path: str, sync: Any = None) -> None:
         (sync or os.fdatasync)(fd)
     finally:
         os.close(fd)
-
-
-def _flush_file(path: str) -> None:
-    _flush(path)
 
 
 def _flush_folder(path: str) -> None:
@@ -374,5 +360,5 @@ class Storage:
         # Flushes issued together share the file system's journal commits: one at a time,
         # each would wait for a commit of its own.
         with ThreadPoolExecutor(min(16, len(written)), thread_name_prefix="ckptctl-sync") as pool:
-            list(pool.map(_flush_file, written))
+            list(pool.map(_flush, written))
             list(pool.map(_flush_folder, folders))  # the renames into place

@@ -14,8 +14,7 @@ from ckptctl.formats.base import WriteJob
 from ckptctl.model.dtypes import DTYPES, ITEMSIZE
 from ckptctl.model.plan import FileWrite
 from ckptctl.prefetch import ReadAhead
-from ckptctl.runs import Run
-from ckptctl.storage import write_in_slices
+from ckptctl.runs import Run, write_in_slices
 
 
 def write_safetensors(

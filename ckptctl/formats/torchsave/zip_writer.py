@@ -21,8 +21,7 @@ from typing import Any, BinaryIO
 from ckptctl.crc import crc32
 from ckptctl.formats.torchsave.archive import _ALIGNMENT, Shape, Stub, _stub_type
 from ckptctl.model.dtypes import DTYPES, DType, dtype_name
-from ckptctl.runs import Run
-from ckptctl.storage import write_in_slices
+from ckptctl.runs import Run, write_in_slices
 
 # torch's own names, pickled as globals without importing torch (``torch.load`` resolves them).
 _REBUILD_TENSOR = _stub_type("torch._utils", "_rebuild_tensor_v2")
