@@ -22,16 +22,21 @@ from ckptctl.multipart import MultipartUpload, abort_stale_uploads
 from ckptctl.runs import Run, copy_run
 from ckptctl.settings import StorageConfig
 from ckptctl.storage_errors import CONNECT_TIMEOUT, check_endpoint, explicit_endpoint
+from ckptctl.writeback import available as can_write_back
+from ckptctl.writeback import start_writeback
 
 
 class HashingWriter(io.RawIOBase):
     """A forward-only writer that counts and hashes what passes through it."""
 
-    def __init__(self, inner: BinaryIO, digest: Any = None) -> None:
+    def __init__(self, inner: BinaryIO, digest: Any = None, *, writeback: bool = False) -> None:
         super().__init__()
         self._inner = inner
         self.digest = digest
         self.size = 0
+        self._writeback = writeback
+        self._written_back = 0
+        """Bytes up to here have been handed to the device (``writeback``)."""
 
     def writable(self) -> bool:
         return True
@@ -50,7 +55,25 @@ class HashingWriter(io.RawIOBase):
         if self.digest is not None:
             self.digest.update(memoryview(data)[:n] if n is not None else data)
         self.size += n if n is not None else len(data)
+        self._write_back()
         return n if n is not None else len(data)
+
+    def _write_back(self) -> None:
+        """Start writing what has been written so far to the device, each ``WRITEBACK_STEP``:
+        a large local file otherwise sits dirty in the page cache until the kernel's dirty
+        threshold (10% of RAM) or the final flush, so the device idles while the job computes
+        and the flush before the manifest waits for all of it."""
+        if not self._writeback or self.size - self._written_back < WRITEBACK_STEP:
+            return
+        try:
+            self._inner.flush()
+            started = start_writeback(
+                self._inner.fileno(), self._written_back, self.size - self._written_back
+            )
+        except (OSError, AttributeError, io.UnsupportedOperation):
+            started = False
+        self._writeback = started
+        self._written_back = self.size
 
     def flush(self) -> None:
         self._inner.flush()
@@ -81,6 +104,7 @@ class HashingWriter(io.RawIOBase):
         if not copy_run(dst, run, observers):
             return None
         self.size += run.nbytes
+        self._write_back()
         return run.nbytes
 
     def copy_object(self, source: Storage, rel: str, advance: Any = None) -> int | None:
@@ -108,6 +132,9 @@ class HashingWriter(io.RawIOBase):
         return size
 
 
+WRITEBACK_STEP = 32 << 20
+"""Bytes of a local file written between requests to the kernel to start writing them out."""
+
 REMOTE_BLOCK_SIZE = 128 << 10
 """Read-ahead of remote file objects, used only for zip and safetensors metadata (tensor bytes
 are fetched by exact range): small, since it is read past what was asked for."""
@@ -134,10 +161,8 @@ def _start_writeback(f: Any) -> None:
     """Ask the kernel to start writing a finished file to the device now, without waiting, so
     that its writeback overlaps the work that follows instead of all of it waiting in
     ``drain`` (Linux; elsewhere ``drain`` does it all)."""
-    if not hasattr(os, "sync_file_range"):
-        return
     with contextlib.suppress(OSError, AttributeError, io.UnsupportedOperation):
-        os.sync_file_range(f.fileno(), 0, 0, os.SYNC_FILE_RANGE_WRITE)
+        start_writeback(f.fileno())
 
 
 def _protocols(fs: Any) -> tuple[str, ...]:
@@ -318,7 +343,7 @@ class Storage:
         self.fs.makedirs(posixpath.dirname(final), exist_ok=True)
         try:
             with self.fs.open(partial, "wb") as f:
-                yield HashingWriter(f, digest)
+                yield HashingWriter(f, digest, writeback=self.is_local and can_write_back())
                 if self.is_local:
                     f.flush()
                     _start_writeback(f)

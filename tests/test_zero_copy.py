@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -191,3 +192,35 @@ def test_a_run_past_the_end_of_its_file_is_refused_by_name(tmp_path: Path) -> No
     out = io.BytesIO()
     Run(str(path), 5000, 5000, "float32").write_to(out)  # a run at an unaligned offset
     assert out.getvalue() == data[5000:]
+
+
+def test_writeback_of_a_large_output_starts_while_it_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernel is asked to write each step of a local file out as it is written (not only
+    at the final flush), over the whole file with no gaps; the calls reach the real
+    ``sync_file_range`` and succeed."""
+    from ckptctl import storage, writeback
+
+    if not writeback.available():
+        pytest.skip("no sync_file_range on this system")
+    real = writeback._libc_sync_file_range()
+    calls: list[tuple[int, int, int]] = []
+
+    def spy(fd: int, offset: int, nbytes: int, flags: int) -> int:
+        result = real(fd, offset, nbytes, flags)
+        calls.append((offset, nbytes, result))
+        return result
+
+    monkeypatch.setattr(writeback, "_libc_sync_file_range", lambda: spy)
+    monkeypatch.setattr(storage, "WRITEBACK_STEP", 1 << 20)
+    block = os.urandom(300_000)
+    with storage.Storage(str(tmp_path)).open_write("big.bin") as f:
+        for _ in range(20):
+            f.write(block)
+    assert (tmp_path / "big.bin").stat().st_size == 20 * len(block)
+    ranged = [(offset, nbytes) for offset, nbytes, _ in calls if nbytes]
+    assert len(ranged) >= 5 and all(result == 0 for *_, result in calls)
+    assert ranged[0][0] == 0
+    assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(ranged))
+    assert calls[-1][:2] == (0, 0)  # the whole file when it closes
