@@ -164,7 +164,7 @@ class Assembler:
                 self.report.read_requests += 1
                 if run.copied:
                     copied = self.report.copied
-                    copied["copy_file_range"] = copied.get("copy_file_range", 0) + run.copied
+                    copied[run.copied_by] = copied.get(run.copied_by, 0) + run.copied
 
         for run in runs:
             run.observers += [digest.update, advance]
@@ -282,6 +282,8 @@ def execute(
     progress = progress or NoProgress()
     if not isinstance(source, Sources):
         source = Sources(source)
+    if target.is_s3:  # runs of objects on this store are copied by the server
+        source.server_copy_to = target
     report = Report()
     started = time.perf_counter()
     sizes = [source.file_bytes(plan, f) for f in plan.files]

@@ -65,6 +65,11 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+SERVER_COPY_MIN = 16 << 20
+"""Smallest run of an object copied on the server: up to 5 MiB of it may complete the part
+being uploaded, and S3's parts are at least 5 MiB; shorter boxes are read like any other."""
+
+
 class Sources:
     """Routes reads to the checkpoint owning a path: the plan's source, or a further source
     (replica, full copy) whose files the plan names under a prefix such as ``@0/``."""
@@ -72,6 +77,9 @@ class Sources:
     def __init__(self, primary: Any, extra: dict[str, Any] | None = None) -> None:
         self.primary = primary
         self.extra = extra or {}
+        self.server_copy_to: Any = None
+        """The object store written to, when it is one: runs of its objects become server-side
+        copies (``locate``)."""
 
     def file_bytes(self, plan: Plan, file: FileWrite) -> int:
         """Bytes a target file moves: its tensors', or the size of the source file it copies
@@ -110,14 +118,32 @@ class Sources:
         self, path: str, key: KeyPath, offsets: Shape, sizes: Shape, view: FlatView = None
     ) -> Run | None:
         """The box as a run of a local source file (bytes that can move by kernel copy), when
-        its format can say where it lies contiguously (``where``); ``None`` otherwise, and for
-        sources not on a local disk (object stores, compressed views)."""
+        its format can say where it lies contiguously (``where``), or as a run of an object on
+        the store being written to (``server_copy_to``) long enough to copy on the server;
+        ``None`` otherwise (other object stores, compressed views: the box is read)."""
         ckpt, rel = self.owner(path)
         where = getattr(ckpt, "where", None)
-        if where is None or not ckpt.storage.is_local:
+        storage = ckpt.storage
+        on_server = (
+            storage.is_s3
+            and self.server_copy_to is not None
+            and storage.fs is self.server_copy_to.fs
+        )
+        if where is None or not (storage.is_local or on_server):
             return None
         span = where(rel, key, offsets, sizes, view)
         if span is None:
             return None
-        local = ckpt.storage.path(span.rel)
-        return Run(local, span.offset, span.nbytes, span.dtype, span.crc)
+        if storage.is_local:
+            return Run(storage.path(span.rel), span.offset, span.nbytes, span.dtype, span.crc)
+        if span.nbytes < SERVER_COPY_MIN:
+            return None
+        return Run(
+            storage.describe(span.rel),
+            span.offset,
+            span.nbytes,
+            span.dtype,
+            span.crc,
+            storage=storage,
+            rel=span.rel,
+        )

@@ -83,6 +83,34 @@ class MultipartUpload(io.RawIOBase):
             self._send(self._copy_part, {"Bucket": bucket, "Key": key}, byte_range)
         self._copied = True
 
+    @property
+    def filled(self) -> int:
+        """Bytes written into the part not yet sent."""
+        return self._filled
+
+    def end_part(self) -> None:
+        """Send the part being filled now, short of ``part_size`` (it must hold S3's minimum),
+        so that what follows starts a part of its own."""
+        if not self._filled:
+            return
+        if self._filled < MIN_PART_SIZE:
+            raise ValueError(f"a part of {self._filled} bytes is below S3's minimum of 5 MiB")
+        part, self._buffer, self._filled = self._rest(), bytearray(self.part_size), 0
+        self._send(self._upload_part, part)
+
+    def copy_range(self, source_path: str, start: int, nbytes: int) -> None:
+        """Append bytes ``[start, start + nbytes)`` of object ``source_path`` (same store) by
+        server-side copy, as parts of at least S3's minimum, so writing may go on after it.
+        Only at a part boundary (``end_part``)."""
+        if self._filled or self._copied or nbytes < MIN_PART_SIZE:
+            raise ValueError("a server-side copy must start a part and copy at least 5 MiB")
+        bucket, key, _ = self.fs.split_path(source_path)
+        count = -(-nbytes // COPY_PART)
+        step = -(-nbytes // count)  # equal pieces: the last is never a short one
+        for lo in range(start, start + nbytes, step):
+            hi = min(lo + step, start + nbytes)
+            self._send(self._copy_part, {"Bucket": bucket, "Key": key}, f"bytes={lo}-{hi - 1}")
+
     def _send(self, how: Any, *args: Any) -> None:
         """Queue part number n+1 as ``how(number, *args)`` (an upload or a copy)."""
         if self._upload_id is None:
@@ -184,3 +212,34 @@ def abort_stale_uploads(fs: Any, prefix_path: str) -> int:
             )
             aborted += 1
     return aborted
+
+
+def copy_run_on_server(upload: Any, run: Any, observers: list[Any]) -> int | None:
+    """Append ``run`` (bytes of an object on the store ``upload`` writes to) mostly by
+    server-side copy: its first bytes complete the part being filled up to S3's 5 MiB minimum,
+    the rest is copied by the store. Every byte is still fetched once, a window ahead, for
+    ``observers`` (the checksums the output carries and the source's CRC-32), but is not
+    uploaded. Returns the bytes copied on the server, or ``None`` when it does not apply (not
+    this store, or too short a run to leave 5 MiB to copy): the caller writes the bytes."""
+    if not isinstance(upload, MultipartUpload) or run.storage.fs is not upload.fs:
+        return None
+    lead = MIN_PART_SIZE - upload.filled if 0 < upload.filled < MIN_PART_SIZE else 0
+    if run.nbytes - lead < MIN_PART_SIZE:
+        return None
+
+    def copy_rest() -> None:
+        upload.end_part()
+        upload.copy_range(run.storage.path(run.rel), run.offset + lead, run.nbytes - lead)
+
+    if not lead:
+        copy_rest()  # the server copies while the bytes are fetched and hashed here
+    seen = 0
+    for view in run.views():
+        for observe in observers:
+            observe(view)
+        if seen < lead:
+            upload.write(view[: lead - seen])
+            if seen + len(view) >= lead:
+                copy_rest()
+        seen += len(view)
+    return run.nbytes - lead

@@ -49,21 +49,49 @@ class Span:
 class Run:
     """Bytes ``[offset, offset + nbytes)`` of local file ``path``, holding elements of
     ``dtype``; ``crc``, when the source records one for exactly these bytes (a whole zip
-    entry), is checked as they pass."""
+    entry), is checked as they pass. With ``storage`` (an object store) the bytes are those of
+    its object ``rel`` (``path`` names it in messages): a writer on the same store copies them
+    on the server (``UploadPartCopy``), and they are fetched only to be checked and hashed."""
 
-    __slots__ = ("copied", "crc", "dtype", "finished", "nbytes", "observers", "offset", "path")
+    __slots__ = (
+        "copied",
+        "copied_by",
+        "crc",
+        "dtype",
+        "finished",
+        "nbytes",
+        "observers",
+        "offset",
+        "path",
+        "rel",
+        "storage",
+    )
 
     def __init__(
-        self, path: str, offset: int, nbytes: int, dtype: str, crc: int | None = None
+        self,
+        path: str,
+        offset: int,
+        nbytes: int,
+        dtype: str,
+        crc: int | None = None,
+        *,
+        storage: Any = None,
+        rel: str = "",
     ) -> None:
         self.path, self.offset, self.nbytes, self.dtype, self.crc = path, offset, nbytes, dtype, crc
+        self.storage, self.rel = storage, rel
         self.observers: list[Observer] = []
         self.finished: list[Callable[[Run], object]] = []
         self.copied = 0
-        """Bytes the kernel copied (0 when they went through ``write``)."""
+        """Bytes copied without passing through ``write`` (0 when they all did)."""
+        self.copied_by = "upload_part_copy" if storage is not None else "copy_file_range"
 
     def views(self) -> Iterator[memoryview]:
-        """The run's bytes, a mapped window at a time (each released before the next)."""
+        """The run's bytes, a mapped window at a time (each released before the next); from an
+        object store, fetched a window ahead."""
+        if self.storage is not None:
+            yield from _fetched(self)
+            return
         with open(self.path, "rb") as f:
             self.check_size(f.fileno())
             yield from _mapped(f.fileno(), self.offset, self.nbytes)
@@ -107,6 +135,8 @@ def copy_run(dst_fd: int, run: Run, observers: list[Observer]) -> bool:
     releases the GIL) while this thread hashes, so the two use both cores. False, with nothing
     written, when the kernel cannot copy between these two files (the caller writes the bytes
     instead)."""
+    if run.storage is not None:  # an object: nothing for the kernel to copy from
+        return False
     with open(run.path, "rb") as f:
         src = f.fileno()
         run.check_size(src)
@@ -179,6 +209,37 @@ def _mapped(fd: int, offset: int, nbytes: int) -> Iterator[memoryview]:
         finally:
             pages.close()
         start = base + length
+
+
+FETCH_WINDOW = 32 << 20
+"""Bytes of an object fetched at a time for the checksums of a run copied on the server
+(two windows are held: the one hashed, the one being fetched)."""
+
+
+def _fetched(run: Run) -> Iterator[memoryview]:
+    """The bytes of a run on an object store, window by window, the next fetched while the
+    caller works on the current one; an object shorter than the run is refused by name."""
+    windows = [
+        (start, min(FETCH_WINDOW, run.offset + run.nbytes - start))
+        for start in range(run.offset, run.offset + run.nbytes, FETCH_WINDOW)
+    ]
+
+    def fetch(window: tuple[int, int]) -> bytes:
+        data = run.storage.read_range(run.rel, *window)
+        if len(data) != window[1]:
+            raise CheckpointError(
+                f"{run.path}: ends before the {run.nbytes} bytes at {run.offset} its index "
+                "promises; the object is truncated"
+            )
+        return data
+
+    with ThreadPoolExecutor(1, thread_name_prefix="ckptctl-fetch") as ahead:
+        pending = ahead.submit(fetch, windows[0]) if windows else None
+        for i in range(len(windows)):
+            assert pending is not None
+            data = pending.result()
+            pending = ahead.submit(fetch, windows[i + 1]) if i + 1 < len(windows) else None
+            yield memoryview(data)
 
 
 WRITE_SLICE = 1 << 20

@@ -18,12 +18,12 @@ from typing import Any, BinaryIO
 import fsspec
 
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError, StorageError, UsageError
-from ckptctl.multipart import MultipartUpload, abort_stale_uploads
+from ckptctl.multipart import MultipartUpload, abort_stale_uploads, copy_run_on_server
 from ckptctl.runs import Run, copy_run
 from ckptctl.settings import StorageConfig
 from ckptctl.storage_errors import CONNECT_TIMEOUT, check_endpoint, explicit_endpoint
 from ckptctl.writeback import available as can_write_back
-from ckptctl.writeback import start_writeback
+from ckptctl.writeback import request_writeback
 
 
 class HashingWriter(io.RawIOBase):
@@ -67,12 +67,12 @@ class HashingWriter(io.RawIOBase):
             return
         try:
             self._inner.flush()
-            started = start_writeback(
+            request = request_writeback(
                 self._inner.fileno(), self._written_back, self.size - self._written_back
             )
         except (OSError, AttributeError, io.UnsupportedOperation):
-            started = False
-        self._writeback = started
+            request = None
+        self._writeback = request is not None
         self._written_back = self.size
 
     def flush(self) -> None:
@@ -89,8 +89,15 @@ class HashingWriter(io.RawIOBase):
 
     def copy_range(self, run: Run, observers: list[Any]) -> int | None:
         """Append ``run`` by a kernel copy, hashing it (and feeding ``observers``) from mapped
-        pages; ``None``, with nothing written, when this is not a plain local file or the
-        kernel cannot copy between the two (the caller writes the bytes)."""
+        pages, or, for a run of an object on the store this uploads to, by a server-side copy;
+        ``None``, with nothing written, when neither applies (the caller writes the bytes)."""
+        if self.digest is not None:
+            observers = [self.digest.update, *observers]
+        if run.storage is not None:
+            copied = copy_run_on_server(self._inner, run, observers)
+            if copied is not None:
+                self.size += run.nbytes
+            return copied
         fileno = getattr(self._inner, "fileno", None)
         if fileno is None or not hasattr(os, "copy_file_range"):
             return None
@@ -99,8 +106,6 @@ class HashingWriter(io.RawIOBase):
         except (OSError, io.UnsupportedOperation):
             return None
         self._inner.flush()
-        if self.digest is not None:
-            observers = [self.digest.update, *observers]
         if not copy_run(dst, run, observers):
             return None
         self.size += run.nbytes
@@ -162,7 +167,7 @@ def _start_writeback(f: Any) -> None:
     that its writeback overlaps the work that follows instead of all of it waiting in
     ``drain`` (Linux; elsewhere ``drain`` does it all)."""
     with contextlib.suppress(OSError, AttributeError, io.UnsupportedOperation):
-        start_writeback(f.fileno())
+        request_writeback(f.fileno())
 
 
 def _protocols(fs: Any) -> tuple[str, ...]:

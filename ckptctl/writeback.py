@@ -1,14 +1,19 @@
-"""Ask Linux to start writing a file's dirty pages to the device now, without waiting.
+"""Ask Linux to start writing a file's dirty pages to the device now, without waiting for it.
 
 Python's ``os`` has no ``sync_file_range``, so it is called from the C library. Without it a
 large output sits dirty in the page cache until the kernel's dirty threshold (a share of RAM:
 gigabytes) or the flush before the manifest, so the device idles while a job computes and that
-flush then waits for all of it; started early, the writeback overlaps the work.
+flush then waits for all of it; started early, the writeback overlaps the work. The requests
+are made on a background thread: the call blocks while the device's queue is full, and the
+writing thread should go on producing bytes meanwhile.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 SYNC_FILE_RANGE_WRITE = 2
@@ -39,3 +44,36 @@ def start_writeback(fd: int, offset: int = 0, nbytes: int = 0) -> bool:
     if function is None:
         return False
     return function(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE) == 0
+
+
+_requests: ThreadPoolExecutor | None = None
+_requests_lock = threading.Lock()
+
+
+def request_writeback(fd: int, offset: int = 0, nbytes: int = 0) -> Future[bool] | None:
+    """``start_writeback`` on a background thread, on a duplicate of ``fd`` (the caller may
+    close its own at once); ``None`` where the system cannot."""
+    global _requests
+    if not available():
+        return None
+    own = os.dup(fd)
+    with _requests_lock:
+        if _requests is None:
+            _requests = ThreadPoolExecutor(1, thread_name_prefix="ckptctl-writeback")
+        return _requests.submit(_start_and_close, own, offset, nbytes)
+
+
+def _start_and_close(fd: int, offset: int, nbytes: int) -> bool:
+    try:
+        return start_writeback(fd, offset, nbytes)
+    finally:
+        os.close(fd)
+
+
+def wait_for_requests() -> None:
+    """Return once every request made so far has been handed to the kernel (they run in
+    order on one thread)."""
+    with _requests_lock:
+        requests = _requests
+    if requests is not None:
+        requests.submit(lambda: None).result()

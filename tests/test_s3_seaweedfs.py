@@ -121,3 +121,42 @@ def test_unchanged_files_between_disk_and_server_are_streamed(
     assert down["bytes_copied_without_passing_through"] == {}
     for path in source.rglob("*.pt"):
         assert (tmp_path / "back" / path.relative_to(source)).read_bytes() == path.read_bytes()
+
+
+def test_tensors_moved_whole_are_copied_by_the_server_inside_new_files(
+    endpoint: str, tmp_path: Path, cli
+) -> None:
+    """A pipeline reshard S3 -> S3 writes new files, but the large tensors in them are whole
+    records of source objects: those ranges go by UploadPartCopy (a few MiB of each completes
+    the part being uploaded), are fetched once for the checksums, and the result is byte for
+    byte the local job's."""
+    import s3fs
+
+    config = synth.tiny_llama_config(
+        vocab_size=40960, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2
+    )
+    model = synth.make_model(config, seed=11)
+    src = tmp_path / "src"
+    synth.write_megatron(model, synth.adam_step(model, seed=11), src, tp=1, pp=2)
+    lake = f"s3://{BUCKET}/ranges"
+    cli(*LAKE, "reshard", src, f"{lake}/src", "--tp", "1", "--pp", "2")
+    proxy = S3Proxy(endpoint).start()
+    try:
+        report = cli.json(
+            "--endpoint-url", proxy.url, *LAKE, "reshard", f"{lake}/src", f"{lake}/pp1",
+            "--tp", "1", "--pp", "1",
+        )  # fmt: skip
+    finally:
+        proxy.stop()
+    copied = report["bytes_copied_without_passing_through"].get("upload_part_copy", 0)
+    fs = s3fs.S3FileSystem()
+    written = sum(fs.size(p) for p in fs.find(f"{BUCKET}/ranges/pp1") if p.endswith(".pt"))
+    # Embedding and output layer (20 MiB each) with their two Adam moments: 120 MiB.
+    assert copied >= 90 << 20, report["bytes_copied_without_passing_through"]
+    uploaded = sum(r.received for r in proxy.requests if r.method == "PUT")
+    assert uploaded <= written - copied + (64 << 10)
+    cli("reshard", src, tmp_path / "pp1", "--tp", "1", "--pp", "1")
+    for local in (tmp_path / "pp1").rglob("*.pt"):
+        key = f"{BUCKET}/ranges/pp1/{local.relative_to(tmp_path / 'pp1')}"
+        assert fs.cat_file(key) == local.read_bytes(), key
+    assert cli.json("verify", f"{lake}/pp1")["ok"]

@@ -218,6 +218,7 @@ def test_writeback_of_a_large_output_starts_while_it_is_written(
     with storage.Storage(str(tmp_path)).open_write("big.bin") as f:
         for _ in range(20):
             f.write(block)
+    writeback.wait_for_requests()
     assert (tmp_path / "big.bin").stat().st_size == 20 * len(block)
     ranged = [(offset, nbytes) for offset, nbytes, _ in calls if nbytes]
     assert len(ranged) >= 5 and all(result == 0 for *_, result in calls)
