@@ -9,11 +9,11 @@ from typing import Any
 
 import typer
 
-from ckptctl.cli.output import Output, RichProgress, human_bytes
+from ckptctl.cli.output import Output, human_bytes
 from ckptctl.destination import Destination, check_destination
 from ckptctl.distributed import Group, from_environment, launch, launched_world
 from ckptctl.errors import CkptctlError
-from ckptctl.job_report import Report
+from ckptctl.job_report import NoProgress, Report
 from ckptctl.jobs import Job, run
 from ckptctl.model.plan import Plan
 from ckptctl.model.stored import Format
@@ -47,7 +47,11 @@ def carry_out(
             out.info(f"{job.plan.target_url} is already complete for this plan; nothing to do")
             return Report(files_written=[])
         _warn_notes(out, job.plan, quiet)
-        progress = RichProgress(out.err, enabled=not (out.as_json or quiet or out.silent))
+        progress: Any = NoProgress()
+        if not (out.as_json or quiet or out.silent):
+            from ckptctl.cli.progress_bar import RichProgress
+
+            progress = RichProgress(out.err)
         return run(job, destination, progress, group)
     finally:
         if group is not None:
