@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import time
 from typing import Any
 
 import xxhash
@@ -23,6 +24,10 @@ from ckptctl.storage import Storage
 MANIFEST = "ckptctl.manifest.json"
 INCOMPLETE = "ckptctl.incomplete"
 MANIFEST_VERSION = 1
+SAVE_EVERY = 1.0
+"""Seconds between rewrites of the in-progress log as files finish: a killed job redoes at
+most this long of finished files (a file is only ever logged after it is whole), and a job of
+thousands of small files does not rewrite a growing log (an upload, on S3) after each one."""
 
 
 CHECKSUMS = ("xxh3_64", "sha256")
@@ -78,6 +83,7 @@ class RunLog:
             | set(extra)
             | {rank_log(r) for r in range(1, world)}
         )
+        self._saved_at = 0.0
         self.done: dict[str, dict[str, Any]] = {}
         """Files this process finished or kept (rank 0: also those other ranks kept before)."""
         previous = read_marker(storage)
@@ -102,6 +108,7 @@ class RunLog:
             self._save()
 
     def _save(self, operation: str = "") -> None:
+        self._saved_at = time.monotonic()
         if self.rank:
             body: dict[str, Any] = {"plan_fingerprint": self.fingerprint, "done": self.done}
             self.storage.write_text(rank_log(self.rank), json.dumps(body))
@@ -141,7 +148,8 @@ class RunLog:
         self.done[path] = {"size": size, "checksum": checksum, "tensors": tensors}
         if records is not None:
             self.done[path]["records"] = records
-        self._save()
+        if time.monotonic() - self._saved_at >= SAVE_EVERY:
+            self._save()
 
     def clear_rank_logs(self) -> None:
         """After the manifest: the other ranks' logs are no longer needed."""

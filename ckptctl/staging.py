@@ -24,6 +24,7 @@ class StagedStorage(Storage):
     def __init__(self, target: Storage, stage_url: str) -> None:
         super().__init__(target.url, target.config)
         self.stage = Storage(stage_url)
+        self.stage.durable = False  # its files go to the lake, then away: never to the device
         # One file at a time: each upload already sends its parts in parallel.
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptctl-stage")
         self._uploads: list[Future[None]] = []

@@ -99,3 +99,53 @@ def test_killed_torch_dist_reshard_resumes_byte_identical(source: Path, tmp_path
 @pytest.mark.slow
 def test_killed_reshard_at_ten_random_points(source: Path, tmp_path: Path) -> None:
     _crash_and_resume(source, tmp_path, kills=10, seed=2)
+
+
+def test_the_run_log_is_saved_every_second_not_after_every_file(
+    source: Path, tmp_path: Path, cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job of many small files (DeepSpeed universal: four per parameter) rewrites its
+    in-progress log about once a second, not once per file; what it logged is reused by a
+    rerun after a failure, and the files it had not logged yet are written again."""
+    from ckptctl import manifest
+    from ckptctl.storage import Storage
+
+    saved: list[dict] = []
+    write_text = Storage.write_text
+
+    def spy(self: Storage, rel: str, text: str) -> None:
+        if rel == manifest.INCOMPLETE:
+            saved.append(json.loads(text))
+        write_text(self, rel, text)
+
+    monkeypatch.setattr(Storage, "write_text", spy)
+    out = tmp_path / "universal"
+    started = time.monotonic()
+    report = cli.json("consolidate", source, out, "--format", "deepspeed-universal")
+    elapsed = time.monotonic() - started
+    files = len(report["files"])
+    assert files > 50
+    assert 1 <= len(saved) <= 2 + elapsed / manifest.SAVE_EVERY < files / 4
+
+    # A failure at the 20th file, the log saved after every file: the rerun keeps the 19.
+    monkeypatch.setattr(manifest, "SAVE_EVERY", 0.0)
+    open_write = Storage.open_write
+    opened: list[str] = []
+
+    def failing(self: Storage, rel: str, digest=None):  # type: ignore[no-untyped-def]
+        if rel.endswith(".pt"):
+            opened.append(rel)
+            if len(opened) == 20:
+                raise OSError(28, "No space left on device", rel)
+        return open_write(self, rel, digest)
+
+    again = tmp_path / "again"
+    monkeypatch.setattr(Storage, "open_write", failing)
+    cli("consolidate", source, again, "--format", "deepspeed-universal", code=4)
+    monkeypatch.setattr(Storage, "open_write", open_write)
+    kept = {rel: (again / rel).stat().st_mtime_ns for rel in opened[:19]}
+    time.sleep(0.01)
+    cli("consolidate", source, again, "--format", "deepspeed-universal")
+    assert {rel: (again / rel).stat().st_mtime_ns for rel in kept} == kept
+    for rel in _files(out):
+        assert (again / rel).read_bytes() == (out / rel).read_bytes(), rel
