@@ -9,6 +9,7 @@ import sys
 import time
 from collections.abc import Collection
 from pathlib import Path
+from typing import Any
 
 Row = tuple[str, float, float | None, int, float, float, int]
 """(name, seconds, ckptctl's own seconds or None, bytes written, source bytes/s, vs cp, RSS)."""
@@ -78,23 +79,26 @@ def measure(
 ) -> list[Row]:
     """Each run's best of ``repeat`` (the machine is shared and noisy), as table rows whose rate
     is ``size`` source bytes per second, relative to the first run (the machine's ``cp``).
-    Outputs are removed after each attempt, except the last one of those in ``keep``. ``cold``:
-    the page cache is emptied before each attempt."""
+    Attempts go round robin (every run once, then again), so that a slow spell of the shared
+    disk falls on all of them alike instead of on one row. Outputs are removed after each
+    attempt, except the last one of those in ``keep``. ``cold``: the page cache is emptied
+    before each attempt."""
     compile_bytecode()
-    rows: list[Row] = []
-    for name, cmd, out in runs:
-        best = None
-        for attempt in range(repeat):
+    bests: list[Any] = [None] * len(runs)
+    for attempt in range(repeat):
+        for i, (_, cmd, out) in enumerate(runs):
             remove(out)
             subprocess.run(["sync"], check=True)
             if cold:
                 drop_caches()
             seconds, rss, inner = timed(cmd)
             run = (seconds, rss, du(out), inner)
-            best = run if best is None or seconds < best[0] else best
+            bests[i] = run if bests[i] is None or seconds < bests[i][0] else bests[i]
             if not (attempt == repeat - 1 and out in keep):
                 remove(out)
-        seconds, rss, written, inner = best  # type: ignore[misc]
+    rows: list[Row] = []
+    for (name, _, _), best in zip(runs, bests, strict=True):
+        seconds, rss, written, inner = best
         rate = size / seconds
         first = rows[0][4] if rows else rate
         rows.append((name, seconds, inner, written, rate, rate / first, rss))
