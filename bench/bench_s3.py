@@ -14,10 +14,10 @@ First ``ckptctl calibrate`` measures the server and the local disk (profiles kep
 scratch ``CKPTCTL_HOME``), so each ckptctl row shows the cost model's estimate beside the time
 it took. Every run, ckptctl's and s3fs's alike, is a fresh process (its imports counted) writing
 to a fresh prefix, and a local output is synced to the device (ckptctl flushes its own; the
-s3fs get is followed by ``sync``); attempts go round robin over the rows. One more, untimed, consolidate runs through a counting proxy to compare the bytes
-fetched from the server with the bytes the plan needs. Prints a markdown table: seconds,
-GB/s, ratio to s3fs in the same direction, ckptctl's own seconds, the cost model's estimate
-and peak RSS.
+s3fs get is followed by ``sync``); attempts go round robin over the rows. One more, untimed,
+consolidate runs through a counting proxy to compare the bytes fetched from the server with
+the bytes the plan needs. Prints a markdown table: seconds, GB/s, ratio to s3fs in the same
+direction, ckptctl's own seconds, the cost model's estimate and peak RSS.
 
     python bench/bench_s3.py [--workdir /tmp/ckptctl-bench-s3] [--hidden 1024] [--repeat 2]
         [--server seaweedfs|moto | --endpoint-url URL]

@@ -61,6 +61,20 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
 LAKE = ("--part-size", "5MiB")
 
 
+def _reshard_through_a_proxy(
+    endpoint: str, cli, src: str, dst: str, tp: int, pp: int
+) -> tuple[dict, S3Proxy]:
+    """``reshard SRC DST`` with every request passing a counting proxy (stopped after)."""
+    proxy = S3Proxy(endpoint).start()
+    try:
+        report = cli.json(
+            "--endpoint-url", proxy.url, *LAKE, "reshard", src, dst, "--tp", tp, "--pp", pp
+        )
+    finally:
+        proxy.stop()
+    return report, proxy
+
+
 def test_reshards_through_a_real_s3_server_are_bit_exact(
     endpoint: str, source: Path, tmp_path: Path, cli
 ) -> None:
@@ -89,14 +103,7 @@ def test_an_unchanged_layout_is_copied_by_the_server_and_hashed_once(
 
     lake = f"s3://{BUCKET}/copy"
     cli(*LAKE, "reshard", source, f"{lake}/src", "--tp", "2", "--pp", "2")
-    proxy = S3Proxy(endpoint).start()
-    try:
-        report = cli.json(
-            "--endpoint-url", proxy.url, *LAKE, "reshard", f"{lake}/src", f"{lake}/dst",
-            "--tp", "2", "--pp", "2",
-        )  # fmt: skip
-    finally:
-        proxy.stop()
+    report, proxy = _reshard_through_a_proxy(endpoint, cli, f"{lake}/src", f"{lake}/dst", 2, 2)
     assert report["strategy"] == "direct"
     fs = s3fs.S3FileSystem()
     sizes = {p: fs.size(p) for p in fs.find(f"{BUCKET}/copy/src") if p.endswith(".pt")}
@@ -140,14 +147,7 @@ def test_tensors_moved_whole_are_copied_by_the_server_inside_new_files(
     synth.write_megatron(model, synth.adam_step(model, seed=11), src, tp=1, pp=2)
     lake = f"s3://{BUCKET}/ranges"
     cli(*LAKE, "reshard", src, f"{lake}/src", "--tp", "1", "--pp", "2")
-    proxy = S3Proxy(endpoint).start()
-    try:
-        report = cli.json(
-            "--endpoint-url", proxy.url, *LAKE, "reshard", f"{lake}/src", f"{lake}/pp1",
-            "--tp", "1", "--pp", "1",
-        )  # fmt: skip
-    finally:
-        proxy.stop()
+    report, proxy = _reshard_through_a_proxy(endpoint, cli, f"{lake}/src", f"{lake}/pp1", 1, 1)
     copied = report["bytes_copied_without_passing_through"].get("upload_part_copy", 0)
     fs = s3fs.S3FileSystem()
     written = sum(fs.size(p) for p in fs.find(f"{BUCKET}/ranges/pp1") if p.endswith(".pt"))
