@@ -282,7 +282,7 @@ def execute(
     progress = progress or NoProgress()
     if not isinstance(source, Sources):
         source = Sources(source)
-    if target.is_s3:  # runs of objects on this store are copied by the server
+    if target.is_s3 and target.uploads_directly:  # runs of its objects: copied by the server
         source.server_copy_to = target
     report = Report()
     started = time.perf_counter()

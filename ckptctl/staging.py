@@ -21,6 +21,8 @@ UPLOAD_CHUNK = 8 << 20
 class StagedStorage(Storage):
     """``target`` with its data files written through ``stage`` (a local directory)."""
 
+    uploads_directly = False
+
     def __init__(self, target: Storage, stage_url: str) -> None:
         super().__init__(target.url, target.config)
         self.stage = Storage(stage_url)

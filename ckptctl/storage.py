@@ -210,6 +210,10 @@ class Storage:
             timeout = (options.get("config_kwargs") or {}).get("connect_timeout", CONNECT_TIMEOUT)
             check_endpoint(explicit_endpoint(options), float(timeout))
 
+    uploads_directly = True
+    """Writes go straight to this URL (a staged storage writes to local files first, which
+    cannot take a server-side copy)."""
+
     def connect(self) -> None:
         """Build the object-store client now: botocore builds it at the first request
         (~0.2-0.4 s), which would otherwise delay whatever transfer comes first (a no-op
