@@ -185,17 +185,19 @@ def main() -> None:
     print()
     print(
         "| run | direction | seconds | GB/s | vs s3fs, same direction | converting "
-        "| cost model | peak RSS |"
+        "| cost model | copied without passing through | peak RSS |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     baseline = {direction: t for name, direction, t, _ in rows if name.startswith("s3fs")}
     for name, direction, t, report in rows:
         inner = f"{report['seconds']:.2f}" if report else "-"
         model = f"{report['estimates']['seconds']:.2f}" if report else "-"
         rss = f"{report['peak_rss_bytes'] / 2**20:.0f} MiB" if report else "-"
+        copied = (report or {}).get("bytes_copied_without_passing_through") or {}
+        moved = ", ".join(f"{n / 1e9:.2f} GB by {how}" for how, n in copied.items()) or "-"
         print(
             f"| {name} | {direction} | {t:.2f} | {size / t / 1e9:.3f} | "
-            f"{baseline[direction] / t:.2f}x | {inner} | {model} | {rss} |"
+            f"{baseline[direction] / t:.2f}x | {inner} | {model} | {moved} | {rss} |"
         )
     print(
         f"\nconsolidate s3 -> local fetched {fetched / 1e6:.1f} MB for the {needed / 1e6:.1f} MB "

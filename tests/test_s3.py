@@ -222,6 +222,44 @@ def test_multipart_upload_commits_atomically_and_aborts_without_a_trace(bucket: 
     assert not fs.exists("lake/broken")
 
 
+@pytest.mark.parametrize("before", [0, 1000, 6 << 20])
+def test_a_range_of_an_object_is_copied_by_the_server_between_written_bytes(
+    bucket: str, before: int
+) -> None:
+    """Bytes written, a range of another object copied on the server, bytes written again:
+    the object is exactly their concatenation whatever the part being filled held (nothing,
+    less than S3's 5 MiB minimum, more), every byte of the range reached the observers, and
+    only the lead that completed a part passed through this process."""
+    import s3fs
+
+    from ckptctl.multipart import MultipartUpload, copy_run_on_server
+    from ckptctl.runs import Run
+    from ckptctl.storage import Storage
+
+    store = Storage(bucket)
+    fs = store.fs  # the same store on both sides: a server-side copy applies
+    source = os.urandom(40 << 20)
+    fs.pipe("lake/source.bin", source)
+    head, tail = os.urandom(before), os.urandom(3 << 20)
+    start, length = 1234, 20 << 20
+    upload = MultipartUpload(fs, "lake/out.bin", part_size=8 << 20, parallel=2)
+    upload.write(head)
+    seen: list[int] = []
+    run = Run("s3://lake/source.bin", start, length, "float32", storage=store, rel="source.bin")
+    copied = copy_run_on_server(upload, run, [lambda view: seen.append(len(view))])
+    upload.write(tail)
+    upload.commit()
+    fs.invalidate_cache()
+    assert fs.cat_file("lake/out.bin") == head + source[start : start + length] + tail
+    assert sum(seen) == length
+    lead = (5 << 20) - before if 0 < before < 5 << 20 else 0
+    assert copied == length - lead
+    other = MultipartUpload(
+        s3fs.S3FileSystem(anon=False, skip_instance_cache=True), "lake/x", 8 << 20, 1
+    )
+    assert copy_run_on_server(other, run, []) is None  # another client: not the same store
+
+
 def test_a_failed_write_leaves_no_object_and_a_rerun_aborts_stale_uploads(
     bucket: str, local_ckpt: Path, cli
 ) -> None:
