@@ -73,7 +73,8 @@ class HashingWriter(io.RawIOBase):
         except (OSError, AttributeError, io.UnsupportedOperation):
             request = None
         self._writeback = request is not None
-        self._written_back = self.size
+        if request is not False:  # declined for a backlog: the next request covers this too
+            self._written_back = self.size
 
     def flush(self) -> None:
         self._inner.flush()

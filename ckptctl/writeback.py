@@ -50,24 +50,36 @@ _requests: ThreadPoolExecutor | None = None
 _requests_lock = threading.Lock()
 
 
-def request_writeback(fd: int, offset: int = 0, nbytes: int = 0) -> Future[bool] | None:
+MAX_PENDING = 16
+"""Requests queued at most (each holds a duplicate descriptor): a writer far ahead of a slow
+device has later requests declined, and asks again for the larger range later."""
+_pending = 0
+
+
+def request_writeback(fd: int, offset: int = 0, nbytes: int = 0) -> Future[bool] | bool | None:
     """``start_writeback`` on a background thread, on a duplicate of ``fd`` (the caller may
-    close its own at once); ``None`` where the system cannot."""
-    global _requests
+    close its own at once); ``None`` where the system cannot, ``False`` when ``MAX_PENDING``
+    requests wait already (nothing is queued: ask again for the range later)."""
+    global _requests, _pending
     if not available():
         return None
-    own = os.dup(fd)
     with _requests_lock:
+        if _pending >= MAX_PENDING:
+            return False
         if _requests is None:
             _requests = ThreadPoolExecutor(1, thread_name_prefix="ckptctl-writeback")
-        return _requests.submit(_start_and_close, own, offset, nbytes)
+        _pending += 1
+        return _requests.submit(_start_and_close, os.dup(fd), offset, nbytes)
 
 
 def _start_and_close(fd: int, offset: int, nbytes: int) -> bool:
+    global _pending
     try:
         return start_writeback(fd, offset, nbytes)
     finally:
         os.close(fd)
+        with _requests_lock:
+            _pending -= 1
 
 
 def wait_for_requests() -> None:

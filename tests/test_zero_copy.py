@@ -225,3 +225,39 @@ def test_writeback_of_a_large_output_starts_while_it_is_written(
     assert ranged[0][0] == 0
     assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(ranged))
     assert calls[-1][:2] == (0, 0)  # the whole file when it closes
+
+
+def test_writeback_requests_behind_a_slow_device_are_bounded_and_leave_no_gaps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer far ahead of the device does not queue a request (and a duplicate descriptor)
+    per step: past ``MAX_PENDING`` they are declined, and the next request covers the
+    declined range, so the ranges handed to the kernel still tile the file."""
+    import time
+
+    from ckptctl import storage, writeback
+
+    if not writeback.available():
+        pytest.skip("no sync_file_range on this system")
+    real = writeback._libc_sync_file_range()
+    calls: list[tuple[int, int]] = []
+
+    def slow(fd: int, offset: int, nbytes: int, flags: int) -> int:
+        time.sleep(0.05)
+        calls.append((offset, nbytes))
+        return real(fd, offset, nbytes, flags)
+
+    monkeypatch.setattr(writeback, "_libc_sync_file_range", lambda: slow)
+    monkeypatch.setattr(writeback, "MAX_PENDING", 1)
+    monkeypatch.setattr(storage, "WRITEBACK_STEP", 1 << 20)
+    descriptors = len(os.listdir("/proc/self/fd"))
+    block = os.urandom(1 << 20)
+    with storage.Storage(str(tmp_path)).open_write("big.bin") as f:
+        for _ in range(40):
+            f.write(block)
+    writeback.wait_for_requests()
+    ranged = [c for c in calls if c[1]]
+    assert 1 <= len(ranged) < 20, "every step was queued behind the slow device"
+    assert ranged[0][0] == 0
+    assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(ranged))
+    assert len(os.listdir("/proc/self/fd")) <= descriptors
