@@ -384,7 +384,12 @@ class Storage:
             with contextlib.suppress(OSError):  # the original error matters more
                 os.remove(partial)
             raise
-        os.replace(partial, final)
+        try:
+            os.replace(partial, final)
+        except OSError:  # e.g. a directory where the file goes: leave no partial file behind
+            with contextlib.suppress(OSError):
+                os.remove(partial)
+            raise
         if self.durable:
             self._unsynced.append(final)
 

@@ -585,3 +585,18 @@ def test_bad_dcp_inputs(torch_dist_template: Path, tmp_path: Path, cli, case: st
     corrupt, message, code = DCP_CASES[case]
     _check_refused(torch_dist_template, tmp_path, cli, corrupt, ["consolidate"], message, code)
     assert not (tmp_path / "pwned").exists(), "the malicious pickle ran"
+
+
+def test_a_directory_where_an_output_file_goes_fails_and_leaves_no_partial_file(
+    tmp_path: Path,
+) -> None:
+    from ckptctl.storage import Storage
+
+    (tmp_path / "model.safetensors" / "inner").mkdir(parents=True)
+    with (
+        pytest.raises(IsADirectoryError, match=r"model\.safetensors"),
+        Storage(str(tmp_path)).open_write("model.safetensors") as out,
+    ):
+        out.write(b"weights")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
+    assert (tmp_path / "model.safetensors" / "inner").is_dir()  # nothing of theirs touched
