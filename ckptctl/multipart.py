@@ -76,11 +76,7 @@ class MultipartUpload(io.RawIOBase):
         boundary, only for a non-empty source, and as the object's end."""
         if self._filled or self._copied or size <= 0:
             raise ValueError("a server-side copy must start a part and copy something")
-        bucket, key, _ = self.fs.split_path(source_path)
-        step = max(self.part_size, COPY_PART)
-        for start in range(0, size, step):
-            byte_range = f"bytes={start}-{min(start + step, size) - 1}"
-            self._send(self._copy_part, {"Bucket": bucket, "Key": key}, byte_range)
+        self._copy_parts(source_path, 0, size)
         self._copied = True
 
     @property
@@ -104,9 +100,14 @@ class MultipartUpload(io.RawIOBase):
         Only at a part boundary (``end_part``)."""
         if self._filled or self._copied or nbytes < MIN_PART_SIZE:
             raise ValueError("a server-side copy must start a part and copy at least 5 MiB")
+        self._copy_parts(source_path, start, nbytes)
+
+    def _copy_parts(self, source_path: str, start: int, nbytes: int) -> None:
+        """Queue ``UploadPartCopy`` parts for the range, in equal pieces of at most
+        ``COPY_PART`` (so none is shorter than the range allows)."""
         bucket, key, _ = self.fs.split_path(source_path)
         count = -(-nbytes // COPY_PART)
-        step = -(-nbytes // count)  # equal pieces: the last is never a short one
+        step = -(-nbytes // count)
         for lo in range(start, start + nbytes, step):
             hi = min(lo + step, start + nbytes)
             self._send(self._copy_part, {"Bucket": bucket, "Key": key}, f"bytes={lo}-{hi - 1}")

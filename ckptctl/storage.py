@@ -76,6 +76,15 @@ class HashingWriter(io.RawIOBase):
         if request is not False:  # declined for a backlog: the next request covers this too
             self._written_back = self.size
 
+    def write_back_all(self) -> None:
+        """At the end of the file: ask for the whole of it to be written out (pages already on
+        their way are skipped by the kernel), so little is left for the flush in ``drain``."""
+        if not self._writeback:
+            return
+        with contextlib.suppress(OSError, AttributeError, io.UnsupportedOperation):
+            self._inner.flush()
+            request_writeback(self._inner.fileno())
+
     def flush(self) -> None:
         self._inner.flush()
 
@@ -163,19 +172,15 @@ def _flush_folder(path: str) -> None:
         _flush(path, os.fsync)
 
 
-def _start_writeback(f: Any) -> None:
-    """Ask the kernel to start writing a finished file to the device now, without waiting, so
-    that its writeback overlaps the work that follows instead of all of it waiting in
-    ``drain`` (Linux; elsewhere ``drain`` does it all)."""
-    with contextlib.suppress(OSError, AttributeError, io.UnsupportedOperation):
-        request_writeback(f.fileno())
-
-
 def _protocols(fs: Any) -> tuple[str, ...]:
     return fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
 
 
 class Storage:
+    uploads_directly = True
+    """Writes go straight to this URL (a staged storage writes to local files first, which
+    cannot take a server-side copy)."""
+
     def __init__(
         self, url: str, config: StorageConfig | None = None, *, read_only: bool = False
     ) -> None:
@@ -199,21 +204,17 @@ class Storage:
             ) from None
         self.root = root.rstrip("/") or "/"
         self._unsynced: list[str] = []
+        """Local files written and renamed into place, not yet flushed to the device."""
         self.durable = True
         """Local files written here are flushed to the device before ``drain`` returns (a
         staging directory, whose files are uploaded and removed, says no)."""
         self._folders: set[str] = set()
         """Local directories this object created or found (not made again per file)."""
-        """Local files written and renamed into place, not yet flushed to the device."""
         self.is_local = "file" in _protocols(self.fs)
         self.is_s3 = "s3" in _protocols(self.fs) and hasattr(self.fs, "call_s3")
         if self.is_s3:
             timeout = (options.get("config_kwargs") or {}).get("connect_timeout", CONNECT_TIMEOUT)
             check_endpoint(explicit_endpoint(options), float(timeout))
-
-    uploads_directly = True
-    """Writes go straight to this URL (a staged storage writes to local files first, which
-    cannot take a server-side copy)."""
 
     def connect(self) -> None:
         """Build the object-store client now: botocore builds it at the first request
@@ -376,10 +377,9 @@ class Storage:
             self._folders.add(folder)
         try:
             with open(partial, "wb") as f:
-                yield HashingWriter(f, digest, writeback=self.durable and can_write_back())
-                if self.durable:
-                    f.flush()
-                    _start_writeback(f)
+                out = HashingWriter(f, digest, writeback=self.durable and can_write_back())
+                yield out
+                out.write_back_all()
         except BaseException:
             with contextlib.suppress(OSError):  # the original error matters more
                 os.remove(partial)

@@ -32,7 +32,7 @@ class _BinarySpeed(ProgressColumn):
 class RichProgress:
     """Adapts ckptctl's progress sink to a rich progress bar by bytes on stderr."""
 
-    def __init__(self, console: Console, enabled: bool = True) -> None:
+    def __init__(self, console: Console) -> None:
         self._progress = Progress(
             "[progress.description]{task.description}",
             BarColumn(),
@@ -41,7 +41,6 @@ class RichProgress:
             TimeRemainingColumn(),
             console=console,
             transient=False,
-            disable=not enabled,
         )
         self._task: Any = None
 
