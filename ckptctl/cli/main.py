@@ -7,6 +7,7 @@ access denied, unreachable endpoint); 130 interrupted.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Annotated
 
@@ -203,9 +204,30 @@ for name, command in (
     app.command(name)(command)
 
 
-def main() -> None:
+def run_command() -> None:
+    """Run the command ``sys.argv`` names; leaves by ``SystemExit`` with its exit code, like
+    any click program (what a caller embedding the CLI in its own process wants)."""
     try:
         app()
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         sys.exit(130)
+
+
+def main() -> None:
+    """The ``ckptctl`` program. After a command succeeds, the process leaves at once instead of
+    tearing the interpreter down: module teardown (numpy, pydantic, the layout models) takes
+    ~45 ms, 4% of a one-second conversion, and nothing is left for it to do: every output is
+    closed and flushed, worker threads are idle, a process group is closed. A failure takes
+    the ordinary way out, where nothing is skipped."""
+    try:
+        run_command()
+    except SystemExit as done:
+        if done.code not in (0, None):
+            raise
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (OSError, ValueError):  # a closed pipe: let the interpreter report it as usual
+        return
+    os._exit(0)
