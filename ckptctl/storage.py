@@ -1,4 +1,5 @@
 """Byte movement on any fsspec URL: a small storage object rooted at a checkpoint directory.
+Local paths go through the OS (``ckptctl.local_files``); fsspec is loaded for remote URLs only.
 
 Paths given to it are relative and ``/``-separated; any that would leave the root are refused,
 since index files inside an untrusted checkpoint name the files we open. Writes appear only when
@@ -15,9 +16,8 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO
 
-import fsspec
-
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError, StorageError, UsageError
+from ckptctl.local_files import LocalFiles, local_root, protocol_of
 from ckptctl.multipart import MultipartUpload, abort_stale_uploads, copy_run_on_server
 from ckptctl.runs import Run, copy_run
 from ckptctl.settings import StorageConfig
@@ -172,6 +172,24 @@ def _flush_folder(path: str) -> None:
         _flush(path, os.fsync)
 
 
+def _remote(url: str, protocol: str, options: dict[str, Any]) -> tuple[Any, str]:
+    """The fsspec file system of a remote URL, and the path in it."""
+    import fsspec  # remote URLs only: see ckptctl.local_files
+
+    try:
+        return fsspec.core.url_to_fs(url, **options)
+    except ValueError:  # fsspec: "Protocol not known: foo"
+        raise StorageError(
+            f"{url}: unknown URL scheme {protocol!r}",
+            hint="use a local path, file://, s3://bucket/prefix or another fsspec URL whose "
+            "package is installed (gs:// needs gcsfs, az:// adlfs)",
+        ) from None
+    except ImportError as err:  # a known scheme whose fsspec package is not installed
+        raise StorageError(
+            f"{url}: {err}", hint="install the package named, or use a local path or s3://"
+        ) from None
+
+
 def _protocols(fs: Any) -> tuple[str, ...]:
     return fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
 
@@ -188,21 +206,14 @@ class Storage:
         self.read_only = read_only
         """A source: every write, removal or upload through this object is refused."""
         self.config = config or StorageConfig()
-        protocol = fsspec.utils.get_protocol(url)
+        protocol = protocol_of(url)
         options = self.config.fs_options(protocol)
-        try:
-            self.fs, root = fsspec.core.url_to_fs(url, **options)
-        except ValueError:  # fsspec: "Protocol not known: foo"
-            raise StorageError(
-                f"{url}: unknown URL scheme {protocol!r}",
-                hint="use a local path, file://, s3://bucket/prefix or another fsspec URL whose "
-                "package is installed (gs:// needs gcsfs, az:// adlfs)",
-            ) from None
-        except ImportError as err:  # a known scheme whose fsspec package is not installed
-            raise StorageError(
-                f"{url}: {err}", hint="install the package named, or use a local path or s3://"
-            ) from None
-        self.root = root.rstrip("/") or "/"
+        root = local_root(url)
+        if root is not None:
+            self.fs: Any = LocalFiles()
+        else:
+            self.fs, root = _remote(url, protocol, options)
+        self.root = root.rstrip("/") or "/"  # fsspec: "Protocol not known: foo"
         self._unsynced: list[str] = []
         """Local files written and renamed into place, not yet flushed to the device."""
         self.durable = True

@@ -14,21 +14,29 @@ from ckptctl import synth
 
 DRIVER = """
 import sys
-from ckptctl.cli.main import main
+from ckptctl.cli.main import run_command
 sys.argv = ["ckptctl", *sys.argv[1:]]
 try:
-    main()
+    run_command()
 finally:
+    sys.stderr.write("fsspec imported\\n" if "fsspec" in sys.modules else "fsspec not imported\\n")
     sys.stderr.write("torch imported\\n" if "torch" in sys.modules else "torch not imported\\n")
 """
 
 
 def run(*argv: object) -> str:
+    """Whether the command imported torch."""
+    return reports(*argv)[-1]
+
+
+def reports(*argv: object, code: int = 0) -> list[str]:
+    """Whether the command (exiting with ``code``) imported fsspec, then whether it imported
+    torch."""
     done = subprocess.run(
         [sys.executable, "-c", DRIVER, *map(str, argv)], capture_output=True, text=True
     )
-    assert done.returncode == 0, done.stderr[-2000:]
-    return done.stderr.strip().splitlines()[-1]
+    assert done.returncode == code, done.stderr[-2000:]
+    return done.stderr.strip().splitlines()[-2:]
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +121,18 @@ def test_jobs_that_keep_dtypes_move_bytes_without_torch(
     if command == "consolidate" and "hf" in options:
         cast = ("consolidate", checkpoints[fmt], tmp_path / "bf16", *options, "--dtype", "bf16")
         assert run(*cast) == "torch imported"
+
+
+def test_local_jobs_do_not_import_fsspec(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """fsspec (and asyncio, which it imports) is start-up time spent for nothing when every
+    path is local: only remote URLs load it."""
+    src = checkpoints["megatron"]
+    out = tmp_path / "out"
+    assert reports("inspect", src, "--json")[0] == "fsspec not imported"
+    assert reports("reshard", src, out, "--tp", "1", "--pp", "2")[0] == "fsspec not imported"
+    assert reports("verify", f"file://{out}")[0] == "fsspec not imported"
+    missing = reports("inspect", "memory://nothing-here", "--json", code=3)
+    assert missing[0] == "fsspec imported"
 
 
 @pytest.mark.parametrize(
