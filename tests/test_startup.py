@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -166,3 +167,32 @@ def test_numbers_read_without_torch_equal_torchs(dtype: str, tmp_path: Path) -> 
     with open(tmp_path / "bad.pt", "rb") as f, pytest.raises(CheckpointError, match="CRC-32"):
         reader = TorchZipReader(f, "bad.pt")
         reader.read_number(reader.tree["alone"])
+
+
+def test_the_program_leaves_at_once_with_every_byte_of_its_output(
+    checkpoints: dict[str, Path],
+) -> None:
+    """``ckptctl`` ends a successful command with ``os._exit`` (interpreter teardown is ~45 ms
+    of nothing): what it printed into a pipe (block-buffered) still arrives whole, and a
+    failure still exits with its own code."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from ckptctl.cli.main import app
+
+    argv = ["plan", str(checkpoints["megatron"]), "/nowhere", "--tp", "1", "--pp", "1", "--json"]
+    piped = subprocess.run([sys.executable, "-m", "ckptctl", *argv], capture_output=True)
+    assert piped.returncode == 0, piped.stderr[-2000:]
+    in_process = CliRunner().invoke(app, argv)
+    assert json.loads(piped.stdout) == json.loads(in_process.stdout)
+    assert len(piped.stdout) > 8192  # more than one pipe buffer's worth
+    from ckptctl import __version__
+
+    buffered = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    version = subprocess.run(
+        [sys.executable, "-m", "ckptctl", "--version"], capture_output=True, env=buffered
+    )
+    assert version.stdout.decode() == f"ckptctl {__version__}\n"  # print(): not flushed by itself
+    missing = [sys.executable, "-m", "ckptctl", "inspect", str(checkpoints["megatron"]) + "-x"]
+    assert subprocess.run(missing, capture_output=True).returncode == 3
