@@ -33,14 +33,16 @@ READ_PIECE = 4 << 20
 def calibrate(
     url: str, size: int = 64 << 20, probes: int = 32, config: StorageConfig | None = None
 ) -> StorageProfile:
-    """Measure ``url`` the way jobs use it: a streamed (multipart) write, ranged reads with as
-    many in flight as a job keeps (one on local disks), and single small reads for latency."""
+    """Measure ``url`` the way jobs use it: a streamed (multipart) write until it is durable
+    (flushed to the device on local disks), ranged reads with as many in flight as a job keeps
+    (one on local disks), and single small reads for latency."""
     storage = Storage(url, config)
     payload = os.urandom(1 << 20) * max(size >> 20, 1)
     parallel = 1 if storage.is_local else REMOTE_READ_PARALLEL
     started = time.perf_counter()
     with storage.open_write(SCRATCH) as f:
         write_in_slices(f, payload)
+    storage.drain()  # durable, as a job's outputs are before its manifest: not the page cache
     write_seconds = time.perf_counter() - started
     try:
         starts = range(0, len(payload), READ_PIECE)
