@@ -1,0 +1,108 @@
+"""A/B of two ckptctl commits on the same jobs, attempts interleaved: the shared disk's slow
+spells (up to 1.5x) fall on both alike, which separate bench runs cannot promise.
+
+The older commit is checked out into a git worktree and run with ``PYTHONPATH`` pointing at
+it; this checkout is the newer side. Each attempt removes the output, syncs, then times the
+job until its output is on disk (a final ``sync``). Prints median and best per job and side,
+with ``cp -r`` of each source in the same rounds.
+
+    python bench/bench_ab.py --old REV [--rounds 5] [--megatron /tmp/ckptctl-bench/src]
+        [--deepspeed /tmp/ckptctl-bench-ds/zero2-bf16]
+
+The sources are those ``bench_convert.py --keep`` and ``bench_deepspeed.py --keep`` leave.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchlib import compile_bytecode, remove
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = Path("/tmp/ckptctl-bench-ab-out")
+
+
+def timed(cmd: list[str], env: dict[str, str] | None) -> float:
+    remove(OUT)
+    subprocess.run(["sync"], check=True)
+    start = time.perf_counter()
+    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(["sync"], check=True)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--old", required=True, help="The commit to compare against.")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--megatron", type=Path, default=Path("/tmp/ckptctl-bench/src"))
+    parser.add_argument("--deepspeed", type=Path, default=Path("/tmp/ckptctl-bench-ds/zero2-bf16"))
+    args = parser.parse_args()
+    old = Path(f"/tmp/ckptctl-ab-{args.old}")
+    if not old.exists():
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-f", str(old), args.old])
+    compile_bytecode()
+    for tree in (old / "ckptctl", old / "planners"):
+        subprocess.run([sys.executable, "-m", "compileall", "-q", str(tree)], check=True)
+    ckptctl = [sys.executable, "-m", "ckptctl"]
+    jobs: list[tuple[str, list[str], bool]] = []
+    if args.megatron.exists():
+        src = str(args.megatron)
+        jobs += [
+            ("cp -r (megatron source)", ["cp", "-r", src, str(OUT)], False),
+            (
+                "consolidate --format megatron",
+                [*ckptctl, "consolidate", src, str(OUT), "--format", "megatron", "--json"],
+                True,
+            ),
+        ]
+    if args.deepspeed.exists():
+        tag = (args.deepspeed / "latest").read_text().strip()
+        jobs += [
+            ("cp -r (ZeRO-2 tag)", ["cp", "-r", str(args.deepspeed / tag), str(OUT)], False),
+            (
+                "consolidate --format deepspeed-universal",
+                [
+                    *ckptctl,
+                    "consolidate",
+                    str(args.deepspeed),
+                    str(OUT),
+                    "--format",
+                    "deepspeed-universal",
+                    "--json",
+                ],
+                True,
+            ),
+        ]
+    if not jobs:
+        sys.exit("no source found: run bench_convert.py --keep or bench_deepspeed.py --keep")
+    sides = {
+        "old": dict(os.environ, PYTHONPATH=str(old)),
+        "new": dict(os.environ, PYTHONPATH=str(ROOT)),
+    }
+    times: dict[tuple[str, str], list[float]] = {}
+    for round_ in range(args.rounds):
+        order = list(sides.items()) if round_ % 2 == 0 else list(sides.items())[::-1]
+        for name, cmd, is_ckptctl in jobs:  # each side goes first in every other round
+            for side, env in order if is_ckptctl else [("-", None)]:
+                times.setdefault((name, side), []).append(timed(cmd, env))
+    remove(OUT)
+    print(
+        f"\nold = {args.old}, new = this checkout; {args.rounds} rounds, interleaved, "
+        "the side going first alternating\n"
+    )
+    print("| job | side | median s | best s | every attempt |")
+    print("|---|---|---:|---:|---|")
+    for (name, side), seen in times.items():
+        every = " ".join(f"{t:.2f}" for t in seen)
+        print(f"| {name} | {side} | {statistics.median(seen):.2f} | {min(seen):.2f} | {every} |")
+
+
+if __name__ == "__main__":
+    main()
