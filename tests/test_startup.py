@@ -194,5 +194,9 @@ def test_the_program_leaves_at_once_with_every_byte_of_its_output(
         [sys.executable, "-m", "ckptctl", "--version"], capture_output=True, env=buffered
     )
     assert version.stdout.decode() == f"ckptctl {__version__}\n"  # print(): not flushed by itself
+    profile = checkpoints["megatron"].parent / "version.prof"
+    profiled = [sys.executable, "-m", "cProfile", "-o", profile, "-m", "ckptctl", "--version"]
+    assert subprocess.run(profiled, capture_output=True).returncode == 0
+    assert profile.stat().st_size > 0  # a profiler writes its results at exit: not skipped
     missing = [sys.executable, "-m", "ckptctl", "inspect", str(checkpoints["megatron"]) + "-x"]
     assert subprocess.run(missing, capture_output=True).returncode == 3

@@ -219,11 +219,12 @@ def main() -> None:
     tearing the interpreter down: module teardown (numpy, pydantic, the layout models) takes
     ~45 ms, 4% of a one-second conversion, and nothing is left for it to do: every output is
     closed and flushed, worker threads are idle, a process group is closed. A failure takes
-    the ordinary way out, where nothing is skipped."""
+    the ordinary way out, where nothing is skipped, and so does a run under a profiler or a
+    coverage tracer (they write their results at exit)."""
     try:
         run_command()
     except SystemExit as done:
-        if done.code not in (0, None):
+        if done.code not in (0, None) or sys.getprofile() or sys.gettrace():
             raise
     try:
         sys.stdout.flush()
