@@ -78,8 +78,9 @@ class LocalFiles:
             raise FileNotFoundError(path)
         found = []
         for folder, folders, names in os.walk(path.rstrip("/") or "/"):
-            found += [f"{folder}/{name}" for name in names]
-            found += [f"{folder}/{name}" for name in folders if os.path.islink(f"{folder}/{name}")]
+            found += [os.path.join(folder, name) for name in names]
+            links = (os.path.join(folder, name) for name in folders)
+            found += [link for link in links if os.path.islink(link)]
         return sorted(found)
 
     def open(self, path: str, mode: str = "rb", **_: Any) -> BinaryIO:
