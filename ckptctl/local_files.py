@@ -42,7 +42,8 @@ def local_root(url: str) -> str | None:
 
 
 class LocalFiles:
-    """The calls ``Storage`` makes of a file system, for local paths: each one system call."""
+    """The calls ``Storage`` makes of a file system for local paths (it writes local files
+    through the OS itself): each one system call."""
 
     protocol = LOCAL_PROTOCOLS
 
@@ -54,11 +55,6 @@ class LocalFiles:
 
     def size(self, path: str) -> int:
         return os.stat(path).st_size
-
-    def info(self, path: str) -> dict[str, Any]:
-        st = os.stat(path)
-        kind = "directory" if os.path.isdir(path) else "file"
-        return {"name": path, "size": st.st_size, "type": kind, "mtime": st.st_mtime}
 
     def ls(self, path: str, detail: bool = False) -> list[str]:
         """Full paths of a directory's entries (a file lists itself, as fsspec's does)."""
@@ -91,9 +87,6 @@ class LocalFiles:
             f.seek(start or 0)
             return f.read() if end is None else f.read(max(0, end - (start or 0)))
 
-    def makedirs(self, path: str, exist_ok: bool = False) -> None:
-        os.makedirs(path, exist_ok=exist_ok)
-
     def rm(self, path: str, recursive: bool = False) -> None:
         if os.path.isdir(path) and not os.path.islink(path):
             if not recursive:
@@ -101,6 +94,3 @@ class LocalFiles:
             shutil.rmtree(path)
         else:
             os.remove(path)
-
-    def mv(self, src: str, dst: str) -> None:
-        os.replace(src, dst)
