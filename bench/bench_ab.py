@@ -19,22 +19,18 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from benchlib import compile_bytecode, remove
+from benchlib import ROOT, compile_bytecode, remove, timed
 
-ROOT = Path(__file__).resolve().parent.parent
 OUT = Path("/tmp/ckptctl-bench-ab-out")
 
 
-def timed(cmd: list[str], env: dict[str, str] | None) -> float:
+def attempt(cmd: list[str], env: dict[str, str] | None) -> float:
+    """Seconds of one run from an empty, synced output until its output is on disk."""
     remove(OUT)
     subprocess.run(["sync"], check=True)
-    start = time.perf_counter()
-    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    subprocess.run(["sync"], check=True)
-    return time.perf_counter() - start
+    return timed(cmd, env)[0]
 
 
 def main() -> None:
@@ -46,10 +42,10 @@ def main() -> None:
     args = parser.parse_args()
     old = Path(f"/tmp/ckptctl-ab-{args.old}")
     if not old.exists():
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-f", str(old), args.old])
+        worktree = ["git", "-C", str(ROOT), "worktree", "add", "-f", str(old), args.old]
+        subprocess.run(worktree, check=True)
     compile_bytecode()
-    for tree in (old / "ckptctl", old / "planners"):
-        subprocess.run([sys.executable, "-m", "compileall", "-q", str(tree)], check=True)
+    compile_bytecode(old)
     ckptctl = [sys.executable, "-m", "ckptctl"]
     jobs: list[tuple[str, list[str], bool]] = []
     if args.megatron.exists():
@@ -91,7 +87,7 @@ def main() -> None:
         order = list(sides.items()) if round_ % 2 == 0 else list(sides.items())[::-1]
         for name, cmd, is_ckptctl in jobs:  # each side goes first in every other round
             for side, env in order if is_ckptctl else [("-", None)]:
-                times.setdefault((name, side), []).append(timed(cmd, env))
+                times.setdefault((name, side), []).append(attempt(cmd, env))
     remove(OUT)
     print(
         f"\nold = {args.old}, new = this checkout; {args.rounds} rounds, interleaved, "

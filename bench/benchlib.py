@@ -11,6 +11,9 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
+ROOT = Path(__file__).resolve().parent.parent
+"""The checkout these benches belong to."""
+
 Row = tuple[str, float, float | None, int, float, float, int]
 """(name, seconds, ckptctl's own seconds or None, bytes written, source bytes/s, vs cp, RSS)."""
 
@@ -28,14 +31,14 @@ def remove(path: Path) -> None:
         path.unlink()
 
 
-def timed(cmd: list[str]) -> tuple[float, int, float | None]:
+def timed(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, int, float | None]:
     """Wall seconds until ``cmd``'s output is on disk (its run plus a ``sync``), its peak RSS in
     bytes (GNU time), and ckptctl's own ``--json`` seconds if it printed them. Counting the sync
     charges every run for its own writeback, so runs compare at the disk's bandwidth, not the
-    page cache's."""
+    page cache's. ``env``: the command's environment (default: this process's)."""
     start = time.perf_counter()
     done = subprocess.run(
-        ["/usr/bin/time", "-f", "%M", *cmd], capture_output=True, text=True, check=False
+        ["/usr/bin/time", "-f", "%M", *cmd], capture_output=True, text=True, check=False, env=env
     )
     subprocess.run(["sync"], check=True)
     seconds = time.perf_counter() - start
@@ -45,16 +48,14 @@ def timed(cmd: list[str]) -> tuple[float, int, float | None]:
     return seconds, int(done.stderr.strip().splitlines()[-1]) * 1024, inner
 
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def compile_bytecode() -> None:
-    """Compile ckptctl's modules to bytecode, as ``pip install`` does: a process started with
-    ``PYTHONDONTWRITEBYTECODE`` (set on some machines, this one included) otherwise compiles
-    every ckptctl source file again at each start, ~0.15 s that no installed copy pays."""
+def compile_bytecode(root: Path = ROOT) -> None:
+    """Compile ckptctl's modules (of the checkout at ``root``) to bytecode, as ``pip install``
+    does: a process started with ``PYTHONDONTWRITEBYTECODE`` (set on some machines, this one
+    included) otherwise compiles every ckptctl source file again at each start, ~0.15 s that no
+    installed copy pays."""
     for package in ("ckptctl", "planners"):
         subprocess.run(
-            [sys.executable, "-m", "compileall", "-q", str(ROOT / package)],
+            [sys.executable, "-m", "compileall", "-q", str(root / package)],
             check=True,
             stdout=subprocess.DEVNULL,
         )

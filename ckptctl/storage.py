@@ -213,7 +213,7 @@ class Storage:
             self.fs: Any = LocalFiles()
         else:
             self.fs, root = _remote(url, protocol, options)
-        self.root = root.rstrip("/") or "/"  # fsspec: "Protocol not known: foo"
+        self.root = root.rstrip("/") or "/"
         self._unsynced: list[str] = []
         """Local files written and renamed into place, not yet flushed to the device."""
         self.durable = True
