@@ -150,3 +150,15 @@ def first_value(array: np.ndarray) -> Any:
     if array.dtype.names is None:
         return array.reshape(-1)[0].item()
     return to_torch(array).reshape(-1)[0].item()
+
+
+def strided(flat: np.ndarray, sizes: tuple[int, ...], stride: tuple[int, ...]) -> np.ndarray:
+    """The box of ``sizes`` elements laid out by ``stride`` (in elements) from ``flat``'s
+    first, as a C-contiguous array (``flat`` itself, reshaped, when it already is one)."""
+    size = flat.dtype.itemsize
+    box = np.lib.stride_tricks.as_strided(
+        flat, sizes, tuple(s * size for s in stride), writeable=False
+    )
+    if box.flags.c_contiguous:
+        return flat[: math.prod(sizes)].reshape(sizes)
+    return np.ascontiguousarray(box)

@@ -13,12 +13,10 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from math import prod
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import xxhash
 
-from ckptctl import arrays
 from ckptctl.bands import Band, BandQueue, band_ranges
 from ckptctl.distributed import Group
 from ckptctl.formats import registry
@@ -32,6 +30,12 @@ from ckptctl.model.stored import Shape
 from ckptctl.runs import Run, write_in_slices
 from ckptctl.storage import Storage
 from planners.shares import split_files
+
+if TYPE_CHECKING:
+    import numpy as np
+
+# numpy (and ckptctl.arrays) is imported by the methods that build bands: a job whose tensors
+# all move by kernel copy never needs it, and saves its import (~60 ms; more from a cold disk).
 
 DEFAULT_MEMORY_BUDGET = 1 << 30
 
@@ -180,6 +184,10 @@ class Assembler:
 
     def _build(self, write: TensorWrite, band: Band, *, parallel: bool = True) -> np.ndarray:
         """One band's bytes in the order they are written."""
+        import numpy as np
+
+        from ckptctl import arrays
+
         lo, hi, dim = band
         data = self._band(write, lo, hi, dim, parallel)
         # A transposed band is reordered as words: numpy copies those at memory speed.
@@ -192,6 +200,8 @@ class Assembler:
             self.queue.close()
 
     def _emit(self, band: np.ndarray, digest: Any) -> memoryview:
+        from ckptctl import arrays
+
         view = arrays.raw_bytes(band)
         digest.update(view)
         with self._counting:  # runs are counted on the writer's thread
@@ -209,6 +219,8 @@ class Assembler:
     ) -> np.ndarray:
         """Indices ``[lo, hi)`` along ``dim`` of the target tensor (the whole tensor if it is
         0-dimensional); its reads go to the pool if ``parallel`` (not from a pool thread)."""
+        from ckptctl import arrays
+
         scalar = not write.shape
         shape = write.shape if scalar else with_dim(write.shape, dim, hi - lo)
         reads = []

@@ -13,31 +13,34 @@ import pytest
 
 from ckptctl import synth
 
-DRIVER = """
+WATCHED = ("fsspec", "torch", "numpy", "rich")
+
+DRIVER = f"""
 import sys
 from ckptctl.cli.main import run_command
 sys.argv = ["ckptctl", *sys.argv[1:]]
 try:
     run_command()
 finally:
-    sys.stderr.write("fsspec imported\\n" if "fsspec" in sys.modules else "fsspec not imported\\n")
-    sys.stderr.write("torch imported\\n" if "torch" in sys.modules else "torch not imported\\n")
+    sys.stderr.write("imported: " + " ".join(m for m in {WATCHED!r} if m in sys.modules) + "\\n")
 """
 
 
 def run(*argv: object) -> str:
     """Whether the command imported torch."""
-    return reports(*argv)[-1]
+    return "torch imported" if "torch" in imported(*argv) else "torch not imported"
 
 
-def reports(*argv: object, code: int = 0) -> list[str]:
-    """Whether the command (exiting with ``code``) imported fsspec, then whether it imported
-    torch."""
+def imported(*argv: object, code: int = 0) -> set[str]:
+    """Which of ``WATCHED`` the command (exiting with ``code``) imported, run in a fresh
+    interpreter."""
     done = subprocess.run(
         [sys.executable, "-c", DRIVER, *map(str, argv)], capture_output=True, text=True
     )
     assert done.returncode == code, done.stderr[-2000:]
-    return done.stderr.strip().splitlines()[-2:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("imported:"), done.stderr[-2000:]
+    return set(last.removeprefix("imported:").split())
 
 
 @pytest.fixture(scope="module")
@@ -129,11 +132,28 @@ def test_local_jobs_do_not_import_fsspec(checkpoints: dict[str, Path], tmp_path:
     path is local: only remote URLs load it."""
     src = checkpoints["megatron"]
     out = tmp_path / "out"
-    assert reports("inspect", src, "--json")[0] == "fsspec not imported"
-    assert reports("reshard", src, out, "--tp", "1", "--pp", "2")[0] == "fsspec not imported"
-    assert reports("verify", f"file://{out}")[0] == "fsspec not imported"
-    missing = reports("inspect", "memory://nothing-here", "--json", code=3)
-    assert missing[0] == "fsspec imported"
+    assert "fsspec" not in imported("inspect", src, "--json")
+    assert "fsspec" not in imported("reshard", src, out, "--tp", "1", "--pp", "2")
+    assert "fsspec" not in imported("verify", f"file://{out}")
+    assert "fsspec" in imported("inspect", "memory://nothing-here", "--json", code=3)
+
+
+def test_jobs_that_only_copy_bytes_import_neither_numpy_nor_rich(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """numpy (~60 ms, ~140 ms from a cold disk) is imported where arrays are made, and rich
+    (~30 ms) where something is printed for people: a ``--json`` job whose every tensor moves
+    by kernel copy needs neither, nor do ``inspect --json`` and ``plan --json``. A job that
+    builds arrays, and a table for people, still get them."""
+    out = tmp_path / "out"
+    dcp = ("consolidate", checkpoints["dcp"], out, "--format", "torch", "--json")
+    assert imported(*dcp) == set()
+    assert imported("inspect", checkpoints["dcp"], "--json") == set()
+    plan = ("plan", checkpoints["megatron"], tmp_path / "p", "--tp", "1", "--pp", "1", "--json")
+    assert imported(*plan) == set()
+    assert imported("inspect", checkpoints["dcp"]) == {"rich"}
+    merge = ("consolidate", checkpoints["megatron"], tmp_path / "hf", "--format", "hf", "--json")
+    assert imported(*merge) == {"numpy"}  # TP shards are joined in memory
 
 
 @pytest.mark.parametrize(
@@ -200,3 +220,35 @@ def test_the_program_leaves_at_once_with_every_byte_of_its_output(
     assert profile.stat().st_size > 0  # a profiler writes its results at exit: not skipped
     missing = [sys.executable, "-m", "ckptctl", "inspect", str(checkpoints["megatron"]) + "-x"]
     assert subprocess.run(missing, capture_output=True).returncode == 3
+
+
+def test_messages_reach_stderr_as_written_on_a_pipe_and_on_a_terminal(tmp_path: Path) -> None:
+    """Without a terminal an error line is written by ckptctl itself (rich is not imported
+    for it); on a terminal rich colours the label. Either way a path that looks like rich
+    markup is printed as it is."""
+    import pty
+
+    missing = tmp_path / "[bold]ckpt[/]"
+    argv = [sys.executable, "-m", "ckptctl", "inspect", str(missing)]
+    piped = subprocess.run(argv, capture_output=True, text=True)
+    assert piped.returncode == 3
+    assert piped.stderr.startswith(f"error: {missing}"), piped.stderr
+    leader, follower = pty.openpty()
+    on_tty = subprocess.run(
+        argv, stdout=subprocess.DEVNULL, stderr=follower, env=dict(os.environ, COLUMNS="400")
+    )
+    os.close(follower)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the terminal's other end closed
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(leader)
+    assert on_tty.returncode == 3
+    text = shown.decode()
+    assert "\x1b[" in text and "error:" in text  # coloured
+    assert str(missing) in text.replace("\r\n", "\n"), text

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
 
 from ckptctl.cli.options import Iteration, Json, TrueVocab, state
 from ckptctl.cli.output import Output, boundary, human_bytes
@@ -122,7 +121,7 @@ def _show_inspect(out: Output, info: dict[str, Any]) -> None:
         )
     rank_title = "rank (tp, pp, ep)" if moe else "rank (tp, pp)"
     columns = [rank_title, "tensors", "bytes"] + (["experts"] if moe else [])
-    table = Table("file", *columns)
+    table = out.table("file", *columns)
     for f in info["files"]:
         rank = (*f["rank"], f["ep_rank"]) if moe and f["rank"] else f["rank"]
         row = [

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
 
 from ckptctl.cli.options import (
     Iteration,
@@ -103,7 +102,7 @@ def worker_shares(job: Job, workers: int) -> dict[str, Any]:
 
 
 def show_shares(out: Output, shares: dict[str, Any]) -> None:
-    table = Table("rank", "files", "bytes")
+    table = out.table("rank", "files", "bytes")
     for share in shares["shares"]:
         table.add_row(str(share["rank"]), str(len(share["files"])), human_bytes(share["bytes"]))
     out.show(table)
@@ -126,7 +125,7 @@ def show(out: Output, plan: Plan) -> None:
         f"write {human_bytes(e.bytes_written)}, peak memory ~{human_bytes(e.peak_memory_bytes)}, "
         f"~{e.seconds:.2f} s by the cost model"
     )
-    table = Table("alternative", "estimated time", "read", "requests", "why not")
+    table = out.table("alternative", "estimated time", "read", "requests", "why not")
     for alt in plan.alternatives:
         if alt.estimates is not None:
             a = alt.estimates
@@ -148,7 +147,7 @@ def show(out: Output, plan: Plan) -> None:
                 key = (plan.source_files[copy.source], file.path)
                 transfers[key] = transfers.get(key, 0) + nbytes(copy.sizes, tensor.dtype)
     if transfers:
-        top = Table("largest transfers: from", "to", "bytes")
+        top = out.table("largest transfers: from", "to", "bytes")
         for (a, b), n in sorted(transfers.items(), key=lambda kv: (-kv[1], kv[0]))[:5]:
             top.add_row(a, b, human_bytes(n))
         out.show(top)
@@ -166,7 +165,7 @@ def show_grid(out: Output, plan: Plan, svg: Path | None) -> None:
         return
     top = max(t.bytes.values())
     shades = " ░▒▓█"
-    table = Table("source \\ target", *[_short(p) for p in t.targets], show_lines=False)
+    table = out.table("source \\ target", *[_short(p) for p in t.targets], show_lines=False)
     for source in t.sources:
         cells = []
         for target in t.targets:

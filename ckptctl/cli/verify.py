@@ -67,9 +67,7 @@ def _show_quantized(out: Output, tensors: list[dict]) -> None:
     rows = [t for t in tensors if "quantized_max_abs_error" in t]
     if not rows:
         return
-    from rich.table import Table
-
-    table = Table(title="quantized tensors (lossy)", title_justify="left")
+    table = out.table(title="quantized tensors (lossy)", title_justify="left")
     for column in ("tensor", "max abs diff", "recorded at compression"):
         table.add_column(column, justify="left" if column == "tensor" else "right")
     for t in rows:

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from math import prod
 from typing import Any, BinaryIO
 
-from ckptctl.arrays import raw_bytes
 from ckptctl.formats.base import SavedTraining, WriteJob
 from ckptctl.formats.megatron.args import args_for, args_from_spec
 from ckptctl.formats.torchsave.archive import TensorRef
@@ -204,6 +203,8 @@ class TrainingState:
 
     def carried_bytes(self, slot: TensorSlot) -> memoryview:
         ref = self.refs[int(slot.key.removeprefix("carried"))]
+        from ckptctl.arrays import raw_bytes  # numpy: only when bytes are handled
+
         return raw_bytes(self.owner.read_ref(self.template_path, ref))
 
 

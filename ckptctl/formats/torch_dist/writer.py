@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from functools import cache
 from typing import Any, BinaryIO
 
-from ckptctl.arrays import first_value
 from ckptctl.formats.base import WriteJob
 from ckptctl.formats.dcp.metadata import (
     METADATA_FILE,
@@ -135,6 +134,8 @@ def _group_step(state: Any) -> float | None:
             if t.canonical.startswith("step/"):
                 view = None if t.view_offset is None else (t.view_offset, t.shape)
                 zero = (0,) * len(t.shape)
+                from ckptctl.arrays import first_value  # numpy: only when bytes are handled
+
                 return float(first_value(owner.read(file.path, t.key, zero, t.shape, view)))
     return None
 

@@ -7,7 +7,6 @@ from collections.abc import Iterator
 from itertools import pairwise
 from typing import Any, BinaryIO
 
-from ckptctl.arrays import raw_bytes
 from ckptctl.formats.base import WriteJob
 from ckptctl.formats.torchsave.archive import TensorRef
 from ckptctl.formats.torchsave.zip_writer import TensorSlot, write_torch_zip
@@ -45,6 +44,8 @@ def write_state_dict_file(job: WriteJob, file: FileWrite, out: BinaryIO) -> None
     def produce(slot: TensorSlot) -> Iterator[memoryview]:
         if slot.key in inner:
             reader, ref = inner[slot.key]
+            from ckptctl.arrays import raw_bytes  # numpy: only when bytes are handled
+
             yield raw_bytes(reader.read(ref))
         else:
             yield from assemble.chunks(by_key[slot.key], file.path)

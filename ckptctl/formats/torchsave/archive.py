@@ -31,15 +31,17 @@ import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from math import prod
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
-import numpy as np
-
-from ckptctl.arrays import dtype_of, first_value, numpy_dtype, words
 from ckptctl.crc import crc32
 from ckptctl.errors import CheckpointError, UnsafePickleError
 from ckptctl.model.dtypes import BY_STORAGE, DTYPES, DType
 from ckptctl.runs import Span
+
+if TYPE_CHECKING:
+    import numpy as np
+
+# numpy is imported where arrays are made: a job moving every byte by kernel copy makes none.
 
 Shape = tuple[int, ...]
 
@@ -357,6 +359,10 @@ class TorchZipReader:
         ``into`` (a contiguous array of the box's shape) receives the bytes straight from the
         file when the box lies contiguously there in the same dtype; the result is ``into``
         then, else a new array."""
+        import numpy as np
+
+        from ckptctl.arrays import numpy_dtype, strided
+
         dtype = numpy_dtype(ref.dtype)
         offsets = offsets if offsets is not None else (0,) * len(ref.shape)
         sizes = sizes if sizes is not None else ref.shape
@@ -375,7 +381,7 @@ class TorchZipReader:
         self._check_whole(ref, first * ref.dtype.itemsize, data)
         # Fetched bytes are read-only and nothing writes into a read's result: view them as
         # they are instead of copying them into a bytearray first.
-        return _strided(np.frombuffer(data, dtype), sizes, ref.stride)
+        return strided(np.frombuffer(data, dtype), sizes, ref.stride)
 
     def span(self, ref: TensorRef, offsets: Shape, sizes: Shape) -> Span | None:
         """Where the box's bytes lie in the file holding the archive, when they lie
@@ -398,6 +404,8 @@ class TorchZipReader:
         only tensor a plan reads."""
         fmt = _NUMBER_FORMATS.get(ref.dtype.name)
         if ref.numel != 1 or fmt is None:
+            from ckptctl.arrays import first_value
+
             return float(first_value(self.read(ref)))
         size = ref.dtype.itemsize
         if self._fetch is None:
@@ -428,6 +436,10 @@ class TorchZipReader:
     def _read_span(
         self, ref: TensorRef, sizes: Shape, first: int, last: int, into: np.ndarray | None
     ) -> np.ndarray:
+        import numpy as np
+
+        from ckptctl.arrays import numpy_dtype, strided, words
+
         itemsize = ref.dtype.itemsize
         start = self._checked_start(ref, last)
         self._f.seek(start + first * itemsize)
@@ -452,24 +464,14 @@ class TorchZipReader:
         self._check_whole(ref, first * itemsize, view)
         if into is not None:
             return into
-        return _strided(flat, sizes, ref.stride)
-
-
-def _strided(flat: np.ndarray, sizes: Shape, stride: Shape) -> np.ndarray:
-    """The box of ``sizes`` elements laid out by ``stride`` (in elements) from ``flat``'s
-    first, as a C-contiguous array (``flat`` itself, reshaped, when it already is one)."""
-    size = flat.dtype.itemsize
-    box = np.lib.stride_tricks.as_strided(
-        flat, sizes, tuple(s * size for s in stride), writeable=False
-    )
-    if box.flags.c_contiguous:
-        return flat[: prod(sizes)].reshape(sizes)
-    return np.ascontiguousarray(box)
+        return strided(flat, sizes, ref.stride)
 
 
 def _fits(into: np.ndarray, ref: TensorRef, sizes: Shape) -> bool:
     """The box of ``ref`` lies in the file exactly as ``into`` lays it out in memory: same
     dtype and shape, both C-contiguous (so the bytes can be read straight into it)."""
+    from ckptctl.arrays import dtype_of
+
     if (
         dtype_of(into) != ref.dtype.name
         or tuple(into.shape) != tuple(sizes)
