@@ -7,9 +7,10 @@ job until its output is on disk (a final ``sync``). Prints median and best per j
 with ``cp -r`` of each source in the same rounds.
 
     python bench/bench_ab.py --old REV [--rounds 5] [--megatron /tmp/ckptctl-bench/src]
-        [--deepspeed /tmp/ckptctl-bench-ds/zero2-bf16]
+        [--deepspeed /tmp/ckptctl-bench-ds/zero2-bf16] [--dcp /tmp/ckptctl-bench-dcp/dcp]
 
-The sources are those ``bench_convert.py --keep`` and ``bench_deepspeed.py --keep`` leave.
+The sources are those ``bench_convert.py --keep``, ``bench_deepspeed.py --keep`` and
+``bench_dcp.py --keep`` leave (a missing one is skipped).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--megatron", type=Path, default=Path("/tmp/ckptctl-bench/src"))
     parser.add_argument("--deepspeed", type=Path, default=Path("/tmp/ckptctl-bench-ds/zero2-bf16"))
+    parser.add_argument("--dcp", type=Path, default=Path("/tmp/ckptctl-bench-dcp/dcp"))
     args = parser.parse_args()
     old = Path(f"/tmp/ckptctl-ab-{args.old}")
     if not old.exists():
@@ -76,8 +78,20 @@ def main() -> None:
                 True,
             ),
         ]
+    if args.dcp.exists():
+        src = str(args.dcp)
+        jobs += [
+            ("cp -r (DCP source)", ["cp", "-r", src, str(OUT)], False),
+            (
+                "consolidate --format torch (DCP)",
+                [*ckptctl, "consolidate", src, str(OUT), "--format", "torch", "--json"],
+                True,
+            ),
+        ]
     if not jobs:
-        sys.exit("no source found: run bench_convert.py --keep or bench_deepspeed.py --keep")
+        sys.exit(
+            "no source found: run bench_convert.py, bench_deepspeed.py or bench_dcp.py with --keep"
+        )
     sides = {
         "old": dict(os.environ, PYTHONPATH=str(old)),
         "new": dict(os.environ, PYTHONPATH=str(ROOT)),
