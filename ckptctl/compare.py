@@ -9,7 +9,8 @@ import numpy as np
 import torch
 
 from ckptctl.arrays import to_torch, words
-from ckptctl.execute import Assembler, NoProgress, Report, Sources
+from ckptctl.assembler import Assembler
+from ckptctl.job_report import NoProgress, Report, Sources
 from ckptctl.model.catalog import parameters
 from ckptctl.model.geometry import Piece, nbytes
 from ckptctl.model.plan import FileKind, TensorWrite

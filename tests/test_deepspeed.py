@@ -261,3 +261,35 @@ def test_quantized_zero_checkpoint_stays_within_its_recorded_errors(
     for path in (tmp_path / "back").rglob("*.pt"):
         with zipfile.ZipFile(path) as zf:
             assert zf.testzip() is None, path
+
+
+@pytest.mark.parametrize("run", ["stage2-bf16-dp2-all", "stage3-dp2", "stage1-dp2"])
+def test_universal_conversion_moves_every_byte_by_kernel_copy(
+    written: dict[str, Path], run: str, tmp_path: Path
+) -> None:
+    """A universal checkpoint holds the masters and moments exactly as the rank files do:
+    every byte moves by kernel copy (fragments split between ranks included, however small)
+    and the ``step`` files are written from their value, so the job needs no numpy (its
+    import is ~60 ms of a ~1 s job). (Runs whose frozen weights are bf16 need torch: the
+    universal ``fp32`` file of a frozen weight is a cast.) That the files are right is proven
+    above and by DeepSpeed resuming from them (test_deepspeed_targets)."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.test_startup import DRIVER, imported
+
+    ckpt = written[run]
+    argv = ("consolidate", ckpt, tmp_path / "u", "--format", "deepspeed-universal", "--json")
+    assert imported(*argv) == set()
+    report = json.loads(
+        subprocess.run(
+            [sys.executable, "-c", DRIVER, *map(str, argv[:2]), tmp_path / "v", *argv[3:]],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    )
+    assert report["bytes_copied_without_passing_through"] == {
+        "copy_file_range": report["bytes_read"]
+    }

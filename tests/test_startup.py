@@ -189,6 +189,55 @@ def test_numbers_read_without_torch_equal_torchs(dtype: str, tmp_path: Path) -> 
         reader.read_number(reader.tree["alone"])
 
 
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        "float64",
+        "float32",
+        "float16",
+        "bfloat16",
+        "int64",
+        "int32",
+        "int16",
+        "int8",
+        "uint8",
+        "bool",
+    ],
+)
+def test_fill_values_packed_without_torch_are_torchs_or_refused(dtype: str) -> None:
+    """A fill (Adam's step in a universal checkpoint, padding) is packed with ``struct`` only
+    when the dtype holds the value exactly, and then its bytes are torch's own; any other
+    value is left to torch's conversion (``None``)."""
+    import math
+
+    import torch
+
+    from ckptctl.model.dtypes import pack_exactly
+
+    values = [0.0, -0.0, 1.0, -1.0, 2.0, 5.0, 0.5, 0.1, 3.0e-3, 1 / 3, 255.0, 256.0, -129.0]
+    values += [257.0, 65504.0, 65505.0, 2.0**24 + 1, 2.0**31, 2.0**63, 1e39, 1e300, 2.0**-140]
+    values += [math.inf, -math.inf, math.nan]
+    kind = getattr(torch, dtype)
+    packed_some = False
+    for value in values:
+        packed = pack_exactly(dtype, value)
+        try:
+            theirs = torch.full((), value, dtype=kind)
+        except RuntimeError:  # torch refuses to store it (out of an integer dtype's range)
+            assert packed is None, value
+            continue
+        exact = float(theirs) == value and math.copysign(1, float(theirs)) == math.copysign(
+            1, value
+        )
+        if packed is None:
+            assert not exact, (value, float(theirs))
+        else:
+            assert exact, value
+            assert packed == theirs.reshape(1).view(torch.uint8).numpy().tobytes(), value
+            packed_some = True
+    assert packed_some
+
+
 def test_the_program_leaves_at_once_with_every_byte_of_its_output(
     checkpoints: dict[str, Path],
 ) -> None:

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from ckptctl import synth
-from ckptctl.execute import Assembler
+from ckptctl import assembler, synth
+from ckptctl.assembler import Assembler
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +48,10 @@ def tree(root: Path) -> dict[str, str]:
 
 
 def in_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every tensor assembled in memory, as before kernel copies existed."""
+    """Every tensor assembled in memory, as before kernel copies (and fills packed without
+    numpy) existed."""
     monkeypatch.setattr(Assembler, "_runs_of", lambda self, write: None)
+    monkeypatch.setattr(assembler, "_fill_element", lambda write: None)
 
 
 JOBS = {
@@ -80,6 +82,38 @@ def test_kernel_copies_write_the_same_bytes_as_memory(
     assert plain["bytes_copied_without_passing_through"] == {}
     assert tree(tmp_path / "kernel") == tree(tmp_path / "memory")
     cli("verify", tmp_path / "kernel")
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "fill"),
+    [((), "float32", 3.0), ((1000, 3), "bfloat16", -2.5), ((7, 5, 3), "int64", 1.0)],
+)
+def test_a_fill_packed_without_numpy_is_the_array_numpy_builds(
+    shape: tuple[int, ...], dtype: str, fill: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tensor no source covers is written from one packed element, a band's worth at a time
+    (here bands of 1000 bytes: several, and a short last one): the same bytes and checksum
+    as the array numpy fills."""
+    from math import prod
+
+    from ckptctl.job_report import NoProgress, Report
+    from ckptctl.model.plan import TensorWrite
+
+    numel = prod(shape)
+    write = TensorWrite(
+        key=("t",), canonical="t", shape=shape, dtype=dtype, copies=(), padding=numel, fill=fill
+    )
+    seen = {}
+    for packed in (True, False):
+        with monkeypatch.context() as patch:
+            if not packed:
+                patch.setattr(assembler, "_fill_element", lambda write: None)
+            report = Report()
+            build = Assembler((), None, report, NoProgress(), budget=8000)  # type: ignore[arg-type]
+            data = b"".join(bytes(chunk) for chunk in build.chunks(write, "f"))  # type: ignore[arg-type]
+            seen[packed] = (data, report.tensor_checksums, report.bytes_written)
+    assert seen[True] == seen[False]
+    assert len(seen[True][0]) == numel * {"float32": 4, "bfloat16": 2, "int64": 8}[dtype]
 
 
 def test_other_sources_move_by_kernel_copy_too(megatron: Path, tmp_path: Path, cli) -> None:

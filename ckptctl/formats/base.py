@@ -23,7 +23,7 @@ from ckptctl.storage import Storage
 if TYPE_CHECKING:
     import numpy as np
 
-    from ckptctl.execute import Assembler
+    from ckptctl.assembler import Assembler
     from ckptctl.job_report import Report, Sources
 
 

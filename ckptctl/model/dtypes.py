@@ -3,6 +3,8 @@ its spelling in safetensors headers and in ``torch.save`` pickles (no torch impo
 
 from __future__ import annotations
 
+import math
+import struct
 from dataclasses import dataclass
 
 
@@ -66,3 +68,52 @@ BY_STORAGE = {d.storage: name for name, d in DTYPES.items() if d.storage}
 def dtype_name(dtype: object) -> str:
     """``torch.float32`` (or ``"float32"``, or its ``DType``) -> ``"float32"``."""
     return dtype.name if isinstance(dtype, DType) else str(dtype).removeprefix("torch.")
+
+
+NUMBER_FORMATS = {
+    "float64": "<d",
+    "float32": "<f",
+    "float16": "<e",
+    "bfloat16": "<f",  # the upper half of a float32
+    "int64": "<q",
+    "int32": "<i",
+    "int16": "<h",
+    "int8": "<b",
+    "uint8": "<B",
+    "bool": "<?",
+}
+"""``struct`` formats of the dtypes whose single values are decoded and encoded without numpy
+(Adam's step, an iteration count, a fill)."""
+
+
+def unpack_number(dtype: str, data: bytes) -> float:
+    """The value of one little-endian element of ``dtype`` (a key of ``NUMBER_FORMATS``)."""
+    if dtype == "bfloat16":
+        data = b"\0\0" + data
+    return float(struct.unpack(NUMBER_FORMATS[dtype], data)[0])
+
+
+def pack_exactly(dtype: str, value: float) -> bytes | None:
+    """One element of ``dtype`` holding ``value``, when ``value`` is exactly representable in it
+    (then these are the bytes any conversion stores); ``None`` otherwise (rounding, overflow,
+    NaN: left to torch's own conversion)."""
+    fmt = NUMBER_FORMATS.get(dtype)
+    if fmt is None or math.isnan(value):
+        return None
+    number: float | int | bool = value
+    if fmt[1] in "qihbB?":
+        if not value.is_integer() or (fmt[1] == "?" and value not in (0, 1)):
+            return None
+        number = bool(value) if fmt[1] == "?" else int(value)
+    try:
+        data = struct.pack(fmt, number)
+    except (struct.error, OverflowError):  # out of the dtype's range
+        return None
+    if dtype == "bfloat16":
+        if data[:2] != b"\0\0":  # needs more than bfloat16's 8 bits of mantissa
+            return None
+        data = data[2:]
+    back = unpack_number(dtype, data)
+    if back != value or math.copysign(1.0, back) != math.copysign(1.0, value):
+        return None
+    return data

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ckptctl.crc import crc32
 from ckptctl.errors import CheckpointError, UnsafePickleError
-from ckptctl.model.dtypes import BY_STORAGE, DTYPES, DType
+from ckptctl.model.dtypes import BY_STORAGE, DTYPES, NUMBER_FORMATS, DType, unpack_number
 from ckptctl.runs import Span
 
 if TYPE_CHECKING:
@@ -49,18 +49,6 @@ _ALIGNMENT = 64  # torch aligns storage records so they can be memory-mapped
 _EXTRA_GUESS = 2 * _ALIGNMENT
 """Most bytes of a local header's extra field (torch's alignment padding) fetched on the guess
 that a record's bytes follow its header this closely."""
-_NUMBER_FORMATS = {
-    "float64": "<d",
-    "float32": "<f",
-    "float16": "<e",
-    "bfloat16": "<f",
-    "int64": "<q",
-    "int32": "<i",
-    "int16": "<h",
-    "int8": "<b",
-    "uint8": "<B",
-    "bool": "<?",
-}
 """``struct`` formats of one little-endian element, as ``torch.save`` stores them."""
 _STORAGE_DTYPES = {storage: DTYPES[name] for storage, name in BY_STORAGE.items()}
 
@@ -402,8 +390,7 @@ class TorchZipReader:
     def read_number(self, ref: TensorRef) -> float:
         """A one-element tensor's value (Adam's step, an iteration count) without torch: the
         only tensor a plan reads."""
-        fmt = _NUMBER_FORMATS.get(ref.dtype.name)
-        if ref.numel != 1 or fmt is None:
+        if ref.numel != 1 or ref.dtype.name not in NUMBER_FORMATS:
             from ckptctl.arrays import first_value
 
             return float(first_value(self.read(ref)))
@@ -417,9 +404,7 @@ class TorchZipReader:
         if len(data) != size:
             raise CheckpointError(f"{self.where}: unexpected end of file in {ref.storage.key}")
         self._check_whole(ref, ref.offset * size, data)
-        if ref.dtype.name == "bfloat16":  # the upper half of a float32
-            data = b"\0\0" + data
-        return float(struct.unpack(fmt, data)[0])
+        return unpack_number(ref.dtype.name, data)
 
     def _read_at(self, start: int, nbytes: int) -> bytes:
         if self._fetch is not None:
