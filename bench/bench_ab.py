@@ -6,7 +6,7 @@ it; this checkout is the newer side. Each attempt removes the output, syncs, the
 job until its output is on disk (a final ``sync``). Prints median and best per job and side,
 with ``cp -r`` of each source in the same rounds.
 
-    python bench/bench_ab.py --old REV [--rounds 5] [--megatron /tmp/ckptctl-bench/src]
+    python bench/bench_ab.py --old REV [--rounds 5] [--cold] [--megatron /tmp/ckptctl-bench/src]
         [--deepspeed /tmp/ckptctl-bench-ds/zero2-bf16] [--dcp /tmp/ckptctl-bench-dcp/dcp]
 
 The sources are those ``bench_convert.py --keep``, ``bench_deepspeed.py --keep`` and
@@ -22,22 +22,28 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchlib import ROOT, compile_bytecode, remove, timed
+from benchlib import ROOT, compile_bytecode, drop_caches, remove, timed
 
 OUT = Path("/tmp/ckptctl-bench-ab-out")
 
 
-def attempt(cmd: list[str], env: dict[str, str] | None) -> float:
-    """Seconds of one run from an empty, synced output until its output is on disk."""
+def attempt(cmd: list[str], env: dict[str, str] | None, cold: bool) -> tuple[float, float | None]:
+    """Seconds of one run from an empty, synced output until its output is on disk (with the
+    page cache dropped first if ``cold``: source and Python modules come from the disk), and
+    the part of them outside ckptctl's own 'converting' figure (start-up, planning, exit)."""
     remove(OUT)
     subprocess.run(["sync"], check=True)
-    return timed(cmd, env)[0]
+    if cold:
+        drop_caches()
+    seconds, _, converting = timed(cmd, env)
+    return seconds, None if converting is None else seconds - converting
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--old", required=True, help="The commit to compare against.")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--cold", action="store_true", help="Drop the page cache first (root).")
     parser.add_argument("--megatron", type=Path, default=Path("/tmp/ckptctl-bench/src"))
     parser.add_argument("--deepspeed", type=Path, default=Path("/tmp/ckptctl-bench-ds/zero2-bf16"))
     parser.add_argument("--dcp", type=Path, default=Path("/tmp/ckptctl-bench-dcp/dcp"))
@@ -96,22 +102,29 @@ def main() -> None:
         "old": dict(os.environ, PYTHONPATH=str(old)),
         "new": dict(os.environ, PYTHONPATH=str(ROOT)),
     }
-    times: dict[tuple[str, str], list[float]] = {}
+    times: dict[tuple[str, str], list[tuple[float, float | None]]] = {}
     for round_ in range(args.rounds):
         order = list(sides.items()) if round_ % 2 == 0 else list(sides.items())[::-1]
         for name, cmd, is_ckptctl in jobs:  # each side goes first in every other round
             for side, env in order if is_ckptctl else [("-", None)]:
-                times.setdefault((name, side), []).append(attempt(cmd, env))
+                times.setdefault((name, side), []).append(attempt(cmd, env, args.cold))
     remove(OUT)
     print(
         f"\nold = {args.old}, new = this checkout; {args.rounds} rounds, interleaved, "
-        "the side going first alternating\n"
+        "the side going first alternating"
+        + ("; page cache dropped before every attempt\n" if args.cold else "\n")
     )
-    print("| job | side | median s | best s | every attempt |")
-    print("|---|---|---:|---:|---|")
+    print("| job | side | median s | best s | median s outside converting | every attempt |")
+    print("|---|---|---:|---:|---:|---|")
     for (name, side), seen in times.items():
-        every = " ".join(f"{t:.2f}" for t in seen)
-        print(f"| {name} | {side} | {statistics.median(seen):.2f} | {min(seen):.2f} | {every} |")
+        walls = [wall for wall, _ in seen]
+        outside = [o for _, o in seen if o is not None]
+        beside = f"{statistics.median(outside):.3f}" if outside else "-"
+        every = " ".join(f"{t:.2f}" for t in walls)
+        print(
+            f"| {name} | {side} | {statistics.median(walls):.2f} | {min(walls):.2f} | {beside} "
+            f"| {every} |"
+        )
 
 
 if __name__ == "__main__":
