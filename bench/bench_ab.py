@@ -56,44 +56,21 @@ def main() -> None:
     compile_bytecode(old)
     ckptctl = [sys.executable, "-m", "ckptctl"]
     jobs: list[tuple[str, list[str], bool]] = []
-    if args.megatron.exists():
-        src = str(args.megatron)
-        jobs += [
-            ("cp -r (megatron source)", ["cp", "-r", src, str(OUT)], False),
-            (
-                "consolidate --format megatron",
-                [*ckptctl, "consolidate", src, str(OUT), "--format", "megatron", "--json"],
-                True,
-            ),
-        ]
+    # (what cp -r copies, the source ckptctl reads, its --format): one pair of rows each
+    sources = [
+        ("megatron source", args.megatron, args.megatron, "megatron"),
+        ("DCP source", args.dcp, args.dcp, "torch"),
+    ]
     if args.deepspeed.exists():
-        tag = (args.deepspeed / "latest").read_text().strip()
-        jobs += [
-            ("cp -r (ZeRO-2 tag)", ["cp", "-r", str(args.deepspeed / tag), str(OUT)], False),
-            (
-                "consolidate --format deepspeed-universal",
-                [
-                    *ckptctl,
-                    "consolidate",
-                    str(args.deepspeed),
-                    str(OUT),
-                    "--format",
-                    "deepspeed-universal",
-                    "--json",
-                ],
-                True,
-            ),
-        ]
-    if args.dcp.exists():
-        src = str(args.dcp)
-        jobs += [
-            ("cp -r (DCP source)", ["cp", "-r", src, str(OUT)], False),
-            (
-                "consolidate --format torch (DCP)",
-                [*ckptctl, "consolidate", src, str(OUT), "--format", "torch", "--json"],
-                True,
-            ),
-        ]
+        tag = args.deepspeed / (args.deepspeed / "latest").read_text().strip()
+        sources.insert(1, ("ZeRO-2 tag", tag, args.deepspeed, "deepspeed-universal"))
+    for label, copied, src, fmt in sources:
+        if src.exists():
+            job = [*ckptctl, "consolidate", str(src), str(OUT), "--format", fmt, "--json"]
+            jobs += [
+                (f"cp -r ({label})", ["cp", "-r", str(copied), str(OUT)], False),
+                (f"consolidate --format {fmt} ({label})", job, True),
+            ]
     if not jobs:
         sys.exit(
             "no source found: run bench_convert.py, bench_deepspeed.py or bench_dcp.py with --keep"
