@@ -107,7 +107,8 @@ class Assembler:
     def chunks(self, write: TensorWrite, file: str = "") -> Iterator[memoryview | Run]:
         """The tensor's bytes in order: bands built in memory, or, where the tensor is
         contiguous ranges of local source files in its dtype, ``Run``s that the writer moves by
-        kernel copy (their checksums are taken as the writer emits them)."""
+        kernel copy (their checksums are taken as the writer emits them), or, for a fill its
+        dtype holds exactly, slices of packed elements."""
         runs = self._runs.pop(id(write)) if id(write) in self._runs else self._runs_of(write)
         if runs is not None:
             yield from self._watched(write, file, runs)
