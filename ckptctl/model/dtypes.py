@@ -98,6 +98,7 @@ def pack_exactly(dtype: str, value: float) -> bytes | None:
     (then these are the bytes any conversion stores); ``None`` otherwise (rounding, overflow,
     NaN: left to torch's own conversion)."""
     fmt = NUMBER_FORMATS.get(dtype)
+    value = float(value)  # an int step would lack is_integer (Python 3.11)
     if fmt is None or math.isnan(value):
         return None
     number: float | int | bool = value

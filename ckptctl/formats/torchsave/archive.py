@@ -49,7 +49,6 @@ _ALIGNMENT = 64  # torch aligns storage records so they can be memory-mapped
 _EXTRA_GUESS = 2 * _ALIGNMENT
 """Most bytes of a local header's extra field (torch's alignment padding) fetched on the guess
 that a record's bytes follow its header this closely."""
-"""``struct`` formats of one little-endian element, as ``torch.save`` stores them."""
 _STORAGE_DTYPES = {storage: DTYPES[name] for storage, name in BY_STORAGE.items()}
 
 
