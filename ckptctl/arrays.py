@@ -14,8 +14,11 @@ dtype: the array still knows what its bytes are, and views of it as plain intege
 
 from __future__ import annotations
 
+import contextlib
 import math
+import mmap
 import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -162,3 +165,56 @@ def strided(flat: np.ndarray, sizes: tuple[int, ...], stride: tuple[int, ...]) -
     if box.flags.c_contiguous:
         return flat[: math.prod(sizes)].reshape(sizes)
     return np.ascontiguousarray(box)
+
+
+def box_from_file(
+    fd: int,
+    offset: int,
+    nbytes: int,
+    dtype: object,
+    sizes: tuple[int, ...],
+    stride: tuple[int, ...],
+    into: np.ndarray | None = None,
+    check: Callable[[memoryview], object] | None = None,
+) -> np.ndarray:
+    """The box of ``sizes`` elements laid out by ``stride`` (in elements) from byte ``offset``
+    of file ``fd``, whose elements span ``nbytes`` from there, copied once out of a read-only
+    map of the file's pages: into ``into`` (same dtype and shape, any layout: a box of a
+    band) or a new C-contiguous array. Reading the span into memory and copying the box out
+    of it passes over every byte twice, and over the bytes between the box's rows too (half
+    of all, when a tensor-parallel shard is split in two). ``check`` sees the mapped span
+    first (a whole record's CRC-32). The caller makes sure the file holds the span: a map past
+    a file's end kills the process on first touch."""
+    base = offset - offset % mmap.ALLOCATIONGRANULARITY
+    pages = mmap.mmap(fd, offset + nbytes - base, prot=mmap.PROT_READ, offset=base)
+    try:
+        out = _copy_box(memoryview(pages)[offset - base :], dtype, sizes, stride, into, check)
+    finally:
+        with contextlib.suppress(BufferError):  # an error left a view alive: the GC unmaps
+            pages.close()
+    return out
+
+
+def _copy_box(
+    span: memoryview,
+    dtype: object,
+    sizes: tuple[int, ...],
+    stride: tuple[int, ...],
+    into: np.ndarray | None,
+    check: Callable[[memoryview], object] | None,
+) -> np.ndarray:
+    with span:
+        if check is not None:
+            check(span)
+        flat = np.frombuffer(span, numpy_dtype(dtype))
+        size = flat.dtype.itemsize
+        box = np.lib.stride_tricks.as_strided(
+            flat, sizes, tuple(s * size for s in stride), writeable=False
+        )
+        out = np.empty(sizes, flat.dtype) if into is None else into
+        if size in _WORDS:
+            words(out)[...] = words(box)
+        else:
+            out[...] = box
+        del flat, box  # the map is released only once nothing views it
+    return out

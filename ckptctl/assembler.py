@@ -265,9 +265,10 @@ class Assembler:
             dst, sizes, args = entry
             # (the Ellipsis keeps a 0-dimensional box a view, not a scalar copy)
             box = out[(*(slice(o, o + n) for o, n in zip(dst, sizes, strict=True)), ...)]
-            # A box that is contiguous in the band (whole rows) can take the bytes straight
-            # from the file; otherwise, or if the reader cannot, copy what it returns.
-            into = box if box.flags.c_contiguous and not args[-1] else None
+            # The box of the band can take the bytes straight from the file (a contiguous
+            # box by a read, any box from mapped pages); if the reader cannot, copy what it
+            # returns.
+            into = box if not args[-1] else None
             data = self.source.read(*args, into=into)
             self._count(data)
             if into is None or data is not into:

@@ -88,7 +88,7 @@ def _malicious(root: Path) -> None:
 
 def test_tensors_pickled_with_attributes_load_and_other_types_are_refused() -> None:
     from ckptctl.errors import UnsafePickleError
-    from ckptctl.formats.torchsave.archive import TensorRef, restricted_loads
+    from ckptctl.formats.torchsave.unpickle import TensorRef, restricted_loads
 
     # Megatron's fp32 master copies carry tensor-parallel attributes, so torch pickles them
     # through _rebuild_from_type_v2; they load as plain tensors.

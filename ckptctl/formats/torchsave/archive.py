@@ -18,24 +18,19 @@ shows up as a failing round-trip test, never as a silently wrong file.
 
 from __future__ import annotations
 
-import argparse
-import collections
-import functools
 import io
-import pathlib
-import pickle
+import os
 import struct
 import threading
-import types
 import zipfile
 from collections.abc import Callable
-from dataclasses import dataclass
 from math import prod
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ckptctl.crc import crc32
-from ckptctl.errors import CheckpointError, UnsafePickleError
-from ckptctl.model.dtypes import BY_STORAGE, DTYPES, NUMBER_FORMATS, DType, unpack_number
+from ckptctl.errors import CheckpointError
+from ckptctl.formats.torchsave.unpickle import Shape, TensorRef, restricted_loads
+from ckptctl.model.dtypes import NUMBER_FORMATS, unpack_number
 from ckptctl.runs import Span
 
 if TYPE_CHECKING:
@@ -43,187 +38,10 @@ if TYPE_CHECKING:
 
 # numpy is imported where arrays are made: a job moving every byte by kernel copy makes none.
 
-Shape = tuple[int, ...]
-
 _ALIGNMENT = 64  # torch aligns storage records so they can be memory-mapped
 _EXTRA_GUESS = 2 * _ALIGNMENT
 """Most bytes of a local header's extra field (torch's alignment padding) fetched on the guess
 that a record's bytes follow its header this closely."""
-_STORAGE_DTYPES = {storage: DTYPES[name] for storage, name in BY_STORAGE.items()}
-
-
-@dataclass(frozen=True, slots=True)
-class StorageRef:
-    key: str
-    dtype: DType
-    numel: int
-
-
-@dataclass(frozen=True, slots=True)
-class TensorRef:
-    """A tensor in an archive, not yet read: its storage record and view geometry."""
-
-    storage: StorageRef
-    offset: int
-    shape: Shape
-    stride: Shape
-
-    @property
-    def dtype(self) -> DType:
-        return self.storage.dtype
-
-    @property
-    def numel(self) -> int:
-        return prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
-
-
-class Stub:
-    """An inert stand-in for an allow-listed foreign object (Megatron enums, numpy RNG state).
-
-    It records how it was built so it can be pickled back under the same global name; nothing
-    of the foreign class is imported or run.
-    """
-
-    _global: tuple[str, str] = ("", "")
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> Stub:
-        obj = super().__new__(cls)
-        obj._args = args
-        obj._state = None
-        return obj
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def __setstate__(self, state: Any) -> None:
-        self._state = state
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), self._args, self._state)
-
-    def __repr__(self) -> str:
-        module, name = self._global
-        return f"<{module}.{name}{self._args!r}>"
-
-
-_stub_types: dict[tuple[str, str], type[Stub]] = {}
-
-
-def _stub_type(module: str, name: str) -> type[Stub]:
-    key = (module, name)
-    if key not in _stub_types:
-        _stub_types[key] = type(name, (Stub,), {"_global": key, "__module__": "ckptctl.stubs"})
-    return _stub_types[key]
-
-
-class _StorageType:
-    def __init__(self, dtype: DType) -> None:
-        self.dtype = dtype
-
-
-def _rebuild_tensor(
-    storage: StorageRef, offset: int, shape: Any, stride: Any, *_: Any
-) -> TensorRef:
-    return TensorRef(storage, int(offset), tuple(shape), tuple(stride))
-
-
-def _rebuild_parameter(data: Any, *_: Any) -> Any:
-    return data
-
-
-class _PlainTensorType:
-    """``torch.Tensor`` or ``torch.nn.Parameter`` named as the type a tensor is rebuilt as."""
-
-
-def _rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any, *, where: str) -> Any:
-    """A tensor pickled with Python attributes (Megatron's fp32 master copies carry
-    ``tensor_model_parallel``, ``partition_dim``, ...): rebuilt by an allow-listed function as
-    a plain tensor, or a parameter; the attributes are dropped."""
-    if func not in (_rebuild_tensor, _rebuild_parameter) or not isinstance(
-        new_type, _PlainTensorType
-    ):
-        raise UnsafePickleError(
-            f"{where}: refusing to rebuild a tensor as {new_type!r} with {func!r}; the file "
-            "may be malicious or from an unsupported tool"
-        )
-    if not isinstance(state, dict | None):
-        raise UnsafePickleError(f"{where}: unexpected tensor attributes {type(state).__name__}")
-    return func(*args)
-
-
-_REAL_GLOBALS: dict[tuple[str, str], Any] = {
-    ("collections", "OrderedDict"): collections.OrderedDict,
-    ("argparse", "Namespace"): argparse.Namespace,
-    ("types", "SimpleNamespace"): types.SimpleNamespace,
-    ("builtins", "set"): set,
-    ("builtins", "frozenset"): frozenset,
-    ("builtins", "slice"): slice,
-    ("builtins", "complex"): complex,
-    ("builtins", "bytearray"): bytearray,
-    ("_codecs", "encode"): lambda text, encoding="utf-8": text.encode(encoding),
-    ("io", "BytesIO"): io.BytesIO,
-    ("_io", "BytesIO"): io.BytesIO,
-    ("pathlib", "PosixPath"): pathlib.PurePosixPath,
-    ("pathlib", "Path"): pathlib.PurePosixPath,
-    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
-    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
-    ("torch", "Tensor"): _PlainTensorType(),
-    ("torch.nn.parameter", "Parameter"): _PlainTensorType(),
-    ("torch", "Size"): tuple,
-}
-# Foreign objects that Megatron files legitimately hold; never imported, kept as stubs.
-_STUB_PREFIXES = (
-    "megatron.",
-    "numpy.",
-    "numpy",
-    "torch._C",
-    "transformer_engine.",
-    "deepspeed.",  # loss scaler, ZeRO stage enum, fragment addresses
-)
-
-
-class _RestrictedUnpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, where: str) -> None:
-        super().__init__(io.BytesIO(data))
-        self._where = where
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _REAL_GLOBALS:
-            return _REAL_GLOBALS[(module, name)]
-        if (module, name) == ("torch._tensor", "_rebuild_from_type_v2"):
-            return functools.partial(_rebuild_from_type, where=self._where)
-        if module == "torch" and name in _STORAGE_DTYPES:
-            return _StorageType(_STORAGE_DTYPES[name])
-        if module == "torch" and name in DTYPES:
-            return DTYPES[name]  # written back as the same global
-        if (module, name) == ("torch", "device") or module.startswith(_STUB_PREFIXES):
-            return _stub_type(module, name)
-        raise UnsafePickleError(
-            f"{self._where}: refusing pickled global {module}.{name} (not on the allow-list); "
-            "the file may be malicious or from an unsupported tool"
-        )
-
-    def persistent_load(self, pid: Any) -> StorageRef:
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-            raise UnsafePickleError(f"{self._where}: unexpected persistent id {pid!r}")
-        _, storage_type, key, _location, numel = pid
-        if not isinstance(storage_type, _StorageType):
-            raise UnsafePickleError(f"{self._where}: unexpected storage type {storage_type!r}")
-        return StorageRef(str(key), storage_type.dtype, int(numel))
-
-
-def restricted_loads(data: bytes, where: str) -> Any:
-    """Unpickle ``data`` allowing only the globals checkpoints need; ``where`` names the source."""
-    try:
-        return _RestrictedUnpickler(data, where).load()
-    except UnsafePickleError:
-        raise
-    except Exception as err:
-        raise CheckpointError(f"{where}: cannot unpickle ({err})") from None
 
 
 class TorchZipReader:
@@ -242,6 +60,8 @@ class TorchZipReader:
         holding the archive (relative to its checkpoint's root) and the archive's offset in it,
         so ``span`` can say where a box's bytes lie."""
         self._f = fileobj
+        self._fd: int | bool | None = False
+        """``_fileno``'s answer, once asked."""
         self._fetch = fetch
         self.place = place
         self.where = where
@@ -359,6 +179,9 @@ class TorchZipReader:
         last = first + sum((n - 1) * s for n, s in zip(sizes, ref.stride, strict=True))
         if self._fetch is None:
             direct = into is not None and _fits(into, ref, sizes)
+            mapped = not direct and (into is not None or not _contiguous(sizes, ref.stride))
+            if mapped and self._fileno() is not None:
+                return self._read_mapped(ref, sizes, first, last, into)
             with self._lock:
                 return self._read_span(ref, sizes, first, last, into if direct else None)
         nbytes = (last - first + 1) * ref.dtype.itemsize
@@ -404,6 +227,41 @@ class TorchZipReader:
             raise CheckpointError(f"{self.where}: unexpected end of file in {ref.storage.key}")
         self._check_whole(ref, ref.offset * size, data)
         return unpack_number(ref.dtype.name, data)
+
+    def _fileno(self) -> int | None:
+        """The descriptor of a plain local file holding the archive from its first byte (a
+        record window or a remote file has none)."""
+        if self._fd is False:
+            self._fd = None
+            if isinstance(self._f, io.BufferedReader) and isinstance(self._f.raw, io.FileIO):
+                self._fd = self._f.fileno()
+        return self._fd
+
+    def _read_mapped(
+        self, ref: TensorRef, sizes: Shape, first: int, last: int, into: np.ndarray | None
+    ) -> np.ndarray:
+        """A box that is not one run in the file, or that goes into a box of a band, copied
+        once from the file's mapped pages (``arrays.box_from_file``)."""
+        from ckptctl.arrays import box_from_file, dtype_of
+
+        size = ref.dtype.itemsize
+        with self._lock:
+            start = self._checked_start(ref, last)
+        offset, nbytes = start + first * size, (last - first + 1) * size
+        fd = self._fileno()
+        assert fd is not None
+        if os.fstat(fd).st_size < offset + nbytes:
+            raise CheckpointError(
+                f"{self.where}: ends before the bytes of storage record {ref.storage.key}; the "
+                "file is truncated"
+            )
+        if into is not None and (dtype_of(into) != ref.dtype.name or into.shape != tuple(sizes)):
+            into = None
+
+        def check(span: memoryview) -> None:
+            self._check_whole(ref, first * size, span)
+
+        return box_from_file(fd, offset, nbytes, ref.dtype, sizes, ref.stride, into, check)
 
     def _read_at(self, start: int, nbytes: int) -> bytes:
         if self._fetch is not None:

@@ -19,7 +19,8 @@ from math import prod
 from typing import Any, BinaryIO
 
 from ckptctl.crc import crc32
-from ckptctl.formats.torchsave.archive import _ALIGNMENT, Shape, Stub, _stub_type
+from ckptctl.formats.torchsave.archive import _ALIGNMENT
+from ckptctl.formats.torchsave.unpickle import Shape, Stub, _stub_type
 from ckptctl.model.dtypes import DTYPES, DType, dtype_name
 from ckptctl.runs import Run, write_in_slices
 

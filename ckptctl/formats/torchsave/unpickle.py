@@ -1,0 +1,198 @@
+"""The restricted unpickler of ``torch.save`` pickles: tensors become ``TensorRef`` records
+naming their storage and geometry, a short allow-list of plain classes is rebuilt, classes of
+known training libraries become inert ``Stub`` records, and anything else is refused by name.
+Nothing in a checkpoint is executed (checkpoints are untrusted input)."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import io
+import pathlib
+import pickle
+import types
+from dataclasses import dataclass
+from math import prod
+from typing import Any
+
+from ckptctl.errors import CheckpointError, UnsafePickleError
+from ckptctl.model.dtypes import BY_STORAGE, DTYPES, DType
+
+Shape = tuple[int, ...]
+
+_STORAGE_DTYPES = {storage: DTYPES[name] for storage, name in BY_STORAGE.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class StorageRef:
+    key: str
+    dtype: DType
+    numel: int
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRef:
+    """A tensor in an archive, not yet read: its storage record and view geometry."""
+
+    storage: StorageRef
+    offset: int
+    shape: Shape
+    stride: Shape
+
+    @property
+    def dtype(self) -> DType:
+        return self.storage.dtype
+
+    @property
+    def numel(self) -> int:
+        return prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+class Stub:
+    """An inert stand-in for an allow-listed foreign object (Megatron enums, numpy RNG state).
+
+    It records how it was built so it can be pickled back under the same global name; nothing
+    of the foreign class is imported or run.
+    """
+
+    _global: tuple[str, str] = ("", "")
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Stub:
+        obj = super().__new__(cls)
+        obj._args = args
+        obj._state = None
+        return obj
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        self._state = state
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), self._args, self._state)
+
+    def __repr__(self) -> str:
+        module, name = self._global
+        return f"<{module}.{name}{self._args!r}>"
+
+
+_stub_types: dict[tuple[str, str], type[Stub]] = {}
+
+
+def _stub_type(module: str, name: str) -> type[Stub]:
+    key = (module, name)
+    if key not in _stub_types:
+        _stub_types[key] = type(name, (Stub,), {"_global": key, "__module__": "ckptctl.stubs"})
+    return _stub_types[key]
+
+
+class _StorageType:
+    def __init__(self, dtype: DType) -> None:
+        self.dtype = dtype
+
+
+def _rebuild_tensor(
+    storage: StorageRef, offset: int, shape: Any, stride: Any, *_: Any
+) -> TensorRef:
+    return TensorRef(storage, int(offset), tuple(shape), tuple(stride))
+
+
+def _rebuild_parameter(data: Any, *_: Any) -> Any:
+    return data
+
+
+class _PlainTensorType:
+    """``torch.Tensor`` or ``torch.nn.Parameter`` named as the type a tensor is rebuilt as."""
+
+
+def _rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any, *, where: str) -> Any:
+    """A tensor pickled with Python attributes (Megatron's fp32 master copies carry
+    ``tensor_model_parallel``, ``partition_dim``, ...): rebuilt by an allow-listed function as
+    a plain tensor, or a parameter; the attributes are dropped."""
+    if func not in (_rebuild_tensor, _rebuild_parameter) or not isinstance(
+        new_type, _PlainTensorType
+    ):
+        raise UnsafePickleError(
+            f"{where}: refusing to rebuild a tensor as {new_type!r} with {func!r}; the file "
+            "may be malicious or from an unsupported tool"
+        )
+    if not isinstance(state, dict | None):
+        raise UnsafePickleError(f"{where}: unexpected tensor attributes {type(state).__name__}")
+    return func(*args)
+
+
+_REAL_GLOBALS: dict[tuple[str, str], Any] = {
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("argparse", "Namespace"): argparse.Namespace,
+    ("types", "SimpleNamespace"): types.SimpleNamespace,
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+    ("builtins", "slice"): slice,
+    ("builtins", "complex"): complex,
+    ("builtins", "bytearray"): bytearray,
+    ("_codecs", "encode"): lambda text, encoding="utf-8": text.encode(encoding),
+    ("io", "BytesIO"): io.BytesIO,
+    ("_io", "BytesIO"): io.BytesIO,
+    ("pathlib", "PosixPath"): pathlib.PurePosixPath,
+    ("pathlib", "Path"): pathlib.PurePosixPath,
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
+    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+    ("torch", "Tensor"): _PlainTensorType(),
+    ("torch.nn.parameter", "Parameter"): _PlainTensorType(),
+    ("torch", "Size"): tuple,
+}
+# Foreign objects that Megatron files legitimately hold; never imported, kept as stubs.
+_STUB_PREFIXES = (
+    "megatron.",
+    "numpy.",
+    "numpy",
+    "torch._C",
+    "transformer_engine.",
+    "deepspeed.",  # loss scaler, ZeRO stage enum, fragment addresses
+)
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, where: str) -> None:
+        super().__init__(io.BytesIO(data))
+        self._where = where
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _REAL_GLOBALS:
+            return _REAL_GLOBALS[(module, name)]
+        if (module, name) == ("torch._tensor", "_rebuild_from_type_v2"):
+            return functools.partial(_rebuild_from_type, where=self._where)
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _StorageType(_STORAGE_DTYPES[name])
+        if module == "torch" and name in DTYPES:
+            return DTYPES[name]  # written back as the same global
+        if (module, name) == ("torch", "device") or module.startswith(_STUB_PREFIXES):
+            return _stub_type(module, name)
+        raise UnsafePickleError(
+            f"{self._where}: refusing pickled global {module}.{name} (not on the allow-list); "
+            "the file may be malicious or from an unsupported tool"
+        )
+
+    def persistent_load(self, pid: Any) -> StorageRef:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise UnsafePickleError(f"{self._where}: unexpected persistent id {pid!r}")
+        _, storage_type, key, _location, numel = pid
+        if not isinstance(storage_type, _StorageType):
+            raise UnsafePickleError(f"{self._where}: unexpected storage type {storage_type!r}")
+        return StorageRef(str(key), storage_type.dtype, int(numel))
+
+
+def restricted_loads(data: bytes, where: str) -> Any:
+    """Unpickle ``data`` allowing only the globals checkpoints need; ``where`` names the source."""
+    try:
+        return _RestrictedUnpickler(data, where).load()
+    except UnsafePickleError:
+        raise
+    except Exception as err:
+        raise CheckpointError(f"{where}: cannot unpickle ({err})") from None
