@@ -301,3 +301,35 @@ def test_messages_reach_stderr_as_written_on_a_pipe_and_on_a_terminal(tmp_path: 
     text = shown.decode()
     assert "\x1b[" in text and "error:" in text  # coloured
     assert str(missing) in text.replace("\r\n", "\n"), text
+
+
+NATIVE_THREADS = """
+import os, sys, threading
+from ckptctl.cli import main as cli
+leave = os._exit
+def report(code):
+    native = len(os.listdir("/proc/self/task")) - threading.active_count()
+    sys.stderr.write(f"native threads: {native}\\n")
+    sys.stderr.flush()
+    leave(code)
+os._exit = report
+sys.argv = ["ckptctl", *sys.argv[1:]]
+cli.main()
+"""
+
+
+@pytest.mark.skipif(
+    not Path("/proc/self/task").is_dir() or (os.cpu_count() or 1) < 2,
+    reason="counts the threads of a process on a Linux machine with several cores",
+)
+def test_a_job_that_builds_arrays_starts_no_blas_threads(checkpoints, tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    argv = ["consolidate", checkpoints["megatron"], tmp_path / "out", "--format", "hf", "--json"]
+    done = subprocess.run(
+        [sys.executable, "-c", NATIVE_THREADS, *map(str, argv)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "native threads: 0" in done.stderr.splitlines()[-1], done.stderr[-2000:]

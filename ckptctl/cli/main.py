@@ -220,7 +220,12 @@ def main() -> None:
     ~45 ms, 4% of a one-second conversion, and nothing is left for it to do: every output is
     closed and flushed, worker threads are idle, a process group is closed. A failure takes
     the ordinary way out, where nothing is skipped, and so does a run under a profiler or a
-    coverage tracer (they write their results at exit)."""
+    coverage tracer (they write their results at exit).
+
+    numpy's OpenBLAS is kept to the calling thread: ckptctl does no linear algebra, and
+    OpenBLAS otherwise starts a thread per core when numpy is imported, which spins for ~0.1 s
+    of CPU that a two-core machine's job needs (a user's own setting is kept)."""
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     try:
         run_command()
     except SystemExit as done:
