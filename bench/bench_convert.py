@@ -2,9 +2,10 @@
 
 Generates a Megatron checkpoint with optimizer state (default ~2.2 GB, TP2 PP2), then, in one
 run, times: ``cp -r`` of the same bytes (the machine's copy speed), ckptctl consolidate (HF and
-Megatron TP1), ckptctl reshard (TP2 PP2 -> TP1 PP4, under ``--memory-budget``), and a naive
-in-RAM merge (``torch.load`` every shard, concatenate, ``torch.save``: what converters that load
-the whole model do). Prints a markdown table: seconds, GB/s, ratio to `cp`, peak RSS.
+Megatron TP1), ckptctl reshard (TP2 PP2 -> TP1 PP4 and -> TP4 PP1, under
+``--memory-budget``), and a naive in-RAM merge (``torch.load`` every shard, concatenate,
+``torch.save``: what converters that load the whole model do). Prints a markdown table:
+seconds, GB/s, ratio to `cp`, peak RSS.
 
     python bench/bench_convert.py [--workdir /tmp/ckptctl-bench] [--hidden 2048] [--budget 512MiB]
         [--repeat 3] [--keep] [--cold]
@@ -18,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchlib import du, measure, print_table
+from benchlib import du, measure, print_table, warm_page_cache
 
 HERE = Path(__file__).resolve().parent
 
@@ -95,22 +96,27 @@ def main() -> None:
             ],
             work / "full",
         ),
-        (
-            f"ckptctl reshard -> TP1 PP4 (--memory-budget {args.budget})",
-            [
-                *ckptctl,
-                "reshard",
-                str(src),
-                str(work / "rs"),
-                "--tp",
-                "1",
-                "--pp",
-                "4",
-                "--memory-budget",
-                args.budget,
-                "--json",
-            ],
-            work / "rs",
+        *(
+            (
+                f"ckptctl reshard -> TP{tp} PP{pp} (--memory-budget {args.budget})",
+                [
+                    *ckptctl,
+                    "reshard",
+                    str(src),
+                    str(work / f"tp{tp}pp{pp}"),
+                    "--tp",
+                    str(tp),
+                    "--pp",
+                    str(pp),
+                    "--memory-budget",
+                    args.budget,
+                    "--json",
+                ],
+                work / f"tp{tp}pp{pp}",
+            )
+            # pipeline stages regrouped; and issue 17's own job: every tensor-parallel shard
+            # split in two (row-parallel ones column-wise: half of every row)
+            for tp, pp in ((1, 4), (4, 1))
         ),
         (
             "naive torch.load + cat + torch.save",
@@ -118,10 +124,8 @@ def main() -> None:
             work / "naive.pt",
         ),
     ]
-    if not args.cold:  # warm the page cache so every run reads from the same place
-        subprocess.run(["cat", *map(str, src.rglob("*.pt"))], stdout=subprocess.DEVNULL, check=True)
+    cache = "page cache dropped before each run" if args.cold else warm_page_cache(src)
     rows = measure(runs, size, args.repeat, cold=args.cold)
-    cache = "page cache dropped before each run" if args.cold else "page cache warm"
     print_table(
         rows,
         f"{size / 1e9:.2f} GB Megatron TP2 PP2 with Adam state; {cache}",

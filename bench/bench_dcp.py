@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchlib import du, measure, print_table, remove
+from benchlib import du, measure, print_table, remove, warm_page_cache
 
 # Runs in its own process so the bench driver never holds the state dict (and its RSS is not
 # anyone's measurement). Deterministic in the seed; every tensor a fresh contiguous fp32 tensor.
@@ -143,16 +143,14 @@ def main() -> None:
             work / "ckptctl",
         ),
     ]
-    # Warm the page cache so every run reads from the same place.
-    subprocess.run(["cat", *map(str, src.rglob("*"))], stdout=subprocess.DEVNULL, check=True)
+    cache = warm_page_cache(src)
     # Outputs are kept for --check only.
     keep = {out for _, _, out in runs[1:]} if args.check else set()
     rows = measure(runs, size, args.repeat, keep)
 
     print_table(
         rows,
-        f"{size / 1e9:.2f} GB PyTorch DCP (dcp.save, no_dist) of fp32 model + Adam state; "
-        "page cache warm",
+        f"{size / 1e9:.2f} GB PyTorch DCP (dcp.save, no_dist) of fp32 model + Adam state; " + cache,
         "'seconds': the whole process until its output is on disk (Python and torch start-up "
         "and a final sync included); 'of which converting': ckptctl's own --json figure.",
     )

@@ -23,7 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchlib import du, measure, print_table
+from benchlib import du, measure, print_table, warm_page_cache
 
 MAKE = r"""
 import os, socket, sys
@@ -123,12 +123,13 @@ def main() -> None:
             out["universal"],
         ),
     ]  # fmt: skip
+    cache = warm_page_cache(ckpt)
     rows = measure(runs, size, args.repeat)
     # ds_to_universal also writes latest_universal beside its output folder
     (work / "latest_universal").unlink(missing_ok=True)
     print_table(
         rows,
-        f"{size / 1e9:.2f} GB DeepSpeed ZeRO-2 bf16 tag directory (DP{args.dp}); page cache warm",
+        f"{size / 1e9:.2f} GB DeepSpeed ZeRO-2 bf16 tag directory (DP{args.dp}); {cache}",
         "GB/s and 'vs cp' count the source's bytes read per second; the HF output holds the "
         "fp32 masters, the universal one the masters and both moments.",
     )
