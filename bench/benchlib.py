@@ -84,7 +84,9 @@ def warm_page_cache(*sources: Path) -> str:
     for source in sources:
         files = [source] if source.is_file() else [p for p in source.rglob("*") if p.is_file()]
         subprocess.run(["cat", *map(str, files)], stdout=subprocess.DEVNULL, check=True)
-    imports = "import numpy, xxhash, zlib_ng, pydantic, typer, ckptctl.cli.main, ckptctl.execute"
+    imports = (
+        "import numpy, xxhash, pydantic, typer, ckptctl.crc, ckptctl.cli.main, ckptctl.execute"
+    )
     subprocess.run([sys.executable, "-c", imports], check=True, cwd=ROOT)
     return "page cache emptied, then the source read" if emptied else "page cache warm"
 

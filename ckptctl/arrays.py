@@ -158,13 +158,18 @@ def first_value(array: np.ndarray) -> Any:
 def strided(flat: np.ndarray, sizes: tuple[int, ...], stride: tuple[int, ...]) -> np.ndarray:
     """The box of ``sizes`` elements laid out by ``stride`` (in elements) from ``flat``'s
     first, as a C-contiguous array (``flat`` itself, reshaped, when it already is one)."""
-    size = flat.dtype.itemsize
-    box = np.lib.stride_tricks.as_strided(
-        flat, sizes, tuple(s * size for s in stride), writeable=False
-    )
+    box = _box_view(flat, sizes, stride)
     if box.flags.c_contiguous:
         return flat[: math.prod(sizes)].reshape(sizes)
     return np.ascontiguousarray(box)
+
+
+def _box_view(flat: np.ndarray, sizes: tuple[int, ...], stride: tuple[int, ...]) -> np.ndarray:
+    """The box as a read-only view of ``flat`` (no copy)."""
+    size = flat.dtype.itemsize
+    return np.lib.stride_tricks.as_strided(
+        flat, sizes, tuple(s * size for s in stride), writeable=False
+    )
 
 
 def box_from_file(
@@ -207,12 +212,9 @@ def _copy_box(
         if check is not None:
             check(span)
         flat = np.frombuffer(span, numpy_dtype(dtype))
-        size = flat.dtype.itemsize
-        box = np.lib.stride_tricks.as_strided(
-            flat, sizes, tuple(s * size for s in stride), writeable=False
-        )
+        box = _box_view(flat, sizes, stride)
         out = np.empty(sizes, flat.dtype) if into is None else into
-        if size in _WORDS:
+        if flat.dtype.itemsize in _WORDS:
             words(out)[...] = words(box)
         else:
             out[...] = box

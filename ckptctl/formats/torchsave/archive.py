@@ -60,8 +60,10 @@ class TorchZipReader:
         holding the archive (relative to its checkpoint's root) and the archive's offset in it,
         so ``span`` can say where a box's bytes lie."""
         self._f = fileobj
-        self._fd: int | bool | None = False
-        """``_fileno``'s answer, once asked."""
+        plain = isinstance(fileobj, io.BufferedReader) and isinstance(fileobj.raw, io.FileIO)
+        self._fd = fileobj.fileno() if plain else None
+        """A plain local file's descriptor, for mapped reads (record windows and remote files
+        have none)."""
         self._fetch = fetch
         self.place = place
         self.where = where
@@ -180,8 +182,8 @@ class TorchZipReader:
         if self._fetch is None:
             direct = into is not None and _fits(into, ref, sizes)
             mapped = not direct and (into is not None or not _contiguous(sizes, ref.stride))
-            if mapped and self._fileno() is not None:
-                return self._read_mapped(ref, sizes, first, last, into)
+            if mapped and self._fd is not None:
+                return self._read_mapped(self._fd, ref, sizes, first, last, into)
             with self._lock:
                 return self._read_span(ref, sizes, first, last, into if direct else None)
         nbytes = (last - first + 1) * ref.dtype.itemsize
@@ -228,34 +230,23 @@ class TorchZipReader:
         self._check_whole(ref, ref.offset * size, data)
         return unpack_number(ref.dtype.name, data)
 
-    def _fileno(self) -> int | None:
-        """The descriptor of a plain local file holding the archive from its first byte (a
-        record window or a remote file has none)."""
-        if self._fd is False:
-            self._fd = None
-            if isinstance(self._f, io.BufferedReader) and isinstance(self._f.raw, io.FileIO):
-                self._fd = self._f.fileno()
-        return self._fd
-
     def _read_mapped(
-        self, ref: TensorRef, sizes: Shape, first: int, last: int, into: np.ndarray | None
+        self, fd: int, ref: TensorRef, sizes: Shape, first: int, last: int, into: np.ndarray | None
     ) -> np.ndarray:
         """A box that is not one run in the file, or that goes into a box of a band, copied
         once from the file's mapped pages (``arrays.box_from_file``)."""
-        from ckptctl.arrays import box_from_file, dtype_of
+        from ckptctl.arrays import box_from_file
 
         size = ref.dtype.itemsize
         with self._lock:
             start = self._checked_start(ref, last)
         offset, nbytes = start + first * size, (last - first + 1) * size
-        fd = self._fileno()
-        assert fd is not None
         if os.fstat(fd).st_size < offset + nbytes:
             raise CheckpointError(
                 f"{self.where}: ends before the bytes of storage record {ref.storage.key}; the "
                 "file is truncated"
             )
-        if into is not None and (dtype_of(into) != ref.dtype.name or into.shape != tuple(sizes)):
+        if into is not None and not _matches(into, ref, sizes):
             into = None
 
         def check(span: memoryview) -> None:
@@ -312,15 +303,14 @@ class TorchZipReader:
 def _fits(into: np.ndarray, ref: TensorRef, sizes: Shape) -> bool:
     """The box of ``ref`` lies in the file exactly as ``into`` lays it out in memory: same
     dtype and shape, both C-contiguous (so the bytes can be read straight into it)."""
+    return _matches(into, ref, sizes) and into.flags.c_contiguous and _contiguous(sizes, ref.stride)
+
+
+def _matches(into: np.ndarray, ref: TensorRef, sizes: Shape) -> bool:
+    """``into`` holds the box's elements as they are: same dtype and shape."""
     from ckptctl.arrays import dtype_of
 
-    if (
-        dtype_of(into) != ref.dtype.name
-        or tuple(into.shape) != tuple(sizes)
-        or not into.flags.c_contiguous
-    ):
-        return False
-    return _contiguous(sizes, ref.stride)
+    return dtype_of(into) == ref.dtype.name and tuple(into.shape) == tuple(sizes)
 
 
 def _contiguous(sizes: Shape, stride: Shape) -> bool:
