@@ -6,7 +6,8 @@ it; this checkout is the newer side. Each attempt removes the output, syncs, the
 job until its output is on disk (a final ``sync``). Prints median and best per job and side,
 with ``cp -r`` of each source in the same rounds.
 
-    python bench/bench_ab.py --old REV [--rounds 5] [--cold] [--megatron /tmp/ckptctl-bench/src]
+    python bench/bench_ab.py --old REV [--rounds 5] [--cold] [--reshard 4x1 [--only-reshard]]
+        [--megatron /tmp/ckptctl-bench/src]
         [--deepspeed /tmp/ckptctl-bench-ds/zero2-bf16] [--dcp /tmp/ckptctl-bench-dcp/dcp]
 
 The sources are those ``bench_convert.py --keep``, ``bench_deepspeed.py --keep`` and
@@ -39,6 +40,14 @@ def attempt(cmd: list[str], env: dict[str, str] | None, cold: bool) -> tuple[flo
     return seconds, None if converting is None else seconds - converting
 
 
+def _shape(text: str) -> tuple[str, str]:
+    """``4x1`` -> ("4", "1"): a reshard's target tensor- and pipeline-parallel sizes."""
+    tp, _, pp = text.lower().partition("x")
+    if not (tp.isdigit() and pp.isdigit() and int(tp) > 0 and int(pp) > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not TPxPP, e.g. 4x1")
+    return tp, pp
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--old", required=True, help="The commit to compare against.")
@@ -47,6 +56,17 @@ def main() -> None:
     parser.add_argument("--megatron", type=Path, default=Path("/tmp/ckptctl-bench/src"))
     parser.add_argument("--deepspeed", type=Path, default=Path("/tmp/ckptctl-bench-ds/zero2-bf16"))
     parser.add_argument("--dcp", type=Path, default=Path("/tmp/ckptctl-bench-dcp/dcp"))
+    parser.add_argument(
+        "--reshard",
+        action="append",
+        default=[],
+        metavar="TPxPP",
+        type=_shape,
+        help="Also reshard the megatron source to this TP x PP (e.g. 4x1); repeatable.",
+    )
+    parser.add_argument(
+        "--only-reshard", action="store_true", help="Skip the consolidations (with --reshard)."
+    )
     args = parser.parse_args()
     old = Path(f"/tmp/ckptctl-ab-{args.old}")
     if not old.exists():
@@ -64,13 +84,21 @@ def main() -> None:
     if args.deepspeed.exists():
         tag = args.deepspeed / (args.deepspeed / "latest").read_text().strip()
         sources.insert(1, ("ZeRO-2 tag", tag, args.deepspeed, "deepspeed-universal"))
-    for label, copied, src, fmt in sources:
+    for label, copied, src, fmt in [] if args.only_reshard else sources:
         if src.exists():
             job = [*ckptctl, "consolidate", str(src), str(OUT), "--format", fmt, "--json"]
             jobs += [
                 (f"cp -r ({label})", ["cp", "-r", str(copied), str(OUT)], False),
                 (f"consolidate --format {fmt} ({label})", job, True),
             ]
+    if args.reshard and args.megatron.exists() and args.only_reshard:
+        jobs.append(("cp -r (megatron source)", ["cp", "-r", str(args.megatron), str(OUT)], False))
+    for shape in args.reshard if args.megatron.exists() else []:
+        tp, pp = shape
+        reshard = [*ckptctl, "reshard", str(args.megatron), str(OUT), "--tp", tp, "--pp", pp]
+        jobs.append(
+            (f"reshard -> TP{tp} PP{pp}", [*reshard, "--memory-budget", "512MiB", "--json"], True)
+        )
     if not jobs:
         sys.exit(
             "no source found: run bench_convert.py, bench_deepspeed.py or bench_dcp.py with --keep"
