@@ -91,14 +91,15 @@ def main() -> None:
                 (f"cp -r ({label})", ["cp", "-r", str(copied), str(OUT)], False),
                 (f"consolidate --format {fmt} ({label})", job, True),
             ]
-    if args.reshard and args.megatron.exists() and args.only_reshard:
-        jobs.append(("cp -r (megatron source)", ["cp", "-r", str(args.megatron), str(OUT)], False))
-    for shape in args.reshard if args.megatron.exists() else []:
-        tp, pp = shape
-        reshard = [*ckptctl, "reshard", str(args.megatron), str(OUT), "--tp", tp, "--pp", pp]
-        jobs.append(
-            (f"reshard -> TP{tp} PP{pp}", [*reshard, "--memory-budget", "512MiB", "--json"], True)
-        )
+    if args.reshard and args.megatron.exists():
+        if args.only_reshard:  # else the consolidations' rows hold its cp -r already
+            jobs.append(
+                ("cp -r (megatron source)", ["cp", "-r", str(args.megatron), str(OUT)], False)
+            )
+        for tp, pp in args.reshard:
+            reshard = [*ckptctl, "reshard", str(args.megatron), str(OUT), "--tp", tp, "--pp", pp]
+            reshard += ["--memory-budget", "512MiB", "--json"]
+            jobs.append((f"reshard -> TP{tp} PP{pp}", reshard, True))
     if not jobs:
         sys.exit(
             "no source found: run bench_convert.py, bench_deepspeed.py or bench_dcp.py with --keep"
