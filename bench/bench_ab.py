@@ -23,19 +23,21 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchlib import ROOT, compile_bytecode, drop_caches, remove, timed
+from benchlib import ROOT, cold_start, compile_bytecode, remove, timed
 
 OUT = Path("/tmp/ckptctl-bench-ab-out")
 
 
-def attempt(cmd: list[str], env: dict[str, str] | None, cold: bool) -> tuple[float, float | None]:
-    """Seconds of one run from an empty, synced output until its output is on disk (with the
-    page cache dropped first if ``cold``: source and Python modules come from the disk), and
-    the part of them outside ckptctl's own 'converting' figure (start-up, planning, exit)."""
+def attempt(
+    cmd: list[str], env: dict[str, str] | None, source: Path | None
+) -> tuple[float, float | None]:
+    """Seconds of one run from an empty, synced output until its output is on disk, and the
+    part of them outside ckptctl's own 'converting' figure (start-up, planning, exit). With
+    ``source`` (``--cold``), it is read and the page cache dropped first (``cold_start``)."""
     remove(OUT)
     subprocess.run(["sync"], check=True)
-    if cold:
-        drop_caches()
+    if source is not None:
+        cold_start(source)
     seconds, _, converting = timed(cmd, env)
     return seconds, None if converting is None else seconds - converting
 
@@ -52,7 +54,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--old", required=True, help="The commit to compare against.")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--cold", action="store_true", help="Drop the page cache first (root).")
+    parser.add_argument(
+        "--cold", action="store_true", help="Read the source, then drop the page cache (root)."
+    )
     parser.add_argument("--megatron", type=Path, default=Path("/tmp/ckptctl-bench/src"))
     parser.add_argument("--deepspeed", type=Path, default=Path("/tmp/ckptctl-bench-ds/zero2-bf16"))
     parser.add_argument("--dcp", type=Path, default=Path("/tmp/ckptctl-bench-dcp/dcp"))
@@ -75,7 +79,7 @@ def main() -> None:
     compile_bytecode()
     compile_bytecode(old)
     ckptctl = [sys.executable, "-m", "ckptctl"]
-    jobs: list[tuple[str, list[str], bool]] = []
+    jobs: list[tuple[str, list[str], bool, Path]] = []  # (row, command, is ckptctl, source)
     # (what cp -r copies, the source ckptctl reads, its --format): one pair of rows each
     sources = [
         ("megatron source", args.megatron, args.megatron, "megatron"),
@@ -88,18 +92,17 @@ def main() -> None:
         if src.exists():
             job = [*ckptctl, "consolidate", str(src), str(OUT), "--format", fmt, "--json"]
             jobs += [
-                (f"cp -r ({label})", ["cp", "-r", str(copied), str(OUT)], False),
-                (f"consolidate --format {fmt} ({label})", job, True),
+                (f"cp -r ({label})", ["cp", "-r", str(copied), str(OUT)], False, copied),
+                (f"consolidate --format {fmt} ({label})", job, True, copied),
             ]
     if args.reshard and args.megatron.exists():
         if args.only_reshard:  # else the consolidations' rows hold its cp -r already
-            jobs.append(
-                ("cp -r (megatron source)", ["cp", "-r", str(args.megatron), str(OUT)], False)
-            )
+            copy = ["cp", "-r", str(args.megatron), str(OUT)]
+            jobs.append(("cp -r (megatron source)", copy, False, args.megatron))
         for tp, pp in args.reshard:
             reshard = [*ckptctl, "reshard", str(args.megatron), str(OUT), "--tp", tp, "--pp", pp]
             reshard += ["--memory-budget", "512MiB", "--json"]
-            jobs.append((f"reshard -> TP{tp} PP{pp}", reshard, True))
+            jobs.append((f"reshard -> TP{tp} PP{pp}", reshard, True, args.megatron))
     if not jobs:
         sys.exit(
             "no source found: run bench_convert.py, bench_deepspeed.py or bench_dcp.py with --keep"
@@ -111,14 +114,19 @@ def main() -> None:
     times: dict[tuple[str, str], list[tuple[float, float | None]]] = {}
     for round_ in range(args.rounds):
         order = list(sides.items()) if round_ % 2 == 0 else list(sides.items())[::-1]
-        for name, cmd, is_ckptctl in jobs:  # each side goes first in every other round
+        for name, cmd, is_ckptctl, source in jobs:  # each side goes first every other round
             for side, env in order if is_ckptctl else [("-", None)]:
-                times.setdefault((name, side), []).append(attempt(cmd, env, args.cold))
+                cold = source if args.cold else None
+                times.setdefault((name, side), []).append(attempt(cmd, env, cold))
     remove(OUT)
     print(
         f"\nold = {args.old}, new = this checkout; {args.rounds} rounds, interleaved, "
         "the side going first alternating"
-        + ("; page cache dropped before every attempt\n" if args.cold else "\n")
+        + (
+            "; source read, then the page cache dropped, before every attempt\n"
+            if args.cold
+            else "\n"
+        )
     )
     print("| job | side | median s | best s | median s outside converting | every attempt |")
     print("|---|---|---:|---:|---:|---|")
