@@ -29,17 +29,18 @@ OUT = Path("/tmp/ckptctl-bench-ab-out")
 
 
 def attempt(
-    cmd: list[str], env: dict[str, str] | None, source: Path | None
-) -> tuple[float, float | None]:
-    """Seconds of one run from an empty, synced output until its output is on disk, and the
-    part of them outside ckptctl's own 'converting' figure (start-up, planning, exit). With
-    ``source`` (``--cold``), it is read and the page cache dropped first (``cold_start``)."""
+    cmd: list[str], env: dict[str, str] | None, source: Path | None, prime: bool
+) -> tuple[float, float | None, float]:
+    """Seconds of one run from an empty, synced output until its output is on disk, the part
+    of them outside ckptctl's own 'converting' figure (start-up, planning, exit), and its CPU
+    seconds. With ``source`` (``--cold``), it is read and the page cache dropped first
+    (``cold_start``); with ``prime``, memory is primed (``prime_memory``) just before."""
     remove(OUT)
     subprocess.run(["sync"], check=True)
     if source is not None:
         cold_start(source)
-    seconds, _, converting = timed(cmd, env)
-    return seconds, None if converting is None else seconds - converting
+    seconds, _, converting, cpu = timed(cmd, env, prime)
+    return seconds, None if converting is None else seconds - converting, cpu
 
 
 def _shape(text: str) -> tuple[str, str]:
@@ -70,6 +71,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--only-reshard", action="store_true", help="Skip the consolidations (with --reshard)."
+    )
+    parser.add_argument(
+        "--unprimed",
+        action="store_true",
+        help="Do not prime memory before each attempt (see benchlib.prime_memory).",
     )
     args = parser.parse_args()
     old = Path(f"/tmp/ckptctl-ab-{args.old}")
@@ -111,33 +117,35 @@ def main() -> None:
         "old": dict(os.environ, PYTHONPATH=str(old)),
         "new": dict(os.environ, PYTHONPATH=str(ROOT)),
     }
-    times: dict[tuple[str, str], list[tuple[float, float | None]]] = {}
+    times: dict[tuple[str, str], list[tuple[float, float | None, float]]] = {}
     for round_ in range(args.rounds):
         order = list(sides.items()) if round_ % 2 == 0 else list(sides.items())[::-1]
         for name, cmd, is_ckptctl, source in jobs:  # each side goes first every other round
             for side, env in order if is_ckptctl else [("-", None)]:
                 cold = source if args.cold else None
-                times.setdefault((name, side), []).append(attempt(cmd, env, cold))
+                run = attempt(cmd, env, cold, not args.unprimed)
+                times.setdefault((name, side), []).append(run)
     remove(OUT)
     print(
         f"\nold = {args.old}, new = this checkout; {args.rounds} rounds, interleaved, "
         "the side going first alternating"
-        + (
-            "; source read, then the page cache dropped, before every attempt\n"
-            if args.cold
-            else "\n"
-        )
+        + ("; source read, then the page cache dropped, before every attempt" if args.cold else "")
+        + ("; memory not primed\n" if args.unprimed else "; memory primed before every attempt\n")
     )
-    print("| job | side | median s | best s | median s outside converting | every attempt |")
-    print("|---|---|---:|---:|---:|---|")
+    print(
+        "| job | side | median s | best s | median s outside converting | median CPU s "
+        "| every attempt |"
+    )
+    print("|---|---|---:|---:|---:|---:|---|")
     for (name, side), seen in times.items():
-        walls = [wall for wall, _ in seen]
-        outside = [o for _, o in seen if o is not None]
+        walls = [wall for wall, _, _ in seen]
+        outside = [o for _, o, _ in seen if o is not None]
+        cpu = statistics.median(c for _, _, c in seen)
         beside = f"{statistics.median(outside):.3f}" if outside else "-"
         every = " ".join(f"{t:.2f}" for t in walls)
         print(
             f"| {name} | {side} | {statistics.median(walls):.2f} | {min(walls):.2f} | {beside} "
-            f"| {every} |"
+            f"| {cpu:.2f} | {every} |"
         )
 
 

@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchlib import compile_bytecode, du, remove, timed
+from benchlib import Timing, compile_bytecode, du, remove, timed
 
 HERE = Path(__file__).resolve().parent
 
@@ -44,7 +44,7 @@ def main() -> None:
     ckptctl = [sys.executable, "-m", "ckptctl"]
     target = ["--tp", "1", "--pp", "4"]
 
-    def best(cmd: list[str], where: Path) -> tuple[float, int, float | None]:
+    def best(cmd: list[str], where: Path) -> Timing:
         runs = []
         for _ in range(args.repeat):
             remove(where)
@@ -53,7 +53,7 @@ def main() -> None:
         remove(where)
         return min(runs)
 
-    cp_seconds, _, _ = best(["cp", "-r", str(src), str(copy)], copy)
+    cp_seconds, *_ = best(["cp", "-r", str(src), str(copy)], copy)
     print(f"\nsource: {size / 1e9:.2f} GB Megatron TP2 PP2 with Adam state -> TP1 PP4; page cache "
           f"warm; best of {args.repeat}; times include a final sync\n")  # fmt: skip
     print("| run | seconds | vs cp | speed-up | peak RSS (largest process) | model: one machine | "
@@ -73,7 +73,7 @@ def main() -> None:
         cmd = [*ckptctl, "reshard", str(src), str(out), *target, "--json"]
         if workers > 1:
             cmd += ["--workers", str(workers)]
-        seconds, rss, _ = best(cmd, out)
+        seconds, rss, *_ = best(cmd, out)
         one = one or seconds
         machine = model["seconds_one_machine"] if workers > 1 else model["seconds_one_process"]
         nodes = model["seconds_one_node_each"] if workers > 1 else model["seconds_one_process"]

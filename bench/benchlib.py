@@ -10,7 +10,7 @@ import sys
 import time
 from collections.abc import Collection
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 """The checkout these benches belong to."""
@@ -32,21 +32,70 @@ def remove(path: Path) -> None:
         path.unlink()
 
 
-def timed(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, int, float | None]:
-    """Wall seconds until ``cmd``'s output is on disk (its run plus a ``sync``), its peak RSS in
-    bytes (GNU time), and ckptctl's own ``--json`` seconds if it printed them. Counting the sync
-    charges every run for its own writeback, so runs compare at the disk's bandwidth, not the
-    page cache's. ``env``: the command's environment (default: this process's)."""
+class Timing(NamedTuple):
+    seconds: float
+    """Wall seconds until the output is on disk (the run plus a ``sync``)."""
+    rss: int
+    """Peak RSS in bytes (GNU time)."""
+    inner: float | None
+    """ckptctl's own ``--json`` seconds, if it printed them."""
+    cpu: float
+    """User plus system CPU seconds of the run (GNU time). On a virtual machine whose host
+    takes back the memory the guest leaves free, touching that memory again shows up here as
+    system time: see ``bench_memory.py``."""
+
+
+PRIME_BYTES = 8 << 30
+"""Free memory touched (then freed) before each timed run: enough that the host of this VM,
+which takes back free guest memory at a limited rate, has not reached what a run allocates
+before the run ends (measured with ``bench_memory.py``: 0.8 GiB written 8 s after freeing
+8 GiB ran at 4.4 GB/s, after freeing 2 GiB at 0.44 GB/s)."""
+
+FILL = "import sys; block = bytearray(b'\\x01') * int(sys.argv[1])"
+
+
+def fill_memory(nbytes: int) -> None:
+    """Touch ``nbytes`` of memory in a process of its own, which then exits and frees it."""
+    subprocess.run([sys.executable, "-c", FILL, str(nbytes)], check=True)
+
+
+def prime_memory(limit: int = PRIME_BYTES) -> None:
+    """Touch up to ``limit`` bytes of the machine's free memory (never evicting the page cache:
+    1 GiB stays free), then free it, so a run that follows gets pages its host backs already.
+    Some virtual machines (this one) hand free guest memory back to the host, and the next
+    touch of it waits for the host: ~2 s of system time per GB here, for `cp` as for ckptctl,
+    more for whichever runs later after a free. Priming starts every run from memory the host
+    backs, as on bare metal, where this costs a few tenths of a second and changes nothing."""
+    free = 0
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemFree:"):
+            free = int(line.split()[1]) * 1024
+    nbytes = min(limit, free - (1 << 30))
+    if nbytes > 0:
+        fill_memory(nbytes)
+
+
+def timed(cmd: list[str], env: dict[str, str] | None = None, prime: bool = True) -> Timing:
+    """Time ``cmd``. Counting the final sync charges every run for its own writeback, so runs
+    compare at the disk's bandwidth, not the page cache's. ``env``: the command's environment
+    (default: this process's). ``prime``: start from primed memory (``prime_memory``)."""
+    if prime:
+        prime_memory()
     start = time.perf_counter()
     done = subprocess.run(
-        ["/usr/bin/time", "-f", "%M", *cmd], capture_output=True, text=True, check=False, env=env
+        ["/usr/bin/time", "-f", "%M %U %S", *cmd],
+        capture_output=True,
+        text=True,
+        check=False,
+        env=env,
     )
     subprocess.run(["sync"], check=True)
     seconds = time.perf_counter() - start
     if done.returncode:
         sys.exit(f"failed: {' '.join(cmd)}\n{done.stderr[-2000:]}")
     inner = json.loads(done.stdout)["seconds"] if "--json" in cmd else None
-    return seconds, int(done.stderr.strip().splitlines()[-1]) * 1024, inner
+    rss, user, system = done.stderr.strip().splitlines()[-1].split()
+    return Timing(seconds, int(rss) * 1024, inner, float(user) + float(system))
 
 
 def compile_bytecode(root: Path = ROOT) -> None:
@@ -127,7 +176,7 @@ def measure(
             subprocess.run(["sync"], check=True)
             if cold is not None:
                 cold_start(cold)
-            seconds, rss, inner = timed(cmd)
+            seconds, rss, inner, _ = timed(cmd)
             run = (seconds, rss, du(out), inner)
             bests[i] = run if bests[i] is None or seconds < bests[i][0] else bests[i]
             if not (attempt == repeat - 1 and out in keep):
