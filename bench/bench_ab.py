@@ -23,23 +23,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchlib import ROOT, cold_start, compile_bytecode, remove, timed
+from benchlib import ROOT, attempt, compile_bytecode, remove
 
 OUT = Path("/tmp/ckptctl-bench-ab-out")
 
 
-def attempt(
-    cmd: list[str], env: dict[str, str] | None, source: Path | None, prime: bool
+def run_once(
+    cmd: list[str], env: dict[str, str] | None, cold: Path | None, prime: bool
 ) -> tuple[float, float | None, float]:
-    """Seconds of one run from an empty, synced output until its output is on disk, the part
-    of them outside ckptctl's own 'converting' figure (start-up, planning, exit), and its CPU
-    seconds. With ``source`` (``--cold``), it is read and the page cache dropped first
-    (``cold_start``); with ``prime``, memory is primed (``prime_memory``) just before."""
-    remove(OUT)
-    subprocess.run(["sync"], check=True)
-    if source is not None:
-        cold_start(source)
-    seconds, _, converting, cpu = timed(cmd, env, prime)
+    """Seconds of one attempt (``benchlib.attempt``) until its output is on disk, the part of
+    them outside ckptctl's own 'converting' figure (start-up, planning, exit), and its CPU
+    seconds."""
+    seconds, _, converting, cpu = attempt(cmd, OUT, cold, env, prime)
     return seconds, None if converting is None else seconds - converting, cpu
 
 
@@ -121,9 +116,9 @@ def main() -> None:
     for round_ in range(args.rounds):
         order = list(sides.items()) if round_ % 2 == 0 else list(sides.items())[::-1]
         for name, cmd, is_ckptctl, source in jobs:  # each side goes first every other round
+            cold = source if args.cold else None
             for side, env in order if is_ckptctl else [("-", None)]:
-                cold = source if args.cold else None
-                run = attempt(cmd, env, cold, not args.unprimed)
+                run = run_once(cmd, env, cold, not args.unprimed)
                 times.setdefault((name, side), []).append(run)
     remove(OUT)
     print(

@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchlib import Timing, compile_bytecode, du, remove, timed
+from benchlib import Timing, attempt, compile_bytecode, du, remove
 
 HERE = Path(__file__).resolve().parent
 
@@ -47,9 +47,7 @@ def main() -> None:
     def best(cmd: list[str], where: Path) -> Timing:
         runs = []
         for _ in range(args.repeat):
-            remove(where)
-            subprocess.run(["sync"], check=True)
-            runs.append(timed(cmd))
+            runs.append(attempt(cmd, where))
         remove(where)
         return min(runs)
 

@@ -137,6 +137,23 @@ def cold_start(source: Path) -> None:
     drop_caches()
 
 
+def attempt(
+    cmd: list[str],
+    out: Path,
+    cold: Path | None = None,
+    env: dict[str, str] | None = None,
+    prime: bool = True,
+) -> Timing:
+    """One timed run of ``cmd`` from a clean state: its output ``out`` removed and synced;
+    with ``cold`` (a source), that source read and the page cache emptied (``cold_start``);
+    then ``timed``."""
+    remove(out)
+    subprocess.run(["sync"], check=True)
+    if cold is not None:
+        cold_start(cold)
+    return timed(cmd, env, prime)
+
+
 def warm_page_cache(*sources: Path) -> str:
     """Start warm runs from the same memory every time: as root, empty the page cache first
     (files of earlier runs, kept outputs and other benches' sources otherwise fill memory, and
@@ -172,11 +189,7 @@ def measure(
     bests: list[Any] = [None] * len(runs)
     for attempt in range(repeat):
         for i, (_, cmd, out) in enumerate(runs):
-            remove(out)
-            subprocess.run(["sync"], check=True)
-            if cold is not None:
-                cold_start(cold)
-            seconds, rss, inner, _ = timed(cmd)
+            seconds, rss, inner, _ = attempt(cmd, out, cold)
             run = (seconds, rss, du(out), inner)
             bests[i] = run if bests[i] is None or seconds < bests[i][0] else bests[i]
             if not (attempt == repeat - 1 and out in keep):
