@@ -59,18 +59,19 @@ def fill_memory(nbytes: int) -> None:
     subprocess.run([sys.executable, "-c", FILL, str(nbytes)], check=True)
 
 
-def prime_memory(limit: int = PRIME_BYTES) -> None:
+def prime_memory(limit: int | None = None) -> None:
     """Touch up to ``limit`` bytes of the machine's free memory (never evicting the page cache:
     1 GiB stays free), then free it, so a run that follows gets pages its host backs already.
     Some virtual machines (this one) hand free guest memory back to the host, and the next
     touch of it waits for the host: ~2 s of system time per GB here, for `cp` as for ckptctl,
     more for whichever runs later after a free. Priming starts every run from memory the host
-    backs, as on bare metal, where this costs a few tenths of a second and changes nothing."""
+    backs, as on bare metal, where this costs a few tenths of a second and changes nothing.
+    ``limit``: default ``PRIME_BYTES``."""
     free = 0
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemFree:"):
             free = int(line.split()[1]) * 1024
-    nbytes = min(limit, free - (1 << 30))
+    nbytes = min(PRIME_BYTES if limit is None else limit, free - (1 << 30))
     if nbytes > 0:
         fill_memory(nbytes)
 
@@ -187,12 +188,12 @@ def measure(
     page cache emptied, before each attempt (``cold_start``)."""
     compile_bytecode()
     bests: list[Any] = [None] * len(runs)
-    for attempt in range(repeat):
+    for round_ in range(repeat):
         for i, (_, cmd, out) in enumerate(runs):
             seconds, rss, inner, _ = attempt(cmd, out, cold)
             run = (seconds, rss, du(out), inner)
             bests[i] = run if bests[i] is None or seconds < bests[i][0] else bests[i]
-            if not (attempt == repeat - 1 and out in keep):
+            if not (round_ == repeat - 1 and out in keep):
                 remove(out)
     rows: list[Row] = []
     for (name, _, _), best in zip(runs, bests, strict=True):

@@ -1,0 +1,62 @@
+"""The benches' shared timing loop runs end to end: a bench that cannot run measures nothing.
+(A loop variable once shadowed ``benchlib.attempt`` and every ``measure`` caller failed on its
+first row; only ``bench_ab`` had been run.)"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+pytestmark = pytest.mark.skipif(
+    not Path("/usr/bin/time").exists() or shutil.which("sync") is None,
+    reason="the benches time runs with /usr/bin/time",
+)
+
+
+@pytest.fixture()
+def benchlib(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    sys.modules.pop("benchlib", None)
+    import benchlib
+
+    monkeypatch.setattr(benchlib, "PRIME_BYTES", 16 << 20)  # prime, but only a little
+    yield benchlib
+    sys.modules.pop("benchlib", None)
+
+
+def test_measure_times_every_run_and_keeps_only_what_it_is_told(benchlib, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.bin").write_bytes(b"x" * 300_000)
+    (src / "b.bin").write_bytes(b"y" * 100_000)
+    size = benchlib.du(src)
+    first, second = tmp_path / "first", tmp_path / "second"
+    runs = [
+        ("cp -r", ["cp", "-r", str(src), str(first)], first),
+        ("cp -r again", ["cp", "-r", str(src), str(second)], second),
+    ]
+
+    rows = benchlib.measure(runs, size, repeat=2, keep=[second])
+
+    assert [row[0] for row in rows] == ["cp -r", "cp -r again"]
+    for _, seconds, inner, written, rate, _, rss in rows:
+        assert seconds > 0 and rate == pytest.approx(size / seconds)
+        assert inner is None  # no --json: no time of its own to report
+        assert written == size
+        assert rss > 0
+    assert rows[0][5] == 1.0
+    assert not first.exists()  # removed after every attempt
+    assert sorted(p.name for p in second.iterdir()) == ["a.bin", "b.bin"]  # the kept one
+
+
+def test_attempt_starts_from_a_removed_output(benchlib, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "stale").write_text("from an earlier attempt")
+    timing = benchlib.attempt(["mkdir", str(out)], out)  # fails if the output was left
+    assert timing.seconds > 0 and out.is_dir() and not (out / "stale").exists()
