@@ -59,19 +59,18 @@ def fill_memory(nbytes: int) -> None:
     subprocess.run([sys.executable, "-c", FILL, str(nbytes)], check=True)
 
 
-def prime_memory(limit: int | None = None) -> None:
-    """Touch up to ``limit`` bytes of the machine's free memory (never evicting the page cache:
+def prime_memory() -> None:
+    """Touch up to ``PRIME_BYTES`` of the machine's free memory (never evicting the page cache:
     1 GiB stays free), then free it, so a run that follows gets pages its host backs already.
     Some virtual machines (this one) hand free guest memory back to the host, and the next
     touch of it waits for the host: ~2 s of system time per GB here, for `cp` as for ckptctl,
     more for whichever runs later after a free. Priming starts every run from memory the host
-    backs, as on bare metal, where this costs a few tenths of a second and changes nothing.
-    ``limit``: default ``PRIME_BYTES``."""
+    backs, as on bare metal, where this costs a few tenths of a second and changes nothing."""
     free = 0
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemFree:"):
             free = int(line.split()[1]) * 1024
-    nbytes = min(PRIME_BYTES if limit is None else limit, free - (1 << 30))
+    nbytes = min(PRIME_BYTES, free - (1 << 30))  # read at each call: a test may lower it
     if nbytes > 0:
         fill_memory(nbytes)
 
