@@ -23,18 +23,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchlib import ROOT, attempt, compile_bytecode, remove
+from benchlib import ROOT, attempt, compile_bytecode, du, remove
 
 OUT = Path("/tmp/ckptctl-bench-ab-out")
 
 
 def run_once(
-    cmd: list[str], env: dict[str, str] | None, cold: Path | None, prime: bool
+    cmd: list[str], env: dict[str, str] | None, cold: Path | None, prime: bool, need: int
 ) -> tuple[float, float | None, float]:
-    """Seconds of one attempt (``benchlib.attempt``) until its output is on disk, the part of
-    them outside ckptctl's own 'converting' figure (start-up, planning, exit), and its CPU
-    seconds."""
-    seconds, _, converting, cpu = attempt(cmd, OUT, cold, env, prime)
+    """Seconds of one attempt (``benchlib.attempt``; ``need``: memory to prime) until its
+    output is on disk, the part of them outside ckptctl's own 'converting' figure (start-up,
+    planning, exit), and its CPU seconds."""
+    seconds, _, converting, cpu = attempt(cmd, OUT, cold, env, prime, need)
     return seconds, None if converting is None else seconds - converting, cpu
 
 
@@ -113,12 +113,14 @@ def main() -> None:
         "new": dict(os.environ, PYTHONPATH=str(ROOT)),
     }
     times: dict[tuple[str, str], list[tuple[float, float | None, float]]] = {}
+    sizes = {source: du(source) for _, _, _, source in jobs}
     for round_ in range(args.rounds):
         order = list(sides.items()) if round_ % 2 == 0 else list(sides.items())[::-1]
         for name, cmd, is_ckptctl, source in jobs:  # each side goes first every other round
             cold = source if args.cold else None
             for side, env in order if is_ckptctl else [("-", None)]:
-                run = run_once(cmd, env, cold, not args.unprimed)
+                # the output's pages and, from a cold cache, the source's
+                run = run_once(cmd, env, cold, not args.unprimed, 2 * sizes[source])
                 times.setdefault((name, side), []).append(run)
     remove(OUT)
     print(
