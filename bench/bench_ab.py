@@ -23,7 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchlib import ROOT, attempt, compile_bytecode, du, remove
+from benchlib import ROOT, attempt, compile_bytecode, du, memory_needed, remove
 
 OUT = Path("/tmp/ckptctl-bench-ab-out")
 
@@ -113,14 +113,13 @@ def main() -> None:
         "new": dict(os.environ, PYTHONPATH=str(ROOT)),
     }
     times: dict[tuple[str, str], list[tuple[float, float | None, float]]] = {}
-    sizes = {source: du(source) for _, _, _, source in jobs}
+    needs = {source: memory_needed(du(source)) for _, _, _, source in jobs}
     for round_ in range(args.rounds):
         order = list(sides.items()) if round_ % 2 == 0 else list(sides.items())[::-1]
         for name, cmd, is_ckptctl, source in jobs:  # each side goes first every other round
             cold = source if args.cold else None
             for side, env in order if is_ckptctl else [("-", None)]:
-                # the output's pages and, from a cold cache, the source's
-                run = run_once(cmd, env, cold, not args.unprimed, 2 * sizes[source])
+                run = run_once(cmd, env, cold, not args.unprimed, needs[source])
                 times.setdefault((name, side), []).append(run)
     remove(OUT)
     print(

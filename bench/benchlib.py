@@ -59,6 +59,20 @@ def fill_memory(nbytes: int) -> None:
     subprocess.run([sys.executable, "-c", FILL, str(nbytes)], check=True)
 
 
+def free_memory() -> int:
+    """The machine's free memory in bytes (``MemFree``: not counting the page cache)."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemFree:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def memory_needed(source_bytes: int) -> int:
+    """What a run over a source of ``source_bytes`` brings into memory, at most: the output's
+    pages and, from a cold cache, the source's (``prime_memory``'s ``need``)."""
+    return 2 * source_bytes
+
+
 def prime_memory(need: int = 0) -> None:
     """Touch ``PRIME_BYTES`` of the machine's free memory, or ``need`` if more (never evicting
     the page cache: 1 GiB stays free), then free it, so a run that follows gets pages its host
@@ -69,11 +83,7 @@ def prime_memory(need: int = 0) -> None:
     touch of it waits for the host: ~2 s of system time per GB here, for `cp` as for ckptctl,
     more for whichever runs later after a free. Priming starts every run from memory the host
     backs, as on bare metal, where this costs a few tenths of a second and changes nothing."""
-    free = 0
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemFree:"):
-            free = int(line.split()[1]) * 1024
-    nbytes = min(max(PRIME_BYTES, need), free - (1 << 30))  # (a test lowers PRIME_BYTES)
+    nbytes = min(max(PRIME_BYTES, need), free_memory() - (1 << 30))  # (tests lower PRIME_BYTES)
     if nbytes > 0:
         fill_memory(nbytes)
 
@@ -197,8 +207,7 @@ def measure(
     bests: list[Any] = [None] * len(runs)
     for round_ in range(repeat):
         for i, (_, cmd, out) in enumerate(runs):
-            # the output's pages and, from a cold cache, the source's
-            seconds, rss, inner, _ = attempt(cmd, out, cold, need=2 * size)
+            seconds, rss, inner, _ = attempt(cmd, out, cold, need=memory_needed(size))
             run = (seconds, rss, du(out), inner)
             bests[i] = run if bests[i] is None or seconds < bests[i][0] else bests[i]
             if not (round_ == repeat - 1 and out in keep):

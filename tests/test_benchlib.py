@@ -62,27 +62,19 @@ def test_attempt_starts_from_a_removed_output(benchlib, tmp_path: Path) -> None:
     assert timing.seconds > 0 and out.is_dir() and not (out / "stale").exists()
 
 
-def _free_memory() -> int:
-    return next(
-        int(line.split()[1]) * 1024
-        for line in Path("/proc/meminfo").read_text().splitlines()
-        if line.startswith("MemFree:")
-    )
-
-
 def test_priming_covers_what_a_run_brings_into_memory(
     benchlib, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A run that needs more pages than ``PRIME_BYTES`` gets them primed (a 7.9 GB cold copy
     ran 2.5x slower past the primed 8 GiB); priming never reaches into the page cache."""
-    if _free_memory() < 2 << 30:
+    if benchlib.free_memory() < 2 << 30:
         pytest.skip("priming leaves 1 GiB free: this needs more free memory than that")
     touched: list[int] = []
     monkeypatch.setattr(benchlib, "fill_memory", touched.append)  # count, do not touch
     benchlib.prime_memory()
     benchlib.prime_memory(need=64 << 20)
     benchlib.prime_memory(need=1 << 60)  # more than the machine has: what is free, less 1 GiB
-    free = _free_memory()
+    free = benchlib.free_memory()
     assert touched[:2] == [16 << 20, 64 << 20]
     assert touched[2] < free - (1 << 30) + (256 << 20)  # (free memory moves a little meanwhile)
     assert touched[2] > 64 << 20
