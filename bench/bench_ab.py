@@ -2,9 +2,10 @@
 spells (up to 1.5x) fall on both alike, which separate bench runs cannot promise.
 
 The older commit is checked out into a git worktree and run with ``PYTHONPATH`` pointing at
-it; this checkout is the newer side. Each attempt removes the output, syncs, then times the
-job until its output is on disk (a final ``sync``). Prints median and best per job and side,
-with ``cp -r`` of each source in the same rounds.
+it (and ``python -P``, so the working directory cannot take its place); this checkout is the
+newer side; before timing, each side is checked to import its own tree. Each attempt removes
+the output, syncs, then times the job until its output is on disk (a final ``sync``). Prints
+median and best per job and side, with ``cp -r`` of each source in the same rounds.
 
     python bench/bench_ab.py --old REV [--rounds 5] [--cold] [--reshard 4x1 [--only-reshard]]
         [--megatron /tmp/ckptctl-bench/src]
@@ -17,13 +18,22 @@ The sources are those ``bench_convert.py --keep``, ``bench_deepspeed.py --keep``
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
-from benchlib import ROOT, attempt, compile_bytecode, du, memory_needed, remove
+from benchlib import (
+    CKPTCTL_IN_CHECKOUT,
+    ROOT,
+    attempt,
+    checkout_env,
+    compile_bytecode,
+    du,
+    imported_checkout,
+    memory_needed,
+    remove,
+)
 
 OUT = Path("/tmp/ckptctl-bench-ab-out")
 
@@ -79,7 +89,7 @@ def main() -> None:
         subprocess.run(worktree, check=True)
     compile_bytecode()
     compile_bytecode(old)
-    ckptctl = [sys.executable, "-m", "ckptctl"]
+    ckptctl = CKPTCTL_IN_CHECKOUT
     jobs: list[tuple[str, list[str], bool, Path]] = []  # (row, command, is ckptctl, source)
     # (what cp -r copies, the source ckptctl reads, its --format): one pair of rows each
     sources = [
@@ -108,10 +118,10 @@ def main() -> None:
         sys.exit(
             "no source found: run bench_convert.py, bench_deepspeed.py or bench_dcp.py with --keep"
         )
-    sides = {
-        "old": dict(os.environ, PYTHONPATH=str(old)),
-        "new": dict(os.environ, PYTHONPATH=str(ROOT)),
-    }
+    sides = {"old": checkout_env(old), "new": checkout_env(ROOT)}
+    for (side, env), tree in zip(sides.items(), (old, ROOT), strict=True):
+        if imported_checkout(env) != tree.resolve():
+            sys.exit(f"the {side} side imports ckptctl from {imported_checkout(env)}, not {tree}")
     times: dict[tuple[str, str], list[tuple[float, float | None, float]]] = {}
     needs = {source: memory_needed(du(source)) for _, _, _, source in jobs}
     for round_ in range(args.rounds):

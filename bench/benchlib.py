@@ -127,6 +127,31 @@ def compile_bytecode(root: Path = ROOT) -> None:
         )
 
 
+CKPTCTL_IN_CHECKOUT = [sys.executable, "-P", "-m", "ckptctl"]
+"""ckptctl of the checkout that ``checkout_env`` names. ``-P``: ``python -m`` would otherwise put
+the working directory first on ``sys.path``, and a bench started from a checkout's root would run
+that checkout's code whatever ``PYTHONPATH`` says (it did: until this was added, ``bench_ab.py``
+started from the repository's root ran the new code on both sides)."""
+
+
+def checkout_env(root: Path) -> dict[str, str]:
+    """The environment in which ``CKPTCTL_IN_CHECKOUT`` runs the checkout at ``root``."""
+    return dict(os.environ, PYTHONPATH=str(root))
+
+
+def imported_checkout(env: dict[str, str]) -> Path:
+    """The checkout whose ckptctl (and planners) a ``CKPTCTL_IN_CHECKOUT`` process with ``env``
+    imports; a bench comparing two checkouts checks each side against it before timing."""
+    probe = "import ckptctl, planners; print(ckptctl.__file__); print(planners.__file__)"
+    done = subprocess.run(
+        [*CKPTCTL_IN_CHECKOUT[:2], "-c", probe], env=env, capture_output=True, text=True, check=True
+    )
+    roots = {Path(line).resolve().parent.parent for line in done.stdout.split()}
+    if len(roots) != 1:
+        sys.exit(f"ckptctl and planners come from different trees: {sorted(roots)}")
+    return roots.pop()
+
+
 def drop_caches() -> None:
     """Empty the page cache (root only): every file, the source's and Python's and torch's
     own, then comes from the disk."""

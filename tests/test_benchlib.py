@@ -78,3 +78,17 @@ def test_priming_covers_what_a_run_brings_into_memory(
     assert touched[:2] == [16 << 20, 64 << 20]
     assert touched[2] < free - (1 << 30) + (256 << 20)  # (free memory moves a little meanwhile)
     assert touched[2] > 64 << 20
+
+
+def test_each_side_of_an_ab_imports_its_own_checkout(
+    benchlib, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Started from this checkout's root, the old side must still run the old tree: ``python -m``
+    puts the working directory first on ``sys.path`` unless told not to, and once made every A/B
+    compare this checkout with itself."""
+    other = tmp_path / "other"
+    for package in ("ckptctl", "planners"):
+        shutil.copytree(benchlib.ROOT / package, other / package)
+    monkeypatch.chdir(benchlib.ROOT)
+    assert benchlib.imported_checkout(benchlib.checkout_env(other)) == other.resolve()
+    assert benchlib.imported_checkout(benchlib.checkout_env(benchlib.ROOT)) == benchlib.ROOT
