@@ -18,6 +18,8 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from ckptctl.runs import feed
+
 MIN_PART_SIZE = 5 << 20
 """S3's smallest part (all but the last)."""
 MAX_PARTS = 10_000
@@ -236,8 +238,7 @@ def copy_run_on_server(upload: Any, run: Any, observers: list[Any]) -> int | Non
         copy_rest()  # the server copies while the bytes are fetched and hashed here
     seen = 0
     for view in run.views():
-        for observe in observers:
-            observe(view)
+        feed(observers, view)
         if seen < lead:
             upload.write(view[: lead - seen])
             if seen + len(view) >= lead:
