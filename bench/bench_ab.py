@@ -83,9 +83,13 @@ def main() -> None:
         help="Do not prime memory before each attempt (see benchlib.prime_memory).",
     )
     args = parser.parse_args()
-    old = Path(f"/tmp/ckptctl-ab-{args.old}")
+    # The worktree is named by the commit, not by how it was spelled: a second run with
+    # ``--old HEAD`` after a commit must not reuse the tree the first one checked out.
+    resolve = ["git", "-C", str(ROOT), "rev-parse", "--verify", f"{args.old}^{{commit}}"]
+    commit = subprocess.run(resolve, check=True, capture_output=True, text=True).stdout.strip()
+    old = Path(f"/tmp/ckptctl-ab-{commit[:12]}")
     if not old.exists():
-        worktree = ["git", "-C", str(ROOT), "worktree", "add", "-f", str(old), args.old]
+        worktree = ["git", "-C", str(ROOT), "worktree", "add", "-f", str(old), commit]
         subprocess.run(worktree, check=True)
     compile_bytecode()
     compile_bytecode(old)
@@ -133,8 +137,8 @@ def main() -> None:
                 times.setdefault((name, side), []).append(run)
     remove(OUT)
     print(
-        f"\nold = {args.old}, new = this checkout; {args.rounds} rounds, interleaved, "
-        "the side going first alternating"
+        f"\nold = {args.old} ({commit[:12]}), new = this checkout; {args.rounds} rounds, "
+        "interleaved, the side going first alternating"
         + ("; source read, then the page cache dropped, before every attempt" if args.cold else "")
         + ("; memory not primed\n" if args.unprimed else "; memory primed before every attempt\n")
     )
