@@ -124,8 +124,9 @@ def main() -> None:
         )
     sides = {"old": checkout_env(old), "new": checkout_env(ROOT)}
     for (side, env), tree in zip(sides.items(), (old, ROOT), strict=True):
-        if imported_checkout(env) != tree.resolve():
-            sys.exit(f"the {side} side imports ckptctl from {imported_checkout(env)}, not {tree}")
+        imported = imported_checkout(env)
+        if imported != tree.resolve():
+            sys.exit(f"the {side} side imports ckptctl from {imported}, not {tree}")
     times: dict[tuple[str, str], list[tuple[float, float | None, float]]] = {}
     needs = {source: memory_needed(du(source)) for _, _, _, source in jobs}
     for round_ in range(args.rounds):

@@ -248,12 +248,14 @@ would read it from memory three times (measured: 8.6 against 15-17 ms per window
 
 
 def slices(data: bytes | memoryview) -> Iterator[memoryview]:
+    """``data``'s bytes, ``SLICE`` at a time."""
     view = memoryview(data).cast("B")
     for start in range(0, len(view), SLICE):
         yield view[start : start + SLICE]
 
 
 def write_in_slices(out: BinaryIO | Any, data: bytes | memoryview) -> None:
+    """Write ``data`` to ``out`` ``SLICE`` at a time (see ``SLICE`` for why)."""
     for piece in slices(data):
         out.write(piece)
 
