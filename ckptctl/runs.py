@@ -127,34 +127,25 @@ class Run:
             done(self)
 
 
-def copy_run(
-    dst_fd: int, run: Run, observers: list[Observer], proven: set[int] | None = None
-) -> bool:
+def copy_run(dst_fd: int, run: Run, observers: list[Observer]) -> bool:
     """Kernel-copy ``run`` to the current position of ``dst_fd`` and feed ``observers`` from
     mapped pages of the source meanwhile: the copy runs on a helper thread (the system call
     releases the GIL) while this thread hashes, so the two use both cores. False, with nothing
     written, when the kernel cannot copy between these two files (the caller writes the bytes
-    instead). ``proven``: the devices of sources the kernel has already copied from into this
-    file (a run from one of them skips the probe; a probe that succeeds adds its device)."""
+    instead)."""
     if run.storage is not None:  # an object: nothing for the kernel to copy from
         return False
     with open(run.path, "rb") as f:
         src = f.fileno()
         run.check_size(src)
         base = os.lseek(dst_fd, 0, os.SEEK_CUR)
-        device = os.fstat(src).st_dev
-        # Probing on this thread once per source device and output file, not once per run:
-        # where runs are a few MiB (a 2.3 GB reshard's 714), the probes were half their bytes,
-        # copied on the thread that hashes.
-        first = 0 if proven is not None and device in proven else min(run.nbytes, PROBE)
+        first = min(run.nbytes, PROBE)
         try:  # a first piece on this thread: a kernel that cannot copy says so here
             _copy(src, dst_fd, run.offset, base, first)
         except OSError:
             os.lseek(dst_fd, base, os.SEEK_SET)
             os.ftruncate(dst_fd, base)
             return False
-        if proven is not None:
-            proven.add(device)
         pieces = [
             (run.offset + done, base + done, min(WINDOW, run.nbytes - done))
             for done in range(first, run.nbytes, WINDOW)

@@ -37,8 +37,6 @@ class HashingWriter(io.RawIOBase):
         self._writeback = writeback
         self._written_back = 0
         """Bytes up to here have been handed to the device (``writeback``)."""
-        self._copies_from: set[int] = set()
-        """Devices the kernel has copied from into this file (``copy_run``'s ``proven``)."""
 
     def writable(self) -> bool:
         return True
@@ -118,7 +116,7 @@ class HashingWriter(io.RawIOBase):
         except (OSError, io.UnsupportedOperation):
             return None
         self._inner.flush()
-        if not copy_run(dst, run, observers, self._copies_from):
+        if not copy_run(dst, run, observers):
             return None
         self.size += run.nbytes
         self._write_back()

@@ -11,7 +11,6 @@ import itertools
 import json
 import os
 import shutil
-import threading
 import zipfile
 from pathlib import Path
 
@@ -142,28 +141,6 @@ def test_a_kernel_that_cannot_copy_falls_back_to_writing(
     report = cli.json("consolidate", megatron, tmp_path / "refused", "--format", "megatron")
     assert report["bytes_copied_without_passing_through"] == {}
     assert tree(tmp_path / "refused") == tree(tmp_path / "kernel")
-
-
-def test_the_kernel_is_probed_once_per_output_file_not_per_run(
-    megatron: Path, tmp_path: Path, cli, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Every run's first piece used to be copied on the thread that hashes (a kernel that cannot
-    copy says so there, before anything is written); once a file has taken a kernel copy from a
-    source device, later runs from it go whole to the copier thread."""
-    calls: list[str] = []
-    real = os.copy_file_range
-
-    def counted(*args: int) -> int:
-        calls.append(threading.current_thread().name)
-        return real(*args)
-
-    monkeypatch.setattr(os, "copy_file_range", counted)
-    report = cli.json("consolidate", megatron, tmp_path / "out", "--format", "megatron")
-    outputs = list((tmp_path / "out").rglob("*.pt"))
-    probes = [name for name in calls if not name.startswith("ckptctl-copy")]
-    assert report["bytes_copied_without_passing_through"]["copy_file_range"] > 0
-    assert len(calls) > 2 * len(outputs)  # runs enough to tell the two apart
-    assert 0 < len(probes) <= len(outputs), (len(probes), len(calls))
 
 
 def _largest_record(path: Path) -> tuple[int, int]:
