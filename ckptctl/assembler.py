@@ -57,6 +57,11 @@ def _fill_element(write: TensorWrite) -> bytes | None:
     return pack_exactly(write.dtype, write.fill)
 
 
+class JobStopped(Exception):
+    """Raised in a file's writer when another file of the same job has failed: the job stops,
+    and the first failure is the one reported."""
+
+
 class Assembler:
     """Builds each target tensor from its copies, in bands of whole rows that fit the budget.
 
@@ -73,12 +78,20 @@ class Assembler:
         budget: int,
         pool: ThreadPoolExecutor | None = None,
         ahead: int = 1,
+        counting: threading.Lock | None = None,
+        stop: threading.Event | None = None,
     ) -> None:
-        """``ahead``: the pool's threads; twice as many bands are kept in flight."""
+        """``ahead``: the pool's threads; twice as many bands are kept in flight. Assemblers
+        writing files of one job at once share ``counting`` (their report and progress) and
+        ``stop`` (set when one of them fails: the others give up at their next tensor or
+        band, instead of finishing files the job will not keep)."""
         self.source_files = plan.source_files if isinstance(plan, Plan) else tuple(plan)
         self.source, self.report, self.progress = source, report, progress
         self.pool = pool
-        self._counting = threading.Lock()
+        self.counting = counting or threading.Lock()
+        """Held to update the report's counters and the progress: bands are counted on read
+        threads, runs on the writing thread, and a job may write several files at once."""
+        self.stop = stop or threading.Event()
         # Up to four bands are alive (two queued for writing, one being written, one being
         # built); the one being built is held up to four times (output band, bytes read in
         # parallel, their contiguous copies, a dtype cast).
@@ -109,6 +122,7 @@ class Assembler:
         contiguous ranges of local source files in its dtype, ``Run``s that the writer moves by
         kernel copy (their checksums are taken as the writer emits them), or, for a fill its
         dtype holds exactly, slices of packed elements."""
+        self._check_stop()
         runs = self._runs.pop(id(write)) if id(write) in self._runs else self._runs_of(write)
         if runs is not None:
             yield from self._watched(write, file, runs)
@@ -131,8 +145,13 @@ class Assembler:
         if bands is None:
             bands = (self._build(write, b) for b in band_ranges(write, self.band_bytes))
         for band in bands:
+            self._check_stop()
             yield self._emit(band, digest)
         self._record(write, file, digest)
+
+    def _check_stop(self) -> None:
+        if self.stop.is_set():
+            raise JobStopped("another file of this job failed")
 
     def _runs_of(self, write: TensorWrite) -> list[Run] | None:
         """The tensor as runs of local source files, in order, when its copies tile it with
@@ -170,12 +189,12 @@ class Assembler:
         digest = xxhash.xxh3_64()
 
         def advance(view: memoryview) -> None:
-            with self._counting:  # bands may be counted on a read-ahead thread meanwhile
+            with self.counting:  # bands may be counted on a read-ahead thread meanwhile
                 self.report.bytes_written += len(view)
                 self.progress.advance(len(view))
 
         def done(run: Run) -> None:
-            with self._counting:
+            with self.counting:
                 self.report.bytes_read += run.nbytes
                 self.report.read_requests += 1
                 if run.copied:
@@ -219,7 +238,7 @@ class Assembler:
 
             view = arrays.raw_bytes(band)
         digest.update(view)
-        with self._counting:  # runs are counted on the writer's thread
+        with self.counting:  # runs are counted on the writer's thread
             self.report.bytes_written += len(view)
             self.progress.advance(len(view))
         return view
@@ -284,6 +303,6 @@ class Assembler:
         return out
 
     def _count(self, data: np.ndarray) -> None:
-        with self._counting:  # reads finish on several threads
+        with self.counting:  # reads finish on several threads
             self.report.bytes_read += data.nbytes
             self.report.read_requests += 1

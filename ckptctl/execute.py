@@ -7,11 +7,12 @@ memory follows the largest tensor, not the checkpoint.
 
 from __future__ import annotations
 
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
-from ckptctl.assembler import Assembler
+from ckptctl.assembler import Assembler, JobStopped
 from ckptctl.distributed import Group
 from ckptctl.formats import registry
 from ckptctl.formats.base import Checkpoint, WriteJob
@@ -34,12 +35,15 @@ def execute(
     workers: int = 1,
     checksum: str = "xxh3_64",
     group: Group | None = None,
+    files_at_once: int = 1,
 ) -> Report:
     """Write every file of ``plan`` to ``target``, then its finalize files in order.
 
     Tensor data in flight stays within about ``memory_budget`` bytes, whatever the tensor sizes.
     ``workers`` > 1 builds that many bands at once, ahead of the writer (object stores: GETs in
-    flight; local disks: reading overlaps hashing and writing). With a process ``group``, this
+    flight; local disks: reading overlaps hashing and writing). ``files_at_once`` > 1 writes
+    that many files of a local target at once, each thread taking the next file in plan order
+    (they share the budget; the outputs are the same bytes). With a process ``group``, this
     process writes its share of the files (``planners.shares``); rank 0 commits once every rank
     has sent what it wrote, and its report covers the whole job (``ranks``: each one's).
     """
@@ -66,11 +70,17 @@ def execute(
     if rank:
         log = RunLog(target, plan, checksum, finish_paths, rank, world)
     pool = ThreadPoolExecutor(workers, thread_name_prefix="ckptctl-read") if workers > 1 else None
-    assemble = Assembler(plan, source, report, progress, memory_budget, pool, workers)
-    job = WriteJob(plan, source, assemble, report)
+    writers = max(1, min(files_at_once, len(mine))) if target.is_local else 1
+    counting, stop = threading.Lock(), threading.Event()
+    share_budget = memory_budget // writers
+    assemblers = [
+        Assembler(plan, source, report, progress, share_budget, pool, workers, counting, stop)
+        for _ in range(writers)
+    ]
+    jobs = [WriteJob(plan, source, assemble, report) for assemble in assemblers]
     failure: Exception | None = None
     try:
-        _write_files(job, mine, sizes, target, log)
+        _write_shares(jobs, mine, sizes, target, log)
         target.drain()  # every rank's files are durable before rank 0 commits
     except Exception as err:  # the other ranks must hear of it, or they wait for this one
         failure = err
@@ -84,7 +94,7 @@ def execute(
     if failure is not None:
         raise failure
     if rank == 0:
-        _commit(job, target, log, target_format, checksum)
+        _commit(jobs[0], target, log, target_format, checksum)
     if group is not None:
         group.agree(None)  # every rank returns once the job is committed
     progress.finish()
@@ -183,60 +193,108 @@ class _GroupProgress:
         self.inner.finish()
 
 
-def _write_files(
-    job: WriteJob, share: tuple[int, ...], sizes: list[int], target: Storage, log: RunLog
+def _write_shares(
+    jobs: list[WriteJob], share: tuple[int, ...], sizes: list[int], target: Storage, log: RunLog
 ) -> None:
+    """Write the files of ``share``, ``len(jobs)`` at a time: each writer (the calling thread
+    and one helper per further job) takes the next file in plan order until none is left.
+    Kernel copies and writes into one file take its inode's lock, so one file's bytes move on
+    one core however many threads feed it; a second file lets the kernel copy on another.
+    A failure, or an interrupt of the calling thread, stops the other writers at their next
+    tensor; the first failure is raised."""
+    if len(jobs) == 1:
+        for i in share:
+            _write_file(jobs[0], i, sizes, target, log)
+        return
+    queue, taking = iter(share), threading.Lock()
+    stop = jobs[0].assemble.stop
+
+    def write_files(job: WriteJob) -> None:
+        while not stop.is_set():
+            with taking:
+                i = next(queue, None)
+            if i is None:
+                return
+            try:
+                _write_file(job, i, sizes, target, log)
+            except BaseException:
+                stop.set()
+                raise
+
+    with ThreadPoolExecutor(len(jobs) - 1, thread_name_prefix="ckptctl-file") as helpers:
+        others = [helpers.submit(write_files, job) for job in jobs[1:]]
+        try:
+            write_files(jobs[0])
+        except BaseException:  # an interrupt, too: the helpers stop at their next tensor
+            stop.set()
+            raise
+        finally:
+            wait(others)
+    failures = [f.exception() for f in others if f.exception() is not None]
+    first = next((e for e in failures if not isinstance(e, JobStopped)), None)
+    if first is not None:
+        raise first
+    # Files are listed in plan order, as one writer would have listed them.
+    order = {plan_file.path: n for n, plan_file in enumerate(jobs[0].plan.files)}
+    jobs[0].report.files_written.sort(key=lambda path: order.get(path, len(order)))
+
+
+def _write_file(job: WriteJob, i: int, sizes: list[int], target: Storage, log: RunLog) -> None:
     plan, report = job.plan, job.report
-    for i in share:
-        file = plan.files[i]
-        reused = log.reusable(file.path)
-        if reused is not None:  # resuming: this file was finished and is intact
-            report.tensor_checksums[file.path] = reused["tensors"]
-            report.records[file.path] = reused.get("records", [])
+    file = plan.files[i]
+    reused = log.reusable(file.path)
+    if reused is not None:  # resuming: this file was finished and is intact
+        report.tensor_checksums[file.path] = reused["tensors"]
+        report.records[file.path] = reused.get("records", [])
+        with job.assemble.counting:
             job.assemble.progress.advance(sizes[i])
-            report.files_written.append(file.path)
-            continue
-        with target.open_write(file.path, new_digest(log.algorithm)) as out:
-            if file.kind == FileKind.COPY:
-                _copy_file(job.source, plan.source_files[file.copy_of or 0], out, job.assemble)
-            else:
-                _, write = registry.writer_for(file.kind)
-                try:
-                    write(job, file, out)
-                finally:
-                    job.assemble.forget()
-        log.finished(
-            file.path,
-            report.tensor_checksums.get(file.path, {}),
-            size=out.size,
-            checksum=out.digest.hexdigest(),
-            records=report.records.get(file.path),
-        )
         report.files_written.append(file.path)
+        return
+    with target.open_write(file.path, new_digest(log.algorithm)) as out:
+        if file.kind == FileKind.COPY:
+            _copy_file(job.source, plan.source_files[file.copy_of or 0], out, job.assemble)
+        else:
+            _, write = registry.writer_for(file.kind)
+            try:
+                write(job, file, out)
+            finally:
+                job.assemble.forget()
+    log.finished(
+        file.path,
+        report.tensor_checksums.get(file.path, {}),
+        size=out.size,
+        checksum=out.digest.hexdigest(),
+        records=report.records.get(file.path),
+    )
+    report.files_written.append(file.path)
 
 
 def _copy_file(source: Sources, path: str, out: Any, assemble: Assembler) -> None:
     """A stored file as it is (direct strategy), streamed in bounded chunks."""
     ckpt, rel = source.owner(path)
 
+    report = assemble.report
+
     def advance(n: int) -> None:
-        assemble.report.bytes_read += n
-        assemble.report.bytes_written += n
-        assemble.progress.advance(n)
+        with assemble.counting:
+            report.bytes_read += n
+            report.bytes_written += n
+            assemble.progress.advance(n)
+
+    def copied(how: str, n: int) -> None:
+        with assemble.counting:
+            report.copied[how] = report.copied.get(how, 0) + n
 
     # Bytes that do not change move by a kernel copy, or the object store's own copy, never
     # through Python.
-    report = assemble.report
     local = ckpt.storage.is_local and hasattr(out, "copy_file")
     if local and (n := out.copy_file(ckpt.storage.path(rel), advance)) is not None:
-        report.copied["copy_file_range"] = report.copied.get("copy_file_range", 0) + n
+        copied("copy_file_range", n)
         return
     if hasattr(out, "copy_object") and (n := out.copy_object(ckpt.storage, rel, advance)):
-        report.copied["upload_part_copy"] = report.copied.get("upload_part_copy", 0) + n
+        copied("upload_part_copy", n)
         return
     with ckpt.storage.open_read(rel) as f:
         while chunk := f.read(8 << 20):
             write_in_slices(out, chunk)
-            assemble.report.bytes_read += len(chunk)
-            assemble.report.bytes_written += len(chunk)
-            assemble.progress.advance(len(chunk))
+            advance(len(chunk))

@@ -37,7 +37,12 @@ from ckptctl.probe import (
     open_checkpoint,
     with_identities,
 )
-from ckptctl.settings import LOCAL_READ_PARALLEL, REMOTE_READ_PARALLEL, Settings
+from ckptctl.settings import (
+    LOCAL_FILES_AT_ONCE,
+    LOCAL_READ_PARALLEL,
+    REMOTE_READ_PARALLEL,
+    Settings,
+)
 from ckptctl.staging import StagedStorage
 from ckptctl.storage_errors import classify
 from planners.consolidate import plan_consolidate as consolidation
@@ -376,6 +381,7 @@ def run(
             workers=workers,
             checksum=settings.checksum,
             group=group,
+            files_at_once=LOCAL_FILES_AT_ONCE,
         )
     except CkptctlError:
         raise

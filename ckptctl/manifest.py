@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import threading
 import time
 from typing import Any
 
@@ -84,6 +85,7 @@ class RunLog:
             | {rank_log(r) for r in range(1, world)}
         )
         self._saved_at = 0.0
+        self._lock = threading.Lock()  # files finish on several threads at once
         self.done: dict[str, dict[str, Any]] = {}
         """Files this process finished or kept (rank 0: also those other ranks kept before)."""
         previous = read_marker(storage)
@@ -132,7 +134,8 @@ class RunLog:
             return None
         if file_checksum(self.storage, path, algorithm=self.algorithm) != entry["checksum"]:
             return None
-        self.done[path] = entry
+        with self._lock:
+            self.done[path] = entry
         return entry
 
     def finished(
@@ -145,11 +148,13 @@ class RunLog:
     ) -> None:
         """Record a finished file: its size and checksum as written, its tensors' checksums
         (and, for DCP shards, where each record lies, which ``.metadata`` is built from)."""
-        self.done[path] = {"size": size, "checksum": checksum, "tensors": tensors}
+        entry: dict[str, Any] = {"size": size, "checksum": checksum, "tensors": tensors}
         if records is not None:
-            self.done[path]["records"] = records
-        if time.monotonic() - self._saved_at >= SAVE_EVERY:
-            self._save()
+            entry["records"] = records
+        with self._lock:
+            self.done[path] = entry
+            if time.monotonic() - self._saved_at >= SAVE_EVERY:
+                self._save()
 
     def clear_rank_logs(self) -> None:
         """After the manifest: the other ranks' logs are no longer needed."""

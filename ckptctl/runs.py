@@ -165,19 +165,19 @@ PROBE = 1 << 20
 """Bytes copied before the rest is handed to the helper thread (a kernel that cannot copy between
 the two files fails on these, and nothing else has been written)."""
 
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
+_copier = threading.local()
 
 
 def _copiers() -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            # One thread: copies into one file take its inode's lock, so a second copier
-            # only spins on it (measured: the same speed for twice the CPU, which the
-            # hashing on the other core needs).
-            _pool = ThreadPoolExecutor(1, thread_name_prefix="ckptctl-copy")
-        return _pool
+    """The calling thread's copier. One per writing thread: copies into one file take its
+    inode's lock, so a second copier of the same file only spins on it (measured: the same
+    speed for twice the CPU, which the hashing on the other core needs); a thread writing
+    another file at the same time has its own. (A copier's thread ends once its writing
+    thread has ended and nothing holds the pool.)"""
+    pool = getattr(_copier, "pool", None)
+    if pool is None:
+        pool = _copier.pool = ThreadPoolExecutor(1, thread_name_prefix="ckptctl-copy")
+    return pool
 
 
 def _copy(src: int, dst: int, src_offset: int, dst_offset: int, nbytes: int) -> None:

@@ -1,0 +1,151 @@
+"""Several target files written at once (``execute(files_at_once=...)``, ``LOCAL_FILES_AT_ONCE``
+for local targets): the same bytes, counts and listing as one writer; two threads really write;
+a failure or an interrupt in one writer stops the others, reports the first cause, and leaves
+nothing marked complete and no partial file behind."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import shutil
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptctl import jobs, synth
+from ckptctl.formats import registry
+from ckptctl.storage import Storage
+
+
+@pytest.fixture(scope="module")
+def megatron(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    config = synth.tiny_llama_config(
+        num_layers=4, hidden_size=128, intermediate_size=352, num_heads=8, num_kv_heads=4
+    )
+    model = synth.make_model(config, seed=0)
+    out = tmp_path_factory.mktemp("files-at-once") / "ck"
+    synth.write_megatron(model, synth.adam_step(model, seed=0), out, tp=2, pp=2)
+    return out
+
+
+def tree(root: Path) -> dict[str, str]:
+    """Every file's digest; the manifest's without the plan fingerprint (it names the target
+    directory)."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            data = p.read_bytes()
+            if p.name == "ckptctl.manifest.json":
+                body = json.loads(data)
+                body.pop("plan_fingerprint")
+                data = json.dumps(body, sort_keys=True).encode()
+            out[str(p.relative_to(root))] = hashlib.sha256(data).hexdigest()
+    return out
+
+
+@contextlib.contextmanager
+def writing_threads(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, int]]:
+    """Which thread opened each file for writing."""
+    opened: dict[str, int] = {}
+    real = Storage.open_write
+
+    @contextlib.contextmanager
+    def spy(self: Storage, rel: str, digest: Any = None) -> Iterator[Any]:
+        opened[rel] = threading.get_ident()
+        with real(self, rel, digest) as out:
+            yield out
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Storage, "open_write", spy)
+        yield opened
+
+
+JOBS = {
+    "tp1-pp4": ("reshard", "--tp", "1", "--pp", "4"),
+    "tp4-pp1": ("reshard", "--tp", "4", "--pp", "1", "--memory-budget", "1MiB"),
+    "torch_dist": ("reshard", "--tp", "2", "--pp", "1", "--format", "torch_dist"),
+    "universal": ("consolidate", "--format", "deepspeed-universal"),
+}
+FIGURES = ("files", "bytes_written", "bytes_read")
+"""(Not ``read_requests``: writers share the memory budget, so a tensor built in memory is read
+in bands half as large, twice as many.)"""
+
+
+@pytest.mark.parametrize("job", list(JOBS))
+def test_files_written_at_once_are_what_one_writer_writes(
+    job: str, megatron: Path, tmp_path: Path, cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    command, *options = JOBS[job]
+    with writing_threads(monkeypatch) as opened:
+        report = cli.json(command, megatron, tmp_path / "at-once", *options)
+    data_files = [f for f in report["files"] if f != "ckptctl.manifest.json"]
+    assert len({opened[f] for f in data_files if f in opened}) == 2  # two writers wrote
+    with monkeypatch.context() as patch:
+        patch.setattr(jobs, "LOCAL_FILES_AT_ONCE", 1)
+        with writing_threads(patch) as alone:
+            one = cli.json(command, megatron, tmp_path / "one", *options)
+    assert len(set(alone.values())) == 1
+    assert tree(tmp_path / "at-once") == tree(tmp_path / "one")
+    for figure in (*FIGURES, "bytes_copied_without_passing_through"):
+        assert report[figure] == one[figure], figure
+    cli("verify", tmp_path / "at-once")
+
+
+def _corrupt_largest_record(path: Path) -> None:
+    import zipfile
+
+    with zipfile.ZipFile(path) as zf, open(path, "rb") as f:
+        info = max(zf.infolist(), key=lambda i: i.file_size)
+        f.seek(info.header_offset + 26)
+        name_len, extra_len = (int.from_bytes(f.read(2), "little") for _ in range(2))
+    start = info.header_offset + 30 + name_len + extra_len
+    raw = bytearray(path.read_bytes())
+    raw[start + info.file_size // 2] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
+def test_a_failing_file_stops_the_job_with_its_own_error(
+    megatron: Path, tmp_path: Path, cli
+) -> None:
+    """One writer's file fails its source's CRC-32 check: that error (not the other writer's
+    stop) is reported, nothing is marked complete, and no partial file is left."""
+    src = Path(shutil.copytree(megatron, tmp_path / "src"))
+    _corrupt_largest_record(src / "iter_0000001/mp_rank_00_000/model_optim_rng.pt")
+    # (pipeline stages split, tensor-parallel shards kept: whole records move, CRC-checked)
+    result = cli("reshard", src, tmp_path / "out", "--tp", "2", "--pp", "4", code=3)
+    (line,) = [x for x in result.stderr.splitlines() if x.startswith("error:")]
+    assert "fails its CRC-32 check" in line and "mp_rank_00_000" in line
+    out = tmp_path / "out"
+    assert not (out / "ckptctl.manifest.json").exists()
+    assert not list(out.rglob("*.partial"))
+
+
+def test_an_interrupt_stops_the_other_writers_at_their_next_tensor(
+    megatron: Path, tmp_path: Path, cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C reaches the calling thread only: the helper writing another file stops at its
+    next tensor and takes no further file; the job exits 130 with nothing complete."""
+    _, real = registry.writer_for("megatron-rank")
+    helper_started = threading.Event()
+    caller = threading.get_ident()
+
+    def write(job: Any, file: Any, out: Any) -> None:
+        if threading.get_ident() == caller:
+            assert helper_started.wait(30)
+            raise KeyboardInterrupt
+        helper_started.set()
+        real(job, file, out)
+
+    monkeypatch.setattr(registry, "writer_for", lambda k: (None, write))
+    with writing_threads(monkeypatch) as opened:
+        result = cli("reshard", megatron, tmp_path / "out", "--tp", "1", "--pp", "4", code=130)
+    assert "interrupted" in result.stderr
+    rank_files = [f for f in opened if f.endswith(".pt")]
+    assert len(rank_files) == 2, rank_files  # the caller's and the helper's first: no more
+    out = tmp_path / "out"
+    assert not (out / "ckptctl.manifest.json").exists()
+    assert not list(out.rglob("*.pt")) and not list(out.rglob("*.partial"))
