@@ -25,6 +25,10 @@ from typing import Any, BinaryIO
 from ckptctl.crc import crc32
 from ckptctl.errors import CheckpointError
 
+WRITTEN_FROM_MAPPED_PAGES = "write_from_mapped_pages"
+"""How a run moves to a local file where a kernel copy would only copy through a pipe: written
+from the source's mapped pages, a slice at a time (``ckptctl.filesystems``)."""
+
 WINDOW = 64 << 20
 """Bytes mapped (and copied by one kernel call) at a time: bounds the pages a run keeps
 mapped, so peak RSS does not grow with the source."""
@@ -83,8 +87,10 @@ class Run:
         self.observers: list[Observer] = []
         self.finished: list[Callable[[Run], object]] = []
         self.copied = 0
-        """Bytes copied without passing through ``write`` (0 when they all did)."""
+        """Bytes moved without passing through Python (0 when they all did)..."""
         self.copied_by = "upload_part_copy" if storage is not None else "copy_file_range"
+        """...and how: ``copy_file_range``, ``upload_part_copy`` or
+        ``WRITTEN_FROM_MAPPED_PAGES``."""
 
     def views(self) -> Iterator[memoryview]:
         """The run's bytes, a mapped window at a time (each released before the next); from an

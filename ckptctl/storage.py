@@ -17,9 +17,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO
 
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError, StorageError, UsageError
+from ckptctl.filesystems import kernel_copy_pays
 from ckptctl.local_files import LocalFiles, local_root, protocol_of
 from ckptctl.multipart import MultipartUpload, abort_stale_uploads, copy_run_on_server
-from ckptctl.runs import Run, copy_run
+from ckptctl.runs import WRITTEN_FROM_MAPPED_PAGES, Run, copy_run, feed
 from ckptctl.settings import StorageConfig
 from ckptctl.storage_errors import CONNECT_TIMEOUT, check_endpoint, explicit_endpoint
 from ckptctl.writeback import available as can_write_back
@@ -98,13 +99,14 @@ class HashingWriter(io.RawIOBase):
         return self.copy_range(whole, observers)
 
     def copy_range(self, run: Run, observers: list[Any]) -> int | None:
-        """Append ``run`` by a kernel copy, hashing it (and feeding ``observers``) from mapped
-        pages, or, for a run of an object on the store this uploads to, by a server-side copy;
-        ``None``, with nothing written, when neither applies (the caller writes the bytes)."""
-        if self.digest is not None:
-            observers = [self.digest.update, *observers]
+        """Append ``run`` without its bytes passing through Python: by a kernel copy, or, on a
+        file system where that copies through a pipe (``ckptctl.filesystems``), by writing the
+        source's mapped pages; for a run of an object on the store this uploads to, by a
+        server-side copy. The checksums (and ``observers``) see the mapped or fetched pages.
+        ``run.copied_by`` says how; ``None``, with nothing written, when none applies (the
+        caller writes the bytes)."""
         if run.storage is not None:
-            copied = copy_run_on_server(self._inner, run, observers)
+            copied = copy_run_on_server(self._inner, run, self._with_digest(observers))
             if copied is not None:
                 self.size += run.nbytes
             return copied
@@ -115,12 +117,20 @@ class HashingWriter(io.RawIOBase):
             dst = fileno()
         except (OSError, io.UnsupportedOperation):
             return None
+        if not kernel_copy_pays(dst):
+            for view in run.views():
+                feed(observers, view, self)  # (``write``: the file's digest, size, writeback)
+            run.copied_by = WRITTEN_FROM_MAPPED_PAGES
+            return run.nbytes
         self._inner.flush()
-        if not copy_run(dst, run, observers):
+        if not copy_run(dst, run, self._with_digest(observers)):
             return None
         self.size += run.nbytes
         self._write_back()
         return run.nbytes
+
+    def _with_digest(self, observers: list[Any]) -> list[Any]:
+        return observers if self.digest is None else [self.digest.update, *observers]
 
     def copy_object(self, source: Storage, rel: str, advance: Any = None) -> int | None:
         """Append object ``rel`` of ``source`` by a server-side copy, when this writes a

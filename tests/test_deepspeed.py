@@ -290,6 +290,6 @@ def test_universal_conversion_moves_every_byte_by_kernel_copy(
             check=True,
         ).stdout
     )
-    assert report["bytes_copied_without_passing_through"] == {
-        "copy_file_range": report["bytes_read"]
-    }
+    # (by the kernel's copy, or from mapped pages where the file system copies through a pipe)
+    (moved,) = report["bytes_copied_without_passing_through"].values()
+    assert moved == report["bytes_read"]

@@ -499,8 +499,9 @@ def test_a_same_layout_reshard_counts_progress_of_copied_files(ck: Path, tmp_pat
     report = execute(job.plan, job.sources, Storage(str(tmp_path / "o")), progress)
     size = sum(p.stat().st_size for p in ck.rglob("*.pt"))
     assert progress.total == progress.advanced == size > 0
-    # Unchanged files move by the kernel's copy, never through the process.
-    assert report.copied == {"copy_file_range": size}
+    # Unchanged files move without passing through Python: by the kernel's copy, or written
+    # from mapped pages where the file system copies through a pipe (ext4).
+    assert len(report.copied) == 1 and sum(report.copied.values()) == size, report.copied
 
 
 def test_the_demo_says_where_it_wrote_and_keeps_foreign_directories(tmp_path: Path, cli) -> None:
@@ -527,6 +528,7 @@ def test_copies_the_kernel_refuses_are_streamed_instead(
         raise OSError(errno.EXDEV, "Invalid cross-device link")
 
     monkeypatch.setattr(os, "copy_file_range", refuse)
+    monkeypatch.setattr("ckptctl.storage.kernel_copy_pays", lambda fd: True)  # even on ext4
     job = plan_reshard(str(ck), str(tmp_path / "o"), {"tp": 2, "pp": 2})
     report = execute(job.plan, job.sources, Storage(str(tmp_path / "o")))
     assert report.copied == {}

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptctl import assembler, synth
+from ckptctl import assembler, storage, synth
 from ckptctl.assembler import Assembler
 
 
@@ -65,13 +65,27 @@ JOBS = {
 }
 
 
+def kernel_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs move by ``copy_file_range`` whatever file system the test's files are on (on
+    ext4, as this project's machines have, they are otherwise written from mapped pages)."""
+    monkeypatch.setattr(storage, "kernel_copy_pays", lambda fd: True)
+
+
+@pytest.mark.parametrize("how", ["copy_file_range", "as the file system prefers"])
 @pytest.mark.parametrize("job", list(JOBS))
 def test_kernel_copies_write_the_same_bytes_as_memory(
-    job: str, megatron: Path, tmp_path: Path, cli, monkeypatch: pytest.MonkeyPatch
+    job: str, how: str, megatron: Path, tmp_path: Path, cli, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     command, *options = JOBS[job]
-    report = cli.json(command, megatron, tmp_path / "kernel", *options)
-    copied = report["bytes_copied_without_passing_through"].get("copy_file_range", 0)
+    with monkeypatch.context() as patch:
+        if how == "copy_file_range":
+            kernel_copies(patch)
+        report = cli.json(command, megatron, tmp_path / "kernel", *options)
+    moved = report["bytes_copied_without_passing_through"]
+    assert len(moved) == 1, moved
+    if how == "copy_file_range":
+        assert set(moved) == {"copy_file_range"}
+    copied = sum(moved.values())
     # Merging or splitting along a row-parallel dimension interleaves rows: those tensors are
     # assembled in memory. Tensors moving whole between pipeline stages are runs.
     share = {"tp4-pp1": 0.2, "megatron": 0.3, "tp1-pp4": 0.3, "tp2-pp4": 0.8}.get(job, 0.5)
@@ -125,13 +139,14 @@ def test_other_sources_move_by_kernel_copy_too(megatron: Path, tmp_path: Path, c
         report = cli.json(
             "consolidate", tmp_path / source, tmp_path / f"{source}-out", "--format", fmt
         )
-        assert report["bytes_copied_without_passing_through"]["copy_file_range"] > 0
+        assert sum(report["bytes_copied_without_passing_through"].values()) > 0
         cli("verify", tmp_path / f"{source}-out", "--against", tmp_path / source)
 
 
 def test_a_kernel_that_cannot_copy_falls_back_to_writing(
     megatron: Path, tmp_path: Path, cli, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    kernel_copies(monkeypatch)
     cli("consolidate", megatron, tmp_path / "kernel", "--format", "megatron")
 
     def refuse(*args: object) -> int:
@@ -156,9 +171,14 @@ def _largest_record(path: Path) -> tuple[int, int]:
     return start, start + info.file_size
 
 
-def test_a_corrupt_record_moved_whole_is_refused(megatron: Path, tmp_path: Path, cli) -> None:
+@pytest.mark.parametrize("how", ["copy_file_range", "as the file system prefers"])
+def test_a_corrupt_record_moved_whole_is_refused(
+    how: str, megatron: Path, tmp_path: Path, cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A run that is a whole stored record is checked against the record's CRC-32 as it is
     copied: a flipped byte fails the job, and nothing is marked complete."""
+    if how == "copy_file_range":
+        kernel_copies(monkeypatch)
     src = Path(shutil.copytree(megatron, tmp_path / "src"))
     path = src / "iter_0000001/mp_rank_00_000/model_optim_rng.pt"
     start, end = _largest_record(path)
@@ -295,3 +315,25 @@ def test_writeback_requests_behind_a_slow_device_are_bounded_and_leave_no_gaps(
     assert ranged[0][0] == 0
     assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(ranged))
     assert len(os.listdir("/proc/self/fd")) <= descriptors
+
+
+def test_the_file_system_is_the_one_statfs_names(tmp_path: Path) -> None:
+    """The magic number read through ``fstatfs`` is the one coreutils' ``stat -f`` prints,
+    and a file system that copies through a pipe (ext4) takes mapped-page writes."""
+    import subprocess
+
+    from ckptctl import filesystems
+
+    for folder in (tmp_path, Path("/dev/shm"), Path("/proc")):
+        if not folder.is_dir():
+            continue
+        told = subprocess.run(
+            ["stat", "-f", "-c", "%t", str(folder)], capture_output=True, text=True, check=True
+        ).stdout
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            magic = filesystems.file_system_type(fd)
+            assert magic == int(told, 16), folder
+            assert filesystems.kernel_copy_pays(fd) == (magic != 0xEF53)
+        finally:
+            os.close(fd)
