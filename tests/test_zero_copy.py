@@ -337,3 +337,37 @@ def test_the_file_system_is_the_one_statfs_names(tmp_path: Path) -> None:
             assert filesystems.kernel_copy_pays(fd) == (magic != 0xEF53)
         finally:
             os.close(fd)
+
+
+def test_a_runs_pages_are_asked_of_the_disk_ahead_of_the_writer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every byte of a run written from mapped pages is asked for (``WILLNEED``) once, in
+    order, before the window holding it is handed out, and never more than ``READ_AHEAD``
+    ahead of it."""
+    from ckptctl import runs
+
+    path = tmp_path / "src.bin"
+    path.write_bytes(os.urandom(10 << 20))
+    monkeypatch.setattr(runs, "WINDOW", 1 << 20)
+    monkeypatch.setattr(runs, "READ_AHEAD", 3 << 20)
+    asked: list[tuple[int, int]] = []
+    real = os.posix_fadvise
+
+    def record(fd: int, offset: int, length: int, advice: int) -> None:
+        assert advice == os.POSIX_FADV_WILLNEED
+        asked.append((offset, length))
+        real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", record)
+    run = runs.Run(str(path), 4096, (10 << 20) - 8192, "uint8")
+    seen = bytearray()
+    for view in run.views():
+        start = run.offset + len(seen)
+        frontier = asked[-1][0] + asked[-1][1]
+        assert start + len(view) <= frontier <= start + (3 << 20)
+        seen += view
+    assert bytes(seen) == path.read_bytes()[4096:-4096]
+    assert asked[0][0] == run.offset
+    assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(asked))
+    assert asked[-1][0] + asked[-1][1] == run.offset + run.nbytes
