@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from ckptctl.bands import Band, BandQueue, band_ranges
+from ckptctl.disk_ahead import DiskAhead, Extent
 from ckptctl.formats.base import Checkpoint
 from ckptctl.job_report import Progress, Report
 from ckptctl.model.dtypes import DTYPES, pack_exactly
@@ -103,19 +104,45 @@ class Assembler:
             build = partial(self._build, parallel=False)  # pool threads must not wait on it
             self.queue = BandQueue(build, pool, self.band_bytes, budget // 3, 2 * ahead)
         self._runs: dict[int, list[Run] | None] = {}
+        self._disk_ahead: DiskAhead | None = None
+        """Asks the disk for the announced tensors' local source bytes ahead of the reads."""
+        self.consumed = 0
+        """Source bytes this assembler has read (what ``DiskAhead`` keeps ahead of)."""
         """Tensors announced by ``expect``: the runs they move as (``None``: bands)."""
 
     def expect(self, writes: Iterable[TensorWrite]) -> None:
         """The tensors a writer will ask ``chunks`` for, in its order: with a read pool their
         bands are then fetched and built ahead, several at once (tensors that move as runs
         need no bands)."""
-        banded = []
+        banded, extents = [], []
         for write in writes:
             runs = self._runs[id(write)] = self._runs_of(write)
             if runs is None and _fill_element(write) is None:
                 banded.append(write)
+                extents += self._extents_of(write)
+            elif runs is not None:
+                local = [r for r in runs if r.storage is None]
+                extents += [Extent(r.path, r.offset, r.nbytes, r.nbytes) for r in local]
         if self.queue is not None:
             self.queue.expect(banded)
+        if extents:
+            if self._disk_ahead is not None:
+                self._disk_ahead.close()
+            self._disk_ahead = DiskAhead(extents, lambda: self.consumed)
+
+    def _extents_of(self, write: TensorWrite) -> list[Extent]:
+        """The local source bytes a tensor's reads touch, where its formats can say."""
+        extent = getattr(self.source, "extent", None)
+        if extent is None:
+            return []
+        itemsize = DTYPES[write.dtype].itemsize
+        extents = []
+        for copy in write.copies:
+            path = self.source_files[copy.source]
+            found = extent(path, copy.key, copy.src, copy.sizes, copy.view)
+            if found is not None:
+                extents.append(Extent(*found, prod(copy.sizes) * itemsize))
+        return extents
 
     def chunks(self, write: TensorWrite, file: str = "") -> Iterator[memoryview | Run]:
         """The tensor's bytes in order: bands built in memory, or, where the tensor is
@@ -195,6 +222,7 @@ class Assembler:
 
         def done(run: Run) -> None:
             with self.counting:
+                self.consumed += run.nbytes
                 self.report.bytes_read += run.nbytes
                 self.report.read_requests += 1
                 if run.copied:
@@ -229,6 +257,9 @@ class Assembler:
         self._runs.clear()
         if self.queue is not None:
             self.queue.close()
+        if self._disk_ahead is not None:
+            self._disk_ahead.close()
+            self._disk_ahead = None
 
     def _emit(self, band: np.ndarray | memoryview, digest: Any) -> memoryview:
         if isinstance(band, memoryview):
@@ -304,5 +335,6 @@ class Assembler:
 
     def _count(self, data: np.ndarray) -> None:
         with self.counting:  # reads finish on several threads
+            self.consumed += data.nbytes
             self.report.bytes_read += data.nbytes
             self.report.read_requests += 1

@@ -114,6 +114,19 @@ class Sources:
             return ckpt.read(rel, key, offsets, sizes, view, into=into)
         return ckpt.read(rel, key, offsets, sizes, view)
 
+    def extent(
+        self, path: str, key: KeyPath, offsets: Shape, sizes: Shape, view: FlatView = None
+    ) -> tuple[str, int, int] | None:
+        """The local file and byte range ``(path, offset, nbytes)`` a read of the box touches,
+        when its format can say (``extent``, or ``where`` for a box lying contiguously);
+        ``None`` for object stores and formats that cannot."""
+        ckpt, rel = self.owner(path)
+        where = getattr(ckpt, "extent", None) or getattr(ckpt, "where", None)
+        if where is None or not ckpt.storage.is_local:
+            return None
+        span = where(rel, key, offsets, sizes, view)
+        return None if span is None else (ckpt.storage.path(span.rel), span.offset, span.nbytes)
+
     def locate(
         self, path: str, key: KeyPath, offsets: Shape, sizes: Shape, view: FlatView = None
     ) -> Run | None:

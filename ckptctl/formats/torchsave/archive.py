@@ -195,15 +195,22 @@ class TorchZipReader:
         # they are instead of copying them into a bytearray first.
         return strided(np.frombuffer(data, dtype), sizes, ref.stride)
 
-    def span(self, ref: TensorRef, offsets: Shape, sizes: Shape) -> Span | None:
+    def span(
+        self, ref: TensorRef, offsets: Shape, sizes: Shape, *, covering: bool = False
+    ) -> Span | None:
         """Where the box's bytes lie in the file holding the archive, when they lie
         contiguously (``None`` otherwise, or when the reader was not told its ``place``). A
-        span covering a whole storage record carries the record's CRC-32."""
-        if self.place is None or prod(sizes) == 0 or not _contiguous(sizes, ref.stride):
+        span covering a whole storage record carries the record's CRC-32. ``covering``: the
+        bytes from the box's first element to its last, contiguous or not (what a read of
+        the box touches)."""
+        if self.place is None or prod(sizes) == 0:
+            return None
+        if not covering and not _contiguous(sizes, ref.stride):
             return None
         size = ref.dtype.itemsize
         first = ref.offset + sum(o * s for o, s in zip(offsets, ref.stride, strict=True))
-        nbytes = prod(sizes) * size
+        last = first + sum((n - 1) * s for n, s in zip(sizes, ref.stride, strict=True))
+        nbytes = (last - first + 1) * size
         with self._lock:
             start = self._checked_start(ref, first + prod(sizes) - 1)
         whole = first == 0 and nbytes == self._data_offsets[ref.storage.key][1]

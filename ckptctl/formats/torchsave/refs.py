@@ -74,13 +74,15 @@ def span_of_box(
     offsets: tuple[int, ...],
     sizes: tuple[int, ...],
     view: tuple[int, tuple[int, ...]] | None = None,
+    *,
+    covering: bool = False,
 ) -> Span | None:
-    """Where ``read_box`` would read the box, when it lies contiguously in the file (see
-    ``TorchZipReader.span``)."""
+    """Where ``read_box`` would read the box, when it lies contiguously in the file, or with
+    ``covering`` the bytes a read of it touches (see ``TorchZipReader.span``)."""
     ref = resolve(reader.tree, key)
     if view is not None:
         ref = view_ref(ref, *view)
-    return reader.span(ref, offsets, sizes)
+    return reader.span(ref, offsets, sizes, covering=covering)
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -126,3 +128,9 @@ class TorchFiles:
     ) -> Span | None:
         """Where the box lies in file ``path``, when ``read`` would read it contiguously."""
         return span_of_box(self.readers[path], key, offsets, sizes, view)
+
+    def extent(
+        self, path: str, key: KeyPath, offsets: Shape, sizes: Shape, view: FlatView = None
+    ) -> Span | None:
+        """The bytes of file ``path`` a read of the box touches, contiguous or not."""
+        return span_of_box(self.readers[path], key, offsets, sizes, view, covering=True)
