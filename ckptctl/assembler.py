@@ -104,11 +104,11 @@ class Assembler:
             build = partial(self._build, parallel=False)  # pool threads must not wait on it
             self.queue = BandQueue(build, pool, self.band_bytes, budget // 3, 2 * ahead)
         self._runs: dict[int, list[Run] | None] = {}
+        """Tensors announced by ``expect``: the runs they move as (``None``: bands)."""
         self._disk_ahead: DiskAhead | None = None
-        """Asks the disk for the announced tensors' local source bytes ahead of the reads."""
+        """Reads the announced tensors' local source bytes into the page cache ahead."""
         self.consumed = 0
         """Source bytes this assembler has read (what ``DiskAhead`` keeps ahead of)."""
-        """Tensors announced by ``expect``: the runs they move as (``None``: bands)."""
 
     def expect(self, writes: Iterable[TensorWrite]) -> None:
         """The tensors a writer will ask ``chunks`` for, in its order: with a read pool their

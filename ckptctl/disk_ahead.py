@@ -94,16 +94,19 @@ class DiskAhead:
         self, extents: Iterable[Extent], consumed: Callable[[], int], ahead: int = AHEAD
     ) -> None:
         self._extents = merged(extents)
-        self._consumed, self._ahead = consumed, ahead
+        start = consumed()  # a writer's count runs on over the files it writes
+        self._consumed = lambda: consumed() - start
+        self._ahead = ahead
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="ckptctl-disk-ahead")
         self._thread.start()
 
     def _run(self) -> None:
         asked = 0.0  # weight asked so far
-        fds: dict[str, int] = {}
+        fds: dict[str, int] = {}  # the source files, each opened once
+        sink = -1
         try:
-            sink = fds[os.devnull] = os.open(os.devnull, os.O_WRONLY)
+            sink = os.open(os.devnull, os.O_WRONLY)
             for extent in self._extents:
                 per_byte = extent.weight / extent.nbytes if extent.nbytes else 0.0
                 for start in range(extent.offset, extent.offset + extent.nbytes, PIECE):
@@ -122,7 +125,7 @@ class DiskAhead:
         except (OSError, AttributeError):  # only a hint: the writer reads what it needs anyway
             return
         finally:
-            for fd in fds.values():
+            for fd in [sink, *fds.values()]:
                 with contextlib.suppress(OSError):
                     os.close(fd)
 

@@ -38,6 +38,8 @@ class HashingWriter(io.RawIOBase):
         self._writeback = writeback
         self._written_back = 0
         """Bytes up to here have been handed to the device (``writeback``)."""
+        self._kernel_copy_pays: bool | None = None
+        """``kernel_copy_pays`` for this file, asked at its first run."""
 
     def writable(self) -> bool:
         return True
@@ -117,7 +119,9 @@ class HashingWriter(io.RawIOBase):
             dst = fileno()
         except (OSError, io.UnsupportedOperation):
             return None
-        if not kernel_copy_pays(dst):
+        if self._kernel_copy_pays is None:
+            self._kernel_copy_pays = kernel_copy_pays(dst)
+        if not self._kernel_copy_pays:
             for view in run.views():
                 feed(observers, view, self)  # (``write``: the file's digest, size, writeback)
             run.copied_by = WRITTEN_FROM_MAPPED_PAGES

@@ -135,3 +135,19 @@ def test_ranges_already_cached_are_neither_read_again_nor_waited_for(
     ahead = DiskAhead([Extent(str(path), 0, 16 * MiB, 16 * MiB)], lambda: 0, ahead=0)
     _wait(ahead)
     assert read == []
+
+
+def test_a_writer_that_has_read_other_files_before_is_still_kept_pace_with(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An assembler's count of consumed bytes runs on over the files it writes: a file's
+    thread measures from where the count stood when it started."""
+    read: list[int] = []
+    monkeypatch.setattr(disk_ahead, "read_into_cache", lambda fd, o, n, sink: read.append(n))
+    (tmp_path / "f").write_bytes(b"")
+    consumed = [512 * MiB]  # earlier files of the same writer
+    extents = [Extent(str(tmp_path / "f"), 0, 64 * MiB, 64 * MiB)]
+    ahead = DiskAhead(extents, lambda: consumed[0], ahead=8 * MiB)
+    time.sleep(0.2)
+    assert sum(read) <= 8 * MiB + disk_ahead.PIECE
+    ahead.close()

@@ -212,7 +212,7 @@ class TorchZipReader:
         last = first + sum((n - 1) * s for n, s in zip(sizes, ref.stride, strict=True))
         nbytes = (last - first + 1) * size
         with self._lock:
-            start = self._checked_start(ref, first + prod(sizes) - 1)
+            start = self._checked_start(ref, last)
         whole = first == 0 and nbytes == self._data_offsets[ref.storage.key][1]
         crc = self._crcs[ref.storage.key] if whole else None
         rel, base = self.place
