@@ -12,6 +12,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
+from ckptctl import record_checks
 from ckptctl.assembler import Assembler, JobStopped
 from ckptctl.distributed import Group
 from ckptctl.formats import registry
@@ -81,6 +82,7 @@ def execute(
     failure: Exception | None = None
     try:
         _write_shares(jobs, mine, sizes, target, log)
+        record_checks.settle(_local_sources(jobs[0]))
         target.drain()  # every rank's files are durable before rank 0 commits
     except Exception as err:  # the other ranks must hear of it, or they wait for this one
         failure = err
@@ -223,8 +225,11 @@ def _write_shares(
 
     with ThreadPoolExecutor(len(jobs) - 1, thread_name_prefix="ckptctl-file") as helpers:
         others = [helpers.submit(write_files, job) for job in jobs[1:]]
+        stopped: JobStopped | None = None
         try:
             write_files(jobs[0])
+        except JobStopped as err:  # a helper failed: its failure is the one to report
+            stopped = err
         except BaseException:  # an interrupt, too: the helpers stop at their next tensor
             stop.set()
             raise
@@ -234,6 +239,8 @@ def _write_shares(
     first = next((e for e in failures if not isinstance(e, JobStopped)), None)
     if first is not None:
         raise first
+    if stopped is not None:
+        raise stopped
     # Files are listed in plan order, as one writer would have listed them.
     order = {plan_file.path: n for n, plan_file in enumerate(jobs[0].plan.files)}
     jobs[0].report.files_written.sort(key=lambda path: order.get(path, len(order)))
@@ -259,6 +266,8 @@ def _write_file(job: WriteJob, i: int, sizes: list[int], target: Storage, log: R
                 write(job, file, out)
             finally:
                 job.assemble.forget()
+        # Records this file read in parts are checked whole before it counts as written.
+        record_checks.settle(_local_sources(job))
     log.finished(
         file.path,
         report.tensor_checksums.get(file.path, {}),
@@ -267,6 +276,16 @@ def _write_file(job: WriteJob, i: int, sizes: list[int], target: Storage, log: R
         records=report.records.get(file.path),
     )
     report.files_written.append(file.path)
+
+
+def _local_sources(job: WriteJob) -> list[str]:
+    """The paths of the job's source files on a local disk (those ``record_checks`` checks)."""
+    paths = []
+    for path in job.plan.source_files:
+        ckpt, rel = job.source.owner(path)
+        if ckpt.storage.is_local:
+            paths.append(ckpt.storage.path(rel))
+    return paths
 
 
 def _copy_file(source: Sources, path: str, out: Any, assemble: Assembler) -> None:

@@ -148,7 +148,8 @@ class Sources:
         if span is None:
             return None
         if storage.is_local:
-            return Run(storage.path(span.rel), span.offset, span.nbytes, span.dtype, span.crc)
+            path = storage.path(span.rel)
+            return Run(path, span.offset, span.nbytes, span.dtype, span.crc, record=span.record)
         if span.nbytes < SERVER_COPY_MIN:
             return None
         return Run(

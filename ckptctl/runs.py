@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
+from ckptctl import record_checks
 from ckptctl.crc import crc32
 from ckptctl.errors import CheckpointError
 
@@ -49,6 +50,9 @@ class Span:
     nbytes: int
     dtype: str
     crc: int | None = None
+    record: Any = None
+    """The whole zip record (``record_checks.Record``) a span of part of one lies in, where it
+    can be checked whole once the run is written (local files)."""
 
 
 class Run:
@@ -68,6 +72,7 @@ class Run:
         "observers",
         "offset",
         "path",
+        "record",
         "rel",
         "storage",
     )
@@ -82,9 +87,13 @@ class Run:
         *,
         storage: Any = None,
         rel: str = "",
+        record: Any = None,
     ) -> None:
         self.path, self.offset, self.nbytes, self.dtype, self.crc = path, offset, nbytes, dtype, crc
         self.storage, self.rel = storage, rel
+        self.record = record
+        """The zip record this run is a part of, checked whole once it is written
+        (``record_checks``); ``None`` for a whole record (``crc``) or bytes without one."""
         self.observers: list[Observer] = []
         self.finished: list[Callable[[Run], object]] = []
         self.copied = 0
@@ -130,6 +139,8 @@ class Run:
             self.copied = copied
         if check is not None:
             check.verify()
+        if self.record is not None:
+            record_checks.ask(self.record)
         for done in self.finished:
             done(self)
 

@@ -263,6 +263,57 @@ def test_a_reshard_refuses_a_record_that_fails_its_crc(ck: Path, tmp_path: Path,
     assert not (tmp_path / "out/ckptctl.manifest.json").exists()
 
 
+def _record_span(path: Path, tensor: str) -> tuple[int, int]:
+    """(start, end) in ``path`` of the bytes of the storage record holding ``tensor``."""
+    from ckptctl.formats.torchsave.archive import TorchZipReader
+
+    with path.open("rb") as f:
+        ref = TorchZipReader(f, str(path)).tree["model"][tensor]
+        key = ref.storage.key
+    from ckptctl.integrity import zip_entries
+
+    with path.open("rb") as f:
+        (entry,) = [e for e in zip_entries(f, str(path)) if e.name.endswith(f"/data/{key}")]
+    raw = path.read_bytes()
+    name_len, extra_len = (
+        int.from_bytes(raw[entry.header_offset + k : entry.header_offset + k + 2], "little")
+        for k in (26, 28)
+    )
+    start = entry.header_offset + 30 + name_len + extra_len
+    return start, start + entry.size
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        # each TP2 rank reads half the columns of every row: strided boxes
+        "decoder.layers.0.self_attention.linear_proj.weight",
+        # gate and up, each cut in two contiguous halves: runs of the record
+        "decoder.layers.0.mlp.linear_fc1.weight",
+        # rows cut into contiguous halves (padded to the new vocabulary where it changes)
+        "embedding.word_embeddings.weight",
+    ],
+)
+def test_a_reshard_refuses_a_corrupt_record_it_reads_only_part_of(
+    tmp_path: Path, cli, tensor: str
+) -> None:
+    """No output file reads the whole record, so no single read can check its CRC-32: the
+    record is checked whole once, and the job fails before anything is marked complete."""
+    model = synth.make_model(synth.tiny_llama_config(num_layers=1), seed=2)
+    ck = tmp_path / "tp1"
+    synth.write_megatron(model, synth.adam_step(model, seed=2), ck, tp=1, pp=1)
+    path = ck / "iter_0000001/mp_rank_00/model_optim_rng.pt"
+    start, end = _record_span(path, tensor)
+    raw = bytearray(path.read_bytes())
+    raw[(start + end) // 2] ^= 0x10
+    path.write_bytes(bytes(raw))
+    result = cli("reshard", ck, tmp_path / "out", "--tp", "2", code=3)
+    (line,) = [x for x in result.stderr.splitlines() if x.startswith("error:")]
+    assert "fails its CRC-32 check" in line and "mp_rank_00/model_optim_rng.pt" in line, line
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "out/ckptctl.manifest.json").exists()
+
+
 def test_verify_says_safetensors_carry_no_checksum(ck: Path, tmp_path: Path, cli) -> None:
     from safetensors.torch import load_file, save_file
 

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from math import prod
 from typing import TYPE_CHECKING, Any, BinaryIO
 
+from ckptctl import record_checks
 from ckptctl.crc import crc32
 from ckptctl.errors import CheckpointError
 from ckptctl.formats.torchsave.unpickle import Shape, TensorRef, restricted_loads
@@ -64,6 +65,8 @@ class TorchZipReader:
         self._fd = fileobj.fileno() if plain else None
         """A plain local file's descriptor, for mapped reads (record windows and remote files
         have none)."""
+        self._path = os.path.abspath(fileobj.name) if plain else None
+        """Its path, for the whole-record checks of records read in parts (``record_checks``)."""
         self._fetch = fetch
         self.place = place
         self.where = where
@@ -156,6 +159,17 @@ class TorchZipReader:
                 f"{self.where}: storage record {key} fails its CRC-32 check; the file is "
                 "corrupt (ckptctl verify lists every damaged entry)"
             )
+        if not whole and (record := self._whole_record(key)) is not None:
+            record_checks.ask(record)
+
+    def _whole_record(self, key: str) -> record_checks.Record | None:
+        """Record ``key`` of a local file, to be checked whole (``record_checks``) where it is
+        read in parts; ``None`` elsewhere."""
+        if self._path is None:
+            return None
+        start, size = self._data_offsets[key]
+        name = f"{self.where}: storage record {key}"
+        return record_checks.Record(self._path, start, size, self._crcs[key], name)
 
     def read(
         self,
@@ -215,8 +229,9 @@ class TorchZipReader:
             start = self._checked_start(ref, last)
         whole = first == 0 and nbytes == self._data_offsets[ref.storage.key][1]
         crc = self._crcs[ref.storage.key] if whole else None
+        record = None if whole else self._whole_record(ref.storage.key)
         rel, base = self.place
-        return Span(rel, base + start + first * size, nbytes, ref.dtype.name, crc)
+        return Span(rel, base + start + first * size, nbytes, ref.dtype.name, crc, record)
 
     def read_number(self, ref: TensorRef) -> float:
         """A one-element tensor's value (Adam's step, an iteration count) without torch: the

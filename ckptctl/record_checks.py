@@ -1,0 +1,138 @@
+"""CRC-32 checks of the zip records a job reads only part of.
+
+A read that covers a whole storage record is checked against the CRC-32 its archive records
+as the bytes pass. A reshard reads most records in parts (each new tensor-parallel rank takes
+half the columns of every row, or a contiguous half), and no part can be checked alone, so a
+corrupt byte there would be carried into the output, under new checksums that then vouch for
+it. Here each such record is checked whole, once per job: on a background thread (CRC-32
+releases the GIL), from the file's mapped pages a window at a time (the job reads those pages
+anyway, so from a warm cache this costs a pass of CRC-32 and no disk read). A writer calls
+``settle`` with its source files before it marks a file finished: it waits for the checks
+asked so far and raises the first failure among those files, so a corrupt source never yields
+a file marked complete. Failures are kept (a file unchanged since is not checked again, and a
+second job reading it must fail too); reads outside a job (a reader used on its own) ask as
+well, and their failures reach only a job that reads the same file.
+
+Only local files are checked this way: on an object store the record's other bytes would have
+to be fetched a second time. ``ckptctl verify`` checks every record of a source, wherever it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import threading
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ckptctl.crc import crc32
+from ckptctl.errors import CheckpointError
+
+WINDOW = 64 << 20
+"""Bytes of a record mapped at a time (a mapped page counts towards the process's resident
+memory while it is mapped)."""
+
+
+@dataclass(frozen=True)
+class Record:
+    """Bytes ``[offset, offset + nbytes)`` of local file ``path``, whose CRC-32 its archive
+    records as ``crc``; ``name`` says which record it is in a failure's message."""
+
+    path: str
+    offset: int
+    nbytes: int
+    crc: int
+    name: str
+
+
+_lock = threading.Condition()
+_todo: deque[tuple[Key, Record]] = deque()
+_pending = 0
+Key = tuple[int, int, int, int]
+_seen: set[Key] = set()
+"""(device, inode, modification time, offset) of the records asked for: a file changed since
+is checked again."""
+_failures: dict[Key, str] = {}
+"""The checks that failed, by record, with their messages, in the order they failed."""
+_thread: threading.Thread | None = None
+
+
+def ask(record: Record) -> None:
+    """Check ``record`` whole, on the checking thread, unless it was asked for before."""
+    global _pending, _thread
+    try:
+        st = os.stat(record.path)
+    except OSError:
+        return  # the read that led here has failed or will fail, naming the file
+    key = (st.st_dev, st.st_ino, st.st_mtime_ns, record.offset)
+    with _lock:
+        if key in _seen:
+            return
+        _seen.add(key)
+        _todo.append((key, record))
+        _pending += 1
+        if _thread is None:
+            _thread = threading.Thread(target=_check_all, daemon=True, name="ckptctl-crc")
+            _thread.start()
+        _lock.notify_all()
+
+
+def settle(paths: Iterable[str]) -> None:
+    """Wait for every check asked so far; raise the first that failed in one of ``paths``."""
+    files = set()
+    for path in paths:
+        with contextlib.suppress(OSError):
+            st = os.stat(path)
+            files.add((st.st_dev, st.st_ino, st.st_mtime_ns))
+    with _lock:
+        _lock.wait_for(lambda: _pending == 0)
+        failures = [text for key, text in _failures.items() if key[:3] in files]
+    if failures:
+        raise CheckpointError(failures[0])
+
+
+def _check_all() -> None:
+    global _pending
+    while True:
+        with _lock:
+            _lock.wait_for(lambda: bool(_todo))
+            key, record = _todo.popleft()
+        try:
+            failure = _check(record)
+        except Exception as err:  # any: the thread must count every record done, or settle waits
+            failure = f"{record.name}: cannot be read to check its CRC-32 ({err})"
+        with _lock:
+            if failure is not None:
+                _failures[key] = failure
+            _pending -= 1
+            _lock.notify_all()
+
+
+def _check(record: Record) -> str | None:
+    with open(record.path, "rb") as f:
+        fd = f.fileno()
+        if os.fstat(fd).st_size < record.offset + record.nbytes:
+            return f"{record.name}: the file ends inside the record; it is truncated"
+        value = _crc_of(fd, record.offset, record.nbytes)
+    if value != record.crc:
+        return (
+            f"{record.name} fails its CRC-32 check; the file is corrupt (ckptctl verify lists "
+            "every damaged entry)"
+        )
+    return None
+
+
+def _crc_of(fd: int, offset: int, nbytes: int) -> int:
+    value, start, end = 0, offset, offset + nbytes
+    while start < end:
+        base = start - start % mmap.ALLOCATIONGRANULARITY
+        length = min(end, base + WINDOW) - base
+        with mmap.mmap(fd, length, prot=mmap.PROT_READ, offset=base) as pages:
+            with contextlib.suppress(OSError, AttributeError):
+                pages.madvise(mmap.MADV_SEQUENTIAL)
+            with memoryview(pages)[start - base : length] as view:
+                value = crc32(view, value)
+        start = base + length
+    return value

@@ -1,0 +1,64 @@
+"""Whole-record CRC-32 checks of records read in parts (ckptctl/record_checks.py), judged by
+zlib's CRC-32 of the bytes on disk."""
+
+from __future__ import annotations
+
+import os
+import zlib
+from pathlib import Path
+
+import pytest
+
+from ckptctl import record_checks
+from ckptctl.errors import CheckpointError
+
+
+def _record(path: Path, payload: bytes, at: int = 100) -> record_checks.Record:
+    path.write_bytes(b"h" * at + payload + b"t" * 50)
+    return record_checks.Record(str(path), at, len(payload), zlib.crc32(payload), f"{path}: r")
+
+
+def test_an_intact_record_passes_and_a_corrupt_one_fails_only_its_own_files(
+    tmp_path: Path,
+) -> None:
+    payload = os.urandom(3 << 20)
+    good, bad = tmp_path / "good.pt", tmp_path / "bad.pt"
+    record_checks.ask(_record(good, payload))
+    corrupt = _record(bad, payload)
+    raw = bytearray(bad.read_bytes())
+    raw[corrupt.offset + len(payload) // 2] ^= 0x04
+    bad.write_bytes(bytes(raw))
+    record_checks.ask(corrupt)
+    record_checks.settle([str(good)])  # another file's failure is not this job's
+    with pytest.raises(CheckpointError, match=r"bad\.pt: r fails its CRC-32 check"):
+        record_checks.settle([str(bad), str(good)])
+    # kept: a second job on the unchanged file fails too, without checking it again
+    record_checks.ask(corrupt)
+    with pytest.raises(CheckpointError, match="fails its CRC-32 check"):
+        record_checks.settle([str(bad)])
+    # a file written since is checked afresh
+    _record(bad, payload)
+    os.utime(bad, ns=(1, 1))
+    record_checks.ask(corrupt)
+    record_checks.settle([str(bad)])
+
+
+def test_a_record_past_the_end_of_its_file_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "short.pt"
+    record = _record(path, b"x" * 1000)
+    with open(path, "r+b") as f:
+        f.truncate(record.offset + 10)
+    record_checks.ask(record)
+    with pytest.raises(CheckpointError, match="ends inside the record"):
+        record_checks.settle([str(path)])
+
+
+def test_a_record_larger_than_a_window_is_checked_across_windows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(record_checks, "WINDOW", 1 << 16)
+    payload = os.urandom((1 << 18) + 12345)
+    path = tmp_path / "long.pt"
+    record = _record(path, payload, at=70000)  # starts inside a window, not at its start
+    with path.open("rb") as f:
+        assert record_checks._crc_of(f.fileno(), record.offset, record.nbytes) == record.crc
