@@ -4,14 +4,15 @@ A read that covers a whole storage record is checked against the CRC-32 its arch
 as the bytes pass. A reshard reads most records in parts (each new tensor-parallel rank takes
 half the columns of every row, or a contiguous half), and no part can be checked alone, so a
 corrupt byte there would be carried into the output, under new checksums that then vouch for
-it. Here each such record is checked whole, once per job: on a background thread (CRC-32
-releases the GIL), from the file's mapped pages a window at a time (the job reads those pages
-anyway, so from a warm cache this costs a pass of CRC-32 and no disk read). A writer calls
-``settle`` with its source files before it marks a file finished: it waits for the checks
-asked so far and raises the first failure among those files, so a corrupt source never yields
-a file marked complete. Failures are kept (a file unchanged since is not checked again, and a
-second job reading it must fail too); reads outside a job (a reader used on its own) ask as
-well, and their failures reach only a job that reads the same file.
+it. Here each such record is checked once: as its parts pass, where they come in order from
+its start (a merge reads a shard band by band: no second pass), else whole, on a background
+thread (CRC-32 releases the GIL), from the file's mapped pages a window at a time (the job
+reads those pages anyway, so from a warm cache this costs a pass of CRC-32 and no disk read).
+A writer calls ``settle`` with its source files before it marks a file finished: it waits for
+the checks asked so far and raises the first failure among those files, so a corrupt source
+never yields a file marked complete. Failures are kept (a file unchanged since is not checked
+again, and a second job reading it must fail too); reads outside a job (a reader used on its
+own) ask as well, and their failures reach only a job that reads the same file.
 
 Only local files are checked this way: on an object store the record's other bytes would have
 to be fetched a second time. ``ckptctl verify`` checks every record of a source, wherever it is.
@@ -26,6 +27,7 @@ import threading
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from ckptctl.crc import crc32
 from ckptctl.errors import CheckpointError
@@ -59,24 +61,66 @@ _failures: dict[Key, str] = {}
 _thread: threading.Thread | None = None
 
 
-def ask(record: Record) -> None:
-    """Check ``record`` whole, on the checking thread, unless it was asked for before."""
-    global _pending, _thread
+_in_order: dict[Key, tuple[Record, int, int]] = {}
+"""Records read in parts from their start, in order so far: the bytes passed and their CRC-32."""
+
+
+def _key(record: Record) -> Key | None:
     try:
         st = os.stat(record.path)
     except OSError:
-        return  # the read that led here has failed or will fail, naming the file
-    key = (st.st_dev, st.st_ino, st.st_mtime_ns, record.offset)
-    with _lock:
+        return None  # the read that led here has failed or will fail, naming the file
+    return (st.st_dev, st.st_ino, st.st_mtime_ns, record.offset)
+
+
+def ask(record: Record) -> None:
+    """Check ``record`` whole, on the checking thread, unless it was checked or asked for."""
+    key = _key(record)
+    if key is not None:
+        with _lock:
+            _enqueue(key, record)
+
+
+def saw(record: Record, start: int, data: Any) -> None:
+    """A read passed bytes ``[start, start + len(data))`` of ``record``. Parts that come in
+    order from its start (a merge reads a row-parallel shard band by band) are checked as they
+    pass, with no second pass over the record; a part out of order (a cut, bands built on
+    several threads) hands the record to the checking thread whole."""
+    key = _key(record)
+    if key is None:
+        return
+    view = memoryview(data).cast("B")
+    end = start + len(view)
+    with _lock:  # held across the CRC-32 of the part: the order of the parts is the point
         if key in _seen:
             return
-        _seen.add(key)
-        _todo.append((key, record))
-        _pending += 1
-        if _thread is None:
-            _thread = threading.Thread(target=_check_all, daemon=True, name="ckptctl-crc")
-            _thread.start()
-        _lock.notify_all()
+        _, done, value = _in_order.get(key, (record, 0, 0))
+        if start > done:  # a gap: its bytes may never pass
+            _enqueue(key, record)
+        elif end > done:
+            value = crc32(view[done - start :], value)
+            if end < record.nbytes:
+                _in_order[key] = (record, end, value)
+                return
+            _in_order.pop(key, None)
+            _seen.add(key)
+            if value != record.crc:
+                _failures[key] = _failure(record)
+
+
+def _enqueue(key: Key, record: Record) -> None:
+    """Queue the whole check of ``record`` (call under the lock)."""
+    global _pending, _thread
+    _in_order.pop(key, None)
+    if key in _seen:
+        return
+    _seen.add(key)
+    _todo.append((key, record))
+    _pending += 1
+    if _thread is None:
+        _thread = threading.Thread(target=_check_all, daemon=True, name="ckptctl-crc")
+        _thread.start()
+    _lock.notify_all()
 
 
 def settle(paths: Iterable[str]) -> None:
@@ -87,6 +131,9 @@ def settle(paths: Iterable[str]) -> None:
             st = os.stat(path)
             files.add((st.st_dev, st.st_ino, st.st_mtime_ns))
     with _lock:
+        for key, (record, _, _) in list(_in_order.items()):
+            if key[:3] in files:  # read in order but not to its end (a vocabulary cut)
+                _enqueue(key, record)
         _lock.wait_for(lambda: _pending == 0)
         failures = [text for key, text in _failures.items() if key[:3] in files]
     if failures:
@@ -116,12 +163,14 @@ def _check(record: Record) -> str | None:
         if os.fstat(fd).st_size < record.offset + record.nbytes:
             return f"{record.name}: the file ends inside the record; it is truncated"
         value = _crc_of(fd, record.offset, record.nbytes)
-    if value != record.crc:
-        return (
-            f"{record.name} fails its CRC-32 check; the file is corrupt (ckptctl verify lists "
-            "every damaged entry)"
-        )
-    return None
+    return _failure(record) if value != record.crc else None
+
+
+def _failure(record: Record) -> str:
+    return (
+        f"{record.name} fails its CRC-32 check; the file is corrupt (ckptctl verify lists every "
+        "damaged entry)"
+    )
 
 
 def _crc_of(fd: int, offset: int, nbytes: int) -> int:

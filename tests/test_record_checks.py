@@ -62,3 +62,52 @@ def test_a_record_larger_than_a_window_is_checked_across_windows(
     record = _record(path, payload, at=70000)  # starts inside a window, not at its start
     with path.open("rb") as f:
         assert record_checks._crc_of(f.fileno(), record.offset, record.nbytes) == record.crc
+
+
+def test_parts_read_in_order_are_checked_as_they_pass_without_a_second_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    payload = os.urandom(1 << 20)
+    path = tmp_path / "bands.pt"
+    record = _record(path, payload)
+    whole_checks: list[record_checks.Record] = []
+    real = record_checks._check
+    monkeypatch.setattr(record_checks, "_check", lambda r: whole_checks.append(r) or real(r))
+    for start in range(0, len(payload), 300_000):  # bands; the last one overlaps the one before
+        lo = max(0, start - 1000)
+        record_checks.saw(record, lo, payload[lo : start + 300_000])
+    record_checks.settle([str(path)])
+    assert whole_checks == []
+    # the same record corrupt, read in order: fails with no whole check either
+    raw = bytearray(path.read_bytes())
+    raw[record.offset + 5] ^= 0x01
+    path.write_bytes(bytes(raw))
+    os.utime(path, ns=(2, 2))
+    corrupt = raw[record.offset : record.offset + record.nbytes]
+    for start in range(0, len(payload), 300_000):
+        record_checks.saw(record, start, corrupt[start : start + 300_000])
+    with pytest.raises(CheckpointError, match="fails its CRC-32 check"):
+        record_checks.settle([str(path)])
+    assert whole_checks == []
+
+
+@pytest.mark.parametrize("order", ["gap", "unfinished"])
+def test_parts_out_of_order_or_short_of_the_end_get_a_whole_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, order: str
+) -> None:
+    payload = os.urandom(1 << 20)
+    path = tmp_path / f"{order}.pt"
+    record = _record(path, payload)
+    raw = bytearray(path.read_bytes())
+    raw[record.offset + len(payload) - 3] ^= 0x80  # in bytes no read passes
+    path.write_bytes(bytes(raw))
+    whole_checks: list[record_checks.Record] = []
+    real = record_checks._check
+    monkeypatch.setattr(record_checks, "_check", lambda r: whole_checks.append(r) or real(r))
+    if order == "gap":  # the second half first (another thread's band)
+        record_checks.saw(record, len(payload) // 2, payload[len(payload) // 2 : -10])
+    else:  # the first half only (rows past a new vocabulary size are not read)
+        record_checks.saw(record, 0, payload[: len(payload) // 2])
+    with pytest.raises(CheckpointError, match="fails its CRC-32 check"):
+        record_checks.settle([str(path)])
+    assert whole_checks == [record]

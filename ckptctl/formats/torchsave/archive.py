@@ -150,8 +150,9 @@ class TorchZipReader:
 
     def _check_whole(self, ref: TensorRef, first: int, data: Any) -> None:
         """A read that covers a whole storage record is checked against the record's CRC-32
-        (cheap next to the read, and a partial read cannot be checked), so corrupt foreign
-        files are refused instead of carried into the output."""
+        (cheap next to the read), so corrupt foreign files are refused instead of carried into
+        the output; a part of a record read from a local file goes to ``record_checks``, which
+        checks the record once (``first``: the part's byte offset in the record)."""
         key = ref.storage.key
         whole = first == 0 and len(data) == self._data_offsets[key][1]
         if whole and crc32(data) != self._crcs[key]:
@@ -160,7 +161,7 @@ class TorchZipReader:
                 "corrupt (ckptctl verify lists every damaged entry)"
             )
         if not whole and (record := self._whole_record(key)) is not None:
-            record_checks.ask(record)
+            record_checks.saw(record, first, data)
 
     def _whole_record(self, key: str) -> record_checks.Record | None:
         """Record ``key`` of a local file, to be checked whole (``record_checks``) where it is
