@@ -27,6 +27,54 @@ def _fastest() -> Crc32:
 
 crc32: Crc32 = _fastest()
 
+
+def _gf2_apply(matrix: list[int], vector: int) -> int:
+    """The 32x32 matrix over GF(2) (one column per bit) times ``vector``."""
+    total, bit = 0, 0
+    while vector:
+        if vector & 1:
+            total ^= matrix[bit]
+        vector >>= 1
+        bit += 1
+    return total
+
+
+def _gf2_squared(matrix: list[int]) -> list[int]:
+    return [_gf2_apply(matrix, column) for column in matrix]
+
+
+def crc32_combine_python(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC-32 of ``a + b`` from ``crc32(a)``, ``crc32(b)`` and ``len(b)``: ``crc1`` is
+    carried through ``len2`` zero bytes (matrices over GF(2), squared up by powers of two),
+    then ``crc2`` is added."""
+    if len2 <= 0:  # an empty second string: its CRC-32 is 0
+        return crc1 ^ crc2
+    one_bit = [0xEDB88320] + [1 << n for n in range(31)]  # the register shifted by a zero bit
+    step = _gf2_squared(_gf2_squared(_gf2_squared(one_bit)))  # ... by a zero byte
+    while len2:
+        if len2 & 1:
+            crc1 = _gf2_apply(step, crc1)
+        len2 >>= 1
+        if len2:
+            step = _gf2_squared(step)
+    return crc1 ^ crc2
+
+
+def _combiner() -> Callable[[int, int, int], int]:
+    try:
+        from zlib_ng import zlib_ng
+    except ImportError:
+        return crc32_combine_python
+    combine = getattr(zlib_ng, "crc32_combine", None)
+    a, b = b"checkpoint", b" bytes"
+    if combine is None or combine(zlib.crc32(a), zlib.crc32(b), len(b)) != zlib.crc32(a + b):
+        return crc32_combine_python
+    return combine
+
+
+crc32_combine: Callable[[int, int, int], int] = _combiner()
+"""The CRC-32 of two byte strings one after the other, from theirs (zlib-ng's, where it has it)."""
+
 # zipfile's writer computes each entry's CRC-32 through its module-level ``crc32`` (zlib's):
 # point it at the same function, faster. Values are identical, so other zipfile users in the
 # process only see the speed.

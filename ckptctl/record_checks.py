@@ -4,10 +4,10 @@ A read that covers a whole storage record is checked against the CRC-32 its arch
 as the bytes pass. A reshard reads most records in parts (each new tensor-parallel rank takes
 half the columns of every row, or a contiguous half), and no part can be checked alone, so a
 corrupt byte there would be carried into the output, under new checksums that then vouch for
-it. Here each such record is checked once: as its parts pass, where they come in order from
-its start (a merge reads a shard band by band: no second pass), else whole, on a background
-thread (CRC-32 releases the GIL), from the file's mapped pages a window at a time (the job
-reads those pages anyway, so from a warm cache this costs a pass of CRC-32 and no disk read).
+it. Here each such record is checked once: as its parts pass (their CRC-32s joined, in
+whatever order they come: no second pass over the bytes), or, for a record the job does not
+read to the last byte, whole, on a background thread (CRC-32 releases the GIL), from the
+file's mapped pages a window at a time.
 A writer calls ``settle`` with its source files before it marks a file finished: it waits for
 the checks asked so far and raises the first failure among those files, so a corrupt source
 never yields a file marked complete. Failures are kept (a file unchanged since is not checked
@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ckptctl.crc import crc32
+from ckptctl.crc import crc32, crc32_combine
 from ckptctl.errors import CheckpointError
 
 WINDOW = 64 << 20
@@ -61,8 +61,10 @@ _failures: dict[Key, str] = {}
 _thread: threading.Thread | None = None
 
 
-_in_order: dict[Key, tuple[Record, int, int]] = {}
-"""Records read in parts from their start, in order so far: the bytes passed and their CRC-32."""
+Piece = tuple[int, int, int]
+"""Bytes ``[start, end)`` of a record that have passed, and their CRC-32."""
+_parts: dict[Key, tuple[Record, list[Piece]]] = {}
+"""Records read in parts so far: the pieces passed, apart, in order of their start."""
 
 
 def _key(record: Record) -> Key | None:
@@ -82,36 +84,59 @@ def ask(record: Record) -> None:
 
 
 def saw(record: Record, start: int, data: Any) -> None:
-    """A read passed bytes ``[start, start + len(data))`` of ``record``. Parts that come in
-    order from its start (a merge reads a row-parallel shard band by band) are checked as they
-    pass, with no second pass over the record; a part out of order (a cut, bands built on
-    several threads) hands the record to the checking thread whole."""
+    """A read passed bytes ``[start, start + len(data))`` of ``record``. Their CRC-32 is taken
+    as they pass, for the bytes no earlier part held, and joined with the parts beside them
+    (``crc32_combine``): once the parts cover the record it is checked, with no second pass
+    over its bytes, whatever order its parts came in (a merge reads a shard band by band; a
+    cut reads column halves, each touching the rows' other half)."""
     key = _key(record)
     if key is None:
         return
     view = memoryview(data).cast("B")
-    end = start + len(view)
-    with _lock:  # held across the CRC-32 of the part: the order of the parts is the point
+    with _lock:  # held across the CRC-32s of the part: parts of one record must not race
         if key in _seen:
             return
-        _, done, value = _in_order.get(key, (record, 0, 0))
-        if start > done:  # a gap: its bytes may never pass
-            _enqueue(key, record)
-        elif end > done:
-            value = crc32(view[done - start :], value)
-            if end < record.nbytes:
-                _in_order[key] = (record, end, value)
-                return
-            _in_order.pop(key, None)
-            _seen.add(key)
-            if value != record.crc:
-                _failures[key] = _failure(record)
+        _, pieces = _parts.get(key, (record, []))
+        pieces = _joined(_with_part(pieces, start, view))
+        if len(pieces) != 1 or pieces[0][:2] != (0, record.nbytes):
+            _parts[key] = (record, pieces)
+            return
+        _parts.pop(key, None)
+        _seen.add(key)
+        if pieces[0][2] != record.crc:
+            _failures[key] = _failure(record)
+
+
+def _with_part(pieces: list[Piece], start: int, view: memoryview) -> list[Piece]:
+    """``pieces`` and the bytes of ``view`` (from ``start``) that none of them holds."""
+    end, at, new = start + len(view), start, []
+    for lo, hi, _ in pieces:
+        if hi <= at or lo >= end:
+            continue
+        if lo > at:
+            new.append((at, lo, crc32(view[at - start : lo - start])))
+        at = max(at, hi)
+    if at < end:
+        new.append((at, end, crc32(view[at - start :])))
+    return sorted(pieces + new)
+
+
+def _joined(pieces: list[Piece]) -> list[Piece]:
+    """Pieces that meet made one."""
+    out: list[Piece] = []
+    for lo, hi, value in pieces:
+        if out and out[-1][1] == lo:
+            first, _, before = out[-1]
+            out[-1] = (first, hi, crc32_combine(before, value, hi - lo))
+        else:
+            out.append((lo, hi, value))
+    return out
 
 
 def _enqueue(key: Key, record: Record) -> None:
     """Queue the whole check of ``record`` (call under the lock)."""
     global _pending, _thread
-    _in_order.pop(key, None)
+    _parts.pop(key, None)
     if key in _seen:
         return
     _seen.add(key)
@@ -131,8 +156,8 @@ def settle(paths: Iterable[str]) -> None:
             st = os.stat(path)
             files.add((st.st_dev, st.st_ino, st.st_mtime_ns))
     with _lock:
-        for key, (record, _, _) in list(_in_order.items()):
-            if key[:3] in files:  # read in order but not to its end (a vocabulary cut)
+        for key, (record, _) in list(_parts.items()):
+            if key[:3] in files:  # not every byte was read (rows past a vocabulary cut)
                 _enqueue(key, record)
         _lock.wait_for(lambda: _pending == 0)
         failures = [text for key, text in _failures.items() if key[:3] in files]

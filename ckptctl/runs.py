@@ -92,7 +92,7 @@ class Run:
         self.path, self.offset, self.nbytes, self.dtype, self.crc = path, offset, nbytes, dtype, crc
         self.storage, self.rel = storage, rel
         self.record = record
-        """The zip record this run is a part of, checked whole once it is written
+        """The zip record this run is a part of, whose check sees the run's bytes as they pass
         (``record_checks``); ``None`` for a whole record (``crc``) or bytes without one."""
         self.observers: list[Observer] = []
         self.finished: list[Callable[[Run], object]] = []
@@ -130,6 +130,8 @@ class Run:
         check = _CrcCheck(self) if self.crc is not None else None
         if check is not None:
             observers.append(check)
+        if self.record is not None:
+            observers.append(_PartOfRecord(self))
         copy = getattr(out, "copy_range", None)
         copied = copy(self, observers) if copy is not None else None
         if copied is None:
@@ -139,8 +141,6 @@ class Run:
             self.copied = copied
         if check is not None:
             check.verify()
-        if self.record is not None:
-            record_checks.ask(self.record)
         for done in self.finished:
             done(self)
 
@@ -303,6 +303,19 @@ def feed(observers: list[Observer], data: memoryview, out: BinaryIO | Any = None
             observe(piece)
         if out is not None:
             out.write(piece)
+
+
+class _PartOfRecord:
+    """Hands the run's bytes, as they pass, to the check of the zip record they are part of
+    (``record_checks.saw``: checked in passing where the parts come in order)."""
+
+    def __init__(self, run: Run) -> None:
+        self.record = run.record
+        self.at = run.offset - run.record.offset
+
+    def __call__(self, view: memoryview) -> None:
+        record_checks.saw(self.record, self.at, view)
+        self.at += len(view)
 
 
 class _CrcCheck:

@@ -91,8 +91,31 @@ def test_parts_read_in_order_are_checked_as_they_pass_without_a_second_read(
     assert whole_checks == []
 
 
+def test_parts_in_any_order_overlapping_are_joined_without_a_second_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Column halves of a row-major record, read band by band by two files: each part is the
+    bytes from its first element to its last, so each overlaps the other half's."""
+    rows, width = 64, 4096
+    payload = os.urandom(rows * width)
+    path = tmp_path / "halves.pt"
+    record = _record(path, payload)
+    whole_checks: list[record_checks.Record] = []
+    real = record_checks._check
+    monkeypatch.setattr(record_checks, "_check", lambda r: whole_checks.append(r) or real(r))
+    parts = []
+    for lo in range(0, rows, 16):
+        hi = lo + 16
+        parts.append((lo * width, (hi - 1) * width + width // 2))  # left half of rows lo..hi
+        parts.append((lo * width + width // 2, hi * width))  # right half
+    for start, end in reversed(parts):  # the last band of the right half first
+        record_checks.saw(record, start, payload[start:end])
+    record_checks.settle([str(path)])
+    assert whole_checks == []
+
+
 @pytest.mark.parametrize("order", ["gap", "unfinished"])
-def test_parts_out_of_order_or_short_of_the_end_get_a_whole_check(
+def test_parts_that_do_not_cover_the_record_get_a_whole_check(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, order: str
 ) -> None:
     payload = os.urandom(1 << 20)
@@ -104,10 +127,20 @@ def test_parts_out_of_order_or_short_of_the_end_get_a_whole_check(
     whole_checks: list[record_checks.Record] = []
     real = record_checks._check
     monkeypatch.setattr(record_checks, "_check", lambda r: whole_checks.append(r) or real(r))
-    if order == "gap":  # the second half first (another thread's band)
+    if order == "gap":  # the second half but its last bytes, then the first half
         record_checks.saw(record, len(payload) // 2, payload[len(payload) // 2 : -10])
+        record_checks.saw(record, 0, payload[: len(payload) // 2])
     else:  # the first half only (rows past a new vocabulary size are not read)
         record_checks.saw(record, 0, payload[: len(payload) // 2])
     with pytest.raises(CheckpointError, match="fails its CRC-32 check"):
         record_checks.settle([str(path)])
     assert whole_checks == [record]
+
+
+def test_crc32_combine_joins_as_zlib_computes_the_whole() -> None:
+    from ckptctl.crc import crc32_combine, crc32_combine_python
+
+    for n1, n2 in [(0, 5), (5, 0), (1, 1), (1000, 3), (7, 123457), (0, 0)]:
+        a, b = os.urandom(n1), os.urandom(n2)
+        for combine in (crc32_combine, crc32_combine_python):
+            assert combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
