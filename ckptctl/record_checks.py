@@ -97,14 +97,36 @@ def saw(record: Record, start: int, data: Any) -> None:
         if key in _seen:
             return
         _, pieces = _parts.get(key, (record, []))
-        pieces = _joined(_with_part(pieces, start, view))
-        if len(pieces) != 1 or pieces[0][:2] != (0, record.nbytes):
-            _parts[key] = (record, pieces)
+        _finish_or_keep(key, record, _joined(_with_part(pieces, start, view)))
+
+
+def saw_piece(record: Record, start: int, nbytes: int, value: int) -> None:
+    """Like ``saw``, for a part whose CRC-32 the caller has already (a writer that computes the
+    CRC-32 of the same bytes for its own output derives the part's from it): no pass at all.
+    A part overlapping one seen before cannot be trimmed, and hands the record to the whole
+    check."""
+    key = _key(record)
+    if key is None:
+        return
+    with _lock:
+        if key in _seen:
             return
-        _parts.pop(key, None)
-        _seen.add(key)
-        if pieces[0][2] != record.crc:
-            _failures[key] = _failure(record)
+        _, pieces = _parts.get(key, (record, []))
+        if any(lo < start + nbytes and start < hi for lo, hi, _ in pieces):
+            _enqueue(key, record)
+            return
+        _finish_or_keep(key, record, _joined(sorted([*pieces, (start, start + nbytes, value)])))
+
+
+def _finish_or_keep(key: Key, record: Record, pieces: list[Piece]) -> None:
+    """Check ``record`` once its pieces cover it, else keep them (call under the lock)."""
+    if len(pieces) != 1 or pieces[0][:2] != (0, record.nbytes):
+        _parts[key] = (record, pieces)
+        return
+    _parts.pop(key, None)
+    _seen.add(key)
+    if pieces[0][2] != record.crc:
+        _failures[key] = _failure(record)
 
 
 def _with_part(pieces: list[Piece], start: int, view: memoryview) -> list[Piece]:

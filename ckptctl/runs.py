@@ -122,15 +122,16 @@ class Run:
                 f"{self.offset} its index promises; the file is truncated"
             )
 
-    def write_to(self, out: BinaryIO | Any, *see: Observer) -> None:
+    def write_to(self, out: BinaryIO | Any, *see: Observer, record_seen: bool = False) -> None:
         """Append the run to ``out``, by a kernel copy when ``out`` offers one (``copy_range``)
         and both ends allow it, else by writing the mapped pages; ``see`` and the run's own
-        observers get every byte, in order."""
+        observers get every byte, in order. ``record_seen``: the caller hands the run to the
+        check of the record it is part of (``record_checks.saw_piece``), else it is seen here."""
         observers = [*see, *self.observers]
         check = _CrcCheck(self) if self.crc is not None else None
         if check is not None:
             observers.append(check)
-        if self.record is not None:
+        if self.record is not None and not record_seen:
             observers.append(_PartOfRecord(self))
         copy = getattr(out, "copy_range", None)
         copied = copy(self, observers) if copy is not None else None

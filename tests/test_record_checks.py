@@ -144,3 +144,31 @@ def test_crc32_combine_joins_as_zlib_computes_the_whole() -> None:
         a, b = os.urandom(n1), os.urandom(n2)
         for combine in (crc32_combine, crc32_combine_python):
             assert combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+
+
+def test_parts_whose_crc_the_writer_has_need_no_pass_and_overlaps_fall_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    payload = os.urandom(1 << 20)
+    path = tmp_path / "runs.pt"
+    record = _record(path, payload)
+    whole_checks: list[record_checks.Record] = []
+    real = record_checks._check
+    monkeypatch.setattr(record_checks, "_check", lambda r: whole_checks.append(r) or real(r))
+    half = len(payload) // 2
+    record_checks.saw_piece(record, half, half, zlib.crc32(payload[half:]))
+    record_checks.saw(record, 0, payload[: half + 100])  # a band reaching into the run
+    record_checks.settle([str(path)])
+    assert whole_checks == []
+    # a wrong CRC-32 for a part (the bytes changed under the writer) fails the record
+    os.utime(path, ns=(3, 3))
+    record_checks.saw_piece(record, 0, half, zlib.crc32(payload[:half]) ^ 1)
+    record_checks.saw_piece(record, half, half, zlib.crc32(payload[half:]))
+    with pytest.raises(CheckpointError, match="fails its CRC-32 check"):
+        record_checks.settle([str(path)])
+    # parts that overlap cannot be joined: the record is checked whole (and is intact)
+    os.utime(path, ns=(4, 4))
+    record_checks.saw_piece(record, 0, half + 8, zlib.crc32(payload[: half + 8]))
+    record_checks.saw_piece(record, half, half, zlib.crc32(payload[half:]))
+    record_checks.settle([str(path)])
+    assert whole_checks == [record]

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from math import prod
 from typing import Any, BinaryIO
 
-from ckptctl.crc import crc32
+from ckptctl import record_checks
+from ckptctl.crc import crc32, crc32_combine
 from ckptctl.formats.torchsave.archive import _ALIGNMENT
 from ckptctl.formats.torchsave.unpickle import Shape, Stub, _stub_type
 from ckptctl.model.dtypes import DTYPES, DType, dtype_name
@@ -131,13 +132,18 @@ def _append_run(entry: Any, run: Run) -> None:
         run.write_to(entry._fileobj)
         entry._crc = run.crc
     else:
-        state = [entry._crc]
+        before, state = entry._crc, [entry._crc]
 
         def see(view: memoryview) -> None:
             state[0] = crc32(view, state[0])
 
-        run.write_to(entry._fileobj, see)
+        run.write_to(entry._fileobj, see, record_seen=run.record is not None)
         entry._crc = state[0]
+        if run.record is not None:
+            # A part of a source record: its own CRC-32 follows from the entry's before and
+            # after it (CRC-32 is linear), so its check costs no pass over the bytes.
+            part = state[0] ^ crc32_combine(before, 0, run.nbytes)
+            record_checks.saw_piece(run.record, run.offset - run.record.offset, run.nbytes, part)
     entry._file_size += run.nbytes
     entry._compress_size += run.nbytes
 
