@@ -49,13 +49,14 @@ class Record:
     name: str
 
 
+Key = tuple[int, int, int, int]
+"""A record by (device, inode, modification time, offset): a file changed since is checked
+again."""
 _lock = threading.Condition()
 _todo: deque[tuple[Key, Record]] = deque()
 _pending = 0
-Key = tuple[int, int, int, int]
 _seen: set[Key] = set()
-"""(device, inode, modification time, offset) of the records asked for: a file changed since
-is checked again."""
+"""The records checked, or queued for the checking thread."""
 _failures: dict[Key, str] = {}
 """The checks that failed, by record, with their messages, in the order they failed."""
 _thread: threading.Thread | None = None
@@ -185,6 +186,20 @@ def settle(paths: Iterable[str]) -> None:
         failures = [text for key, text in _failures.items() if key[:3] in files]
     if failures:
         raise CheckpointError(failures[0])
+
+
+def _forget_in_child() -> None:
+    """A forked child has no checking thread (and may have copied the lock held): it starts
+    afresh, or its first ``settle`` would wait for a thread that is not there."""
+    global _lock, _pending, _thread
+    _lock, _pending, _thread = threading.Condition(), 0, None
+    _todo.clear()
+    _parts.clear()
+    _seen.clear()
+    _failures.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _check_all() -> None:

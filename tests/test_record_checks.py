@@ -4,6 +4,7 @@ zlib's CRC-32 of the bytes on disk."""
 from __future__ import annotations
 
 import os
+import signal
 import zlib
 from pathlib import Path
 
@@ -172,3 +173,20 @@ def test_parts_whose_crc_the_writer_has_need_no_pass_and_overlaps_fall_back(
     record_checks.saw_piece(record, half, half, zlib.crc32(payload[half:]))
     record_checks.settle([str(path)])
     assert whole_checks == [record]
+
+
+def test_a_forked_child_checks_records_with_its_own_thread(tmp_path: Path) -> None:
+    payload = os.urandom(1 << 16)
+    path = tmp_path / "fork.pt"
+    record = _record(path, payload)
+    record_checks.ask(record)  # the parent's checking thread is running
+    record_checks.settle([str(path)])
+    pid = os.fork()
+    if pid == 0:  # the child: a whole check must finish, not wait for the parent's thread
+        signal.alarm(20)  # a wait that never ends kills the child instead
+        os.utime(path, ns=(5, 5))
+        record_checks.ask(record)
+        record_checks.settle([str(path)])
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
