@@ -82,7 +82,6 @@ def execute(
     failure: Exception | None = None
     try:
         _write_shares(jobs, mine, sizes, target, log)
-        record_checks.settle(_local_sources(jobs[0]))
         target.drain()  # every rank's files are durable before rank 0 commits
     except Exception as err:  # the other ranks must hear of it, or they wait for this one
         failure = err
@@ -266,7 +265,8 @@ def _write_file(job: WriteJob, i: int, sizes: list[int], target: Storage, log: R
                 write(job, file, out)
             finally:
                 job.assemble.forget()
-        # Records this file read in parts are checked whole before it counts as written.
+        # The records this file read in parts are checked before it counts as written (so
+        # before the commit, too).
         record_checks.settle(_local_sources(job))
     log.finished(
         file.path,

@@ -50,9 +50,9 @@ class Span:
     nbytes: int
     dtype: str
     crc: int | None = None
-    record: Any = None
-    """The whole zip record (``record_checks.Record``) a span of part of one lies in, where it
-    can be checked whole once the run is written (local files)."""
+    record: record_checks.Record | None = None
+    """The zip record a span of part of one lies in (local files), whose check the run's bytes
+    go to as they are written."""
 
 
 class Run:
@@ -87,7 +87,7 @@ class Run:
         *,
         storage: Any = None,
         rel: str = "",
-        record: Any = None,
+        record: record_checks.Record | None = None,
     ) -> None:
         self.path, self.offset, self.nbytes, self.dtype, self.crc = path, offset, nbytes, dtype, crc
         self.storage, self.rel = storage, rel

@@ -19,6 +19,15 @@ def _record(path: Path, payload: bytes, at: int = 100) -> record_checks.Record:
     return record_checks.Record(str(path), at, len(payload), zlib.crc32(payload), f"{path}: r")
 
 
+@pytest.fixture
+def whole_checks(monkeypatch: pytest.MonkeyPatch) -> list[record_checks.Record]:
+    """The records the checking thread reads whole, in order (each still checked)."""
+    checked: list[record_checks.Record] = []
+    real = record_checks._check
+    monkeypatch.setattr(record_checks, "_check", lambda r: checked.append(r) or real(r))
+    return checked
+
+
 def test_an_intact_record_passes_and_a_corrupt_one_fails_only_its_own_files(
     tmp_path: Path,
 ) -> None:
@@ -66,14 +75,11 @@ def test_a_record_larger_than_a_window_is_checked_across_windows(
 
 
 def test_parts_read_in_order_are_checked_as_they_pass_without_a_second_read(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, whole_checks: list[record_checks.Record]
 ) -> None:
     payload = os.urandom(1 << 20)
     path = tmp_path / "bands.pt"
     record = _record(path, payload)
-    whole_checks: list[record_checks.Record] = []
-    real = record_checks._check
-    monkeypatch.setattr(record_checks, "_check", lambda r: whole_checks.append(r) or real(r))
     for start in range(0, len(payload), 300_000):  # bands; the last one overlaps the one before
         lo = max(0, start - 1000)
         record_checks.saw(record, lo, payload[lo : start + 300_000])
@@ -93,7 +99,7 @@ def test_parts_read_in_order_are_checked_as_they_pass_without_a_second_read(
 
 
 def test_parts_in_any_order_overlapping_are_joined_without_a_second_read(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, whole_checks: list[record_checks.Record]
 ) -> None:
     """Column halves of a row-major record, read band by band by two files: each part is the
     bytes from its first element to its last, so each overlaps the other half's."""
@@ -101,9 +107,6 @@ def test_parts_in_any_order_overlapping_are_joined_without_a_second_read(
     payload = os.urandom(rows * width)
     path = tmp_path / "halves.pt"
     record = _record(path, payload)
-    whole_checks: list[record_checks.Record] = []
-    real = record_checks._check
-    monkeypatch.setattr(record_checks, "_check", lambda r: whole_checks.append(r) or real(r))
     parts = []
     for lo in range(0, rows, 16):
         hi = lo + 16
@@ -117,7 +120,7 @@ def test_parts_in_any_order_overlapping_are_joined_without_a_second_read(
 
 @pytest.mark.parametrize("order", ["gap", "unfinished"])
 def test_parts_that_do_not_cover_the_record_get_a_whole_check(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, order: str
+    tmp_path: Path, whole_checks: list[record_checks.Record], order: str
 ) -> None:
     payload = os.urandom(1 << 20)
     path = tmp_path / f"{order}.pt"
@@ -125,9 +128,6 @@ def test_parts_that_do_not_cover_the_record_get_a_whole_check(
     raw = bytearray(path.read_bytes())
     raw[record.offset + len(payload) - 3] ^= 0x80  # in bytes no read passes
     path.write_bytes(bytes(raw))
-    whole_checks: list[record_checks.Record] = []
-    real = record_checks._check
-    monkeypatch.setattr(record_checks, "_check", lambda r: whole_checks.append(r) or real(r))
     if order == "gap":  # the second half but its last bytes, then the first half
         record_checks.saw(record, len(payload) // 2, payload[len(payload) // 2 : -10])
         record_checks.saw(record, 0, payload[: len(payload) // 2])
@@ -148,14 +148,11 @@ def test_crc32_combine_joins_as_zlib_computes_the_whole() -> None:
 
 
 def test_parts_whose_crc_the_writer_has_need_no_pass_and_overlaps_fall_back(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, whole_checks: list[record_checks.Record]
 ) -> None:
     payload = os.urandom(1 << 20)
     path = tmp_path / "runs.pt"
     record = _record(path, payload)
-    whole_checks: list[record_checks.Record] = []
-    real = record_checks._check
-    monkeypatch.setattr(record_checks, "_check", lambda r: whole_checks.append(r) or real(r))
     half = len(payload) // 2
     record_checks.saw_piece(record, half, half, zlib.crc32(payload[half:]))
     record_checks.saw(record, 0, payload[: half + 100])  # a band reaching into the run
