@@ -8,9 +8,9 @@ it. Here each such record is checked once: as its parts pass (their CRC-32s join
 whatever order they come: no second pass over the bytes), or, for a record the job does not
 read to the last byte, whole, on a background thread (CRC-32 releases the GIL), from the
 file's mapped pages a window at a time.
-A writer calls ``settle`` with its source files before it marks a file finished: it waits for
-the checks asked so far and raises the first failure among those files, so a corrupt source
-never yields a file marked complete. Failures are kept (a file unchanged since is not checked
+A writer calls ``settle`` with its source files before it marks a file finished (and a
+training-loop load before it returns): it waits for the checks asked so far and raises the
+first failure among those files, so a corrupt source never yields a file marked complete. Failures are kept (a file unchanged since is not checked
 again, and a second job reading it must fail too); reads outside a job (a reader used on its
 own) ask as well, and their failures reach only a job that reads the same file.
 

@@ -9,6 +9,7 @@ import json
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -219,6 +220,24 @@ def test_lost_shards_are_cut_from_the_full_checkpoint(trained: Path, cli) -> Non
     assert {d["strategy"] for d in resumed["decisions"]} == {"from-full"}
     rank1 = resumed["decisions"][1]["bytes_by_file"]
     assert "__1_0.distcp" not in rank1 and "full:state_dict.pt" in rank1
+
+    # Each rank reads half of every record of the full file, so no read can check one: a
+    # flipped byte must still fail the load, naming the record, on the rank that reads it.
+    corrupt = trained / "corrupt" / "state_dict.pt"
+    corrupt.parent.mkdir()
+    raw = bytearray((full / "state_dict.pt").read_bytes())
+    with zipfile.ZipFile(full / "state_dict.pt") as archive:
+        biggest = max(archive.infolist(), key=lambda e: e.file_size)
+    header = raw[biggest.header_offset : biggest.header_offset + 30]
+    start = biggest.header_offset + 30 + int.from_bytes(header[26:28], "little")
+    start += int.from_bytes(header[28:30], "little")
+    raw[start + biggest.file_size // 4] ^= 0x10  # in the first rank's half
+    corrupt.write_bytes(bytes(raw))
+    failed = torchrun(
+        2, trained, "resume", "step_1_lost", 1, STEPS, "ckptctl", corrupt, check=False
+    )
+    assert failed.returncode != 0
+    assert f"storage record {biggest.filename.rsplit('/', 1)[1]} fails its CRC-32" in failed.stderr
 
 
 def test_a_rank_killed_mid_save_leaves_it_incomplete_and_the_previous_one_loads(

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ckptctl import record_checks
 from ckptctl.arrays import from_torch
 from ckptctl.errors import CheckpointError
 from ckptctl.formats.dcp.metadata import METADATA_FILE, BytesEntry, DcpMetadata, TensorEntry
@@ -202,6 +203,10 @@ def _from_storage(
         hint = " (pass full= a full checkpoint of the same step)" if sharded.lost else ""
         raise CheckpointError(f"{checkpoint_id}: {decision.problems[0]}{more}{hint}")
     by_file = _fill(decision, tensors, {"sharded": sharded.read, FULL: _reader(fallback)})
+    if isinstance(fallback, _TorchFile) and fallback.reader.local_path is not None:
+        # Each rank reads its part of the full file's records: those are checked against
+        # their CRC-32s as a whole, and a corrupt one fails the load, naming the record.
+        record_checks.settle([fallback.reader.local_path])
     for fqn, leaf in leaves.items():
         if fqn in tensors:
             continue

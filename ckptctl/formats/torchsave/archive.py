@@ -87,6 +87,12 @@ class TorchZipReader:
         self._lock = threading.Lock()
         self.tree = restricted_loads(self._read_entry(pkl[0]), where)
 
+    @property
+    def local_path(self) -> str | None:
+        """The archive's file on a local disk, whose records read in parts ``record_checks``
+        checks (``None`` for an object or a window of another file)."""
+        return self._path
+
     def _read_entry(self, name: str) -> bytes:
         try:
             return self._zip.read(name)
