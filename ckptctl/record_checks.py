@@ -10,9 +10,10 @@ read to the last byte, whole, on a background thread (CRC-32 releases the GIL), 
 file's mapped pages a window at a time.
 A writer calls ``settle`` with its source files before it marks a file finished (and a
 training-loop load before it returns): it waits for the checks asked so far and raises the
-first failure among those files, so a corrupt source never yields a file marked complete. Failures are kept (a file unchanged since is not checked
-again, and a second job reading it must fail too); reads outside a job (a reader used on its
-own) ask as well, and their failures reach only a job that reads the same file.
+first failure among those files, so a corrupt source never yields a file marked complete.
+Failures are kept (a file unchanged since is not checked again, and a second job reading it
+must fail too); reads outside a job (a reader used on its own) ask as well, and their
+failures reach only a job that reads the same file.
 
 Only local files are checked this way: on an object store the record's other bytes would have
 to be fetched a second time. ``ckptctl verify`` checks every record of a source, wherever it is.

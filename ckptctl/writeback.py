@@ -82,6 +82,16 @@ def _start_and_close(fd: int, offset: int, nbytes: int) -> bool:
             _pending -= 1
 
 
+def _forget_in_child() -> None:
+    """A forked child has no request thread (and may have copied the lock held): it starts
+    afresh, or its first ``wait_for_requests`` would wait for a thread that is not there."""
+    global _requests, _requests_lock, _pending
+    _requests, _requests_lock, _pending = None, threading.Lock(), 0
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 def wait_for_requests() -> None:
     """Return once every request made so far has been handed to the kernel (they run in
     order on one thread)."""
