@@ -314,6 +314,34 @@ def test_a_reshard_refuses_a_corrupt_record_it_reads_only_part_of(
     assert not (tmp_path / "out/ckptctl.manifest.json").exists()
 
 
+@pytest.mark.parametrize(
+    "tensor",
+    ["decoder.layers.self_attention.linear_proj.weight", "decoder.layers.mlp.linear_fc1.weight"],
+)
+def test_a_reshard_refuses_a_corrupt_dcp_record_it_reads_only_part_of(
+    tmp_path: Path, cli, tensor: str
+) -> None:
+    """The same for a torch_dist checkpoint, whose tensors are records inside one ``.distcp``
+    file: each TP2 rank reads half of the record, the job checks it whole."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    model = synth.make_model(synth.tiny_llama_config(num_layers=1), seed=2)
+    legacy, ck = tmp_path / "legacy", tmp_path / "td"
+    synth.write_megatron(model, synth.adam_step(model, seed=2), legacy, tp=1, pp=1)
+    cli("reshard", legacy, ck, "--tp", "1", "--pp", "1", "--format", "torch_dist")
+    iteration = ck / "iter_0000001"
+    stored = FileSystemReader(str(iteration)).read_metadata().storage_data
+    (info,) = [v for k, v in stored.items() if k.fqn == tensor]
+    path = iteration / info.relative_path
+    raw = bytearray(path.read_bytes())
+    raw[info.offset + info.length // 2] ^= 0x10  # inside the tensor's bytes
+    path.write_bytes(bytes(raw))
+    result = cli("reshard", ck, tmp_path / "out", "--tp", "2", code=3)
+    (line,) = [x for x in result.stderr.splitlines() if x.startswith("error:")]
+    assert "fails its CRC-32 check" in line and info.relative_path in line, line
+    assert not (tmp_path / "out/ckptctl.manifest.json").exists()
+
+
 def test_verify_says_safetensors_carry_no_checksum(ck: Path, tmp_path: Path, cli) -> None:
     from safetensors.torch import load_file, save_file
 

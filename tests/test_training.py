@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 import ckptctl
@@ -202,6 +203,18 @@ def test_resuming_on_another_number_of_ranks_matches_torchs_own_load(trained: Pa
     assert ours["state"] == torchs["state"]
     assert ours["losses"] == torchs["losses"]
     assert {d["strategy"] for d in ours["decisions"]} == {"reshard"}
+
+    # Each of the four ranks reads half of a record the two saved: a flipped byte in one
+    # fails the load, naming the record (no read of a part can check it).
+    corrupt = trained / "step_1_corrupt"
+    shutil.copytree(trained / "step_1", corrupt)
+    stored = FileSystemReader(str(corrupt)).read_metadata().storage_data
+    info = max(stored.values(), key=lambda i: i.length)
+    raw = bytearray((corrupt / info.relative_path).read_bytes())
+    raw[info.offset + info.length // 4] ^= 0x10
+    (corrupt / info.relative_path).write_bytes(bytes(raw))
+    failed = torchrun(4, trained, "resume", "step_1_corrupt", 1, STEPS, "ckptctl", check=False)
+    assert failed.returncode != 0 and "fails its CRC-32 check" in failed.stderr
 
 
 def test_lost_shards_are_cut_from_the_full_checkpoint(trained: Path, cli) -> None:

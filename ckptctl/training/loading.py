@@ -203,10 +203,15 @@ def _from_storage(
         hint = " (pass full= a full checkpoint of the same step)" if sharded.lost else ""
         raise CheckpointError(f"{checkpoint_id}: {decision.problems[0]}{more}{hint}")
     by_file = _fill(decision, tensors, {"sharded": sharded.read, FULL: _reader(fallback)})
+    # A rank reads its part of records stored whole (a full file's tensors, another world
+    # size's shards): those are checked against their CRC-32s whole, and a corrupt one fails
+    # the load, naming the record.
+    local = []
+    if sharded.storage.is_local:
+        local += [sharded.storage.path(f) for s, f in decision.files if s != FULL]
     if isinstance(fallback, _TorchFile) and fallback.reader.local_path is not None:
-        # Each rank reads its part of the full file's records: those are checked against
-        # their CRC-32s as a whole, and a corrupt one fails the load, naming the record.
-        record_checks.settle([fallback.reader.local_path])
+        local.append(fallback.reader.local_path)
+    record_checks.settle(local)
     for fqn, leaf in leaves.items():
         if fqn in tensors:
             continue

@@ -9,6 +9,7 @@ pickle and zip directory live there) and everything else by exact range.
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Callable
 from typing import Any, BinaryIO
@@ -37,6 +38,15 @@ class RecordWindow(ByteView):
             raise ValueError(f"negative byte range ({offset}, {length})")
         self._f = fileobj
         self._start = offset
+
+    @property
+    def local_file(self) -> tuple[str, int] | None:
+        """The local file the window shows part of, and where in it the window starts
+        (``None`` for a file object that is not a plain local file)."""
+        f = self._f
+        if isinstance(f, io.BufferedReader) and isinstance(f.raw, io.FileIO):
+            return os.path.abspath(f.name), self._start
+        return None
 
     def _read_at(self, pos: int, view: memoryview) -> int:
         self._f.seek(self._start + pos)

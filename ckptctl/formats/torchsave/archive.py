@@ -65,8 +65,10 @@ class TorchZipReader:
         self._fd = fileobj.fileno() if plain else None
         """A plain local file's descriptor, for mapped reads (record windows and remote files
         have none)."""
-        self._path = os.path.abspath(fileobj.name) if plain else None
-        """Its path, for the whole-record checks of records read in parts (``record_checks``)."""
+        local = getattr(fileobj, "local_file", None)  # a window of a local file (DCP record)
+        self._path, self._base = (os.path.abspath(fileobj.name), 0) if plain else local or (None, 0)
+        """The local file holding the archive, and the archive's offset in it, for the checks
+        of records read in parts (``record_checks``)."""
         self._fetch = fetch
         self.place = place
         self.where = where
@@ -89,8 +91,8 @@ class TorchZipReader:
 
     @property
     def local_path(self) -> str | None:
-        """The archive's file on a local disk, whose records read in parts ``record_checks``
-        checks (``None`` for an object or a window of another file)."""
+        """The local file holding the archive (a whole file, or a ``.distcp`` holding it as one
+        record), whose records read in parts ``record_checks`` checks; ``None`` for an object."""
         return self._path
 
     def _read_entry(self, name: str) -> bytes:
@@ -176,7 +178,7 @@ class TorchZipReader:
             return None
         start, size = self._data_offsets[key]
         name = f"{self.where}: storage record {key}"
-        return record_checks.Record(self._path, start, size, self._crcs[key], name)
+        return record_checks.Record(self._path, self._base + start, size, self._crcs[key], name)
 
     def read(
         self,
