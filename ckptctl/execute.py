@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
+from functools import partial
 from typing import Any
 
 from ckptctl import record_checks
@@ -55,6 +57,7 @@ def execute(
         source.server_copy_to = target
     report = Report()
     started = time.perf_counter()
+    checked_before = record_checks.read_again()
     sizes = [source.file_bytes(plan, f) for f in plan.files]
     rank, world = (group.rank, group.world) if group else (0, 1)
     mine = split_files(plan.files, sizes, world)[rank]
@@ -81,7 +84,9 @@ def execute(
     jobs = [WriteJob(plan, source, assemble, report) for assemble in assemblers]
     failure: Exception | None = None
     try:
-        _write_shares(jobs, mine, sizes, target, log)
+        marks = _Marks(log, len(jobs))
+        _write_shares(jobs, mine, sizes, target, marks)
+        marks.finish(_checked_sources(jobs[0]))
         target.drain()  # every rank's files are durable before rank 0 commits
     except Exception as err:  # the other ranks must hear of it, or they wait for this one
         failure = err
@@ -89,6 +94,8 @@ def execute(
         if pool is not None:
             pool.shutdown(wait=True)
     own_written = report.bytes_written
+    checked_after = record_checks.read_again()
+    report.read_for_checks = [a - b for a, b in zip(checked_after, checked_before, strict=True)]
     if group is not None:
         group.agree(None if failure is None else str(failure) or type(failure).__name__)
         _gather(group, report, log)
@@ -139,6 +146,7 @@ def _gather(group: Group, report: Report, log: RunLog) -> None:
             "requests": report.read_requests,
             "written": report.bytes_written,
             "copied": report.copied,
+            "checks": report.read_for_checks,
         }
     )
     if group.rank:
@@ -153,6 +161,8 @@ def _gather(group: Group, report: Report, log: RunLog) -> None:
         report.bytes_read += part["read"]
         report.read_requests += part["requests"]
         report.bytes_written += part["written"]
+        checks = zip(report.read_for_checks, part["checks"], strict=True)
+        report.read_for_checks = [a + b for a, b in checks]
         for how, n in part["copied"].items():
             report.copied[how] = report.copied.get(how, 0) + n
 
@@ -195,7 +205,7 @@ class _GroupProgress:
 
 
 def _write_shares(
-    jobs: list[WriteJob], share: tuple[int, ...], sizes: list[int], target: Storage, log: RunLog
+    jobs: list[WriteJob], share: tuple[int, ...], sizes: list[int], target: Storage, marks: _Marks
 ) -> None:
     """Write the files of ``share``, ``len(jobs)`` at a time: each writer (the calling thread
     and one helper per further job) takes the next file in plan order until none is left.
@@ -205,7 +215,7 @@ def _write_shares(
     tensor; the first failure is raised."""
     if len(jobs) == 1:
         for i in share:
-            _write_file(jobs[0], i, sizes, target, log)
+            _write_file(jobs[0], i, sizes, target, marks)
         return
     queue, taking = iter(share), threading.Lock()
     stop = jobs[0].assemble.stop
@@ -217,7 +227,7 @@ def _write_shares(
             if i is None:
                 return
             try:
-                _write_file(job, i, sizes, target, log)
+                _write_file(job, i, sizes, target, marks)
             except BaseException:
                 stop.set()
                 raise
@@ -245,10 +255,10 @@ def _write_shares(
     jobs[0].report.files_written.sort(key=lambda path: order.get(path, len(order)))
 
 
-def _write_file(job: WriteJob, i: int, sizes: list[int], target: Storage, log: RunLog) -> None:
+def _write_file(job: WriteJob, i: int, sizes: list[int], target: Storage, marks: _Marks) -> None:
     plan, report = job.plan, job.report
     file = plan.files[i]
-    reused = log.reusable(file.path)
+    reused = marks.log.reusable(file.path)
     if reused is not None:  # resuming: this file was finished and is intact
         report.tensor_checksums[file.path] = reused["tensors"]
         report.records[file.path] = reused.get("records", [])
@@ -256,7 +266,7 @@ def _write_file(job: WriteJob, i: int, sizes: list[int], target: Storage, log: R
             job.assemble.progress.advance(sizes[i])
         report.files_written.append(file.path)
         return
-    with target.open_write(file.path, new_digest(log.algorithm)) as out:
+    with target.open_write(file.path, new_digest(marks.log.algorithm)) as out:
         if file.kind == FileKind.COPY:
             _copy_file(job.source, plan.source_files[file.copy_of or 0], out, job.assemble)
         else:
@@ -266,25 +276,63 @@ def _write_file(job: WriteJob, i: int, sizes: list[int], target: Storage, log: R
             finally:
                 job.assemble.forget()
         # The records this file read in parts are checked before it counts as written (so
-        # before the commit, too).
-        record_checks.settle(_local_sources(job))
-    log.finished(
-        file.path,
-        report.tensor_checksums.get(file.path, {}),
-        size=out.size,
-        checksum=out.digest.hexdigest(),
-        records=report.records.get(file.path),
+        # before the commit, too), once the other files being written have read on in them.
+        waiting = record_checks.settle(_checked_sources(job), leave_parts=True)
+    marks.add(
+        waiting,
+        partial(
+            marks.log.finished,
+            file.path,
+            report.tensor_checksums.get(file.path, {}),
+            size=out.size,
+            checksum=out.digest.hexdigest(),
+            records=report.records.get(file.path),
+        ),
     )
     report.files_written.append(file.path)
 
 
-def _local_sources(job: WriteJob) -> list[str]:
-    """The paths of the job's source files on a local disk (those ``record_checks`` checks)."""
+class _Marks:
+    """The run log's marks of finished files, each made once the records the file read in
+    parts are checked. The other files being written read on in the same records (each new
+    tensor-parallel rank reads its half): a file waits for them, up to ``patience`` files
+    finished after it, before the bytes no file read are read for its checks (reading them at
+    once would read the other files' halves twice)."""
+
+    def __init__(self, log: RunLog, patience: int) -> None:
+        self.log = log
+        self.patience = patience
+        self._waiting: list[tuple[set[Any], Callable[[], None], list[int]]] = []
+        self._lock = threading.Lock()
+
+    def add(self, keys: set[Any], mark: Callable[[], None]) -> None:
+        with self._lock:
+            for _, _, left in self._waiting:
+                left[0] -= 1
+            self._waiting.append((keys, mark, [self.patience]))
+            due = [w for w in self._waiting if w[2][0] <= 0 or record_checks.checked(w[0])]
+            self._waiting = [w for w in self._waiting if w not in due]
+        for keys_due, mark_due, _ in due:
+            record_checks.check_now(keys_due)
+            record_checks.checked(keys_due)  # waits for the check; raises its failure
+            mark_due()
+
+    def finish(self, sources: list[str]) -> None:
+        """Check what no file read of the records read in parts, then mark the files left."""
+        record_checks.settle(sources)
+        with self._lock:
+            waiting, self._waiting = self._waiting, []
+        for _, mark, _ in waiting:
+            mark()
+
+
+def _checked_sources(job: WriteJob) -> list[str]:
+    """The job's source files as ``record_checks`` names them: local paths, object URLs."""
     paths = []
     for path in job.plan.source_files:
         ckpt, rel = job.source.owner(path)
-        if ckpt.storage.is_local:
-            paths.append(ckpt.storage.path(rel))
+        local = ckpt.storage.is_local
+        paths.append(ckpt.storage.path(rel) if local else ckpt.storage.describe(rel))
     return paths
 
 

@@ -48,6 +48,10 @@ class Report:
     copied: dict[str, int] = field(default_factory=dict)
     """Bytes moved without passing through this process, by how: ``copy_file_range`` (the
     kernel, local files) or ``upload_part_copy`` (the object store, server side)."""
+    read_for_checks: list[int] = field(default_factory=lambda: [0, 0])
+    """Records read again (local) or fetched (object stores) only to check their CRC-32,
+    and the bytes: records the job read in part (rows past a vocabulary cut, or the part the
+    other files take, checked before the file that read the first part counts)."""
     ranks: list[dict[str, Any]] = field(default_factory=list)
     """A job run by several processes: each rank's own figures (the rest sums them)."""
 

@@ -6,8 +6,9 @@ half the columns of every row, or a contiguous half), and no part can be checked
 corrupt byte there would be carried into the output, under new checksums that then vouch for
 it. Here each such record is checked once: as its parts pass (their CRC-32s joined, in
 whatever order they come: no second pass over the bytes), or, for a record the job does not
-read to the last byte, whole, on a background thread (CRC-32 releases the GIL), from the
-file's mapped pages a window at a time.
+read to the last byte, by reading the bytes no part held, on a background thread (CRC-32
+releases the GIL): from the file's mapped pages a window at a time, or by ranged reads of an
+object.
 A writer calls ``settle`` with its source files before it marks a file finished (and a
 training-loop load before it returns): it waits for the checks asked so far and raises the
 first failure among those files, so a corrupt source never yields a file marked complete.
@@ -15,8 +16,9 @@ Failures are kept (a file unchanged since is not checked again, and a second job
 must fail too); reads outside a job (a reader used on its own) ask as well, and their
 failures reach only a job that reads the same file.
 
-Only local files are checked this way: on an object store the record's other bytes would have
-to be fetched a second time. ``ckptctl verify`` checks every record of a source, wherever it is.
+Records of objects in a store are checked the same way; the bytes a job never reads are
+fetched for it (a vocabulary cut leaves a few rows; a job reads the rest of every record it
+touches). ``ckptctl verify`` checks every record of a source, wherever it is.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ import mmap
 import os
 import threading
 from collections import deque
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 from ckptctl.crc import crc32, crc32_combine
@@ -40,41 +42,57 @@ memory while it is mapped)."""
 
 @dataclass(frozen=True)
 class Record:
-    """Bytes ``[offset, offset + nbytes)`` of local file ``path``, whose CRC-32 its archive
-    records as ``crc``; ``name`` says which record it is in a failure's message."""
+    """Bytes ``[offset, offset + nbytes)`` of file ``path``, whose CRC-32 its archive records
+    as ``crc``; ``name`` says which record it is in a failure's message. ``fetch(start,
+    nbytes)``, for an object in a store (``path`` its URL, ``version`` what its store says of
+    its content), reads bytes of the record by position in it; ``None`` for a local file."""
 
     path: str
     offset: int
     nbytes: int
     crc: int
     name: str
+    fetch: Callable[[int, int], bytes] | None = field(default=None, compare=False)
+    version: str = ""
 
 
-Key = tuple[int, int, int, int]
-"""A record by (device, inode, modification time, offset): a file changed since is checked
-again."""
-_lock = threading.Condition()
-_todo: deque[tuple[Key, Record]] = deque()
+FileKey = tuple[Any, ...]
+"""A file as it is now: (device, inode, modification time) of a local file, so that a file
+changed since is checked again; (URL, version) of an object."""
+Key = tuple[FileKey, int]
+"""A record: its file and its offset there."""
+Piece = tuple[int, int, int]
+"""Bytes ``[start, end)`` of a record that have passed, and their CRC-32."""
+_lock = threading.Condition()  # over a re-entrant lock: settle calls check_now holding it
+_todo: deque[tuple[Key, Record, list[Piece]]] = deque()
 _pending = 0
 _seen: set[Key] = set()
 """The records checked, or queued for the checking thread."""
 _failures: dict[Key, str] = {}
 """The checks that failed, by record, with their messages, in the order they failed."""
 _thread: threading.Thread | None = None
+_read_again = [0, 0]
+"""Records the checks have read bytes of themselves (bytes no read of the job passed), and
+those bytes."""
 
 
-Piece = tuple[int, int, int]
-"""Bytes ``[start, end)`` of a record that have passed, and their CRC-32."""
 _parts: dict[Key, tuple[Record, list[Piece]]] = {}
 """Records read in parts so far: the pieces passed, apart, in order of their start."""
 
 
+_versions: dict[str, str] = {}
+"""The version of each object last read, by URL: what ``settle`` holds a job's objects to."""
+
+
 def _key(record: Record) -> Key | None:
+    if record.fetch is not None:
+        _versions[record.path] = record.version
+        return (record.path, record.version), record.offset
     try:
         st = os.stat(record.path)
     except OSError:
         return None  # the read that led here has failed or will fail, naming the file
-    return (st.st_dev, st.st_ino, st.st_mtime_ns, record.offset)
+    return (st.st_dev, st.st_ino, st.st_mtime_ns), record.offset
 
 
 def ask(record: Record) -> None:
@@ -82,7 +100,7 @@ def ask(record: Record) -> None:
     key = _key(record)
     if key is not None:
         with _lock:
-            _enqueue(key, record)
+            _enqueue(key, record, [])
 
 
 def saw(record: Record, start: int, data: Any) -> None:
@@ -105,8 +123,8 @@ def saw(record: Record, start: int, data: Any) -> None:
 def saw_piece(record: Record, start: int, nbytes: int, value: int) -> None:
     """Like ``saw``, for a part whose CRC-32 the caller has already (a writer that computes the
     CRC-32 of the same bytes for its own output derives the part's from it): no pass at all.
-    A part overlapping one seen before cannot be trimmed, and hands the record to the whole
-    check."""
+    A part overlapping one seen before cannot be trimmed: the record is checked from the parts
+    seen before and the bytes none of them holds."""
     key = _key(record)
     if key is None:
         return
@@ -115,7 +133,7 @@ def saw_piece(record: Record, start: int, nbytes: int, value: int) -> None:
             return
         _, pieces = _parts.get(key, (record, []))
         if any(lo < start + nbytes and start < hi for lo, hi, _ in pieces):
-            _enqueue(key, record)
+            _enqueue(key, record, pieces)  # the bytes no piece holds are read
             return
         _finish_or_keep(key, record, _joined(sorted([*pieces, (start, start + nbytes, value)])))
 
@@ -157,14 +175,15 @@ def _joined(pieces: list[Piece]) -> list[Piece]:
     return out
 
 
-def _enqueue(key: Key, record: Record) -> None:
-    """Queue the whole check of ``record`` (call under the lock)."""
+def _enqueue(key: Key, record: Record, pieces: list[Piece]) -> None:
+    """Queue the check of ``record`` from ``pieces`` and the bytes they do not hold (call under
+    the lock)."""
     global _pending, _thread
     _parts.pop(key, None)
     if key in _seen:
         return
     _seen.add(key)
-    _todo.append((key, record))
+    _todo.append((key, record, pieces))
     _pending += 1
     if _thread is None:
         _thread = threading.Thread(target=_check_all, daemon=True, name="ckptctl-crc")
@@ -172,21 +191,61 @@ def _enqueue(key: Key, record: Record) -> None:
     _lock.notify_all()
 
 
-def settle(paths: Iterable[str]) -> None:
-    """Wait for every check asked so far; raise the first that failed in one of ``paths``."""
-    files = set()
+def settle(paths: Iterable[str], *, leave_parts: bool = False) -> set[Key]:
+    """Wait for every check asked so far; raise the first that failed in one of ``paths``
+    (local paths, or URLs of objects). A record read only in part is checked with the bytes no
+    read passed, read now; with ``leave_parts``, such records are left for the job's other
+    files to read on (reading their bytes now would read them twice) and returned:
+    ``checked`` says when they are done, ``check_now`` reads what no file did."""
+    files: set[FileKey] = set()
     for path in paths:
+        if "://" in path:
+            if path in _versions:
+                files.add((path, _versions[path]))
+            continue
         with contextlib.suppress(OSError):
             st = os.stat(path)
             files.add((st.st_dev, st.st_ino, st.st_mtime_ns))
     with _lock:
-        for key, (record, _) in list(_parts.items()):
-            if key[:3] in files:  # not every byte was read (rows past a vocabulary cut)
-                _enqueue(key, record)
+        waiting = {key for key in _parts if key[0] in files}
+        if not leave_parts:
+            check_now(waiting)
+            waiting = set()
         _lock.wait_for(lambda: _pending == 0)
-        failures = [text for key, text in _failures.items() if key[:3] in files]
+        failures = [text for key, text in _failures.items() if key[0] in files]
     if failures:
         raise CheckpointError(failures[0])
+    return waiting
+
+
+def checked(keys: Iterable[Key]) -> bool:
+    """Whether every record of ``keys`` (from ``settle``) has been checked since; raises the
+    first that failed."""
+    with _lock:
+        if any(key in _parts for key in keys):
+            return False
+        _lock.wait_for(lambda: _pending == 0)
+        failures = [_failures[key] for key in keys if key in _failures]
+    if failures:
+        raise CheckpointError(failures[0])
+    return True
+
+
+def check_now(keys: Iterable[Key]) -> None:
+    """Check the records of ``keys`` still read only in part with the bytes no read passed,
+    read now (and ``checked`` then waits for it)."""
+    with _lock:
+        for key in keys:
+            if key in _parts:
+                record, pieces = _parts[key]
+                _enqueue(key, record, pieces)
+
+
+def read_again() -> tuple[int, int]:
+    """Records whose bytes the checks read (or fetched) themselves so far in this process, and
+    how many bytes: a job reports what its checks cost as the difference before and after."""
+    with _lock:
+        return _read_again[0], _read_again[1]
 
 
 def _forget_in_child() -> None:
@@ -194,8 +253,10 @@ def _forget_in_child() -> None:
     afresh, or its first ``settle`` would wait for a thread that is not there."""
     global _lock, _pending, _thread
     _lock, _pending, _thread = threading.Condition(), 0, None
+    _read_again[:] = [0, 0]
     _todo.clear()
     _parts.clear()
+    _versions.clear()
     _seen.clear()
     _failures.clear()
 
@@ -208,25 +269,48 @@ def _check_all() -> None:
     while True:
         with _lock:
             _lock.wait_for(lambda: bool(_todo))
-            key, record = _todo.popleft()
+            key, record, pieces = _todo.popleft()
         try:
-            failure = _check(record)
+            failure = _check(record, pieces)
         except Exception as err:  # any: the thread must count every record done, or settle waits
             failure = f"{record.name}: cannot be read to check its CRC-32 ({err})"
         with _lock:
             if failure is not None:
                 _failures[key] = failure
+            again = record.nbytes - sum(hi - lo for lo, hi, _ in pieces)
+            _read_again[0] += again > 0
+            _read_again[1] += again
             _pending -= 1
             _lock.notify_all()
 
 
-def _check(record: Record) -> str | None:
-    with open(record.path, "rb") as f:
-        fd = f.fileno()
-        if os.fstat(fd).st_size < record.offset + record.nbytes:
-            return f"{record.name}: the file ends inside the record; it is truncated"
-        value = _crc_of(fd, record.offset, record.nbytes)
+def _check(record: Record, pieces: list[Piece]) -> str | None:
+    """The record's CRC-32 from the pieces seen and the bytes between them, read now."""
+    gaps, at = [], 0
+    for lo, hi, _ in [*pieces, (record.nbytes, record.nbytes, 0)]:
+        if lo > at:
+            gaps.append((at, lo, 0))
+        at = max(at, hi)
+    if record.fetch is not None:
+        gaps = [(lo, hi, _fetched_crc(record.fetch, lo, hi)) for lo, hi, _ in gaps]
+    elif gaps:
+        with open(record.path, "rb") as f:
+            fd = f.fileno()
+            if os.fstat(fd).st_size < record.offset + record.nbytes:
+                return f"{record.name}: the file ends inside the record; it is truncated"
+            gaps = [(lo, hi, _crc_of(fd, record.offset + lo, hi - lo)) for lo, hi, _ in gaps]
+    value = next((crc for _, _, crc in _joined(sorted(pieces + gaps))), 0)
     return _failure(record) if value != record.crc else None
+
+
+def _fetched_crc(fetch: Callable[[int, int], bytes], start: int, end: int) -> int:
+    value = 0
+    for at in range(start, end, WINDOW):
+        data = fetch(at, min(WINDOW, end - at))
+        if len(data) != min(WINDOW, end - at):
+            raise OSError("the object ends inside the record; it is truncated")
+        value = crc32(data, value)
+    return value
 
 
 def _failure(record: Record) -> str:

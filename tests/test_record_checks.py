@@ -20,11 +20,17 @@ def _record(path: Path, payload: bytes, at: int = 100) -> record_checks.Record:
 
 
 @pytest.fixture
-def whole_checks(monkeypatch: pytest.MonkeyPatch) -> list[record_checks.Record]:
-    """The records the checking thread reads whole, in order (each still checked)."""
-    checked: list[record_checks.Record] = []
+def rereads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[record_checks.Record, int]]:
+    """The records the checking thread checks by reading bytes no part held, in order, with
+    how many bytes it reads (each still checked)."""
+    checked: list[tuple[record_checks.Record, int]] = []
     real = record_checks._check
-    monkeypatch.setattr(record_checks, "_check", lambda r: checked.append(r) or real(r))
+
+    def spy(record: record_checks.Record, pieces: list) -> str | None:
+        checked.append((record, record.nbytes - sum(hi - lo for lo, hi, _ in pieces)))
+        return real(record, pieces)
+
+    monkeypatch.setattr(record_checks, "_check", spy)
     return checked
 
 
@@ -75,7 +81,7 @@ def test_a_record_larger_than_a_window_is_checked_across_windows(
 
 
 def test_parts_read_in_order_are_checked_as_they_pass_without_a_second_read(
-    tmp_path: Path, whole_checks: list[record_checks.Record]
+    tmp_path: Path, rereads: list[tuple[record_checks.Record, int]]
 ) -> None:
     payload = os.urandom(1 << 20)
     path = tmp_path / "bands.pt"
@@ -84,7 +90,7 @@ def test_parts_read_in_order_are_checked_as_they_pass_without_a_second_read(
         lo = max(0, start - 1000)
         record_checks.saw(record, lo, payload[lo : start + 300_000])
     record_checks.settle([str(path)])
-    assert whole_checks == []
+    assert rereads == []
     # the same record corrupt, read in order: fails with no whole check either
     raw = bytearray(path.read_bytes())
     raw[record.offset + 5] ^= 0x01
@@ -95,11 +101,11 @@ def test_parts_read_in_order_are_checked_as_they_pass_without_a_second_read(
         record_checks.saw(record, start, corrupt[start : start + 300_000])
     with pytest.raises(CheckpointError, match="fails its CRC-32 check"):
         record_checks.settle([str(path)])
-    assert whole_checks == []
+    assert rereads == []
 
 
 def test_parts_in_any_order_overlapping_are_joined_without_a_second_read(
-    tmp_path: Path, whole_checks: list[record_checks.Record]
+    tmp_path: Path, rereads: list[tuple[record_checks.Record, int]]
 ) -> None:
     """Column halves of a row-major record, read band by band by two files: each part is the
     bytes from its first element to its last, so each overlaps the other half's."""
@@ -115,12 +121,12 @@ def test_parts_in_any_order_overlapping_are_joined_without_a_second_read(
     for start, end in reversed(parts):  # the last band of the right half first
         record_checks.saw(record, start, payload[start:end])
     record_checks.settle([str(path)])
-    assert whole_checks == []
+    assert rereads == []
 
 
 @pytest.mark.parametrize("order", ["gap", "unfinished"])
-def test_parts_that_do_not_cover_the_record_get_a_whole_check(
-    tmp_path: Path, whole_checks: list[record_checks.Record], order: str
+def test_parts_that_do_not_cover_the_record_are_checked_with_the_bytes_between(
+    tmp_path: Path, rereads: list[tuple[record_checks.Record, int]], order: str
 ) -> None:
     payload = os.urandom(1 << 20)
     path = tmp_path / f"{order}.pt"
@@ -135,7 +141,8 @@ def test_parts_that_do_not_cover_the_record_get_a_whole_check(
         record_checks.saw(record, 0, payload[: len(payload) // 2])
     with pytest.raises(CheckpointError, match="fails its CRC-32 check"):
         record_checks.settle([str(path)])
-    assert whole_checks == [record]
+    # only the bytes no read passed are read again
+    assert rereads == [(record, 10 if order == "gap" else len(payload) // 2)]
 
 
 def test_crc32_combine_joins_as_zlib_computes_the_whole() -> None:
@@ -148,7 +155,7 @@ def test_crc32_combine_joins_as_zlib_computes_the_whole() -> None:
 
 
 def test_parts_whose_crc_the_writer_has_need_no_pass_and_overlaps_fall_back(
-    tmp_path: Path, whole_checks: list[record_checks.Record]
+    tmp_path: Path, rereads: list[tuple[record_checks.Record, int]]
 ) -> None:
     payload = os.urandom(1 << 20)
     path = tmp_path / "runs.pt"
@@ -157,19 +164,20 @@ def test_parts_whose_crc_the_writer_has_need_no_pass_and_overlaps_fall_back(
     record_checks.saw_piece(record, half, half, zlib.crc32(payload[half:]))
     record_checks.saw(record, 0, payload[: half + 100])  # a band reaching into the run
     record_checks.settle([str(path)])
-    assert whole_checks == []
+    assert rereads == []
     # a wrong CRC-32 for a part (the bytes changed under the writer) fails the record
     os.utime(path, ns=(3, 3))
     record_checks.saw_piece(record, 0, half, zlib.crc32(payload[:half]) ^ 1)
     record_checks.saw_piece(record, half, half, zlib.crc32(payload[half:]))
     with pytest.raises(CheckpointError, match="fails its CRC-32 check"):
         record_checks.settle([str(path)])
-    # parts that overlap cannot be joined: the record is checked whole (and is intact)
+    # parts that overlap cannot be joined: the record is checked from the first and the
+    # bytes past it, read again (and is intact)
     os.utime(path, ns=(4, 4))
     record_checks.saw_piece(record, 0, half + 8, zlib.crc32(payload[: half + 8]))
     record_checks.saw_piece(record, half, half, zlib.crc32(payload[half:]))
     record_checks.settle([str(path)])
-    assert whole_checks == [record]
+    assert rereads == [(record, half - 8)]
 
 
 def test_a_forked_child_checks_records_with_its_own_thread(tmp_path: Path) -> None:
@@ -187,3 +195,36 @@ def test_a_forked_child_checks_records_with_its_own_thread(tmp_path: Path) -> No
         os._exit(0)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_records_of_objects_fetch_only_the_bytes_no_read_passed(
+    rereads: list[tuple[record_checks.Record, int]],
+) -> None:
+    """An object in a store (no local file): its record is known by URL and version, and the
+    bytes the job did not read are fetched by range for the check."""
+    payload = os.urandom(1 << 20)
+    fetched: list[tuple[int, int]] = []
+    stored = {"v1": payload, "v2": payload[:-5] + bytes([payload[-5] ^ 1]) + payload[-4:]}
+
+    def record(version: str) -> record_checks.Record:
+        def fetch(at: int, nbytes: int) -> bytes:
+            fetched.append((at, nbytes))
+            return stored[version][at : at + nbytes]
+
+        name = f"s3://b/ck/x.pt ({version}): r"
+        crc = zlib.crc32(payload)
+        return record_checks.Record("s3://b/ck/x.pt", 4096, len(payload), crc, name, fetch, version)
+
+    half = len(payload) // 2
+    record_checks.saw(record("v1"), 0, payload[:half])
+    record_checks.settle(["s3://b/other.pt"])  # another object's job leaves it be
+    assert rereads == []
+    record_checks.settle(["s3://b/ck/x.pt"])
+    assert fetched == [(half, half)] and [n for _, n in rereads] == [half]
+    # the same URL at another version is another object: its corrupt tail is fetched and fails
+    record_checks.saw(record("v2"), 0, payload[:half])
+    with pytest.raises(CheckpointError, match=r"\(v2\): r fails its CRC-32 check"):
+        record_checks.settle(["s3://b/ck/x.pt"])
+    # mended (the first version again): a job reading it now is not failed by the old one
+    record_checks.saw(record("v1"), half, payload[half:])
+    record_checks.settle(["s3://b/ck/x.pt"])

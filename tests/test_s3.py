@@ -151,7 +151,8 @@ def test_reads_fetch_only_the_byte_ranges_the_plan_needs(
     plan = cli.json("consolidate", f"{bucket}/src", tmp_path / "hf", "--dry-run")
     needed = _bytes_by_source_file(plan)
     proxy.reset()
-    cli("--endpoint-url", proxy.url, "consolidate", f"{bucket}/src", tmp_path / "hf")
+    done = cli.json("--endpoint-url", proxy.url, "consolidate", f"{bucket}/src", tmp_path / "hf")
+    checks = done["read_for_record_checks"]
 
     fetched: dict[str, int] = {}
     for r in proxy.gets("lake/src/"):
@@ -163,9 +164,13 @@ def test_reads_fetch_only_the_byte_ranges_the_plan_needs(
     for path, size in sizes.items():
         want = needed.get(path, 0)
         got = fetched.get(path, 0)
-        assert want <= got <= want + METADATA_ALLOWANCE, (path, want, got, size)
+        assert want <= got <= want + METADATA_ALLOWANCE + checks["bytes"]
         assert got < size / 2, "the Adam state was fetched although HF needs weights only"
     assert sum(needed.values()) == plan["estimates"]["bytes_read"]
+    # The padded vocabulary rows of the last TP rank's embedding are not needed, but fetched
+    # once to check that record's CRC-32 (the rest of each record the job reads passes anyway).
+    extra = sum(fetched.values()) - sum(needed.values())
+    assert 0 < checks["bytes"] <= extra <= checks["bytes"] + METADATA_ALLOWANCE * len(sizes)
     # Requests: the plan's ranged reads, plus per file the zip end records, directory and
     # pickle (zipfile reads the end in up to four small pieces), plus a 30-byte local-header
     # read for a record whose first read starts inside it (else the header rides along).
@@ -177,7 +182,8 @@ def test_reads_fetch_only_the_byte_ranges_the_plan_needs(
     records = sum(
         sum("/data/" in n for n in zipfile.ZipFile(wide_ckpt / path).namelist()) for path in sizes
     )
-    assert gets <= plan["estimates"]["read_requests"] + 6 * len(sizes) + headers
+    allowed = plan["estimates"]["read_requests"] + 6 * len(sizes) + headers + checks["records"]
+    assert gets <= allowed
     assert headers <= records // 5, "local headers were fetched one request each"
 
 
@@ -319,7 +325,7 @@ def test_torch_dist_on_s3_reads_records_by_range(
     _upload(tmp_path / "td", f"{bucket}/td")
     plan = cli.json("consolidate", f"{bucket}/td", tmp_path / "hf", "--dry-run")
     proxy.reset()
-    cli("--endpoint-url", proxy.url, "consolidate", f"{bucket}/td", tmp_path / "hf")
+    done = cli.json("--endpoint-url", proxy.url, "consolidate", f"{bucket}/td", tmp_path / "hf")
     gets = proxy.gets("lake/td/")
     assert all(r.range is not None for r in gets if r.key.endswith(".distcp"))
     fetched = sum(r.sent for r in gets if r.key.endswith(".distcp"))
@@ -331,7 +337,8 @@ def test_torch_dist_on_s3_reads_records_by_range(
     }
     needed = plan["estimates"]["bytes_read"]
     total = sum(p.stat().st_size for p in (tmp_path / "td").rglob("*.distcp"))
-    assert needed <= fetched <= needed + len(records) * 2 * (16 << 10)
+    checked = done["read_for_record_checks"]["bytes"]  # the padded vocabulary rows
+    assert needed <= fetched <= needed + len(records) * 2 * (16 << 10) + checked
     assert fetched < total / 2, "optimizer records were fetched for a weights-only target"
     report = cli.json("verify", tmp_path / "hf", "--against", wide_ckpt)
     assert report["ok"]
@@ -472,3 +479,34 @@ def test_quantizing_in_the_lake(bucket: str, local_ckpt: Path, tmp_path: Path, c
         with zipfile.ZipFile(path) as zf:
             assert zf.testzip() is None, path
     assert cli.json("verify", tmp_path / "back")["ok"]
+
+
+def test_a_reshard_from_the_lake_refuses_a_corrupt_record_it_reads_only_part_of(
+    bucket: str, tmp_path: Path, cli
+) -> None:
+    """Each TP2 rank reads half the columns of the row-parallel weight: neither read can check
+    the record, so the halves' CRC-32s are joined as they pass, and the job fails before
+    anything is marked complete. On an intact copy only the rows no file needs are fetched
+    for the checks: TP1's vocabulary padding of the embedding and output layer, and of their
+    two Adam moments (six records)."""
+    from tests.test_first_run import _record_span
+
+    config = synth.tiny_llama_config(num_layers=1)
+    model = synth.make_model(config, seed=2)
+    ck = tmp_path / "tp1"
+    synth.write_megatron(model, synth.adam_step(model, seed=2), ck, tp=1, pp=1)
+    _upload(ck, f"{bucket}/intact")
+    done = cli.json("reshard", f"{bucket}/intact", tmp_path / "ok", "--tp", "2")
+    padding = synth.padded_vocab_size(config.vocab_size, 1) - config.vocab_size
+    row = config.hidden_size * 4  # float32
+    assert done["read_for_record_checks"] == {"records": 6, "bytes": 6 * padding * row}
+    path = ck / "iter_0000001/mp_rank_00/model_optim_rng.pt"
+    start, end = _record_span(path, "decoder.layers.0.self_attention.linear_proj.weight")
+    raw = bytearray(path.read_bytes())
+    raw[(start + end) // 2] ^= 0x10
+    path.write_bytes(bytes(raw))
+    _upload(ck, f"{bucket}/corrupt")
+    result = cli("reshard", f"{bucket}/corrupt", tmp_path / "out", "--tp", "2", code=3)
+    (line,) = [x for x in result.stderr.splitlines() if x.startswith("error:")]
+    assert "fails its CRC-32 check" in line and "s3://lake/corrupt/iter_0000001" in line, line
+    assert not (tmp_path / "out/ckptctl.manifest.json").exists()

@@ -103,6 +103,10 @@ def report_dict(plan: Plan, report: Report) -> dict[str, Any]:
         "files": report.files_written,
         "bytes_read": report.bytes_read,
         "read_requests": report.read_requests,
+        "read_for_record_checks": {
+            "records": report.read_for_checks[0],
+            "bytes": report.read_for_checks[1],
+        },
         "strategy": plan.strategy,
         "estimates": plan.estimates.model_dump(mode="json"),
         "bytes_written": report.bytes_written,

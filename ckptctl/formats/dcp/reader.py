@@ -101,8 +101,11 @@ class DcpCheckpoint:
                     raise CheckpointError(f"{self.storage.url}: no record for {fqn} at {offsets}")
                 sizes = next(c.sizes for c in entry.chunks if c.offsets == offsets)
                 window, fetch, where = self._source(fqn, info)
-                place = (join(self.base, info.relative_path), info.offset)
-                reader = open_record(window, info, where, fetch, place)
+                rel = join(self.base, info.relative_path)
+                stored = None
+                if not self.storage.is_local:  # records read in parts are checked too
+                    stored = (self.storage.describe(rel), partial(self.storage.identity, rel))
+                reader = open_record(window, info, where, fetch, (rel, info.offset), stored)
                 self._records[key] = (reader, tensor_of(reader, entry.dtype, sizes, where))
             return self._records[key]
 

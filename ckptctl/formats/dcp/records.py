@@ -107,16 +107,17 @@ def open_record(
     where: str,
     fetch: Fetch | None = None,
     place: tuple[str, int] | None = None,
+    stored: tuple[str, Callable[[], str]] | None = None,
 ) -> TorchZipReader:
     """A lazy reader of one record; ``window`` shows exactly its bytes (a ``RecordWindow`` or a
     ``RemoteRecord``), ``fetch`` reads them by range; ``place``: the file holding the record
-    and the record's offset in it."""
+    and the record's offset in it; ``stored``: an object's URL and version (``TorchZipReader``)."""
     if info.transform_descriptors:
         raise CheckpointError(
             f"{where}: record uses stream transform(s) {list(info.transform_descriptors)} "
             "that ckptctl cannot undo"
         )
-    return TorchZipReader(window, where, fetch, place)
+    return TorchZipReader(window, where, fetch, place, stored)
 
 
 def tensor_of(reader: TorchZipReader, dtype: str, sizes: Shape, where: str) -> TensorRef:

@@ -54,12 +54,15 @@ class TorchZipReader:
         where: str,
         fetch: Callable[[int, int], bytes] | None = None,
         place: tuple[str, int] | None = None,
+        stored: tuple[str, Callable[[], str]] | None = None,
     ) -> None:
         """``fetch(start, nbytes)``, if given, reads tensor bytes by exact range, thread-safely
         and without read-ahead (remote stores: one ranged GET per read, several in flight);
         ``fileobj`` then serves only the zip directory and the pickle. ``place``: the file
         holding the archive (relative to its checkpoint's root) and the archive's offset in it,
-        so ``span`` can say where a box's bytes lie."""
+        so ``span`` can say where a box's bytes lie. ``stored``: for an object in a store, its
+        URL and what the store says of its content (asked when a record is first read in
+        part), so records read in parts are checked (``record_checks``)."""
         self._f = fileobj
         plain = isinstance(fileobj, io.BufferedReader) and isinstance(fileobj.raw, io.FileIO)
         self._fd = fileobj.fileno() if plain else None
@@ -71,6 +74,8 @@ class TorchZipReader:
         of records read in parts (``record_checks``)."""
         self._fetch = fetch
         self.place = place
+        self._stored = stored
+        self._version: str | None = None
         self.where = where
         try:
             self._zip = zipfile.ZipFile(fileobj)
@@ -172,13 +177,27 @@ class TorchZipReader:
             record_checks.saw(record, first, data)
 
     def _whole_record(self, key: str) -> record_checks.Record | None:
-        """Record ``key`` of a local file, to be checked whole (``record_checks``) where it is
-        read in parts; ``None`` elsewhere."""
-        if self._path is None:
-            return None
+        """Record ``key``, to be checked whole (``record_checks``) where it is read in parts;
+        ``None`` where the reader was not told its file or object."""
         start, size = self._data_offsets[key]
         name = f"{self.where}: storage record {key}"
-        return record_checks.Record(self._path, self._base + start, size, self._crcs[key], name)
+        if self._path is not None:
+            return record_checks.Record(self._path, self._base + start, size, self._crcs[key], name)
+        if self._stored is None or self._fetch is None:
+            return None
+        url, version = self._stored
+        if self._version is None:
+            self._version = version()
+        fetch = self._fetch
+        return record_checks.Record(
+            url,
+            (self.place[1] if self.place else 0) + start,
+            size,
+            self._crcs[key],
+            name,
+            fetch=lambda at, nbytes: fetch(start + at, nbytes),
+            version=self._version,
+        )
 
     def read(
         self,

@@ -96,8 +96,11 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 def open_torch_file(storage: Storage, rel: str) -> TorchZipReader:
     """A lazy reader of one ``torch.save`` file; on remote stores its tensor bytes are fetched
     by exact byte range, in parallel when the executor asks for several."""
-    fetch = None if storage.is_local else partial(storage.read_range, rel)
-    return TorchZipReader(storage.open_read(rel), storage.describe(rel), fetch, (rel, 0))
+    fetch = stored = None
+    if not storage.is_local:
+        fetch = partial(storage.read_range, rel)
+        stored = (storage.describe(rel), partial(storage.identity, rel))
+    return TorchZipReader(storage.open_read(rel), storage.describe(rel), fetch, (rel, 0), stored)
 
 
 @dataclass
