@@ -12,6 +12,9 @@ object.
 A writer calls ``settle`` with its source files before it marks a file finished (and a
 training-loop load before it returns): it waits for the checks asked so far and raises the
 first failure among those files, so a corrupt source never yields a file marked complete.
+The files written beside it usually read the rest of the records it read in part (the other
+half of each row), so a writer leaves those (``leave_parts``) and marks the file once they
+are ``checked``, or reads what no file did (``check_now``) after a few more files.
 Failures are kept (a file unchanged since is not checked again, and a second job reading it
 must fail too); reads outside a job (a reader used on its own) ask as well, and their
 failures reach only a job that reads the same file.
