@@ -512,7 +512,9 @@ def test_formats_lists_what_is_read_and_written(cli) -> None:
     assert "megatron" in cli("formats").stdout
 
 
-def test_shell_completion_and_closed_choices_in_help(cli) -> None:
+def test_shell_completion_and_closed_choices_in_help(cli, monkeypatch) -> None:
+    # The shell is named, not detected from the processes above pytest (there may be none).
+    monkeypatch.setenv("_TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION", "1")
     assert "complete" in cli("--show-completion", "bash").stdout.lower()
     from ckptctl.cli.main import app
 
