@@ -302,15 +302,20 @@ class _Marks:
     def __init__(self, log: RunLog, patience: int) -> None:
         self.log = log
         self.patience = patience
-        self._waiting: list[tuple[set[Any], Callable[[], None], list[int]]] = []
+        self._finished = 0
+        """Files finished so far."""
+        self._waiting: list[tuple[set[Any], Callable[[], None], int]] = []
+        """Each file's records read in parts, its mark, and by how many finished files its
+        records are read for the check."""
         self._lock = threading.Lock()
 
     def add(self, keys: set[Any], mark: Callable[[], None]) -> None:
         with self._lock:
-            for _, _, left in self._waiting:
-                left[0] -= 1
-            self._waiting.append((keys, mark, [self.patience]))
-            due = [w for w in self._waiting if w[2][0] <= 0 or record_checks.checked(w[0])]
+            self._finished += 1
+            self._waiting.append((keys, mark, self._finished + self.patience))
+            due = [
+                w for w in self._waiting if w[2] <= self._finished or record_checks.checked(w[0])
+            ]
             self._waiting = [w for w in self._waiting if w not in due]
         for keys_due, mark_due, _ in due:
             record_checks.check_now(keys_due)

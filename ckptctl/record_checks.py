@@ -289,19 +289,21 @@ def _check_all() -> None:
 
 def _check(record: Record, pieces: list[Piece]) -> str | None:
     """The record's CRC-32 from the pieces seen and the bytes between them, read now."""
-    gaps, at = [], 0
+    between, at = [], 0
     for lo, hi, _ in [*pieces, (record.nbytes, record.nbytes, 0)]:
         if lo > at:
-            gaps.append((at, lo, 0))
+            between.append((at, lo))
         at = max(at, hi)
     if record.fetch is not None:
-        gaps = [(lo, hi, _fetched_crc(record.fetch, lo, hi)) for lo, hi, _ in gaps]
-    elif gaps:
+        gaps = [(lo, hi, _fetched_crc(record.fetch, lo, hi)) for lo, hi in between]
+    elif between:
         with open(record.path, "rb") as f:
             fd = f.fileno()
             if os.fstat(fd).st_size < record.offset + record.nbytes:
                 return f"{record.name}: the file ends inside the record; it is truncated"
-            gaps = [(lo, hi, _crc_of(fd, record.offset + lo, hi - lo)) for lo, hi, _ in gaps]
+            gaps = [(lo, hi, _crc_of(fd, record.offset + lo, hi - lo)) for lo, hi in between]
+    else:
+        gaps = []
     value = next((crc for _, _, crc in _joined(sorted(pieces + gaps))), 0)
     return _failure(record) if value != record.crc else None
 

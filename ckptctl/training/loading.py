@@ -205,7 +205,8 @@ def _from_storage(
     by_file = _fill(decision, tensors, {"sharded": sharded.read, FULL: _reader(fallback)})
     # A rank reads its part of records stored whole (a full file's tensors, another world
     # size's shards): those are checked against their CRC-32s whole, and a corrupt one fails
-    # the load, naming the record.
+    # the load, naming the record. Local files only: on an object store each rank would fetch
+    # the other ranks' parts of every record it touched.
     local = []
     if sharded.storage.is_local:
         local += [sharded.storage.path(f) for s, f in decision.files if s != FULL]
