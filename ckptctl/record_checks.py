@@ -30,6 +30,7 @@ import contextlib
 import mmap
 import os
 import threading
+import zlib
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -200,15 +201,7 @@ def settle(paths: Iterable[str], *, leave_parts: bool = False) -> set[Key]:
     read passed, read now; with ``leave_parts``, such records are left for the job's other
     files to read on (reading their bytes now would read them twice) and returned:
     ``checked`` says when they are done, ``check_now`` reads what no file did."""
-    files: set[FileKey] = set()
-    for path in paths:
-        if "://" in path:
-            if path in _versions:
-                files.add((path, _versions[path]))
-            continue
-        with contextlib.suppress(OSError):
-            st = os.stat(path)
-            files.add((st.st_dev, st.st_ino, st.st_mtime_ns))
+    files = _file_keys(paths)
     with _lock:
         waiting = {key for key in _parts if key[0] in files}
         if not leave_parts:
@@ -219,6 +212,102 @@ def settle(paths: Iterable[str], *, leave_parts: bool = False) -> set[Key]:
     if failures:
         raise CheckpointError(failures[0])
     return waiting
+
+
+def _file_keys(paths: Iterable[str]) -> set[FileKey]:
+    files: set[FileKey] = set()
+    for path in paths:
+        if "://" in path:
+            if path in _versions:
+                files.add((path, _versions[path]))
+            continue
+        with contextlib.suppress(OSError):
+            st = os.stat(path)
+            files.add((st.st_dev, st.st_ino, st.st_mtime_ns))
+    return files
+
+
+Identity = tuple[str, str, int, int, int]
+"""A record as every rank names it: path or URL, version, offset, size, CRC-32 (a local file's
+device and inode are not comparable across nodes)."""
+
+
+def settle_across(
+    paths: Iterable[str],
+    gather: Callable[[Any], list[Any]],
+    rank: int,
+    failure: str | None = None,
+) -> list[str | None]:
+    """``settle`` for ranks that each read parts of the same records (a load on another number
+    of ranks: each reads the rows of its box). Every rank calls it; ``gather(obj)`` returns
+    every rank's ``obj`` in rank order. The ranks' parts are pooled, so a record is checked
+    from the CRC-32s of the parts all ranks read, and the bytes no rank read are read (or
+    fetched) by one rank that holds the record, not by each: a rank never reads another's
+    share. ``failure`` is this rank's own (a load that failed before its checks), shared so
+    that no rank waits for it. Returns every rank's first failure, in rank order."""
+    files = _file_keys(paths)
+    with _lock:
+        _lock.wait_for(lambda: _pending == 0)
+        if failure is None:
+            failure = next((text for key, text in _failures.items() if key[0] in files), None)
+        mine = {key: _parts.pop(key) for key in [key for key in _parts if key[0] in files]}
+        _seen.update(mine)
+    everyone = gather((failure, [(_identity(r), pieces) for r, pieces in mine.values()]))
+    failures = [text for text, _ in everyone]
+    if any(failures):  # the load fails on every rank; its records are left to a later read
+        with _lock:
+            _seen.difference_update(mine)
+        return failures
+    return gather(_check_pooled(mine, [shared for _, shared in everyone], rank))
+
+
+def _identity(record: Record) -> Identity:
+    return record.path, record.version, record.offset, record.nbytes, record.crc
+
+
+def _check_pooled(
+    mine: dict[Key, tuple[Record, list[Piece]]],
+    everyone: list[list[tuple[Identity, list[Piece]]]],
+    rank: int,
+) -> str | None:
+    """Check the pooled records this rank is to check (one holder of each, spread by a hash
+    of the record); the first failure."""
+    pooled: dict[Identity, tuple[list[int], list[Piece]]] = {}
+    for holder, shared in enumerate(everyone):
+        for identity, pieces in shared:
+            holders, parts = pooled.setdefault(identity, ([], []))
+            holders.append(holder)
+            parts += pieces
+    own = {_identity(record): (key, record) for key, (record, _) in mine.items()}
+    first = None
+    for identity, (holders, parts) in sorted(pooled.items()):
+        if holders[zlib.crc32(repr(identity).encode()) % len(holders)] != rank:
+            continue
+        key, record = own[identity]
+        pieces = _disjoint(parts)
+        try:
+            failure = _check(record, pieces)
+        except Exception as err:  # any: a failure to check is a failure, named
+            failure = f"{record.name}: cannot be read to check its CRC-32 ({err})"
+        with _lock:
+            again = record.nbytes - sum(hi - lo for lo, hi, _ in pieces)
+            _read_again[0] += again > 0
+            _read_again[1] += again
+            if failure is not None:
+                _failures[key] = failure
+        first = first or failure
+    return first
+
+
+def _disjoint(pieces: list[Piece]) -> list[Piece]:
+    """Pieces that do not overlap, in order: ranks that read the same bytes (replicas) give
+    the same piece twice, which counts once; a piece overlapping a kept one is dropped (its
+    bytes beyond are then read for the check)."""
+    out: list[Piece] = []
+    for piece in sorted(pieces, key=lambda p: (p[0], -p[1])):
+        if not out or piece[0] >= out[-1][1]:
+            out.append(piece)
+    return out
 
 
 def checked(keys: Iterable[Key]) -> bool:

@@ -228,3 +228,78 @@ def test_records_of_objects_fetch_only_the_bytes_no_read_passed(
     # mended (the first version again): a job reading it now is not failed by the old one
     record_checks.saw(record("v1"), half, payload[half:])
     record_checks.settle(["s3://b/ck/x.pt"])
+
+
+def _rank(rank: int, world: int, record: record_checks.Record, parts: list, boxes: list) -> None:
+    """One rank of a load: it reads its part of the record from the file, then the ranks
+    check together over ``boxes`` (one queue per rank, every message tagged with its round)."""
+    import contextlib
+
+    rounds = iter(range(10))
+    early: dict[int, list] = {}
+
+    def gather(obj: object) -> list:
+        n = next(rounds)
+        for box in boxes[:world]:
+            box.put((n, rank, obj))
+        got = early.pop(n, [])
+        while len(got) < world:
+            m, sender, value = boxes[rank].get(timeout=60)
+            if m == n:
+                got.append((sender, value))
+            else:
+                early.setdefault(m, []).append((sender, value))
+        return [value for _, value in sorted(got, key=lambda sv: sv[0])]
+
+    start, end, failure = parts[rank]
+    with open(record.path, "rb") as f:
+        f.seek(record.offset + start)
+        record_checks.saw(record, start, f.read(end - start))
+    out: object
+    with contextlib.suppress(Exception):
+        out = "crashed"
+        failures = record_checks.settle_across([record.path], gather, rank, failure)
+        out = (failures, record_checks.read_again())
+    boxes[world].put((rank, out))
+
+
+@pytest.mark.parametrize("case", ["intact", "corrupt", "a rank failed"])
+def test_ranks_check_the_records_they_read_in_parts_together(tmp_path: Path, case: str) -> None:
+    """Three processes each read a third of one record (the last bytes read by none), as the
+    ranks of a load on another number of ranks do: the record is checked from their parts,
+    the bytes no rank read are read by one rank only, and a corrupt byte, or one rank's
+    failure, fails every rank."""
+    import multiprocessing
+
+    payload = os.urandom(3 << 20)
+    path = tmp_path / "shard.distcp"
+    record = _record(path, payload)
+    if case == "corrupt":  # in the second rank's third
+        raw = bytearray(path.read_bytes())
+        raw[record.offset + len(payload) // 2] ^= 0x20
+        path.write_bytes(bytes(raw))
+    third = len(payload) // 3
+    parts = [(0, third, None), (third, 2 * third, None), (2 * third, len(payload) - 10, None)]
+    if case == "a rank failed":
+        parts[2] = (2 * third, len(payload) - 10, "rank 2's own failure")
+    context = multiprocessing.get_context("fork")
+    boxes = [context.Queue() for _ in range(4)]
+    ranks = [context.Process(target=_rank, args=(r, 3, record, parts, boxes)) for r in range(3)]
+    for process in ranks:
+        process.start()
+    results = dict(boxes[3].get(timeout=120) for _ in ranks)
+    for process in ranks:
+        process.join(timeout=60)
+    assert all(process.exitcode == 0 for process in ranks)
+    failures = [results[r][0] for r in range(3)]
+    assert failures[0] == failures[1] == failures[2]  # every rank knows every failure
+    if case == "intact":
+        assert failures[0] == [None, None, None]
+        # the 10 bytes no rank read were read once, by one rank; no rank read another's part
+        assert sorted(results[r][1] for r in range(3)) == [(0, 0), (0, 0), (1, 10)]
+    elif case == "corrupt":
+        assert sum(text is not None for text in failures[0]) == 1
+        assert "shard.distcp: r fails its CRC-32 check" in next(t for t in failures[0] if t)
+    else:
+        assert failures[0] == [None, None, "rank 2's own failure"]
+        assert all(results[r][1] == (0, 0) for r in range(3))  # nothing checked: it failed

@@ -203,6 +203,10 @@ def test_resuming_on_another_number_of_ranks_matches_torchs_own_load(trained: Pa
     assert ours["state"] == torchs["state"]
     assert ours["losses"] == torchs["losses"]
     assert {d["strategy"] for d in ours["decisions"]} == {"reshard"}
+    # The records each rank read half of are checked from the parts the ranks read together:
+    # no rank reads another's half for it.
+    read = [d["read_for_record_checks"] for d in ours["decisions"]]
+    assert read == [{"records": 0, "bytes": 0}] * 4
 
     # Each of the four ranks reads half of a record the two saved: a flipped byte in one
     # fails the load, naming the record (no read of a part can check it).

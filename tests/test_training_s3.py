@@ -138,3 +138,55 @@ def test_two_ranks_stream_their_files_to_s3_at_once(
     assert start_b < end_a and start_a < end_b, f"the files went up one after the other: {spans}"
     last = sorted(writes, key=lambda r: r.arrived)[-2:]
     assert [r.key.rsplit("/", 1)[-1] for r in last] == [".metadata", "ckptctl.manifest.json"]
+
+
+def test_ranks_loading_halves_of_a_record_from_s3_check_it_together(
+    bucket: str,  # noqa: F811
+    proxy: S3Proxy,  # noqa: F811
+    tmp_path,
+) -> None:
+    """A tensor saved whole, loaded by two ranks each taking half of its rows: the record is
+    checked from the two halves the ranks fetched (nothing is fetched twice), and a flipped
+    byte in it fails the load on both ranks, naming the record, where it loaded silently."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import boto3
+
+    torch.manual_seed(0)
+    w = torch.randn(1 << 10, 1 << 10)
+    saver = Checkpointer(storage=StorageConfig(endpoint_url=proxy.url))
+    for name in ("intact", "corrupt"):
+        saver.save({"w": w}, checkpoint_id=f"{bucket}/{name}/step_1")
+    client = boto3.client("s3", endpoint_url=proxy.url)
+    key = "corrupt/step_1/__0_0.distcp"
+    raw = bytearray(client.get_object(Bucket="lake", Key=key)["Body"].read())
+    at = raw.index(w[768].numpy().tobytes()[:64])  # in the second rank's half
+    raw[at + 5] ^= 0x08
+    client.put_object(Bucket="lake", Key=key, Body=bytes(raw))
+
+    proxy.reset()
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(Path(__file__).parent / "training" / "s3_load_parts.py"), str(tmp_path),
+         f"{bucket}/intact/step_1", f"{bucket}/corrupt/step_1"],
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, "AWS_ENDPOINT_URL": proxy.url},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    (intact_0, corrupt_0), (intact_1, corrupt_1) = (
+        json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in range(2)
+    )
+    assert intact_0.get("strategy") == intact_1.get("strategy") == "reshard", intact_0
+    assert intact_0["rows"] == w[0, :4].tolist() and intact_1["rows"] == w[512, :4].tolist()
+    nothing = {"records": 0, "bytes": 0}
+    assert intact_0["read_for_record_checks"] == intact_1["read_for_record_checks"] == nothing
+    fetched = sum(r.sent for r in proxy.gets("lake/intact/step_1/__0_0.distcp"))
+    assert fetched < 1.05 * w.numel() * 4, "a rank fetched the other's half to check it"
+
+    errors = [corrupt_0.get("error", ""), corrupt_1.get("error", "")]
+    assert all("fails its CRC-32 check" in e for e in errors), errors
+    assert any("failed to load" in e for e in errors), errors

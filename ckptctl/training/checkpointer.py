@@ -232,18 +232,23 @@ class Checkpointer:
     ) -> Any:
         """Fill ``state_dict`` (a template: its tensors' shapes and placements say what this
         rank needs) in place from ``checkpoint_id``; ``full`` names a full checkpoint of the
-        same step to cut boxes from when files of the sharded one are lost."""
+        same step to cut boxes from when files of the sharded one are lost. Every rank calls
+        it (as ``torch.distributed.checkpoint.load``): the ranks check the records they read
+        in parts together, and fail together."""
         from ckptctl.training.loading import load_into
 
         self.wait()
         name = str(checkpoint_id)
         memory = self.memory if self.memory and self.memory.checkpoint_id == name else None
+        coordinator = self.coordinator()
         return load_into(
             state_dict,
             self._where(name),
             self.storage_config,
             full=full,
             memory=memory.staged if memory else None,
+            gather=coordinator.gather,
+            rank=coordinator.rank,
         )
 
     def _where(self, name: str) -> str:

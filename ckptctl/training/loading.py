@@ -9,6 +9,7 @@ lays them out as the tensor does (one read, no intermediate copy).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import posixpath
@@ -57,6 +58,9 @@ class LoadReport:
     bytes_read: int = 0
     bytes_by_file: dict[str, int] = field(default_factory=dict)
     """Bytes read from each file (tensor records; values are small and not counted)."""
+    read_for_record_checks: dict[str, int] = field(default_factory=dict)
+    """Records this rank read bytes of for their CRC-32 checks, and those bytes: the bytes no
+    rank read (``records``, ``bytes``)."""
     seconds: float = 0.0
 
 
@@ -113,7 +117,7 @@ class _TorchFile:
     torch``): each tensor is one chunk, named as DCP flattens the same nested state dict."""
 
     def __init__(self, storage: Storage, rel: str) -> None:
-        self.rel = rel
+        self.storage, self.rel = storage, rel
         self.reader = open_torch_file(storage, rel)
         leaves = flatten(self.reader.tree, tensor=TensorRef)
         self.refs = {k: v.value for k, v in leaves.items() if isinstance(v.value, TensorRef)}
@@ -165,17 +169,34 @@ def load_into(
     *,
     full: str | None = None,
     memory: Mapping[str, Staged] | None = None,
+    gather: Callable[[Any], list[Any]] = lambda obj: [obj],
+    rank: int = 0,
 ) -> LoadReport:
+    """``gather``: every rank's value in rank order (the ranks' own process group); each rank
+    calls ``load_into``, and all fail together (the records they read in parts are checked
+    together, and one rank's failure fails the others instead of leaving them waiting)."""
     start = time.perf_counter()
+    records_before, bytes_before = record_checks.read_again()
     resolved = resolve_stateful(state_dict)
     leaves = flatten(resolved)
     items = items_of(resolved)
     tensors = {k: v for k, v in items.items() if isinstance(v, TensorItem)}
     needs = [Need(k, t.dtype, t.shape, t.offsets, tuple(t.local.shape)) for k, t in tensors.items()]
-    if memory is not None and _memory_matches(needs, leaves, memory):
-        report = _from_memory(checkpoint_id, tensors, leaves, memory)
-    else:
-        report = _from_storage(checkpoint_id, config, full, needs, tensors, leaves)
+    try:
+        if memory is not None and _memory_matches(needs, leaves, memory):
+            report, checked = _from_memory(checkpoint_id, tensors, leaves, memory), []
+        else:
+            report, checked = _from_storage(checkpoint_id, config, full, needs, tensors, leaves)
+    except Exception as err:
+        with contextlib.suppress(Exception):  # the error to raise is this one, whatever else
+            record_checks.settle_across([], gather, rank, f"{type(err).__name__}: {err}")
+        raise
+    _agree(checked, gather, rank)
+    records_after, bytes_after = record_checks.read_again()
+    report.read_for_record_checks = {
+        "records": records_after - records_before,
+        "bytes": bytes_after - bytes_before,
+    }
     for key, value in list(state_dict.items()):
         if is_stateful(value):
             value.load_state_dict(resolved[key])
@@ -193,7 +214,8 @@ def _from_storage(
     needs: list[Need],
     tensors: dict[str, TensorItem],
     leaves: dict[str, Leaf],
-) -> LoadReport:
+) -> tuple[LoadReport, list[str]]:
+    """The load from files, and the files whose records it read (to be checked)."""
     sharded = _Sharded(Storage(checkpoint_id, config, read_only=True))
     stored = sharded.tensors()
     fallback = _open_full(full, config) if full and sharded.lost else None
@@ -203,16 +225,6 @@ def _from_storage(
         hint = " (pass full= a full checkpoint of the same step)" if sharded.lost else ""
         raise CheckpointError(f"{checkpoint_id}: {decision.problems[0]}{more}{hint}")
     by_file = _fill(decision, tensors, {"sharded": sharded.read, FULL: _reader(fallback)})
-    # A rank reads its part of records stored whole (a full file's tensors, another world
-    # size's shards): those are checked against their CRC-32s whole, and a corrupt one fails
-    # the load, naming the record. Local files only: on an object store each rank would fetch
-    # the other ranks' parts of every record it touched.
-    local = []
-    if sharded.storage.is_local:
-        local += [sharded.storage.path(f) for s, f in decision.files if s != FULL]
-    if isinstance(fallback, _TorchFile) and fallback.reader.local_path is not None:
-        local.append(fallback.reader.local_path)
-    record_checks.settle(local)
     for fqn, leaf in leaves.items():
         if fqn in tensors:
             continue
@@ -230,7 +242,31 @@ def _from_storage(
     report = LoadReport(checkpoint_id, decision.strategy, decision.reason, files)
     report.bytes_by_file = by_file
     report.bytes_read = sum(by_file.values())
-    return report
+    # A rank reads its part of records stored whole (a full file's tensors, another world
+    # size's shards): ``_agree`` has them checked against their CRC-32s.
+    checked = [_named(sharded.storage, f) for s, f in decision.files if s != FULL]
+    if isinstance(fallback, _TorchFile):
+        checked.append(_named(fallback.storage, fallback.rel))
+    elif fallback is not None:
+        checked += [_named(fallback.storage, f) for s, f in decision.files if s == FULL]
+    return report, checked
+
+
+def _named(storage: Storage, rel: str) -> str:
+    """A file as ``record_checks`` names it: a local path, or an object's URL."""
+    return storage.path(rel) if storage.is_local else storage.describe(rel)
+
+
+def _agree(checked: list[str], gather: Callable[[Any], list[Any]], rank: int) -> None:
+    """Check the records the ranks read in parts, together; raise the first failure of any
+    rank (this rank's own first), on every rank."""
+    failures = record_checks.settle_across(checked, gather, rank)
+    own = failures[rank]
+    if own is not None:
+        raise CheckpointError(own)
+    other = next(((r, text) for r, text in enumerate(failures) if text is not None), None)
+    if other is not None:
+        raise CheckpointError(f"rank {other[0]} failed to load: {other[1]}")
 
 
 def _reader(source: _Sharded | _TorchFile | None) -> ReadBox:

@@ -139,6 +139,7 @@ def resume(out: str, name: str, at: int, steps: int, how: str, full: str | None)
             "strategy": report.strategy,
             "reason": report.reason,
             "bytes_by_file": report.bytes_by_file,
+            "read_for_record_checks": report.read_for_record_checks,
         }
     set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     loaded = full_state(state(model, opt, sd["step"]))

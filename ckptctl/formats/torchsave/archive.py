@@ -94,12 +94,6 @@ class TorchZipReader:
         self._lock = threading.Lock()
         self.tree = restricted_loads(self._read_entry(pkl[0]), where)
 
-    @property
-    def local_path(self) -> str | None:
-        """The local file holding the archive (a whole file, or a ``.distcp`` holding it as one
-        record), whose records read in parts ``record_checks`` checks; ``None`` for an object."""
-        return self._path
-
     def _read_entry(self, name: str) -> bytes:
         try:
             return self._zip.read(name)
