@@ -159,7 +159,7 @@ def test_ranks_loading_halves_of_a_record_from_s3_check_it_together(
     torch.manual_seed(0)
     w = torch.randn(1 << 10, 1 << 10)
     saver = Checkpointer(storage=StorageConfig(endpoint_url=proxy.url))
-    for name in ("intact", "corrupt"):
+    for name in ("intact", "corrupt", "alone"):
         saver.save({"w": w}, checkpoint_id=f"{bucket}/{name}/step_1")
     client = boto3.client("s3", endpoint_url=proxy.url)
     key = "corrupt/step_1/__0_0.distcp"
@@ -172,12 +172,12 @@ def test_ranks_loading_halves_of_a_record_from_s3_check_it_together(
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          str(Path(__file__).parent / "training" / "s3_load_parts.py"), str(tmp_path),
-         f"{bucket}/intact/step_1", f"{bucket}/corrupt/step_1"],
+         f"{bucket}/intact/step_1", f"{bucket}/corrupt/step_1", f"{bucket}/alone/step_1"],
         capture_output=True, text=True, timeout=600,
         env={**os.environ, "AWS_ENDPOINT_URL": proxy.url},
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
-    (intact_0, corrupt_0), (intact_1, corrupt_1) = (
+    (intact_0, corrupt_0, alone), (intact_1, corrupt_1) = (
         json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in range(2)
     )
     assert intact_0.get("strategy") == intact_1.get("strategy") == "reshard", intact_0
@@ -186,6 +186,9 @@ def test_ranks_loading_halves_of_a_record_from_s3_check_it_together(
     assert intact_0["read_for_record_checks"] == intact_1["read_for_record_checks"] == nothing
     fetched = sum(r.sent for r in proxy.gets("lake/intact/step_1/__0_0.distcp"))
     assert fetched < 1.05 * w.numel() * 4, "a rank fetched the other's half to check it"
+
+    # One rank loading alone (no_dist=True) fetches the half it did not load, to check it.
+    assert alone["alone"] == {"records": 1, "bytes": w.numel() * 4 // 2}
 
     errors = [corrupt_0.get("error", ""), corrupt_1.get("error", "")]
     assert all("fails its CRC-32 check" in e for e in errors), errors

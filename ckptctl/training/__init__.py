@@ -34,8 +34,16 @@ def async_save(
     return default_checkpointer().async_save(state_dict, checkpoint_id=checkpoint_id, step=step)
 
 
-def load(state_dict: dict[str, Any], *, checkpoint_id: str, full: str | None = None) -> LoadReport:
-    return default_checkpointer().load(state_dict, checkpoint_id=checkpoint_id, full=full)
+def load(
+    state_dict: dict[str, Any],
+    *,
+    checkpoint_id: str,
+    full: str | None = None,
+    no_dist: bool = False,
+) -> LoadReport:
+    return default_checkpointer().load(
+        state_dict, checkpoint_id=checkpoint_id, full=full, no_dist=no_dist
+    )
 
 
 __all__ = [

@@ -228,27 +228,34 @@ class Checkpointer:
         self._rank0(what, lambda: finish_lake_copy(local, lake))
 
     def load(
-        self, state_dict: dict[str, Any], *, checkpoint_id: str, full: str | None = None
+        self,
+        state_dict: dict[str, Any],
+        *,
+        checkpoint_id: str,
+        full: str | None = None,
+        no_dist: bool = False,
     ) -> Any:
         """Fill ``state_dict`` (a template: its tensors' shapes and placements say what this
         rank needs) in place from ``checkpoint_id``; ``full`` names a full checkpoint of the
         same step to cut boxes from when files of the sharded one are lost. Every rank calls
         it (as ``torch.distributed.checkpoint.load``): the ranks check the records they read
-        in parts together, and fail together."""
+        in parts together, and fail together. ``no_dist`` (as torch's): this process loads
+        alone, whatever the other ranks do (an export on rank 0); it then checks the records
+        it read in parts by reading the bytes it did not."""
         from ckptctl.training.loading import load_into
 
         self.wait()
         name = str(checkpoint_id)
         memory = self.memory if self.memory and self.memory.checkpoint_id == name else None
-        coordinator = self.coordinator()
+        coordinator = None if no_dist else self.coordinator()
         return load_into(
             state_dict,
             self._where(name),
             self.storage_config,
             full=full,
             memory=memory.staged if memory else None,
-            gather=coordinator.gather,
-            rank=coordinator.rank,
+            gather=coordinator.gather if coordinator else lambda obj: [obj],
+            rank=coordinator.rank if coordinator else 0,
         )
 
     def _where(self, name: str) -> str:
