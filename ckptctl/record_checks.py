@@ -9,9 +9,11 @@ whatever order they come: no second pass over the bytes), or, for a record the j
 read to the last byte, by reading the bytes no part held, on a background thread (CRC-32
 releases the GIL): from the file's mapped pages a window at a time, or by ranged reads of an
 object.
-A writer calls ``settle`` with its source files before it marks a file finished (and a
-training-loop load before it returns): it waits for the checks asked so far and raises the
-first failure among those files, so a corrupt source never yields a file marked complete.
+A writer calls ``settle`` with its source files before it marks a file finished: it waits
+for the checks asked so far and raises the first failure among those files, so a corrupt
+source never yields a file marked complete. The ranks of a training-loop load call
+``settle_across`` before it returns: each rank reads only its share of a record, so their
+parts are pooled to check it.
 The files written beside it usually read the rest of the records it read in part (the other
 half of each row), so a writer leaves those (``leave_parts``) and marks the file once they
 are ``checked``, or reads what no file did (``check_now``) after a few more files.
