@@ -32,10 +32,15 @@ def expected(i: int, rows: int, cols: int, start: int, count: int) -> torch.Tens
     return ((base * 1e-7 + i) % 1000).to(torch.float32).reshape(count, cols)
 
 
-def shard_state(mesh, rows: int, cols: int, tensors: int, fill: bool) -> dict[str, DTensor]:
+def my_rows(rows: int) -> tuple[int, int]:
+    """This rank's first row and row count under ``Shard(0)`` (the last shards may be short)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     step = -(-rows // world)
-    start, count = rank * step, max(0, min(step, rows - rank * step))
+    return rank * step, max(0, min(step, rows - rank * step))
+
+
+def shard_state(mesh, rows: int, cols: int, tensors: int, fill: bool) -> dict[str, DTensor]:
+    start, count = my_rows(rows)
     state = {}
     for i in range(tensors):
         local = expected(i, rows, cols, start, count) if fill else torch.zeros(count, cols)
@@ -71,11 +76,10 @@ def main() -> None:
         dist.barrier()
         seconds = time.perf_counter() - start
         rank, world = dist.get_rank(), dist.get_world_size()
-        step = -(-rows // world)
-        first = rank * step
+        first, count = my_rows(rows)
         for i in range(tensors):
             local = state[f"layer{i}.weight"].to_local()
-            want = expected(i, rows, cols, first, local.shape[0])
+            want = expected(i, rows, cols, first, count)
             assert torch.equal(local, want), f"rank {rank}: layer{i} differs"
         figures["rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         everyone = [None] * world

@@ -313,10 +313,11 @@ class _Marks:
         with self._lock:
             self._finished += 1
             self._waiting.append((keys, mark, self._finished + self.patience))
-            due = [
-                w for w in self._waiting if w[2] <= self._finished or record_checks.checked(w[0])
-            ]
-            self._waiting = [w for w in self._waiting if w not in due]
+            due, waiting = [], []
+            for w in self._waiting:
+                ready = w[2] <= self._finished or record_checks.checked(w[0])
+                (due if ready else waiting).append(w)
+            self._waiting = waiting
         for keys_due, mark_due, _ in due:
             record_checks.check_now(keys_due)
             record_checks.checked(keys_due)  # waits for the check; raises its failure
@@ -336,8 +337,7 @@ def _checked_sources(job: WriteJob) -> list[str]:
     paths = []
     for path in job.plan.source_files:
         ckpt, rel = job.source.owner(path)
-        local = ckpt.storage.is_local
-        paths.append(ckpt.storage.path(rel) if local else ckpt.storage.describe(rel))
+        paths.append(ckpt.storage.checked_name(rel))
     return paths
 
 

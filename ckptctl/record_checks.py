@@ -286,17 +286,7 @@ def _check_pooled(
         if holders[zlib.crc32(repr(identity).encode()) % len(holders)] != rank:
             continue
         key, record = own[identity]
-        pieces = _disjoint(parts)
-        try:
-            failure = _check(record, pieces)
-        except Exception as err:  # any: a failure to check is a failure, named
-            failure = f"{record.name}: cannot be read to check its CRC-32 ({err})"
-        with _lock:
-            again = record.nbytes - sum(hi - lo for lo, hi, _ in pieces)
-            _read_again[0] += again > 0
-            _read_again[1] += again
-            if failure is not None:
-                _failures[key] = failure
+        failure = _run_check(key, record, _disjoint(parts))
         first = first or failure
     return first
 
@@ -364,18 +354,25 @@ def _check_all() -> None:
         with _lock:
             _lock.wait_for(lambda: bool(_todo))
             key, record, pieces = _todo.popleft()
-        try:
-            failure = _check(record, pieces)
-        except Exception as err:  # any: the thread must count every record done, or settle waits
-            failure = f"{record.name}: cannot be read to check its CRC-32 ({err})"
+        _run_check(key, record, pieces)
         with _lock:
-            if failure is not None:
-                _failures[key] = failure
-            again = record.nbytes - sum(hi - lo for lo, hi, _ in pieces)
-            _read_again[0] += again > 0
-            _read_again[1] += again
             _pending -= 1
             _lock.notify_all()
+
+
+def _run_check(key: Key, record: Record, pieces: list[Piece]) -> str | None:
+    """``_check``, its failure kept and the bytes it read counted; the failure."""
+    try:
+        failure = _check(record, pieces)
+    except Exception as err:  # any: a failure to check is a failure, named (and counted done)
+        failure = f"{record.name}: cannot be read to check its CRC-32 ({err})"
+    again = record.nbytes - sum(hi - lo for lo, hi, _ in pieces)
+    with _lock:
+        if failure is not None:
+            _failures[key] = failure
+        _read_again[0] += again > 0
+        _read_again[1] += again
+    return failure
 
 
 def _check(record: Record, pieces: list[Piece]) -> str | None:

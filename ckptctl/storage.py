@@ -260,6 +260,10 @@ class Storage:
     def describe(self, rel: str) -> str:
         return f"{self.url.rstrip('/')}/{rel}" if rel else self.url
 
+    def checked_name(self, rel: str) -> str:
+        """The file as ``record_checks`` names it: a local path, an object's URL."""
+        return self.path(rel) if self.is_local else self.describe(rel)
+
     def exists(self, rel: str = "") -> bool:
         return self.fs.exists(self.path(rel))
 

@@ -244,17 +244,12 @@ def _from_storage(
     report.bytes_read = sum(by_file.values())
     # A rank reads its part of records stored whole (a full file's tensors, another world
     # size's shards): ``_agree`` has them checked against their CRC-32s.
-    checked = [_named(sharded.storage, f) for s, f in decision.files if s != FULL]
+    checked = [sharded.storage.checked_name(f) for s, f in decision.files if s != FULL]
     if isinstance(fallback, _TorchFile):
-        checked.append(_named(fallback.storage, fallback.rel))
+        checked.append(fallback.storage.checked_name(fallback.rel))
     elif fallback is not None:
-        checked += [_named(fallback.storage, f) for s, f in decision.files if s == FULL]
+        checked += [fallback.storage.checked_name(f) for s, f in decision.files if s == FULL]
     return report, checked
-
-
-def _named(storage: Storage, rel: str) -> str:
-    """A file as ``record_checks`` names it: a local path, or an object's URL."""
-    return storage.path(rel) if storage.is_local else storage.describe(rel)
 
 
 def _agree(checked: list[str], gather: Callable[[Any], list[Any]], rank: int) -> None:

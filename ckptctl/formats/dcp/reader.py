@@ -51,7 +51,7 @@ from ckptctl.formats.torch_dist.layout import (
     dense_optimizer,
 )
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
-from ckptctl.formats.torchsave.refs import view_ref
+from ckptctl.formats.torchsave.refs import stored_object, view_ref
 from ckptctl.model.geometry import Piece, chunk_pieces
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.stored import (
@@ -102,9 +102,7 @@ class DcpCheckpoint:
                 sizes = next(c.sizes for c in entry.chunks if c.offsets == offsets)
                 window, fetch, where = self._source(fqn, info)
                 rel = join(self.base, info.relative_path)
-                stored = None
-                if not self.storage.is_local:  # records read in parts are checked too
-                    stored = (self.storage.describe(rel), partial(self.storage.identity, rel))
+                stored = stored_object(self.storage, rel)
                 reader = open_record(window, info, where, fetch, (rel, info.offset), stored)
                 self._records[key] = (reader, tensor_of(reader, entry.dtype, sizes, where))
             return self._records[key]

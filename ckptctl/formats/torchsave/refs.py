@@ -4,6 +4,7 @@ are ``torch.save`` archives."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -96,11 +97,17 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 def open_torch_file(storage: Storage, rel: str) -> TorchZipReader:
     """A lazy reader of one ``torch.save`` file; on remote stores its tensor bytes are fetched
     by exact byte range, in parallel when the executor asks for several."""
-    fetch = stored = None
-    if not storage.is_local:
-        fetch = partial(storage.read_range, rel)
-        stored = (storage.describe(rel), partial(storage.identity, rel))
+    fetch = None if storage.is_local else partial(storage.read_range, rel)
+    stored = stored_object(storage, rel)
     return TorchZipReader(storage.open_read(rel), storage.describe(rel), fetch, (rel, 0), stored)
+
+
+def stored_object(storage: Storage, rel: str) -> tuple[str, Callable[[], str]] | None:
+    """An object's URL and what tells its content (``TorchZipReader``'s ``stored``, so its
+    records read in parts are checked); ``None`` for a local file."""
+    if storage.is_local:
+        return None
+    return storage.describe(rel), partial(storage.identity, rel)
 
 
 @dataclass
