@@ -137,6 +137,52 @@ def test_a_checkpoint_whose_save_never_finished_is_refused(tmp_path: Path) -> No
         ckptctl.load({"w": torch.zeros(3)}, checkpoint_id=str(out))
 
 
+def _close_and_save_again(rank: int, store: str, out: str, results: object) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    saver = Checkpointer()
+    saver.save({"w": torch.arange(6.0)}, checkpoint_id=f"{out}/a")
+    group = saver.coordinator()._group
+    saver.close()
+    try:
+        dist.get_process_group_ranks(group)
+        destroyed = False
+    except KeyError:
+        destroyed = True
+    saver.save({"w": torch.arange(6.0) + 1}, checkpoint_id=f"{out}/b")  # a new group
+    again = {"w": torch.zeros(6)}
+    saver.load(again, checkpoint_id=f"{out}/b")
+    saver.close()
+    results.put((rank, destroyed, again["w"].tolist()))
+    dist.destroy_process_group()
+
+
+def test_closing_tears_down_the_ranks_group_and_a_later_save_makes_a_new_one(
+    tmp_path: Path,
+) -> None:
+    """Left for the interpreter's exit, a gloo group can abort a finished job; ``close``
+    destroys it on every rank, and the checkpointer stays usable."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    ranks = [
+        context.Process(
+            target=_close_and_save_again,
+            args=(rank, str(tmp_path / "store"), str(tmp_path), results),
+        )
+        for rank in range(2)
+    ]
+    for process in ranks:
+        process.start()
+    got = sorted(results.get(timeout=120) for _ in ranks)
+    for process in ranks:
+        process.join(timeout=60)
+    assert [process.exitcode for process in ranks] == [0, 0]
+    assert got == [(0, True, [1.0, 2, 3, 4, 5, 6]), (1, True, [1.0, 2, 3, 4, 5, 6])]
+
+
 # --- a real FSDP2 training job under torchrun --------------------------------------------------
 
 

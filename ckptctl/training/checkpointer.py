@@ -269,5 +269,9 @@ class Checkpointer:
         return self.tiers.at(self.tiers.lake, name, self.storage_config).url
 
     def close(self) -> None:
+        """Wait for the last save, then tear down the ranks' own group (called on every rank,
+        before the job destroys its process group). A save after ``close`` makes a new one."""
         self.wait()
-        self._pool.shutdown(wait=True)
+        if self._coordinator is not None:
+            self._coordinator.close()
+            self._coordinator = None
