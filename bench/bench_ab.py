@@ -7,7 +7,8 @@ newer side; before timing, each side is checked to import its own tree. Each att
 the output, syncs, then times the job until its output is on disk (a final ``sync``). Prints
 median and best per job and side, with ``cp -r`` of each source in the same rounds.
 
-    python bench/bench_ab.py --old REV [--rounds 5] [--cold] [--reshard 4x1 [--only-reshard]]
+    python bench/bench_ab.py --old REV [--rounds 5] [--cold | --cold-source]
+        [--reshard 4x1 [--only-reshard]]
         [--megatron /tmp/ckptctl-bench/src]
         [--deepspeed /tmp/ckptctl-bench-ds/zero2-bf16] [--dcp /tmp/ckptctl-bench-dcp/dcp]
 
@@ -26,8 +27,11 @@ from pathlib import Path
 from benchlib import (
     CKPTCTL_IN_CHECKOUT,
     ROOT,
+    Cold,
+    add_cold_options,
     attempt,
     checkout_env,
+    cold_of,
     compile_bytecode,
     du,
     imported_checkout,
@@ -39,7 +43,7 @@ OUT = Path("/tmp/ckptctl-bench-ab-out")
 
 
 def run_once(
-    cmd: list[str], env: dict[str, str] | None, cold: Path | None, prime: bool, need: int
+    cmd: list[str], env: dict[str, str] | None, cold: Cold | None, prime: bool, need: int
 ) -> tuple[float, float | None, float]:
     """Seconds of one attempt (``benchlib.attempt``; ``need``: memory to prime) until its
     output is on disk, the part of them outside ckptctl's own 'converting' figure (start-up,
@@ -60,9 +64,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--old", required=True, help="The commit to compare against.")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument(
-        "--cold", action="store_true", help="Read the source, then drop the page cache (root)."
-    )
+    add_cold_options(parser)
     parser.add_argument("--megatron", type=Path, default=Path("/tmp/ckptctl-bench/src"))
     parser.add_argument("--deepspeed", type=Path, default=Path("/tmp/ckptctl-bench-ds/zero2-bf16"))
     parser.add_argument("--dcp", type=Path, default=Path("/tmp/ckptctl-bench-dcp/dcp"))
@@ -132,7 +134,7 @@ def main() -> None:
     for round_ in range(args.rounds):
         order = list(sides.items()) if round_ % 2 == 0 else list(sides.items())[::-1]
         for name, cmd, is_ckptctl, source in jobs:  # each side goes first every other round
-            cold = source if args.cold else None
+            cold = cold_of(args, source)
             for side, env in order if is_ckptctl else [("-", None)]:
                 run = run_once(cmd, env, cold, not args.unprimed, needs[source])
                 times.setdefault((name, side), []).append(run)
@@ -140,7 +142,7 @@ def main() -> None:
     print(
         f"\nold = {args.old} ({commit[:12]}), new = this checkout; {args.rounds} rounds, "
         "interleaved, the side going first alternating"
-        + ("; source read, then the page cache dropped, before every attempt" if args.cold else "")
+        + (f"; {cold.describe()}" if (cold := cold_of(args, jobs[0][3])) else "")
         + ("; memory not primed\n" if args.unprimed else "; memory primed before every attempt\n")
     )
     print(

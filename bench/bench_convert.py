@@ -8,7 +8,7 @@ Megatron TP1), ckptctl reshard (TP2 PP2 -> TP1 PP4 and -> TP4 PP1, under
 seconds, GB/s, ratio to `cp`, peak RSS.
 
     python bench/bench_convert.py [--workdir /tmp/ckptctl-bench] [--hidden 2048] [--budget 512MiB]
-        [--repeat 3] [--keep] [--cold]
+        [--repeat 3] [--keep] [--cold | --cold-source]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchlib import du, measure, print_table, warm_page_cache
+from benchlib import add_cold_options, cold_of, du, measure, print_table, warm_page_cache
 
 HERE = Path(__file__).resolve().parent
 
@@ -45,11 +45,7 @@ def main() -> None:
     parser.add_argument("--budget", default="512MiB")
     parser.add_argument("--keep", action="store_true", help="Keep the generated checkpoint.")
     parser.add_argument("--repeat", type=int, default=3, help="Runs per command (best is kept).")
-    parser.add_argument(
-        "--cold",
-        action="store_true",
-        help="Read the source, then drop the page cache, before each run (root).",
-    )
+    add_cold_options(parser)
     args = parser.parse_args()
     work = args.workdir
     src = work / "src"
@@ -126,12 +122,9 @@ def main() -> None:
             work / "naive.pt",
         ),
     ]
-    cache = (
-        "source read, then the page cache dropped, before each run"
-        if args.cold
-        else warm_page_cache(src)
-    )
-    rows = measure(runs, size, args.repeat, cold=src if args.cold else None)
+    cold = cold_of(args, src)
+    cache = cold.describe() if cold else warm_page_cache(src)
+    rows = measure(runs, size, args.repeat, cold=cold)
     print_table(
         rows,
         f"{size / 1e9:.2f} GB Megatron TP2 PP2 with Adam state; {cache}",

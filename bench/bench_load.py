@@ -10,7 +10,8 @@ bytes ckptctl's ranks read for the CRC-32 checks of records they read in parts, 
 largest rank's peak RSS.
 
     python bench/bench_load.py [--workdir /tmp/ckptctl-bench-load] [--rows 6144]
-        [--cols 8192] [--tensors 8] [--save-ranks 2] [--load-ranks 2 4] [--repeat 3] [--cold]
+        [--cols 8192] [--tensors 8] [--save-ranks 2] [--load-ranks 2 4] [--repeat 3]
+        [--cold | --cold-source]
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchlib import cold_start, compile_bytecode, du, read_all, remove
+from benchlib import add_cold_options, cold_of, compile_bytecode, du, read_all, remove
 
 HERE = Path(__file__).resolve().parent
 LOADERS = ("ckptctl", "torch")
@@ -47,7 +48,7 @@ def main() -> None:
     parser.add_argument("--save-ranks", type=int, default=2)
     parser.add_argument("--load-ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--cold", action="store_true", help="Empty the page cache (root).")
+    add_cold_options(parser)
     args = parser.parse_args()
     compile_bytecode()
     work = args.workdir
@@ -56,21 +57,22 @@ def main() -> None:
     work.mkdir(parents=True)
     torchrun(args.save_ranks, "save", work, *shape)
     ckpt = work / "ckpt"
+    cold = cold_of(args, ckpt)
     size = du(ckpt)
     seconds: dict[tuple[int, str], list[float]] = {}
     last: dict[tuple[int, str], dict] = {}
     for _ in range(args.repeat):
         for ranks in args.load_ranks:
             for how in LOADERS:
-                if args.cold:
-                    cold_start(ckpt)
+                if cold:
+                    cold.start()
                 else:
                     read_all(ckpt)
                 torchrun(ranks, "load", work, *shape, how)
                 found = json.loads((work / "load.json").read_text())
                 seconds.setdefault((ranks, how), []).append(found["seconds"])
                 last[(ranks, how)] = found
-    cache = "emptied (cold)" if args.cold else "warm"
+    cache = cold.describe() if cold else "warm"
     print(
         f"\n{size / 1e9:.2f} GB: {args.tensors} float32 tensors of {args.rows} x {args.cols} "
         f"saved by {args.save_ranks} ranks (ckptctl.save); page cache {cache}; median of "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -168,32 +169,80 @@ def read_all(source: Path) -> None:
     subprocess.run(["cat", *map(str, files)], stdout=subprocess.DEVNULL, check=True)
 
 
-def cold_start(source: Path) -> None:
-    """Read ``source``, then empty the page cache: the source and Python's modules come from
-    the disk, and every attempt starts from the same state. Under a virtual machine the host
-    keeps a cache of its own that the guest cannot drop; without the read it holds whatever
-    the attempt before had read (measured: cold ``cp -r`` took 1.9-2.1 s after a ``cp``,
-    4.8-4.9 s after a ckptctl job)."""
-    read_all(source)
-    drop_caches()
+def evict(source: Path) -> None:
+    """Take ``source``'s pages (a file or a folder) out of the page cache, and only those
+    (``posix_fadvise`` ``DONTNEED`` after a ``sync``; any user may): a cold checkpoint read by a
+    process whose Python, modules and tools are in memory, as on a node that has just run
+    them."""
+    subprocess.run(["sync"], check=True)
+    files = [source] if source.is_file() else [p for p in source.rglob("*") if p.is_file()]
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+class Cold(NamedTuple):
+    """How a cold attempt starts: ``source`` read, then either the whole page cache emptied
+    (``everything``, root: Python's modules come from the disk too) or the source's pages
+    evicted alone. The read first: under a virtual machine the host keeps a cache of its own
+    that the guest cannot drop; without it, it holds whatever the attempt before had read
+    (measured: cold ``cp -r`` took 1.9-2.1 s after a ``cp``, 4.8-4.9 s after a ckptctl job)."""
+
+    source: Path
+    everything: bool = True
+
+    def start(self) -> None:
+        read_all(self.source)
+        if self.everything:
+            drop_caches()
+        else:
+            evict(self.source)
+
+    def describe(self) -> str:
+        what = "the page cache emptied" if self.everything else "its pages evicted"
+        return f"source read, then {what}, before each attempt"
+
+
+def add_cold_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument(
+        "--cold",
+        action="store_true",
+        help="Before each attempt read the source, then empty the whole page cache (root).",
+    )
+    group.add_argument(
+        "--cold-source",
+        action="store_true",
+        help="Before each attempt read the source, then evict its pages alone (any user).",
+    )
+
+
+def cold_of(args: argparse.Namespace, source: Path) -> Cold | None:
+    """The cold start the options of ``add_cold_options`` asked for, of ``source``."""
+    if args.cold or args.cold_source:
+        return Cold(source, everything=args.cold)
+    return None
 
 
 def attempt(
     cmd: list[str],
     out: Path,
-    cold: Path | None = None,
+    cold: Cold | None = None,
     env: dict[str, str] | None = None,
     prime: bool = True,
     need: int = 0,
 ) -> Timing:
     """One timed run of ``cmd`` from a clean state: its output ``out`` removed and synced;
-    with ``cold`` (a source), that source read and the page cache emptied (``cold_start``);
+    with ``cold``, started cold (``Cold.start``);
     then ``timed`` (``need``: the bytes the run brings into memory, its output and a cold
     source, primed if more than ``PRIME_BYTES``)."""
     remove(out)
     subprocess.run(["sync"], check=True)
     if cold is not None:
-        cold_start(cold)
+        cold.start()
     return timed(cmd, env, prime, need)
 
 
@@ -220,14 +269,14 @@ def measure(
     size: int,
     repeat: int,
     keep: Collection[Path] = (),
-    cold: Path | None = None,
+    cold: Cold | None = None,
 ) -> list[Row]:
     """Each run's best of ``repeat`` (the machine is shared and noisy), as table rows whose rate
     is ``size`` source bytes per second, relative to the first run (the machine's ``cp``).
     Attempts go round robin (every run once, then again), so that a slow spell of the shared
     disk falls on all of them alike instead of on one row. Outputs are removed after each
-    attempt, except the last one of those in ``keep``. ``cold``: that source is read, then the
-    page cache emptied, before each attempt (``cold_start``)."""
+    attempt, except the last one of those in ``keep``. ``cold``: each attempt starts cold
+    (``Cold.start``)."""
     compile_bytecode()
     bests: list[Any] = [None] * len(runs)
     for round_ in range(repeat):

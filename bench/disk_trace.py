@@ -4,9 +4,10 @@ request size, sampled from ``/proc/diskstats`` (Linux) every ``--every`` seconds
 What a cold table's figures cannot say: whether a slow run was the job or the disk (on a
 virtual machine the host's disk swings several-fold within minutes, for ``cp`` as for
 ckptctl). ``--cold SOURCE`` reads the source, then empties the page cache first (root), as the
-benches' cold runs do.
+benches' cold runs do; ``--cold-source SOURCE`` evicts the source's pages alone.
 
-    python bench/disk_trace.py [--device vda] [--every 0.2] [--cold SRC] -- cp -r SRC OUT
+    python bench/disk_trace.py [--device vda] [--every 0.2] [--cold SRC | --cold-source SRC]
+        -- cp -r SRC OUT
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from benchlib import cold_start
+from benchlib import Cold
 
 SECTOR = 512
 
@@ -37,13 +38,18 @@ def main() -> None:
     parser.add_argument("--device", default="vda")
     parser.add_argument("--every", type=float, default=0.2)
     parser.add_argument("--cold", type=Path, help="Read it, then empty the page cache (root).")
+    parser.add_argument(
+        "--cold-source", type=Path, help="Read it, then evict its pages alone (any user)."
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("give the command to run after --")
     if args.cold is not None:
-        cold_start(args.cold)
+        Cold(args.cold).start()
+    elif args.cold_source is not None:
+        Cold(args.cold_source, everything=False).start()
     samples: list[tuple[float, tuple[int, int, int, int]]] = []
     done = threading.Event()
 

@@ -4,6 +4,7 @@ first row; only ``bench_ab`` had been run.)"""
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -92,3 +93,35 @@ def test_each_side_of_an_ab_imports_its_own_checkout(
     monkeypatch.chdir(benchlib.ROOT)
     assert benchlib.imported_checkout(benchlib.checkout_env(other)) == other.resolve()
     assert benchlib.imported_checkout(benchlib.checkout_env(benchlib.ROOT)) == benchlib.ROOT
+
+
+def resident_pages(path: Path) -> int:
+    """Pages of ``path`` in the page cache: ``mincore`` of a private mapping of it (its pages
+    untouched, so they are the file's own)."""
+    import ctypes
+    import mmap
+
+    size = path.stat().st_size
+    vec = (ctypes.c_ubyte * ((size + mmap.PAGESIZE - 1) // mmap.PAGESIZE))()
+    libc = ctypes.CDLL(None, use_errno=True)
+    with path.open("rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as view:
+        start = ctypes.c_char.from_buffer(view)
+        failed = libc.mincore(ctypes.c_void_p(ctypes.addressof(start)), ctypes.c_size_t(size), vec)
+        del start  # the mapping cannot close while a ctypes object holds it
+    assert failed == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vec)
+
+
+def test_a_cold_source_start_evicts_the_source_and_nothing_else(benchlib, tmp_path: Path) -> None:
+    """``--cold-source``: the source's pages leave the page cache (any user can do it), the
+    other files' pages stay."""
+    source, other = tmp_path / "src", tmp_path / "other.bin"
+    (source / "sub").mkdir(parents=True)
+    for path in (source / "a.bin", source / "sub" / "b.bin", other):
+        path.write_bytes(os.urandom(4 << 20))
+    benchlib.read_all(tmp_path)
+    before = [resident_pages(p) for p in (source / "a.bin", source / "sub" / "b.bin", other)]
+    assert min(before) > 0
+    benchlib.Cold(source, everything=False).start()
+    assert resident_pages(source / "a.bin") == resident_pages(source / "sub" / "b.bin") == 0
+    assert resident_pages(other) == before[2]
