@@ -7,9 +7,10 @@
     ``OUT/config.json`` is the model's HF config, as the HF Trainer lays it out (the same model
     is built from ``config.json`` when one is given).
 
-``fp32 CKPT OUT_PT``
+``fp32 CKPT OUT_PT [CKPT OUT_PT ...]``
     DeepSpeed's own ``get_fp32_state_dict_from_zero_checkpoint`` (what ``zero_to_fp32.py``
-    runs) on CKPT, saved with ``torch.save``.
+    runs) on each CKPT, saved with ``torch.save`` (several in one process: DeepSpeed's import
+    is most of the time of one).
 
 ``load-universal CKPT OUT_PT --stage S --dtype D --dp N``
     N processes build the same model and optimizer under ZeRO stage S with
@@ -178,8 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         help="bf16 with fp32 gradient accumulation: ZeRO 1 runs under DeepSpeed's BF16_Optimizer",
     )
     fp32 = sub.add_parser("fp32")
-    fp32.add_argument("ckpt", type=Path)
-    fp32.add_argument("out", type=Path)
+    fp32.add_argument("pairs", type=Path, nargs="+", metavar="CKPT OUT_PT")
     load = sub.add_parser("load-universal")
     load.add_argument("ckpt", type=Path)
     load.add_argument("out", type=Path)
@@ -218,8 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        state = get_fp32_state_dict_from_zero_checkpoint(str(args.ckpt))
-        torch.save({k: v.contiguous() for k, v in state.items()}, args.out)
+        if len(args.pairs) % 2:
+            parser.error("fp32 takes pairs: CKPT OUT_PT [CKPT OUT_PT ...]")
+        for ckpt, out in zip(args.pairs[::2], args.pairs[1::2], strict=True):
+            state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt))
+            torch.save({k: v.contiguous() for k, v in state.items()}, out)
     return 0
 
 
