@@ -143,13 +143,19 @@ def _close_and_save_again(rank: int, store: str, out: str, results: object) -> N
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     saver = Checkpointer()
     saver.save({"w": torch.arange(6.0)}, checkpoint_id=f"{out}/a")
-    group = saver.coordinator()._group
+    coordinator = saver.coordinator()
+    group = coordinator._group
     saver.close()
     try:
         dist.get_process_group_ranks(group)
         destroyed = False
     except KeyError:
         destroyed = True
+    try:  # a closed group must not answer as a job of one rank would
+        coordinator.gather(rank)
+        destroyed = False
+    except RuntimeError:
+        pass
     saver.save({"w": torch.arange(6.0) + 1}, checkpoint_id=f"{out}/b")  # a new group
     again = {"w": torch.zeros(6)}
     saver.load(again, checkpoint_id=f"{out}/b")
@@ -219,8 +225,10 @@ def test_async_saves_during_training_are_complete_and_block_little(trained: Path
         assert run["files"][step] == [".metadata", "__0_0.distcp", "__1_0.distcp", MANIFEST]
     cli("verify", str(trained / f"step_{STEPS - 1}"))
     # The first save also makes the background process group; later ones only copy to memory.
-    blocked = sorted(run["blocked"][1:])[len(run["blocked"][1:]) // 2]
-    plain = sorted(run["torch_save"])[len(run["torch_save"]) // 2]
+    # Best of each (times of a few ms on 2 busy cores: a median of three failed once here
+    # when two of one side's runs were slow); a save that blocked for its write would still
+    # take longer than half of torch.save's best.
+    blocked, plain = min(run["blocked"][1:]), min(run["torch_save"])
     assert 2 * blocked < plain, (run["blocked"], run["torch_save"])
 
 

@@ -40,19 +40,25 @@ class Coordinator:
 
     def gather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, in rank order, on every rank."""
-        if self._group is None:
+        if self.world == 1:
             return [obj]
         out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, obj, group=self._group)
+        dist.all_gather_object(out, obj, group=self._live())
         return out
 
     def from_rank0(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank."""
-        if self._group is None:
+        if self.world == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self._group)
+        dist.broadcast_object_list(box, src=0, group=self._live())
         return box[0]
+
+    def _live(self) -> Any:
+        # A closed group must not pass for a job of one rank: each rank would commit alone.
+        if self._group is None:
+            raise RuntimeError("the checkpointer's process group is closed")
+        return self._group
 
     def close(self) -> None:
         """Called on every rank: the ranks meet on the group, so none closes its connections
