@@ -20,10 +20,13 @@ Row = tuple[str, float, float | None, int, float, float, int]
 """(name, seconds, ckptctl's own seconds or None, bytes written, source bytes/s, vs cp, RSS)."""
 
 
+def files_of(path: Path) -> list[Path]:
+    """``path`` itself if a file, else every file under it."""
+    return [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+
+
 def du(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    return sum(p.stat().st_size for p in files_of(path))
 
 
 def remove(path: Path) -> None:
@@ -165,8 +168,7 @@ def drop_caches() -> None:
 
 def read_all(source: Path) -> None:
     """Read every file of ``source`` (a file or a folder) once, as ``cat`` does."""
-    files = [source] if source.is_file() else [p for p in source.rglob("*") if p.is_file()]
-    subprocess.run(["cat", *map(str, files)], stdout=subprocess.DEVNULL, check=True)
+    subprocess.run(["cat", *map(str, files_of(source))], stdout=subprocess.DEVNULL, check=True)
 
 
 def evict(source: Path) -> None:
@@ -175,8 +177,7 @@ def evict(source: Path) -> None:
     process whose Python, modules and tools are in memory, as on a node that has just run
     them."""
     subprocess.run(["sync"], check=True)
-    files = [source] if source.is_file() else [p for p in source.rglob("*") if p.is_file()]
-    for path in files:
+    for path in files_of(source):
         fd = os.open(path, os.O_RDONLY)
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)

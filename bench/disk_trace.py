@@ -37,8 +37,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="vda")
     parser.add_argument("--every", type=float, default=0.2)
-    parser.add_argument("--cold", type=Path, help="Read it, then empty the page cache (root).")
-    parser.add_argument(
+    cold = parser.add_mutually_exclusive_group()
+    cold.add_argument("--cold", type=Path, help="Read it, then empty the page cache (root).")
+    cold.add_argument(
         "--cold-source", type=Path, help="Read it, then evict its pages alone (any user)."
     )
     parser.add_argument("command", nargs=argparse.REMAINDER)
