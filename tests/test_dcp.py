@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,12 +34,12 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from ckptctl import synth
 from ckptctl.cli.main import app
 from tests.conftest import Cli
+from tests.oracle_runner import run_oracle
 from tests.test_reshard import assert_same_checkpoint
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("megatron.core", reason="megatron-core 0.16.1 is the oracle here")
 
-ORACLES = Path(__file__).parent / "oracles"
 ITER = "iter_0000001"
 MOMENTS = ("exp_avg", "exp_avg_sq")
 pytestmark = [
@@ -54,18 +52,6 @@ pytestmark = [
 # --------------------------------------------------------------------------------------------
 # Helpers
 # --------------------------------------------------------------------------------------------
-
-
-def run_oracle(script: str, *args: object, timeout: float = 240) -> str:
-    """Run ``tests/oracles/<script>`` in a subprocess; its stdout, or a failure with its log."""
-    result = subprocess.run(
-        [sys.executable, str(ORACLES / script), *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert result.returncode == 0, f"{script} failed:\n{result.stdout}\n{result.stderr[-4000:]}"
-    return result.stdout
 
 
 def assert_same_tree(got: Any, want: Any, where: str = "") -> None:

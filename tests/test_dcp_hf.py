@@ -5,27 +5,24 @@ processes, one Adam step), transformers runs what ckptctl makes of it."""
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from tests.oracle_runner import run_oracle
+
 transformers = pytest.importorskip("transformers")
 
-ORACLE = Path(__file__).parent / "oracles" / "fsdp2_hf_llama_writer.py"
+ORACLE = "fsdp2_hf_llama_writer.py"
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 
 @pytest.fixture(scope="module")
 def fsdp2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("fsdp2")
-    done = subprocess.run(
-        [sys.executable, str(ORACLE), str(out)], capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
+    run_oracle(ORACLE, out, timeout=300)
     return out
 
 

@@ -4,17 +4,16 @@ megatron-core's own DistributedOptimizer."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from ckptctl import synth
+from tests.oracle_runner import run_oracle
 from tests.test_reshard import _assert_tree_equal, assert_same_checkpoint
 
-WRITER = Path(__file__).parent / "oracles" / "megatron_core_distopt_writer.py"
+WRITER = "megatron_core_distopt_writer.py"
 
 
 @pytest.fixture(scope="module")
@@ -131,26 +130,7 @@ def test_megatron_core_distributed_optimizer_files(tmp_path, cli):
     optimizer's per-parameter state is the truth."""
     pytest.importorskip("megatron.core")
     real = tmp_path / "real"
-    subprocess.run(
-        [
-            sys.executable,
-            str(WRITER),
-            str(real),
-            "--tp",
-            "2",
-            "--pp",
-            "2",
-            "--dp",
-            "2",
-            "--hidden",
-            "48",
-            "--ffn-hidden",
-            "100",
-        ],
-        check=True,
-        capture_output=True,
-        timeout=600,
-    )
+    run_oracle(WRITER, real, "--tp", 2, "--pp", 2, "--dp", 2, "--hidden", 48, "--ffn-hidden", 100)
     # Same layout, per-parameter torch state: every parameter's state must equal the truth.
     cli("reshard", real, tmp_path / "plain", "--tp", "2", "--pp", "2", "--no-distributed-optimizer")
     for tp in range(2):

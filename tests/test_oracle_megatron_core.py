@@ -3,29 +3,24 @@ them to HF, and transformers' logits must match megatron-core's own TP forward."
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.oracle_runner import run_oracle
+
 pytest.importorskip("megatron.core", reason="megatron-core 0.16.1 is the oracle here")
 transformers = pytest.importorskip("transformers")
 
-WRITER = Path(__file__).parent / "oracles" / "megatron_core_legacy_writer.py"
+WRITER = "megatron_core_legacy_writer.py"
 pytestmark = pytest.mark.oracle
 
 
 @pytest.fixture(scope="module")
 def megatron_core_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("mcore") / "ckpt"
-    subprocess.run(
-        [sys.executable, str(WRITER), str(out), "--tp", "2"],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
+    run_oracle(WRITER, out, "--tp", 2, timeout=300)
     return out
 
 

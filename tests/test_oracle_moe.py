@@ -13,8 +13,6 @@ dense + expert optimizer under EP=2), with its own logits. ckptctl then:
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +22,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckptctl.arrays import to_torch
+from tests.oracle_runner import run_oracle
 
 pytest.importorskip("megatron.core", reason="megatron-core 0.16.1 is the oracle here")
 transformers = pytest.importorskip("transformers")
 
 TRUE_VOCAB = 1000
-ORACLE = Path(__file__).parent / "oracles" / "megatron_core_moe.py"
+ORACLE = "megatron_core_moe.py"
 pytestmark = pytest.mark.oracle
 
 HF_CLASS = {
@@ -45,9 +44,7 @@ LAYOUTS = {
 
 
 def _oracle(*args: object) -> None:
-    subprocess.run(
-        [sys.executable, str(ORACLE), *map(str, args)], check=True, capture_output=True, timeout=600
-    )
+    run_oracle(ORACLE, *args)
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))

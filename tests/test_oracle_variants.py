@@ -9,18 +9,18 @@ stage (same logits); and reshards that back to TP2 bit for bit.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.oracle_runner import run_oracle
+
 pytest.importorskip("megatron.core", reason="megatron-core 0.16.1 is the oracle here")
 transformers = pytest.importorskip("transformers")
 
 TRUE_VOCAB = 1000
-ORACLE = Path(__file__).parent / "oracles" / "megatron_core_variants.py"
+ORACLE = "megatron_core_variants.py"
 pytestmark = pytest.mark.oracle
 
 HF_CLASS = {
@@ -44,9 +44,7 @@ SPEC = {
 
 
 def _oracle(*args: object) -> None:
-    subprocess.run(
-        [sys.executable, str(ORACLE), *map(str, args)], check=True, capture_output=True, timeout=600
-    )
+    run_oracle(ORACLE, *args)
 
 
 @pytest.fixture(scope="module", params=["legacy", "torch_dist"])

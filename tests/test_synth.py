@@ -1196,18 +1196,11 @@ def test_merge_rules_and_tp_forward_agree_with_real_megatron_tp2(tmp_path: Path)
     """
     pytest.importorskip("megatron.core")
     pytest.importorskip("einops")
-    import subprocess
-    import sys
-
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    writer = Path(__file__).parent / "oracles" / "megatron_core_legacy_writer.py"
-    subprocess.run(
-        [sys.executable, str(writer), str(tmp_path), "--tp", "2"],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
+    from tests.oracle_runner import run_oracle
+
+    run_oracle("megatron_core_legacy_writer.py", tmp_path, "--tp", 2, timeout=300)
     files, args = load_files(tmp_path)
     vocab = args.vocab_size
     reference = torch.load(tmp_path / "reference.pt")
@@ -1253,20 +1246,11 @@ def test_distrib_optim_matches_real_megatron_core_distributed_optimizer(tmp_path
     """
     pytest.importorskip("megatron.core")
     pytest.importorskip("einops")
-    import subprocess
-    import sys
+    from tests.oracle_runner import run_oracle
 
-    writer = Path(__file__).parent / "oracles" / "megatron_core_distopt_writer.py"
-    if not writer.exists():
-        pytest.skip("tests/oracles/megatron_core_distopt_writer.py not present")
     real = tmp_path / "real"
     flags = ["--tp", "2", "--pp", "2", "--dp", "2", "--bucket-size", "3000", "--tie-embeddings"]
-    subprocess.run(
-        [sys.executable, str(writer), str(real), *flags, "--hidden", "48", "--ffn-hidden", "100"],
-        check=True,
-        capture_output=True,
-        timeout=600,
-    )
+    run_oracle("megatron_core_distopt_writer.py", real, *flags, "--hidden", 48, "--ffn-hidden", 100)
     files, args = load_files(real)
     assert args.use_distributed_optimizer and args.ddp_bucket_size == 3000
 

@@ -304,7 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out_dir: Path = args.out_dir.resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
-    mp.spawn(worker, args=(free_port(), out_dir), nprocs=DP * TP, join=True)
+    mp.start_processes(
+        worker, args=(free_port(), out_dir), nprocs=DP * TP, join=True, start_method="fork"
+    )
 
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 

@@ -175,11 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("full_pt", type=Path, help="dcp_to_torch_save output of the same dir")
     parser.add_argument("--world-size", type=int, choices=(2, 4), default=2)
     args = parser.parse_args(argv)
-    mp.spawn(
+    mp.start_processes(
         worker,
         args=(args.world_size, free_port(), args.dcp_dir.resolve(), args.full_pt.resolve()),
         nprocs=args.world_size,
         join=True,
+        start_method="fork",  # the ranks share the imports made (see fork_server.py)
     )
     return 0
 

@@ -125,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out_dir: Path = args.out_dir.resolve()
     (out_dir / "dcp").mkdir(parents=True, exist_ok=True)
-    mp.spawn(worker, args=(free_port(), out_dir), nprocs=WORLD, join=True)
+    mp.start_processes(
+        worker, args=(free_port(), out_dir), nprocs=WORLD, join=True, start_method="fork"
+    )
     return 0
 
 

@@ -19,6 +19,7 @@ anything from ``megatron``.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import math
 import os
 import socket
@@ -207,12 +208,29 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+MEGATRON_MODULES = (
+    "megatron.core.models.gpt",
+    "megatron.core.optimizer",
+    "megatron.core.distributed",
+    "megatron.core.dist_checkpointing",
+    "megatron.core.pipeline_parallel",
+)
+"""What the ranks use of megatron-core, imported once before they are forked."""
+
+
 def spawn(worker: Callable[..., None], nprocs: int, *args: Any) -> None:
     """Run ``worker(rank, port, *args)`` in ``nprocs`` processes and wait for all of them.
 
-    ``port`` is a free loopback port for their process group (see :func:`model_parallel`).
+    ``port`` is a free loopback port for their process group (see :func:`model_parallel`). The
+    ranks are forked once this process has imported megatron-core: spawned ranks would each
+    import torch and megatron-core again (~5 s each, every rank at once on two cores). Nothing
+    has run a tensor operation or made a thread here yet, so the fork is safe.
     """
-    mp.spawn(worker, args=(free_port(), *args), nprocs=nprocs, join=True)
+    for name in MEGATRON_MODULES:
+        importlib.import_module(name)
+    mp.start_processes(
+        worker, args=(free_port(), *args), nprocs=nprocs, join=True, start_method="fork"
+    )
 
 
 @contextlib.contextmanager

@@ -1,0 +1,104 @@
+"""Run the oracle scripts of this folder in forks of one process that imported torch and
+megatron-core once (test harness, driven by ``tests/oracle_runner.py``).
+
+Importing megatron-core takes ~5 s on this machine (torch, then its fusions pull in dynamo and
+inductor); a test suite that runs the oracle scripts some eighty times paid it each time, and
+again in every rank process they spawned. Here it is paid once: each request is a fresh fork of
+this process, which has run nothing else, so a script sees what it would see as ``python
+SCRIPT ARGS`` with those modules already loaded, and its ranks fork from it in turn.
+
+Protocol, one JSON object per line: a request ``{"script", "args", "cwd", "stdout",
+"stderr", "timeout"}`` on stdin (the script's own output goes to the two files), an answer
+``{"code": exit code, "timed_out": bool}`` on stdout. A script that outlives its timeout is
+killed with every process it started (each request runs in a process group of its own).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import runpy
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+POLL = 0.02
+
+
+def preload() -> None:
+    """torch, and megatron-core where it is installed, as the oracle scripts import them."""
+    sys.path.insert(0, str(HERE))  # the scripts' own ``import mcore_cpu``
+    import torch.distributed
+    import torch.multiprocessing  # noqa: F401
+
+    try:
+        import mcore_cpu  # silences megatron-core's import-time warnings first
+    except ImportError:  # megatron-core not installed: the torch-only oracles still run
+        return
+    for name in mcore_cpu.MEGATRON_MODULES:
+        importlib.import_module(name)
+
+
+def run_script(request: dict) -> None:
+    """In the forked child: become ``python SCRIPT ARGS`` and exit with its code."""
+    code = 1
+    try:
+        os.setpgid(0, 0)
+        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+            out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(out, fd)
+            os.close(out)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        os.chdir(request["cwd"])
+        script = str(HERE / request["script"])
+        sys.argv = [script, *request["args"]]
+        runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as done:
+        code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+        if not isinstance(done.code, int | None):
+            print(done.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+def wait(pid: int, timeout: float) -> tuple[int, bool]:
+    """The child's exit code, or -SIGKILL once ``timeout`` has passed (then ``True``)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status), False
+        if time.monotonic() > deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+            _, status = os.waitpid(pid, 0)
+            return os.waitstatus_to_exitcode(status), True
+        time.sleep(POLL)
+
+
+def serve() -> None:
+    for line in sys.stdin:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            run_script(request)
+        code, timed_out = wait(pid, float(request["timeout"]))
+        with contextlib.suppress(ProcessLookupError):  # ranks a failed script left behind
+            os.killpg(pid, signal.SIGKILL)
+        print(json.dumps({"code": code, "timed_out": timed_out}), flush=True)
+
+
+if __name__ == "__main__":
+    preload()
+    serve()
