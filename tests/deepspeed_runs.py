@@ -5,18 +5,16 @@ compiles a communication op (about 90 s, cached under ~/.cache/torch_extensions)
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from ckptctl.arrays import to_torch
+from tests.oracle_runner import OracleFailed, run_module, run_oracle
 
-ORACLE = Path(__file__).parent / "oracles" / "deepspeed_zero.py"
+ORACLE = "deepspeed_zero.py"
 RUNS = {
     "stage2-dp2": ("2", "2", "fp32"),
     "stage1-dp2": ("1", "2", "fp32"),
@@ -36,11 +34,11 @@ ZERO_TO_FP32_RUNS = [r for r in RUNS if "--fp32-grad-accum" not in RUNS[r]]
 
 
 def oracle(*args: object) -> None:
-    done = subprocess.run(
-        [sys.executable, str(ORACLE), *map(str, args)], capture_output=True, text=True, timeout=900
-    )
-    lines = [line for line in done.stderr.splitlines() if "Warning" not in line]
-    assert done.returncode == 0, "\n".join(lines[-30:])
+    try:
+        run_oracle(ORACLE, *args, timeout=900, flavour="deepspeed")
+    except OracleFailed as failed:
+        lines = [line for line in str(failed).splitlines() if "Warning" not in line]
+        raise OracleFailed("\n".join(lines[-30:])) from None
 
 
 _WRITTEN: dict[str, Path] = {}
@@ -122,14 +120,11 @@ def ds_universal(ckpt: Path) -> Path:
     """DeepSpeed's own ds_to_universal output for a run (made once per test session)."""
     if str(ckpt) not in _UNIVERSAL:
         out = ckpt.parent / f"{ckpt.name}.universal"
-        subprocess.run(
-            [
-                sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
-                "--input_folder", str(ckpt / "global_step2"), "--output_folder", str(out),
-                "--inject_missing_state",
-            ],
-            check=True, capture_output=True, timeout=600,
-            env={**os.environ, "DS_ACCELERATOR": "cpu"},
+        run_module(
+            "deepspeed.checkpoint.ds_to_universal",
+            "--input_folder", ckpt / "global_step2", "--output_folder", out,
+            "--inject_missing_state",
+            flavour="deepspeed",
         )  # fmt: skip
         _UNIVERSAL[str(ckpt)] = out
     return _UNIVERSAL[str(ckpt)]

@@ -1,6 +1,7 @@
-"""Run a script of ``tests/oracles`` as ``python SCRIPT ARGS`` would, in a fork of one warm
-process (``tests/oracles/fork_server.py``) that has imported torch and megatron-core once for
-the whole test session, instead of ~5 s of imports per run and per rank.
+"""Run a script of ``tests/oracles`` as ``python SCRIPT ARGS`` would (or a module as ``python
+-m``), in a fork of one warm process (``tests/oracles/fork_server.py``) that has imported torch
+and megatron-core (or DeepSpeed) once for the whole test session, instead of seconds of imports
+per run and per rank.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ class OracleFailed(AssertionError):
 
 
 class _Server:
-    def __init__(self) -> None:
-        self.logs = Path(tempfile.mkdtemp(prefix="ckptctl-oracles-"))
+    def __init__(self, flavour: str) -> None:
+        self.logs = Path(tempfile.mkdtemp(prefix=f"ckptctl-oracles-{flavour}-"))
         self.process = subprocess.Popen(
-            [sys.executable, str(ORACLES / "fork_server.py")],
+            [sys.executable, str(ORACLES / "fork_server.py"), flavour],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=open(self.logs / "server.log", "wb"),  # noqa: SIM115 (the server's lifetime)
@@ -35,12 +36,14 @@ class _Server:
         self.lock = threading.Lock()
         self.runs = 0
 
-    def run(self, script: str, args: list[str], timeout: float) -> tuple[int, bool, str, str]:
+    def run(
+        self, what: dict[str, str], args: list[str], timeout: float
+    ) -> tuple[int, bool, str, str]:
         with self.lock:
             self.runs += 1
             stdout, stderr = (self.logs / f"{self.runs}.{n}" for n in ("out", "err"))
             request = {
-                "script": script,
+                **what,
                 "args": args,
                 "cwd": os.getcwd(),
                 "stdout": str(stdout),
@@ -70,25 +73,38 @@ class _Server:
                 self.process.kill()
 
 
-_server: _Server | None = None
-_server_lock = threading.Lock()
+_servers: dict[str, _Server] = {}
+_servers_lock = threading.Lock()
 
 
-def _the_server() -> _Server:
-    global _server
-    with _server_lock:
-        if _server is None or _server.process.poll() is not None:
-            _server = _Server()
-            atexit.register(_server.close)
-        return _server
+def _server(flavour: str) -> _Server:
+    with _servers_lock:
+        server = _servers.get(flavour)
+        if server is None or server.process.poll() is not None:
+            server = _servers[flavour] = _Server(flavour)
+            atexit.register(server.close)
+        return server
 
 
-def run_oracle(script: str | Path, *args: object, timeout: float = 600) -> str:
-    """Run ``tests/oracles/<script> ARGS`` (or a script by its absolute path); its stdout, or
-    ``OracleFailed`` with its output."""
-    code, timed_out, out, err = _the_server().run(str(script), [str(a) for a in args], timeout)
+def run_oracle(
+    script: str | Path, *args: object, timeout: float = 600, flavour: str = "megatron"
+) -> str:
+    """Run ``tests/oracles/<script> ARGS`` (or a script by its absolute path) in a fork of the
+    ``flavour`` server ("megatron" or "deepspeed"); its stdout, or ``OracleFailed`` with its
+    output."""
+    return _run({"script": str(script)}, args, timeout, flavour)
+
+
+def run_module(module: str, *args: object, timeout: float = 600, flavour: str = "megatron") -> str:
+    """``python -m MODULE ARGS`` in a fork of the ``flavour`` server, as ``run_oracle``."""
+    return _run({"module": module}, args, timeout, flavour)
+
+
+def _run(what: dict[str, str], args: tuple[object, ...], timeout: float, flavour: str) -> str:
+    name = " ".join(what.values())
+    code, timed_out, out, err = _server(flavour).run(what, [str(a) for a in args], timeout)
     if timed_out:
-        raise OracleFailed(f"{script} ran out of {timeout} s:\n{out}\n{err[-4000:]}")
+        raise OracleFailed(f"{name} ran out of {timeout} s:\n{out}\n{err[-4000:]}")
     if code != 0:
-        raise OracleFailed(f"{script} failed (exit {code}):\n{out}\n{err[-4000:]}")
+        raise OracleFailed(f"{name} failed (exit {code}):\n{out}\n{err[-4000:]}")
     return out

@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.mode == "write":
         args.out.mkdir(parents=True, exist_ok=True)
-        mp.spawn(
+        mp.start_processes(
             worker,
             args=(
                 args.dp,
@@ -201,9 +201,10 @@ def main(argv: list[str] | None = None) -> int:
                 args.fp32_grad_accum,
             ),
             nprocs=args.dp,
+            start_method="fork",  # the ranks share the imports made (see fork_server.py)
         )
     elif args.mode == "load-universal":
-        mp.spawn(
+        mp.start_processes(
             load_universal,
             args=(
                 args.dp,
@@ -214,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.dtype,
             ),
             nprocs=args.dp,
+            start_method="fork",  # the ranks share the imports made (see fork_server.py)
         )
     else:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint

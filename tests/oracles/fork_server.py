@@ -7,10 +7,16 @@ again in every rank process they spawned. Here it is paid once: each request is 
 this process, which has run nothing else, so a script sees what it would see as ``python
 SCRIPT ARGS`` with those modules already loaded, and its ranks fork from it in turn.
 
-Protocol, one JSON object per line: a request ``{"script", "args", "cwd", "stdout",
-"stderr", "timeout"}`` on stdin (the script's own output goes to the two files), an answer
-``{"code": exit code, "timed_out": bool}`` on stdout. A script that outlives its timeout is
-killed with every process it started (each request runs in a process group of its own).
+``python fork_server.py megatron`` preloads torch and megatron-core (the megatron-core and
+torch-only oracles); ``python fork_server.py deepspeed`` preloads DeepSpeed for CPU
+(``DS_ACCELERATOR=cpu``) and transformers, apart from megatron-core, since DeepSpeed's import
+touches torch's state process-wide.
+
+Protocol, one JSON object per line: a request ``{"script" or "module", "args", "cwd",
+"stdout", "stderr", "timeout"}`` on stdin (a script of this folder or by absolute path, or a
+module run as ``python -m``; its own output goes to the two files), an answer ``{"code": exit
+code, "timed_out": bool}`` on stdout. A run that outlives its timeout is killed with every
+process it started (each request runs in a process group of its own).
 """
 
 from __future__ import annotations
@@ -30,12 +36,18 @@ HERE = Path(__file__).resolve().parent
 POLL = 0.02
 
 
-def preload() -> None:
-    """torch, and megatron-core where it is installed, as the oracle scripts import them."""
+def preload(flavour: str) -> None:
+    """torch, and megatron-core or DeepSpeed where installed, as the oracle scripts import them."""
     sys.path.insert(0, str(HERE))  # the scripts' own ``import mcore_cpu``
     import torch.distributed
     import torch.multiprocessing  # noqa: F401
 
+    if flavour == "deepspeed":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        with contextlib.suppress(ImportError):
+            import deepspeed  # noqa: F401
+            import transformers  # noqa: F401
+        return
     try:
         import mcore_cpu  # silences megatron-core's import-time warnings first
     except ImportError:  # megatron-core not installed: the torch-only oracles still run
@@ -55,9 +67,13 @@ def run_script(request: dict) -> None:
             os.close(out)
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
         os.chdir(request["cwd"])
-        script = str(HERE / request["script"])
-        sys.argv = [script, *request["args"]]
-        runpy.run_path(script, run_name="__main__")
+        if "module" in request:
+            sys.argv = [request["module"], *request["args"]]
+            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        else:
+            script = str(HERE / request["script"])
+            sys.argv = [script, *request["args"]]
+            runpy.run_path(script, run_name="__main__")
         code = 0
     except SystemExit as done:
         code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
@@ -100,5 +116,5 @@ def serve() -> None:
 
 
 if __name__ == "__main__":
-    preload()
+    preload(sys.argv[1] if len(sys.argv) > 1 else "megatron")
     serve()
