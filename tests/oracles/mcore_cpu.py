@@ -3,7 +3,8 @@
 Used by ``megatron_core_legacy_writer.py``, ``megatron_core_distopt_writer.py`` and
 ``megatron_core_torch_dist_writer.py``. They are run as scripts (``python tests/oracles/X.py``),
 so their own directory is ``sys.path[0]`` and a plain ``import mcore_cpu`` finds this module, in
-the spawned rank processes too (``torch.multiprocessing.spawn`` hands its ``sys.path`` down).
+the rank processes too (forked: see :func:`spawn`). In the tests they run in forks of
+``fork_server.py``, which has imported megatron-core once.
 
 Here: the model's fixed sizes and seeds, the CPU patches (:class:`CpuAsCudaMode`,
 :func:`patch_megatron_for_cpu`), the rank set-up (:func:`spawn`, :func:`model_parallel`),
