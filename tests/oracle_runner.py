@@ -25,14 +25,15 @@ class OracleFailed(AssertionError):
 class _Server:
     def __init__(self, flavour: str) -> None:
         self.logs = Path(tempfile.mkdtemp(prefix=f"ckptctl-oracles-{flavour}-"))
-        self.process = subprocess.Popen(
-            [sys.executable, str(ORACLES / "fork_server.py"), flavour],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=open(self.logs / "server.log", "wb"),  # noqa: SIM115 (the server's lifetime)
-            text=True,
-            cwd=ORACLES,
-        )
+        with open(self.logs / "server.log", "wb") as log:  # the server holds its own copy
+            self.process = subprocess.Popen(
+                [sys.executable, str(ORACLES / "fork_server.py"), flavour],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                cwd=ORACLES,
+            )
         self.lock = threading.Lock()
         self.runs = 0
 
