@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import statistics
 import subprocess
 import sys
 import zipfile
@@ -224,12 +225,14 @@ def test_async_saves_during_training_are_complete_and_block_little(trained: Path
         assert (ckpt / MANIFEST).exists() and not (ckpt / INCOMPLETE).exists()
         assert run["files"][step] == [".metadata", "__0_0.distcp", "__1_0.distcp", MANIFEST]
     cli("verify", str(trained / f"step_{STEPS - 1}"))
-    # The first save also makes the background process group; later ones only copy to memory.
-    # Best of each (times of a few ms on 2 busy cores: a median of three failed once here
-    # when two of one side's runs were slow); a save that blocked for its write would still
-    # take longer than half of torch.save's best.
-    blocked, plain = min(run["blocked"][1:]), min(run["torch_save"])
-    assert 2 * blocked < plain, (run["blocked"], run["torch_save"])
+    # The first save also makes the background process group; later ones only copy to memory
+    # and hand the write to the background. A save that blocked for its write would return no
+    # sooner than it completes; here it returns in a small part of that (medians; the
+    # ratio was ~15-20x on 2 busy cores). torch.save's times are recorded for the reader, not
+    # judged: a synchronous write into the page cache costs about what the staging copy does.
+    blocked = statistics.median(run["blocked"][1:])
+    completed = statistics.median(run["completed"][1:])
+    assert 4 * blocked < completed, (run["blocked"], run["completed"], run["torch_save"])
 
 
 def test_resuming_the_same_layout_reads_each_ranks_own_shard(trained: Path) -> None:

@@ -4,8 +4,9 @@ transformers Llama sharded with FSDP2 (``fully_shard``) and AdamW.
 ``python -m torch.distributed.run --standalone --nproc-per-node W worker.py OUT SCENARIO [args]``
 
 * ``train STEPS``: train, ``ckptctl.async_save`` after every step into ``OUT/step_<i>`` while
-  training goes on; rank 0 writes the losses, the time each save blocked training and the time a
-  synchronous ``torch.save`` of the same state takes to ``OUT/train_<W>.json``.
+  training goes on; rank 0 writes the losses, the time each save blocked training, the time it
+  took to complete and the time a synchronous ``torch.save`` of the same state takes to
+  ``OUT/train_<W>.json``.
 * ``resume CKPT STEP STEPS HOW [FULL]``: a fresh model, loaded from ``OUT/CKPT`` (saved after
   step ``STEP``) by ``ckptctl`` (``HOW=ckptctl``, with ``FULL`` as the full checkpoint to fall
   back on) or torch's own ``dcp.load`` (``HOW=torch``), then trained on to ``STEPS``; writes
@@ -103,12 +104,20 @@ def full_state(sd: dict) -> dict:
 def train(out: str, steps: int, kill_at: int | None = None) -> None:
     model, opt = build()
     losses, blocked, futures, plain = [], [], [], []
+    completed: list[float] = [0.0] * steps
     for step in range(steps):
         losses.append(train_step(model, opt, step))
         sd = state(model, opt, step)
         start = time.perf_counter()
-        futures.append(ckptctl.async_save(sd, checkpoint_id=f"{out}/step_{step}"))
+        future = ckptctl.async_save(sd, checkpoint_id=f"{out}/step_{step}")
         blocked.append(time.perf_counter() - start)
+        # Call to the save's end (written, manifest last), stamped when the future resolves.
+        future.add_done_callback(
+            lambda _, step=step, start=start: completed.__setitem__(
+                step, time.perf_counter() - start
+            )
+        )
+        futures.append(future)
         if kill_at == step and dist.get_rank() == 1:
             os.kill(os.getpid(), signal.SIGKILL)
         start = time.perf_counter()
@@ -119,6 +128,7 @@ def train(out: str, steps: int, kill_at: int | None = None) -> None:
         body = {
             "losses": losses,
             "blocked": blocked,
+            "completed": completed,
             "torch_save": plain,
             "files": [r.files for r in reports],
         }
