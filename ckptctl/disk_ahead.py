@@ -16,10 +16,15 @@ exist, nothing changes but speed.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
+import mmap
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 AHEAD = 256 << 20
 """Bytes of the writer's reads asked of the disk beyond what it has consumed."""
@@ -73,9 +78,16 @@ def read_into_cache(fd: int, offset: int, nbytes: int, sink: int) -> None:
 
 
 def cached(fd: int, offset: int, nbytes: int) -> bool:
-    """Whether the first and the last byte of the range are in the page cache already (a read
-    that must not wait for the disk gets them): then the whole range most likely is, and
-    reading it again through the cache would only cost CPU (a warm job's)."""
+    """Whether the range is in the page cache already (then reading it again would only cost
+    CPU: a warm job's). Asked of ``cachestat(2)`` (Linux 6.5), which counts the range's pages
+    and reads nothing; elsewhere, a one-byte ``RWF_NOWAIT`` read of each end of the range,
+    which answers without waiting but starts the kernel's read-ahead at the range's end when
+    that is not cached: each piece's sequential stream broken (measured, the merge's read list
+    replayed cold: requests of 1.7 MiB instead of 3.9 MiB, and pieces skipped whose middles
+    were not cached, 0.6 of 2.3 GB left to the writer's page faults)."""
+    counted = cached_pages(fd, offset, nbytes)
+    if counted is not None:
+        return counted >= _pages_of(offset, nbytes)
     probe = bytearray(1)
     try:
         for at in (offset, offset + nbytes - 1):
@@ -84,6 +96,57 @@ def cached(fd: int, offset: int, nbytes: int) -> bool:
     except (OSError, AttributeError):  # not cached (EAGAIN), or no such flag here
         return False
     return True
+
+
+PAGE = mmap.PAGESIZE
+
+
+def _pages_of(offset: int, nbytes: int) -> int:
+    first = offset - offset % PAGE
+    return (offset + nbytes - first + PAGE - 1) // PAGE
+
+
+class _CachestatRange(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _Cachestat(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_uint64)
+        for name in ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")
+    ]
+
+
+CACHESTAT = 451
+"""The syscall's number (Linux 6.5): numbers from 424 on are shared by every architecture
+but alpha; a kernel without it answers ``ENOSYS``."""
+
+
+@functools.cache
+def _syscall() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).syscall
+    except (OSError, AttributeError):
+        return None
+    function.restype = ctypes.c_long
+    return function
+
+
+def cached_pages(fd: int, offset: int, nbytes: int) -> int | None:
+    """Pages of the range in the page cache (``cachestat(2)``); ``None`` where the system
+    cannot tell (not Linux, a kernel before 6.5, a file system that refuses)."""
+    syscall = _syscall()
+    if syscall is None:
+        return None
+    first = offset - offset % PAGE
+    span = _CachestatRange(first, _pages_of(offset, nbytes) * PAGE)
+    stat = _Cachestat()
+    flags = ctypes.c_uint(0)
+    if syscall(CACHESTAT, ctypes.c_int(fd), ctypes.byref(span), ctypes.byref(stat), flags) != 0:
+        return None
+    return int(stat.nr_cache)
 
 
 class DiskAhead:

@@ -137,6 +137,42 @@ def test_ranges_already_cached_are_neither_read_again_nor_waited_for(
     assert read == []
 
 
+def test_asking_whether_a_range_is_cached_reads_none_of_it(tmp_path: Path) -> None:
+    """The check before each piece must not bring pages in itself: a read that starts the
+    kernel's read-ahead at the end of a piece breaks the sequential stream the thread's
+    reads make (and fills the cache on its own)."""
+    path = _cold_file(tmp_path, 16 * MiB)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if disk_ahead.cached_pages(fd, 0, PAGE) is None:
+            pytest.skip("no cachestat(2) here (Linux 6.5+): the fallback check reads a byte")
+        for offset in range(0, 16 * MiB, 4 * MiB):
+            assert not disk_ahead.cached(fd, offset, 4 * MiB)
+    finally:
+        os.close(fd)
+    assert not any(_resident(path))
+
+
+def test_a_range_cached_at_both_ends_but_not_between_is_not_cached(tmp_path: Path) -> None:
+    path = _cold_file(tmp_path, 8 * MiB)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if disk_ahead.cached_pages(fd, 0, PAGE) is None:
+            pytest.skip("no cachestat(2) here (Linux 6.5+): the fallback checks the ends")
+        sink = os.open(os.devnull, os.O_WRONLY)
+        for offset in (0, 8 * MiB - PAGE):  # one page at each end, with no read-ahead
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            disk_ahead.read_into_cache(fd, offset, PAGE, sink)
+        os.close(sink)
+        resident = _resident(path)
+        assert resident[0] and resident[-1] and not all(resident)
+        assert not disk_ahead.cached(fd, 0, 8 * MiB)
+        assert disk_ahead.cached(fd, 0, PAGE) and disk_ahead.cached(fd, 8 * MiB - PAGE, PAGE)
+        assert disk_ahead.cached_pages(fd, 0, 8 * MiB) == sum(resident)
+    finally:
+        os.close(fd)
+
+
 def test_a_writer_that_has_read_other_files_before_is_still_kept_pace_with(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
