@@ -38,7 +38,8 @@ from benchlib import evict, files_of
 from disk_trace import SECTOR, sample
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from ckptctl.writeback import start_writeback  # the checkout's, not an install's
+from ckptctl.disk_ahead import read_into_cache  # the checkout's, not an install's
+from ckptctl.writeback import start_writeback
 
 READ_CALL = 4 << 20
 WRITE_CALL = 1 << 20
@@ -51,9 +52,9 @@ def read(files: list[Path]) -> None:
         for path in files:
             fd = os.open(path, os.O_RDONLY)
             try:
-                size, done = os.fstat(fd).st_size, 0
-                while done < size:
-                    done += os.sendfile(sink, fd, done, min(READ_CALL, size - done))
+                size = os.fstat(fd).st_size
+                for start in range(0, size, READ_CALL):
+                    read_into_cache(fd, start, min(READ_CALL, size - start), sink)
             finally:
                 os.close(fd)
     finally:
@@ -128,8 +129,7 @@ def main() -> None:
         for name, run in patterns.items():
             args.out.unlink(missing_ok=True)
             shutil.rmtree(copy, ignore_errors=True)
-            subprocess.run(["sync"], check=True)
-            evict(args.source)
+            evict(args.source)  # (after a ``sync``: the removed output's blocks are freed first)
             before, started = sample(args.device), time.perf_counter()
             parts = run()
             seconds, after = time.perf_counter() - started, sample(args.device)

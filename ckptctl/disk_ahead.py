@@ -119,8 +119,7 @@ def cached_pages(fd: int, offset: int, nbytes: int) -> int | None:
     syscall = _syscall()
     if syscall is None:
         return None
-    first = offset - offset % PAGE
-    span = _CachestatRange(first, _pages_of(offset, nbytes) * PAGE)
+    span = _CachestatRange(offset - offset % PAGE, _pages_of(offset, nbytes) * PAGE)
     stat = _Cachestat()
     flags = ctypes.c_uint(0)
     if syscall(CACHESTAT, ctypes.c_int(fd), ctypes.byref(span), ctypes.byref(stat), flags) != 0:

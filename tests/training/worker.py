@@ -111,12 +111,12 @@ def train(out: str, steps: int, kill_at: int | None = None) -> None:
         start = time.perf_counter()
         future = ckptctl.async_save(sd, checkpoint_id=f"{out}/step_{step}")
         blocked.append(time.perf_counter() - start)
-        # Call to the save's end (written, manifest last), stamped when the future resolves.
-        future.add_done_callback(
-            lambda _, step=step, start=start: completed.__setitem__(
-                step, time.perf_counter() - start
-            )
-        )
+
+        def stamp(_: object, step: int = step, start: float = start) -> None:
+            """Call to the save's end (written, manifest last), when the future resolves."""
+            completed[step] = time.perf_counter() - start
+
+        future.add_done_callback(stamp)
         futures.append(future)
         if kill_at == step and dist.get_rank() == 1:
             os.kill(os.getpid(), signal.SIGKILL)
