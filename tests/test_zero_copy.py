@@ -371,3 +371,62 @@ def test_a_runs_pages_are_asked_of_the_disk_ahead_of_the_writer(
     assert asked[0][0] == run.offset
     assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(asked))
     assert asked[-1][0] + asked[-1][1] == run.offset + run.nbytes
+
+
+@pytest.mark.parametrize("corrupt", [None, 0, 1])
+def test_whole_records_appended_to_one_entry_take_one_crc_pass(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, corrupt: int | None
+) -> None:
+    """A tensor-parallel merge appends whole source records to one entry: each is checked
+    against its own CRC-32 as it passes, and the entry's follows from theirs, so every byte
+    goes through CRC-32 once. zipfile judges the entry; a flipped byte in either record fails."""
+    import zlib
+
+    from ckptctl import runs
+    from ckptctl.formats.torchsave import zip_writer
+
+    halves = [os.urandom(3 << 20), os.urandom((2 << 20) + 12)]
+    path = tmp_path / "shards.zip"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as zf:
+        for i, data in enumerate(halves):
+            zf.writestr(f"archive/data/{i}", data)
+    with zipfile.ZipFile(path) as zf:
+        infos = zf.infolist()
+    spans = []
+    raw = bytearray(path.read_bytes())
+    for info, data in zip(infos, halves, strict=True):
+        start = raw.index(data, info.header_offset)
+        spans.append((start, len(data), info.CRC))
+    if corrupt is not None:
+        raw[spans[corrupt][0] + 1000] ^= 0x04
+        path.write_bytes(bytes(raw))
+    passed = [0]
+    real = runs.crc32
+
+    def counted(data: memoryview, value: int = 0) -> int:
+        passed[0] += len(data)
+        return real(data, value)
+
+    monkeypatch.setattr(runs, "crc32", counted)
+    monkeypatch.setattr(zip_writer, "crc32", counted)
+    monkeypatch.setattr(zipfile, "crc32", counted)
+    total = sum(len(d) for d in halves)
+    slot = zip_writer.TensorSlot("0", "uint8", (total,))
+    out = tmp_path / "merged.pt"
+
+    def produce(_: object) -> list[runs.Run]:
+        return [runs.Run(str(path), start, n, "uint8", crc) for start, n, crc in spans]
+
+    with open(out, "wb") as f:
+        if corrupt is not None:
+            with pytest.raises(Exception, match="fails its CRC-32 check"):
+                zip_writer.write_torch_zip(f, slot, [slot], produce)
+            return
+        zip_writer.write_torch_zip(f, slot, [slot], produce)
+    monkeypatch.undo()
+    assert total <= passed[0] < total + 4096  # the records once (and a few small entries)
+    with zipfile.ZipFile(out) as zf:
+        assert zf.testzip() is None
+        entry = next(i for i in zf.infolist() if i.filename.endswith("data/0"))
+        assert zlib.crc32(b"".join(halves)) == entry.CRC
+        assert zf.read(entry) == b"".join(halves)

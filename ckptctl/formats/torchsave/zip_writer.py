@@ -126,11 +126,12 @@ def _append_run(entry: Any, run: Run) -> None:
     if not all(hasattr(entry, name) for name in _ENTRY_STATE) or entry._compressor is not None:
         run.write_to(entry)
         return
-    if entry._file_size == 0 and run.crc is not None:
-        # The run is a whole source record, checked against its CRC-32 as it passes: when it
-        # starts the entry, that is the entry's CRC so far (one pass over the bytes, not two).
+    if run.crc is not None:
+        # The run is a whole source record, checked against its CRC-32 as it passes: the
+        # entry's CRC-32 follows from the one before it and the run's (CRC-32 is linear), so
+        # the bytes take one pass, not two (a tensor-parallel merge appends whole records).
         run.write_to(entry._fileobj)
-        entry._crc = run.crc
+        entry._crc = crc32_combine(entry._crc, run.crc, run.nbytes)
     else:
         before, state = entry._crc, [entry._crc]
 
