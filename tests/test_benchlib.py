@@ -125,3 +125,19 @@ def test_a_cold_source_start_evicts_the_source_and_nothing_else(benchlib, tmp_pa
     benchlib.Cold(source, everything=False).start()
     assert resident_pages(source / "a.bin") == resident_pages(source / "sub" / "b.bin") == 0
     assert resident_pages(other) == before[2]
+
+
+def test_attempt_refuses_a_file_system_too_full_to_time(benchlib, tmp_path: Path) -> None:
+    """A nearly full disk times its allocator: the run is refused, naming where and how much
+    to free, before anything runs."""
+    out = tmp_path / "not-yet" / "out"
+    free = shutil.disk_usage(tmp_path).free
+    marker = tmp_path / "ran"
+    cmd = [sys.executable, "-c", f"open({str(marker)!r}, 'w').close()"]
+    benchlib.FREE_MARGIN = free + (1 << 30)
+    with pytest.raises(SystemExit, match=rf"{tmp_path}: .* GB free.*free at least"):
+        benchlib.attempt(cmd, out, prime=False)
+    assert not marker.exists()
+    benchlib.FREE_MARGIN = 0
+    benchlib.attempt(cmd, out, prime=False)
+    assert marker.exists()
