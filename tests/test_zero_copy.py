@@ -383,6 +383,7 @@ def test_whole_records_appended_to_one_entry_take_one_crc_pass(
     import zlib
 
     from ckptctl import runs
+    from ckptctl.errors import CheckpointError
     from ckptctl.formats.torchsave import zip_writer
 
     halves = [os.urandom(3 << 20), os.urandom((2 << 20) + 12)]
@@ -419,7 +420,7 @@ def test_whole_records_appended_to_one_entry_take_one_crc_pass(
 
     with open(out, "wb") as f:
         if corrupt is not None:
-            with pytest.raises(Exception, match="fails its CRC-32 check"):
+            with pytest.raises(CheckpointError, match="fails its CRC-32 check"):
                 zip_writer.write_torch_zip(f, slot, [slot], produce)
             return
         zip_writer.write_torch_zip(f, slot, [slot], produce)
