@@ -119,16 +119,22 @@ class Assembler:
             runs = self._runs[id(write)] = self._runs_of(write)
             if runs is None and _fill_element(write) is None:
                 banded.append(write)
-                extents += self._extents_of(write)
-            elif runs is not None:
-                local = [r for r in runs if r.storage is None]
-                extents += [Extent(r.path, r.offset, r.nbytes, r.nbytes) for r in local]
+            extents += self._read_extents(write, runs)
         if self.queue is not None:
             self.queue.expect(banded)
         if extents:
             if self._disk_ahead is not None:
                 self._disk_ahead.close()
             self._disk_ahead = DiskAhead(extents, lambda: self.consumed)
+
+    def source_extents(self, writes: Iterable[TensorWrite]) -> list[Extent]:
+        """The local source bytes the tensors' reads touch, in their order."""
+        return [e for write in writes for e in self._read_extents(write, self._runs_of(write))]
+
+    def _read_extents(self, write: TensorWrite, runs: list[Run] | None) -> list[Extent]:
+        if runs is not None:
+            return [Extent(r.path, r.offset, r.nbytes, r.nbytes) for r in runs if r.storage is None]
+        return self._extents_of(write) if _fill_element(write) is None else []
 
     def _extents_of(self, write: TensorWrite) -> list[Extent]:
         """The local source bytes a tensor's reads touch, where its formats can say."""

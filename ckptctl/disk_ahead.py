@@ -67,6 +67,73 @@ def merged(extents: Iterable[Extent]) -> list[Extent]:
     return out
 
 
+SPAN_GAP = 64 << 20
+"""Ranges of one file closer than this are read as one span by ``SourceReader``: a sequential
+read through a few unneeded MiB costs less than breaking the disk's stream."""
+
+
+def in_file_order(extents: Iterable[Extent], gap: int = SPAN_GAP) -> list[Extent]:
+    """The files the extents touch, each read once from its first needed byte to its last
+    (ranges ``gap`` or more apart are read apart), in the order the job first needs them."""
+    by_file: dict[str, list[Extent]] = {}
+    for e in extents:
+        by_file.setdefault(e.path, []).append(e)
+    spans: list[Extent] = []
+    for path, ranges in by_file.items():
+        ranges.sort(key=lambda e: e.offset)
+        for e in ranges:
+            last = spans[-1] if spans and spans[-1].path == path else None
+            end = last.offset + last.nbytes if last else 0
+            if last and e.offset <= end + gap:
+                last.nbytes = max(end, e.offset + e.nbytes) - last.offset
+                last.weight += e.weight
+            else:
+                spans.append(Extent(path, e.offset, e.nbytes, e.weight))
+    return spans
+
+
+def available_memory() -> int:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes (0 where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+class SourceReader:
+    """Reads a job's local source bytes into the page cache as ``cp`` reads them: each file
+    in one sequential stream from its first needed byte to its last, the files in the order
+    the job first needs them, as fast as the disk goes, from when the plan is known. The
+    writers' own read-ahead (``DiskAhead``, page faults) then finds most pages in memory.
+
+    Measured on a cold 2.28 GB merge (``cat`` of the shard files started as the job starts
+    converting, against the job alone, 5 interleaved rounds): 3.14 against 3.37 s median, the
+    disk reading in 3.8 MiB requests instead of three streams of ~1.2 MiB. Only when what it
+    reads is at most half of the memory available: a larger source read ahead unpaced would
+    push out pages before the job uses them (``DiskAhead`` keeps pace with the writer then).
+    """
+
+    def __init__(self, extents: Iterable[Extent]) -> None:
+        spans = in_file_order(extents)
+        nbytes = sum(e.nbytes for e in spans)
+        self._reading: DiskAhead | None = None
+        if spans and nbytes <= available_memory() // 2:
+            self._reading = DiskAhead(spans, lambda: 0, ahead=nbytes + 1)
+
+    @property
+    def active(self) -> bool:
+        return self._reading is not None
+
+    def close(self) -> None:
+        if self._reading is not None:
+            self._reading.close()
+            self._reading = None
+
+
 def read_into_cache(fd: int, offset: int, nbytes: int, sink: int) -> None:
     """Bring ``nbytes`` of ``fd`` from ``offset`` into the page cache: ``sendfile`` to
     ``sink`` (``/dev/null``) reads them through the cache and copies nothing."""

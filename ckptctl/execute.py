@@ -16,6 +16,7 @@ from typing import Any
 
 from ckptctl import record_checks
 from ckptctl.assembler import Assembler, JobStopped
+from ckptctl.disk_ahead import SourceReader
 from ckptctl.distributed import Group
 from ckptctl.formats import registry
 from ckptctl.formats.base import Checkpoint, WriteJob
@@ -82,6 +83,11 @@ def execute(
         for _ in range(writers)
     ]
     jobs = [WriteJob(plan, source, assemble, report) for assemble in assemblers]
+    # One file written at a time reads its sources as one stream; two writers at once need
+    # two files' bytes at once, and one stream in first-use order starves one of them
+    # (measured: the merge 3.14 -> 2.95 s median, the two-file reshards 0.15-0.2 s slower).
+    wanted = (w for i in mine for w in plan.files[i].tensors) if writers == 1 else ()
+    reader = SourceReader(assemblers[0].source_extents(wanted))
     failure: Exception | None = None
     try:
         marks = _Marks(log, len(jobs))
@@ -91,6 +97,7 @@ def execute(
     except Exception as err:  # the other ranks must hear of it, or they wait for this one
         failure = err
     finally:
+        reader.close()
         if pool is not None:
             pool.shutdown(wait=True)
     own_written = report.bytes_written

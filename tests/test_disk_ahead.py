@@ -187,3 +187,56 @@ def test_a_writer_that_has_read_other_files_before_is_still_kept_pace_with(
     time.sleep(0.2)
     assert sum(read) <= 8 * MiB + disk_ahead.PIECE
     ahead.close()
+
+
+def test_in_file_order_reads_each_file_once_in_the_order_first_needed() -> None:
+    """A merge needs its two shards' ranges alternately; read as ``cp`` reads, each file is
+    one span from its first needed byte to its last, the file needed first read first, and
+    ranges far apart in a file stay apart (the bytes between are not needed)."""
+    gap = 64 * MiB
+    extents = [
+        Extent("b", 5 * MiB, MiB, MiB),
+        Extent("a", 0, MiB, MiB),
+        Extent("b", 0, MiB, MiB),
+        Extent("a", 2 * MiB, MiB, 2 * MiB),
+        Extent("a", 3 * MiB + gap + 1, MiB, MiB),
+    ]
+    spans = disk_ahead.in_file_order(extents, gap)
+    assert [(e.path, e.offset, e.nbytes, e.weight) for e in spans] == [
+        ("b", 0, 6 * MiB, 2 * MiB),
+        ("a", 0, 3 * MiB, 3 * MiB),
+        ("a", 3 * MiB + gap + 1, MiB, MiB),
+    ]
+
+
+def test_the_source_reader_reads_the_needed_spans_unpaced(tmp_path: Path) -> None:
+    """Nobody consumes anything, yet every needed span comes into the page cache, and the
+    bytes far from any needed range do not."""
+    path = _cold_file(tmp_path, 96 * MiB)
+    extents = [Extent(str(path), 8 * MiB, 4 * MiB, 4 * MiB), Extent(str(path), 0, MiB, MiB)]
+    extents.append(Extent(str(path), 88 * MiB, 8 * MiB, 8 * MiB))
+    reader = disk_ahead.SourceReader(extents)
+    assert reader.active
+    assert reader._reading is not None
+    _wait(reader._reading)
+    reader.close()
+    resident = _resident(path)
+    pages = [
+        (0, 12 * MiB),  # the first span: from its first needed byte to its last
+        (88 * MiB, 96 * MiB),
+    ]
+    for lo, hi in pages:
+        assert all(resident[lo // PAGE : hi // PAGE])
+    assert not any(resident[40 * MiB // PAGE : 72 * MiB // PAGE])
+
+
+def test_a_source_larger_than_half_the_free_memory_is_left_to_the_paced_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = _cold_file(tmp_path, 8 * MiB)
+    monkeypatch.setattr(disk_ahead, "available_memory", lambda: 15 * MiB)
+    reader = disk_ahead.SourceReader([Extent(str(path), 0, 8 * MiB, 8 * MiB)])
+    assert not reader.active
+    reader.close()
+    assert not any(_resident(path))
+    assert disk_ahead.available_memory() > 0 or not Path("/proc/meminfo").exists()
