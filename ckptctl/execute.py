@@ -120,8 +120,9 @@ def _source_reader(
     plan: Plan, assembler: Assembler, mine: tuple[int, ...], writers: int
 ) -> SourceReader:
     """Sources read as ``cp`` reads them (``SourceReader``), for a job that writes one file
-    at a time and builds tensors in bands. Measured, cold, interleaved medians: the merge
-    3.14 -> 2.95 s (6 rounds, every round faster). Left out where it measured slower: two
+    at a time and builds tensors in bands. Measured, cold, interleaved: the merge 3.14 ->
+    2.95 s median over 6 rounds, 9 of 13 rounds faster in all (~0.1-0.2 s). Left out where
+    it measured slower: two
     files written at once (TP1 PP4, TP4 PP1: +0.15-0.2 s; their writers need two files'
     bytes at the same time, and one stream in first-use order starves one of them); and a
     job of runs alone (DCP -> torch: 2.17 against 2.22 s, 6 rounds), whose runs the
