@@ -53,13 +53,13 @@ class Extent:
     weight: int
 
 
-def merged(extents: Iterable[Extent]) -> list[Extent]:
-    """Consecutive extents of one file that touch or nearly touch, asked as one."""
+def merged(extents: Iterable[Extent], gap: int = GAP) -> list[Extent]:
+    """Consecutive extents of one file that touch or come within ``gap``, asked as one."""
     out: list[Extent] = []
     for e in extents:
         last = out[-1] if out else None
         end = last.offset + last.nbytes if last else 0
-        if last and last.path == e.path and last.offset <= e.offset <= end + GAP:
+        if last and last.path == e.path and last.offset <= e.offset <= end + gap:
             last.nbytes = max(end, e.offset + e.nbytes) - last.offset
             last.weight += e.weight
         else:
@@ -78,18 +78,9 @@ def in_file_order(extents: Iterable[Extent], gap: int = SPAN_GAP) -> list[Extent
     by_file: dict[str, list[Extent]] = {}
     for e in extents:
         by_file.setdefault(e.path, []).append(e)
-    spans: list[Extent] = []
-    for path, ranges in by_file.items():
-        ranges.sort(key=lambda e: e.offset)
-        for e in ranges:
-            last = spans[-1] if spans and spans[-1].path == path else None
-            end = last.offset + last.nbytes if last else 0
-            if last and e.offset <= end + gap:
-                last.nbytes = max(end, e.offset + e.nbytes) - last.offset
-                last.weight += e.weight
-            else:
-                spans.append(Extent(path, e.offset, e.nbytes, e.weight))
-    return spans
+    return merged(
+        (e for ranges in by_file.values() for e in sorted(ranges, key=lambda e: e.offset)), gap
+    )
 
 
 def available_memory() -> int:
