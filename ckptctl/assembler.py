@@ -127,16 +127,12 @@ class Assembler:
                 self._disk_ahead.close()
             self._disk_ahead = DiskAhead(extents, lambda: self.consumed)
 
-    def source_extents(self, writes: Iterable[TensorWrite]) -> tuple[list[Extent], bool]:
-        """The local source bytes the tensors' reads touch, in their order, and whether any
-        tensor is built in bands (read by page faults of the band builders, ahead of the
-        writer) rather than moved as runs or filled."""
-        extents, banded = [], False
+    def source_extents(self, writes: Iterable[TensorWrite]) -> list[Extent]:
+        """The local source bytes the tensors' reads touch, in their order."""
+        extents = []
         for write in writes:
-            runs = self._runs_of(write)
-            banded = banded or (runs is None and _fill_element(write) is None)
-            extents += self._read_extents(write, runs)
-        return extents, banded
+            extents += self._read_extents(write, self._runs_of(write))
+        return extents
 
     def _read_extents(self, write: TensorWrite, runs: list[Run] | None) -> list[Extent]:
         if runs is not None:

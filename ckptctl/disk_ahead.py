@@ -26,11 +26,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from ckptctl import writeback
+from ckptctl.read_early import PIECE, available_memory, read_into_cache
+
 AHEAD = 256 << 20
 """Bytes of the writer's reads asked of the disk beyond what it has consumed."""
-
-PIECE = 4 << 20
-"""Bytes read per call (between two looks at how far the writer has come)."""
 
 POLL = 0.02
 """Seconds between looks at the writer's progress while far enough ahead (each look takes the
@@ -83,18 +83,6 @@ def in_file_order(extents: Iterable[Extent], gap: int = SPAN_GAP) -> list[Extent
     )
 
 
-def available_memory() -> int:
-    """``MemAvailable`` of ``/proc/meminfo`` in bytes (0 where there is none)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
-
-
 class SourceReader:
     """Reads a job's local source bytes into the page cache as ``cp`` reads them: each file
     in one sequential stream from its first needed byte to its last, the files in the order
@@ -104,36 +92,44 @@ class SourceReader:
     Without it, a cold merge's band builders, the disk-ahead thread and the writer read at
     once, in ~1.2 MiB requests where ``cp`` reads 3.8 MiB ones. ``cat`` of the shard files
     started as the job starts converting took its median from 3.37 to 3.14 s (5 interleaved
-    rounds). Only when what it reads is at most half of the memory available: a larger source
-    read ahead unpaced would push out pages before the job uses them (``DiskAhead`` keeps
-    pace with the writer then).
+    rounds). While it reads, early writeback waits (``writeback.hold``): the device reads,
+    then writes, as for ``cp`` and ``sync``. Only when what it reads is at most half of the
+    memory available: a larger source read ahead unpaced would push out pages before the job
+    uses them (``DiskAhead`` keeps pace with the writer then), and its output could not wait
+    in memory.
     """
 
     def __init__(self, extents: Iterable[Extent]) -> None:
         spans = in_file_order(extents)
         nbytes = sum(e.nbytes for e in spans)
         self._reading: DiskAhead | None = None
+        self._held = False
+        self._lock = threading.Lock()
         if spans and nbytes <= available_memory() // 2:
-            self._reading = DiskAhead(spans, lambda: 0, ahead=nbytes + 1)
+            writeback.hold()
+            self._held = True
+            self._reading = DiskAhead(spans, lambda: 0, ahead=nbytes + 1, done=self._release)
 
     @property
     def active(self) -> bool:
         return self._reading is not None
 
+    @property
+    def holding(self) -> bool:
+        """Whether the writeback still waits for this reader."""
+        return self._held
+
+    def _release(self) -> None:
+        with self._lock:
+            if self._held:
+                self._held = False
+                writeback.release()
+
     def close(self) -> None:
         if self._reading is not None:
             self._reading.close()
             self._reading = None
-
-
-def read_into_cache(fd: int, offset: int, nbytes: int, sink: int) -> None:
-    """Bring ``nbytes`` of ``fd`` from ``offset`` into the page cache: ``sendfile`` to
-    ``sink`` (``/dev/null``) reads them through the cache and copies nothing."""
-    while nbytes > 0:
-        n = os.sendfile(sink, fd, offset, nbytes)
-        if n <= 0:  # the end of the file
-            return
-        offset, nbytes = offset + n, nbytes - n
+        self._release()
 
 
 PAGE = mmap.PAGESIZE
@@ -211,9 +207,15 @@ class DiskAhead:
     (weighed as the writer consumes them) beyond ``consumed()``; ``close`` stops it."""
 
     def __init__(
-        self, extents: Iterable[Extent], consumed: Callable[[], int], ahead: int = AHEAD
+        self,
+        extents: Iterable[Extent],
+        consumed: Callable[[], int],
+        ahead: int = AHEAD,
+        done: Callable[[], object] | None = None,
     ) -> None:
         self._extents = merged(extents)
+        self._done = done
+        """Called on the thread once it has read everything, stopped or failed."""
         start = consumed()  # a writer's count runs on over the files it writes
         self._consumed = lambda: consumed() - start
         self._ahead = ahead
@@ -248,6 +250,8 @@ class DiskAhead:
             for fd in [sink, *fds.values()]:
                 with contextlib.suppress(OSError):
                     os.close(fd)
+            if self._done is not None:
+                self._done()
 
     def close(self) -> None:
         self._stop.set()

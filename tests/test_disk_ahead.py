@@ -4,9 +4,9 @@ pages are evicted with ``posix_fadvise(DONTNEED)``, then counted resident."""
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -14,40 +14,11 @@ import pytest
 
 from ckptctl import disk_ahead
 from ckptctl.disk_ahead import DiskAhead, Extent, merged
+from tests.page_cache import cold_file as _cold_file
+from tests.page_cache import resident as _resident
 
 PAGE = mmap.PAGESIZE
 MiB = 1 << 20
-
-
-def _resident(path: Path) -> list[bool]:
-    """Which pages of ``path`` are in the page cache (``mincore`` of a read-only map)."""
-    import numpy as np
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    size = path.stat().st_size
-    vec = (ctypes.c_ubyte * ((size + PAGE - 1) // PAGE))()
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as pages:
-        view = np.frombuffer(pages, np.uint8)
-        failed = libc.mincore(ctypes.c_void_p(view.ctypes.data), size, vec) != 0
-        del view
-    if failed:
-        pytest.skip("mincore is not available")
-    return [bool(v & 1) for v in vec]
-
-
-def _cold_file(tmp_path: Path, nbytes: int) -> Path:
-    path = tmp_path / "source.bin"
-    path.write_bytes(os.urandom(nbytes))
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-    if any(_resident(path)):
-        pytest.skip("this file system keeps the file's pages (tmpfs?): nothing to measure")
-    return path
 
 
 def _wait(ahead: DiskAhead) -> None:
@@ -240,3 +211,43 @@ def test_a_source_larger_than_half_the_free_memory_is_left_to_the_paced_reads(
     reader.close()
     assert not any(_resident(path))
     assert disk_ahead.available_memory() > 0 or not Path("/proc/meminfo").exists()
+
+
+def test_the_source_reader_holds_the_writeback_until_it_has_read_everything(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While the reader runs, writeback requests wait (the device reads first); once it has
+    read its spans they go out, and a reader closed early releases its hold too."""
+    path = _cold_file(tmp_path, 16 * MiB)
+    asked: list[int] = []
+    monkeypatch.setattr(disk_ahead.writeback, "start_writeback", lambda fd, o, n: asked.append(n))
+    release = threading.Event()
+    real_read = disk_ahead.read_into_cache
+
+    def slow_read(fd: int, offset: int, nbytes: int, sink: int) -> None:
+        release.wait(10)
+        real_read(fd, offset, nbytes, sink)
+
+    monkeypatch.setattr(disk_ahead, "read_into_cache", slow_read)
+    reader = disk_ahead.SourceReader([Extent(str(path), 0, 16 * MiB, 16 * MiB)])
+    out = tmp_path / "out.bin"
+    with out.open("wb") as f:
+        assert reader.holding
+        assert disk_ahead.writeback.request_writeback(f.fileno(), 0, 4096) is True
+        disk_ahead.writeback.wait_for_requests()
+        assert asked == []
+        release.set()
+        assert reader._reading is not None
+        _wait(reader._reading)
+        assert not reader.holding
+        disk_ahead.writeback.wait_for_requests()
+        assert asked == [4096]
+    reader.close()
+    assert all(_resident(path))
+
+    release.clear()
+    stopped = disk_ahead.SourceReader([Extent(str(_cold_file(tmp_path, MiB, "b")), 0, MiB, MiB)])
+    assert stopped.holding and disk_ahead.writeback._holds == 1
+    release.set()
+    stopped.close()  # stopped while it reads: the hold ends with it
+    assert not stopped.holding and disk_ahead.writeback._holds == 0
