@@ -1,6 +1,6 @@
 """Entry point for ``python -m ckptctl``."""
 
-from ckptctl.cli.main import main
+from ckptctl.cli.launch import main
 
 if __name__ == "__main__":
     main()
