@@ -4,6 +4,7 @@ page cache is the judge (``mincore``)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -104,9 +105,34 @@ def test_the_entry_starts_reading_before_it_imports_the_cli(
     monkeypatch.setattr(sys, "argv", ["ckptctl", "consolidate", str(tmp_path), "out"])
     for variable in launch.RANK_VARIABLES:
         monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setattr(launch, "imports_cached", lambda: True)
     launch.main()
     assert calls == [str(tmp_path), "cli"]
     calls.clear()
     monkeypatch.setenv("LOCAL_RANK", "0")
     launch.main()
     assert calls == ["cli"]
+
+
+def test_nothing_is_read_early_while_the_cli_itself_must_come_from_the_disk() -> None:
+    """With the CLI's compiled modules out of the page cache, the imports need the disk, and
+    the early read would queue ahead of them: ``imports_cached`` says no; read back, yes."""
+    from importlib.util import cache_from_source
+
+    from ckptctl.cli import launch
+
+    compiled = Path(cache_from_source(str(Path(launch.__file__).with_name("main.py"))))
+    if not compiled.exists():
+        pytest.skip("the CLI is not compiled here")
+    compiled.read_bytes()
+    assert launch.imports_cached()
+    fd = os.open(compiled, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    if all(resident(compiled)):
+        pytest.skip("this file system keeps the file's pages (tmpfs?)")
+    assert not launch.imports_cached()
+    compiled.read_bytes()
+    assert launch.imports_cached()

@@ -32,9 +32,39 @@ def early_source(args: list[str]) -> str | None:
     return source
 
 
+def imports_cached() -> bool:
+    """Whether the CLI's compiled modules are in the page cache. When they are not (the
+    whole cache emptied), the imports read hundreds of small files from the disk, and an
+    early read of the source queues ahead of them: measured, cold through and through,
+    ``consolidate --format hf`` took 1.42 s with it against 0.95 s without (4 interleaved
+    rounds; with the reader at idle I/O priority, 1.36 s). A one-byte ``RWF_NOWAIT`` read
+    asks the cache without waiting for the disk."""
+    from importlib.util import cache_from_source
+
+    probe = bytearray(1)
+    here = os.path.dirname(os.path.abspath(__file__))
+    for name in ("main.py", "options.py"):
+        try:
+            fd = os.open(cache_from_source(os.path.join(here, name)), os.O_RDONLY)
+        except (OSError, NotImplementedError):  # not compiled yet
+            return False
+        try:
+            if os.preadv(fd, [probe], 0, os.RWF_NOWAIT) != 1:
+                return False
+        except (OSError, AttributeError):  # not cached (EAGAIN), or no such flag here
+            return False
+        finally:
+            os.close(fd)
+    return True
+
+
 def main() -> None:
     source = early_source(sys.argv[1:])
-    if source is not None and not any(os.environ.get(v) for v in RANK_VARIABLES):
+    if (
+        source is not None
+        and not any(os.environ.get(v) for v in RANK_VARIABLES)
+        and imports_cached()
+    ):
         from ckptctl import read_early
 
         read_early.start(source)
