@@ -108,7 +108,11 @@ class SourceReader:
         if spans and nbytes <= available_memory() // 2:
             writeback.hold()
             self._held = True
-            self._reading = DiskAhead(spans, lambda: 0, ahead=nbytes + 1, done=self._release)
+            try:
+                self._reading = DiskAhead(spans, lambda: 0, ahead=nbytes + 1, done=self._release)
+            except BaseException:  # (no thread to start): the writeback must not wait forever
+                self._release()
+                raise
 
     @property
     def active(self) -> bool:

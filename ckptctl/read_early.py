@@ -25,7 +25,8 @@ import stat
 import threading
 
 PIECE = 4 << 20
-"""Bytes read per call (between two looks at how far the writer has come)."""
+"""Bytes read per call (between two looks at whether to stop; ``DiskAhead``: at how far the
+writer has come)."""
 
 
 def available_memory() -> int:
@@ -71,22 +72,22 @@ def files_under(root: str) -> list[tuple[str, int]]:
     return found
 
 
-def start(root: str) -> bool:
+def start(root: str) -> None:
     """Start reading the files of local source ``root`` into the page cache on a background
-    thread, if they fit in half of the memory available; whether it started."""
+    thread, which first lists them (a folder of thousands of files takes a while; the
+    imports go on meanwhile) and reads only if they fit in half of the memory available."""
     global _thread
     if _thread is not None:
-        return False
-    files = files_under(root)
-    if not files or sum(size for _, size in files) > available_memory() // 2:
-        return False
+        return
     _stop.clear()
-    _thread = threading.Thread(target=_read, args=(files,), daemon=True, name="ckptctl-read-early")
+    _thread = threading.Thread(target=_read, args=(root,), daemon=True, name="ckptctl-read-early")
     _thread.start()
-    return True
 
 
-def _read(files: list[tuple[str, int]]) -> None:
+def _read(root: str) -> None:
+    files = files_under(root)
+    if sum(size for _, size in files) > available_memory() // 2:
+        return
     with contextlib.suppress(OSError), open(os.devnull, "wb") as sink:
         for path, size in files:
             fd = os.open(path, os.O_RDONLY)
