@@ -76,6 +76,7 @@ def test_the_source_is_the_argument_after_a_conversion_command(tmp_path: Path) -
     assert early_source(["consolidate", f"file://{src}", "out"]) == src
     assert early_source(["reshard", "--tp", "4", src, "out"]) is None  # not guessed
     assert early_source(["consolidate", src, "out", "--help"]) is None
+    assert early_source(["reshard", src, "out", "--tp", "1", "--dry-run"]) is None
     assert early_source(["inspect", src]) is None
     assert early_source(["verify", src]) is None
     assert early_source(["consolidate", "s3://bucket/ckpt", "out"]) is None

@@ -10,7 +10,8 @@ import sys
 CONVERSIONS = frozenset({"consolidate", "reshard"})
 """Commands that read (nearly) all of their source."""
 
-HELP = frozenset({"--help", "-h"})
+NOT_CONVERTING = frozenset({"--help", "-h", "--dry-run"})
+"""Flags under which a conversion command reads no tensor bytes."""
 
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
 """Set by torchrun: each rank reads only its share of a source, planned."""
@@ -21,7 +22,7 @@ def early_source(args: list[str]) -> str | None:
     ``consolidate`` / ``reshard``, when it is an existing local path (the CLI itself still
     parses every argument; a guess that misses only forgoes the head start)."""
     words = [a for a in args if not a.startswith("-")]
-    if not words or words[0] not in CONVERSIONS or HELP & set(args):
+    if not words or words[0] not in CONVERSIONS or NOT_CONVERTING & set(args):
         return None
     at = args.index(words[0]) + 1
     if at >= len(args) or args[at].startswith("-"):
