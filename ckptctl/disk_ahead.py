@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptctl import writeback
-from ckptctl.read_early import PIECE, available_memory, read_into_cache
+from ckptctl.read_early import PIECE, available_memory, byte_cached, read_into_cache
 
 AHEAD = 256 << 20
 """Bytes of the writer's reads asked of the disk beyond what it has consumed."""
@@ -196,14 +196,7 @@ def cached(fd: int, offset: int, nbytes: int) -> bool:
     counted = cached_pages(fd, offset, nbytes)
     if counted is not None:
         return counted >= _pages_of(offset, nbytes)
-    probe = bytearray(1)
-    try:
-        for at in (offset, offset + nbytes - 1):
-            if os.preadv(fd, [probe], at, os.RWF_NOWAIT) != 1:
-                return False
-    except (OSError, AttributeError):  # not cached (EAGAIN), or no such flag here
-        return False
-    return True
+    return byte_cached(fd, offset) and byte_cached(fd, offset + nbytes - 1)
 
 
 class DiskAhead:

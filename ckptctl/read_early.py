@@ -51,6 +51,16 @@ def read_into_cache(fd: int, offset: int, nbytes: int, sink: int) -> None:
         offset, nbytes = offset + n, nbytes - n
 
 
+def byte_cached(fd: int, offset: int) -> bool:
+    """Whether byte ``offset`` of ``fd`` is in the page cache: a one-byte ``RWF_NOWAIT`` read,
+    which returns at once instead of waiting for the disk (``False`` where the flag is
+    missing)."""
+    try:
+        return os.preadv(fd, [bytearray(1)], offset, os.RWF_NOWAIT) == 1
+    except (OSError, AttributeError):  # not cached (EAGAIN), or no such flag here
+        return False
+
+
 _stop = threading.Event()
 _thread: threading.Thread | None = None
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import sys
 
+from ckptctl import read_early
+
 CONVERSIONS = frozenset({"consolidate", "reshard"})
 """Commands that read (nearly) all of their source."""
 
@@ -42,7 +44,6 @@ def imports_cached() -> bool:
     asks the cache without waiting for the disk."""
     from importlib.util import cache_from_source
 
-    probe = bytearray(1)
     here = os.path.dirname(os.path.abspath(__file__))
     for name in ("main.py", "options.py"):
         try:
@@ -50,10 +51,8 @@ def imports_cached() -> bool:
         except (OSError, NotImplementedError):  # not compiled yet
             return False
         try:
-            if os.preadv(fd, [probe], 0, os.RWF_NOWAIT) != 1:
+            if not read_early.byte_cached(fd, 0):
                 return False
-        except (OSError, AttributeError):  # not cached (EAGAIN), or no such flag here
-            return False
         finally:
             os.close(fd)
     return True
@@ -66,8 +65,6 @@ def main() -> None:
         and not any(os.environ.get(v) for v in RANK_VARIABLES)
         and imports_cached()
     ):
-        from ckptctl import read_early
-
         read_early.start(source)
     from ckptctl.cli.main import main as run
 
