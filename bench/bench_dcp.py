@@ -12,6 +12,7 @@ consolidated files tensor by tensor, bit for bit.
 
     python bench/bench_dcp.py [--workdir /tmp/ckptctl-bench-dcp] [--hidden 1024] [--layers 6]
         [--vocab 32000] [--repeat 3] [--check] [--keep] [--generate-only]
+        [--cold | --cold-source]
 """
 
 from __future__ import annotations
@@ -22,7 +23,15 @@ import sys
 import time
 from pathlib import Path
 
-from benchlib import du, measure, print_table, remove, warm_page_cache
+from benchlib import (
+    add_cold_options,
+    cold_of,
+    du,
+    measure,
+    print_table,
+    remove,
+    warm_page_cache,
+)
 
 # Runs in its own process so the bench driver never holds the state dict (and its RSS is not
 # anyone's measurement). Deterministic in the seed; every tensor a fresh contiguous fp32 tensor.
@@ -112,6 +121,7 @@ def main() -> None:
     parser.add_argument(
         "--generate-only", action="store_true", help="Write the DCP checkpoint and stop."
     )
+    add_cold_options(parser)
     args = parser.parse_args()
     work = args.workdir
     src = work / "dcp"
@@ -143,10 +153,11 @@ def main() -> None:
             work / "ckptctl",
         ),
     ]
-    cache = warm_page_cache(src)
+    cold = cold_of(args, src)
+    cache = cold.describe() if cold else warm_page_cache(src)
     # Outputs are kept for --check only.
     keep = {out for _, _, out in runs[1:]} if args.check else set()
-    rows = measure(runs, size, args.repeat, keep)
+    rows = measure(runs, size, args.repeat, keep, cold=cold)
 
     print_table(
         rows,

@@ -12,6 +12,7 @@ RSS).
 
     DS_ACCELERATOR=cpu python bench/bench_deepspeed.py [--workdir /tmp/ckptctl-bench-ds]
         [--hidden 1024] [--layers 4] [--dp 2] [--budget 512MiB] [--repeat 2] [--keep]
+        [--cold | --cold-source]
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchlib import du, measure, print_table, warm_page_cache
+from benchlib import add_cold_options, cold_of, du, measure, print_table, warm_page_cache
 
 MAKE = r"""
 import os, socket, sys
@@ -74,6 +75,7 @@ def main() -> None:
     parser.add_argument("--budget", default="512MiB")
     parser.add_argument("--repeat", type=int, default=2, help="Runs per command (best is kept).")
     parser.add_argument("--keep", action="store_true", help="Keep the generated checkpoint.")
+    add_cold_options(parser)
     args = parser.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     work = args.workdir
@@ -123,8 +125,9 @@ def main() -> None:
             out["universal"],
         ),
     ]  # fmt: skip
-    cache = warm_page_cache(ckpt)
-    rows = measure(runs, size, args.repeat)
+    cold = cold_of(args, ckpt)
+    cache = cold.describe() if cold else warm_page_cache(ckpt)
+    rows = measure(runs, size, args.repeat, cold=cold)
     # ds_to_universal also writes latest_universal beside its output folder
     (work / "latest_universal").unlink(missing_ok=True)
     print_table(
