@@ -193,14 +193,28 @@ def test_closing_tears_down_the_ranks_group_and_a_later_save_makes_a_new_one(
 # --- a real FSDP2 training job under torchrun --------------------------------------------------
 
 
+TORCH_ABORT = "terminate called without an active exception"
+"""What a rank of torch's own ``dcp.load`` run printed when gloo's C++ side aborted it (once in
+CI on 2026-11-28, 4 ranks on 2 loaded cores; not reproduced in 3 runs alone)."""
+
+
 def torchrun(
-    workers: int, *args: object, check: bool = True, script: Path = WORKER
+    workers: int,
+    *args: object,
+    check: bool = True,
+    script: Path = WORKER,
+    oracle: bool = False,
 ) -> subprocess.CompletedProcess:
+    """``script`` under torchrun. ``oracle``: the run is torch's own side, the judge, not
+    ckptctl's; a rank aborted inside torch's C++ is retried once, since the judge crashing
+    says nothing of what is judged."""
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone",
          "--nproc-per-node", str(workers), str(script), *map(str, args)],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
+    if oracle and done.returncode != 0 and TORCH_ABORT in done.stderr:
+        return torchrun(workers, *args, check=check, script=script)
     if check:
         assert done.returncode == 0, done.stderr[-4000:]
     return done
@@ -252,7 +266,7 @@ def test_resuming_the_same_layout_reads_each_ranks_own_shard(trained: Path) -> N
 
 def test_resuming_on_another_number_of_ranks_matches_torchs_own_load(trained: Path) -> None:
     torchrun(4, trained, "resume", "step_1", 1, STEPS, "ckptctl")
-    torchrun(4, trained, "resume", "step_1", 1, STEPS, "torch")
+    torchrun(4, trained, "resume", "step_1", 1, STEPS, "torch", oracle=True)
     ours, torchs = (
         result(trained / "resume_ckptctl_4.json"),
         result(trained / "resume_torch_4.json"),
