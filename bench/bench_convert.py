@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchlib import add_cold_options, cold_of, du, measure, print_table, warm_page_cache
+from benchlib import add_cold_options, cache_for, du, measure, print_table
 
 HERE = Path(__file__).resolve().parent
 
@@ -122,8 +122,7 @@ def main() -> None:
             work / "naive.pt",
         ),
     ]
-    cold = cold_of(args, src)
-    cache = cold.describe() if cold else warm_page_cache(src)
+    cold, cache = cache_for(args, src)
     rows = measure(runs, size, args.repeat, cold=cold)
     print_table(
         rows,

@@ -23,15 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchlib import (
-    add_cold_options,
-    cold_of,
-    du,
-    measure,
-    print_table,
-    remove,
-    warm_page_cache,
-)
+from benchlib import add_cold_options, cache_for, du, measure, print_table, remove
 
 # Runs in its own process so the bench driver never holds the state dict (and its RSS is not
 # anyone's measurement). Deterministic in the seed; every tensor a fresh contiguous fp32 tensor.
@@ -153,8 +145,7 @@ def main() -> None:
             work / "ckptctl",
         ),
     ]
-    cold = cold_of(args, src)
-    cache = cold.describe() if cold else warm_page_cache(src)
+    cold, cache = cache_for(args, src)
     # Outputs are kept for --check only.
     keep = {out for _, _, out in runs[1:]} if args.check else set()
     rows = measure(runs, size, args.repeat, keep, cold=cold)

@@ -24,7 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchlib import add_cold_options, cold_of, du, measure, print_table, warm_page_cache
+from benchlib import add_cold_options, cache_for, du, measure, print_table
 
 MAKE = r"""
 import os, socket, sys
@@ -125,8 +125,7 @@ def main() -> None:
             out["universal"],
         ),
     ]  # fmt: skip
-    cold = cold_of(args, ckpt)
-    cache = cold.describe() if cold else warm_page_cache(ckpt)
+    cold, cache = cache_for(args, ckpt)
     rows = measure(runs, size, args.repeat, cold=cold)
     # ds_to_universal also writes latest_universal beside its output folder
     (work / "latest_universal").unlink(missing_ok=True)

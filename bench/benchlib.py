@@ -228,6 +228,13 @@ def cold_of(args: argparse.Namespace, source: Path) -> Cold | None:
     return None
 
 
+def cache_for(args: argparse.Namespace, source: Path) -> tuple[Cold | None, str]:
+    """The cold start the options of ``add_cold_options`` asked for, or else the page cache
+    set warm (``warm_page_cache``); with how, for the table's caption."""
+    cold = cold_of(args, source)
+    return cold, cold.describe() if cold else warm_page_cache(source)
+
+
 def attempt(
     cmd: list[str],
     out: Path,

@@ -30,9 +30,9 @@ def resident(path: Path) -> list[bool]:
     return [bool(v & 1) for v in vec]
 
 
-def cold_file(tmp_path: Path, nbytes: int, name: str = "source.bin") -> Path:
-    path = tmp_path / name
-    path.write_bytes(os.urandom(nbytes))
+def evict(path: Path) -> None:
+    """Write ``path``'s dirty pages, then drop all of its pages from the page cache; skips the
+    test where the file system keeps them (tmpfs), since nothing can then be measured."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -41,4 +41,10 @@ def cold_file(tmp_path: Path, nbytes: int, name: str = "source.bin") -> Path:
         os.close(fd)
     if any(resident(path)):
         pytest.skip("this file system keeps the file's pages (tmpfs?): nothing to measure")
+
+
+def cold_file(tmp_path: Path, nbytes: int, name: str = "source.bin") -> Path:
+    path = tmp_path / name
+    path.write_bytes(os.urandom(nbytes))
+    evict(path)
     return path

@@ -4,7 +4,6 @@ page cache is the judge (``mincore``)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -14,7 +13,7 @@ import pytest
 
 from ckptctl import read_early
 from ckptctl.cli.launch import early_source
-from tests.page_cache import cold_file, resident
+from tests.page_cache import cold_file, evict, resident
 
 MiB = 1 << 20
 
@@ -127,13 +126,7 @@ def test_nothing_is_read_early_while_the_cli_itself_must_come_from_the_disk() ->
         pytest.skip("the CLI is not compiled here")
     compiled.read_bytes()
     assert launch.imports_cached()
-    fd = os.open(compiled, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-    if all(resident(compiled)):
-        pytest.skip("this file system keeps the file's pages (tmpfs?)")
+    evict(compiled)
     assert not launch.imports_cached()
     compiled.read_bytes()
     assert launch.imports_cached()
