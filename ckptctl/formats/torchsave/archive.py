@@ -18,6 +18,7 @@ shows up as a failing round-trip test, never as a silently wrong file.
 
 from __future__ import annotations
 
+import bisect
 import io
 import os
 import struct
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ckptctl import record_checks
 from ckptctl.crc import crc32
+from ckptctl.direct_read import REACH, PastCache
 from ckptctl.errors import CheckpointError
 from ckptctl.formats.torchsave.unpickle import Shape, TensorRef, restricted_loads
 from ckptctl.model.dtypes import NUMBER_FORMATS, unpack_number
@@ -68,6 +70,9 @@ class TorchZipReader:
         self._fd = fileobj.fileno() if plain else None
         """A plain local file's descriptor, for mapped reads (record windows and remote files
         have none)."""
+        self._past_cache = PastCache(self._fd) if self._fd is not None else None
+        """Reads the records' local headers without caching them (``direct_read``)."""
+        self._header_offsets: list[int] | None = None
         local = getattr(fileobj, "local_file", None)  # a window of a local file (DCP record)
         self._path, self._base = (os.path.abspath(fileobj.name), 0) if plain else local or (None, 0)
         """The local file holding the archive, and the archive's offset in it, for the checks
@@ -104,8 +109,28 @@ class TorchZipReader:
         """Absolute file offset and size of a storage record's bytes (call under the lock)."""
         if key not in self._data_offsets:
             info = self._record_info(key)
-            self._locate(key, info, self._read_at(info.header_offset, 30))
+            self._locate(key, info, self._local_header(info.header_offset))
         return self._data_offsets[key]
+
+    def _local_header(self, offset: int) -> bytes:
+        """A record's 30-byte local header; from a local file, read past the page cache
+        (``direct_read``: a header read through it would break the source stream at every
+        record)."""
+        if self._past_cache is not None:
+            header = self._past_cache.read(offset, 30, self._headers_near(offset))
+            if header is not None:
+                return header
+            self._past_cache = None
+        return self._read_at(offset, 30)
+
+    def _headers_near(self, offset: int) -> int:
+        """The end of the last local header starting within ``REACH`` bytes after
+        ``offset`` (``offset`` itself when none does): one read takes them all in."""
+        if self._header_offsets is None:
+            self._header_offsets = sorted(info.header_offset for info in self._zip.infolist())
+        offsets = self._header_offsets
+        last = bisect.bisect_right(offsets, offset + REACH) - 1
+        return offsets[last] + 30 if last >= 0 and offsets[last] > offset else offset
 
     def _record_info(self, key: str) -> zipfile.ZipInfo:
         try:
