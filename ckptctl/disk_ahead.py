@@ -74,13 +74,21 @@ read through a few unneeded MiB costs less than breaking the disk's stream."""
 
 def in_file_order(extents: Iterable[Extent], gap: int = SPAN_GAP) -> list[Extent]:
     """The files the extents touch, each read once from its first needed byte to its last
-    (ranges ``gap`` or more apart are read apart), in the order the job first needs them."""
+    (ranges ``gap`` or more apart are read apart), in the order the job first needs them.
+    Each span starts on a multiple of ``PIECE``: read from a zip record's odd offset
+    (19,712 for a Megatron shard), every piece straddles pages and the disk gets 1.7 MiB
+    requests where it gets 2.2 MiB from aligned pieces (the 2.28 GB of a TP2 PP2 checkpoint's
+    spans, cold: 0.93-1.10 s against 0.77-1.04 s, 4 rounds)."""
     by_file: dict[str, list[Extent]] = {}
     for e in extents:
         by_file.setdefault(e.path, []).append(e)
-    return merged(
+    spans = merged(
         (e for ranges in by_file.values() for e in sorted(ranges, key=lambda e: e.offset)), gap
     )
+    for span in spans:  # (spans of a file lie ``gap`` > ``PIECE`` apart: none come to overlap)
+        before = span.offset % PIECE
+        span.offset, span.nbytes = span.offset - before, span.nbytes + before
+    return spans
 
 
 class SourceReader:

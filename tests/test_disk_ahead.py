@@ -163,7 +163,8 @@ def test_a_writer_that_has_read_other_files_before_is_still_kept_pace_with(
 def test_in_file_order_reads_each_file_once_in_the_order_first_needed() -> None:
     """A merge needs its two shards' ranges alternately; read as ``cp`` reads, each file is
     one span from its first needed byte to its last, the file needed first read first, and
-    ranges far apart in a file stay apart (the bytes between are not needed)."""
+    ranges far apart in a file stay apart (the bytes between are not needed). A span starts
+    on a piece's boundary, up to a piece before its first needed byte."""
     gap = 64 * MiB
     extents = [
         Extent("b", 5 * MiB, MiB, MiB),
@@ -176,8 +177,9 @@ def test_in_file_order_reads_each_file_once_in_the_order_first_needed() -> None:
     assert [(e.path, e.offset, e.nbytes, e.weight) for e in spans] == [
         ("b", 0, 6 * MiB, 2 * MiB),
         ("a", 0, 3 * MiB, 3 * MiB),
-        ("a", 3 * MiB + gap + 1, MiB, MiB),
+        ("a", 64 * MiB, 4 * MiB + 1, MiB),
     ]
+    assert gap % disk_ahead.PIECE == 0 and 4 * MiB == disk_ahead.PIECE
 
 
 def test_the_source_reader_reads_the_needed_spans_unpaced(tmp_path: Path) -> None:
