@@ -117,7 +117,9 @@ class SourceReader:
             writeback.hold()
             self._held = True
             try:
-                self._reading = DiskAhead(spans, lambda: 0, ahead=nbytes + 1, done=self._release)
+                self._reading = DiskAhead(
+                    spans, lambda: 0, nbytes + 1, self._release, name="ckptctl-source-reader"
+                )
             except BaseException:  # (no thread to start): the writeback must not wait forever
                 self._release()
                 raise
@@ -217,6 +219,7 @@ class DiskAhead:
         consumed: Callable[[], int],
         ahead: int = AHEAD,
         done: Callable[[], object] | None = None,
+        name: str = "ckptctl-disk-ahead",
     ) -> None:
         self._extents = merged(extents)
         self._done = done
@@ -225,7 +228,7 @@ class DiskAhead:
         self._consumed = lambda: consumed() - start
         self._ahead = ahead
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="ckptctl-disk-ahead")
+        self._thread = threading.Thread(target=self._run, daemon=True, name=name)
         self._thread.start()
 
     def _run(self) -> None:
