@@ -221,6 +221,25 @@ def add_cold_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_cold_path_options(parser: argparse.ArgumentParser) -> None:
+    """``--cold SRC`` / ``--cold-source SRC`` for a tool timing one command (the source is
+    named here, not by the command's own options)."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--cold", type=Path, help="Read it, then empty the page cache (root).")
+    group.add_argument(
+        "--cold-source", type=Path, help="Read it, then evict its pages alone (any user)."
+    )
+
+
+def cold_of_paths(args: argparse.Namespace) -> Cold | None:
+    """The cold start the options of ``add_cold_path_options`` asked for."""
+    if args.cold is not None:
+        return Cold(args.cold)
+    if args.cold_source is not None:
+        return Cold(args.cold_source, everything=False)
+    return None
+
+
 def cold_of(args: argparse.Namespace, source: Path) -> Cold | None:
     """The cold start the options of ``add_cold_options`` asked for, of ``source``."""
     if args.cold or args.cold_source:

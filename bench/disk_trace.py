@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from benchlib import Cold
+from benchlib import add_cold_path_options, cold_of_paths
 
 SECTOR = 512
 
@@ -37,20 +37,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="vda")
     parser.add_argument("--every", type=float, default=0.2)
-    cold = parser.add_mutually_exclusive_group()
-    cold.add_argument("--cold", type=Path, help="Read it, then empty the page cache (root).")
-    cold.add_argument(
-        "--cold-source", type=Path, help="Read it, then evict its pages alone (any user)."
-    )
+    add_cold_path_options(parser)
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("give the command to run after --")
-    if args.cold is not None:
-        Cold(args.cold).start()
-    elif args.cold_source is not None:
-        Cold(args.cold_source, everything=False).start()
+    cold = cold_of_paths(args)
+    if cold is not None:
+        cold.start()
     samples: list[tuple[float, tuple[int, int, int, int]]] = []
     done = threading.Event()
 

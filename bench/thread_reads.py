@@ -19,7 +19,7 @@ import sys
 import threading
 from pathlib import Path
 
-from benchlib import Cold, prime_memory, remove
+from benchlib import add_cold_path_options, cold_of_paths, prime_memory, remove
 
 EVERY = 0.005
 """Seconds between samples: a thread's count is lost with the thread, so the sampler must
@@ -71,11 +71,7 @@ class Sampler:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    cold = parser.add_mutually_exclusive_group()
-    cold.add_argument("--cold", type=Path, help="Read it, then empty the page cache (root).")
-    cold.add_argument(
-        "--cold-source", type=Path, help="Read it, then evict its pages alone (any user)."
-    )
+    add_cold_path_options(parser)
     parser.add_argument("--clear", type=Path, help="An output folder to remove first.")
     parser.add_argument("arguments", nargs=argparse.REMAINDER)
     args = parser.parse_args()
@@ -84,8 +80,9 @@ def main() -> None:
         parser.error("give ckptctl's arguments after --")
     if args.clear is not None:
         remove(args.clear)
-    if args.cold is not None or args.cold_source is not None:
-        Cold(args.cold or args.cold_source, everything=args.cold is not None).start()
+    cold = cold_of_paths(args)
+    if cold is not None:
+        cold.start()
         prime_memory()
     sampler = Sampler()
     exit_now = os._exit

@@ -15,7 +15,7 @@ from __future__ import annotations
 import mmap
 import os
 
-from ckptctl.disk_ahead import cached_pages
+from ckptctl.disk_ahead import counted_cached
 
 BLOCK = 4096
 """Alignment of a direct read's offset, length and buffer: every block size Linux disks use
@@ -38,31 +38,30 @@ class PastCache:
         self._fd = fd
         self._start = 0
         self._window = b""
-        self._usable = hasattr(os, "O_DIRECT")
 
     def read(self, offset: int, nbytes: int, through: int = 0) -> bytes | None:
         """Bytes ``[offset, offset + nbytes)`` (fewer at the end of the file). A read from
         the device takes in the bytes up to ``through`` as well (at most ``REACH`` past the
         piece), kept for the next calls."""
-        at = offset - self._start
-        if at >= 0 and offset + nbytes <= self._start + len(self._window):
-            return self._window[at : at + nbytes]
-        counted = cached_pages(self._fd, offset, nbytes)
-        if counted is not None and counted >= _pages(offset, nbytes):
-            return os.pread(self._fd, nbytes, offset)
-        end = min(max(offset + nbytes, through), offset + nbytes + REACH)
-        if not self._usable or not self._read_window(offset, end):
-            self._usable = False
-            return None
+        kept = self._start <= offset and offset + nbytes <= self._start + len(self._window)
+        if not kept:
+            if counted_cached(self._fd, offset, nbytes):
+                return os.pread(self._fd, nbytes, offset)
+            end = min(max(offset + nbytes, through), offset + nbytes + REACH)
+            if not self._read_window(offset, end):
+                return None
         at = offset - self._start
         return self._window[at : at + nbytes]
 
     def _read_window(self, offset: int, end: int) -> bool:
+        direct_flag = getattr(os, "O_DIRECT", None)  # (not on every platform)
+        if direct_flag is None:
+            return False
         first = offset - offset % BLOCK
         length = -(-(end - first) // BLOCK) * BLOCK
         try:
             # The open file by its descriptor's name: the path is not looked up again.
-            direct = os.open(f"/proc/self/fd/{self._fd}", os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+            direct = os.open(f"/proc/self/fd/{self._fd}", os.O_RDONLY | direct_flag | os.O_CLOEXEC)
         except OSError:
             return False
         try:
@@ -74,8 +73,3 @@ class PastCache:
         finally:
             os.close(direct)
         return True
-
-
-def _pages(offset: int, nbytes: int) -> int:
-    first = offset - offset % mmap.PAGESIZE
-    return -(-(offset + nbytes - first) // mmap.PAGESIZE)

@@ -196,6 +196,13 @@ def cached_pages(fd: int, offset: int, nbytes: int) -> int | None:
     return int(stat.nr_cache)
 
 
+def counted_cached(fd: int, offset: int, nbytes: int) -> bool | None:
+    """Whether every page of the range is in the page cache, as ``cachestat(2)`` counts them
+    (nothing is read); ``None`` where it cannot tell."""
+    counted = cached_pages(fd, offset, nbytes)
+    return None if counted is None else counted >= _pages_of(offset, nbytes)
+
+
 def cached(fd: int, offset: int, nbytes: int) -> bool:
     """Whether the range is in the page cache already (then reading it again would only cost
     CPU: a warm job's). Asked of ``cachestat(2)`` (Linux 6.5), which counts the range's pages
@@ -203,9 +210,9 @@ def cached(fd: int, offset: int, nbytes: int) -> bool:
     it starts the kernel's read-ahead at the range's end itself, and calls a range cached whose
     middle is not (the merge's read list replayed cold: once in three, 0.6 of its 2.3 GB were
     skipped so, left to the writer's page faults)."""
-    counted = cached_pages(fd, offset, nbytes)
+    counted = counted_cached(fd, offset, nbytes)
     if counted is not None:
-        return counted >= _pages_of(offset, nbytes)
+        return counted
     return byte_cached(fd, offset) and byte_cached(fd, offset + nbytes - 1)
 
 
