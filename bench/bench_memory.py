@@ -8,13 +8,17 @@ copy pays it for every byte it writes, and a cold copy for every byte it reads t
 
 Each trial frees ``--free`` GiB of touched memory (a process that fills it, then exits), waits
 either not at all or ``--idle`` seconds, then times a process that writes ``--write`` GiB into a
-new file in 4 MiB calls (page cache only: no sync is timed). Trials alternate, ``--rounds`` each.
+new file in 4 MiB calls (page cache only: no sync is timed). Two more states wait ``--idle``
+seconds, then prime ``--prime`` GiB first, as the benches do (``benchlib.prime_memory``):
+through the page cache, or (as the benches did before 2026-11-28) by touching anonymous
+memory in a process that then exits. Trials alternate, ``--rounds`` each.
 
-    python bench/bench_memory.py [--rounds 3] [--idle 8] [--free 2] [--write 0.8] [--dir /tmp]
+    python bench/bench_memory.py [--rounds 3] [--idle 8] [--free 2] [--write 0.8] [--prime 4]
+                                 [--dir /tmp]
 
-Prints medians: wall and system seconds and GB/s of each state. On bare metal the two rows
-agree; on this VM (2026-11-25) the write took ~0.2 s of system time right after the free and
-~1.8 s after 8 s idle.
+Prints medians: wall and system seconds and GB/s of each state. On bare metal the rows agree;
+on this VM (2026-11-25) the write took ~0.2 s of system time right after the free and ~1.8 s
+after 8 s idle.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchlib import fill_memory
+from benchlib import fill_memory, fill_page_cache
 
 WRITE = r"""
 import os, resource, sys, time
@@ -41,10 +45,17 @@ print(time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_s
 """
 
 
-def trial(idle: float, free: float, write: float, target: Path) -> tuple[float, float]:
-    """(wall, system) seconds of one page-cache write, ``idle`` seconds after a free."""
+def trial(
+    idle: float, free: float, write: float, target: Path, primer: str, prime: float
+) -> tuple[float, float]:
+    """(wall, system) seconds of one page-cache write, ``idle`` seconds after a free, after
+    ``prime`` GiB were primed by ``primer`` (a key of ``PRIMERS``)."""
     fill_memory(int(free * (1 << 30)))
     time.sleep(idle)
+    if primer == "page cache":
+        fill_page_cache(int(prime * (1 << 30)), target.parent)
+    elif primer == "anonymous":
+        fill_memory(int(prime * (1 << 30)))
     done = subprocess.run(
         [sys.executable, "-c", WRITE, str(target), str(write)],
         check=True,
@@ -63,14 +74,24 @@ def main() -> None:
     parser.add_argument("--idle", type=float, default=8.0, help="Seconds the memory sits free.")
     parser.add_argument("--free", type=float, default=2.0, help="GiB freed before each write.")
     parser.add_argument("--write", type=float, default=0.8, help="GiB written per trial.")
+    parser.add_argument("--prime", type=float, default=4.0, help="GiB primed, where primed.")
     parser.add_argument("--dir", type=Path, default=Path("/tmp"), help="Where the file goes.")
     args = parser.parse_args()
     target = args.dir / "ckptctl-bench-memory.bin"
-    states = {"right after the free": 0.0, f"{args.idle:g} s after the free": args.idle}
+    after = f"{args.idle:g} s after the free"
+    states = {
+        "right after the free": (0.0, "none"),
+        after: (args.idle, "none"),
+        f"{after}, then {args.prime:g} GiB primed through the page cache": (
+            args.idle,
+            "page cache",
+        ),
+        f"{after}, then {args.prime:g} GiB of anonymous memory primed": (args.idle, "anonymous"),
+    }
     seen: dict[str, list[tuple[float, float]]] = {state: [] for state in states}
     for _ in range(args.rounds):
-        for state, idle in states.items():
-            seen[state].append(trial(idle, args.free, args.write, target))
+        for state, (idle, primer) in states.items():
+            seen[state].append(trial(idle, args.free, args.write, target, primer, args.prime))
     nbytes = args.write * (1 << 30)
     print(f"\n{args.write:g} GiB written into the page cache, {args.rounds} rounds, medians\n")
     print("| memory freed | wall s | system s | GB/s |")

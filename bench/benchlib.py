@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Collection
 from pathlib import Path
@@ -50,17 +51,41 @@ class Timing(NamedTuple):
 
 
 PRIME_BYTES = 8 << 30
-"""Free memory touched (then freed) before each timed run: enough that the host of this VM,
-which takes back free guest memory at a limited rate, has not reached what a run allocates
-before the run ends (measured with ``bench_memory.py``: 0.8 GiB written 8 s after freeing
-8 GiB ran at 4.4 GB/s, after freeing 2 GiB at 0.44 GB/s)."""
+"""Free memory passed through the page cache (then freed) before each timed run: enough that
+the host of this VM, which takes back free guest memory at a limited rate, has not reached what
+a run allocates before the run ends (measured with ``bench_memory.py``: 0.8 GiB written 8 s
+after freeing 8 GiB ran at 4.4 GB/s, after freeing 2 GiB at 0.44 GB/s)."""
 
 FILL = "import sys; block = bytearray(b'\\x01') * int(sys.argv[1])"
+
+PRIMER_CHUNK = 16 << 20
+"""Bytes read per call while priming."""
 
 
 def fill_memory(nbytes: int) -> None:
     """Touch ``nbytes`` of memory in a process of its own, which then exits and frees it."""
     subprocess.run([sys.executable, "-c", FILL, str(nbytes)], check=True)
+
+
+def fill_page_cache(nbytes: int, where: Path) -> None:
+    """Bring ``nbytes`` of page cache into memory, then free it: read a sparse file of that
+    size made in the folder ``where`` (its holes cost no disk read and no disk space), then
+    evict its pages and remove it. Where the file system keeps no page cache of holes (tmpfs
+    maps them to one zero page) this touches nothing, and costs nothing."""
+    fd, name = tempfile.mkstemp(prefix=".ckptctl-bench-prime-", dir=where)
+    try:
+        os.ftruncate(fd, nbytes)
+        buffer = memoryview(bytearray(PRIMER_CHUNK))
+        offset = 0
+        while offset < nbytes:
+            got = os.preadv(fd, [buffer], offset)
+            if got <= 0:
+                break
+            offset += got
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+        os.unlink(name)
 
 
 def free_memory() -> int:
@@ -77,30 +102,41 @@ def memory_needed(source_bytes: int) -> int:
     return 2 * source_bytes
 
 
-def prime_memory(need: int = 0) -> None:
-    """Touch ``PRIME_BYTES`` of the machine's free memory, or ``need`` if more (never evicting
-    the page cache: 1 GiB stays free), then free it, so a run that follows gets pages its host
-    backs already. A run that brings more into memory than was primed runs at the host's pace
-    once past it: measured, `cp -r` of a cold 7.9 GB source (16 GB of page cache, read and
-    written) took 23-24 s after 8 GiB were primed, 7.8-9.5 s after 22 GiB.
+def prime_memory(need: int = 0, where: Path | None = None) -> None:
+    """Pass ``PRIME_BYTES`` of the machine's free memory, or ``need`` if more (never evicting
+    the page cache: 1 GiB stays free), through the page cache and free it again
+    (``fill_page_cache`` in ``where``, default the temporary folder), so a run that follows gets
+    pages its host backs already.
     Some virtual machines (this one) hand free guest memory back to the host, and the next
     touch of it waits for the host: ~2 s of system time per GB here, for `cp` as for ckptctl,
     more for whichever runs later after a free. Priming starts every run from memory the host
-    backs, as on bare metal, where this costs a few tenths of a second and changes nothing."""
+    backs, as on bare metal, where this costs a few tenths of a second and changes nothing.
+    Through the page cache, not anonymous memory: measured (``bench_memory.py``, 2026-11-28),
+    a page-cache write right after 4 GiB of anonymous memory was touched and freed ran no
+    faster than after none, and as fast as right after a free once the 4 GiB had passed
+    through the page cache (a cold `cp -r` of the 2.28 GB bench source: 3.5-4.2 s after
+    anonymous priming, 0.86-0.93 s after page-cache priming, 1.6-3.2 s after none).
+    A run that brings more into memory than was primed runs at the host's pace once past it:
+    `cp -r` of a cold 7.9 GB source (16 GB of page cache, read and written) took 23-24 s after
+    8 GiB were primed, 7.8-9.5 s after 22 GiB."""
     nbytes = min(max(PRIME_BYTES, need), free_memory() - (1 << 30))  # (tests lower PRIME_BYTES)
     if nbytes > 0:
-        fill_memory(nbytes)
+        fill_page_cache(nbytes, where or Path(tempfile.gettempdir()))
 
 
 def timed(
-    cmd: list[str], env: dict[str, str] | None = None, prime: bool = True, need: int = 0
+    cmd: list[str],
+    env: dict[str, str] | None = None,
+    prime: bool = True,
+    need: int = 0,
+    where: Path | None = None,
 ) -> Timing:
     """Time ``cmd``. Counting the final sync charges every run for its own writeback, so runs
     compare at the disk's bandwidth, not the page cache's. ``env``: the command's environment
     (default: this process's). ``prime``: start from primed memory (``prime_memory``, with
-    ``need``)."""
+    ``need``, in the folder ``where``)."""
     if prime:
-        prime_memory(need)
+        prime_memory(need, where)
     start = time.perf_counter()
     done = subprocess.run(
         ["/usr/bin/time", "-f", "%M %U %S", *cmd],
@@ -271,11 +307,18 @@ def attempt(
     check_free_space(out, need)
     if cold is not None:
         cold.start()
-    return timed(cmd, env, prime, need)
+    return timed(cmd, env, prime, need, existing_folder(out))
 
 
 FREE_MARGIN = 4 << 30
 """Free bytes a run must leave on its output's file system."""
+
+
+def existing_folder(path: Path) -> Path:
+    """The nearest of ``path``'s folders (``path`` itself if one) that exists."""
+    while not path.is_dir():
+        path = path.parent
+    return path
 
 
 def check_free_space(out: Path, need: int) -> None:
@@ -284,9 +327,7 @@ def check_free_space(out: Path, need: int) -> None:
     figure is the allocator's, not the job's. Found when this VM's disk filled with a
     session's outputs (16 KB free) and a warm merge's system time swung from 1.2 to 3.7 s.
     ``need``: the bytes the run may write (its output, with room to spare)."""
-    where = out
-    while not where.exists():
-        where = where.parent
+    where = existing_folder(out)
     free = shutil.disk_usage(where).free
     if free < need + FREE_MARGIN:
         sys.exit(

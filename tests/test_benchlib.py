@@ -64,21 +64,40 @@ def test_attempt_starts_from_a_removed_output(benchlib, tmp_path: Path) -> None:
 
 
 def test_priming_covers_what_a_run_brings_into_memory(
-    benchlib, monkeypatch: pytest.MonkeyPatch
+    benchlib, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """A run that needs more pages than ``PRIME_BYTES`` gets them primed (a 7.9 GB cold copy
     ran 2.5x slower past the primed 8 GiB); priming never reaches into the page cache."""
     if benchlib.free_memory() < 2 << 30:
         pytest.skip("priming leaves 1 GiB free: this needs more free memory than that")
-    touched: list[int] = []
-    monkeypatch.setattr(benchlib, "fill_memory", touched.append)  # count, do not touch
-    benchlib.prime_memory()
-    benchlib.prime_memory(need=64 << 20)
+    touched: list[tuple[int, Path]] = []
+    monkeypatch.setattr(benchlib, "fill_page_cache", lambda n, where: touched.append((n, where)))
+    benchlib.prime_memory(where=tmp_path)
+    benchlib.prime_memory(need=64 << 20, where=tmp_path)
     benchlib.prime_memory(need=1 << 60)  # more than the machine has: what is free, less 1 GiB
     free = benchlib.free_memory()
-    assert touched[:2] == [16 << 20, 64 << 20]
-    assert touched[2] < free - (1 << 30) + (256 << 20)  # (free memory moves a little meanwhile)
-    assert touched[2] > 64 << 20
+    assert touched[:2] == [(16 << 20, tmp_path), (64 << 20, tmp_path)]
+    assert touched[2][0] < free - (1 << 30) + (256 << 20)  # (free memory moves a little)
+    assert touched[2][0] > 64 << 20
+
+
+def test_priming_reads_through_the_page_cache_and_leaves_nothing(
+    benchlib, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The primer's file is read whole and removed: nothing is left in the output's folder,
+    which a bench then times the run's output in."""
+    reads: list[int] = []
+    real_preadv = os.preadv
+
+    def counted(fd: int, buffers: list, offset: int) -> int:
+        got = real_preadv(fd, buffers, offset)
+        reads.append(got)
+        return got
+
+    monkeypatch.setattr(benchlib.os, "preadv", counted)
+    benchlib.fill_page_cache((40 << 20) + 123, tmp_path)
+    assert sum(reads) == (40 << 20) + 123
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_each_side_of_an_ab_imports_its_own_checkout(
