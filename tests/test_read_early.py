@@ -50,8 +50,9 @@ def test_a_source_over_half_the_free_memory_is_left_alone(
 
 
 def test_stop_ends_the_reading_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(read_early, "EARLY_PIECE", 4 * MiB)  # (a smaller file, as many pieces)
     path = cold_file(tmp_path, 64 * MiB)
-    pieces = 64 * MiB // read_early.PIECE
+    pieces = 64 * MiB // read_early.EARLY_PIECE
     read: list[int] = []
 
     def slow_read(fd: int, offset: int, nbytes: int, sink: int) -> None:
