@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ckptctl import read_early
-from ckptctl.cli.launch import early_source
+from ckptctl.cli.launch import early_source, reads_whole_source
 from tests.page_cache import cold_file, evict, resident
 
 MiB = 1 << 20
@@ -131,3 +131,16 @@ def test_nothing_is_read_early_while_the_cli_itself_must_come_from_the_disk() ->
     assert not launch.imports_cached()
     compiled.read_bytes()
     assert launch.imports_cached()
+
+
+def test_only_jobs_that_read_their_whole_source_read_it_early_past_cold_imports() -> None:
+    """With the CLI's modules not cached, early reads delay the imports: worth it only where
+    the job needs every byte they read (a consolidation to HF reads the weights alone)."""
+    assert reads_whole_source(["reshard", "src", "out", "--tp", "4"])
+    assert reads_whole_source(["--debug", "reshard", "src", "out", "--pp", "2"])
+    assert reads_whole_source(["consolidate", "src", "out", "--format", "megatron"])
+    assert reads_whole_source(["consolidate", "src", "out", "--format=torch"])
+    assert reads_whole_source(["consolidate", "src", "out", "--format", "deepspeed-universal"])
+    assert not reads_whole_source(["consolidate", "src", "out"])  # HF, the default
+    assert not reads_whole_source(["consolidate", "src", "out", "--format", "hf"])
+    assert not reads_whole_source(["consolidate", "src", "out", "--format=hf", "--json"])
