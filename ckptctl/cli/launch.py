@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import sys
 
-from ckptctl import read_early
+from ckptctl import import_prefetch, read_early
 
 CONVERSIONS = frozenset({"consolidate", "reshard"})
 """Commands that read (nearly) all of their source."""
@@ -82,12 +82,12 @@ def imports_cached() -> bool:
 
 def main() -> None:
     source = early_source(sys.argv[1:])
-    if (
-        source is not None
-        and not any(os.environ.get(v) for v in RANK_VARIABLES)
-        and (reads_whole_source(sys.argv[1:]) or imports_cached())
-    ):
-        read_early.start(source)
+    if source is not None and not any(os.environ.get(v) for v in RANK_VARIABLES):
+        cached = imports_cached()
+        if not cached:
+            import_prefetch.start()
+        if cached or reads_whole_source(sys.argv[1:]):
+            read_early.start(source)
     from ckptctl.cli.main import main as run
 
-    run()
+    run(on_success=import_prefetch.record if source is not None else None)
