@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptctl import read_early
+from ckptctl import import_prefetch, read_early
 from ckptctl.cli.launch import early_source, reads_whole_source
 from tests.page_cache import cold_file, evict, resident
 
@@ -102,7 +102,12 @@ def test_the_entry_starts_reading_before_it_imports_the_cli(
 
     calls: list[str] = []
     monkeypatch.setattr(read_early, "start", calls.append)
-    monkeypatch.setattr(cli_main, "main", lambda: calls.append("cli"))
+    monkeypatch.setattr(import_prefetch, "start", lambda: calls.append("prefetch"))
+
+    def cli(on_success=None) -> None:
+        calls.append("cli" if on_success is import_prefetch.record else "cli, no record")
+
+    monkeypatch.setattr(cli_main, "main", cli)
     monkeypatch.setattr(sys, "argv", ["ckptctl", "consolidate", str(tmp_path), "out"])
     for variable in launch.RANK_VARIABLES:
         monkeypatch.delenv(variable, raising=False)
@@ -110,9 +115,23 @@ def test_the_entry_starts_reading_before_it_imports_the_cli(
     launch.main()
     assert calls == [str(tmp_path), "cli"]
     calls.clear()
+    # the CLI's modules not cached: their files are asked for first; the source is read early
+    # only by a job that reads all of it (a consolidation to HF reads the weights alone)
+    monkeypatch.setattr(launch, "imports_cached", lambda: False)
+    launch.main()
+    assert calls == ["prefetch", "cli"]
+    calls.clear()
+    monkeypatch.setattr(sys, "argv", ["ckptctl", "reshard", str(tmp_path), "out", "--tp", "2"])
+    launch.main()
+    assert calls == ["prefetch", str(tmp_path), "cli"]
+    calls.clear()
     monkeypatch.setenv("LOCAL_RANK", "0")
     launch.main()
     assert calls == ["cli"]
+    calls.clear()
+    monkeypatch.setattr(sys, "argv", ["ckptctl", "inspect", str(tmp_path)])
+    launch.main()
+    assert calls == ["cli, no record"]  # only conversions keep the list
 
 
 def test_nothing_is_read_early_while_the_cli_itself_must_come_from_the_disk() -> None:
