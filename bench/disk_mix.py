@@ -34,11 +34,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from benchlib import evict, files_of
+from benchlib import evict, files_of, read_through_cache
 from disk_trace import SECTOR, sample
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from ckptctl.disk_ahead import read_into_cache  # the checkout's, not an install's
 from ckptctl.writeback import start_writeback
 
 READ_CALL = 4 << 20
@@ -47,18 +46,7 @@ WRITEBACK_EVERY = 32 << 20
 
 
 def read(files: list[Path]) -> None:
-    sink = os.open(os.devnull, os.O_WRONLY)
-    try:
-        for path in files:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                size = os.fstat(fd).st_size
-                for start in range(0, size, READ_CALL):
-                    read_into_cache(fd, start, min(READ_CALL, size - start), sink)
-            finally:
-                os.close(fd)
-    finally:
-        os.close(sink)
+    read_through_cache(files, READ_CALL)
 
 
 def write(out: Path, nbytes: int) -> None:

@@ -14,12 +14,11 @@ busy thread 0.78 GB/s in 4 MiB calls, 2.6 GB/s in 64 MiB calls, 3.0 GB/s in 512 
 from __future__ import annotations
 
 import argparse
-import os
 import threading
 import time
 from pathlib import Path
 
-from benchlib import Cold, files_of, prime_memory
+from benchlib import Cold, files_of, prime_memory, read_through_cache
 
 
 def spin(stop: threading.Event) -> None:
@@ -28,24 +27,6 @@ def spin(stop: threading.Event) -> None:
     while not stop.is_set():
         for i in range(1000):
             total += i
-
-
-def stream(files: list[Path], piece: int) -> int:
-    """Bytes read, every file in ``piece``-byte ``sendfile`` calls to ``/dev/null``."""
-    read = 0
-    sink = os.open(os.devnull, os.O_WRONLY)
-    try:
-        for path in files:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                size = os.fstat(fd).st_size
-                for offset in range(0, size, piece):
-                    read += os.sendfile(sink, fd, offset, min(piece, size - offset))
-            finally:
-                os.close(fd)
-    finally:
-        os.close(sink)
-    return read
 
 
 def timed(source: Path, piece: int, busy: int) -> float:
@@ -58,7 +39,7 @@ def timed(source: Path, piece: int, busy: int) -> float:
         thread.start()
     try:
         start = time.perf_counter()
-        nbytes = stream(sorted(files_of(source)), piece)
+        nbytes = read_through_cache(sorted(files_of(source)), piece)
         seconds = time.perf_counter() - start
     finally:
         stop.set()

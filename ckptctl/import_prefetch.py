@@ -88,8 +88,10 @@ def start() -> list[threading.Thread]:
     """Ask for every listed file on ``THREADS`` background threads, returned (a caller may
     wait for them; the CLI does not: the imports find each file as soon as it is in)."""
     source = list_path()
+    if source is None:
+        return []
     try:
-        with open(source or "", encoding="utf-8") as f:
+        with open(source, encoding="utf-8") as f:
             paths = [line for line in f.read().splitlines() if os.path.isabs(line)]
     except OSError:
         return []

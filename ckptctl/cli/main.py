@@ -219,10 +219,10 @@ def main(on_success: Callable[[], None] | None = None) -> None:
     """The ``ckptctl`` program (``on_success``: called once a command has succeeded). After a
     command succeeds, the process leaves at once instead of tearing the interpreter down:
     module teardown (numpy, pydantic, the layout models) takes ~45 ms, 4% of a one-second
-    conversion, and nothing is left for it to do: every output is
-    closed and flushed, worker threads are idle, a process group is closed. A failure takes
-    the ordinary way out, where nothing is skipped, and so does a run under a profiler or a
-    coverage tracer (they write their results at exit).
+    conversion, and nothing is left for it to do: every output is closed and flushed, worker
+    threads are idle, a process group is closed. A failure takes the ordinary way out, where
+    nothing is skipped, and so does a run under a profiler or a coverage tracer (they write
+    their results at exit).
 
     numpy's OpenBLAS is kept to the calling thread: ckptctl does no linear algebra, and
     OpenBLAS otherwise starts a thread per core when numpy is imported, which spins for ~0.1 s
