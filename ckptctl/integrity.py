@@ -10,7 +10,6 @@ them only the header and the file size can be checked.
 
 from __future__ import annotations
 
-import json
 import struct
 import zipfile
 from dataclasses import dataclass, field
@@ -133,29 +132,17 @@ def stream_check(
 
 
 def safetensors_problems(storage: Storage, rel: str) -> list[str]:
-    """A safetensors file's header against its size: every tensor inside, nothing after."""
+    """A safetensors file's header against its size: every tensor inside, none sharing bytes,
+    nothing after the last (the parser every reader uses, ``formats.safetensors_header``)."""
+    from ckptctl.formats.safetensors_header import read_header
+
     where = storage.describe(rel)
     size = storage.size(rel)
-    with storage.open_read(rel) as f:
-        head = f.read(8)
-        if len(head) < 8:
-            return [f"{where}: shorter than a safetensors header"]
-        (length,) = struct.unpack("<Q", head)
-        if 8 + length > size:
-            return [f"{where}: header of {length} bytes runs past the end of the file"]
-        try:
-            header = json.loads(f.read(length))
-        except ValueError as err:
-            return [f"{where}: header is not JSON ({err})"]
-    end = 0
-    problems = []
-    for name, meta in header.items():
-        if name == "__metadata__" or not isinstance(meta, dict):
-            continue
-        start, stop = meta.get("data_offsets", (0, 0))
-        end = max(end, stop)
-        if not 0 <= start <= stop or 8 + length + stop > size:
-            problems.append(f"{where}: tensor {name} lies outside the file")
-    if not problems and 8 + length + end != size:
-        problems.append(f"{where}: {size - 8 - length - end} bytes after the last tensor")
-    return problems
+    try:
+        with storage.open_read(rel) as f:
+            header = read_header(f, where, size)
+    except CheckpointError as err:
+        return [str(err)]
+    if header.data_end != size:
+        return [f"{where}: {size - header.data_end} bytes after the last tensor"]
+    return []

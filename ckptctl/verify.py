@@ -31,7 +31,7 @@ from ckptctl.errors import CkptctlError
 from ckptctl.integrity import Targets, safetensors_problems, stream_check
 from ckptctl.manifest import INCOMPLETE, MANIFEST, new_digest
 from ckptctl.model.catalog import parameters
-from ckptctl.model.geometry import box_difference, nbytes
+from ckptctl.model.geometry import missing_elements, nbytes
 from ckptctl.model.stored import canonical_shapes
 from ckptctl.probe import Checkpoint, format_of, open_checkpoint
 from ckptctl.settings import Settings
@@ -225,13 +225,7 @@ def _coverage(ckpt: Checkpoint) -> Check:
         if view.has_optimizer and view.spec is not None and name not in view.frozen:
             wanted += [f"{s}/{name}" for s in ("exp_avg", "exp_avg_sq")]
         for canonical in wanted:
-            held = pieces.get(canonical, [])
-            left = [((0,) * len(shape), shape)]
-            for p in held:
-                left = [b for box in left for b in box_difference(box, [(p.canonical, p.sizes)])]
-                if not left:
-                    break
-            missing = sum(prod(s) for _, s in left)
+            missing = missing_elements(shape, pieces.get(canonical, []))
             if missing:
                 problems.append(f"{canonical}: {missing} of {prod(shape)} elements held nowhere")
     if problems:
@@ -277,37 +271,60 @@ def _numerics(ckpt: Checkpoint, band_bytes: int, group: Group | None) -> Check:
 
 
 def against(
-    url: str, other: str, settings: Settings | None = None, *, rtol: float = 0.0, atol: float = 0.0
-) -> tuple[Check, list[dict]]:
-    """Compare ``url`` with ``other`` tensor by tensor (any layouts and formats)."""
-    from ckptctl.compare import compare
+    url: str,
+    other: str,
+    settings: Settings | None = None,
+    *,
+    rtol: float = 0.0,
+    atol: float = 0.0,
+    only: tuple[str, ...] = (),
+    weights_only: bool = False,
+) -> tuple[Check, list[dict], dict[str, Any]]:
+    """Compare ``url`` with ``other`` tensor by tensor (any layouts and formats): every tensor
+    of either side is compared or named as held by one side only, which fails the check unless
+    ``only`` (glob patterns of canonical names) or ``weights_only`` narrows what is compared.
+    Returns the check, a row per compared tensor and the counts (``compare.summary_fields``)."""
+    from ckptctl.compare import compare, describe_names, steps_differ, summary_fields
 
     a, b = (open_checkpoint(u, settings) for u in (url, other))
-    diffs = compare(a, b, rtol=rtol, atol=atol)
+    result = compare(a, b, rtol=rtol, atol=atol, only=only, weights_only=weights_only)
+    diffs = result.diffs
     rows = [asdict(d) for d in diffs]
     # A quantized checkpoint (compress --quantize) differs by design: each such tensor is
     # judged against the largest error recorded when it was quantized, the others stay exact.
     bounds = {**_lossy_bounds(a), **_lossy_bounds(b)}
-    within = [d for d in diffs if not d.equal and _within(d, bounds)]
+    within = [d for d in diffs if not d.equal and not d.problem and _within(d, bounds)]
     for row in rows:
         if row["name"] in bounds:
             row["quantized_max_abs_error"] = bounds[row["name"]]
     bad = [d for d in diffs if not d.equal and d not in within]
     how = "bit-exact" if rtol == 0 and atol == 0 else f"rtol={rtol}, atol={atol}"
+    counts = summary_fields(result)
+    total = len(diffs) + len(result.only_a) + len(result.only_b)
+    compared = f"compared {len(diffs)} of {total} tensors"
+    if result.left_out:
+        compared += f" ({result.left_out} left out by --only/--weights-only)"
+    failures = []
     if not diffs:
-        return Check("against", "failed", f"no tensor in common with {other}"), rows
+        failures.append(f"no tensor in common with {other}")
+    for side, names in (("here", result.only_a), (f"in {other}", result.only_b)):
+        if names:
+            failures.append(f"{len(names)} only {side}: {describe_names(names)}")
     if bad:
-        worst = max(bad, key=lambda d: d.max_abs_diff)
-        detail = f"{len(bad)} of {len(diffs)} tensors differ from {other} ({how}); "
-        nans = [d for d in bad if d.nan_mismatch]
-        if nans:
-            detail += (
-                f"{sum(d.nan_mismatch for d in nans)} elements are NaN on one side only (in "
-                f"{', '.join(d.name for d in nans[:3])}{' ...' if len(nans) > 3 else ''}); "
-            )
-        detail += f"largest max abs diff {worst.max_abs_diff:.3g} in {worst.name}"
-        return Check("against", "failed", detail), rows
-    detail = f"{len(diffs) - len(within)} tensors equal to {other} ({how})"
+        failures.append(_differences(bad, len(diffs), other, how))
+    if steps_differ(result):
+        here, there = result.steps
+        failures.append(f"Adam's step is {here:g} here and {there:g} in {other}")
+    if failures:
+        hint = ""
+        if result.only_a or result.only_b:
+            hint = "; to compare only what both hold, narrow with --only PATTERN or --weights-only"
+        return (
+            Check("against", "failed", f"{compared}: " + "; ".join(failures) + hint),
+            rows,
+            counts,
+        )
+    detail = f"{compared}: {len(diffs) - len(within)} equal to {other} ({how})"
     if within:
         worst = max(within, key=lambda d: d.max_abs_diff)
         detail += (
@@ -319,7 +336,29 @@ def against(
         count = sum(d.dtypes[0] != d.dtypes[1] for d in diffs)
         kinds = ", ".join(f"{x} here, {y} there" for x, y in converted)
         detail += f"; {count} of them equal in value in another dtype ({kinds})"
-    return Check("against", "passed", detail), rows
+    if result.steps[0] is not None and result.steps[1] is not None:
+        detail += f"; Adam's step {result.steps[0]:g} on both"
+    return Check("against", "passed", detail), rows, counts
+
+
+def _differences(bad: list[Any], compared: int, other: str, how: str) -> str:
+    detail = f"{len(bad)} of {compared} differ from {other} ({how})"
+    shaped = [d for d in bad if d.problem]
+    if shaped:
+        detail += f"; {shaped[0].name}: {shaped[0].problem}"
+        if len(shaped) > 1:
+            detail += f" (and {len(shaped) - 1} more not comparable)"
+    valued = [d for d in bad if not d.problem]
+    nans = [d for d in valued if d.nan_mismatch]
+    if nans:
+        detail += (
+            f"; {sum(d.nan_mismatch for d in nans)} elements are NaN on one side only (in "
+            f"{', '.join(d.name for d in nans[:3])}{' ...' if len(nans) > 3 else ''})"
+        )
+    if valued:
+        worst = max(valued, key=lambda d: d.max_abs_diff)
+        detail += f"; largest max abs diff {worst.max_abs_diff:.3g} in {worst.name}"
+    return detail
 
 
 def _compressed_check(view: CompressedStorage, group: Group | None, differ: set[str]) -> Check:

@@ -340,7 +340,7 @@ def test_torch_dist_on_s3_reads_records_by_range(
     checked = done["read_for_record_checks"]["bytes"]  # the padded vocabulary rows
     assert needed <= fetched <= needed + len(records) * 2 * (16 << 10) + checked
     assert fetched < total / 2, "optimizer records were fetched for a weights-only target"
-    report = cli.json("verify", tmp_path / "hf", "--against", wide_ckpt)
+    report = cli.json("verify", tmp_path / "hf", "--against", wide_ckpt, "--weights-only")
     assert report["ok"]
 
 

@@ -10,6 +10,7 @@ from ckptctl.cli.options import Json, Workers, state
 from ckptctl.cli.output import Output, boundary
 from ckptctl.cli.running import launch_workers
 from ckptctl.distributed import from_environment
+from ckptctl.errors import UsageError
 
 
 def verify_cmd(
@@ -20,6 +21,21 @@ def verify_cmd(
         str | None,
         typer.Option("--against", help="Compare every tensor with this checkpoint."),
     ] = None,
+    only: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--only",
+            help="With --against: compare only tensors whose canonical name matches this glob "
+            "pattern (repeatable), e.g. 'decoder.layers.0.*'.",
+        ),
+    ] = None,
+    weights_only: Annotated[
+        bool,
+        typer.Option(
+            "--weights-only",
+            help="With --against: compare the weights alone (one side holds no optimizer state).",
+        ),
+    ] = False,
     rtol: Annotated[float, typer.Option("--rtol", help="Relative tolerance.")] = 0.0,
     atol: Annotated[float, typer.Option("--atol", help="Absolute tolerance.")] = 0.0,
     as_json: Json = False,
@@ -44,12 +60,24 @@ def verify_cmd(
         finally:
             if group is not None:
                 group.close()
+        if other is None and (only or weights_only):
+            raise UsageError("--only and --weights-only narrow --against; give --against too")
         tensors: list[dict] = []
+        counts: dict = {}
         if other is not None and (group is None or group.rank == 0):  # rank 0 compares
-            check, tensors = against(ckpt, other, cli.settings, rtol=rtol, atol=atol)
+            check, tensors, counts = against(
+                ckpt,
+                other,
+                cli.settings,
+                rtol=rtol,
+                atol=atol,
+                only=tuple(only or ()),
+                weights_only=weights_only,
+            )
             checks.append(check)
         report = report_json(checks)
-        if tensors:
+        if other is not None and (group is None or group.rank == 0):
+            report["against"] = counts
             report["tensors"] = tensors
         if as_json:
             out.json(report)

@@ -182,6 +182,16 @@ def box_difference(box: Box, cuts: list[Box]) -> list[Box]:
     return parts
 
 
+def missing_elements(shape: Shape, pieces: list[Piece]) -> int:
+    """Elements of a tensor of ``shape`` that none of ``pieces`` (canonical boxes) holds."""
+    left = [((0,) * len(shape), shape)]
+    for p in pieces:
+        left = [b for box in left for b in box_difference(box, [(p.canonical, p.sizes)])]
+        if not left:
+            return 0
+    return sum(prod(sizes) for _, sizes in left)
+
+
 def _subtract(box: Box, cut: Box) -> list[Box]:
     if boxes_disjoint(box, cut):
         return [box]

@@ -8,7 +8,6 @@ assembled whole. Reads use the header's offsets to fetch only the needed bytes.
 from __future__ import annotations
 
 import json
-import struct
 import threading
 from dataclasses import dataclass, field
 from math import prod
@@ -20,7 +19,8 @@ from ckptctl.arrays import numpy_dtype, words
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError, LayoutError
 from ckptctl.formats.hf.families import spec_from_config
 from ckptctl.formats.hf.layout import CONFIG, INDEX, SINGLE, hf_tensors
-from ckptctl.model.dtypes import BY_SAFETENSORS, ITEMSIZE
+from ckptctl.formats.safetensors_header import SafetensorsEntry, read_header
+from ckptctl.model.dtypes import ITEMSIZE
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.stored import (
     CheckpointView,
@@ -33,45 +33,6 @@ from ckptctl.model.stored import (
 )
 from ckptctl.runs import Span
 from ckptctl.storage import Storage
-
-_MAX_HEADER = 100_000_000
-
-
-@dataclass(frozen=True, slots=True)
-class SafetensorsEntry:
-    dtype: str
-    shape: tuple[int, ...]
-    begin: int
-    """Absolute file offset of the first byte."""
-    end: int
-
-
-def read_header(f: BinaryIO, where: str) -> dict[str, SafetensorsEntry]:
-    raw = f.read(8)
-    if len(raw) < 8:
-        raise CheckpointError(f"{where}: too short for a safetensors file")
-    (n,) = struct.unpack("<Q", raw)
-    if n > _MAX_HEADER:
-        raise CheckpointError(f"{where}: safetensors header of {n} bytes is implausible")
-    try:
-        header = json.loads(f.read(n))
-    except ValueError as err:
-        raise CheckpointError(f"{where}: unreadable safetensors header ({err})") from None
-    out = {}
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = BY_SAFETENSORS.get(meta.get("dtype"))
-        if dtype is None:
-            raise CheckpointError(
-                f"{where}: tensor {name} has unsupported dtype {meta.get('dtype')}"
-            )
-        begin, end = meta["data_offsets"]
-        shape = tuple(meta["shape"])
-        if end - begin != prod(shape) * ITEMSIZE[dtype]:
-            raise CheckpointError(f"{where}: tensor {name} byte range does not match its shape")
-        out[name] = SafetensorsEntry(dtype, shape, 8 + n + begin, 8 + n + end)
-    return out
 
 
 def read_box(
@@ -227,7 +188,8 @@ def probe_hf(
         if path not in headers:
             storage.path(path)  # refuses paths escaping the root before anything is opened
             with storage.open_read(path) as f:
-                headers[path] = read_header(f, storage.describe(path))
+                size = storage.size(path)
+                headers[path] = read_header(f, storage.describe(path), size).tensors
         entry = headers[path].get(name)
         if entry is None:
             problems.append(f"{storage.describe(path)}: tensor {name} missing")

@@ -4,29 +4,25 @@ its key path joined with dots, which is how DCP flattens the same state dict."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckptctl.formats.torch_file.format import STATE_DICT_FILE
-from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
-from ckptctl.formats.torchsave.refs import open_torch_file, resolve, span_of_box
+from ckptctl.formats.torchsave.archive import TensorRef
+from ckptctl.formats.torchsave.refs import TorchFiles, open_torch_file
 from ckptctl.model.dtypes import dtype_name
 from ckptctl.model.geometry import Piece
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.stored import (
     CheckpointView,
-    FlatView,
     Format,
     KeyPath,
-    Shape,
     StoredFile,
     StoredTensor,
 )
-from ckptctl.runs import Span
 from ckptctl.storage import Storage
 
 if TYPE_CHECKING:
-    import numpy as np
+    pass
 
 
 def _tensors(tree: Any, path: KeyPath = ()) -> list[tuple[KeyPath, TensorRef]]:
@@ -39,25 +35,7 @@ def _tensors(tree: Any, path: KeyPath = ()) -> list[tuple[KeyPath, TensorRef]]:
     return []
 
 
-@dataclass
-class TorchFileCheckpoint:
-    storage: Storage
-    view: CheckpointView
-    reader: TorchZipReader
-
-    def read(
-        self, path: str, key: KeyPath, offsets: Shape, sizes: Shape, view: FlatView = None
-    ) -> np.ndarray:
-        return self.reader.read(resolve(self.reader.tree, key), offsets, sizes)
-
-    def where(
-        self, path: str, key: KeyPath, offsets: Shape, sizes: Shape, view: FlatView = None
-    ) -> Span | None:
-        """Where the box lies in the file, when it lies there contiguously."""
-        return span_of_box(self.reader, key, offsets, sizes, view)
-
-
-def probe_torch_file(storage: Storage, rel: str = STATE_DICT_FILE) -> TorchFileCheckpoint:
+def probe_torch_file(storage: Storage, rel: str = STATE_DICT_FILE) -> TorchFiles:
     reader = open_torch_file(storage, rel)
     tensors = []
     for key, ref in _tensors(reader.tree):
@@ -80,4 +58,4 @@ def probe_torch_file(storage: Storage, rel: str = STATE_DICT_FILE) -> TorchFileC
         any(k.startswith("optim") for t in tensors for k in [t.canonical]),
         (f"one torch.save state dict: {len(tensors)} tensors",),
     )
-    return TorchFileCheckpoint(storage, view, reader)
+    return TorchFiles(storage, view, {rel: reader})

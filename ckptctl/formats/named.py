@@ -1,0 +1,142 @@
+"""Checkpoints of named tensors read under a known model's naming. Pure.
+
+A single ``torch.save`` state dict or a DCP checkpoint whose keys ckptctl does not place by
+itself is a *generic* view: each stored key is its own tensor. When another checkpoint of the
+same model is at hand (``verify --against``), its model description says what those keys are:
+Megatron-Core's sharded keys (``torch_dist``: layer-stacked ``decoder.layers.<suffix>`` with a
+leading layer dimension, ``optimizer.state.<state>.<key>``), Megatron's canonical names
+(``decoder.layers.<n>.<suffix>``), or HF parameter names (with Adam state at ``<name>.<state>``).
+Each is tried, under whatever prefix the saver nested the state dict in, and the one that places
+the most tensors wins; keys none places keep their stored names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from math import prod
+
+from ckptctl.formats.dcp.hf_layout import key_table, prefixes
+from ckptctl.formats.torch_dist.layout import chunk_parts, model_catalog
+from ckptctl.model.catalog import Param
+from ckptctl.model.geometry import Shape, Split, chunk_pieces
+from ckptctl.model.layout import ModelSpec
+from ckptctl.model.stored import CheckpointView, StoredTensor, canonical_shapes
+
+MEGATRON_ANCHOR = "embedding.word_embeddings.weight"
+"""A Megatron parameter every first stage holds: where it sits reveals the key prefix."""
+
+
+def _offsets(tensor: StoredTensor) -> tuple[int, ...]:
+    """Where a generic tensor (one chunk of its key's global tensor) starts in that tensor."""
+    if tensor.pieces:
+        return tensor.pieces[0].canonical
+    return (0,) * len(tensor.shape)
+
+
+def _megatron_prefix(names: set[str]) -> str:
+    """The shortest prefix under which a key names the embedding (``""`` for none)."""
+    found = [n[: -len(MEGATRON_ANCHOR)] for n in names if n.endswith(MEGATRON_ANCHOR)]
+    plain = [p for p in found if "optimizer.state." not in p]
+    return min(plain, key=len) if plain else ""
+
+
+def _whole_params(key: str, shape: Shape, catalog: dict[str, Param]) -> bool:
+    """Whether the global tensor ``key`` of ``shape`` holds whole parameters of the model (one,
+    or one per layer and expert for a stacked key): every part the same shape as its parameter
+    (the vocabulary may be padded), so that no key is placed by clipping it to fit."""
+    parts = chunk_parts(key, (0,) * len(shape), shape, catalog)
+    if not parts:
+        return False
+    for part in parts:
+        param = catalog[part.canonical.split("/")[-1]]
+        if sum(p.numel for p in part.pieces) != prod(param.shape):
+            return False
+        padded = param.split is Split.VOCAB and part.shape[0] >= param.shape[0]
+        if part.shape != param.shape and not (padded and part.shape[1:] == param.shape[1:]):
+            return False
+    return True
+
+
+def _as_megatron(view: CheckpointView, spec: ModelSpec) -> tuple[CheckpointView, int]:
+    catalog = model_catalog(spec)
+    shapes = canonical_shapes(view)
+    prefix = _megatron_prefix(set(shapes))
+    placed = 0
+    files = []
+    for file in view.files:
+        tensors: list[StoredTensor] = []
+        for t in file.tensors:
+            name = t.canonical
+            parts = None
+            if name.startswith(prefix) or _is_prefixed_state(name, prefix):
+                key = _strip(name, prefix)
+                if _whole_params(key, shapes[name][0], catalog):
+                    parts = chunk_parts(key, _offsets(t), t.shape, catalog)
+            if parts is None:
+                tensors.append(t)
+                continue
+            placed += 1
+            tensors.extend(
+                StoredTensor(
+                    t.key,
+                    part.canonical,
+                    part.shape,
+                    t.dtype,
+                    part.pieces,
+                    view_offset=part.view_offset,
+                )
+                for part in parts
+            )
+        files.append(replace(file, tensors=tuple(tensors)))
+    return replace(view, spec=spec, files=tuple(files)), placed
+
+
+def _is_prefixed_state(name: str, prefix: str) -> bool:
+    """``optimizer.state.<state>.<prefix><key>``: optimizer state of a prefixed key."""
+    if not prefix or not name.startswith("optimizer.state."):
+        return False
+    return name.split(".", 3)[-1].startswith(prefix)
+
+
+def _strip(name: str, prefix: str) -> str:
+    if not prefix:
+        return name
+    if name.startswith(prefix):
+        return name[len(prefix) :]
+    head, _, rest = name.partition(".state.")
+    state, _, key = rest.partition(".")
+    return f"{head}.state.{state}.{key.removeprefix(prefix)}"
+
+
+def _as_hf(view: CheckpointView, spec: ModelSpec) -> tuple[CheckpointView, int]:
+    shapes = canonical_shapes(view)
+    found = prefixes(list(shapes))
+    if found is None:
+        return view, 0
+    table = key_table(spec, *found)
+    placed = 0
+    files = []
+    for file in view.files:
+        tensors: list[StoredTensor] = []
+        for t in file.tensors:
+            entry = table.get(t.canonical)
+            if entry is None or shapes[t.canonical][0] != entry.shape:
+                tensors.append(t)
+                continue
+            placed += 1
+            pieces = chunk_pieces(entry.pieces, _offsets(t), t.shape)
+            tensors.append(StoredTensor(t.key, entry.canonical, t.shape, t.dtype, pieces))
+        files.append(replace(file, tensors=tuple(tensors)))
+    return replace(view, spec=spec, files=tuple(files)), placed
+
+
+def under_spec(view: CheckpointView, spec: ModelSpec) -> tuple[CheckpointView, int]:
+    """``view`` (generic: each key its own tensor) with its keys placed in ``spec``'s canonical
+    tensors by the naming that places the most of them, and how many it placed (0: none
+    did, and the view is returned as it was)."""
+    best, placed = view, 0
+    for naming in (_as_megatron, _as_hf):
+        candidate, count = naming(view, spec)
+        if count > placed:
+            best, placed = candidate, count
+    return best, placed
