@@ -24,7 +24,7 @@ import torch
 from ckptctl.arrays import to_torch, words
 from ckptctl.assembler import Assembler
 from ckptctl.formats.named import under_spec
-from ckptctl.job_report import NoProgress, Report, Sources
+from ckptctl.job_report import NoProgress, Progress, Report, Sources
 from ckptctl.model.catalog import OPTIMIZER_STATES
 from ckptctl.model.geometry import Piece, missing_elements, nbytes
 from ckptctl.model.plan import FileKind, TensorWrite
@@ -183,9 +183,12 @@ def compare(
     band: int = 64 << 20,
     only: tuple[str, ...] = (),
     weights_only: bool = False,
+    progress: Progress | None = None,
 ) -> Comparison:
     """Every tensor of ``a`` and ``b`` accounted for: those both hold compared (bit-exact
-    unless a tolerance is given), the others listed by side."""
+    unless a tolerance is given), the others listed by side. ``progress`` hears of the bytes
+    compared (of both sides)."""
+    progress = progress or NoProgress()
     a, b, naming = named_alike(a, b)
     shapes_a, shapes_b = _shapes(a.view), _shapes(b.view)
     _implied(a.view, shapes_a, set(shapes_b))
@@ -219,6 +222,10 @@ def compare(
         paths = tuple(f.path for f in ckpt.view.files)
         assembler = Assembler(paths, Sources(ckpt), Report(), NoProgress(), band)
         writes[side] = (dict(zip(readable, file.tensors, strict=True)), assembler)
+    total = sum(
+        nbytes(shapes_a[n], dtypes_a[n]) + nbytes(shapes_b[n], dtypes_b[n]) for n in readable
+    )
+    progress.start(total, "compare")
     for name in common:
         if name in problems:
             dt = (dtypes_a.get(name, "?"), dtypes_b.get(name, "?"))
@@ -226,7 +233,8 @@ def compare(
             continue
         asm_a, asm_b = writes["a"][1], writes["b"][1]
         wa, wb = writes["a"][0][name], writes["b"][0][name]
-        result.diffs.append(_compare_tensor(name, wa, wb, asm_a, asm_b, rtol, atol))
+        result.diffs.append(_compare_tensor(name, wa, wb, asm_a, asm_b, rtol, atol, progress))
+    progress.finish()
     result.steps = (a.view.optimizer_step, b.view.optimizer_step)
     return result
 
@@ -239,6 +247,7 @@ def _compare_tensor(
     asm_b: Assembler,
     rtol: float,
     atol: float,
+    progress: Progress,
 ) -> TensorDiff:
     equal, worst, nan_mismatch = True, 0.0, 0
     exact = rtol == 0 and atol == 0
@@ -247,6 +256,7 @@ def _compare_tensor(
     for lo in range(0, rows, step):
         hi = min(lo + step, rows)
         xa, ya = asm_a._band(wa, lo, hi), asm_b._band(wb, lo, hi)
+        progress.advance(xa.nbytes + ya.nbytes)
         if wa.dtype == wb.dtype and np.array_equal(words(xa), words(ya)):
             continue  # same bits: nothing to compare by value
         x, y = to_torch(xa), to_torch(ya)

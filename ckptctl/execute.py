@@ -7,11 +7,10 @@ memory follows the largest tensor, not the checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
-from functools import partial
 from typing import Any
 
 from ckptctl import read_early, record_checks
@@ -85,14 +84,18 @@ def execute(
     jobs = [WriteJob(plan, source, assemble, report) for assemble in assemblers]
     reader: SourceReader | None = None
     failure: Exception | None = None
+    marks = _Marks(log, len(jobs))
     try:
         reader = _source_reader(plan, assemblers[0], mine)
-        marks = _Marks(log, len(jobs))
         _write_shares(jobs, mine, sizes, target, marks)
         marks.finish(_checked_sources(jobs[0]))
         target.drain()  # every rank's files are durable before rank 0 commits
     except Exception as err:  # the other ranks must hear of it, or they wait for this one
         failure = err
+        _keep_finished(log, marks)
+    except BaseException:  # interrupted: a rerun reuses every file finished so far
+        _keep_finished(log, marks)
+        raise
     finally:
         if reader is not None:
             reader.close()
@@ -116,6 +119,15 @@ def execute(
     if group is not None:
         report.ranks = _rank_figures(group, report, own_written)
     return report
+
+
+def _keep_finished(log: RunLog, marks: _Marks) -> None:
+    """Write the run log as it stands, with the files written whole but not yet marked (it
+    is otherwise rewritten at most once a second, and a job stopped within that second would
+    leave its last finished files unrecorded)."""
+    with contextlib.suppress(Exception):  # the job's own error is the one to report
+        marks.keep_unchecked()
+        log.flush()
 
 
 def _source_reader(plan: Plan, assembler: Assembler, mine: tuple[int, ...]) -> SourceReader:
@@ -281,10 +293,15 @@ def _write_file(job: WriteJob, i: int, sizes: list[int], target: Storage, marks:
         with job.assemble.counting:
             job.assemble.progress.advance(sizes[i])
         report.files_written.append(file.path)
+        if "unchecked_records" in reused:  # kept once the source records it read are checked
+            entry = {k: v for k, v in reused.items() if k != "unchecked_records"}
+            marks.add(_ask_again(reused["unchecked_records"]), file.path, entry)
         return
     with target.open_write(file.path, new_digest(marks.log.algorithm)) as out:
         if file.kind == FileKind.COPY:
-            _copy_file(job.source, plan.source_files[file.copy_of or 0], out, job.assemble)
+            copied = plan.source_files[file.copy_of or 0]
+            _copy_file(job.source, copied, out, job.assemble)
+            job.source.check_copy(copied, marks.log.algorithm, out.digest.hexdigest())
         else:
             _, write = registry.writer_for(file.kind)
             try:
@@ -294,18 +311,26 @@ def _write_file(job: WriteJob, i: int, sizes: list[int], target: Storage, marks:
         # The records this file read in parts are checked before it counts as written (so
         # before the commit, too), once the other files being written have read on in them.
         waiting = record_checks.settle(_checked_sources(job), leave_parts=True)
-    marks.add(
-        waiting,
-        partial(
-            marks.log.finished,
-            file.path,
-            report.tensor_checksums.get(file.path, {}),
-            size=out.size,
-            checksum=out.digest.hexdigest(),
-            records=report.records.get(file.path),
-        ),
-    )
+    entry = {
+        "tensors": report.tensor_checksums.get(file.path, {}),
+        "size": out.size,
+        "checksum": out.digest.hexdigest(),
+    }
+    if file.path in report.records:
+        entry["records"] = report.records[file.path]
+    marks.add(waiting, file.path, entry)
     report.files_written.append(file.path)
+
+
+def _ask_again(described: list[dict[str, Any]]) -> set[Any]:
+    """Queue the checks a stopped run left undone (whole records, read again)."""
+    keys = set()
+    for description in described:
+        record = record_checks.from_description(description)
+        record_checks.ask(record)
+        if (key := record_checks.key_of(record)) is not None:
+            keys.add(key)
+    return keys
 
 
 class _Marks:
@@ -320,32 +345,43 @@ class _Marks:
         self.patience = patience
         self._finished = 0
         """Files finished so far."""
-        self._waiting: list[tuple[set[Any], Callable[[], None], int]] = []
-        """Each file's records read in parts, its mark, and by how many finished files its
-        records are read for the check."""
+        self._waiting: list[tuple[set[Any], str, dict[str, Any], int]] = []
+        """Each file's records read in parts, its path and log entry, and by how many
+        finished files its records are read for the check."""
         self._lock = threading.Lock()
 
-    def add(self, keys: set[Any], mark: Callable[[], None]) -> None:
+    def add(self, keys: set[Any], path: str, entry: dict[str, Any]) -> None:
         with self._lock:
             self._finished += 1
-            self._waiting.append((keys, mark, self._finished + self.patience))
+            self._waiting.append((keys, path, entry, self._finished + self.patience))
             due, waiting = [], []
             for w in self._waiting:
-                ready = w[2] <= self._finished or record_checks.checked(w[0])
+                ready = w[3] <= self._finished or record_checks.checked(w[0])
                 (due if ready else waiting).append(w)
             self._waiting = waiting
-        for keys_due, mark_due, _ in due:
+        for keys_due, path_due, entry_due, _ in due:
             record_checks.check_now(keys_due)
             record_checks.checked(keys_due)  # waits for the check; raises its failure
-            mark_due()
+            self.log.finished(path_due, **entry_due)
 
     def finish(self, sources: list[str]) -> None:
         """Check what no file read of the records read in parts, then mark the files left."""
         record_checks.settle(sources)
         with self._lock:
             waiting, self._waiting = self._waiting, []
-        for _, mark, _ in waiting:
-            mark()
+        for _, path, entry, _ in waiting:
+            self.log.finished(path, **entry)
+
+    def keep_unchecked(self) -> None:
+        """A job stopping early: the files written whole while their source records were
+        still being checked go to the log with those records, so a rerun checks them and
+        keeps the files (records of objects in a store cannot be described: rewritten)."""
+        with self._lock:
+            waiting = list(self._waiting)
+        for keys, path, entry, _ in waiting:
+            described = record_checks.describe(keys)
+            if described is not None:
+                self.log.finished_unchecked(path, entry, described)
 
 
 def _checked_sources(job: WriteJob) -> list[str]:

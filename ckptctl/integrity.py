@@ -72,15 +72,18 @@ def whole_file_entries(storage: Storage, rel: str) -> list[ZipEntry]:
 class _SequentialReader:
     """Reads a file front to back exactly once; every byte passes through ``digest``."""
 
-    def __init__(self, f: BinaryIO, digest: Any) -> None:
+    def __init__(self, f: BinaryIO, digest: Any, advance: Any = None) -> None:
         self._f = f
         self._digest = digest
+        self._advance = advance
         self.pos = 0
 
     def read(self, n: int) -> bytes:
         data = self._f.read(n)
         if self._digest is not None:
             self._digest.update(data)
+        if self._advance is not None:
+            self._advance(len(data))
         self.pos += len(data)
         return data
 
@@ -95,14 +98,15 @@ class _SequentialReader:
 
 
 def stream_check(
-    storage: Storage, rel: str, entries: list[ZipEntry], digest: Any = None
+    storage: Storage, rel: str, entries: list[ZipEntry], digest: Any = None, advance: Any = None
 ) -> list[str]:
     """Read ``rel`` once, front to back: check each entry's CRC-32 and feed ``digest`` (if
-    given) with every byte. Returns the problems found, each naming the file and entry."""
+    given) with every byte (``advance(nbytes)`` hears of each read). Returns the problems
+    found, each naming the file and entry."""
     where = storage.describe(rel)
     problems = []
     with storage.open_sequential(rel) as f:
-        reader = _SequentialReader(f, digest)
+        reader = _SequentialReader(f, digest, advance)
         for entry in sorted(entries, key=lambda e: e.header_offset):
             label = f"{where}: {entry.record + ' ' if entry.record else ''}entry {entry.name}"
             if entry.header_offset < reader.pos:

@@ -5,9 +5,12 @@ the job planners import this (and not torch) so that commands which touch no ten
 from __future__ import annotations
 
 import resource
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from ckptctl.errors import CheckpointError
+from ckptctl.manifest import recorded
 from ckptctl.model.geometry import nbytes
 from ckptctl.model.plan import FileKind, FileWrite, Plan
 from ckptctl.model.stored import FlatView, KeyPath, Shape
@@ -84,6 +87,27 @@ class Sources:
         self.server_copy_to: Any = None
         """The object store written to, when it is one: runs of its objects become server-side
         copies (``locate``)."""
+        self._recorded: dict[int, Any] = {}
+        """Each source's ckptctl manifest, read once (``check_copy``)."""
+        self._recorded_lock = threading.Lock()
+
+    def check_copy(self, path: str, algorithm: str, digest: str) -> None:
+        """A source file copied whole hashed to ``digest``: where the source has a ckptctl
+        manifest recording that file in the same algorithm, the two must agree, or the copy
+        would carry a changed file into an output that vouches for it."""
+        ckpt, rel = self.owner(path)
+        with self._recorded_lock:
+            if id(ckpt) not in self._recorded:
+                self._recorded[id(ckpt)] = recorded(ckpt.storage)
+            known = self._recorded[id(ckpt)]
+        if known is None or known.algorithm != algorithm or rel not in known.files:
+            return
+        if known.files[rel] != digest:
+            raise CheckpointError(
+                f"{ckpt.storage.describe(rel)}: its bytes differ from the checksum its ckptctl "
+                "manifest records; the file changed after it was written (ckptctl verify lists "
+                "every damaged file)"
+            )
 
     def file_bytes(self, plan: Plan, file: FileWrite) -> int:
         """Bytes a target file moves: its tensors', or the size of the source file it copies

@@ -12,7 +12,10 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import stat
 from typing import Any, BinaryIO
+
+from ckptctl.errors import CheckpointError
 
 LOCAL_PROTOCOLS = ("file", "local")
 
@@ -39,6 +42,31 @@ def local_root(url: str) -> str | None:
     else:
         path = f"{os.getcwd()}/{'' if url == '.' else url.removeprefix('./')}"
     return path.rstrip("/") or "/"
+
+
+def refuse_irregular(path: str) -> None:
+    """Checkpoints are read from regular files only: a FIFO would block the read forever, a
+    device (a link to ``/dev/zero``) never end it, a directory is no file; a missing file is
+    left to ``open`` to report."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(mode):
+        kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+        raise CheckpointError(
+            f"{path} is {kind}, not a regular file; refusing to read it",
+            hint="a checkpoint's files must be regular files (or links to them)",
+        )
+
+
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
 
 
 class LocalFiles:
@@ -80,9 +108,12 @@ class LocalFiles:
         return sorted(found)
 
     def open(self, path: str, mode: str = "rb", **_: Any) -> BinaryIO:
+        if "r" in mode:
+            refuse_irregular(path)
         return open(path, mode)  # the caller closes it
 
     def cat_file(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
+        refuse_irregular(path)
         with open(path, "rb") as f:
             f.seek(start or 0)
             return f.read() if end is None else f.read(max(0, end - (start or 0)))

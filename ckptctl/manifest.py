@@ -13,16 +13,19 @@ import hashlib
 import json
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import xxhash
 
-from ckptctl import __version__
+from ckptctl import __version__, json_input
 from ckptctl.errors import CheckpointError
 from ckptctl.model.plan import Plan
 from ckptctl.storage import Storage
 
 MANIFEST = "ckptctl.manifest.json"
+LOCK = "ckptctl.lock"
+"""Held by the job writing a destination (``ckptctl.lease``)."""
 INCOMPLETE = "ckptctl.incomplete"
 MANIFEST_VERSION = 1
 SAVE_EVERY = 1.0
@@ -76,6 +79,7 @@ class RunLog:
         self.storage = storage
         self.algorithm = algorithm
         self.rank, self.world = rank, world
+        self.operation = plan.operation
         self.fingerprint = plan.fingerprint()
         # Every path this job may write: what a later --overwrite may remove as ckptctl's own.
         self.planned = sorted(
@@ -96,37 +100,63 @@ class RunLog:
         )
         self.known: dict[str, dict[str, Any]] = dict(previous.get("done", {})) if same else {}
         """Files an earlier run (or rank 0, merging every rank's log) recorded as finished."""
+        self.unchecked: dict[str, dict[str, Any]] = {}
+        """Files this process wrote whole but whose source records were still being checked
+        when it stopped: a rerun keeps them once it has checked those records
+        (``unchecked_records``)."""
+        for path, entry in (previous.get("unchecked", {}) if same else {}).items():
+            self.known.setdefault(path, entry)
         if rank == 0:
             stale = [rank_log(r) for r in range(1, int((previous or {}).get("world", 1)))]
             for name in stale if same else ():
                 with contextlib.suppress(ValueError, FileNotFoundError, OSError):
                     if self.storage.exists(name):
-                        self.known.update(json.loads(self.storage.read_text(name))["done"])
-            self.done = dict(self.known)
-            self._save(plan.operation)
+                        logged = json.loads(self.storage.read_text(name))
+                        self.known.update(logged.get("unchecked", {}))
+                        self.known.update(logged["done"])
+            self.done = {p: e for p, e in self.known.items() if "unchecked_records" not in e}
+            self.unchecked = {p: e for p, e in self.known.items() if "unchecked_records" in e}
+            self._save()
             for name in stale:  # merged into the marker above, or from another plan
                 self.storage.remove(name)
         else:
             self._save()
 
-    def _save(self, operation: str = "") -> None:
+    def flush(self) -> None:
+        """Write the log now (a job stopping early keeps every file it finished)."""
+        with self._lock:
+            self._save()
+
+    def _save(self) -> None:
         self._saved_at = time.monotonic()
         if self.rank:
-            body: dict[str, Any] = {"plan_fingerprint": self.fingerprint, "done": self.done}
+            body: dict[str, Any] = {
+                "plan_fingerprint": self.fingerprint,
+                "done": self.done,
+                "unchecked": self.unchecked,
+            }
             self.storage.write_text(rank_log(self.rank), json.dumps(body))
             return
         body = {
-            "operation": operation,
+            "operation": self.operation,
             "plan_fingerprint": self.fingerprint,
             "checksum": self.algorithm,
             "planned": self.planned,
             "world": self.world,
             "done": self.done,
+            "unchecked": self.unchecked,
         }
         self.storage.write_text(INCOMPLETE, json.dumps(body))
 
+    def finished_unchecked(self, path: str, entry: dict[str, Any], records: list[Any]) -> None:
+        """Record a file written whole whose source ``records`` (``record_checks.describe``)
+        were not yet checked."""
+        with self._lock:
+            self.unchecked[path] = {**entry, "unchecked_records": records}
+
     def reusable(self, path: str) -> dict[str, Any] | None:
-        """The log entry of ``path`` if the file on disk still matches it."""
+        """The log entry of ``path`` if the file on disk still matches it (an entry with
+        ``unchecked_records`` is reused only once the caller has checked those)."""
         entry = self.known.get(path)
         if entry is None or not self.storage.exists(path):
             return None
@@ -134,8 +164,9 @@ class RunLog:
             return None
         if file_checksum(self.storage, path, algorithm=self.algorithm) != entry["checksum"]:
             return None
-        with self._lock:
-            self.done[path] = entry
+        if "unchecked_records" not in entry:
+            with self._lock:
+                self.done[path] = entry
         return entry
 
     def finished(
@@ -152,6 +183,7 @@ class RunLog:
         if records is not None:
             entry["records"] = records
         with self._lock:
+            self.unchecked.pop(path, None)
             self.done[path] = entry
             if time.monotonic() - self._saved_at >= SAVE_EVERY:
                 self._save()
@@ -211,6 +243,41 @@ def write_manifest(
     return body
 
 
+@dataclass(frozen=True)
+class Recorded:
+    """What a ckptctl manifest of a source vouches for: each file's checksum (``algorithm``)
+    and each tensor's xxh3-64 (by file, then by the tensor's key as the writer named it)."""
+
+    algorithm: str
+    files: dict[str, str]
+    tensors: dict[str, dict[str, str]]
+
+
+def recorded(storage: Storage) -> Recorded | None:
+    """The checksums ``storage``'s manifest records, or ``None`` without one. A manifest that
+    is there but unreadable is refused: the checkpoint claims checksums it cannot show."""
+    if not storage.exists(MANIFEST):
+        return None
+    where = storage.describe(MANIFEST)
+    doc = json_input.parse_object(storage.read_text(MANIFEST), where)
+    algorithm = json_input.field(doc, "checksum", str, where, "xxh3_64")
+    files = json_input.field(doc, "files", dict, where)
+    tensors = json_input.field(doc, "tensors", dict, where, {})
+    if json_input.field(doc, "tensor_checksum", str, where, "xxh3_64") != "xxh3_64":
+        tensors = {}
+    out_files = {}
+    for rel, meta in files.items():
+        if not isinstance(meta, dict) or not isinstance(meta.get("checksum"), str):
+            raise CheckpointError(f"{where}: the entry of {rel} has no checksum")
+        out_files[rel] = meta["checksum"]
+    out_tensors = {}
+    for rel, named in tensors.items():
+        if not isinstance(named, dict) or not all(isinstance(v, str) for v in named.values()):
+            raise CheckpointError(f"{where}: the tensor checksums of {rel} are not strings")
+        out_tensors[rel] = named
+    return Recorded(algorithm, out_files, out_tensors)
+
+
 def refuse_incomplete(storage: Storage) -> None:
     if storage.exists(INCOMPLETE):
         raise CheckpointError(
@@ -234,7 +301,9 @@ def foreign_files(storage: Storage, files: list[str]) -> list[str]:
     """Those of ``files`` (relative paths under ``storage``) that no ckptctl job wrote there: not
     listed by its manifest, nor planned or logged by its in-progress marker. ``--overwrite``
     removes a destination only when this is empty."""
-    owned = {MANIFEST, INCOMPLETE} | {p for p in files if p.startswith(f"{INCOMPLETE}.rank")}
+    owned = {MANIFEST, INCOMPLETE, LOCK} | {
+        p for p in files if p.startswith((f"{INCOMPLETE}.rank", f"{LOCK}.stale."))
+    }
     if MANIFEST in files:
         with contextlib.suppress(ValueError, AttributeError):
             owned |= set(json.loads(storage.read_text(MANIFEST)).get("files", {}))

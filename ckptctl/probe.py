@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import struct
 from dataclasses import replace
 
+from pydantic import ValidationError
+
 from ckptctl.compression.view import CompressedStorage, open_view
-from ckptctl.errors import CheckpointNotFoundError, UsageError
+from ckptctl.errors import CheckpointError, CheckpointNotFoundError, CkptctlError, UsageError
 from ckptctl.formats import registry
 from ckptctl.formats.base import Checkpoint, CheckpointFormat, ProbeRequest
 from ckptctl.manifest import refuse_incomplete
@@ -63,7 +66,7 @@ def open_checkpoint(
             refuse_incomplete(storage)
         names = frozenset(storage.listdir(""))
     for fmt in registry.formats():
-        ckpt = fmt.probe(storage, names, request)
+        ckpt = _probe(fmt, storage, names, request, url)
         if ckpt is not None and isinstance(storage, CompressedStorage):
             ckpt.view = replace(ckpt.view, notes=(*ckpt.view.notes, storage.summary()))
         if ckpt is not None:
@@ -83,6 +86,46 @@ def open_checkpoint(
         f"{url}: neither a Megatron checkpoint nor any other checkpoint ckptctl reads",
         hint=f"it recognises {known}",
     )
+
+
+UNREADABLE = (
+    ArithmeticError,
+    AttributeError,
+    EOFError,
+    IndexError,
+    KeyError,
+    MemoryError,
+    RecursionError,
+    TypeError,
+    ValueError,
+    struct.error,
+)
+"""What a format's parser raises when a file is not what it claims to be, past the checks it
+makes on purpose: probing parses untrusted files, so any of these is a bad checkpoint."""
+
+
+def _probe(
+    fmt: CheckpointFormat, storage: Storage, names: frozenset[str], request: ProbeRequest, url: str
+) -> Checkpoint | None:
+    """``fmt``'s probe of the checkpoint; a model description that cannot exist, or a file
+    its parser chokes on, is a bad checkpoint (exit 3) named by its URL, not a crash."""
+    try:
+        return fmt.probe(storage, names, request)
+    except CkptctlError:
+        raise
+    except ValidationError as err:
+        problems = "; ".join(
+            (f"{'.'.join(map(str, e['loc']))}={e.get('input')!r}: " if e["loc"] else "")
+            + e["msg"].removeprefix("Value error, ")
+            for e in err.errors()[:5]
+        )
+        raise CheckpointError(f"{url}: its model description cannot be: {problems}") from err
+    except UNREADABLE as err:
+        raise CheckpointError(
+            f"{url}: cannot be read as a {fmt.name} checkpoint ({type(err).__name__}: "
+            f"{str(err)[:200]})",
+            hint="ckptctl verify names the damaged files; --debug shows where reading failed",
+        ) from err
 
 
 def file_sizes(storage: Storage, view: CheckpointView, lost: frozenset[str]) -> dict[str, int]:

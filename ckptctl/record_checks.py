@@ -29,46 +29,26 @@ touches). ``ckptctl verify`` checks every record of a source, wherever it is.
 from __future__ import annotations
 
 import contextlib
-import mmap
 import os
 import threading
 import zlib
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
-from ckptctl.crc import crc32, crc32_combine
+import xxhash
+
+from ckptctl.crc import crc32
 from ckptctl.errors import CheckpointError
+from ckptctl.record_reading import Piece, Record, check, failure, joined
 
-WINDOW = 64 << 20
-"""Bytes of a record mapped at a time (a mapped page counts towards the process's resident
-memory while it is mapped)."""
-
-
-@dataclass(frozen=True)
-class Record:
-    """Bytes ``[offset, offset + nbytes)`` of file ``path``, whose CRC-32 its archive records
-    as ``crc``; ``name`` says which record it is in a failure's message. ``fetch(start,
-    nbytes)``, for an object in a store (``path`` its URL, ``version`` what its store says of
-    its content), reads bytes of the record by position in it; ``None`` for a local file."""
-
-    path: str
-    offset: int
-    nbytes: int
-    crc: int
-    name: str
-    fetch: Callable[[int, int], bytes] | None = field(default=None, compare=False)
-    version: str = ""
-
+__all__ = ["Record", "ask", "check_now", "checked", "saw", "saw_piece", "settle", "settle_across"]
 
 FileKey = tuple[Any, ...]
 """A file as it is now: (device, inode, modification time) of a local file, so that a file
 changed since is checked again; (URL, version) of an object."""
 Key = tuple[FileKey, int]
 """A record: its file and its offset there."""
-Piece = tuple[int, int, int]
-"""Bytes ``[start, end)`` of a record that have passed, and their CRC-32."""
 _lock = threading.Condition()  # over a re-entrant lock: settle calls check_now holding it
 _todo: deque[tuple[Key, Record, list[Piece]]] = deque()
 _pending = 0
@@ -119,11 +99,14 @@ def saw(record: Record, start: int, data: Any) -> None:
     if key is None:
         return
     view = memoryview(data).cast("B")
+    if record.digest is not None:
+        _saw_hashed(key, record, start, view)
+        return
     with _lock:  # held across the CRC-32s of the part: parts of one record must not race
         if key in _seen:
             return
         _, pieces = _parts.get(key, (record, []))
-        _finish_or_keep(key, record, _joined(_with_part(pieces, start, view)))
+        _finish_or_keep(key, record, joined(_with_part(pieces, start, view)))
 
 
 def saw_piece(record: Record, start: int, nbytes: int, value: int) -> None:
@@ -134,6 +117,10 @@ def saw_piece(record: Record, start: int, nbytes: int, value: int) -> None:
     key = _key(record)
     if key is None:
         return
+    if record.digest is not None:  # a CRC-32 says nothing of an xxh3: read it whole
+        with _lock:
+            _enqueue(key, record, [])
+        return
     with _lock:
         if key in _seen:
             return
@@ -141,7 +128,29 @@ def saw_piece(record: Record, start: int, nbytes: int, value: int) -> None:
         if any(lo < start + nbytes and start < hi for lo, hi, _ in pieces):
             _enqueue(key, record, pieces)  # the bytes no piece holds are read
             return
-        _finish_or_keep(key, record, _joined(sorted([*pieces, (start, start + nbytes, value)])))
+        _finish_or_keep(key, record, joined(sorted([*pieces, (start, start + nbytes, value)])))
+
+
+def _saw_hashed(key: Key, record: Record, start: int, view: memoryview) -> None:
+    """A part of a record checked by its xxh3: hashed on if it follows the parts before it
+    from the record's start, else the record is queued to be read whole."""
+    with _lock:
+        if key in _seen:
+            return
+        _, pieces = _parts.get(key, (record, [(0, 0, xxhash.xxh3_64())]))
+        ((_, at, hasher),) = pieces
+        if start != at:
+            _enqueue(key, record, [])
+            return
+        hasher.update(view)
+        at += len(view)
+        if at < record.nbytes:
+            _parts[key] = (record, [(0, at, hasher)])
+            return
+        _parts.pop(key, None)
+        _seen.add(key)
+        if hasher.hexdigest() != record.digest:
+            _failures[key] = failure(record)
 
 
 def _finish_or_keep(key: Key, record: Record, pieces: list[Piece]) -> None:
@@ -152,7 +161,7 @@ def _finish_or_keep(key: Key, record: Record, pieces: list[Piece]) -> None:
     _parts.pop(key, None)
     _seen.add(key)
     if pieces[0][2] != record.crc:
-        _failures[key] = _failure(record)
+        _failures[key] = failure(record)
 
 
 def _with_part(pieces: list[Piece], start: int, view: memoryview) -> list[Piece]:
@@ -167,18 +176,6 @@ def _with_part(pieces: list[Piece], start: int, view: memoryview) -> list[Piece]
     if at < end:
         new.append((at, end, crc32(view[at - start :])))
     return sorted(pieces + new)
-
-
-def _joined(pieces: list[Piece]) -> list[Piece]:
-    """Pieces that meet made one."""
-    out: list[Piece] = []
-    for lo, hi, value in pieces:
-        if out and out[-1][1] == lo:
-            first, _, before = out[-1]
-            out[-1] = (first, hi, crc32_combine(before, value, hi - lo))
-        else:
-            out.append((lo, hi, value))
-    return out
 
 
 def _enqueue(key: Key, record: Record, pieces: list[Piece]) -> None:
@@ -229,9 +226,9 @@ def _file_keys(paths: Iterable[str]) -> set[FileKey]:
     return files
 
 
-Identity = tuple[str, str, int, int, int]
-"""A record as every rank names it: path or URL, version, offset, size, CRC-32 (a local file's
-device and inode are not comparable across nodes)."""
+Identity = tuple[str, str, int, int, int, str | None]
+"""A record as every rank names it: path or URL, version, offset, size, CRC-32 or xxh3 (a local
+file's device and inode are not comparable across nodes)."""
 
 
 def settle_across(
@@ -253,6 +250,9 @@ def settle_across(
         if failure is None:
             failure = next((text for key, text in _failures.items() if key[0] in files), None)
         mine = {key: _parts.pop(key) for key in [key for key in _parts if key[0] in files]}
+        # A hash in progress cannot be pooled with other ranks' parts: its record is read
+        # whole by its checking rank.
+        mine = {k: (r, [] if r.digest is not None else p) for k, (r, p) in mine.items()}
         _seen.update(mine)
     everyone = gather((failure, [(_identity(r), pieces) for r, pieces in mine.values()]))
     failures = [text for text, _ in everyone]
@@ -264,7 +264,7 @@ def settle_across(
 
 
 def _identity(record: Record) -> Identity:
-    return record.path, record.version, record.offset, record.nbytes, record.crc
+    return record.path, record.version, record.offset, record.nbytes, record.crc, record.digest
 
 
 def _check_pooled(
@@ -300,6 +300,47 @@ def _disjoint(pieces: list[Piece]) -> list[Piece]:
         if not out or piece[0] >= out[-1][1]:
             out.append(piece)
     return out
+
+
+def failure_text(record: Record) -> str:
+    """How a failed check of ``record`` is reported."""
+    return failure(record)
+
+
+def describe(keys: Iterable[Key]) -> list[dict[str, Any]] | None:
+    """The records of ``keys`` still unchecked, as plain values a later process can check
+    (``from_description``); ``None`` when one is an object in a store (its reader is needed
+    to fetch it) or already failed."""
+    out = []
+    with _lock:
+        for key in keys:
+            if key in _failures:
+                return None
+            if key not in _parts:
+                continue
+            record = _parts[key][0]
+            if record.fetch is not None:
+                return None
+            out.append(
+                {
+                    "path": record.path,
+                    "offset": record.offset,
+                    "nbytes": record.nbytes,
+                    "crc": record.crc,
+                    "name": record.name,
+                    "digest": record.digest,
+                }
+            )
+    return out
+
+
+def from_description(described: dict[str, Any]) -> Record:
+    return Record(**described)
+
+
+def key_of(record: Record) -> Key | None:
+    """How ``settle`` and ``checked`` name ``record`` (``None``: its file is gone)."""
+    return _key(record)
 
 
 def checked(keys: Iterable[Key]) -> bool:
@@ -363,65 +404,15 @@ def _check_all() -> None:
 def _run_check(key: Key, record: Record, pieces: list[Piece]) -> str | None:
     """``_check``, its failure kept and the bytes it read counted; the failure."""
     try:
-        failure = _check(record, pieces)
+        failure = check(record, pieces)
     except Exception as err:  # any: a failure to check is a failure, named (and counted done)
-        failure = f"{record.name}: cannot be read to check its CRC-32 ({err})"
-    again = record.nbytes - sum(hi - lo for lo, hi, _ in pieces)
+        failure = f"{record.name}: cannot be read to check it ({err})"
+    again = record.nbytes
+    if record.digest is None:
+        again -= sum(hi - lo for lo, hi, _ in pieces)
     with _lock:
         if failure is not None:
             _failures[key] = failure
         _read_again[0] += again > 0
         _read_again[1] += again
     return failure
-
-
-def _check(record: Record, pieces: list[Piece]) -> str | None:
-    """The record's CRC-32 from the pieces seen and the bytes between them, read now."""
-    between, at = [], 0
-    for lo, hi, _ in [*pieces, (record.nbytes, record.nbytes, 0)]:
-        if lo > at:
-            between.append((at, lo))
-        at = max(at, hi)
-    if record.fetch is not None:
-        gaps = [(lo, hi, _fetched_crc(record.fetch, lo, hi)) for lo, hi in between]
-    elif between:
-        with open(record.path, "rb") as f:
-            fd = f.fileno()
-            if os.fstat(fd).st_size < record.offset + record.nbytes:
-                return f"{record.name}: the file ends inside the record; it is truncated"
-            gaps = [(lo, hi, _crc_of(fd, record.offset + lo, hi - lo)) for lo, hi in between]
-    else:
-        gaps = []
-    value = next((crc for _, _, crc in _joined(sorted(pieces + gaps))), 0)
-    return _failure(record) if value != record.crc else None
-
-
-def _fetched_crc(fetch: Callable[[int, int], bytes], start: int, end: int) -> int:
-    value = 0
-    for at in range(start, end, WINDOW):
-        data = fetch(at, min(WINDOW, end - at))
-        if len(data) != min(WINDOW, end - at):
-            raise OSError("the object ends inside the record; it is truncated")
-        value = crc32(data, value)
-    return value
-
-
-def _failure(record: Record) -> str:
-    return (
-        f"{record.name} fails its CRC-32 check; the file is corrupt (ckptctl verify lists every "
-        "damaged entry)"
-    )
-
-
-def _crc_of(fd: int, offset: int, nbytes: int) -> int:
-    value, start, end = 0, offset, offset + nbytes
-    while start < end:
-        base = start - start % mmap.ALLOCATIONGRANULARITY
-        length = min(end, base + WINDOW) - base
-        with mmap.mmap(fd, length, prot=mmap.PROT_READ, offset=base) as pages:
-            with contextlib.suppress(OSError, AttributeError):
-                pages.madvise(mmap.MADV_SEQUENTIAL)
-            with memoryview(pages)[start - base : length] as view:
-                value = crc32(view, value)
-        start = base + length
-    return value

@@ -319,12 +319,22 @@ class Storage:
                 hint="this is a bug in ckptctl; please report it",
             )
 
-    def read_text(self, rel: str) -> str:
+    def read_text(self, rel: str, limit: int = 256 << 20) -> str:
+        """A small text file (a tracker, a JSON document): refused when larger than ``limit``
+        bytes or not UTF-8, never read whole into memory first."""
         try:
             with self.fs.open(self.path(rel), "rb") as f:
-                return f.read().decode()
+                data = f.read(limit + 1)
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"{self.describe(rel)}: file not found") from None
+        if len(data) > limit:
+            raise CheckpointError(
+                f"{self.describe(rel)}: larger than {limit} bytes; not a text file"
+            )
+        try:
+            return data.decode()
+        except UnicodeDecodeError as err:
+            raise CheckpointError(f"{self.describe(rel)}: not UTF-8 text ({err.reason})") from None
 
     def open_read(self, rel: str) -> BinaryIO:
         """A seekable reader. On remote stores the read-ahead block is kept small (1 MiB;
@@ -431,6 +441,24 @@ class Storage:
         self._folders.clear()
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm(self.path(rel), recursive=True)
+
+    def clear(self, keep: str) -> None:
+        """Remove everything under this URL but the entry ``keep`` (the job's lock)."""
+        self._refuse_if_source("")
+        self._folders.clear()
+        if not self.exists():
+            return
+        if self.is_local:
+            for name in self.fs.ls(self.root):
+                if name.rsplit("/", 1)[-1] != keep:
+                    with contextlib.suppress(FileNotFoundError):
+                        self.fs.rm(name, recursive=True)
+            return
+        kept = self.path(keep)
+        doomed = [p for p in self.fs.find(self.root) if p.rstrip("/") != kept]
+        if doomed:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm(doomed)
 
     def begin_writing(self) -> None:
         """Before a job writes here: clear what a killed earlier run left unseen (on S3,

@@ -29,6 +29,7 @@ from ckptctl.compression.view import CompressedStorage, open_view
 from ckptctl.distributed import Group
 from ckptctl.errors import CkptctlError
 from ckptctl.integrity import Targets, safetensors_problems, stream_check
+from ckptctl.job_report import NoProgress, Progress
 from ckptctl.manifest import INCOMPLETE, MANIFEST, new_digest
 from ckptctl.model.catalog import parameters
 from ckptctl.model.geometry import missing_elements, nbytes
@@ -54,10 +55,12 @@ def verify(
     numerics: bool = False,
     band_bytes: int = 64 << 20,
     group: Group | None = None,
+    progress: Progress | None = None,
 ) -> list[Check]:
     """The checks of ``url``; with a process ``group``, each rank reads its share of the files
-    and every rank returns the same checks."""
+    and every rank returns the same checks. ``progress`` hears of the bytes read."""
     settings = settings or Settings()
+    progress = progress or NoProgress()
     storage = Storage(url, settings.storage, read_only=True)
     checks = [
         Check("complete", "failed", f"{INCOMPLETE} present: the job that wrote it was interrupted")
@@ -75,21 +78,24 @@ def verify(
         ckpt, structure = None, Check("structure", "failed", str(err))
     view = open_view(storage, settings.storage)
     differ: set[str] = set()
-    stored = _stored_bytes(view, ckpt, group, differ)
+    stored = _stored_bytes(view, ckpt, group, differ, progress)
     if isinstance(view, CompressedStorage):
         checks.append(_compressed_check(view, group, differ))
     checks.extend(stored)
     checks.append(structure)
     if ckpt is None:
+        checks.append(Check("tensors", "skipped", "the structure check failed"))
         checks.append(Check("coverage", "skipped", "the structure check failed"))
         checks.append(Check("numerics", "skipped", "the structure check failed"))
         return checks
+    checks.append(_tensors(ckpt))
     checks.append(_coverage(ckpt))
     checks.append(
-        _numerics(ckpt, band_bytes, group)
+        _numerics(ckpt, band_bytes, group, progress)
         if numerics
         else Check("numerics", "skipped", "not asked (--numerics)")
     )
+    progress.finish()
     return checks
 
 
@@ -108,13 +114,22 @@ def _everyone(group: Group | None, problems: list[tuple[int, str]]) -> list[str]
 
 
 def _stored_bytes(
-    storage: Storage, ckpt: Checkpoint | None, group: Group | None, differ: set[str]
+    storage: Storage,
+    ckpt: Checkpoint | None,
+    group: Group | None,
+    differ: set[str],
+    progress: Progress,
 ) -> list[Check]:
     """The manifest and the checksums the files carry themselves, in one read of each file;
     ``differ`` receives the files whose digest is not the manifest's."""
     manifest, unreadable = _read_manifest(storage)
     listed: dict[str, dict] = manifest["files"] if manifest else {}
-    targets = format_of(ckpt).checksums(ckpt) if ckpt is not None else Targets()
+    targets, unlisted = Targets(), ""
+    if ckpt is not None:
+        try:
+            targets = format_of(ckpt).checksums(ckpt)
+        except CkptctlError as err:  # a file whose checksums cannot even be found
+            unlisted = str(err)
     # Zip entries are checked in the same pass as the manifest digest where the roots agree
     # (they differ only for a single ``.pt`` file named directly, which has no manifest).
     same_root = ckpt is None or ckpt.storage.url == storage.url
@@ -127,6 +142,7 @@ def _stored_bytes(
         int(listed.get(p, {}).get("size", 0)) or sum(e.size for e in zips.get(p, [])) for p in paths
     ]
     mine = _mine(group, sizes)
+    progress.start(sum(sizes[n] for n in mine), f"verify {storage.url}")
     for n, path in enumerate(paths):
         if n not in mine:
             continue
@@ -140,7 +156,8 @@ def _stored_bytes(
                 manifest_problems.append((n, said))
                 meta = None
         digest = new_digest(algorithm) if meta is not None else None
-        crc_problems += [(n, p) for p in stream_check(storage, path, zips.get(path, []), digest)]
+        found = stream_check(storage, path, zips.get(path, []), digest, progress.advance)
+        crc_problems += [(n, p) for p in found]
         expected = meta["checksum"] if meta is not None else None
         if expected is not None and hasattr(storage, "decoded_checksum"):
             expected = storage.decoded_checksum(path, expected, algorithm)  # quantized files
@@ -173,6 +190,8 @@ def _stored_bytes(
         manifest_check = Check(
             "manifest", "passed", f"{len(listed)} files, sizes and checksums match{lossy}"
         )
+    if unlisted:
+        in_files.insert(0, unlisted)
     return [manifest_check, _checksum_check(targets, in_files, manifest is not None)]
 
 
@@ -207,6 +226,41 @@ def _read_manifest(storage: Storage) -> tuple[dict | None, str]:
         return None, f"{MANIFEST} unreadable ({err})"
 
 
+def _tensors(ckpt: Checkpoint) -> Check:
+    """Every tensor the checkpoint describes is found where its file says, with the dtype,
+    shape and strides it is described with, and every byte of it inside the file: what a
+    conversion reads, located without reading a byte of data (a reader that cannot locate
+    tensors says so)."""
+    where = getattr(ckpt, "where", None)
+    if where is None:
+        return Check("tensors", "skipped", "this format's reader cannot locate tensors alone")
+    lost = getattr(ckpt, "lost", frozenset())
+    problems: list[str] = []
+    located: set[tuple] = set()
+    for f in ckpt.view.files:
+        if f.path in lost:
+            continue
+        for t in f.tensors:
+            shape = t.block_shape if t.view_offset is not None else t.stored_shape
+            view = None if t.view_offset is None else (t.view_offset, shape)
+            if (f.path, t.key, view) in located:
+                continue
+            located.add((f.path, t.key, view))
+            try:
+                where(f.path, t.key, (0,) * len(shape), shape, view)
+            except CkptctlError as err:
+                problems.append(str(err))
+            except (KeyError, IndexError, TypeError, ValueError) as err:
+                problems.append(f"{f.path}: {'.'.join(map(str, t.key))}: {err!r}")
+            if len(problems) >= 5:
+                break
+    if problems:
+        return Check("tensors", "failed", "; ".join(problems[:5]))
+    return Check(
+        "tensors", "passed", f"{len(located)} stored tensors lie inside their files as described"
+    )
+
+
 def _coverage(ckpt: Checkpoint) -> Check:
     view = ckpt.view
     if view.spec is None:  # unknown model: each stored tensor's bounding box must be full
@@ -234,11 +288,13 @@ def _coverage(ckpt: Checkpoint) -> Check:
     return Check("coverage", "passed", f"every element of {len(shapes)} tensors ({states}) held")
 
 
-def _numerics(ckpt: Checkpoint, band_bytes: int, group: Group | None) -> Check:
+def _numerics(ckpt: Checkpoint, band_bytes: int, group: Group | None, progress: Progress) -> Check:
     bad: list[tuple[int, str]] = []
     checked = 0
     files = ckpt.view.files
-    mine = _mine(group, [sum(nbytes(t.shape, t.dtype) for t in f.tensors) for f in files])
+    sizes = [sum(nbytes(t.shape, t.dtype) for t in f.tensors) for f in files]
+    mine = _mine(group, sizes)
+    progress.start(sum(sizes[n] for n in mine), "NaN/Inf scan")
     for n, f in enumerate(files):
         if n not in mine:
             continue
@@ -258,6 +314,7 @@ def _numerics(ckpt: Checkpoint, band_bytes: int, group: Group | None) -> Check:
                     data = ckpt.read(f.path, t.key, offsets, sizes, view, transposed=True)
                 else:
                     data = ckpt.read(f.path, t.key, tuple(offsets), tuple(sizes), view)
+                progress.advance(nbytes(sizes, t.dtype))
                 if not finite(data):
                     bad.append((n, f"{f.path}: {'.'.join(map(str, t.key))}"))
                     break
@@ -279,6 +336,7 @@ def against(
     atol: float = 0.0,
     only: tuple[str, ...] = (),
     weights_only: bool = False,
+    progress: Progress | None = None,
 ) -> tuple[Check, list[dict], dict[str, Any]]:
     """Compare ``url`` with ``other`` tensor by tensor (any layouts and formats): every tensor
     of either side is compared or named as held by one side only, which fails the check unless
@@ -287,7 +345,9 @@ def against(
     from ckptctl.compare import compare, describe_names, steps_differ, summary_fields
 
     a, b = (open_checkpoint(u, settings) for u in (url, other))
-    result = compare(a, b, rtol=rtol, atol=atol, only=only, weights_only=weights_only)
+    result = compare(
+        a, b, rtol=rtol, atol=atol, only=only, weights_only=weights_only, progress=progress
+    )
     diffs = result.diffs
     rows = [asdict(d) for d in diffs]
     # A quantized checkpoint (compress --quantize) differs by design: each such tensor is

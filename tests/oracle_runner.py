@@ -14,6 +14,7 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 
 ORACLES = Path(__file__).parent / "oracles"
 
@@ -38,7 +39,7 @@ class _Server:
         self.runs = 0
 
     def run(
-        self, what: dict[str, str], args: list[str], timeout: float
+        self, what: dict[str, Any], args: list[str], timeout: float
     ) -> tuple[int, bool, str, str]:
         with self.lock:
             self.runs += 1
@@ -74,15 +75,16 @@ class _Server:
                 self.process.kill()
 
 
-_servers: dict[str, _Server] = {}
+_servers: dict[tuple[str, int], _Server] = {}
 _servers_lock = threading.Lock()
 
 
-def _server(flavour: str) -> _Server:
+def _server(flavour: str, slot: int = 0) -> _Server:
+    """The warm process of ``flavour``; ``slot`` tells apart servers run side by side."""
     with _servers_lock:
-        server = _servers.get(flavour)
+        server = _servers.get((flavour, slot))
         if server is None or server.process.poll() is not None:
-            server = _servers[flavour] = _Server(flavour)
+            server = _servers[(flavour, slot)] = _Server(flavour)
             atexit.register(server.close)
         return server
 
@@ -109,3 +111,16 @@ def _run(what: dict[str, str], args: tuple[object, ...], timeout: float, flavour
     if code != 0:
         raise OracleFailed(f"{name} failed (exit {code}):\n{out}\n{err[-4000:]}")
     return out
+
+
+def run_cli(
+    *args: object, timeout: float = 60, memory_limit: int | None = None, slot: int = 0
+) -> tuple[int, bool, str, str]:
+    """``python -m ckptctl ARGS`` in a fork of a warm process that imported the CLI and every
+    format (servers in different ``slot``s run side by side), with at most ``memory_limit``
+    bytes of address space beyond the warm process's: ``(exit code, timed out, stdout,
+    stderr)``, whatever the outcome (a signal is a negative code)."""
+    what: dict[str, Any] = {"module": "ckptctl", "env": {"COLUMNS": "200"}}
+    if memory_limit is not None:
+        what["memory_limit"] = memory_limit
+    return _server("ckptctl", slot).run(what, [str(a) for a in args], timeout)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptctl import record_checks
+from ckptctl import record_checks, record_reading
 from ckptctl.errors import CheckpointError
 
 
@@ -24,13 +24,13 @@ def rereads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[record_checks.Record,
     """The records the checking thread checks by reading bytes no part held, in order, with
     how many bytes it reads (each still checked)."""
     checked: list[tuple[record_checks.Record, int]] = []
-    real = record_checks._check
+    real = record_checks.check
 
     def spy(record: record_checks.Record, pieces: list) -> str | None:
         checked.append((record, record.nbytes - sum(hi - lo for lo, hi, _ in pieces)))
         return real(record, pieces)
 
-    monkeypatch.setattr(record_checks, "_check", spy)
+    monkeypatch.setattr(record_checks, "check", spy)
     return checked
 
 
@@ -72,12 +72,12 @@ def test_a_record_past_the_end_of_its_file_is_refused(tmp_path: Path) -> None:
 def test_a_record_larger_than_a_window_is_checked_across_windows(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(record_checks, "WINDOW", 1 << 16)
+    monkeypatch.setattr(record_reading, "WINDOW", 1 << 16)
     payload = os.urandom((1 << 18) + 12345)
     path = tmp_path / "long.pt"
     record = _record(path, payload, at=70000)  # starts inside a window, not at its start
     with path.open("rb") as f:
-        assert record_checks._crc_of(f.fileno(), record.offset, record.nbytes) == record.crc
+        assert record_reading._crc_of(f.fileno(), record.offset, record.nbytes) == record.crc
 
 
 def test_parts_read_in_order_are_checked_as_they_pass_without_a_second_read(

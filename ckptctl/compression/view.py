@@ -181,8 +181,16 @@ class CompressedStorage(Storage):
         prefix = "" if rel in ("", ".") else rel.rstrip("/") + "/"
         return sorted(f[len(prefix) :] for f in self.files if f.startswith(prefix))
 
-    def read_text(self, rel: str) -> str:
-        return self.read_range(rel, 0, self.size(rel)).decode()
+    def read_text(self, rel: str, limit: int = 256 << 20) -> str:
+        size = self.size(rel)
+        if size > limit:
+            raise CheckpointError(
+                f"{self.describe(rel)}: larger than {limit} bytes; not a text file"
+            )
+        try:
+            return self.read_range(rel, 0, size).decode()
+        except UnicodeDecodeError as err:
+            raise CheckpointError(f"{self.describe(rel)}: not UTF-8 text ({err.reason})") from None
 
     def open_read(self, rel: str) -> BinaryIO:
         return io.BufferedReader(_ChunkedFile(self, rel, self.size(rel)), 1 << 20)  # type: ignore[return-value]

@@ -72,7 +72,7 @@ def _entry(name: str, meta: object, where: str, data_start: int, size: int) -> S
         raise CheckpointError(f"{what}: header entry is not an object")
     dtype = BY_SAFETENSORS.get(meta.get("dtype")) if isinstance(meta.get("dtype"), str) else None
     if dtype is None:
-        raise CheckpointError(f"{what} has unsupported dtype {meta.get('dtype')!r}")
+        raise CheckpointError(f"{what} has unsupported dtype {meta.get('dtype')}")
     shape = int_list(meta.get("shape"), "its shape", what)
     begin, end = int_list(meta.get("data_offsets"), "its data_offsets", what, length=2)
     if end < begin or end - begin != prod(shape) * ITEMSIZE[dtype]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from enum import StrEnum
 from math import ceil
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt, model_validator
 
 from ckptctl.errors import LayoutError
 
@@ -38,6 +38,29 @@ class RouterScore(StrEnum):
     SIGMOID = "sigmoid"
 
 
+PLAUSIBLE = {
+    "num_layers": 1 << 12,
+    "hidden_size": 1 << 20,
+    "ffn_hidden_size": 1 << 22,
+    "num_attention_heads": 1 << 14,
+    "num_query_groups": 1 << 14,
+    "kv_channels": 1 << 16,
+    "vocab_size": 1 << 26,
+    "make_vocab_size_divisible_by": 1 << 20,
+    "max_position_embeddings": 1 << 30,
+    "num_experts": 1 << 14,
+    "moe_router_topk": 1 << 14,
+    "moe_ffn_hidden_size": 1 << 22,
+    "moe_shared_expert_intermediate_size": 1 << 22,
+}
+"""Largest values a model description may hold: far past any model trained (4096 layers, a
+million-wide hidden size, 67M-token vocabularies), yet small enough that a description read
+from an untrusted checkpoint cannot make ckptctl enumerate billions of tensors."""
+
+MOST_RANKS = 1 << 20
+"""Largest size of any parallel axis."""
+
+
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -45,17 +68,17 @@ class _Frozen(BaseModel):
 class ModelSpec(_Frozen):
     """A decoder of the GPT/Llama family, in Megatron-Core's vocabulary."""
 
-    num_layers: int
-    hidden_size: int
-    ffn_hidden_size: int
-    num_attention_heads: int
-    num_query_groups: int
+    num_layers: StrictInt
+    hidden_size: StrictInt
+    ffn_hidden_size: StrictInt
+    num_attention_heads: StrictInt
+    num_query_groups: StrictInt
     """Key/value heads; equal to ``num_attention_heads`` without grouped-query attention."""
-    kv_channels: int
+    kv_channels: StrictInt
     """Head dimension; ``hidden_size // num_attention_heads`` unless set otherwise."""
-    vocab_size: int
+    vocab_size: StrictInt
     """The true vocabulary (V0). Megatron pads it per TP size; the padding is never a real token."""
-    make_vocab_size_divisible_by: int = 128
+    make_vocab_size_divisible_by: StrictInt = 128
     gated_linear_unit: bool = True
     """Gated MLP: ``linear_fc1`` holds gate and up halves, each split over TP separately."""
     activation: Activation | None = None
@@ -65,28 +88,28 @@ class ModelSpec(_Frozen):
     tie_embeddings: bool = False
     normalization: NormKind = NormKind.RMSNORM
     position_embedding: PositionEmbedding = PositionEmbedding.ROPE
-    max_position_embeddings: int = 4096
-    norm_epsilon: float = 1e-5
-    rotary_base: float = 10000.0
-    rotary_percent: float = 1.0
+    max_position_embeddings: StrictInt = 4096
+    norm_epsilon: StrictFloat = 1e-5
+    rotary_base: StrictFloat = 10000.0
+    rotary_percent: StrictFloat = 1.0
     """Share of each head's dimensions that RoPE rotates (Megatron's ``--rotary-percent``)."""
     qk_layernorm: bool = False
     """A norm over each query and key head before RoPE (``q_layernorm`` / ``k_layernorm``)."""
     hf_family: str | None = None
     """The HF model family the model came from (``llama``, ``mistral``, ``qwen2``, ...), kept
     so that converting back to HF picks the same class; unset: chosen from the other fields."""
-    num_experts: int | None = None
+    num_experts: StrictInt | None = None
     """Routed experts of every layer's MoE MLP (Megatron's ``--num-experts``); unset: dense."""
-    moe_ffn_hidden_size: int | None = None
+    moe_ffn_hidden_size: StrictInt | None = None
     """One expert's FFN size; unset means ``ffn_hidden_size``."""
-    moe_router_topk: int = 2
+    moe_router_topk: StrictInt = 2
     moe_router_pre_softmax: bool = False
     """Softmax over all experts before top-k (Qwen2-MoE, no renormalisation) instead of a
     softmax over the chosen k (Mixtral)."""
     moe_router_score_function: RouterScore = RouterScore.SOFTMAX
     moe_router_expert_bias: bool = False
     """A per-expert routing bias buffer (``mlp.router.expert_bias``, aux-loss-free balancing)."""
-    moe_shared_expert_intermediate_size: int | None = None
+    moe_shared_expert_intermediate_size: StrictInt | None = None
     """FFN size of the always-on shared expert(s) of each MoE layer; unset: none."""
     moe_shared_expert_gate: bool = False
     """A sigmoid gate (``gate_weight``, one row) scaling the shared experts' output."""
@@ -114,6 +137,10 @@ class ModelSpec(_Frozen):
         ):
             if getattr(self, field) <= 0:
                 problems.append(f"{field}={getattr(self, field)} must be positive")
+        for field, most in PLAUSIBLE.items():
+            value = getattr(self, field)
+            if value is not None and value > most:
+                problems.append(f"{field}={value} is implausible (at most {most})")
         problems.extend(self._moe_problems())
         if self.num_query_groups > 0 and self.num_attention_heads % self.num_query_groups:
             problems.append(
@@ -230,25 +257,31 @@ class ModelSpec(_Frozen):
 class ParallelLayout(_Frozen):
     """How the model is cut over tensor, pipeline, virtual-pipeline and data parallelism."""
 
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    vpp: int = 1
+    tp: StrictInt = 1
+    pp: StrictInt = 1
+    dp: StrictInt = 1
+    vpp: StrictInt = 1
     """Model chunks per pipeline stage (Megatron's virtual pipeline); 1 means none."""
-    first_stage_layers: int | None = None
-    last_stage_layers: int | None = None
+    first_stage_layers: StrictInt | None = None
+    last_stage_layers: StrictInt | None = None
     distributed_optimizer: bool = False
-    ep: int = 1
+    ep: StrictInt = 1
     """Expert parallelism: each EP rank holds ``num_experts / ep`` experts of every MoE layer."""
-    etp: int | None = None
+    etp: StrictInt | None = None
     """Expert tensor parallelism (Megatron's ``--expert-tensor-parallel-size``); unset: ``tp``."""
 
     @model_validator(mode="after")
     def _check(self) -> ParallelLayout:
+        axes = ("tp", "pp", "dp", "vpp", "ep", "expert_tp")
         problems = [
             f"{axis}={getattr(self, axis)} must be at least 1"
-            for axis in ("tp", "pp", "dp", "vpp", "ep", "expert_tp")
+            for axis in axes
             if getattr(self, axis) < 1
+        ]
+        problems += [
+            f"{axis}={getattr(self, axis)} is implausible (at most {MOST_RANKS})"
+            for axis in axes
+            if getattr(self, axis) > MOST_RANKS
         ]
         if not problems and (self.tp * self.dp) % (self.ep * self.expert_tp):
             # Megatron carves the expert groups out of the same ranks: tp*dp = etp*ep*edp.

@@ -12,9 +12,14 @@ torch-only oracles); ``python fork_server.py deepspeed`` preloads DeepSpeed for 
 (``DS_ACCELERATOR=cpu``) and transformers, apart from megatron-core, since DeepSpeed's import
 touches torch's state process-wide.
 
+``python fork_server.py ckptctl`` preloads ckptctl's CLI and every format's reader and writer
+(the fuzz suite runs the CLI hundreds of times).
+
 Protocol, one JSON object per line: a request ``{"script" or "module", "args", "cwd",
-"stdout", "stderr", "timeout"}`` on stdin (a script of this folder or by absolute path, or a
-module run as ``python -m``; its own output goes to the two files), an answer ``{"code": exit
+"stdout", "stderr", "timeout"}`` (optionally ``"memory_limit"``: bytes of address space the
+run may map beyond the warm process's, and ``"env"``) on stdin (a script of this folder or by
+absolute path, or a module run as ``python -m``; its own output goes to the two files), an
+answer ``{"code": exit
 code, "timed_out": bool}`` on stdout. A run that outlives its timeout is killed with every
 process it started (each request runs in a process group of its own).
 """
@@ -42,6 +47,17 @@ def preload(flavour: str) -> None:
     import torch.distributed
     import torch.multiprocessing  # noqa: F401
 
+    if flavour == "ckptctl":  # the CLI and every format's reader and writer (the fuzz suite)
+        import ckptctl.cli.main  # noqa: F401
+        from ckptctl.formats import registry
+
+        for name in registry.BUILTIN:
+            for part in ("format", "reader", "writer"):
+                with contextlib.suppress(ImportError):
+                    importlib.import_module(f"ckptctl.formats.{name}.{part}")
+        for name in ("ckptctl.execute", "ckptctl.verify", "ckptctl.compare", "ckptctl.arrays"):
+            importlib.import_module(name)
+        return
     if flavour == "deepspeed":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         with contextlib.suppress(ImportError):
@@ -67,6 +83,14 @@ def run_script(request: dict) -> None:
             os.close(out)
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
         os.chdir(request["cwd"])
+        if request.get("memory_limit"):
+            # Address space beyond what the warm process already maps: a run that would
+            # allocate more fails its allocation instead of taking the machine's memory.
+            import resource
+
+            limit = _mapped_bytes() + int(request["memory_limit"])
+            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        os.environ.update(request.get("env", {}))
         if "module" in request:
             sys.argv = [request["module"], *request["args"]]
             runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
@@ -86,6 +110,14 @@ def run_script(request: dict) -> None:
             sys.stdout.flush()
             sys.stderr.flush()
         os._exit(code)
+
+
+def _mapped_bytes() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def wait(pid: int, timeout: float) -> tuple[int, bool]:

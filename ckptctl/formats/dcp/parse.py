@@ -35,6 +35,7 @@ from ckptctl.formats.dcp.metadata import (
     TensorEntry,
     unsafe_path_reason,
 )
+from ckptctl.formats.torchsave.unpickle import census
 from ckptctl.model.geometry import Shape
 
 _LAYOUTS = frozenset(
@@ -198,6 +199,7 @@ def parse_metadata(data: bytes, where: str) -> DcpMetadata:
         raise
     except Exception as err:
         raise CheckpointError(f"{where}: cannot unpickle .metadata ({err})") from None
+    census(root, where)
     try:
         return _metadata(root)
     except (ValueError, TypeError) as err:

@@ -13,13 +13,13 @@ ranged GETs on object stores). What the chunks hold:
 from __future__ import annotations
 
 import argparse
-import json
 import threading
 from dataclasses import dataclass, field, replace
 from functools import partial
 from math import prod
 from typing import TYPE_CHECKING, Any
 
+from ckptctl import json_input
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError, LayoutError
 from ckptctl.formats.base import SavedTraining
 from ckptctl.formats.dcp.checks import check_metadata
@@ -352,10 +352,8 @@ def mcore_backend(storage: Storage, base: str) -> str | None:
     rel = join(base, MCORE_METADATA)
     if not storage.exists(rel):
         return None
-    try:
-        return str(json.loads(storage.read_text(rel)).get("sharded_backend"))
-    except ValueError as err:
-        raise CheckpointError(f"{storage.describe(rel)}: not JSON ({err})") from None
+    doc = json_input.parse_object(storage.read_text(rel), storage.describe(rel))
+    return str(doc.get("sharded_backend"))
 
 
 def files_of(base: str, placed: list[tuple[StorageInfo, StoredTensor]]) -> tuple[StoredFile, ...]:
@@ -370,10 +368,7 @@ def _config_beside(storage: Storage, base: str) -> dict[str, Any] | None:
     """An HF ``config.json`` saved next to the checkpoint (or one directory up)."""
     for rel in (join(base, CONFIG), CONFIG):
         if storage.exists(rel):
-            try:
-                return json.loads(storage.read_text(rel))
-            except ValueError as err:
-                raise CheckpointError(f"{storage.describe(rel)}: not JSON ({err})") from None
+            return json_input.parse_object(storage.read_text(rel), storage.describe(rel))
     return None
 
 

@@ -8,12 +8,12 @@ from the model states. The model is the HF one ``config.json`` (beside the check
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ckptctl import json_input
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError, LayoutError
 from ckptctl.formats.base import ProbeRequest, SavedTraining
 from ckptctl.formats.deepspeed.layout import (
@@ -135,10 +135,7 @@ def model_config(
             f"{where}: missing, so the model is unknown; pass --hf-config CONFIG.json"
             + (" (the checkpoint was given as its tag directory)" if not tag else "")
         )
-    try:
-        return json.loads(storage.read_text(CONFIG))
-    except ValueError as err:
-        raise CheckpointError(f"{storage.describe(CONFIG)}: not JSON ({err})") from None
+    return json_input.parse_object(storage.read_text(CONFIG), storage.describe(CONFIG))
 
 
 def _ranked(listing: set[str], pattern: re.Pattern[str], group: int) -> list[tuple[int, str]]:

@@ -333,7 +333,7 @@ def spec_from_config(
 ) -> ModelSpec:
     """A ``ModelSpec`` from a ``config.json`` of one of the families, read strictly."""
     model_type = config.get("model_type") or "llama"
-    if model_type not in FAMILIES:
+    if not isinstance(model_type, str) or model_type not in FAMILIES:
         raise LayoutError(
             f"model_type={model_type!r}: ckptctl reads {', '.join(FAMILIES)} (ckptctl formats)"
         )
@@ -345,6 +345,8 @@ def spec_from_config(
             f"config.json lacks {', '.join(missing)}: not a model description ckptctl can read",
             hint="give the model's own config.json (--hf-config)",
         )
+    for key in (*_REQUIRED, "num_key_value_heads", "head_dim"):
+        _positive_count(config, key)
     heads = config["num_attention_heads"]
     hidden = config["hidden_size"]
     bias = bool(config.get("attention_bias", False))
@@ -375,6 +377,18 @@ def spec_from_config(
     )
 
 
+def _positive_count(config: Mapping[str, Any], key: str) -> None:
+    """A size or count of ``config.json`` must be a positive integer (``null`` where it may
+    be left unset): anything else cannot describe a model."""
+    value = config.get(key)
+    if value is None and key not in _REQUIRED:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise CheckpointError(
+            f"config.json: {key}={value!r} is not a positive integer; not a model description"
+        )
+
+
 def _moe_spec(config: Mapping[str, Any], family: Family) -> dict[str, Any]:
     moe = family.moe
     if moe is None:
@@ -399,7 +413,12 @@ def _moe_spec(config: Mapping[str, Any], family: Family) -> dict[str, Any]:
 
 def _rope_theta(config: Mapping[str, Any]) -> float:
     parameters = config.get("rope_parameters") or {}
-    return float(config.get("rope_theta") or parameters.get("rope_theta") or 10000.0)
+    if not isinstance(parameters, Mapping):
+        raise CheckpointError(f"config.json: rope_parameters={parameters!r} is not an object")
+    value = config.get("rope_theta") or parameters.get("rope_theta") or 10000.0
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise CheckpointError(f"config.json: rope_theta={value!r} is not a number")
+    return float(value)
 
 
 def _check_keys(config: Mapping[str, Any], family: Family, trusted: frozenset[str]) -> None:
@@ -419,6 +438,8 @@ def _plain_problem(key: str, value: Any, config: Mapping[str, Any]) -> str | Non
     if key == "hidden_act" and value != "silu":
         return f"hidden_act={value!r}"
     if key in ("rope_scaling", "rope_parameters") and value:
+        if not isinstance(value, Mapping):
+            return f"{key}={value!r}"
         extra = {k: v for k, v in value.items() if k != "rope_theta"}
         if extra.get("rope_type", "default") != "default" or set(extra) - {"rope_type"}:
             return f"{key}={dict(value)!r}"
@@ -426,7 +447,9 @@ def _plain_problem(key: str, value: Any, config: Mapping[str, Any]) -> str | Non
         return f"sliding_window={value!r}"
     if key == "use_sliding_window" and value:
         return f"use_sliding_window={value!r}"
-    if key == "layer_types" and any(kind != "full_attention" for kind in value or ()):
+    if key == "layer_types" and (
+        not isinstance(value, list | None) or any(kind != "full_attention" for kind in value or ())
+    ):
         return f"layer_types={value!r}"
     if key == "decoder_sparse_step" and value != 1:
         return f"decoder_sparse_step={value!r} (dense layers between MoE layers)"

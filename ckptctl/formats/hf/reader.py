@@ -7,19 +7,21 @@ assembled whole. Reads use the header's offsets to fetch only the needed bytes.
 
 from __future__ import annotations
 
-import json
 import threading
 from dataclasses import dataclass, field
 from math import prod
 from typing import Any, BinaryIO, ClassVar
 
 import numpy as np
+import xxhash
 
+from ckptctl import json_input, record_checks
 from ckptctl.arrays import numpy_dtype, words
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError, LayoutError
 from ckptctl.formats.hf.families import spec_from_config
 from ckptctl.formats.hf.layout import CONFIG, INDEX, SINGLE, hf_tensors
 from ckptctl.formats.safetensors_header import SafetensorsEntry, read_header
+from ckptctl.manifest import recorded
 from ckptctl.model.dtypes import ITEMSIZE
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.stored import (
@@ -103,6 +105,9 @@ class HFCheckpoint:
     view: CheckpointView
     headers: dict[str, dict[str, SafetensorsEntry]]
     config: dict[str, Any]
+    digests: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Each tensor's xxh3-64 by file and name, where a ckptctl manifest records them: the
+    format stores no checksum, so these are what every read is held to."""
     _open: dict[str, BinaryIO] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -115,15 +120,60 @@ class HFCheckpoint:
         view: FlatView = None,
         into: np.ndarray | None = None,
     ) -> np.ndarray:
-        entry = self.headers[path][str(key[0])]
+        name = str(key[0])
+        entry = self.headers[path][name]
+        where = self.storage.describe(path)
         if not self.storage.is_local:  # exact ranged GETs, several in flight
-            where = self.storage.describe(path)
-            return read_box(_RangeFile(self.storage, path), entry, offsets, sizes, into, where)
-        with self._lock:  # one handle per file: seek + read must not interleave
-            if path not in self._open:
-                self._open[path] = self.storage.open_read(path)
-            where = self.storage.describe(path)
-            return read_box(self._open[path], entry, offsets, sizes, into, where)
+            data = read_box(_RangeFile(self.storage, path), entry, offsets, sizes, into, where)
+        else:
+            with self._lock:  # one handle per file: seek + read must not interleave
+                if path not in self._open:
+                    self._open[path] = self.storage.open_read(path)
+                data = read_box(self._open[path], entry, offsets, sizes, into, where)
+        self._check(path, name, entry, offsets, sizes, data)
+        return data
+
+    def _check(
+        self,
+        path: str,
+        name: str,
+        entry: SafetensorsEntry,
+        offsets: Shape,
+        sizes: Shape,
+        data: np.ndarray,
+    ) -> None:
+        """Hold what was read to the manifest's checksum of its tensor: a whole tensor here
+        and now, a part by the check of the whole tensor (``record_checks``)."""
+        record = self._record(path, name, entry)
+        if record is None:
+            return
+        whole = not any(offsets) and tuple(sizes) == entry.shape
+        if not whole:
+            record_checks.ask(record)
+        elif xxhash.xxh3_64_hexdigest(words(data).reshape(-1)) != record.digest:
+            raise CheckpointError(record_checks.failure_text(record))
+
+    def _record(self, path: str, name: str, entry: SafetensorsEntry) -> record_checks.Record | None:
+        digest = self.digests.get(path, {}).get(name)
+        if digest is None:
+            return None
+        what = f"{self.storage.describe(path)}: tensor {name}"
+        size = entry.end - entry.begin
+        if self.storage.is_local:
+            return record_checks.Record(
+                self.storage.path(path), entry.begin, size, 0, what, digest=digest
+            )
+        storage, begin = self.storage, entry.begin
+        return record_checks.Record(
+            storage.describe(path),
+            begin,
+            size,
+            0,
+            what,
+            fetch=lambda at, n: storage.read_range(path, begin + at, n),
+            version=storage.identity(path),
+            digest=digest,
+        )
 
     def where(
         self, path: str, key: KeyPath, offsets: Shape, sizes: Shape, view: FlatView = None
@@ -136,7 +186,8 @@ class HFCheckpoint:
             return None
         row = prod(entry.shape[1:]) * ITEMSIZE[entry.dtype]
         start = entry.begin + (offsets[0] * row if entry.shape else 0)
-        return Span(path, start, prod(sizes) * ITEMSIZE[entry.dtype], entry.dtype)
+        record = self._record(path, str(key[0]), entry)
+        return Span(path, start, prod(sizes) * ITEMSIZE[entry.dtype], entry.dtype, record=record)
 
 
 class _RangeFile:
@@ -160,19 +211,18 @@ def probe_hf(
     """Read config and safetensors headers; map every HF tensor onto canonical tensors."""
     if not storage.exists(CONFIG):
         raise CheckpointNotFoundError(f"{storage.describe(CONFIG)}: missing; not an HF checkpoint")
-    try:
-        config = json.loads(storage.read_text(CONFIG))
-    except ValueError as err:
-        raise CheckpointError(f"{storage.describe(CONFIG)}: not JSON ({err})") from None
+    config = json_input.parse_object(storage.read_text(CONFIG), storage.describe(CONFIG))
     try:
         spec = spec_from_config(config, make_vocab_size_divisible_by, trusted)
     except LayoutError as err:
         raise LayoutError(f"{storage.describe(CONFIG)}: {err}") from None
     if storage.exists(INDEX):
-        try:
-            weight_map = json.loads(storage.read_text(INDEX))["weight_map"]
-        except (ValueError, KeyError) as err:
-            raise CheckpointError(f"{storage.describe(INDEX)}: malformed index ({err})") from None
+        where = storage.describe(INDEX)
+        index = json_input.parse_object(storage.read_text(INDEX), where)
+        weight_map = json_input.field(index, "weight_map", dict, f"{where}: malformed index")
+        for name, rel in weight_map.items():
+            if not isinstance(rel, str) or "\x00" in rel:
+                raise CheckpointError(f"{where}: the file of tensor {name} is {rel!r}, not a path")
     elif storage.exists(SINGLE):
         weight_map = None
     else:
@@ -214,4 +264,6 @@ def probe_hf(
         False,
         ("HF checkpoints hold weights only: no optimizer state",),
     )
-    return HFCheckpoint(storage, view, headers, config)
+    known = recorded(storage)
+    digests = known.tensors if known is not None else {}
+    return HFCheckpoint(storage, view, headers, config, digests)

@@ -183,6 +183,54 @@ def _moe_spec(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+MOST_ITERATIONS = 1 << 48
+"""Largest training iteration a checkpoint may claim (a step a microsecond for nine years)."""
+
+
+def checked_iteration(value: Any, where: str, directory: int | None = None) -> int | None:
+    """A checkpoint's ``iteration`` counter as it may be carried into outputs: a non-negative
+    integer (``None`` only where the file holds none), and the number of the directory it was
+    saved in, when that has one. Anything else is refused, never copied."""
+    if value is None and directory is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < MOST_ITERATIONS:
+        raise CheckpointError(
+            f"{where}: iteration={value!r} is not an iteration number; the file is corrupt or "
+            "was not written by a training run"
+        )
+    if directory is not None and value != directory:
+        raise CheckpointError(
+            f"{where}: iteration={value} disagrees with its directory's iteration {directory}"
+        )
+    return value
+
+
+def check_saved_layout(
+    args: argparse.Namespace, spec: ModelSpec, layout: ParallelLayout, where: str
+) -> None:
+    """The layout ``args`` say the checkpoint was saved with must be able to split the model,
+    and the padded vocabulary they record must be the model's at that TP size."""
+    try:
+        layout.check_against(spec)
+    except LayoutError as err:
+        raise CheckpointError(f"{where}: args describe an impossible layout: {err}") from None
+    world = getattr(args, "world_size", None)
+    context = getattr(args, "context_parallel_size", None) or 1
+    if isinstance(world, int) and world != layout.tp * layout.pp * context * layout.dp:
+        raise CheckpointError(
+            f"{where}: args.world_size={world} is not tensor x pipeline x context x data "
+            f"parallel ({layout.tp} x {layout.pp} x {context} x {layout.dp}); the args "
+            "disagree with themselves"
+        )
+    padded = getattr(args, "padded_vocab_size", None)
+    if padded is not None and padded != spec.padded_vocab_size(layout.tp):
+        raise CheckpointError(
+            f"{where}: args.padded_vocab_size={padded} does not match vocab_size="
+            f"{spec.vocab_size} padded for tp={layout.tp} ({spec.padded_vocab_size(layout.tp)}); "
+            "pass --true-vocab-size"
+        )
+
+
 def layout_from_args(args: argparse.Namespace) -> ParallelLayout:
     moe = bool(_arg(args, "num_experts"))
     etp = _arg(args, "expert_tensor_parallel_size") if moe else None

@@ -14,7 +14,12 @@ from typing import TYPE_CHECKING, Any
 
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError, LayoutError
 from ckptctl.formats.base import SavedTraining
-from ckptctl.formats.megatron.args import layout_from_args, spec_from_args
+from ckptctl.formats.megatron.args import (
+    check_saved_layout,
+    checked_iteration,
+    layout_from_args,
+    spec_from_args,
+)
 from ckptctl.formats.megatron.layout import (
     DISTOPT_FILE,
     RANK_FILE,
@@ -86,6 +91,11 @@ class MegatronCheckpoint(TorchFiles):
         return SavedTraining(carried_state(self.tree(path)), self.args, self.group_templates, step)
 
 
+def _state_dict(value: Any) -> bool:
+    """A model entry as Megatron saves it: tensor (or extra state) by parameter name."""
+    return isinstance(value, dict) and all(isinstance(k, str) for k in value)
+
+
 def find_iteration(storage: Storage, iteration: int | None) -> tuple[str, int | None]:
     """The iteration directory (relative) and number the user means."""
     if iteration is not None:
@@ -94,10 +104,10 @@ def find_iteration(storage: Storage, iteration: int | None) -> tuple[str, int | 
             raise CheckpointNotFoundError(f"{storage.describe(rel)}: no such iteration directory")
         return rel, iteration
     if storage.exists(TRACKER):
-        text = storage.read_text(TRACKER).strip()
+        text = storage.read_text(TRACKER, limit=1 << 10).strip()
         if text == "release":
             number = None
-        elif text.isdigit():
+        elif text.isdigit() and len(text) <= 18:
             number = int(text)
         else:
             raise CheckpointError(
@@ -186,7 +196,7 @@ def probe_megatron(
         raise CheckpointError(f"{storage.describe(first_rel)}: no 'args' namespace in the file")
     spec = spec_from_args(args, true_vocab_size, trusted)
     layout = layout_from_args(args)
-    layout.check_against(spec)
+    check_saved_layout(args, spec, layout, storage.describe(first_rel))
     try:
         savers = {c.directory(layout): c for c in saving_ranks(layout)}
     except LayoutError as err:
@@ -216,6 +226,9 @@ def probe_megatron(
                     raise
                 missing.append(name)  # unreadable: as good as lost, if a copy can replace it
                 continue
+        if not isinstance(readers[rel].tree, dict):
+            kind = type(readers[rel].tree).__name__
+            raise CheckpointError(f"{storage.describe(rel)}: holds a {kind}, not a rank file")
         other = readers[rel].tree.get("args")
         for key in (
             "tensor_model_parallel_size",
@@ -232,17 +245,19 @@ def probe_megatron(
                     f"{storage.describe(rel)}: args.{key}={getattr(other, key, None)} disagrees "
                     f"with {getattr(args, key, None)} in {storage.describe(first_rel)}"
                 )
+        if "iteration" in readers[rel].tree:
+            checked_iteration(readers[rel].tree["iteration"], storage.describe(rel), number)
     if problems:
         raise CheckpointError("; ".join(problems))
-    padded = getattr(args, "padded_vocab_size", None)
-    if padded is not None and padded != spec.padded_vocab_size(layout.tp):
-        raise CheckpointError(
-            f"args.padded_vocab_size={padded} does not match vocab_size={spec.vocab_size} "
-            f"padded for tp={layout.tp} ({spec.padded_vocab_size(layout.tp)}); "
-            "pass --true-vocab-size"
-        )
 
     trees = {rel: r.tree for rel, r in readers.items()}
+    for rel, tree in trees.items():
+        for key, value in tree.items():
+            if str(key).startswith("model") and not _state_dict(value):
+                raise CheckpointError(
+                    f"{storage.describe(rel)}: '{key}' holds a {type(value).__name__}, not a "
+                    "state dict of named tensors"
+                )
     models = [v for t in trees.values() for k, v in t.items() if k.startswith("model")]
     names = [k for m in models for k in m]
     naming = Naming.LOCAL if uses_local_names(names) else Naming.TE
@@ -273,11 +288,11 @@ def probe_megatron(
         optimizer, templates = match_groups(
             spec, layout, (naming, layer_order, expert_naming), optimizer, by_rank
         )
-    notes = []
+    notes, warnings = [], []
     if layout.distributed_optimizer and optimizer is None:
         notes.append("no optimizer state in the rank files: weights only")
     if extra and any(m[k] is not None for m in models for k in m if k.endswith(_EXTRA_STATE)):
-        notes.append(
+        warnings.append(
             f"{len(extra)} _extra_state entries (TransformerEngine FP8 metadata) are dropped"
         )
     files = megatron_files(
@@ -318,6 +333,7 @@ def probe_megatron(
         optimizer is not None,
         tuple(notes),
         optimizer_step(readers[first_rel], optimizer),
+        warnings=tuple(warnings),
     )
     return MegatronCheckpoint(
         storage,

@@ -10,7 +10,12 @@ from ckptctl.errors import CheckpointError, CheckpointNotFoundError
 from ckptctl.formats.dcp.metadata import BytesEntry, DcpMetadata, StorageInfo
 from ckptctl.formats.dcp.reader import DcpCheckpoint, files_of, join, read_metadata
 from ckptctl.formats.dcp.records import RecordWindow, open_record
-from ckptctl.formats.megatron.args import layout_from_args, spec_from_args
+from ckptctl.formats.megatron.args import (
+    check_saved_layout,
+    checked_iteration,
+    layout_from_args,
+    spec_from_args,
+)
 from ckptctl.formats.torch_dist.layout import (
     COMMON,
     DP_RESHARDABLE_PREFIX,
@@ -74,8 +79,12 @@ def probe_torch_dist(
     args = common["args"]
     spec = spec_from_args(args, true_vocab_size, trusted)
     layout = layout_from_args(args)
+    where = storage.describe(join(base, COMMON))
+    check_saved_layout(args, spec, layout, where)
+    saved_iteration = checked_iteration(common.get("iteration"), where, _directory_number(base))
     catalog = model_catalog(spec)
     notes: list[str] = []
+    warnings: list[str] = []
     placed: list[tuple[StorageInfo, StoredTensor]] = []
     unknown: list[str] = []
     objects: set[str] = set()
@@ -118,25 +127,33 @@ def probe_torch_dist(
     sharding = optimizer.get("param_state_sharding_type")
     has_optimizer = any(t.canonical.startswith("exp_avg/") for _, t in placed)
     if sharding == "dp_reshardable" or dp_reshardable:
-        notes.append(
+        warnings.append(
             "optimizer state is dp_reshardable (raw grad-buffer buckets of the saved TP/PP "
             "layout): only the weights can be taken from it"
         )
     if objects:
         # Pickled objects (RNG state, TransformerEngine FP8 metadata) have no reshardable form.
-        notes.append(f"not carried: {', '.join(sorted(objects))} (pickled objects)")
+        warnings.append(f"not carried: {', '.join(sorted(objects))} (pickled objects)")
     step = _optimizer_step(optimizer) if common_step is None else common_step
     view = CheckpointView(
         Format.TORCH_DIST,
         spec,
         layout,
         files_of(base, placed),
-        iteration if iteration is not None else common.get("iteration"),
+        iteration if iteration is not None else saved_iteration,
         has_optimizer,
         tuple(notes),
         optimizer_step=step if has_optimizer else None,
+        warnings=tuple(warnings),
     )
     return DcpCheckpoint(storage, view, base, metadata, args, common)
+
+
+def _directory_number(base: str) -> int | None:
+    """The iteration an ``iter_0000123`` directory is named for (``None`` for another)."""
+    name = base.rstrip("/").rsplit("/", 1)[-1]
+    digits = name.removeprefix("iter_")
+    return int(digits) if name.startswith("iter_") and digits.isdigit() else None
 
 
 def _optimizer_step(optimizer: dict[str, Any]) -> float | None:

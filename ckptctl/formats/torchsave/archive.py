@@ -98,6 +98,25 @@ class TorchZipReader:
         # One file handle: seek + read must not interleave between reader threads.
         self._lock = threading.Lock()
         self.tree = restricted_loads(self._read_entry(pkl[0]), where)
+        self._check_tensors()
+
+    def _check_tensors(self) -> None:
+        """Every tensor the pickle describes lies inside its storage record, which the archive
+        holds uncompressed: checked from the zip directory before any byte is read, so a
+        forged offset, stride or shape is refused here, never followed into memory."""
+        for ref in tensor_refs(self.tree):
+            key = ref.storage.key
+            info = self._zip.NameToInfo.get(f"{self._prefix}/data/{key}")
+            if info is None:
+                raise CheckpointError(f"{self.where}: storage record {key} is missing")
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise CheckpointError(f"{self.where}: storage record {key} is compressed")
+            problem = geometry_problem(ref, info.file_size)
+            if problem is not None:
+                raise CheckpointError(
+                    f"{self.where}: a tensor of storage record {key} {problem}; the file is "
+                    "corrupt or forged"
+                )
 
     def _read_entry(self, name: str) -> bytes:
         try:
@@ -367,6 +386,49 @@ class TorchZipReader:
         if into is not None:
             return into
         return strided(flat, sizes, ref.stride)
+
+
+def tensor_refs(tree: Any) -> list[TensorRef]:
+    """Every tensor of an unpickled tree, each container visited once (``census`` has bounded
+    the tree)."""
+    out, seen, stack = [], set(), [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, TensorRef):
+            out.append(node)
+            continue
+        if id(node) in seen:
+            continue
+        if isinstance(node, dict):
+            seen.add(id(node))
+            stack.extend(node.values())
+        elif isinstance(node, list | tuple):
+            seen.add(id(node))
+            stack.extend(node)
+    return out
+
+
+def geometry_problem(ref: TensorRef, record_bytes: int) -> str | None:
+    """What is wrong with a tensor's geometry over a storage record of ``record_bytes``, if
+    anything: sizes, strides and offset must be non-negative integers, one stride per
+    dimension, and every element inside the record."""
+    plain = all(isinstance(v, int) and not isinstance(v, bool) for v in (*ref.shape, *ref.stride))
+    if not plain or not isinstance(ref.offset, int) or len(ref.shape) != len(ref.stride):
+        return f"has shape {list(ref.shape)} and strides {list(ref.stride)}, not one per dimension"
+    if min((*ref.shape, *ref.stride, ref.offset), default=0) < 0:
+        return (
+            f"has a negative size, stride or offset (shape {list(ref.shape)}, strides "
+            f"{list(ref.stride)}, offset {ref.offset})"
+        )
+    if prod(ref.shape) == 0:
+        return None
+    last = ref.offset + sum((n - 1) * s for n, s in zip(ref.shape, ref.stride, strict=True))
+    if (last + 1) * ref.dtype.itemsize > record_bytes:
+        return (
+            f"reaches byte {(last + 1) * ref.dtype.itemsize} of a record of {record_bytes} "
+            f"(shape {list(ref.shape)}, strides {list(ref.stride)}, offset {ref.offset})"
+        )
+    return None
 
 
 def _fits(into: np.ndarray, ref: TensorRef, sizes: Shape) -> bool:

@@ -127,6 +127,18 @@ def _rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any, *, where
     return func(*args)
 
 
+def _bytearray(source: Any = b"", *rest: Any) -> bytearray:
+    """``bytearray`` as pickles use it: a copy of bytes the pickle holds. ``bytearray(n)``
+    would allocate ``n`` zero bytes a pickle of a few bytes can ask for (3 GiB from a 1 MB
+    file): refused."""
+    if not isinstance(source, bytes | bytearray | str):
+        raise CheckpointError(
+            f"bytearray({type(source).__name__}) in a pickle: only copies of pickled bytes "
+            "are rebuilt"
+        )
+    return bytearray(source, *rest)
+
+
 _REAL_GLOBALS: dict[tuple[str, str], Any] = {
     ("collections", "OrderedDict"): collections.OrderedDict,
     ("argparse", "Namespace"): argparse.Namespace,
@@ -135,7 +147,7 @@ _REAL_GLOBALS: dict[tuple[str, str], Any] = {
     ("builtins", "frozenset"): frozenset,
     ("builtins", "slice"): slice,
     ("builtins", "complex"): complex,
-    ("builtins", "bytearray"): bytearray,
+    ("builtins", "bytearray"): lambda *args: _bytearray(*args),
     ("_codecs", "encode"): lambda text, encoding="utf-8": text.encode(encoding),
     ("io", "BytesIO"): io.BytesIO,
     ("_io", "BytesIO"): io.BytesIO,
@@ -146,6 +158,10 @@ _REAL_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch", "Tensor"): _PlainTensorType(),
     ("torch.nn.parameter", "Parameter"): _PlainTensorType(),
     ("torch", "Size"): tuple,
+}
+# Protocol 2 (torch.save's) names the builtins module as Python 2 did.
+_REAL_GLOBALS |= {
+    ("__builtin__", n): f for (m, n), f in list(_REAL_GLOBALS.items()) if m == "builtins"
 }
 # Foreign objects that Megatron files legitimately hold; never imported, kept as stubs.
 _STUB_PREFIXES = (
@@ -189,10 +205,54 @@ class _RestrictedUnpickler(pickle.Unpickler):
 
 
 def restricted_loads(data: bytes, where: str) -> Any:
-    """Unpickle ``data`` allowing only the globals checkpoints need; ``where`` names the source."""
+    """Unpickle ``data`` allowing only the globals checkpoints need; ``where`` names the source.
+    The result is a tree ckptctl may walk: no deeper than ``MAX_DEPTH``, and no larger than
+    ``MAX_NODES`` when shared references are walked as often as they are referenced."""
     try:
-        return _RestrictedUnpickler(data, where).load()
-    except UnsafePickleError:
-        raise
+        tree = _RestrictedUnpickler(data, where).load()
+    except CheckpointError as err:
+        raise type(err)(f"{where}: {err}" if where not in str(err) else str(err)) from None
     except Exception as err:
-        raise CheckpointError(f"{where}: cannot unpickle ({err})") from None
+        raise CheckpointError(f"{where}: cannot unpickle ({type(err).__name__}: {err})") from None
+    census(tree, where)
+    return tree
+
+
+MAX_DEPTH = 256
+"""Deepest nesting of containers a checkpoint's pickle may hold (Megatron's: under 20)."""
+MAX_NODES = 2_000_000
+"""Most containers and values a pickle may hold when walked as a tree (a Megatron rank file
+of a large model: a few hundred thousand)."""
+
+
+def census(tree: Any, where: str) -> None:
+    """Refuse a tree too deep, or too large when walked: a few kilobytes of pickle can hold
+    a list nested 200,000 deep, or ``width ** levels`` paths through shared references, either
+    of which would exhaust every walk ckptctl makes of it."""
+    stack: list[tuple[Any, int]] = [(tree, 0)]
+    seen = 0
+    while stack:
+        node, depth = stack.pop()
+        seen += 1
+        if seen > MAX_NODES:
+            raise CheckpointError(
+                f"{where}: its pickle holds more than {MAX_NODES:,} values when walked (shared "
+                "references repeated); refusing it as a pickle bomb"
+            )
+        if depth > MAX_DEPTH:
+            raise CheckpointError(
+                f"{where}: its pickle nests containers more than {MAX_DEPTH} deep; refusing it"
+            )
+        if isinstance(node, dict):
+            children: Any = [*node.keys(), *node.values()]
+        elif isinstance(node, list | tuple | set | frozenset):
+            children = node
+        elif isinstance(node, Stub):
+            children = (node._args, node._state)
+        elif hasattr(node, "args") and hasattr(node, "state"):  # a recorder (DCP .metadata)
+            children = (node.args, node.state)
+        elif isinstance(node, argparse.Namespace | types.SimpleNamespace):
+            children = list(vars(node).values())
+        else:
+            continue
+        stack.extend((child, depth + 1) for child in children)

@@ -1,0 +1,1 @@
+"""The fuzz suite's checkpoints and mutations (``tests/test_fuzz.py`` runs them)."""
