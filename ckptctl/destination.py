@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ckptctl.errors import OutputExistsError
+from ckptctl.lease import refuse_if_held
 from ckptctl.locations import refuse_overlap
-from ckptctl.manifest import INCOMPLETE, completed_by, foreign_files, read_marker
+from ckptctl.manifest import INCOMPLETE, LOCK, completed_by, foreign_files, read_marker
 from ckptctl.model.plan import Plan
 from ckptctl.settings import Settings
 from ckptctl.storage import Storage
@@ -42,6 +43,7 @@ def check_destination(plan: Plan, settings: Settings, *, overwrite: bool = False
     if settings.stage_dir is not None:
         refuse_overlap("--stage-dir", settings.stage_dir, plan_sources(plan))
     target = Storage(plan.target_url, settings.storage)
+    refuse_if_held(target)  # another job is writing it: nothing it holds means anything yet
     fingerprint = plan.fingerprint()
     if not overwrite and completed_by(target, fingerprint):
         return Destination(target, complete=True)
@@ -64,6 +66,7 @@ def _existing_content(target: Storage, overwrite: bool) -> bool:
         )
     files = target.find_files()
     # Leftovers of a run killed before it wrote anything are not content.
+    files = [f for f in files if f != LOCK and not f.startswith(f"{LOCK}.stale.")]
     if set(files) <= {INCOMPLETE, INCOMPLETE + ".partial"}:
         return bool(files)
     if not overwrite:

@@ -13,6 +13,8 @@ the destination and hands the plan to the executor.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,9 +27,10 @@ from ckptctl.errors import CheckpointError, CkptctlError, UsageError
 from ckptctl.formats.megatron.layout import MegatronStyle
 from ckptctl.formats.megatron.ranks import coords
 from ckptctl.job_report import Progress, Report, Sources
+from ckptctl.lease import LOCK, hold
 from ckptctl.locations import refuse_overlap
-from ckptctl.model.layout import ParallelLayout
-from ckptctl.model.plan import Plan
+from ckptctl.manifest import completed_by
+from ckptctl.model.plan import Plan, smallest_band
 from ckptctl.model.stored import CheckpointView, Format
 from ckptctl.probe import (
     Checkpoint,
@@ -49,6 +52,7 @@ from planners.consolidate import plan_consolidate as consolidation
 from planners.consolidate import plan_hf_state_dict, plan_state_dict
 from planners.cost import profile_for, through_decoder, with_time
 from planners.strategy import Stored, plan_auto
+from planners.target import choose_target
 from planners.universal import plan_universal
 
 __all__ = ["Destination", "Job", "check_destination", "plan_consolidate", "plan_reshard", "run"]
@@ -236,12 +240,13 @@ def plan_reshard(
     dtype: str | None = None,
     iteration: int | None = None,
     true_vocab_size: int | None = None,
-    target_format: Format = Format.MEGATRON,
+    target_format: Format | None = None,
     measured: dict | None = None,
 ) -> Job:
     """Probe the source and every other stored copy, then let the strategy planner choose how
     to reach the ``target`` layout (``tp``, ``pp``, ...; a missing or ``None`` value keeps the
-    source's). ``dst`` may be ``None`` when only the plan is wanted."""
+    source's, as ``target_format`` does for a Megatron source: ``planners.target``). ``dst``
+    may be ``None`` when only the plan is wanted."""
     settings = settings or Settings()
     if dst is not None:
         refuse_overlap("destination", dst, given_sources(src, full, replicas))
@@ -250,14 +255,11 @@ def plan_reshard(
     ckpt = open_checkpoint(src, settings, allow_missing=bool(others), **options)
     refuse_dp_reshardable(ckpt)
     extra = [open_checkpoint(u, settings, **options) for u in others]
-    source = ckpt.view.layout
-    layout = ParallelLayout(
-        **{
-            "dp": source.dp,
-            "distributed_optimizer": source.distributed_optimizer,
-            **{k: v for k, v in target.items() if v is not None},
-        }
-    )
+    choice = choose_target(ckpt.view.layout, ckpt.view.spec, target)
+    layout = choice.layout
+    if target_format is None:
+        kept = ckpt.view.format in (Format.MEGATRON, Format.TORCH_DIST)
+        target_format = Format(ckpt.view.format) if kept else Format.MEGATRON
     lost = lost_files(ckpt, parse_ranks(lost_ranks), parse_ranks(lost_nodes), ranks_per_node)
     primary = _stored(ckpt, src, lost)
     copies = [_stored(c, u) for c, u in zip(extra, others, strict=True)]
@@ -283,7 +285,26 @@ def plan_reshard(
     lead = next(c for c, u in zip(everything, [src, *others], strict=True) if u == plan.source_url)
     lead_lost = (lost if lead is ckpt else frozenset()) | _planned_lost(plan, lead)
     plan = with_identities(plan, lead.storage, lead.view, lead_lost)
+    if choice.notes:
+        plan = plan.model_copy(update={"notes": (*choice.notes, *plan.notes)})
     return Job(plan, Sources(lead, by_prefix), settings)
+
+
+def nothing_to_change(job: Job, *, strategy: str = "auto", dtype: str | None = None) -> bool:
+    """Whether a reshard would write its source again as it is: the same format and layout,
+    no dtype asked for, nothing lost or read from another copy, and no strategy named (a
+    ``direct`` copy asked for by name is still made)."""
+    plan = job.plan
+    lost = getattr(job.sources.primary, "lost", frozenset())
+    return (
+        strategy == "auto"
+        and dtype is None
+        and plan.source_format == plan.target_format.value
+        and plan.source_layout == plan.target_layout
+        and not plan.extra_sources
+        and not lost
+        and not set(f.path for f in job.sources.primary.view.files) - set(plan.source_files)
+    )
 
 
 def load_plan(path: Path) -> Plan:
@@ -311,6 +332,15 @@ def saved_job(
     plan = load_plan(plan_file)
     if plan.operation != operation:
         raise UsageError(f"--plan {plan_file} is a {plan.operation} plan, not a {operation} one")
+    if plan.target_url == "" and plan.source_url == src:
+        # Made without a destination (``ckptctl plan SRC``): it runs into the one given now.
+        plan = plan.model_copy(update={"target_url": dst})
+    elif plan.target_url == plan.source_url and not plan.files:
+        raise UsageError(
+            f"--plan {plan_file} was made without a destination and moves nothing (the shards "
+            "already have the target layout)",
+            hint="make a plan with a destination: ckptctl plan SRC DST ... --out",
+        )
     if (plan.source_url, plan.target_url) != (src, dst):
         raise UsageError(
             f"--plan {plan_file} was made for {plan.source_url} -> {plan.target_url}, "
@@ -355,17 +385,45 @@ def run(
     destination: Destination | None = None,
     progress: Progress | None = None,
     group: Group | None = None,
+    starting: Callable[[], object] | None = None,
 ) -> Report:
     """Write ``job.plan``'s output: check the destination (unless already checked), clear what
     may be cleared, and execute. Whatever fails, nothing is marked complete."""
-    from ckptctl.execute import execute  # imports torch: only jobs that run need it
-
     plan, settings = job.plan, job.settings
+    row, widest = smallest_band(plan)
+    if settings.memory_budget < row:
+        raise UsageError(
+            f"--memory-budget {settings.memory_budget} bytes is less than one row of {widest} "
+            f"({row} bytes), the least a job holds at once; give at least that (e.g. 512MiB)"
+        )
     destination = destination or check_destination(plan, settings)
     if destination.complete:
         return Report(files_written=[])
-    if destination.clear_first:
-        destination.storage.remove("")
+    lead = group is None or group.rank == 0
+    try:
+        with hold(destination.storage) if lead else contextlib.nullcontext():
+            if lead and completed_by(destination.storage, plan.fingerprint()):
+                return Report(files_written=[])  # another job finished it meanwhile
+            if destination.clear_first:
+                destination.storage.clear(keep=LOCK)
+            if starting is not None:  # the destination is this job's now: say what it does
+                starting()
+            return _execute(job, destination, progress, group)
+    except CkptctlError:
+        raise
+    except Exception as err:
+        storage = classify(err, f"{plan.source_url} -> {plan.target_url}")
+        if storage is None:
+            raise
+        raise storage from err
+
+
+def _execute(
+    job: Job, destination: Destination, progress: Progress | None, group: Group | None
+) -> Report:
+    from ckptctl.execute import execute  # imports torch: only jobs that run need it
+
+    plan, settings = job.plan, job.settings
     target = destination.storage
     if settings.stage_dir is not None:
         target = StagedStorage(target, settings.stage_dir)
@@ -383,13 +441,6 @@ def run(
             group=group,
             files_at_once=LOCAL_FILES_AT_ONCE,
         )
-    except CkptctlError:
-        raise
-    except Exception as err:
-        storage = classify(err, f"{plan.source_url} -> {plan.target_url}")
-        if storage is None:
-            raise
-        raise storage from err
     finally:
         if isinstance(target, StagedStorage):
             target.close()

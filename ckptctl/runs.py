@@ -237,7 +237,10 @@ def _mapped(fd: int, offset: int, nbytes: int, *, read_ahead: bool = False) -> I
             finally:
                 view.release()
         finally:
-            pages.close()
+            # A reader interrupted mid-run may still hold slices of the window (in its
+            # traceback's frames): the pages are then unmapped when those go, not here.
+            with contextlib.suppress(BufferError):
+                pages.close()
         start = base + length
 
 

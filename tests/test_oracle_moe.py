@@ -102,8 +102,10 @@ def _assert_same_files(mine: Path, theirs: Path) -> None:
 
 
 def _options(layout: dict[str, int]) -> list[str]:
-    # Experts are carved out of data parallelism: EP=2 needs two DP replicas per TP rank.
-    return ["--tp", str(layout["tp"]), "--ep", str(layout["ep"]), "--dp", str(layout["ep"])]
+    # Experts are carved out of data parallelism: EP=2 needs two DP replicas per TP rank. The
+    # whole layout is given: a reshard keeps the source's value of what is not.
+    tp, ep = str(layout["tp"]), str(layout["ep"])
+    return ["--tp", tp, "--pp", "1", "--ep", ep, "--etp", tp, "--dp", ep]
 
 
 @pytest.mark.parametrize("variant", list(HF_CLASS))
@@ -231,7 +233,8 @@ def test_moe_torch_dist_both_ways(
     reference = torch.load(torch_dist / "reference.pt", weights_only=True)
     # Experts stacked as [L, E, ...], the chained optimizer's per-parameter state and its
     # common step, to the legacy files megatron-core itself wrote for the same state.
-    cli("reshard", torch_dist, tmp_path / "legacy", *_options({"tp": 1, "ep": 2}))
+    options = _options({"tp": 1, "ep": 2})
+    cli("reshard", torch_dist, tmp_path / "legacy", *options, "--format", "megatron")
     _assert_same_files(tmp_path / "legacy", legacy)
     cli("consolidate", torch_dist, tmp_path / "hf", "--format", "hf")
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
@@ -248,7 +251,8 @@ def test_moe_torch_dist_both_ways(
         _oracle("forward", td, tmp_path / f"{name}.pt", "--variant", variant, *sizes)
         logits = torch.load(tmp_path / f"{name}.pt", weights_only=True)
         assert _relative(logits, reference["logits"]) < 1e-5
-        cli("reshard", td, tmp_path / f"{name}-back", *_options({"tp": 1, "ep": 2}))
+        options = _options({"tp": 1, "ep": 2})
+        cli("reshard", td, tmp_path / f"{name}-back", *options, "--format", "megatron")
         _assert_same_files(tmp_path / f"{name}-back", legacy)
 
 
@@ -319,7 +323,7 @@ def test_moe_distributed_optimizer_expert_buffers(
     # megatron-core's bytes, the dense ones too apart from vocabulary padding rows.
     cli("reshard", distopt, tmp_path / "tp2", "--tp", "2", "--ep", "1", "--dp", "2")
     back = tmp_path / "back"
-    cli("reshard", tmp_path / "tp2", back, "--ep", "2", "--dp", "2")
+    cli("reshard", tmp_path / "tp2", back, "--tp", "1", "--ep", "2", "--dp", "2")
     assert cli.json("verify", back, "--against", distopt)["ok"]
     for rank in ("mp_rank_00_000", "mp_rank_00_001"):
         name = f"iter_0000001/{rank}/distrib_optim.pt"

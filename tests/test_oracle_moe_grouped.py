@@ -147,7 +147,18 @@ def test_grouped_mlp_distributed_optimizer(grouped: dict[str, Path], tmp_path: P
     )
     _set_args(tmp_path / "tp2", moe_grouped_gemm=True)
     back = tmp_path / "back"
-    cli("reshard", tmp_path / "tp2", back, "--ep", 2, "--dp", 2, "--distributed-optimizer")
+    cli(
+        "reshard",
+        tmp_path / "tp2",
+        back,
+        "--tp",
+        1,
+        "--ep",
+        2,
+        "--dp",
+        2,
+        "--distributed-optimizer",
+    )
     assert cli.json("verify", back, "--against", distopt)["ok"]
     for rank in ("mp_rank_00_000", "mp_rank_00_001"):
         name = f"iter_0000001/{rank}/distrib_optim.pt"

@@ -100,7 +100,7 @@ def test_variant_converts_right_or_is_refused(
 
     # TP1 PP2 in the names transformer_impl=local loads with, into megatron-core's own stages.
     pp2 = tmp_path / "pp2"
-    cli("reshard", src, pp2, "--tp", "1", "--pp", "2")
+    cli("reshard", src, pp2, "--tp", "1", "--pp", "2", "--format", "megatron")
     assert "decoder.layers.0.input_layernorm.weight" in _rank_models(pp2)["mp_rank_00_000"]
     _oracle("forward", pp2, tmp_path / "logits.pt", "--variant", variant)
     logits = torch.load(tmp_path / "logits.pt", weights_only=True)

@@ -87,7 +87,7 @@ def test_local_to_s3_to_s3_to_local_is_bit_exact(
 def test_s3_consolidate_to_hf_and_plan_uses_the_s3_profile(
     bucket: str, local_ckpt: Path, tmp_path: Path, cli
 ) -> None:
-    cli("reshard", local_ckpt, f"{bucket}/tp2", "--tp", "2", "--pp", "2")
+    cli("reshard", local_ckpt, f"{bucket}/tp2", "--strategy", "direct")  # an upload
     cli("consolidate", f"{bucket}/tp2", tmp_path / "hf")
     assert json.loads((tmp_path / "hf/config.json").read_text())["vocab_size"] == 1100
     on_s3 = cli.json("plan", f"{bucket}/tp2", tmp_path / "x", "--tp", "4", "--pp", "1")
@@ -389,7 +389,7 @@ def test_a_large_range_is_fetched_as_parallel_sub_ranges(bucket: str, proxy: S3P
 def test_an_s3_destination_overlapping_its_source_is_refused_whatever_the_spelling(
     bucket: str, local_ckpt: Path, cli
 ) -> None:
-    cli("reshard", local_ckpt, f"{bucket}/ck", "--tp", "2", "--pp", "2")
+    cli("reshard", local_ckpt, f"{bucket}/ck", "--strategy", "direct")  # an upload
     before = sorted(s3_keys(bucket))
     for dst in (f"{bucket}/ck/", "s3a://lake//ck", f"{bucket}/ck/out", bucket):
         result = cli("reshard", f"{bucket}/ck", dst, "--tp", "1", "--overwrite", code=2)
@@ -408,7 +408,7 @@ def test_a_saved_plan_refuses_an_object_rewritten_with_the_same_size(
 ) -> None:
     import s3fs
 
-    cli("reshard", local_ckpt, f"{bucket}/ck", "--tp", "2", "--pp", "2")
+    cli("reshard", local_ckpt, f"{bucket}/ck", "--strategy", "direct")  # an upload
     plan = tmp_path / "plan.json"
     cli("plan", f"{bucket}/ck", tmp_path / "out", "--tp", "1", "--out", plan)
     key = "lake/ck/iter_0000001/mp_rank_01_001/model_optim_rng.pt"
@@ -446,8 +446,8 @@ def test_compressed_checkpoints_live_in_the_lake(
     reading the result there, and decompress s3 -> local restoring every byte."""
     from tests.test_reshard import assert_same_checkpoint
 
-    cli("reshard", local_ckpt, f"{bucket}/step", "--tp", "2", "--pp", "2")
-    cli("reshard", local_ckpt, f"{bucket}/base", "--tp", "2", "--pp", "2")
+    cli("reshard", local_ckpt, f"{bucket}/step", "--strategy", "direct")  # an upload
+    cli("reshard", local_ckpt, f"{bucket}/base", "--strategy", "direct")  # an upload
     alone = cli.json("compress", f"{bucket}/step", f"{bucket}/packed")
     delta = cli.json("compress", f"{bucket}/step", f"{bucket}/delta", "--base", f"{bucket}/base")
     assert alone["ratio"] > 1 and delta["ratio"] > 10 * alone["ratio"]  # identical to its base
@@ -468,7 +468,7 @@ def test_quantizing_in_the_lake(bucket: str, local_ckpt: Path, tmp_path: Path, c
     result read there by every command and held to its recorded errors."""
     import zipfile
 
-    cli("reshard", local_ckpt, f"{bucket}/step", "--tp", "2", "--pp", "2")
+    cli("reshard", local_ckpt, f"{bucket}/step", "--strategy", "direct")  # an upload
     report = cli.json("compress", f"{bucket}/step", f"{bucket}/q", "--quantize", "all")
     assert report["ratio"] > 2
     checks = cli.json("verify", f"{bucket}/q", "--against", local_ckpt)

@@ -5,9 +5,11 @@ start-up), a conversion's local source starts streaming into the page cache
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 from ckptctl import import_prefetch, read_early
+from ckptctl.cli.interrupts import on_interrupt
 
 CONVERSIONS = frozenset({"consolidate", "reshard"})
 """Commands that read (nearly) all of their source."""
@@ -81,6 +83,17 @@ def imports_cached() -> bool:
 
 
 def main() -> None:
+    """The program: interrupted at any moment, it says so in one line and exits 130."""
+    signal.signal(signal.SIGINT, on_interrupt)
+    try:
+        _main()
+    except KeyboardInterrupt:  # before (or after) a command's own boundary
+        sys.stderr.write("error: interrupted\n")
+        sys.stderr.flush()
+        os._exit(130)
+
+
+def _main() -> None:
     source = early_source(sys.argv[1:])
     if source is not None and not any(os.environ.get(v) for v in RANK_VARIABLES):
         cached = imports_cached()

@@ -7,10 +7,11 @@ access denied, unreachable endpoint); 130 interrupted.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Callable
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 import typer.core
@@ -27,51 +28,27 @@ from ckptctl.cli import (
     reshard,
     verify,
 )
-from ckptctl.cli.options import CliState, read_hf_config, storage_config
-from ckptctl.cli.output import Output, boundary
-from ckptctl.settings import Settings
-
-GLOBAL_FLAGS = frozenset({"--debug", "--allow-incomplete"})
-GLOBAL_VALUED = frozenset(
-    {"--endpoint-url", "--storage-option", "--part-size", "--upload-parallel", "--hf-config"}
+from ckptctl.cli.global_options import (
+    AllowIncomplete,
+    CliState,
+    Debug,
+    EndpointUrl,
+    HfConfig,
+    PartSize,
+    StorageOption,
+    Tag,
+    TrustField,
+    UploadParallel,
+    global_request,
+    with_global_options,
 )
-
-
-def hoist_global_options(args: list[str], commands: set[str]) -> list[str]:
-    """Global options given after the command move before it, as the aws and hf CLIs accept
-    them anywhere: ``ckptctl inspect s3://b/x --endpoint-url URL``."""
-    at, i = None, 0
-    while i < len(args) and at is None:
-        if args[i] in GLOBAL_VALUED:
-            i += 1  # skip the option's value
-        elif args[i] in commands:
-            at = i
-        i += 1
-    if at is None:
-        return args
-    moved: list[str] = []
-    kept: list[str] = []
-    rest = args[at + 1 :]
-    i = 0
-    while i < len(rest):
-        arg = rest[i]
-        if arg == "--":
-            kept += rest[i:]
-            break
-        if arg in GLOBAL_FLAGS or ("=" in arg and arg.split("=", 1)[0] in GLOBAL_VALUED):
-            moved.append(arg)
-        elif arg in GLOBAL_VALUED and i + 1 < len(rest):
-            moved += rest[i : i + 2]
-            i += 1
-        else:
-            kept.append(arg)
-        i += 1
-    return [*args[:at], *moved, args[at], *kept]
+from ckptctl.cli.output import Output
 
 
 class CkptctlGroup(typer.core.TyperGroup):
-    """The root command: global options anywhere, and under ``--json`` a usage error (a bad
-    flag or value, caught before any command runs) is one JSON error document too."""
+    """The root command: a usage error (a bad flag or value, caught before any command runs)
+    is one ``error:`` line naming the command's help, and under ``--json`` one JSON error
+    document too, as every other error is."""
 
     def main(  # type: ignore[override]
         self,
@@ -81,24 +58,24 @@ class CkptctlGroup(typer.core.TyperGroup):
         standalone_mode: bool = True,
         **extra: object,
     ) -> object:
-        argv = hoist_global_options(
-            list(sys.argv[1:] if args is None else args), set(self.commands)
-        )
+        argv = list(sys.argv[1:] if args is None else args)
         options = argv[: argv.index("--")] if "--" in argv else argv
-        if not standalone_mode or "--json" not in options:
+        if not standalone_mode or not argv:  # embedded, or the bare program: its help
             return super().main(argv, prog_name, complete_var, standalone_mode, **extra)
         try:
             code = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
-        except Exception as err:
-            exit_code, describe = (
-                getattr(err, "exit_code", None),
-                getattr(err, "format_message", None),
-            )
+        except Exception as err:  # Typer's own Click: its errors known by what they offer
+            if type(err).__name__ == "Abort":  # ^C at a prompt
+                raise KeyboardInterrupt from None
+            exit_code = getattr(err, "exit_code", None)
+            describe = getattr(err, "format_message", None)
             if exit_code is None or describe is None:
                 raise
             command = next((a for a in argv if a in self.commands), "")
-            Output(True).fail(
-                describe(), exit_code, f"see ckptctl {command} --help".replace("  ", " ")
+            Output("--json" in options).fail(
+                describe().rstrip("."),
+                exit_code,
+                f"see ckptctl {command} --help".replace("  ", " "),
             )
             sys.exit(exit_code)
         sys.exit(code if isinstance(code, int) else 0)
@@ -107,11 +84,13 @@ class CkptctlGroup(typer.core.TyperGroup):
 app = typer.Typer(
     name="ckptctl",
     cls=CkptctlGroup,
-    help="Consolidate, reshard and verify sharded LLM training checkpoints. Global options "
-    "(--endpoint-url, --storage-option, --debug, ...) may also follow the command.",
+    help="Consolidate, reshard and verify sharded LLM training checkpoints. The options below "
+    "may also follow the command (ckptctl inspect CKPT --debug).",
     no_args_is_help=True,
     add_completion=True,
     pretty_exceptions_enable=False,
+    # Plain help (click's): every flag whole at any width, no type column beside flags.
+    rich_markup_mode=None,
 )
 
 
@@ -124,70 +103,33 @@ def _version(value: bool) -> None:
 @app.callback()
 def _root(
     ctx: typer.Context,
-    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False,
-    allow_incomplete: Annotated[
-        bool,
-        typer.Option("--allow-incomplete", help="Read checkpoints a ckptctl job never finished."),
-    ] = False,
-    endpoint_url: Annotated[
-        str | None,
-        typer.Option(
-            "--endpoint-url",
-            help="S3-compatible endpoint (MinIO, Ceph RGW); default: AWS config, AWS_ENDPOINT_URL.",
-        ),
-    ] = None,
-    storage_option: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--storage-option",
-            help="fsspec option for remote URLs as key=value (repeatable), e.g. anon=true.",
-        ),
-    ] = None,
-    part_size: Annotated[
-        str, typer.Option("--part-size", help="Multipart upload part size (>= 5MiB).")
-    ] = "8MiB",
-    upload_parallel: Annotated[
-        int, typer.Option("--upload-parallel", help="Parts of one object uploaded at once.")
-    ] = 8,
-    hf_config: Annotated[
-        str | None,
-        typer.Option(
-            "--hf-config",
-            help="config.json (or its directory) of the HF model a DCP checkpoint holds "
-            "(FSDP2 / DTensor training of an HF Llama); looked for beside the checkpoint too.",
-        ),
-    ] = None,
-    trust_field: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--trust-field",
-            help="A field of the model description (Megatron args, config.json) that ckptctl "
-            "does not know, vouched for as not changing the tensors' layout or meaning "
-            "(repeatable). Unknown fields are refused otherwise.",
-        ),
-    ] = None,
-    tag: Annotated[
-        str | None,
-        typer.Option(
-            "--tag",
-            help="DeepSpeed checkpoint tag directory to read instead of the one 'latest' names.",
-        ),
-    ] = None,
+    debug: Debug = False,
+    allow_incomplete: AllowIncomplete = False,
+    endpoint_url: EndpointUrl = None,
+    storage_option: StorageOption = None,
+    part_size: PartSize = None,
+    upload_parallel: UploadParallel = None,
+    hf_config: HfConfig = None,
+    trust_field: TrustField = None,
+    tag: Tag = None,
     version: Annotated[
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
     ] = False,
 ) -> None:
-    out = Output(False)
-    with boundary(out, debug):
-        storage = storage_config(endpoint_url, storage_option or [], part_size, upload_parallel)
-        settings = Settings(
-            storage=storage,
-            allow_incomplete=allow_incomplete,
-            hf_config=read_hf_config(hf_config, storage) if hf_config else None,
-            trusted_fields=frozenset(name.removeprefix("args.") for name in trust_field or ()),
-            tag=tag,
+    """Every command also takes these options after its name."""
+    ctx.obj = CliState(
+        global_request(
+            debug,
+            allow_incomplete,
+            endpoint_url,
+            storage_option,
+            part_size,
+            upload_parallel,
+            hf_config,
+            trust_field,
+            tag,
         )
-        ctx.obj = CliState(settings, debug)
+    )
 
 
 for name, command in (
@@ -202,7 +144,7 @@ for name, command in (
     ("compress", compress.compress_cmd),
     ("decompress", compress.decompress_cmd),
 ):
-    app.command(name)(command)
+    app.command(name)(with_global_options(command))
 
 
 def run_command() -> None:
@@ -213,6 +155,16 @@ def run_command() -> None:
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         sys.exit(130)
+
+
+def interrupted() -> NoReturn:
+    """Leave at once with exit code 130 after an interrupt the job has already unwound: the
+    interpreter's teardown could only add noise (buffers still exported by an interrupted
+    read report themselves as ignored exceptions)."""
+    with contextlib.suppress(OSError, ValueError):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(130)
 
 
 def main(on_success: Callable[[], None] | None = None) -> None:
@@ -231,6 +183,8 @@ def main(on_success: Callable[[], None] | None = None) -> None:
     try:
         run_command()
     except SystemExit as done:
+        if done.code == 130:
+            interrupted()
         if done.code not in (0, None) or sys.getprofile() or sys.gettrace():
             raise
     if on_success is not None:

@@ -20,23 +20,15 @@ from typing import Annotated, Any
 import typer
 from pydantic import ByteSize, TypeAdapter
 
+from ckptctl import json_input
+from ckptctl.cli.global_options import CliState, state
 from ckptctl.errors import UsageError
 from ckptctl.model.stored import Format
 from ckptctl.multipart import MIN_PART_SIZE
 from ckptctl.settings import Settings, StorageConfig
 from ckptctl.storage import Storage
 
-
-@dataclass(frozen=True)
-class CliState:
-    """What the root command's options decide for every command of one invocation."""
-
-    settings: Settings
-    debug: bool = False
-
-
-def state(ctx: typer.Context) -> CliState:
-    return ctx.obj if isinstance(ctx.obj, CliState) else CliState(Settings())
+__all__ = ["CliState", "state"]
 
 
 def command_settings(ctx: typer.Context, **changes: Any) -> Settings:
@@ -71,15 +63,27 @@ MemoryBudget = Annotated[
     str,
     typer.Option("--memory-budget", help="Tensor data held in memory at once (e.g. 512MiB, 2GiB)."),
 ]
-Tp = Annotated[int, typer.Option("--tp", help="Target tensor-parallel size.")]
-Pp = Annotated[int, typer.Option("--pp", help="Target pipeline-parallel size.")]
-Vpp = Annotated[int, typer.Option("--vpp", help="Virtual pipeline chunks per stage.")]
+Tp = Annotated[
+    int | None, typer.Option("--tp", help="Target tensor-parallel size (default: the source's).")
+]
+Pp = Annotated[
+    int | None,
+    typer.Option("--pp", help="Target pipeline-parallel size (default: the source's)."),
+]
+Vpp = Annotated[
+    int | None,
+    typer.Option(
+        "--vpp",
+        help="Virtual pipeline chunks per stage (default: the source's, where it still fits).",
+    ),
+]
 Ep = Annotated[
-    int, typer.Option("--ep", help="Target expert-parallel size (mixture-of-experts models).")
+    int | None,
+    typer.Option("--ep", help="Target expert-parallel size, MoE models (default: the source's)."),
 ]
 Etp = Annotated[
     int | None,
-    typer.Option("--etp", help="Target expert tensor-parallel size (default: the --tp size)."),
+    typer.Option("--etp", help="Target expert tensor-parallel size (default: the source's)."),
 ]
 Dp = Annotated[
     int | None, typer.Option("--dp", help="Target data-parallel size (default: the source's).")
@@ -92,10 +96,25 @@ DistOpt = Annotated[
     ),
 ]
 FirstStage = Annotated[
-    int | None, typer.Option("--pp-first-stage-layers", help="Layers on the first stage.")
+    int | None,
+    typer.Option(
+        "--pp-first-stage-layers",
+        help="Layers on the first stage (default: the source's while PP is unchanged).",
+    ),
+]
+EvenStages = Annotated[
+    bool,
+    typer.Option(
+        "--even-stages",
+        help="Split layers evenly over the pipeline stages, whatever the source's split.",
+    ),
 ]
 LastStage = Annotated[
-    int | None, typer.Option("--pp-last-stage-layers", help="Layers on the last stage.")
+    int | None,
+    typer.Option(
+        "--pp-last-stage-layers",
+        help="Layers on the last stage (default: the source's while PP is unchanged).",
+    ),
 ]
 Full = Annotated[
     list[str] | None,
@@ -137,13 +156,32 @@ class ChecksumName(StrEnum):
     sha256 = "sha256"
 
 
+class ReshardFormatName(StrEnum):
+    """The formats a reshard writes."""
+
+    megatron = "megatron"
+    torch_dist = "torch_dist"
+
+
 ReshardFormat = Annotated[
-    Format,
+    ReshardFormatName | None,
     typer.Option(
         "--format",
-        help="megatron: legacy mp_rank_* files; torch_dist: Megatron-Core's DCP format.",
+        help="megatron: legacy mp_rank_* files; torch_dist: Megatron-Core's DCP format "
+        "(default: the source's, megatron for other sources).",
     ),
 ]
+
+
+class ConsolidateFormatName(StrEnum):
+    """The formats a consolidation writes."""
+
+    hf = "hf"
+    megatron = "megatron"
+    torch = "torch"
+    deepspeed_universal = "deepspeed-universal"
+
+
 StageDir = Annotated[
     str | None,
     typer.Option(
@@ -167,25 +205,36 @@ Workers = Annotated[
         "once every process has finished.",
     ),
 ]
+CheckWorkers = Annotated[
+    int,
+    typer.Option(
+        "--workers",
+        min=1,
+        help="Check with this many processes on this machine (as under torchrun, which "
+        "ckptctl also runs on), each reading its share of the files.",
+    ),
+]
 Overwrite = Annotated[
     bool, typer.Option("--overwrite", help="Replace an existing checkpoint at the destination.")
 ]
 
 
 def layout_choices(
-    tp: int,
-    pp: int,
-    vpp: int,
+    tp: int | None,
+    pp: int | None,
+    vpp: int | None,
     dp: int | None,
     first: int | None,
     last: int | None,
     distributed_optimizer: bool | None,
-    ep: int = 1,
+    ep: int | None = None,
     etp: int | None = None,
+    even_stages: bool = False,
 ) -> dict[str, Any]:
     """The target layout as given on the command line; ``None`` keeps the source's choice
-    (expert TP: the target's TP)."""
+    (``planners.target``)."""
     return {
+        "even_stages": even_stages or None,
         "ep": ep,
         "etp": etp,
         "tp": tp,
@@ -245,12 +294,9 @@ def read_hf_config(path: str, config: StorageConfig) -> dict[str, Any]:
     rel = "" if not storage.isdir() else "config.json"
     try:
         text = storage.read_text(rel) if rel else storage.fs.cat_file(storage.root).decode()
-        config = json.loads(text)
+        return json_input.parse_object(text, f"--hf-config {path}")
     except (OSError, ValueError) as err:
         raise UsageError(f"--hf-config {path}: cannot read an HF config.json ({err})") from None
-    if not isinstance(config, dict):
-        raise UsageError(f"--hf-config {path}: not a JSON object")
-    return config
 
 
 @dataclass(frozen=True)
@@ -265,7 +311,26 @@ class TargetRequest:
     lost_nodes: str | None
     ranks_per_node: int | None
     strategy: str
-    target_format: Format
+    target_format: Format | None
+
+    def given(self) -> dict[str, Any]:
+        """The target flags given on the command line, by their names there."""
+        names = {
+            "tp": "--tp",
+            "pp": "--pp",
+            "vpp": "--vpp",
+            "dp": "--dp",
+            "ep": "--ep",
+            "etp": "--etp",
+            "first_stage_layers": "--pp-first-stage-layers",
+            "last_stage_layers": "--pp-last-stage-layers",
+            "distributed_optimizer": "--distributed-optimizer",
+            "even_stages": "--even-stages",
+        }
+        out = {names[k]: v for k, v in self.layout.items() if v is not None}
+        if self.target_format is not None:
+            out["--format"] = self.target_format
+        return out
 
     def plan_options(self) -> dict[str, Any]:
         """Keyword arguments of ``ckptctl.jobs.plan_reshard``."""
@@ -281,32 +346,33 @@ class TargetRequest:
 
 
 def target_request(
-    tp: Tp = 1,
-    pp: Pp = 1,
-    vpp: Vpp = 1,
+    tp: Tp = None,
+    pp: Pp = None,
+    vpp: Vpp = None,
     dp: Dp = None,
-    ep: Ep = 1,
+    ep: Ep = None,
     etp: Etp = None,
     distributed_optimizer: DistOpt = None,
     first: FirstStage = None,
     last: LastStage = None,
+    even_stages: EvenStages = False,
     full: Full = None,
     replica: Replica = None,
     lost_ranks: LostRanks = None,
     lost_nodes: LostNodes = None,
     ranks_per_node: RanksPerNode = None,
     strategy: Strategy = StrategyName.auto,
-    target_format: ReshardFormat = Format.MEGATRON,
+    target_format: ReshardFormat = None,
 ) -> TargetRequest:
     return TargetRequest(
-        layout_choices(tp, pp, vpp, dp, first, last, distributed_optimizer, ep, etp),
+        layout_choices(tp, pp, vpp, dp, first, last, distributed_optimizer, ep, etp, even_stages),
         full,
         replica,
         lost_ranks,
         lost_nodes,
         ranks_per_node,
         strategy.value,
-        target_format,
+        Format(target_format.value) if target_format is not None else None,
     )
 
 
@@ -352,6 +418,8 @@ class JobRequest:
 
     def settings(self, ctx: typer.Context) -> Settings:
         budget = parse_size(self.memory_budget)
+        if budget < 1:
+            raise UsageError(f"--memory-budget {self.memory_budget}: must be positive")
         return command_settings(
             ctx, memory_budget=budget, checksum=self.checksum, stage_dir=self.stage_dir
         )

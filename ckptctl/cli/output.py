@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 from pydantic import ValidationError
 
+from ckptctl.cli.interrupts import INTERRUPTED
 from ckptctl.errors import CkptctlError
 from ckptctl.storage_errors import classify
 
@@ -72,7 +73,13 @@ class Output:
         if not self.quiet and not self.as_json and not self.silent:
             self._line("", "", message)
 
+    def note(self, message: str) -> None:
+        """Something the user may want to know (what a format holds, a choice made)."""
+        if not self.quiet and not self.as_json and not self.silent:
+            self._line("note", "cyan", message)
+
     def warn(self, message: str) -> None:
+        """Something that may be wrong for the user's purpose (state dropped, not carried)."""
         if not self.silent:
             self._line("warning", "yellow", message)
 
@@ -88,6 +95,17 @@ class Output:
             return
         sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
         sys.stdout.flush()
+
+    def progress(self) -> Any:
+        """A progress sink for a long command: rich's bar on stderr for people, nothing
+        under ``--json`` or ``--quiet`` (``ckptctl.job_report.Progress``)."""
+        if self.as_json or self.quiet or self.silent:
+            from ckptctl.job_report import NoProgress
+
+            return NoProgress()
+        from ckptctl.cli.progress_bar import RichProgress
+
+        return RichProgress(self.err)
 
     def show(self, renderable: Any) -> None:
         if not self.silent:
@@ -117,6 +135,11 @@ def boundary(out: Output, debug: bool = False) -> Iterator[None]:
         )
         raise typer.Exit(130) from None
     except Exception as err:
+        if INTERRUPTED.is_set():  # the interrupt's own unwinding failed on the way out
+            out.fail(
+                "interrupted; nothing was marked complete", 130, "rerun the same command to resume"
+            )
+            raise typer.Exit(130) from None
         if debug:
             raise
         message, code, hint = explain(err)

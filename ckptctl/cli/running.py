@@ -18,6 +18,7 @@ from ckptctl.jobs import Job, run
 from ckptctl.model.plan import Plan
 from ckptctl.model.stored import Format
 from ckptctl.storage import Storage
+from planners.target import changes
 
 
 def launch_workers(workers: int, dry_run: bool = False) -> None:
@@ -46,13 +47,8 @@ def carry_out(
         if destination.complete:
             out.info(f"{job.plan.target_url} is already complete for this plan; nothing to do")
             return Report(files_written=[])
-        _warn_notes(out, job.plan, quiet)
-        progress: Any = NoProgress()
-        if not (out.as_json or quiet or out.silent):
-            from ckptctl.cli.progress_bar import RichProgress
-
-            progress = RichProgress(out.err)
-        return run(job, destination, progress, group)
+        progress: Any = NoProgress() if quiet else out.progress()
+        return run(job, destination, progress, group, lambda: _warn_notes(out, job.plan, quiet))
     finally:
         if group is not None:
             group.close()  # gloo's threads end before the interpreter does
@@ -89,7 +85,9 @@ def _checked_by_rank0(job: Job, group: Group, overwrite: bool) -> Destination:
 def _warn_notes(out: Output, plan: Plan, quiet: bool) -> None:
     if not quiet:
         for note in plan.notes:
-            out.warn(note)
+            out.note(note)
+        for warning in plan.warnings:
+            out.warn(warning)
 
 
 def report_dict(plan: Plan, report: Report) -> dict[str, Any]:
@@ -117,6 +115,7 @@ def report_dict(plan: Plan, report: Report) -> dict[str, Any]:
         else 0,
         "peak_rss_bytes": report.peak_rss_bytes,
         "notes": list(plan.notes),
+        "warnings": list(plan.warnings),
         **({"ranks": report.ranks} if report.ranks else {}),
     }
 
@@ -128,15 +127,36 @@ def finish(out: Output, plan: Plan, report: Report | None, as_json: bool) -> Non
     elif as_json:
         out.json(report_dict(plan, report))
     else:
-        target = plan.target_layout.describe()
-        if plan.target_format == Format.HF:
-            target = "HF safetensors"
         out.show(
-            f"{plan.operation}: {plan.source_url} ({plan.source_layout.describe()}) -> "
-            f"{plan.target_url} ({target}): {len(report.files_written)} files, read "
+            f"{plan.operation}: {plan.source_url} ({describe_side(plan, source=True)}) -> "
+            f"{plan.target_url} ({describe_side(plan, source=False)}): "
+            f"{len(report.files_written)} files, read "
             f"{human_bytes(report.bytes_read)}, wrote {human_bytes(report.bytes_written)} in "
             f"{report.seconds:.1f} s, peak RSS {human_bytes(report.peak_rss_bytes)}"
         )
+
+
+def describe_side(plan: Plan, *, source: bool) -> str:
+    """One side of a job in full: format, layout, and what it holds; the target also says
+    what changed (what the user did not give keeps the source's value, ``planners.target``)."""
+    fmt = plan.source_format if source else plan.target_format.value
+    if fmt == Format.HF:
+        return "hf safetensors, weights only"
+    layout = plan.source_layout if source else plan.target_layout
+    text = f"{fmt} {layout.describe()}"
+    if not source:
+        text += ", with optimizer state" if _holds_optimizer(plan) else ", weights only"
+        changed = changes(plan.source_layout, plan.target_layout)
+        if plan.source_format != fmt:
+            changed.insert(0, f"format {plan.source_format} -> {fmt}")
+        text += f"; changed: {', '.join(changed)}" if changed else "; layout unchanged"
+    return text
+
+
+def _holds_optimizer(plan: Plan) -> bool:
+    return any("/" in t.canonical for f in plan.files for t in f.tensors) or any(
+        f.kind == "copy" for f in plan.files
+    )
 
 
 def _show_plan(out: Output, plan: Plan, as_json: bool) -> None:
