@@ -74,6 +74,7 @@ def _torch_file_plan(
         finalize=(),
         estimates=estimates,
         notes=source.notes,
+        warnings=source.warnings,
     )
 
 
@@ -147,7 +148,7 @@ def plan_consolidate(
             + "".join(f" ({n})" for n in source.notes if "--hf-config" in n)
         )
     dtypes = source.canonical_dtypes()
-    notes = list(source.notes)
+    notes, warnings = list(source.notes), list(source.warnings)
     if target_format == Format.HF:
         weight_dtypes = {
             hf: dtype or dtypes[canonical] for hf, canonical, _, _ in hf_tensors(source.spec)
@@ -182,9 +183,11 @@ def plan_consolidate(
         )
         files, estimates = plan_files(source, targets, FileKind.MEGATRON_RANK, carry_from=0)
         finalize = [TextWrite(path=TRACKER, content=tracker_text(source.iteration))]
-        notes += megatron_target_notes(source, layout, target_format)
+        more_notes, more_warnings = megatron_target_notes(source, layout, target_format)
+        notes += more_notes
+        warnings += more_warnings
         if source.has_optimizer and style.optimizer is None:
-            notes.append(
+            warnings.append(
                 f"the {source.format} source's optimizer state is not carried to "
                 f"{target_format.value} yet: the target holds weights only"
             )
@@ -201,4 +204,5 @@ def plan_consolidate(
         finalize=tuple(finalize),
         estimates=estimates,
         notes=tuple(notes),
+        warnings=tuple(warnings),
     )

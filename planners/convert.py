@@ -193,10 +193,10 @@ def plan_files(
 
 def megatron_target_notes(
     source: CheckpointView, target_layout: ParallelLayout, target_format: Format
-) -> list[str]:
+) -> tuple[list[str], list[str]]:
     """What a Megatron-family target cannot keep as it was, said the same way by every
-    operation that writes one (reshard, consolidate --format megatron)."""
-    notes = []
+    operation that writes one (reshard, consolidate --format megatron): notes, warnings."""
+    notes, warnings = [], []
     spec = source.spec
     assert spec is not None
     old, new = spec.padded_vocab_size(source.layout.tp), spec.padded_vocab_size(target_layout.tp)
@@ -206,8 +206,10 @@ def megatron_target_notes(
             "padding rows of embedding, output layer and their optimizer state are zeros"
         )
     if source.format == Format.MEGATRON and target_format == Format.MEGATRON:
-        notes.append("RNG state cannot be resharded and is dropped (as Megatron's --no-load-rng)")
-    return notes
+        warnings.append(
+            "RNG state cannot be resharded and is dropped (as Megatron's --no-load-rng)"
+        )
+    return notes, warnings
 
 
 def refuse_frozen(source: CheckpointView, carries_optimizer: bool, target: str) -> None:

@@ -82,9 +82,10 @@ def plan_reshard(
         files, estimates = plan_files(source, targets, FileKind.MEGATRON_RANK, carry_from=0)
     else:
         raise UsageError(f"reshard --format {target_format.value}: choose megatron or torch_dist")
-    notes = [*source.notes, *megatron_target_notes(source, target_layout, target_format)]
+    notes, warnings = megatron_target_notes(source, target_layout, target_format)
+    notes, warnings = [*source.notes, *notes], [*source.warnings, *warnings]
     if optimizer is None and source.has_optimizer:
-        notes.append(
+        warnings.append(
             f"the {source.format} source's optimizer state is not carried to "
             f"{target_format.value} yet: the target holds weights only"
         )
@@ -108,4 +109,5 @@ def plan_reshard(
         finalize=tuple(finalize),
         estimates=estimates,
         notes=tuple(notes),
+        warnings=tuple(warnings),
     )

@@ -87,4 +87,5 @@ def plan_universal(
         finalize=(*config, TextWrite(path=LATEST_UNIVERSAL, content=tag + "\n")),
         estimates=estimates,
         notes=source.notes,
+        warnings=source.warnings,
     )

@@ -79,9 +79,7 @@ def test_it_stays_ahead_of_the_writer_by_at_most_what_it_was_allowed(
 def test_close_stops_it_while_it_waits_for_the_writer(tmp_path: Path) -> None:
     path = _cold_file(tmp_path, 48 * MiB)
     ahead = DiskAhead([Extent(str(path), 0, 48 * MiB, 48 * MiB)], lambda: 0, ahead=0)
-    started = time.perf_counter()
-    ahead.close()
-    assert time.perf_counter() - started < 5
+    ahead.close()  # returns although the writer never consumes a byte
     time.sleep(0.2)
     # The first piece and whatever the kernel read ahead of it; not the file.
     assert sum(_resident(path)) * PAGE <= 24 * MiB

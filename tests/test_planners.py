@@ -5,7 +5,6 @@ changed source."""
 from __future__ import annotations
 
 import json
-import time
 from itertools import pairwise
 from pathlib import Path
 
@@ -142,12 +141,11 @@ def test_every_plan_covers_every_target_element_once(source, target) -> None:
     assert coverage_problems(plan) == []
 
 
-def test_planning_is_fast_and_deterministic() -> None:
-    started = time.perf_counter()
+def test_planning_is_deterministic() -> None:
+    """(How fast planning is, bench/bench_plan.py measures.)"""
     a = plan_auto(
         stored(TP2PP2, "/a"), [], ParallelLayout(tp=1, pp=4, vpp=2), target_url="/b", style=STYLE
     )
-    assert time.perf_counter() - started < 1.0
     b = plan_auto(
         stored(TP2PP2, "/a"), [], ParallelLayout(tp=1, pp=4, vpp=2), target_url="/b", style=STYLE
     )

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import statistics
 import subprocess
 import sys
 import zipfile
@@ -232,21 +231,15 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def test_async_saves_during_training_are_complete_and_block_little(trained: Path, cli) -> None:
+def test_async_saves_during_training_are_complete(trained: Path, cli) -> None:
+    """Every async save is whole and verifies. (How little a save blocks the training loop is
+    a timing: bench/bench_training.py measures it.)"""
     run = result(trained / "train_2.json")
     for step in range(STEPS):
         ckpt = trained / f"step_{step}"
         assert (ckpt / MANIFEST).exists() and not (ckpt / INCOMPLETE).exists()
         assert run["files"][step] == [".metadata", "__0_0.distcp", "__1_0.distcp", MANIFEST]
     cli("verify", str(trained / f"step_{STEPS - 1}"))
-    # The first save also makes the background process group; later ones only copy to memory
-    # and hand the write to the background. A save that blocked for its write would return no
-    # sooner than it completes; here it returns in a small part of that (medians; the
-    # ratio was ~15-20x on 2 busy cores). torch.save's times are recorded for the reader, not
-    # judged: a synchronous write into the page cache costs about what the staging copy does.
-    blocked = statistics.median(run["blocked"][1:])
-    completed = statistics.median(run["completed"][1:])
-    assert 4 * blocked < completed, (run["blocked"], run["completed"], run["torch_save"])
 
 
 def test_resuming_the_same_layout_reads_each_ranks_own_shard(trained: Path) -> None:

@@ -85,7 +85,7 @@ def compress_cmd(
             return
         from ckptctl.compression.jobs import compress
 
-        report = compress(source, target, base, cli.settings.storage, quantize)
+        report = compress(source, target, base, cli.settings.storage, quantize, out.progress())
         if as_json:
             out.json(report.as_dict())
         else:
@@ -105,7 +105,7 @@ def decompress_cmd(
     out = Output(as_json)
     cli = state(ctx)
     with boundary(out, cli.debug):
-        report = decompress(source, target, cli.settings.storage)
+        report = decompress(source, target, cli.settings.storage, out.progress())
         if as_json:
             out.json(report.as_dict())
         else:

@@ -8,6 +8,7 @@ import typer
 
 from ckptctl.cli.options import (
     WEIGHT_DTYPES,
+    ConsolidateFormatName,
     JobRequest,
     Json,
     WeightDType,
@@ -29,13 +30,13 @@ def consolidate_cmd(
     dst: Annotated[str, typer.Argument(help="Destination directory or URL.")],
     job: JobRequest | None = None,
     fmt: Annotated[
-        Format,
+        ConsolidateFormatName,
         typer.Option(
             "--format",
-            help="hf: safetensors weights; megatron: TP1 PP1; torch: one state_dict.pt "
-            "(DCP sources).",
+            help="hf: safetensors weights; megatron: TP1 PP1 with optimizer state; torch: one "
+            "state_dict.pt (DCP, torch_dist and DeepSpeed sources); deepspeed-universal.",
         ),
-    ] = Format.HF,
+    ] = ConsolidateFormatName.hf,
     dtype: WeightDType = None,
     max_shard_size: Annotated[
         str, typer.Option("--max-shard-size", help="Largest HF safetensors file.")
@@ -56,7 +57,7 @@ def consolidate_cmd(
             planned = plan_consolidate(
                 src,
                 dst,
-                fmt,
+                Format(fmt.value),
                 settings,
                 dtype=WEIGHT_DTYPES[dtype] if dtype else None,
                 max_shard_bytes=parse_size(max_shard_size),

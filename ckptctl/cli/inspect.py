@@ -74,6 +74,7 @@ def describe(ckpt: Checkpoint) -> dict[str, Any]:
         "has_optimizer": view.has_optimizer,
         "files": files,
         "notes": list(view.notes),
+        "warnings": list(view.warnings),
     }
 
 
@@ -139,4 +140,6 @@ def _show_inspect(out: Output, info: dict[str, Any]) -> None:
         f"{human_bytes(info['optimizer_bytes'])}"
     )
     for note in info["notes"]:
-        out.warn(note)
+        out.note(note)
+    for warning in info["warnings"]:
+        out.warn(warning)

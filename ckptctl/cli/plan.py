@@ -13,7 +13,6 @@ from ckptctl.cli.options import (
     Json,
     TargetRequest,
     TrueVocab,
-    Workers,
     state,
     target_request,
     with_options,
@@ -36,7 +35,9 @@ def plan_cmd(
     save: Annotated[
         Path | None, typer.Option("--out", help="Save the plan as JSON for --plan.")
     ] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Accepted; plan never writes.")] = True,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", hidden=True, help="Accepted; plan never writes.")
+    ] = True,
     show_map: Annotated[
         bool, typer.Option("--show", help="Heat map of which source files feed which targets.")
     ] = False,
@@ -44,7 +45,14 @@ def plan_cmd(
     as_json: Json = False,
     iteration: Iteration = None,
     true_vocab_size: TrueVocab = None,
-    workers: Workers = 1,
+    workers: Annotated[
+        int,
+        typer.Option(
+            "--workers",
+            min=1,
+            help="Also show how this many processes (or nodes) would share the job's files.",
+        ),
+    ] = 1,
 ) -> None:
     """Decide how to reach a layout: load shards directly, shard-to-shard, recover lost
     shards, or cut a full checkpoint; with estimates for every alternative."""
@@ -152,7 +160,9 @@ def show(out: Output, plan: Plan) -> None:
             top.add_row(a, b, human_bytes(n))
         out.show(top)
     for note in plan.notes:
-        out.warn(note)
+        out.note(note)
+    for warning in plan.warnings:
+        out.warn(warning)
 
 
 def show_grid(out: Output, plan: Plan, svg: Path | None) -> None:

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from ckptctl.cli.options import Json, Workers, state
+from ckptctl.cli.options import CheckWorkers, Json, state
 from ckptctl.cli.output import Output, boundary
 from ckptctl.cli.running import launch_workers
 from ckptctl.distributed import from_environment
@@ -39,7 +39,7 @@ def verify_cmd(
     rtol: Annotated[float, typer.Option("--rtol", help="Relative tolerance.")] = 0.0,
     atol: Annotated[float, typer.Option("--atol", help="Absolute tolerance.")] = 0.0,
     as_json: Json = False,
-    workers: Workers = 1,
+    workers: CheckWorkers = 1,
 ) -> None:
     """Check a checkpoint is whole: completion marker, manifest sizes and checksums, the
     checksums its files carry (zip CRC-32), structure, coverage of every tensor, (--numerics)
@@ -56,7 +56,9 @@ def verify_cmd(
         if group is not None:
             out.silent = group.rank != 0
         try:
-            checks = verify(ckpt, cli.settings, numerics=numerics, group=group)
+            checks = verify(
+                ckpt, cli.settings, numerics=numerics, group=group, progress=out.progress()
+            )
         finally:
             if group is not None:
                 group.close()
@@ -73,6 +75,7 @@ def verify_cmd(
                 atol=atol,
                 only=tuple(only or ()),
                 weights_only=weights_only,
+                progress=out.progress(),
             )
             checks.append(check)
         report = report_json(checks)

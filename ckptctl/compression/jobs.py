@@ -12,6 +12,7 @@ import collections
 import json
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +40,7 @@ from ckptctl.compression.view import (
     open_view,
 )
 from ckptctl.errors import CheckpointError, OutputExistsError, UsageError
+from ckptctl.job_report import NoProgress, Progress
 from ckptctl.locations import refuse_overlap
 from ckptctl.manifest import INCOMPLETE, MANIFEST, MANIFEST_VERSION, refuse_incomplete
 from ckptctl.settings import StorageConfig
@@ -93,9 +95,11 @@ def compress(
     base_url: str | None,
     config: StorageConfig,
     quantize: str | None = None,
+    progress: Progress | None = None,
 ) -> CompressReport:
     """``quantize`` (``weights`` or ``all``): opt-in lossy storage of those float tensors
-    (``lossy``); never without it."""
+    (``lossy``); never without it. ``progress`` hears of every chunk read."""
+    progress = progress or NoProgress()
     start = time.perf_counter()
     source = open_view(Storage(source_url, config, read_only=True), config)
     if not source.isdir():
@@ -113,13 +117,17 @@ def compress(
     base_files: dict[str, Any] = {}
     written: dict[str, Any] = {}
     report = CompressReport(source_url, target_url, 0, 0, 0, 0.0)
-    for rel in source.find_files():
+    names = source.find_files()
+    progress.start(sum(source.size(rel) for rel in names), f"compress -> {target_url}")
+    for rel in names:
         against = base if base is not None and base.exists(rel) and not base.isdir(rel) else None
         quantized = lossy.get(rel)
         if quantized is not None:
             written[f"{DATA}/{rel}{QUANTIZED}"] = _write_codes(source, target, quantized)
             report.bytes_out += written[f"{DATA}/{rel}{QUANTIZED}"]["size"]
-        entry, base_entry, out = _compress_file(source, target, rel, against, quantized)
+        entry, base_entry, out = _compress_file(
+            source, target, rel, against, quantized, progress.advance
+        )
         files[rel] = entry
         written[f"{DATA}/{rel}"] = out
         if base_entry is not None:
@@ -158,6 +166,7 @@ def compress(
     }
     target.write_text(MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
     target.remove(INCOMPLETE)
+    progress.finish()
     report.seconds = time.perf_counter() - start
     return report
 
@@ -205,6 +214,7 @@ def _compress_file(
     rel: str,
     base: Storage | None,
     lossy: LossyFile | None = None,
+    advance: Callable[[int], object] = lambda n: None,
 ) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any]]:
     """Encode ``rel`` chunk by chunk: its index entry, its base's entry, the written file's.
     With ``lossy`` regions, what is encoded has them zeroed (their codes are stored apart)
@@ -238,6 +248,7 @@ def _compress_file(
             pending.append(_POOL.submit(_encode, block, against, lossy, size))
             size += len(block)
             drain(2 * _WORKERS)
+            advance(len(block))
         drain(0)
     if base is not None and size < base_size:  # the rest of the base, for its checksum
         base_digest.update(base.read_range(rel, size, base_size - size))
@@ -266,9 +277,13 @@ def _encode(
     return (*encode(lossy.stored(at, block), base), lossy.decoded(at, block))
 
 
-def decompress(source_url: str, target_url: str, config: StorageConfig) -> CompressReport:
+def decompress(
+    source_url: str, target_url: str, config: StorageConfig, progress: Progress | None = None
+) -> CompressReport:
     """Restore the original files (only them: no file of ckptctl's own is added), each checked
-    against its recorded checksum before it is renamed into place."""
+    against its recorded checksum before it is renamed into place; ``progress`` hears of
+    every chunk written."""
+    progress = progress or NoProgress()
     start = time.perf_counter()
     inner = Storage(source_url, config, read_only=True)
     refuse_incomplete(inner)
@@ -281,6 +296,7 @@ def decompress(source_url: str, target_url: str, config: StorageConfig) -> Compr
     target = _fresh_target(target_url, config, sources)
     target.write_text(INCOMPLETE, json.dumps({"operation": "decompress"}))
     report = CompressReport(source_url, target_url, 0, 0, 0, 0.0)
+    progress.start(sum(e["size"] for e in view.files.values()), f"decompress -> {target_url}")
     for rel, entry in sorted(view.files.items()):
         if rel == MANIFEST and view.lossy:
             text = lossy_manifest(view.read_text(rel), view.files, view.index["quantize"])
@@ -293,9 +309,9 @@ def decompress(source_url: str, target_url: str, config: StorageConfig) -> Compr
             for n in range(len(entry["chunks"])):  # decoded in parallel, written in order
                 pending.append(_POOL.submit(view.chunk, rel, n))
                 while len(pending) > 2 * _WORKERS:
-                    out.write(pending.popleft().result())
+                    progress.advance(out.write(pending.popleft().result()) or 0)
             while pending:
-                out.write(pending.popleft().result())
+                progress.advance(out.write(pending.popleft().result()) or 0)
             if out.digest.hexdigest() != entry["checksum"] or out.size != entry["size"]:
                 raise CheckpointError(
                     f"{view.describe(rel)}: decodes to {out.size} bytes with checksum "
@@ -306,6 +322,7 @@ def decompress(source_url: str, target_url: str, config: StorageConfig) -> Compr
         report.bytes_out += entry["size"]
     target.drain()
     target.remove(INCOMPLETE)
+    progress.finish()
     report.seconds = time.perf_counter() - start
     return report
 

@@ -14,7 +14,7 @@ from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict
 
-from ckptctl.model.geometry import boxes_disjoint
+from ckptctl.model.geometry import boxes_disjoint, nbytes
 from ckptctl.model.layout import ModelSpec, ParallelLayout
 from ckptctl.model.stored import Format
 
@@ -145,6 +145,9 @@ class Plan(_Frozen):
     finalize: tuple[TextWrite, ...]
     estimates: Estimates
     notes: tuple[str, ...] = ()
+    """What the user may want to know (printed as ``note:``)."""
+    warnings: tuple[str, ...] = ()
+    """What may be wrong for the user's purpose: state not carried, or dropped (``warning:``)."""
     alternatives: tuple[Alternative, ...] = ()
     extra_sources: tuple[SourceRef, ...] = ()
     read_workers: int = 1
@@ -156,6 +159,19 @@ class Plan(_Frozen):
     def fingerprint(self) -> str:
         """A stable hash of the plan's content, so processes and reruns can check they agree."""
         return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:16]
+
+
+def smallest_band(plan: Plan) -> tuple[int, str]:
+    """The least tensor data a job must hold at once to write ``plan``: one row (along the
+    first dimension, in which tensors stream) of its widest tensor, and that tensor's name. A
+    memory budget below it cannot be kept."""
+    most, name = 0, ""
+    for file in plan.files:
+        for tensor in file.tensors:
+            row = nbytes(tensor.shape[1:], tensor.dtype)  # a scalar's row is itself
+            if row > most:
+                most, name = row, tensor.canonical
+    return most, name
 
 
 def coverage_problems(plan: Plan) -> list[str]:

@@ -103,6 +103,8 @@ class CheckpointView:
     weights_are_masters: bool = False
     """The weights held are the optimizer's fp32 masters (DeepSpeed): a mixed-precision
     target's ``fp32_param`` copies them."""
+    warnings: tuple[str, ...] = ()
+    """What a conversion of this checkpoint cannot carry (``notes`` say the rest)."""
 
     def canonical_dtypes(self) -> dict[str, str]:
         return {t.canonical: t.dtype for f in self.files for t in f.tensors}
