@@ -1,7 +1,8 @@
 """DeepSpeed runs the DeepSpeed tests share (issue 16): written once per session by DeepSpeed
 0.19.8 itself on CPU (``tests/oracles/deepspeed_zero.py``), and DeepSpeed's own tools' view of
 them (``zero_to_fp32``, ``ds_to_universal``) to judge ckptctl by. On CPU the first DeepSpeed run
-compiles a communication op (about 90 s, cached under ~/.cache/torch_extensions)."""
+compiles a communication op (about 90 s, cached under ~/.cache/ckptctl-oracles/torch_extensions,
+see ``fork_server._build_deepspeed_ops``)."""
 
 from __future__ import annotations
 

@@ -63,6 +63,8 @@ def preload(flavour: str) -> None:
         with contextlib.suppress(ImportError):
             import deepspeed  # noqa: F401
             import transformers  # noqa: F401
+
+            _build_deepspeed_ops()
         return
     try:
         import mcore_cpu  # silences megatron-core's import-time warnings first
@@ -70,6 +72,39 @@ def preload(flavour: str) -> None:
         return
     for name in mcore_cpu.MEGATRON_MODULES:
         importlib.import_module(name)
+
+
+def _build_deepspeed_ops() -> None:
+    """Build (or load) the op DeepSpeed compiles on its first CPU run, once, here.
+
+    torch marks a build in progress with a bare ``lock`` file and waits for it to vanish,
+    without limit; a run killed while building (a timeout, an interrupted test session)
+    leaves it behind and every later run waits forever. So the builds live in a folder of
+    the oracles' own, are made under an ``flock`` (released by the kernel when its holder
+    dies, so a holder is always alive), and a ``lock`` found while holding it is stale.
+    Forked ranks then find the op loaded and never take torch's lock themselves."""
+    import fcntl
+
+    from deepspeed.comm.torch import build_shm_op
+
+    python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    cache = Path.home() / ".cache" / "ckptctl-oracles" / "torch_extensions" / python
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cache))
+    root = Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / "ckptctl-oracles.flock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        for stale in root.rglob("lock"):
+            stale.unlink(missing_ok=True)
+        # stdout is this server's answer channel: the build's chatter goes to its log
+        saved = os.dup(1)
+        os.dup2(2, 1)
+        try:
+            with contextlib.redirect_stdout(sys.stderr):
+                build_shm_op()
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
 
 
 def run_script(request: dict) -> None:
