@@ -115,7 +115,7 @@ def test_an_unknown_args_field_is_refused_by_name_unless_trusted(
     _edit_args(llama, attention_sink_tokens=4)
     for command in (["inspect", llama], ["reshard", llama, tmp_path / "out", "--tp", "1"]):
         result = cli(*command, code=2)
-        assert "args.attention_sink_tokens: unknown to ckptctl" in result.stderr
+        assert "args.attention_sink_tokens=4: unknown to ckptctl" in result.stderr
         assert "--trust-field" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "out").exists()
     trust = ("--trust-field", "attention_sink_tokens")

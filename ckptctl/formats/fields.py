@@ -17,13 +17,23 @@ def refuse_fields(changed: list[str], unknown: list[str], context: str = "") -> 
     problems = []
     if changed:
         problems.append(
-            f"{', '.join(changed)}: not supported yet (these change the model's math or tensor "
+            f"{_listed(changed)}: not supported yet (these change the model's math or tensor "
             "layout); ckptctl refuses rather than convert it wrong"
         )
     if unknown:
         problems.append(
-            f"{', '.join(unknown)}: unknown to ckptctl{context}, so it cannot tell whether "
+            f"{_listed(unknown)}: unknown to ckptctl{context}, so it cannot tell whether "
             f"{'they change' if len(unknown) > 1 else 'it changes'} the model; {TRUST_HINT}"
         )
     if problems:
         raise LayoutError("; ".join(problems))
+
+
+SHOWN = 4
+"""Fields an error line names before it counts the rest: the line stays one line."""
+
+
+def _listed(items: list[str]) -> str:
+    if len(items) <= SHOWN + 1:
+        return ", ".join(items)
+    return f"{', '.join(items[:SHOWN])} and {len(items) - SHOWN} more"

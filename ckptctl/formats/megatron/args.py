@@ -9,6 +9,7 @@ from typing import Any
 
 from ckptctl.errors import CheckpointError, LayoutError
 from ckptctl.formats.fields import refuse_fields
+from ckptctl.formats.megatron import release_args
 from ckptctl.formats.megatron.args_fields import (
     HARMLESS,
     MAPPED,
@@ -17,7 +18,11 @@ from ckptctl.formats.megatron.args_fields import (
     MOE_HARMLESS,
     MOE_MAPPED,
     MOE_PLAIN_VALUES,
+    MTP_FIELDS,
+    MUP_FIELDS,
     PLAIN_VALUES,
+    RELATED_VALUES,
+    VARIANT_FIELDS,
 )
 from ckptctl.model.catalog import Naming
 from ckptctl.model.layout import (
@@ -39,27 +44,66 @@ def _arg(args: argparse.Namespace, *names: str, default: Any = None) -> Any:
 
 
 def check_fields(args: argparse.Namespace, trusted: frozenset[str] = frozenset()) -> None:
-    """Refuse, by name, every field of ``args`` the model spec cannot carry: math-changing
-    fields away from their plain values, and fields ckptctl does not know at all."""
+    """Refuse, by name, every field of ``args`` the model spec cannot carry: a field that changes
+    the math or the layout away from its plain value, and a field ckptctl cannot judge (not
+    classified in ``args_fields`` and not at a default of any Megatron-LM release's parser)."""
     fields = vars(args)
-    moe = bool(fields.get("num_experts"))
     changed, unknown = [], []
     for name, value in fields.items():
-        if name in trusted or name in MAPPED or name in HARMLESS:
-            continue
-        if moe and (name in MOE_MAPPED or name in MOE_HARMLESS):
-            continue
-        if moe and name in MOE_PLAIN_VALUES:
-            if value not in MOE_PLAIN_VALUES[name]:
-                changed.append(f"args.{name}={value!r}")
-        elif name in PLAIN_VALUES:
-            if value not in PLAIN_VALUES[name]:
-                changed.append(f"args.{name}={value!r}")
-        elif name not in MOE_FIELDS and name not in MLA_FIELDS:
-            unknown.append(f"args.{name}")
-        # MoE fields without num_experts, and MLA fields without multi_latent_attention (a
-        # PLAIN_VALUES field, so refused when set), are never read by Megatron.
-    refuse_fields(changed, unknown)
+        verdict = _verdict(name, value, fields, trusted)
+        if verdict == "changed":
+            changed.append(f"args.{name}={_shown(value)}")
+        elif verdict == "unknown":
+            unknown.append(f"args.{name}={_shown(value)}")
+    refuse_fields(changed, unknown, " and not at a default of any Megatron-LM release it knows")
+
+
+def _verdict(name: str, value: Any, fields: dict[str, Any], trusted: frozenset[str]) -> str:
+    """``ok``, ``changed`` (math- or layout-changing, at a value ckptctl cannot carry) or
+    ``unknown``."""
+    if name in trusted or name in MAPPED or name in HARMLESS:
+        return "ok"
+    moe = bool(fields.get("num_experts"))
+    if moe and (name in MOE_MAPPED or name in MOE_HARMLESS):
+        return "ok"
+    if moe and name in MOE_PLAIN_VALUES:
+        return "ok" if _plain(value, MOE_PLAIN_VALUES[name]) else "changed"
+    if name in PLAIN_VALUES:
+        return "ok" if _plain(value, PLAIN_VALUES[name]) else "changed"
+    if name in RELATED_VALUES:
+        return "ok" if _plain(value, (None, fields.get(RELATED_VALUES[name]))) else "changed"
+    if name in _dormant(fields):
+        return "ok"  # read by Megatron only when a switch is on, and it is off
+    if release_args.at_default(name, value):
+        return "ok"  # a field ckptctl need not know: at a Megatron-LM default it is inert
+    return "unknown"
+
+
+def _dormant(fields: dict[str, Any]) -> frozenset[str]:
+    """Fields Megatron reads only with a feature whose switch is off in ``fields``."""
+    dormant: set[str] = set()
+    if not fields.get("num_experts"):
+        dormant |= MOE_FIELDS
+    if not fields.get("multi_latent_attention"):
+        dormant |= MLA_FIELDS
+    if not fields.get("experimental_attention_variant") and not fields.get("linear_attention_freq"):
+        dormant |= VARIANT_FIELDS
+    if not fields.get("mtp_num_layers"):
+        dormant |= MTP_FIELDS
+    if not fields.get("use_mup"):
+        dormant |= MUP_FIELDS
+    return frozenset(dormant)
+
+
+def _plain(value: Any, plain_values: tuple[object, ...]) -> bool:
+    plain = release_args.plain_value(value)
+    return any(release_args.same(plain, other) for other in plain_values)
+
+
+def _shown(value: Any) -> str:
+    """A field's value for an error line: short, whatever the checkpoint holds."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def naming_from_args(args: argparse.Namespace) -> Naming | None:

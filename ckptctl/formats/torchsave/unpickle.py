@@ -172,6 +172,9 @@ _STUB_PREFIXES = (
     "transformer_engine.",
     "deepspeed.",  # loss scaler, ZeRO stage enum, fragment addresses
 )
+# Standard-library values Megatron-LM keeps in ``args`` (``exit_signal = signal.SIGTERM``):
+# rebuilt as stubs too, since calling the real class is never needed to read them.
+_STUB_GLOBALS = frozenset({("signal", "Signals")})
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
@@ -188,7 +191,11 @@ class _RestrictedUnpickler(pickle.Unpickler):
             return _StorageType(_STORAGE_DTYPES[name])
         if module == "torch" and name in DTYPES:
             return DTYPES[name]  # written back as the same global
-        if (module, name) == ("torch", "device") or module.startswith(_STUB_PREFIXES):
+        if (
+            (module, name) == ("torch", "device")
+            or (module, name) in _STUB_GLOBALS
+            or module.startswith(_STUB_PREFIXES)
+        ):
             return _stub_type(module, name)
         raise UnsafePickleError(
             f"{self._where}: refusing pickled global {module}.{name} (not on the allow-list); "
