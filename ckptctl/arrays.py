@@ -127,11 +127,18 @@ def from_torch(tensor: torch.Tensor) -> np.ndarray:
     return raw.view(numpy_dtype(tensor.dtype)).reshape(tuple(tensor.shape))
 
 
+def buffer(array: np.ndarray) -> memoryview:
+    """``array``'s memory as a ``memoryview`` (numpy's type stubs grant arrays the buffer
+    protocol only from Python 3.12; the arrays have it on every version)."""
+    memory: Any = array
+    return memoryview(memory)
+
+
 def raw_bytes(array: np.ndarray) -> memoryview:
     """The little-endian bytes of ``array`` in C order (without a copy if it is contiguous)."""
     if not array.size:
         return memoryview(b"")
-    return memoryview(np.ascontiguousarray(words(array)).reshape(-1)).cast("B")
+    return buffer(np.ascontiguousarray(words(array)).reshape(-1)).cast("B")
 
 
 def finite(array: np.ndarray) -> bool:

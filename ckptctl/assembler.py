@@ -19,12 +19,11 @@ import xxhash
 
 from ckptctl.bands import Band, BandQueue, band_ranges
 from ckptctl.disk_ahead import DiskAhead, Extent
-from ckptctl.formats.base import Checkpoint
-from ckptctl.job_report import Progress, Report
+from ckptctl.job_report import Progress, Report, Sources
 from ckptctl.model.dtypes import DTYPES, pack_exactly
 from ckptctl.model.geometry import with_dim
 from ckptctl.model.plan import Plan, TensorWrite
-from ckptctl.model.stored import Shape
+from ckptctl.model.stored import FlatView, KeyPath, Shape
 from ckptctl.runs import Run
 
 if TYPE_CHECKING:
@@ -63,6 +62,10 @@ class JobStopped(Exception):
     and the first failure is the one reported."""
 
 
+_Read = tuple[str, KeyPath, Shape, Shape, FlatView, bool]
+"""A read of a box from the source: path, key, offsets, sizes, view, transposed."""
+
+
 class Assembler:
     """Builds each target tensor from its copies, in bands of whole rows that fit the budget.
 
@@ -73,7 +76,7 @@ class Assembler:
     def __init__(
         self,
         plan: Plan | tuple[str, ...],
-        source: Checkpoint,
+        source: Sources,
         report: Report,
         progress: Progress,
         budget: int,
@@ -141,16 +144,14 @@ class Assembler:
 
     def _extents_of(self, write: TensorWrite) -> list[Extent]:
         """The local source bytes a tensor's reads touch, where its formats can say."""
-        extent = getattr(self.source, "extent", None)
-        if extent is None:
-            return []
         itemsize = DTYPES[write.dtype].itemsize
         extents = []
         for copy in write.copies:
             path = self.source_files[copy.source]
-            found = extent(path, copy.key, copy.src, copy.sizes, copy.view)
+            found = self.source.extent(path, copy.key, copy.src, copy.sizes, copy.view)
             if found is not None:
-                extents.append(Extent(*found, prod(copy.sizes) * itemsize))
+                local, offset, length = found
+                extents.append(Extent(local, offset, length, prod(copy.sizes) * itemsize))
         return extents
 
     def chunks(self, write: TensorWrite, file: str = "") -> Iterator[memoryview | Run]:
@@ -297,7 +298,8 @@ class Assembler:
 
         scalar = not write.shape
         shape = write.shape if scalar else with_dim(write.shape, dim, hi - lo)
-        reads = []
+        # (band offsets, box sizes, the source read: path, key, offsets, sizes, view, transposed)
+        reads: list[tuple[Shape, Shape, _Read]] = []
         for copy in write.copies:
             src, dst, sizes = copy.src, copy.dst, copy.sizes
             if not scalar:
@@ -320,10 +322,11 @@ class Assembler:
         else:
             out = arrays.empty(shape, write.dtype)
 
-        def read(entry: tuple[Shape, Shape, tuple[Any, ...]]) -> None:
+        def read(entry: tuple[Shape, Shape, _Read]) -> None:
             dst, sizes, args = entry
             # (the Ellipsis keeps a 0-dimensional box a view, not a scalar copy)
-            box = out[(*(slice(o, o + n) for o, n in zip(dst, sizes, strict=True)), ...)]
+            where: tuple[Any, ...] = (*(slice(o, o + n) for o, n in zip(dst, sizes, strict=True)),)
+            box = out[(*where, ...)]
             # The box of the band can take the bytes straight from the file (a contiguous
             # box by a read, any box from mapped pages); if the reader cannot, copy what it
             # returns.

@@ -85,7 +85,7 @@ def _generic(ckpt: Checkpoint) -> Checkpoint:
 
 def _with_view(ckpt: Checkpoint, view: CheckpointView) -> Checkpoint:
     if dataclasses.is_dataclass(ckpt):
-        return dataclasses.replace(ckpt, view=view)  # type: ignore[type-var]
+        return dataclasses.replace(ckpt, view=view)
     other = copy.copy(ckpt)
     other.view = view
     return other

@@ -47,7 +47,7 @@ def check_destination(plan: Plan, settings: Settings, *, overwrite: bool = False
     fingerprint = plan.fingerprint()
     if not overwrite and completed_by(target, fingerprint):
         return Destination(target, complete=True)
-    marker = read_marker(target) if target.isdir() else None
+    marker = (read_marker(target) if target.isdir() else None) or {}
     resuming = bool(marker) and marker.get("plan_fingerprint") == fingerprint and not overwrite
     clear = False if resuming else _existing_content(target, overwrite)
     kept = sum(int(e.get("size", 0)) for e in marker.get("done", {}).values()) if resuming else 0

@@ -131,8 +131,10 @@ def launch(workers: int, argv: Sequence[str]) -> int:
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
         )
-        quiet = {} if rank == 0 else {"stdout": subprocess.DEVNULL}
-        procs.append(subprocess.Popen([sys.executable, "-m", "ckptctl", *argv], env=env, **quiet))
+        stdout = None if rank == 0 else subprocess.DEVNULL  # one rank speaks for the job
+        procs.append(
+            subprocess.Popen([sys.executable, "-m", "ckptctl", *argv], env=env, stdout=stdout)
+        )
     try:
         while True:
             codes = [p.poll() for p in procs]

@@ -354,7 +354,8 @@ class _Marks:
         with self._lock:
             self._finished += 1
             self._waiting.append((keys, path, entry, self._finished + self.patience))
-            due, waiting = [], []
+            due: list[Any] = []
+            waiting: list[Any] = []
             for w in self._waiting:
                 ready = w[3] <= self._finished or record_checks.checked(w[0])
                 (due if ready else waiting).append(w)

@@ -13,8 +13,9 @@ from __future__ import annotations
 import struct
 import zipfile
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO
+from typing import Any
 
+from ckptctl.byte_streams import ByteStream
 from ckptctl.crc import crc32
 from ckptctl.errors import CheckpointError
 from ckptctl.storage import Storage
@@ -35,7 +36,7 @@ class ZipEntry:
     """For entries of an archive embedded in a larger file (a DCP record): which record."""
 
 
-def zip_entries(fileobj: BinaryIO, where: str, base: int = 0, record: str = "") -> list[ZipEntry]:
+def zip_entries(fileobj: ByteStream, where: str, base: int = 0, record: str = "") -> list[ZipEntry]:
     """The stored entries of the zip archive ``fileobj`` shows (a whole file, or a window onto
     one record at ``base``), positioned absolutely."""
     try:
@@ -72,7 +73,7 @@ def whole_file_entries(storage: Storage, rel: str) -> list[ZipEntry]:
 class _SequentialReader:
     """Reads a file front to back exactly once; every byte passes through ``digest``."""
 
-    def __init__(self, f: BinaryIO, digest: Any, advance: Any = None) -> None:
+    def __init__(self, f: ByteStream, digest: Any, advance: Any = None) -> None:
         self._f = f
         self._digest = digest
         self._advance = advance

@@ -203,7 +203,7 @@ def lost_files(
     world = layout.tp * layout.pp * layout.dp
     if max(ranks) >= world:
         raise UsageError(f"rank {max(ranks)} is outside the source's world of {world} ranks")
-    out = set()
+    out: set[str] = set()
     for g in ranks:
         # The rank's own file, if it writes one (expert-DP rank 0; Megatron's rank order).
         c = coords(layout, g)
@@ -251,10 +251,18 @@ def plan_reshard(
     if dst is not None:
         refuse_overlap("destination", dst, given_sources(src, full, replicas))
     others = [*(full or []), *(replicas or [])]
-    options = {"iteration": iteration, "true_vocab_size": true_vocab_size}
-    ckpt = open_checkpoint(src, settings, allow_missing=bool(others), **options)
+    ckpt = open_checkpoint(
+        src,
+        settings,
+        allow_missing=bool(others),
+        iteration=iteration,
+        true_vocab_size=true_vocab_size,
+    )
     refuse_dp_reshardable(ckpt)
-    extra = [open_checkpoint(u, settings, **options) for u in others]
+    extra = [
+        open_checkpoint(u, settings, iteration=iteration, true_vocab_size=true_vocab_size)
+        for u in others
+    ]
     choice = choose_target(ckpt.view.layout, ckpt.view.spec, target)
     layout = choice.layout
     if target_format is None:
@@ -295,7 +303,7 @@ def nothing_to_change(job: Job, *, strategy: str = "auto", dtype: str | None = N
     no dtype asked for, nothing lost or read from another copy, and no strategy named (a
     ``direct`` copy asked for by name is still made)."""
     plan = job.plan
-    lost = getattr(job.sources.primary, "lost", frozenset())
+    lost: frozenset[str] = getattr(job.sources.primary, "lost", frozenset())
     return (
         strategy == "auto"
         and dtype is None
@@ -346,8 +354,9 @@ def saved_job(
             f"--plan {plan_file} was made for {plan.source_url} -> {plan.target_url}, "
             f"not {src} -> {dst}"
         )
-    options = {"iteration": iteration, "true_vocab_size": true_vocab_size}
-    ckpt = open_checkpoint(src, settings, allow_missing=True, **options)
+    ckpt = open_checkpoint(
+        src, settings, allow_missing=True, iteration=iteration, true_vocab_size=true_vocab_size
+    )
     extra = {r.prefix: open_checkpoint(r.url, settings) for r in plan.extra_sources}
     check_fresh(plan, ckpt, extra)
     return Job(plan, Sources(ckpt, extra), settings)
@@ -355,7 +364,7 @@ def saved_job(
 
 def check_fresh(plan: Plan, ckpt: Checkpoint, extra: dict[str, Checkpoint]) -> None:
     """Refuse a saved plan whose source changed since it was made, naming what changed."""
-    lost = getattr(ckpt, "lost", frozenset())
+    lost: frozenset[str] = getattr(ckpt, "lost", frozenset())
     now = fingerprint(ckpt.storage, ckpt.view, lost | _planned_lost(plan, ckpt))
     if now != plan.source_fingerprint:
         changed = changed_files(plan, ckpt.storage)

@@ -84,7 +84,8 @@ def field(
 
 
 def _names(kinds: tuple[type, ...]) -> str:
-    return " or ".join({dict: "an object", list: "a list"}.get(k, k.__name__) for k in kinds)
+    said: dict[type, str] = {dict: "an object", list: "a list"}
+    return " or ".join(said.get(k, k.__name__) for k in kinds)
 
 
 def int_list(value: Any, what: str, where: str, *, length: int | None = None) -> tuple[int, ...]:

@@ -13,7 +13,7 @@ import os
 import re
 import shutil
 import stat
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 from ckptctl.errors import CheckpointError
 
@@ -110,7 +110,7 @@ class LocalFiles:
     def open(self, path: str, mode: str = "rb", **_: Any) -> BinaryIO:
         if "r" in mode:
             refuse_irregular(path)
-        return open(path, mode)  # the caller closes it
+        return cast(BinaryIO, open(path, mode))  # the caller closes it (a binary mode)
 
     def cat_file(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
         refuse_irregular(path)

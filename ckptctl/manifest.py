@@ -92,7 +92,7 @@ class RunLog:
         self._lock = threading.Lock()  # files finish on several threads at once
         self.done: dict[str, dict[str, Any]] = {}
         """Files this process finished or kept (rank 0: also those other ranks kept before)."""
-        previous = read_marker(storage)
+        previous = read_marker(storage) or {}
         same = (
             bool(previous)
             and previous.get("plan_fingerprint") == self.fingerprint

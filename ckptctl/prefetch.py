@@ -10,13 +10,16 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar, cast
+
+if TYPE_CHECKING:
+    from ckptctl.runs import Run
 
 T = TypeVar("T")
 _END = object()
 
 
-class ReadAhead:
+class ReadAhead(Generic[T]):
     """``producer(item)`` for every item, computed up to ``depth`` chunks ahead of the reader.
 
     Call the instance with each item, in the same order, to get that item's chunks.
@@ -25,10 +28,10 @@ class ReadAhead:
     def __init__(
         self,
         items: Sequence[T],
-        producer: Callable[[T], Iterable[memoryview]],
+        producer: Callable[[T], Iterable[memoryview | Run]],
         depth: int = 2,
     ) -> None:
-        self._queue: queue.Queue[object] = queue.Queue(maxsize=depth)
+        self._queue: queue.Queue[tuple[int, object] | BaseException] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._items = list(items)
         self._next = 0
@@ -37,7 +40,7 @@ class ReadAhead:
         )
         self._thread.start()
 
-    def _put(self, value: object) -> bool:
+    def _put(self, value: tuple[int, object] | BaseException) -> bool:
         while not self._stop.is_set():
             try:
                 self._queue.put(value, timeout=0.1)
@@ -46,7 +49,7 @@ class ReadAhead:
                 continue
         return False
 
-    def _run(self, producer: Callable[[T], Iterable[memoryview]]) -> None:
+    def _run(self, producer: Callable[[T], Iterable[memoryview | Run]]) -> None:
         try:
             for index, item in enumerate(self._items):
                 for chunk in producer(item):
@@ -57,7 +60,7 @@ class ReadAhead:
         except BaseException as err:  # handed to the reader, re-raised there
             self._put(err)
 
-    def __call__(self, item: T) -> Iterator[memoryview]:
+    def __call__(self, item: T) -> Iterator[memoryview | Run]:
         expected = self._next
         if self._items[expected] is not item and self._items[expected] != item:
             raise AssertionError("read-ahead items must be consumed in order")
@@ -66,12 +69,12 @@ class ReadAhead:
             got = self._queue.get()
             if isinstance(got, BaseException):
                 raise got
-            index, chunk = got  # type: ignore[misc]
+            index, chunk = got
             if index != expected:
                 raise AssertionError(f"read-ahead out of order: {index} != {expected}")
             if chunk is _END:
                 return
-            yield chunk
+            yield cast("memoryview | Run", chunk)
 
     def close(self) -> None:
         self._stop.set()

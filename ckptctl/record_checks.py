@@ -62,8 +62,9 @@ _read_again = [0, 0]
 those bytes."""
 
 
-_parts: dict[Key, tuple[Record, list[Piece]]] = {}
-"""Records read in parts so far: the pieces passed, apart, in order of their start."""
+_parts: dict[Key, tuple[Record, list[Any]]] = {}
+"""Records read in parts so far: the pieces passed, apart, in order of their start (``Piece``
+CRC-32 parts; for a record checked by its xxh3, one ``(0, end, running hasher)``)."""
 
 
 _versions: dict[str, str] = {}
@@ -139,6 +140,7 @@ def _saw_hashed(key: Key, record: Record, start: int, view: memoryview) -> None:
             return
         _, pieces = _parts.get(key, (record, [(0, 0, xxhash.xxh3_64())]))
         ((_, at, hasher),) = pieces
+        assert isinstance(hasher, xxhash.xxh3_64)
         if start != at:
             _enqueue(key, record, [])
             return

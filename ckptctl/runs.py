@@ -132,7 +132,7 @@ class Run:
         if check is not None:
             observers.append(check)
         if self.record is not None and not record_seen:
-            observers.append(_PartOfRecord(self))
+            observers.append(_PartOfRecord(self, self.record))
         copy = getattr(out, "copy_range", None)
         copied = copy(self, observers) if copy is not None else None
         if copied is None:
@@ -313,9 +313,9 @@ class _PartOfRecord:
     """Hands the run's bytes, as they pass, to the check of the zip record they are part of
     (``record_checks.saw``: checked in passing where the parts come in order)."""
 
-    def __init__(self, run: Run) -> None:
-        self.record = run.record
-        self.at = run.offset - run.record.offset
+    def __init__(self, run: Run, record: record_checks.Record) -> None:
+        self.record = record
+        self.at = run.offset - record.offset
 
     def __call__(self, view: memoryview) -> None:
         record_checks.saw(self.record, self.at, view)

@@ -33,7 +33,7 @@ from ckptctl.job_report import NoProgress, Progress
 from ckptctl.manifest import INCOMPLETE, MANIFEST, new_digest
 from ckptctl.model.catalog import parameters
 from ckptctl.model.geometry import missing_elements, nbytes
-from ckptctl.model.stored import canonical_shapes
+from ckptctl.model.stored import Shape, canonical_shapes
 from ckptctl.probe import Checkpoint, format_of, open_checkpoint
 from ckptctl.settings import Settings
 from ckptctl.storage import Storage
@@ -68,12 +68,13 @@ def verify(
         else Check("complete", "passed", f"no {INCOMPLETE} marker")
     ]
     try:
-        ckpt: Checkpoint | None = open_checkpoint(url, settings, allow_incomplete=True)
+        opened = open_checkpoint(url, settings, allow_incomplete=True)
         structure = Check(
             "structure",
             "passed",
-            f"{len(ckpt.view.files)} files, {ckpt.view.format} {ckpt.view.layout.describe()}",
+            f"{len(opened.view.files)} files, {opened.view.format} {opened.view.layout.describe()}",
         )
+        ckpt: Checkpoint | None = opened
     except CkptctlError as err:
         ckpt, structure = None, Check("structure", "failed", str(err))
     view = open_view(storage, settings.storage)
@@ -167,7 +168,7 @@ def _stored_bytes(
     # Checks of files outside the manifest's list: rank 0's alone (each rank's problems are
     # gathered, so a check every rank made would be reported once per rank).
     lead = group is None or group.rank == 0
-    if not same_root and lead:
+    if ckpt is not None and not same_root and lead:
         for path, entries in targets.zips.items():
             crc_problems += [(len(paths), p) for p in stream_check(ckpt.storage, path, entries)]
     for path in targets.safetensors if lead else ():
@@ -234,7 +235,7 @@ def _tensors(ckpt: Checkpoint) -> Check:
     where = getattr(ckpt, "where", None)
     if where is None:
         return Check("tensors", "skipped", "this format's reader cannot locate tensors alone")
-    lost = getattr(ckpt, "lost", frozenset())
+    lost: frozenset[str] = getattr(ckpt, "lost", frozenset())
     problems: list[str] = []
     located: set[tuple] = set()
     for f in ckpt.view.files:
@@ -300,7 +301,7 @@ def _numerics(ckpt: Checkpoint, band_bytes: int, group: Group | None, progress: 
             continue
         for t in f.tensors:
             if not t.shape:
-                ranges = [((), ())]
+                ranges: list[tuple[Shape, Shape]] = [((), ())]
             else:
                 row = max(nbytes(t.shape[1:], t.dtype), 1)
                 rows = max(band_bytes // row, 1)
@@ -308,13 +309,13 @@ def _numerics(ckpt: Checkpoint, band_bytes: int, group: Group | None, progress: 
                     ((lo, *([0] * (len(t.shape) - 1))), (min(rows, t.shape[0] - lo), *t.shape[1:]))
                     for lo in range(0, t.shape[0], rows)
                 ]
-            for offsets, sizes in ranges:
+            for offsets, box in ranges:
                 view = None if t.view_offset is None else (t.view_offset, t.shape)
                 if t.transposed:
-                    data = ckpt.read(f.path, t.key, offsets, sizes, view, transposed=True)
+                    data = ckpt.read(f.path, t.key, offsets, box, view, transposed=True)
                 else:
-                    data = ckpt.read(f.path, t.key, tuple(offsets), tuple(sizes), view)
-                progress.advance(nbytes(sizes, t.dtype))
+                    data = ckpt.read(f.path, t.key, offsets, box, view)
+                progress.advance(nbytes(box, t.dtype))
                 if not finite(data):
                     bad.append((n, f"{f.path}: {'.'.join(map(str, t.key))}"))
                     break

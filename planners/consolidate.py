@@ -84,7 +84,7 @@ def named_weights(source: CheckpointView) -> list[tuple[str, str, Shape, tuple[P
     the canonical tensors themselves, whole, under the names the source gives them."""
     if source.spec is not None:
         return hf_tensors(source.spec)
-    out = []
+    out: list[tuple[str, str, Shape, tuple[Piece, ...]]] = []
     for name, (shape, _) in canonical_shapes(source).items():
         if _is_weight(name):
             out.append((name, name, shape, (whole(shape),)))

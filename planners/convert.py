@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from collections import defaultdict
 from math import prod
+from typing import TypedDict
 
 from ckptctl.errors import CheckpointError, UsageError
 from ckptctl.model.geometry import Piece, Shape, box_difference, nbytes, overlap
-from ckptctl.model.layout import ParallelLayout
+from ckptctl.model.layout import ModelSpec, ParallelLayout
 from ckptctl.model.plan import CopyOp, Estimates, FileKind, FileWrite, TensorWrite
 from ckptctl.model.stored import CheckpointView, Format, StoredFile, StoredTensor
 
@@ -123,7 +124,7 @@ def plan_files(
                 missing.append(tensor.canonical)
                 continue
             tp = target.rank[0] if target.rank else 0
-            prefer = tuple(ranks[i] is None or ranks[i][0] != tp for i, _ in candidates)
+            prefer = tuple((ranks[i] or (None,))[0] != tp for i, _ in candidates)
             # Layers repeat the same geometry: cover each distinct pattern once. Piece tuples
             # are shared objects (geometry is memoised) and all alive here, so their ids are
             # a cheap, safe key; equal tuples that are distinct objects only cost a recompute.
@@ -223,7 +224,19 @@ def refuse_frozen(source: CheckpointView, carries_optimizer: bool, target: str) 
         )
 
 
-def from_source(source: CheckpointView, url: str, fingerprint: str) -> dict[str, object]:
+class SourceFields(TypedDict):
+    """The fields every plan records about the checkpoint it reads (``Plan(**fields)``)."""
+
+    source_url: str
+    source_format: str
+    source_fingerprint: str
+    source_files: tuple[str, ...]
+    spec: ModelSpec | None
+    source_layout: ParallelLayout
+    iteration: int | None
+
+
+def from_source(source: CheckpointView, url: str, fingerprint: str) -> SourceFields:
     """The fields every plan records about the checkpoint it reads."""
     return {
         "source_url": url,

@@ -250,7 +250,7 @@ def _direct(sharded: Stored, target_layout: ParallelLayout, target_url: str | No
         ),
         **from_source(view, sharded.url, sharded.fingerprint),
         target_url=target_url or sharded.url,
-        target_format=view.format,
+        target_format=Format.MEGATRON,  # the stored format, checked above
         target_layout=target_layout,
         files=files if moving else (),
         finalize=(TextWrite(path=TRACKER, content=tracker_text(view.iteration)),) if moving else (),

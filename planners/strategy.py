@@ -67,8 +67,8 @@ def plan_auto(
             errors[name] = err
     if strategy != "auto":
         if strategy not in results:
-            err = errors[strategy]
-            raise type(err)(f"--strategy {strategy} cannot be used: {err}")
+            why = errors[strategy]
+            raise type(why)(f"--strategy {strategy} cannot be used: {why}")
         chosen = strategy
     elif results:
         chosen = min(results, key=lambda n: (results[n].estimates.seconds, names.index(n)))

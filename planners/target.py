@@ -88,13 +88,13 @@ def choose_target(
     # A value kept from the source that does not fit what was given yields to it: first the
     # stage split, then the virtual pipeline (what was given is never changed).
     if kept_split and same_pipeline and split != (None, None):
-        even = layout.model_copy(update={"first_stage_layers": None, "last_stage_layers": None})
-        if _fits(even, spec) or "vpp" not in asked:
+        evened = layout.model_copy(update={"first_stage_layers": None, "last_stage_layers": None})
+        if _fits(evened, spec) or "vpp" not in asked:
             notes.append(
                 f"stage split: even (the source's first/last stage layers {split[0]}/{split[1]} "
                 "do not fit what was given)"
             )
-            layout = even
+            layout = evened
     if "vpp" not in asked and layout.vpp > 1 and not _fits(layout, spec):
         notes.append(
             f"virtual pipeline: none (the source's VPP{layout.vpp} does not divide the layers "

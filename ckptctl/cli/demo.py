@@ -144,7 +144,7 @@ def demo_cmd(
         )
         model = synth.make_model(demo_config(**shape), seed=0)
         states = synth.adam_step(model, seed=0)
-        synth.write_megatron(model, states, src, tp=tp, pp=pp)
+        synth.write_megatron(model, states, str(src), tp=tp, pp=pp)
         info = describe(open_checkpoint(str(src), cli.settings))
         out.show(
             f"[bold]2.[/] wrote {src}: Megatron legacy, TP{tp} PP{pp}, {len(info['files'])} "
@@ -154,6 +154,7 @@ def demo_cmd(
         hf = root / "hf"
         job = plan_consolidate(str(src), str(hf), Format.HF, cli.settings)
         plan, report = job.plan, carry_out(out, job, quiet=True)
+        assert report is not None  # not a dry run: a report of what was written
         out.show(
             f"[bold]3.[/] consolidate -> {hf}: plan '{plan.strategy}' ({plan.reason}); "
             f"{plan.estimates.read_requests} reads, {human_bytes(report.bytes_written)} written"
@@ -161,6 +162,7 @@ def demo_cmd(
         full = root / "megatron-full"
         job = plan_consolidate(str(src), str(full), Format.MEGATRON, cli.settings)
         report = carry_out(out, job, quiet=True)
+        assert report is not None
         out.show(
             f"[bold]4.[/] consolidate --format megatron -> {full}: TP1 PP1 with optimizer "
             f"state, {human_bytes(report.bytes_written)} written"
@@ -228,5 +230,9 @@ def _equal(x: object, y: object) -> bool:
     if isinstance(x, dict):
         return isinstance(y, dict) and x.keys() == y.keys() and all(_equal(x[k], y[k]) for k in x)
     if isinstance(x, list | tuple):
-        return len(x) == len(y) and all(_equal(p, q) for p, q in zip(x, y, strict=True))
+        return (
+            isinstance(y, list | tuple)
+            and len(x) == len(y)
+            and all(_equal(p, q) for p, q in zip(x, y, strict=True))
+        )
     return x == y

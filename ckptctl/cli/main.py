@@ -11,7 +11,7 @@ import contextlib
 import os
 import sys
 from collections.abc import Callable
-from typing import Annotated, NoReturn
+from typing import Annotated, Any, NoReturn
 
 import typer
 import typer.core
@@ -56,7 +56,7 @@ class CkptctlGroup(typer.core.TyperGroup):
         prog_name: str | None = None,
         complete_var: str | None = None,
         standalone_mode: bool = True,
-        **extra: object,
+        **extra: Any,
     ) -> object:
         argv = list(sys.argv[1:] if args is None else args)
         options = argv[: argv.index("--")] if "--" in argv else argv

@@ -156,8 +156,8 @@ def show(out: Output, plan: Plan) -> None:
                 transfers[key] = transfers.get(key, 0) + nbytes(copy.sizes, tensor.dtype)
     if transfers:
         top = out.table("largest transfers: from", "to", "bytes")
-        for (a, b), n in sorted(transfers.items(), key=lambda kv: (-kv[1], kv[0]))[:5]:
-            top.add_row(a, b, human_bytes(n))
+        for (src, dst), n in sorted(transfers.items(), key=lambda kv: (-kv[1], kv[0]))[:5]:
+            top.add_row(src, dst, human_bytes(n))
         out.show(top)
     for note in plan.notes:
         out.note(note)

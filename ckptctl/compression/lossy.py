@@ -262,9 +262,9 @@ def _entries(f: Any, start: int, length: int) -> list[dict[str, Any]]:
     from ckptctl.formats.dcp.records import RecordWindow
 
     window = RecordWindow(f, start, length)
-    archive = zipfile.ZipFile(window)  # type: ignore[arg-type]
+    archive = zipfile.ZipFile(window)
     central = {}
-    at = archive.start_dir  # type: ignore[attr-defined]
+    at = archive.start_dir
     for _ in archive.infolist():
         f.seek(start + at)
         fixed = f.read(46)

@@ -136,7 +136,7 @@ class CompressedStorage(Storage):
         """The base, after checking its file ``rel`` is the one the delta was taken against."""
         base = self.base()
         if rel not in self._checked:
-            want = self._base_info["files"][rel]  # type: ignore[index]
+            want = self._base_info["files"][rel]
             found = base.identity(rel) if base.exists(rel) else "missing"
             if found != want["identity"]:
                 raise CheckpointError(
@@ -193,7 +193,7 @@ class CompressedStorage(Storage):
             raise CheckpointError(f"{self.describe(rel)}: not UTF-8 text ({err.reason})") from None
 
     def open_read(self, rel: str) -> BinaryIO:
-        return io.BufferedReader(_ChunkedFile(self, rel, self.size(rel)), 1 << 20)  # type: ignore[return-value]
+        return io.BufferedReader(_ChunkedFile(self, rel, self.size(rel)), 1 << 20)
 
     def open_sequential(self, rel: str, block_size: int = 8 << 20) -> BinaryIO:
         return self.open_read(rel)

@@ -12,8 +12,9 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
+from ckptctl.byte_streams import ByteStream
 from ckptctl.formats.support import FormatSupport
 from ckptctl.integrity import Targets, whole_file_entries
 from ckptctl.model.plan import FileWrite, Plan
@@ -34,7 +35,14 @@ class Checkpoint(Protocol):
     view: CheckpointView
 
     def read(
-        self, path: str, key: KeyPath, offsets: Shape, sizes: Shape, view: FlatView = None
+        self,
+        path: str,
+        key: KeyPath,
+        offsets: Shape,
+        sizes: Shape,
+        view: FlatView = None,
+        *,
+        transposed: bool = False,
     ) -> np.ndarray:
         """Box ``[offsets, offsets + sizes)`` of the tensor at ``key`` (or of its ``view``), as
         a numpy array of the dtype ``ckptctl.arrays.numpy_dtype`` maps the stored one to
@@ -88,7 +96,7 @@ class WriteJob:
     report: Report
 
 
-Writer = Callable[[WriteJob, FileWrite, BinaryIO], None]
+Writer = Callable[[WriteJob, FileWrite, ByteStream], None]
 """Writes one target file of the plan into ``out`` (a forward-only stream)."""
 
 

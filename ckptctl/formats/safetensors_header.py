@@ -70,7 +70,8 @@ def _entry(name: str, meta: object, where: str, data_start: int, size: int) -> S
     what = f"{where}: tensor {name}"
     if not isinstance(meta, dict):
         raise CheckpointError(f"{what}: header entry is not an object")
-    dtype = BY_SAFETENSORS.get(meta.get("dtype")) if isinstance(meta.get("dtype"), str) else None
+    named = meta.get("dtype")
+    dtype = BY_SAFETENSORS.get(named) if isinstance(named, str) else None
     if dtype is None:
         raise CheckpointError(f"{what} has unsupported dtype {meta.get('dtype')}")
     shape = int_list(meta.get("shape"), "its shape", what)

@@ -133,7 +133,7 @@ def expert_suffixes(spec: ModelSpec) -> list[tuple[str, Shape, Split]]:
     h, f = spec.hidden_size, spec.expert_ffn_size
     rows = 2 * f if spec.gated_linear_unit else f
     fc1_split = Split.GATED if spec.gated_linear_unit else Split.COLUMN
-    out = [("linear_fc1.weight", (rows, h), fc1_split)]
+    out: list[tuple[str, Shape, Split]] = [("linear_fc1.weight", (rows, h), fc1_split)]
     if spec.add_bias_linear:
         out.append(("linear_fc1.bias", (rows,), fc1_split))
     out.append(("linear_fc2.weight", (h, f), Split.ROW))

@@ -14,6 +14,7 @@ from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict
 
+from ckptctl.errors import LayoutError
 from ckptctl.model.geometry import boxes_disjoint, nbytes
 from ckptctl.model.layout import ModelSpec, ParallelLayout
 from ckptctl.model.stored import Format
@@ -156,6 +157,16 @@ class Plan(_Frozen):
     """Each source file the plan depends on, with what identifies its content (size and times
     locally, ETag on object stores): a saved plan names the file that changed since."""
 
+    def model(self) -> ModelSpec:
+        """The model spec of a plan whose target needs one (Megatron, ``torch_dist``, HF):
+        the planners make such plans only from a model ckptctl knows."""
+        if self.spec is None:
+            raise LayoutError(
+                f"a {self.target_format.value} target needs a model ckptctl knows, and the "
+                f"plan for {self.source_url} has none"
+            )
+        return self.spec
+
     def fingerprint(self) -> str:
         """A stable hash of the plan's content, so processes and reruns can check they agree."""
         return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:16]
@@ -181,7 +192,7 @@ def coverage_problems(plan: Plan) -> list[str]:
     for file in plan.files:
         for tensor in file.tensors:
             where = f"{file.path}:{'.'.join(map(str, tensor.key))}"
-            boxes = []
+            boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
             covered = 0
             for copy in tensor.copies:
                 if any(

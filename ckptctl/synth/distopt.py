@@ -5,6 +5,7 @@ coalesced ``distrib_optim.pt``. Part of the test oracle (see ``ckptctl.synth``).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -109,7 +110,7 @@ def _distrib_optim_state(
     return state
 
 
-def _distributed_optimizer_state_dict(torch_state: dict[str, object]) -> dict[str, object]:
+def _distributed_optimizer_state_dict(torch_state: dict[str, Any]) -> dict[str, object]:
     """``DistributedOptimizer.state_dict()``: the param groups without ``params`` (S4.1).
 
     The tensors live in ``distrib_optim.pt``. Megatron stores the common Adam step in each group:
@@ -117,11 +118,11 @@ def _distributed_optimizer_state_dict(torch_state: dict[str, object]) -> dict[st
     with TE / Apex FusedAdam. No ``grad_scaler`` key: megatron-core adds one only when a grad
     scaler exists (fp16, or a constant loss scale), never for bf16 or fp32.
     """
-    steps = {float(st["step"]) for st in torch_state["state"].values()}  # type: ignore[union-attr]
+    steps = {float(st["step"]) for st in torch_state["state"].values()}
     assert len(steps) == 1
     step = steps.pop()
     groups = [
         {**{k: v for k, v in group.items() if k != "params"}, "step": step}
-        for group in torch_state["param_groups"]  # type: ignore[union-attr]
+        for group in torch_state["param_groups"]
     ]
     return {"optimizer": {"param_groups": groups}}

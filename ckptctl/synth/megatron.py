@@ -28,6 +28,7 @@ from ckptctl.synth.model import (
     EMBEDDING,
     FINAL_NORM,
     OUTPUT,
+    config_int,
     to_megatron_canonical,
 )
 
@@ -125,15 +126,15 @@ def _check_layout(
     naming: str,
     param_group_order: str,
 ) -> None:
-    nq = config.num_attention_heads
-    ng = config.num_key_value_heads
+    nq = config_int(config, "num_attention_heads")
+    ng = config_int(config, "num_key_value_heads")
     problems: list[str] = []
     if nq % tp:
         problems.append(f"num_heads {nq} % tp {tp} != 0")
     # ng < tp (one group cut over several ranks) is accepted by recent Megatron-Core only (S3.3).
     if ng % tp and tp % ng:
         problems.append(f"num_kv_heads {ng} and tp {tp}: neither divides the other")
-    qkv_rows = (nq + 2 * ng) * config.head_dim
+    qkv_rows = (nq + 2 * ng) * config_int(config, "head_dim")
     if qkv_rows % tp:
         problems.append(f"linear_qkv rows {qkv_rows} % tp {tp} != 0")
     if config.intermediate_size % tp:
@@ -175,8 +176,8 @@ def _megatron_args(
     distributed_optimizer: bool,
     bucket_size: int | None,
 ) -> argparse.Namespace:
-    nq = config.num_attention_heads
-    ng = config.num_key_value_heads
+    nq = config_int(config, "num_attention_heads")
+    ng = config_int(config, "num_key_value_heads")
     return argparse.Namespace(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
@@ -309,7 +310,7 @@ def _optimizer_state(
             index += 1
         param_groups.append(_param_group(no_wd, indices))
         masters.append(group_masters)
-    torch_state = {"state": state, "param_groups": param_groups}
+    torch_state: dict[str, object] = {"state": state, "param_groups": param_groups}
     if params_dtype == torch.float32:
         # FP32Optimizer.state_dict() is the bare torch optimizer state dict.
         return torch_state

@@ -5,6 +5,7 @@ only torch and transformers (see ``ckptctl.synth``)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -74,6 +75,9 @@ def tiny_llama_config(
     tie_word_embeddings: bool = False,
 ) -> LlamaConfig:
     """A small Llama config; ``head_dim=None`` means ``hidden_size // num_heads``."""
+    # transformers 4 takes ``rope_theta`` as a field; 5 reads it into ``rope_parameters`` (its
+    # signature no longer names it).
+    rope: dict[str, Any] = {"rope_theta": 10000.0}
     return LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -84,7 +88,7 @@ def tiny_llama_config(
         head_dim=head_dim if head_dim is not None else hidden_size // num_heads,
         tie_word_embeddings=tie_word_embeddings,
         rms_norm_eps=1e-5,
-        rope_theta=10000.0,
+        **rope,
         max_position_embeddings=128,
         initializer_range=0.1,
         attention_bias=False,
@@ -99,7 +103,7 @@ def make_model(config: LlamaConfig, seed: int = 0) -> LlamaForCausalLM:
     swapped input/post-attention/final norm).
     """
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model = LlamaForCausalLM(config).float()
     model.set_attn_implementation("eager")
     norm_gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
@@ -169,9 +173,9 @@ def _canonical_tensors(
     config: LlamaConfig, hf: Callable[[str], torch.Tensor]
 ) -> dict[str, torch.Tensor]:
     """Map one kind of per-HF-parameter tensor (weight or one optimizer moment) to canonical."""
-    nq = config.num_attention_heads
-    ng = config.num_key_value_heads
-    d = config.head_dim
+    nq = config_int(config, "num_attention_heads")
+    ng = config_int(config, "num_key_value_heads")
+    d = config_int(config, "head_dim")
     out: dict[str, torch.Tensor] = {EMBEDDING: hf("model.embed_tokens.weight").clone()}
     for i in range(config.num_hidden_layers):
         hp = f"model.layers.{i}."
@@ -243,3 +247,11 @@ def to_megatron_canonical(
             "fp32_param": weight,  # the same tensor as weights[name]
         }
     return weights, optim
+
+
+def config_int(config: LlamaConfig, name: str) -> int:
+    """A size of the config that ``make_config`` always sets (transformers types it optional)."""
+    value = getattr(config, name)
+    if not isinstance(value, int):
+        raise ValueError(f"the config has no {name}")
+    return value

@@ -184,7 +184,8 @@ def load_into(
     needs = [Need(k, t.dtype, t.shape, t.offsets, tuple(t.local.shape)) for k, t in tensors.items()]
     try:
         if memory is not None and _memory_matches(needs, leaves, memory):
-            report, checked = _from_memory(checkpoint_id, tensors, leaves, memory), []
+            checked: list[str] = []  # nothing read from storage: no records to check
+            report = _from_memory(checkpoint_id, tensors, leaves, memory)
         else:
             report, checked = _from_storage(checkpoint_id, config, full, needs, tensors, leaves)
     except Exception as err:
@@ -285,8 +286,11 @@ def _fill(
         target = local if direct else torch.empty(local.shape, dtype=local.dtype)
         dest = from_torch(target.detach())
         for r in reads:
-            box = tuple(slice(s, s + n) for s, n in zip(r.need_start, r.size, strict=True))
-            view = dest[(*box, Ellipsis)]  # a view even of a 0-d tensor
+            box: tuple[Any, ...] = (
+                *(slice(s, s + n) for s, n in zip(r.need_start, r.size, strict=True)),
+                Ellipsis,
+            )
+            view = dest[box]  # a view even of a 0-d tensor
             got = readers[r.source](r, view if view.flags.c_contiguous else None)
             if got is not view:
                 view[...] = got

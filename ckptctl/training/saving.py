@@ -13,7 +13,9 @@ from __future__ import annotations
 import io
 import json
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -137,7 +139,7 @@ def write_rank(
             data = s.data
             slot = TensorSlot("0", s.dtype, tuple(data.shape))
             body = raw_bytes(from_torch(data))
-            info = write_tensor_record(out, name, slot, lambda _, b=body: iter((b,)))
+            info = write_tensor_record(out, name, slot, partial(_once, body))
             result.tensors.append(
                 {
                     "fqn": s.fqn,
@@ -236,3 +238,8 @@ def _metadata(checkpoint_id: str, results: list[RankResult]) -> DcpMetadata:
         save_info=SaveInfo(checkpoint_id=checkpoint_id, save_id=uuid.uuid4().hex),
         version=DCP_VERSION,
     )
+
+
+def _once(body: memoryview, _: TensorSlot) -> Iterator[memoryview]:
+    """A record's bytes, already in memory, as the one chunk ``write_tensor_record`` streams."""
+    yield body

@@ -46,11 +46,15 @@ def _cls(module: str, name: str) -> type[_Pickled]:
     return _classes[key]
 
 
+_NEWOBJ: Any = getattr(copyreg, "__newobj__")  # noqa: B009 (not in copyreg's type stubs)
+"""What ``object.__reduce_ex__`` names as the constructor of a bare instance."""
+
+
 def _instance(module: str, name: str, state: Any = None) -> _Pickled:
     """An instance as ``object.__reduce_ex__`` pickles one: created bare, then its state set."""
     cls = _cls(module, name)
     obj = cls()
-    obj._reduce = (copyreg.__newobj__, (cls,), state)
+    obj._reduce = (_NEWOBJ, (cls,), state)
     return obj
 
 

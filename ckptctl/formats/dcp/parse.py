@@ -20,7 +20,7 @@ import io
 import pickle
 from collections.abc import Callable
 from pathlib import PurePosixPath, PureWindowsPath
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeGuard
 
 from ckptctl.errors import CheckpointError, UnsafePickleError
 from ckptctl.formats.dcp.metadata import (
@@ -95,6 +95,8 @@ class _Raw:
 
     __slots__ = ("args", "state")
     kind: ClassVar[str] = ""
+    args: tuple[Any, ...]
+    state: Any
 
     def __new__(cls, *args: Any) -> _Raw:
         obj = super().__new__(cls)
@@ -338,7 +340,7 @@ def _storage_info(key: StorageKey, raw: Any) -> StorageInfo:
     reason = unsafe_path_reason(path)
     if reason:
         raise ValueError(f"{where}: record path {path!r} {reason}; refusing to read outside it")
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (offset, length)):
+    if not (_strict_int(offset) and _strict_int(length)):
         raise ValueError(f"{where}: byte range ({offset!r}, {length!r}) is not two ints")
     if not isinstance(transforms, list | tuple) or not all(isinstance(t, str) for t in transforms):
         raise ValueError(f"{where}: transform_descriptors {transforms!r} are not strings")
@@ -400,3 +402,7 @@ def _plain(value: Any, depth: int = 0) -> Any:
 
 
 # --- checking ----------------------------------------------------------------------------------
+
+
+def _strict_int(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -12,8 +12,9 @@ from __future__ import annotations
 import io
 import os
 from collections.abc import Callable
-from typing import Any, BinaryIO
+from typing import Any
 
+from ckptctl.byte_streams import ByteStream
 from ckptctl.byteview import ByteView
 from ckptctl.errors import CheckpointError
 from ckptctl.formats.dcp.metadata import StorageInfo
@@ -32,7 +33,7 @@ class RecordWindow(ByteView):
     Seeks the underlying file on every read, so several windows may share one file object (not
     from several threads at once)."""
 
-    def __init__(self, fileobj: BinaryIO, offset: int, length: int) -> None:
+    def __init__(self, fileobj: ByteStream, offset: int, length: int) -> None:
         super().__init__(length)
         if offset < 0:
             raise ValueError(f"negative byte range ({offset}, {length})")
@@ -135,7 +136,7 @@ def tensor_of(reader: TorchZipReader, dtype: str, sizes: Shape, where: str) -> T
 
 
 def open_tensor_record(
-    fileobj: BinaryIO, info: StorageInfo, dtype: str, sizes: Shape, where: str
+    fileobj: ByteStream, info: StorageInfo, dtype: str, sizes: Shape, where: str
 ) -> tuple[TorchZipReader, TensorRef]:
     """Open the tensor record ``info`` locates in ``fileobj`` (the file
     ``info.relative_path``)."""

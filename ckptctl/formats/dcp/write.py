@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import io
 from collections.abc import Callable, Iterable
-from typing import Any, BinaryIO
+from typing import Any
 
+from ckptctl.byte_streams import ByteStream
 from ckptctl.errors import CheckpointError
 from ckptctl.formats.dcp.checks import metadata_problems
 from ckptctl.formats.dcp.metadata import (
@@ -32,7 +33,7 @@ class OffsetWriter(io.RawIOBase):
     """Write view of a seekable binary file whose position 0 is where the file stood when the
     view was made, so archives written through it carry record-relative offsets."""
 
-    def __init__(self, fileobj: BinaryIO) -> None:
+    def __init__(self, fileobj: ByteStream) -> None:
         super().__init__()
         self._f = fileobj
         self._start = fileobj.tell()
@@ -68,20 +69,20 @@ class OffsetWriter(io.RawIOBase):
 
 
 def write_tensor_record(
-    fileobj: BinaryIO,
+    fileobj: ByteStream,
     relative_path: str,
     slot: TensorSlot,
-    produce: Callable[[TensorSlot], Iterable[bytes | memoryview]],
+    produce: Callable[[TensorSlot], Iterable[bytes | memoryview | Run]],
 ) -> StorageInfo:
     """Append one chunk as a ``torch.save`` archive at the current position of ``fileobj``
     (the file ``relative_path``); ``produce`` streams its bytes as for ``write_torch_zip``."""
     start = fileobj.tell()
     window = OffsetWriter(fileobj)
-    write_torch_zip(window, slot, [slot], produce)  # type: ignore[arg-type]
+    write_torch_zip(window, slot, [slot], produce)
     return StorageInfo(relative_path=relative_path, offset=start, length=window.tell())
 
 
-def write_bytes_record(fileobj: BinaryIO, relative_path: str, payload: bytes) -> StorageInfo:
+def write_bytes_record(fileobj: ByteStream, relative_path: str, payload: bytes) -> StorageInfo:
     """Append a byte item's record (e.g. one copied verbatim from a source checkpoint)."""
     start = fileobj.tell()
     fileobj.write(payload)

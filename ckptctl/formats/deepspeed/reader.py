@@ -41,7 +41,7 @@ from ckptctl.formats.megatron.layout import GroupOrder, MegatronStyle, Optimizer
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
 from ckptctl.formats.torchsave.refs import TorchFiles, open_torch_file, resolve
 from ckptctl.model.dtypes import dtype_name
-from ckptctl.model.geometry import whole
+from ckptctl.model.geometry import Piece, Shape, whole
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.stored import (
     CheckpointView,
@@ -183,7 +183,7 @@ def probe_deepspeed(storage: Storage, names: frozenset[str], request: ProbeReque
         # No model description: every parameter whole under its own name, which is all a
         # torch state dict (or a universal checkpoint) needs.
         spec = None
-        entries = {
+        entries: dict[str, tuple[str, Shape, tuple[Piece, ...]]] = {
             name: (name, shape, (whole(shape),))
             for group in (*param_shapes, held_frozen)
             for name, shape in group.items()
@@ -218,7 +218,7 @@ def probe_deepspeed(storage: Storage, names: frozenset[str], request: ProbeReque
         except ValueError as err:
             raise CheckpointError(f"{storage.describe(rel)}: {err}") from None
         files.append(StoredFile(rel, tuple(tensors)))
-    steps.discard(None)  # type: ignore[arg-type]
+    steps.discard(None)
     if stage3:
         for rank, name in stage3:
             rel = join(name)
@@ -257,7 +257,7 @@ def probe_deepspeed(storage: Storage, names: frozenset[str], request: ProbeReque
         first_optim = readers[join(optim[0][1])]
         items, groups = optimizer_items(first_optim, param_shapes, entries, bool(stage3))
     shared = states.get("shared_params") or {}
-    aliases = {
+    aliases: dict[KeyPath, KeyPath] = {
         (MODEL_KEY, alias): (MODEL_KEY, target)
         for alias, target in shared.items()
         if target in entries and alias not in entries

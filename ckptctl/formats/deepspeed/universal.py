@@ -51,7 +51,9 @@ def probe_universal(storage: Storage, names: frozenset[str], request: ProbeReque
         return f"{tag}/{name}" if tag else name
 
     try:
-        spec = spec_from_config(model_config(storage, request, tag), 128, request.trusted_fields)
+        config = model_config(storage, request, tag)  # required: never None
+        assert config is not None
+        spec = spec_from_config(config, 128, request.trusted_fields)
     except LayoutError as err:
         raise LayoutError(f"{storage.describe(CONFIG)}: {err}") from None
     entries = {hf: (canonical, shape, pieces) for hf, canonical, shape, pieces in hf_tensors(spec)}

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterator
-from typing import Any, BinaryIO
+from typing import Any
 
+from ckptctl.byte_streams import ByteStream
 from ckptctl.formats.base import WriteJob
 from ckptctl.formats.deepspeed.layout import (
     PARAM_KEY,
@@ -29,7 +30,7 @@ ADAM_SETTINGS = frozenset(
 (``wd_mult``, ``max_lr``, ...) stay behind."""
 
 
-def write_universal_file(job: WriteJob, file: FileWrite, out: BinaryIO) -> None:
+def write_universal_file(job: WriteJob, file: FileWrite, out: ByteStream) -> None:
     if file.tensors:
         (tensor,) = file.tensors
         slot = TensorSlot("0", tensor.dtype, tensor.shape)

@@ -10,13 +10,13 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 from math import prod
-from typing import Any, BinaryIO, ClassVar
+from typing import Any, BinaryIO, ClassVar, Protocol
 
 import numpy as np
 import xxhash
 
 from ckptctl import json_input, record_checks
-from ckptctl.arrays import numpy_dtype, words
+from ckptctl.arrays import buffer, numpy_dtype, words
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError, LayoutError
 from ckptctl.formats.hf.families import spec_from_config
 from ckptctl.formats.hf.layout import CONFIG, INDEX, SINGLE, hf_tensors
@@ -37,8 +37,16 @@ from ckptctl.runs import Span
 from ckptctl.storage import Storage
 
 
+class SeekAndRead(Protocol):
+    """What ``read_box`` needs of a file: a file, or ranged GETs of an object (``_RangeFile``)."""
+
+    def seek(self, pos: int, /) -> object: ...
+
+    def read(self, size: int, /) -> bytes | None: ...
+
+
 def read_box(
-    f: BinaryIO,
+    f: SeekAndRead,
     entry: SafetensorsEntry,
     offsets: tuple[int, ...],
     sizes: tuple[int, ...],
@@ -65,11 +73,11 @@ def read_box(
         and into.flags.c_contiguous
         and tuple(into.shape) == tuple(sizes)
     )
-    flat = into.reshape(-1) if direct else np.empty(rows * row_elems, dtype)
+    flat = into.reshape(-1) if into is not None and direct else np.empty(rows * row_elems, dtype)
     f.seek(entry.begin + lo * row_elems * dtype.itemsize)
-    _read_exactly(f, memoryview(words(flat)).cast("B"), where)
-    if direct:
-        return into  # type: ignore[return-value]
+    _read_exactly(f, buffer(words(flat)).cast("B"), where)
+    if into is not None and direct:
+        return into
     block = flat.reshape((rows, *entry.shape[1:]) if entry.shape else ())
     if entry.shape and not whole_rows:
         inner = zip(offsets[1:], sizes[1:], strict=True)
@@ -150,7 +158,7 @@ class HFCheckpoint:
         whole = not any(offsets) and tuple(sizes) == entry.shape
         if not whole:
             record_checks.ask(record)
-        elif xxhash.xxh3_64_hexdigest(words(data).reshape(-1)) != record.digest:
+        elif xxhash.xxh3_64_hexdigest(buffer(words(data).reshape(-1))) != record.digest:
             raise CheckpointError(record_checks.failure_text(record))
 
     def _record(self, path: str, name: str, entry: SafetensorsEntry) -> record_checks.Record | None:

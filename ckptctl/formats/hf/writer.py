@@ -8,8 +8,9 @@ import struct
 from collections.abc import Callable, Iterable
 from functools import partial
 from math import prod
-from typing import Any, BinaryIO
+from typing import Any
 
+from ckptctl.byte_streams import ByteStream
 from ckptctl.formats.base import WriteJob
 from ckptctl.model.dtypes import DTYPES, ITEMSIZE
 from ckptctl.model.plan import FileWrite
@@ -18,7 +19,7 @@ from ckptctl.runs import Run, write_in_slices
 
 
 def write_safetensors(
-    f: BinaryIO,
+    f: ByteStream,
     tensors: list[tuple[str, str, tuple[int, ...]]],
     produce: Callable[[int], Iterable[bytes | memoryview | Run]],
 ) -> None:
@@ -52,7 +53,7 @@ def write_safetensors(
             raise AssertionError(f"tensor {tensors[i][0]}: wrote {written} of {expected} bytes")
 
 
-def write_safetensors_file(job: WriteJob, file: FileWrite, out: BinaryIO) -> None:
+def write_safetensors_file(job: WriteJob, file: FileWrite, out: ByteStream) -> None:
     """One ``model*.safetensors`` of the plan, tensors assembled and streamed in order."""
     entries = [(str(t.key[0]), t.dtype, t.shape) for t in file.tensors]
     produce = partial(job.assemble.chunks, file=file.path)

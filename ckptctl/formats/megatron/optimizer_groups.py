@@ -23,7 +23,7 @@ from ckptctl.model.layout import ModelSpec, ParallelLayout
 
 
 def optimizer_layout(tree: dict[str, Any], args: argparse.Namespace) -> OptimizerLayout | None:
-    opt = tree.get("optimizer")
+    opt: Any = tree.get("optimizer")
     chained = isinstance(opt, list) and bool(opt) and all(isinstance(o, dict) for o in opt)
     if chained:  # megatron-core's ChainedOptimizer: dense then expert-parallel parameters
         opt = opt[0]
@@ -102,10 +102,10 @@ def match_groups(
                 try:
                     stored = resolve(tree, optimizer.sub_state(sub))["param_groups"]
                 except (KeyError, IndexError, TypeError):
-                    kind = "distributed optimizer's" if optimizer.distributed else "torch"
+                    form = "distributed optimizer's" if optimizer.distributed else "torch"
                     raise CheckpointError(
                         f"the optimizer state of rank (tp, pp, ep) = ({tp_rank}, {pp_rank}, "
-                        f"{ep_rank}) is not the {kind} layout its args announce "
+                        f"{ep_rank}) is not the {form} layout its args announce "
                         "(use_distributed_optimizer, expert parallelism); cannot map it"
                     ) from None
                 expected = param_groups(params, order, members)

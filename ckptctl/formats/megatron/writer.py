@@ -8,8 +8,9 @@ import argparse
 from collections.abc import Iterator
 from dataclasses import dataclass
 from math import prod
-from typing import Any, BinaryIO
+from typing import Any
 
+from ckptctl.byte_streams import ByteStream
 from ckptctl.formats.base import SavedTraining, WriteJob
 from ckptctl.formats.megatron.args import args_for, args_from_spec
 from ckptctl.formats.torchsave.archive import TensorRef
@@ -17,8 +18,8 @@ from ckptctl.formats.torchsave.zip_writer import TensorSlot, write_torch_zip
 from ckptctl.model.catalog import parameters
 from ckptctl.model.dtypes import DTYPES
 from ckptctl.model.plan import FileWrite, TensorWrite
-from ckptctl.model.stored import StoredFile
 from ckptctl.prefetch import ReadAhead
+from ckptctl.runs import Run
 
 
 def _without_step(group: dict[str, Any]) -> dict[str, Any]:
@@ -44,21 +45,21 @@ def distributed_optimizer_entry(
 
 
 def rank_tree(
-    file: StoredFile,
+    file: FileWrite,
     *,
     args: argparse.Namespace,
     carried: dict[str, Any],
     group_templates: dict[bool, dict[str, Any]],
     no_weight_decay: dict[str, bool],
     optimizer_entry: Any = None,
-) -> tuple[dict[str, Any], list[TensorSlot]]:
+) -> tuple[dict[str | int, Any], list[TensorSlot]]:
     """The object tree of one rank file; its stored tensors are slots, in ``file.tensors``
     order (a tensor that several blocks share, as ``GroupedMLP``'s, is one slot).
 
     ``carried`` is ``carried_state`` of a source file; ``no_weight_decay`` maps canonical
     parameter names to their parameter-group kind.
     """
-    tree: dict[str, Any] = {
+    tree: dict[str | int, Any] = {
         "args": args,
         "checkpoint_version": carried["checkpoint_version"],
         "iteration": carried["iteration"],
@@ -139,7 +140,7 @@ def group_template(
     return group
 
 
-def write_distopt_file(job: WriteJob, file: FileWrite, out: BinaryIO) -> None:
+def write_distopt_file(job: WriteJob, file: FileWrite, out: ByteStream) -> None:
     """``distrib_optim.pt``: each flat buffer streamed in offset order, gaps as zeros."""
     assemble = job.assemble
     chained = bool(file.flat) and len(file.flat[0][0]) == 4
@@ -161,7 +162,7 @@ def write_distopt_file(job: WriteJob, file: FileWrite, out: BinaryIO) -> None:
             (t for t in file.tensors if t.key == key), key=lambda t: t.view_offset or 0
         )
 
-    def produce(slot: TensorSlot) -> Iterator[memoryview]:
+    def produce(slot: TensorSlot) -> Iterator[memoryview | Run]:
         pos = 0
         for write in members[slot]:
             assert write.view_offset is not None and write.view_offset >= pos
@@ -218,20 +219,26 @@ def training_state(job: WriteJob, file: FileWrite) -> TrainingState:
     saved = saved or SavedTraining()
     if saved.args is not None:
         carried = _materialize(saved.carried or {}, refs)
-        args = args_for(saved.args, plan.spec, plan.target_layout)
+        args = args_for(saved.args, plan.model(), plan.target_layout)
     else:  # no Megatron training state (HF, or an HF model's DCP): fresh args
         carried = {"checkpoint_version": 3.0, "iteration": plan.iteration or 0}
-        args = args_for(args_from_spec(plan.spec), plan.spec, plan.target_layout)
+        args = args_for(args_from_spec(plan.model()), plan.model(), plan.target_layout)
     return TrainingState(
-        owner, template_path, carried, args, dict(saved.templates), saved.optimizer_step, refs
+        owner,
+        template_path,
+        carried,
+        args,
+        {kind: dict(group) for kind, group in saved.templates.items()},
+        saved.optimizer_step,
+        refs,
     )
 
 
-def write_rank_file(job: WriteJob, file: FileWrite, out: BinaryIO) -> None:
+def write_rank_file(job: WriteJob, file: FileWrite, out: ByteStream) -> None:
     """One ``model_optim_rng.pt``: its pickled tree first, then every tensor streamed."""
     plan, assemble = job.plan, job.assemble
     state = training_state(job, file)
-    catalog = {p.name: p for p in parameters(plan.spec)}
+    catalog = {p.name: p for p in parameters(plan.model())}
     no_wd = {name: p.no_weight_decay for name, p in catalog.items()}
     entry: Any = None
     if plan.target_layout.distributed_optimizer and state.optimizer_step is not None:
@@ -270,7 +277,7 @@ def write_rank_file(job: WriteJob, file: FileWrite, out: BinaryIO) -> None:
     }
     carried_slots = state.carried_slots()
 
-    def produce(slot: TensorSlot) -> Iterator[memoryview]:
+    def produce(slot: TensorSlot) -> Iterator[memoryview | Run]:
         if slot.key in writes:
             for write in writes[slot.key]:
                 yield from assemble.chunks(write, file.path)

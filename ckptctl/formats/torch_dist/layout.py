@@ -352,12 +352,12 @@ def extra_state_keys(
 ) -> list[str]:
     """Empty ``_extra_state`` items of ``layers``: the dense modules' (``dense``) and the
     ``experts``' own."""
-    modules = EXTRA_STATE_MODULES
+    modules: tuple[str, ...] = EXTRA_STATE_MODULES
     if spec.is_moe:
         modules = modules[:3]
         if spec.moe_shared_expert_intermediate_size:
             modules += ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
-    keys = []
+    keys: list[str] = []
     total_experts = spec.num_experts or 0
     for layer in layers:
         if dense:

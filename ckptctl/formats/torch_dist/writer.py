@@ -12,8 +12,9 @@ import io
 import posixpath
 from collections.abc import Iterator
 from functools import cache
-from typing import Any, BinaryIO
+from typing import Any
 
+from ckptctl.byte_streams import ByteStream
 from ckptctl.formats.base import WriteJob
 from ckptctl.formats.dcp.metadata import (
     METADATA_FILE,
@@ -34,12 +35,13 @@ from ckptctl.formats.torch_dist.layout import (
 from ckptctl.formats.torchsave.zip_writer import TensorSlot, write_torch_zip
 from ckptctl.model.catalog import parameters
 from ckptctl.model.plan import FileWrite, Plan
+from ckptctl.runs import Run
 
 Record = list[Any]
 """``[fqn, chunk offsets, byte offset, length]``."""
 
 
-def write_dcp_shard(job: WriteJob, file: FileWrite, out: BinaryIO) -> None:
+def write_dcp_shard(job: WriteJob, file: FileWrite, out: ByteStream) -> None:
     """Each tensor of ``file`` as one ``torch.save`` record, streamed band by band; where each
     record lies goes to the report (``.metadata`` is built from it after the last shard)."""
     plan, assemble = job.plan, job.assemble
@@ -55,7 +57,7 @@ def write_dcp_shard(job: WriteJob, file: FileWrite, out: BinaryIO) -> None:
             )
         slot = TensorSlot("0", tensor.dtype, shape)
 
-        def produce(_: TensorSlot, t: Any = tensor) -> Iterator[memoryview]:
+        def produce(_: TensorSlot, t: Any = tensor) -> Iterator[memoryview | Run]:
             # A layer chunk is assembled without its leading dimension of 1: same bytes.
             return assemble.chunks(t, file.path)
 
@@ -169,7 +171,7 @@ def common_state(plan: Plan, state: Any) -> dict[str, Any]:
     if has_optimizer:
         step = _group_step(state)
         if plan.target_layout.ep > 1:  # chained: dense, then expert parameters
-            experts = [p for p in parameters(plan.spec) if not p.buffer and p.expert is not None]
+            experts = [p for p in parameters(plan.model()) if not p.buffer and p.expert is not None]
             expert_kinds = sorted({p.no_weight_decay for p in experts})
             tree["optimizer"] = {
                 0: _optimizer_entry(state, (False, True), step),

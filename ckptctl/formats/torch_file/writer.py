@@ -5,15 +5,17 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from itertools import pairwise
-from typing import Any, BinaryIO
+from typing import Any
 
+from ckptctl.byte_streams import ByteStream
 from ckptctl.formats.base import WriteJob
 from ckptctl.formats.torchsave.archive import TensorRef
 from ckptctl.formats.torchsave.zip_writer import TensorSlot, write_torch_zip
 from ckptctl.model.plan import FileWrite
+from ckptctl.runs import Run
 
 
-def write_state_dict_file(job: WriteJob, file: FileWrite, out: BinaryIO) -> None:
+def write_state_dict_file(job: WriteJob, file: FileWrite, out: ByteStream) -> None:
     """One ``torch.save`` file of a whole state dict, as ``dcp_to_torch_save`` writes it:
     tensors at their key paths, non-tensor items restored from the source's byte records."""
     owner, assemble = job.source.primary, job.assemble
@@ -41,7 +43,7 @@ def write_state_dict_file(job: WriteJob, file: FileWrite, out: BinaryIO) -> None
         # Tied weights: one storage under two names, as torch.save keeps them.
         _set_path(tree, alias, at_path[target])
 
-    def produce(slot: TensorSlot) -> Iterator[memoryview]:
+    def produce(slot: TensorSlot) -> Iterator[memoryview | Run]:
         if slot.key in inner:
             reader, ref = inner[slot.key]
             from ckptctl.arrays import raw_bytes  # numpy: only when bytes are handled

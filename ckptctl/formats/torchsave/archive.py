@@ -74,6 +74,8 @@ class TorchZipReader:
         """Reads the records' local headers without caching them (``direct_read``)."""
         self._header_offsets: list[int] | None = None
         local = getattr(fileobj, "local_file", None)  # a window of a local file (DCP record)
+        self._path: str | None
+        self._base: int
         self._path, self._base = (os.path.abspath(fileobj.name), 0) if plain else local or (None, 0)
         """The local file holding the archive, and the archive's offset in it, for the checks
         of records read in parts (``record_checks``)."""
@@ -359,7 +361,7 @@ class TorchZipReader:
     ) -> np.ndarray:
         import numpy as np
 
-        from ckptctl.arrays import numpy_dtype, strided, words
+        from ckptctl.arrays import buffer, numpy_dtype, strided, words
 
         itemsize = ref.dtype.itemsize
         start = self._checked_start(ref, last)
@@ -371,7 +373,7 @@ class TorchZipReader:
             if into is not None
             else np.empty(nbytes // itemsize, numpy_dtype(ref.dtype))
         )
-        view = memoryview(words(flat)).cast("B")
+        view = buffer(words(flat)).cast("B")
         got = 0
         while got < nbytes:
             n = self._f.readinto(view[got:]) if hasattr(self._f, "readinto") else None

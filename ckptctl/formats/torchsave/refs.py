@@ -23,7 +23,8 @@ def resolve(tree: Any, key: KeyPath) -> Any:
     """Follow ``key`` into ``tree``; ``"a|b"`` names a dict key that is a tuple of dtypes (the
     grad-buffer keys of ``distrib_optim.pt``), which JSON plans cannot spell directly."""
     node = tree
-    for part in key:
+    for name in key:
+        part: Any = name
         if isinstance(part, str) and "|" in part and isinstance(node, dict) and part not in node:
             part = next(
                 (k for k in node if isinstance(k, tuple) and "|".join(map(dtype_name, k)) == part),

@@ -61,6 +61,8 @@ class Stub:
     """
 
     _global: tuple[str, str] = ("", "")
+    _args: tuple[Any, ...]
+    _state: Any
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Stub:
         obj = super().__new__(cls)

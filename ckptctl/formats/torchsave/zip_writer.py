@@ -16,9 +16,10 @@ import zipfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from math import prod
-from typing import Any, BinaryIO
+from typing import Any, SupportsIndex
 
 from ckptctl import record_checks
+from ckptctl.byte_streams import ByteStream
 from ckptctl.crc import crc32, crc32_combine
 from ckptctl.formats.torchsave.archive import _ALIGNMENT
 from ckptctl.formats.torchsave.unpickle import Shape, Stub, _stub_type
@@ -55,7 +56,7 @@ class TensorSlot:
     def nbytes(self) -> int:
         return prod(self.shape) * self.dtype.itemsize
 
-    def __reduce_ex__(self, protocol: int) -> tuple[Any, ...]:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
         stride, acc = [], 1
         for n in reversed(self.shape):
             stride.append(acc)
@@ -73,7 +74,11 @@ class TensorSlot:
         )
 
 
-class _Pickler(pickle._Pickler):  # type: ignore[name-defined]
+# The pure-Python pickler, whose ``write``/``memoize``/``dispatch`` the stubs do not describe.
+_PurePickler: Any = pickle._Pickler
+
+
+class _Pickler(_PurePickler):
     """Pure-Python pickler: lets stub classes be written under their original global names."""
 
     def persistent_id(self, obj: Any) -> Any:
@@ -98,7 +103,7 @@ class _Pickler(pickle._Pickler):  # type: ignore[name-defined]
         self.write(pickle.GLOBAL + f"torch\n{obj.name}\n".encode())
         self.memoize(obj)
 
-    dispatch = pickle._Pickler.dispatch.copy()  # type: ignore[attr-defined]
+    dispatch = _PurePickler.dispatch.copy()
     dispatch[DType] = _save_dtype
 
 
@@ -109,6 +114,7 @@ def _aligned_entry(zf: zipfile.ZipFile, name: str, size: int) -> Any:
     info.file_size = size
     zip64 = size * 1.05 > zipfile.ZIP64_LIMIT
     fixed = 30 + len(name.encode()) + (20 if zip64 else 0) + 4
+    assert zf.fp is not None  # an open archive
     pad = (-(zf.fp.tell() + fixed)) % _ALIGNMENT
     info.extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
     return zf.open(info, "w", force_zip64=zip64)
@@ -150,7 +156,7 @@ def _append_run(entry: Any, run: Run) -> None:
 
 
 def write_torch_zip(
-    fileobj: BinaryIO,
+    fileobj: ByteStream,
     tree: Any,
     slots: list[TensorSlot],
     produce: Callable[[TensorSlot], Iterable[bytes | memoryview | Run]],
