@@ -27,7 +27,13 @@ from ckptctl.model.geometry import Piece, Shape, whole
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.plan import FileKind, Plan, TextWrite
 from ckptctl.model.stored import CheckpointView, Format, StoredFile, StoredTensor, canonical_shapes
-from planners.convert import from_source, megatron_target_notes, plan_files, refuse_frozen
+from planners.convert import (
+    from_source,
+    megatron_rank_files,
+    megatron_target_notes,
+    plan_files,
+    refuse_frozen,
+)
 
 
 def _is_weight(canonical: str) -> bool:
@@ -182,6 +188,8 @@ def plan_consolidate(
             expert_naming=style.expert_naming,
         )
         files, estimates = plan_files(source, targets, FileKind.MEGATRON_RANK, carry_from=0)
+        files, read = megatron_rank_files(source, files, layout)
+        estimates = estimates.model_copy(update={"bytes_read": estimates.bytes_read + read})
         finalize = [TextWrite(path=TRACKER, content=tracker_text(source.iteration))]
         more_notes, more_warnings = megatron_target_notes(source, layout, target_format)
         notes += more_notes

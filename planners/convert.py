@@ -18,6 +18,7 @@ from ckptctl.model.geometry import Piece, Shape, box_difference, nbytes, overlap
 from ckptctl.model.layout import ModelSpec, ParallelLayout
 from ckptctl.model.plan import CopyOp, Estimates, FileKind, FileWrite, TensorWrite
 from ckptctl.model.stored import CheckpointView, Format, StoredFile, StoredTensor
+from planners.megatron_rank_state import carry_rank_rng, carry_vocab_padding, same_rank_grid
 
 Found = tuple[int, Shape, Shape, Shape]
 """(candidate position, source offsets, target offsets, sizes)."""
@@ -206,11 +207,26 @@ def megatron_target_notes(
             f"vocabulary padding recomputed for tp={target_layout.tp}: {old} -> {new} rows; "
             "padding rows of embedding, output layer and their optimizer state are zeros"
         )
-    if source.format == Format.MEGATRON and target_format == Format.MEGATRON:
+    same_grid = same_rank_grid(source.layout, target_layout)
+    if source.format == Format.MEGATRON and target_format == Format.MEGATRON and not same_grid:
         warnings.append(
-            "RNG state cannot be resharded and is dropped (as Megatron's --no-load-rng)"
+            "RNG state belongs to each rank's place in the TP/PP/EP grid, which changes: "
+            "dropped, as Megatron-LM does when it reshards; resume with --no-load-rng"
         )
     return notes, warnings
+
+
+def megatron_rank_files(
+    source: CheckpointView, files: tuple[FileWrite, ...], target: ParallelLayout
+) -> tuple[tuple[FileWrite, ...], int]:
+    """Legacy rank files of a Megatron target with what a Megatron source's rank files keep
+    beyond the canonical tensors (``planners.megatron_rank_state``); the bytes that reads."""
+    if source.format != Format.MEGATRON or source.spec is None:
+        return files, 0
+    files, read = carry_vocab_padding(source, files, source.spec, target)
+    if same_rank_grid(source.layout, target):
+        files = carry_rank_rng(source, files)
+    return files, read
 
 
 def refuse_frozen(source: CheckpointView, carries_optimizer: bool, target: str) -> None:

@@ -26,7 +26,13 @@ from ckptctl.model.catalog import OPTIMIZER_STATES
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.plan import FileKind, Plan, TextWrite
 from ckptctl.model.stored import CheckpointView, Format
-from planners.convert import from_source, megatron_target_notes, plan_files, refuse_frozen
+from planners.convert import (
+    from_source,
+    megatron_rank_files,
+    megatron_target_notes,
+    plan_files,
+    refuse_frozen,
+)
 
 
 def plan_reshard(
@@ -80,6 +86,8 @@ def plan_reshard(
             expert_naming=style.expert_naming,
         )
         files, estimates = plan_files(source, targets, FileKind.MEGATRON_RANK, carry_from=0)
+        files, read = megatron_rank_files(source, files, target_layout)
+        estimates = estimates.model_copy(update={"bytes_read": estimates.bytes_read + read})
     else:
         raise UsageError(f"reshard --format {target_format.value}: choose megatron or torch_dist")
     notes, warnings = megatron_target_notes(source, target_layout, target_format)

@@ -73,7 +73,7 @@ def test_notes_and_warnings(cli, source: Path, tmp_path: Path) -> None:
     assert "note: HF safetensors hold weights only" in result.stderr
     assert "warning:" not in result.stderr
     result = cli("reshard", source, tmp_path / "tp1", "--tp", "1")
-    assert "warning: RNG state cannot be resharded" in result.stderr
+    assert "warning: RNG state belongs to each rank" in result.stderr
     assert "note: vocabulary padding recomputed" in result.stderr
 
 

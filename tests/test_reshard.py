@@ -84,7 +84,8 @@ def _assert_tree_equal(a: Any, b: Any, where: str) -> None:
 
 
 def assert_same_checkpoint(a: Path, b: Path) -> None:
-    """Every file, every tensor and all training state equal; RNG state is dropped by design."""
+    """Every file, every tensor and all training state equal; RNG state is dropped where the
+    TP/PP/EP grid changes (it belongs to a rank's place in it)."""
     files_a = sorted(p.relative_to(a) for p in a.rglob("*.pt"))
     assert files_a == sorted(p.relative_to(b) for p in b.rglob("*.pt"))
     assert (a / "latest_checkpointed_iteration.txt").read_text() == (

@@ -84,6 +84,9 @@ class SavedTraining:
     templates: Mapping[bool, Mapping[str, Any]] = field(default_factory=dict)
     """Optimizer parameter-group settings by kind (True: no weight decay)."""
     optimizer_step: float | None = None
+    rng_state: Any = None
+    """The rank's RNG state as a Megatron rank file keeps it (``rng_state``): carried only to
+    the same rank of an unchanged grid (``FileWrite.carry_rng``)."""
 
 
 @dataclass(frozen=True)

@@ -85,6 +85,9 @@ class FileWrite(_Frozen):
     """Expert-parallel rank of a Megatron or ``torch_dist`` target file."""
     carry_from: int | None = None
     """Source file whose training state (scheduler, counters) this file carries."""
+    carry_rng: bool = False
+    """Carry ``carry_from``'s RNG state too: it is the same rank of an unchanged TP/PP/EP grid
+    (``planners.megatron_rank_state``)."""
     flat: tuple[tuple[tuple[str | int, ...], int], ...] = ()
     """Flat tensors (key, length) that ``view_offset`` tensors are slices of."""
     copy_of: int | None = None

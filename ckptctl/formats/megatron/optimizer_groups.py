@@ -129,8 +129,8 @@ def match_groups(
 
 
 def carried_state(tree: dict[str, Any]) -> dict[str, Any]:
-    """Training state a rank file carries besides model and optimizer tensors; RNG is dropped
-    because it cannot be resharded (Megatron's ``--no-load-rng``)."""
+    """Training state a rank file carries besides model and optimizer tensors, without its RNG
+    state (which belongs to its rank: ``SavedTraining.rng_state``)."""
     skip = {"args", "checkpoint_version", "iteration", "optimizer", "rng_state"}
     out = {k: v for k, v in tree.items() if k not in skip and not str(k).startswith("model")}
     out["checkpoint_version"] = tree.get("checkpoint_version", 3.0)

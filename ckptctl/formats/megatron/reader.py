@@ -88,7 +88,10 @@ class MegatronCheckpoint(TorchFiles):
     def saved_training(self, path: str) -> SavedTraining:
         """Counters, scheduler and ``args`` as rank file ``path`` keeps them."""
         step = self.view.optimizer_step if self.view.has_optimizer else None
-        return SavedTraining(carried_state(self.tree(path)), self.args, self.group_templates, step)
+        tree = self.tree(path)
+        return SavedTraining(
+            carried_state(tree), self.args, self.group_templates, step, tree.get("rng_state")
+        )
 
 
 def _state_dict(value: Any) -> bool:

@@ -218,7 +218,10 @@ def training_state(job: WriteJob, file: FileWrite) -> TrainingState:
     saved = owner.saved_training(template_path) if hasattr(owner, "saved_training") else None
     saved = saved or SavedTraining()
     if saved.args is not None:
-        carried = _materialize(saved.carried or {}, refs)
+        carried = dict(saved.carried or {})
+        if file.carry_rng and saved.rng_state is not None:
+            carried["rng_state"] = saved.rng_state  # the same rank of an unchanged grid
+        carried = _materialize(carried, refs)
         args = args_for(saved.args, plan.model(), plan.target_layout)
     else:  # no Megatron training state (HF, or an HF model's DCP): fresh args
         carried = {"checkpoint_version": 3.0, "iteration": plan.iteration or 0}

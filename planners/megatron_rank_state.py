@@ -1,0 +1,131 @@
+"""What a Megatron legacy rank file keeps beyond the canonical tensors, carried to a Megatron
+target where it still means the same: the vocabulary padding rows and each rank's RNG state.
+Pure.
+
+Megatron pads the embedding and the output layer to a multiple of ``make_vocab_size_divisible_by
+x TP`` rows, and those rows are trained state, not zeros: the padded logits take part in its
+softmax, so the output layer's padding rows move the loss, and Adam keeps state for them.
+ckptctl's canonical tensors hold the tokenizer's rows only (what HF and DCP targets keep), so a
+plan fills a target's padding rows with zeros (``TensorWrite.padding``) unless this pass finds
+them in the source: wherever the source and the target pad to the same number of rows, each
+padding row is copied from the source rank file that holds it, and Megatron resumes from the
+target with the loss it would have had from the source. Where the padded sizes differ (a TP
+that changes the padding), the rows are new and stay zero (the plan's note says so).
+
+Only whole tensors are carried (the model's weights, and the Adam state of a checkpoint without
+the distributed optimizer): the distributed optimizer keeps its padding rows inside flat
+buffers, cut over data-parallel ranks, whose padding still starts from zeros.
+
+A rank's RNG state (Python's, numpy's, torch's, and the TP-rank-specific streams of the CUDA
+RNG tracker) belongs to its place in the TP/PP/EP grid: it is carried to the same rank of an
+unchanged grid, and dropped where the grid changes (Megatron-LM itself ignores it when it
+reshards; a legacy checkpoint without it is resumed with ``--no-load-rng``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from math import prod
+
+from ckptctl.model.catalog import parameters
+from ckptctl.model.geometry import Shape, Split, nbytes
+from ckptctl.model.layout import ModelSpec, ParallelLayout
+from ckptctl.model.plan import CopyOp, FileWrite, TensorWrite
+from ckptctl.model.stored import CheckpointView, StoredTensor
+
+
+def carry_vocab_padding(
+    source: CheckpointView, files: tuple[FileWrite, ...], spec: ModelSpec, target: ParallelLayout
+) -> tuple[tuple[FileWrite, ...], int]:
+    """``files`` with the padding rows of their vocabulary tensors copied from ``source``
+    where both pad to the same size; and the bytes those copies read."""
+    padded = spec.padded_vocab_size(target.tp)
+    if spec.padded_vocab_size(source.layout.tp) != padded or padded == spec.vocab_size:
+        return files, 0
+    vocab = {p.name for p in parameters(spec) if p.split is Split.VOCAB}
+    holders: dict[str, list[tuple[int, int, StoredTensor]]] = {}
+    for index, file in enumerate(source.files):
+        if file.rank is None or file.flat:
+            continue
+        for held in file.tensors:
+            if _rows_of_vocab(held.canonical, held.shape, vocab, padded, source.layout.tp):
+                first = file.rank[0] * held.shape[0]  # its first row in the padded vocabulary
+                holders.setdefault(held.canonical, []).append((index, first, held))
+    read = 0
+    out = []
+    for write in files:
+        if write.rank is None or write.flat:
+            out.append(write)
+            continue
+        tensors = []
+        for tensor in write.tensors:
+            found = holders.get(tensor.canonical) if tensor.padding else None
+            if found and _rows_of_vocab(tensor.canonical, tensor.shape, vocab, padded, target.tp):
+                tensor, moved = _with_padding_rows(tensor, write.rank[0], spec.vocab_size, found)
+                read += moved
+            tensors.append(tensor)
+        out.append(write.model_copy(update={"tensors": tuple(tensors)}))
+    return tuple(out), read
+
+
+def _rows_of_vocab(canonical: str, shape: Shape, vocab: set[str], padded: int, tp: int) -> bool:
+    """Whether a tensor is one TP rank's rows of a padded vocabulary tensor (the weight or its
+    Adam state, not the scalar step Adam keeps beside them)."""
+    return canonical.rpartition("/")[2] in vocab and bool(shape) and shape[0] * tp == padded
+
+
+def _with_padding_rows(
+    tensor: TensorWrite, tp_rank: int, vocab: int, holders: list[tuple[int, int, StoredTensor]]
+) -> tuple[TensorWrite, int]:
+    """``tensor`` (rank ``tp_rank``'s rows of a vocabulary tensor) with copies of its padding
+    rows from the ``holders`` (source index, first padded row, stored tensor)."""
+    rows, rest = tensor.shape[0], tensor.shape[1:]
+    first = tp_rank * rows
+    lo, hi = max(vocab, first), first + rows  # the padding rows this rank holds
+    copies = list(tensor.copies)
+    elements = moved = 0
+    for index, start, held in sorted(holders, key=lambda h: h[1]):
+        a, b = max(lo, start), min(hi, start + held.shape[0])
+        if a >= b or held.shape[1:] != rest:
+            continue
+        zero = (0,) * len(rest)
+        sizes = (b - a, *rest)
+        src, dst = (a - start, *zero), (a - first, *zero)
+        copies.append(CopyOp(source=index, key=held.key, src=src, dst=dst, sizes=sizes))
+        elements += prod(sizes)
+        moved += nbytes(sizes, held.dtype)
+        lo = b  # each row once: replicas of rows already taken (other DP ranks) are skipped
+        if lo >= hi:
+            break
+    if not elements:
+        return tensor, 0
+    return replace(tensor, copies=tuple(copies), padding=tensor.padding - elements), moved
+
+
+def same_rank_grid(source: ParallelLayout, target: ParallelLayout) -> bool:
+    """Whether every rank file of ``target`` has the place in the TP/PP/EP grid that the
+    source rank file of the same coordinates had (then its RNG state still fits)."""
+    return (source.tp, source.pp, source.ep, source.expert_tp) == (
+        target.tp,
+        target.pp,
+        target.ep,
+        target.expert_tp,
+    )
+
+
+def carry_rank_rng(source: CheckpointView, files: tuple[FileWrite, ...]) -> tuple[FileWrite, ...]:
+    """``files`` carrying their training state (RNG included) from the source rank file of the
+    same (TP, PP, EP) coordinates; for an unchanged grid only (``same_rank_grid``)."""
+    by_rank: dict[tuple[tuple[int, int] | None, int], int] = {
+        (file.rank, file.ep_rank): index
+        for index, file in enumerate(source.files)
+        if file.rank is not None and not file.flat
+    }
+    out = []
+    for file in files:
+        index = by_rank.get((file.rank, file.ep_rank))
+        if file.rank is None or file.flat or index is None:
+            out.append(file)
+        else:
+            out.append(file.model_copy(update={"carry_from": index, "carry_rng": True}))
+    return tuple(out)

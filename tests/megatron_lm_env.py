@@ -1,0 +1,136 @@
+"""The environment Megatron-LM's own training code runs in for the tests (issue 52): the
+megatron-core 0.19.2 wheel, which ships ``megatron/training``, needs Python >= 3.12, so it has a
+virtual environment of its own (this project's tests run on 3.11), built on first use and kept
+under ``~/.cache/ckptctl-oracles`` (``$CKPTCTL_ORACLES``) for every later session.
+
+On PyPI, torch for Python 3.12 on x86_64 is a CUDA build (about 5.5 GB once installed; the
+machine's own CPU build is for 3.11): the first build downloads it, later runs only start it.
+The oracle script (``tests/oracles/megatron_lm.py``) runs it on the CPU.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from tests.oracle_runner import OracleFailed
+
+RELEASE = "0.19.2"
+PACKAGES = (
+    f"megatron-core=={RELEASE}",
+    "torch==2.14.1",  # the newest this machine's pip admits; megatron-core asks >= 2.6
+    # what megatron/training imports besides megatron-core's own requirements
+    "numpy",
+    "packaging",
+    "psutil",
+    "six",
+    "pyyaml",
+    "regex",
+    "sentencepiece",
+    "tiktoken",
+    "pydantic",
+    "einops",
+)
+ORACLE = Path(__file__).parent / "oracles" / "megatron_lm.py"
+ROOT = Path(os.environ.get("CKPTCTL_ORACLES", Path.home() / ".cache" / "ckptctl-oracles"))
+VENV = ROOT / f"mlm-{RELEASE}-py312"
+READY = VENV / "ckptctl-ready.json"
+"""Written last, naming what was installed: a half-built environment is built again."""
+
+
+def python312() -> str:
+    """A Python 3.12 interpreter: on the PATH, or one pyenv installed."""
+    found = shutil.which("python3.12")
+    if found:
+        return found
+    pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
+    candidates = sorted(glob.glob(str(pyenv / "versions" / "3.12*" / "bin" / "python3.12")))
+    if not candidates:
+        raise OracleFailed(
+            "Megatron-LM 0.19.2 needs Python 3.12, and none was found (python3.12 on the PATH, "
+            "or pyenv's): install one, e.g. `pyenv install 3.12`"
+        )
+    return candidates[-1]
+
+
+def megatron_python() -> Path:
+    """The environment's interpreter, built first if it is not there (under a lock: test
+    sessions side by side build it once)."""
+    python = VENV / "bin" / "python"
+    if _ready():
+        return python
+    ROOT.mkdir(parents=True, exist_ok=True)
+    with open(ROOT / f"mlm-{RELEASE}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _ready():
+            return python
+        shutil.rmtree(VENV, ignore_errors=True)
+        _run([python312(), "-m", "venv", str(VENV)], "creating the venv")
+        _run([str(python), "-m", "pip", "install", "--quiet", *PACKAGES], "pip install")
+        READY.write_text(json.dumps({"packages": PACKAGES}))
+    return python
+
+
+def _ready() -> bool:
+    try:
+        return json.loads(READY.read_text()).get("packages") == list(PACKAGES)
+    except (OSError, ValueError):
+        return False
+
+
+def _run(command: list[str], what: str) -> None:
+    done = subprocess.run(command, capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        raise OracleFailed(f"Megatron-LM environment, {what}:\n{done.stdout}\n{done.stderr}")
+
+
+def train(
+    out: Path,
+    megatron_args: list[str],
+    *,
+    world: int = 1,
+    steps: int,
+    logits: Path | None = None,
+    timeout: float = 900,
+) -> dict[str, Any]:
+    """Run Megatron-LM's training code (``tests/oracles/megatron_lm.py``) in ``out``'s folder:
+    ``steps`` steps on ``world`` gloo ranks; the losses and iteration it reports."""
+    report = out.with_suffix(".json")
+    command = [str(megatron_python()), str(ORACLE), "train", str(report), "--world", str(world)]
+    command += ["--steps", str(steps)]
+    if logits is not None:
+        command += ["--logits", str(logits)]
+    env = {
+        **os.environ,
+        # torch's build cache of the run's own: a build killed half way leaves a lock behind
+        # that would stall every later run (see fork_server._build_deepspeed_ops)
+        "TORCH_EXTENSIONS_DIR": str(out.parent / "torch_extensions"),
+        "CUDA_VISIBLE_DEVICES": "",
+    }
+    env.pop("PYTHONPATH", None)  # the oracle's interpreter is not this one
+    done = subprocess.run(
+        [*command, "--", *megatron_args],
+        cwd=out.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if done.returncode != 0 or not report.exists():
+        lines = [line for line in done.stderr.splitlines() if not line.startswith("INFO:")]
+        tail = "\n".join([*done.stdout.splitlines()[-20:], *lines[-40:]])
+        raise OracleFailed(f"Megatron-LM (exit {done.returncode}, no report):\n{tail}")
+    result: dict[str, Any] = json.loads(report.read_text())
+    return result
+
+
+if __name__ == "__main__":  # build the environment ahead of a test run
+    print(megatron_python())
+    sys.exit(0)
