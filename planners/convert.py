@@ -219,12 +219,14 @@ def megatron_target_notes(
 def megatron_rank_files(
     source: CheckpointView, files: tuple[FileWrite, ...], target: ParallelLayout
 ) -> tuple[tuple[FileWrite, ...], int]:
-    """Legacy rank files of a Megatron target with what a Megatron source's rank files keep
-    beyond the canonical tensors (``planners.megatron_rank_state``); the bytes that reads."""
-    if source.format != Format.MEGATRON or source.spec is None:
+    """The files of a Megatron target (legacy or ``torch_dist``) with what a Megatron source
+    keeps beyond the canonical tensors (``planners.megatron_rank_state``); the bytes that
+    reads."""
+    if source.format not in (Format.MEGATRON, Format.TORCH_DIST) or source.spec is None:
         return files, 0
     files, read = carry_vocab_padding(source, files, source.spec, target)
-    if same_rank_grid(source.layout, target):
+    legacy = all(f.kind != FileKind.DCP_SHARD for f in files)
+    if legacy and source.format == Format.MEGATRON and same_rank_grid(source.layout, target):
         files = carry_rank_rng(source, files)
     return files, read
 

@@ -1,6 +1,6 @@
-"""What a Megatron legacy rank file keeps beyond the canonical tensors, carried to a Megatron
-target where it still means the same: the vocabulary padding rows and each rank's RNG state.
-Pure.
+"""What a Megatron checkpoint keeps beyond the canonical tensors, carried to a Megatron target
+(legacy or ``torch_dist``) where it still means the same: the vocabulary padding rows, and each
+legacy rank's RNG state. Pure.
 
 Megatron pads the embedding and the output layer to a multiple of ``make_vocab_size_divisible_by
 x TP`` rows, and those rows are trained state, not zeros: the padded logits take part in its
@@ -30,8 +30,8 @@ from math import prod
 from ckptctl.model.catalog import parameters
 from ckptctl.model.geometry import Shape, Split, nbytes
 from ckptctl.model.layout import ModelSpec, ParallelLayout
-from ckptctl.model.plan import CopyOp, FileWrite, TensorWrite
-from ckptctl.model.stored import CheckpointView, StoredTensor
+from ckptctl.model.plan import CopyOp, FileKind, FileWrite, TensorWrite
+from ckptctl.model.stored import CheckpointView, Format, StoredTensor
 
 
 def carry_vocab_padding(
@@ -45,27 +45,37 @@ def carry_vocab_padding(
     vocab = {p.name for p in parameters(spec) if p.split is Split.VOCAB}
     holders: dict[str, list[tuple[int, int, StoredTensor]]] = {}
     for index, file in enumerate(source.files):
-        if file.rank is None or file.flat:
-            continue
-        for held in file.tensors:
-            if _rows_of_vocab(held.canonical, held.shape, vocab, padded, source.layout.tp):
-                first = file.rank[0] * held.shape[0]  # its first row in the padded vocabulary
+        for held in () if file.flat else file.tensors:
+            if not _rows_of_vocab(held.canonical, held.shape, vocab, padded, source.layout.tp):
+                continue
+            first = _first_row(held.key, held.shape, file.rank, source.format == Format.TORCH_DIST)
+            if first is not None and held.view_offset is None:
                 holders.setdefault(held.canonical, []).append((index, first, held))
     read = 0
     out = []
     for write in files:
-        if write.rank is None or write.flat:
-            out.append(write)
-            continue
         tensors = []
-        for tensor in write.tensors:
+        for tensor in () if write.flat else write.tensors:
             found = holders.get(tensor.canonical) if tensor.padding else None
             if found and _rows_of_vocab(tensor.canonical, tensor.shape, vocab, padded, target.tp):
-                tensor, moved = _with_padding_rows(tensor, write.rank[0], spec.vocab_size, found)
-                read += moved
+                dcp = write.kind == FileKind.DCP_SHARD
+                first = _first_row(tensor.key, tensor.shape, write.rank, dcp)
+                if first is not None and tensor.view_offset is None and not tensor.transposed:
+                    tensor, moved = _with_padding_rows(tensor, first, spec.vocab_size, found)
+                    read += moved
             tensors.append(tensor)
-        out.append(write.model_copy(update={"tensors": tuple(tensors)}))
+        out.append(write.model_copy(update={"tensors": tuple(tensors)}) if tensors else write)
     return tuple(out), read
+
+
+def _first_row(
+    key: tuple[str | int, ...], shape: Shape, rank: tuple[int, int] | None, dcp: bool
+) -> int | None:
+    """A vocabulary tensor's first row in the padded vocabulary: a DCP chunk's offset
+    (``torch_dist``: key ``(fqn, row, column)``), or its TP rank's share (a legacy rank file)."""
+    if dcp:
+        return key[1] if len(key) > 1 and isinstance(key[1], int) else None
+    return rank[0] * shape[0] if rank is not None else None
 
 
 def _rows_of_vocab(canonical: str, shape: Shape, vocab: set[str], padded: int, tp: int) -> bool:
@@ -75,12 +85,11 @@ def _rows_of_vocab(canonical: str, shape: Shape, vocab: set[str], padded: int, t
 
 
 def _with_padding_rows(
-    tensor: TensorWrite, tp_rank: int, vocab: int, holders: list[tuple[int, int, StoredTensor]]
+    tensor: TensorWrite, first: int, vocab: int, holders: list[tuple[int, int, StoredTensor]]
 ) -> tuple[TensorWrite, int]:
-    """``tensor`` (rank ``tp_rank``'s rows of a vocabulary tensor) with copies of its padding
+    """``tensor`` (rows ``first`` on of a padded vocabulary tensor) with copies of its padding
     rows from the ``holders`` (source index, first padded row, stored tensor)."""
     rows, rest = tensor.shape[0], tensor.shape[1:]
-    first = tp_rank * rows
     lo, hi = max(vocab, first), first + rows  # the padding rows this rank holds
     copies = list(tensor.copies)
     elements = moved = 0

@@ -67,10 +67,16 @@ def plan_reshard(
     refuse_frozen(source, source.has_optimizer and style.optimizer is not None, "Megatron")
     finalize = [TextWrite(path=TRACKER, content=tracker_text(source.iteration))]
     if target_format == Format.TORCH_DIST:
-        states = ("fp32_param", "exp_avg", "exp_avg_sq") if source.has_optimizer else ()
+        states: tuple[str, ...] = ("exp_avg", "exp_avg_sq") if source.has_optimizer else ()
+        if states and (target_layout.distributed_optimizer or weight_dtype != "float32"):
+            # fp32 masters apart from the weights: the distributed optimizer's, and the
+            # mixed-precision wrapper's (Megatron's FP32Optimizer trains the weights themselves)
+            states = ("fp32_param", *states)
         base = iteration_dir(source.iteration)
         targets = torch_dist_files(spec, target_layout, base, weight_dtype, states, style.naming)
         files, estimates = plan_files(source, targets, FileKind.DCP_SHARD, carry_from=0)
+        files, read = megatron_rank_files(source, files, target_layout)
+        estimates = estimates.model_copy(update={"bytes_read": estimates.bytes_read + read})
         # metadata.json is what Megatron checks for completeness: after .metadata, common.pt.
         finalize.insert(0, TextWrite(path=f"{base}/{MCORE_METADATA}", content=MCORE_METADATA_TEXT))
         optimizer = OptimizerLayout() if states else None

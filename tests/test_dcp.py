@@ -190,9 +190,15 @@ def legacy_tp2_pp2_distopt(tmp_path_factory: pytest.TempPathFactory, synth_model
 
 @pytest.fixture(scope="module")
 def ckptctl_torch_dist(legacy_tp2_pp2: Path, mcli: Cli, tmp_path_factory) -> Path:
-    """ckptctl's torch_dist TP2 PP1 cut of the legacy TP2 PP2 checkpoint."""
+    """ckptctl's torch_dist TP2 PP1 cut of the legacy TP2 PP2 checkpoint, with the distributed
+    optimizer's ``fully_reshardable`` state (asked for: the source has torch's optimizer)."""
     out = tmp_path_factory.mktemp("written") / "td"
-    mcli("reshard", legacy_tp2_pp2, out, "--tp", "2", "--pp", "1", "--format", "torch_dist")
+    mcli(
+        "reshard",
+        legacy_tp2_pp2,
+        out,
+        *("--tp", "2", "--pp", "1", "--format", "torch_dist", "--distributed-optimizer"),
+    )
     return out
 
 

@@ -131,3 +131,79 @@ def test_megatron_lm_resumes_at_tp2_from_ckptctls_reshard(saved: dict[str, Any],
     torch.testing.assert_close(
         torch.tensor(resumed["losses"]), torch.tensor(saved["resumed"]), rtol=1e-5, atol=0
     )
+
+
+@pytest.fixture(scope="module")
+def saved_dist(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Three steps saved as ``torch_dist`` (Megatron-LM's default format; 0.19 keeps its common
+    state inside the DCP files), with the model's logits; and Megatron-LM's own resumption of it,
+    at TP1 and, resharding it itself, at TP2."""
+    root = tmp_path_factory.mktemp("megatron-lm-dist")
+    ckpt, logits = root / "torch_dist", root / "logits.pt"
+    save = ["--save", str(ckpt), "--save-interval", "1000", "--ckpt-format", "torch_dist"]
+    train(root / "first", [*ARGS, *save], steps=SAVED_STEPS, logits=logits)
+    load = ["--ckpt-format", "torch_dist", "--load", str(ckpt)]
+    tp1 = train(root / "resumed", [*ARGS, *load], steps=RESUMED_STEPS)
+    tp2 = train(
+        root / "resumed-tp2",
+        [*ARGS, *load, "--tensor-model-parallel-size", "2"],
+        world=2,
+        steps=RESUMED_STEPS,
+    )
+    return {
+        "root": root,
+        "ckpt": ckpt,
+        "logits": logits,
+        "resumed": tp1["losses"],
+        "resumed_tp2": tp2["losses"],
+    }
+
+
+def test_megatron_lms_torch_dist_checkpoint_becomes_hf_with_its_logits(
+    saved_dist: dict[str, Any], cli
+) -> None:
+    transformers = pytest.importorskip("transformers")
+    assert cli.json("verify", saved_dist["ckpt"])["ok"]
+    hf = saved_dist["root"] / "hf"
+    cli("consolidate", saved_dist["ckpt"], hf, "--format", "hf")
+    megatron = torch.load(saved_dist["logits"], weights_only=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(megatron["tokens"]).logits
+    torch.testing.assert_close(logits, megatron["logits"][..., :1000], rtol=0, atol=1e-5)
+
+
+def test_ckptctls_tp2_torch_dist_resumes_as_megatron_lms_own_reshard(
+    saved_dist: dict[str, Any], cli
+) -> None:
+    """Megatron-LM reshards its TP1 ``torch_dist`` checkpoint to TP2 itself on load; loading
+    ckptctl's TP2 reshard instead (its common state, parameter groups, Adam's step and the
+    padding rows included) it trains on with exactly the same losses."""
+    tp2 = saved_dist["root"] / "tp2"
+    cli("reshard", saved_dist["ckpt"], tp2, "--tp", "2")
+    load = ["--ckpt-format", "torch_dist", "--load", str(tp2), "--tensor-model-parallel-size", "2"]
+    resumed = train(saved_dist["root"] / "from-tp2", [*ARGS, *load], world=2, steps=RESUMED_STEPS)
+    assert resumed["losses"] == saved_dist["resumed_tp2"]
+
+
+def test_torch_dist_and_legacy_convert_both_ways_for_megatron_lm(
+    saved: dict[str, Any], saved_dist: dict[str, Any], cli
+) -> None:
+    """``torch_dist`` -> legacy and legacy -> ``torch_dist`` by ckptctl: Megatron-LM resumes
+    from each with the losses it has from the checkpoint converted."""
+    legacy = saved_dist["root"] / "as-legacy"
+    cli("reshard", saved_dist["ckpt"], legacy, "--format", "megatron")
+    resumed = train(
+        saved_dist["root"] / "from-legacy",
+        [*ARGS, "--load", str(legacy), "--no-load-rng"],
+        steps=RESUMED_STEPS,
+    )
+    assert resumed["losses"] == saved_dist["resumed"]
+    dist = saved["root"] / "as-torch-dist"
+    cli("reshard", saved["ckpt"], dist, "--format", "torch_dist")
+    resumed = train(
+        saved["root"] / "from-torch-dist",
+        [*ARGS, "--ckpt-format", "torch_dist", "--load", str(dist)],
+        steps=RESUMED_STEPS,
+    )
+    assert resumed["losses"] == saved["resumed"]

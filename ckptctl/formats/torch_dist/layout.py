@@ -186,7 +186,10 @@ def global_shape(param: Param, spec: ModelSpec, tp: int) -> Shape:
 def optimizer_key(state: str, key: str, param: Param, layout: ParallelLayout) -> str:
     """``fully_reshardable`` optimizer state of ``key``; under a chained optimizer (EP > 1)
     prefixed by its optimizer: ``chained_0`` dense, ``chained_1`` the routed experts."""
-    name = f"{OPTIMIZER_PREFIX}{_KEY_FROM_STATE[state]}.{key}"
+    stored = _KEY_FROM_STATE[state]
+    if state == "fp32_param" and not layout.distributed_optimizer:
+        stored = "fp32_param"  # the mixed-precision wrapper's masters (``fp32_from_fp16_params``)
+    name = f"{OPTIMIZER_PREFIX}{stored}.{key}"
     if layout.ep == 1:
         return name
     return f"chained_{int(param.expert is not None)}.{name}"

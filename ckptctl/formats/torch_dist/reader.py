@@ -45,8 +45,11 @@ def _common_state(
         item = join(base, info.relative_path)
         with storage.open_read(item) as f:
             window = RecordWindow(f, info.offset, info.length)
-            tree = open_record(window, info, storage.describe(item)).tree
-        tree = tree[0] if isinstance(tree, list) and tree else tree
+            record = open_record(window, info, storage.describe(item))
+            tree = record.tree
+            tree = tree[0] if isinstance(tree, list) and tree else tree
+            if isinstance(ref := _common_step_ref(tree), TensorRef):
+                step = record.read_number(ref)
     else:
         raise CheckpointNotFoundError(
             f"{storage.describe(rel)}: missing; a torch_dist checkpoint keeps its args there"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import posixpath
+import struct
 from collections.abc import Iterator
 from functools import cache
 from typing import Any
@@ -87,11 +88,30 @@ def _empty_extra_state() -> bytes:
     return buf.getvalue()
 
 
-def _carried(state: Any) -> Any:
+def _carried(state: Any, step: float | None = None) -> Any:
     def produce(slot: TensorSlot) -> Iterator[memoryview]:
-        yield state.carried_bytes(slot)
+        if slot is COMMON_STEP:
+            yield memoryview(struct.pack("<f", step))
+        else:
+            yield state.carried_bytes(slot)
 
     return produce
+
+
+def _holds(tree: Any, slot: TensorSlot) -> bool:
+    if tree is slot:
+        return True
+    if isinstance(tree, dict):
+        return any(_holds(v, slot) for v in tree.values())
+    return isinstance(tree, list | tuple) and any(_holds(v, slot) for v in tree)
+
+
+def fp32_weights(plan: Plan) -> bool:
+    """Whether the target's weights are fp32 (Megatron's ``FP32Optimizer``: no separate
+    masters) rather than bf16/fp16 (the mixed-precision wrapper, fp32 masters)."""
+    return all(
+        t.dtype == "float32" for f in plan.files for t in f.tensors if "/" not in t.canonical
+    )
 
 
 def dcp_metadata(plan: Plan, records: dict[str, list[Record]]) -> DcpMetadata:
@@ -143,20 +163,43 @@ def _group_step(state: Any) -> float | None:
 
 
 def _optimizer_entry(
-    state: Any, kinds: tuple[bool, ...], step: float | None, experts: bool = False
+    state: Any,
+    kinds: tuple[bool, ...],
+    step: float | None,
+    experts: bool = False,
+    *,
+    distributed: bool = True,
+    fp32_weights: bool = False,
 ) -> dict[str, Any]:
-    """One optimizer's ``fully_reshardable`` common state: its parameter groups (Megatron-Core
-    0.16: weight-decay group first), Adam's step kept per group."""
+    """One optimizer's common state: its parameter groups (weight-decay group first).
+
+    The distributed optimizer (``fully_reshardable``) keeps Adam's step per group. Megatron's
+    other optimizers keep it once, as a tensor ``common_step`` beside the per-parameter state
+    (``COMMON_STEP``): ``FP32Optimizer`` as torch's state dict itself, the mixed-precision
+    wrapper under ``optimizer`` (its fp32 masters are the ``fp32_param`` tensors)."""
     groups = []
     for no_decay in kinds:
         if no_decay in state.templates:
             group = group_template(state.templates, no_decay, experts)
         else:
             group = {"wd_mult": 0.0 if no_decay else 1.0, "lr_mult": 1.0}
-        if step is not None:
+        if step is not None and distributed:
             group["step"] = step
+        group.pop("params", None)  # the loading optimizer's own (Megatron merges them in)
         groups.append(group)
-    return {"optimizer": {"param_groups": groups}, "param_state_sharding_type": "fully_reshardable"}
+    if distributed:
+        return {
+            "optimizer": {"param_groups": groups},
+            "param_state_sharding_type": "fully_reshardable",
+        }
+    torch_state: dict[str, Any] = {"state": {}, "param_groups": groups}
+    if step is not None:
+        torch_state["state"]["common_step"] = COMMON_STEP
+    return torch_state if fp32_weights else {"optimizer": torch_state}
+
+
+COMMON_STEP = TensorSlot("common_step", "float32", ())
+"""Adam's step of a non-distributed optimizer, as torch keeps it (a float32 scalar tensor)."""
 
 
 def common_state(plan: Plan, state: Any) -> dict[str, Any]:
@@ -164,22 +207,30 @@ def common_state(plan: Plan, state: Any) -> dict[str, Any]:
     parameter groups with ``fully_reshardable`` per-parameter state."""
     args = state.args
     args.ckpt_format = "torch_dist"
+    # No RNG state is written (it is per rank of the grid it was saved in): said so, as a run
+    # saved with --no-save-rng says it, so that Megatron-LM's loader does not ask for it.
+    args.no_save_rng = True
     carried = {k: v for k, v in state.carried.items() if k != "optimizer_extra"}
     tree: dict[str, Any] = {"args": args, **carried}
     has_optimizer = any(t.canonical.startswith("exp_avg/") for f in plan.files for t in f.tensors)
     content: dict[str, Any] = {"singleton_local_shards": False}
     if has_optimizer:
         step = _group_step(state)
+        form = {
+            "distributed": plan.target_layout.distributed_optimizer,
+            "fp32_weights": fp32_weights(plan),
+        }
         if plan.target_layout.ep > 1:  # chained: dense, then expert parameters
             experts = [p for p in parameters(plan.model()) if not p.buffer and p.expert is not None]
             expert_kinds = sorted({p.no_weight_decay for p in experts})
             tree["optimizer"] = {
-                0: _optimizer_entry(state, (False, True), step),
-                1: _optimizer_entry(state, tuple(expert_kinds), step, experts=True),
+                0: _optimizer_entry(state, (False, True), step, **form),
+                1: _optimizer_entry(state, tuple(expert_kinds), step, experts=True, **form),
             }
         else:
-            tree["optimizer"] = _optimizer_entry(state, (False, True), step)
-        content["distrib_optim_sharding_type"] = "fully_reshardable"
+            tree["optimizer"] = _optimizer_entry(state, (False, True), step, **form)
+        if plan.target_layout.distributed_optimizer:
+            content["distrib_optim_sharding_type"] = "fully_reshardable"
     tree["content_metadata"] = content
     return tree
 
@@ -197,7 +248,12 @@ def torch_dist_directory_files(job: WriteJob) -> list[tuple[str, bytes]]:
     state = training_state(job, plan.files[0])
     common_path, metadata_path = torch_dist_directory_names(plan)
     common = io.BytesIO()
-    write_torch_zip(common, common_state(plan, state), state.carried_slots(), _carried(state))
+    tree = common_state(plan, state)
+    slots = state.carried_slots()
+    step = _group_step(state)
+    if step is not None and _holds(tree, COMMON_STEP):
+        slots.append(COMMON_STEP)
+    write_torch_zip(common, tree, slots, _carried(state, step))
     return [
         (common_path, common.getvalue()),
         (metadata_path, metadata_bytes(dcp_metadata(plan, records))),
