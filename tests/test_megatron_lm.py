@@ -207,3 +207,35 @@ def test_torch_dist_and_legacy_convert_both_ways_for_megatron_lm(
         steps=RESUMED_STEPS,
     )
     assert resumed["losses"] == saved["resumed"]
+
+
+def test_megatron_lms_distributed_optimizer_moves_bit_for_bit(
+    tmp_path_factory: pytest.TempPathFactory, cli
+) -> None:
+    """Megatron-LM's legacy checkpoint with the distributed optimizer (DP2: ``distrib_optim.pt``,
+    flat buffers named only by the grad-buffer layout ckptctl replays): its HF model gives
+    Megatron's logits, and its optimizer state comes back bit for bit from DP2 -> DP1 without
+    the distributed optimizer -> DP2 with it. (Megatron-LM 0.19 cannot resume its own such
+    checkpoint on the CPU: torch's Adam keeps a ``step`` per parameter that its loader does not
+    expect; TransformerEngine's fused Adam on a GPU does not.)"""
+    transformers = pytest.importorskip("transformers")
+    root = tmp_path_factory.mktemp("megatron-lm-distopt")
+    ckpt, logits = root / "legacy", root / "logits.pt"
+    args = [*ARGS, "--use-distributed-optimizer", "--global-batch-size", "4"]
+    save = ["--save", str(ckpt), "--save-interval", "1000", "--ckpt-format", "torch"]
+    train(root / "first", [*args, *save], world=2, steps=SAVED_STEPS, logits=logits)
+    assert sorted(p.name for p in ckpt.rglob("*.pt")) == ["distrib_optim.pt", "model_optim_rng.pt"]
+    hf = root / "hf"
+    cli("consolidate", ckpt, hf, "--format", "hf")
+    megatron = torch.load(logits, weights_only=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    with torch.no_grad():
+        got = model(megatron["tokens"]).logits
+    torch.testing.assert_close(got, megatron["logits"][..., :1000], rtol=0, atol=1e-5)
+    plain, back = root / "dp1", root / "dp2-again"
+    cli("reshard", ckpt, plain, "--dp", "1", "--no-distributed-optimizer")
+    cli("reshard", plain, back, "--dp", "2", "--distributed-optimizer")
+    report = cli.json("verify", back, "--against", ckpt)
+    assert report["ok"], report
+    against = next(c for c in report["checks"] if c["name"] == "against")
+    assert "108 of 108 tensors" in against["detail"], against
