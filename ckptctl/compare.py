@@ -25,7 +25,7 @@ from ckptctl.arrays import to_torch, words
 from ckptctl.assembler import Assembler
 from ckptctl.formats.named import under_spec
 from ckptctl.job_report import NoProgress, Progress, Report, Sources
-from ckptctl.model.catalog import OPTIMIZER_STATES
+from ckptctl.model.catalog import is_state
 from ckptctl.model.geometry import Piece, missing_elements, nbytes
 from ckptctl.model.plan import FileKind, TensorWrite
 from ckptctl.model.stored import CheckpointView, StoredFile, StoredTensor, canonical_shapes
@@ -71,8 +71,7 @@ class Comparison:
 def is_optimizer_state(name: str) -> bool:
     """A canonical optimizer-state name (``exp_avg/<param>``), or a stored key of one in a
     checkpoint of unknown model (``optimizer.state...``, ``optim.state...``, ``*.exp_avg``)."""
-    state, sep, _ = name.partition("/")
-    if sep and state in OPTIMIZER_STATES:
+    if is_state(name):
         return True
     return name.startswith(("optimizer.", "optim.")) or ".state." in name
 

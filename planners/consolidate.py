@@ -22,7 +22,7 @@ from ckptctl.formats.megatron.layout import (
     target_optimizer,
     tracker_text,
 )
-from ckptctl.model.catalog import OPTIMIZER_STATES, state_name
+from ckptctl.model.catalog import is_state, state_name
 from ckptctl.model.geometry import Piece, Shape, whole
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.plan import FileKind, Plan, TextWrite
@@ -37,7 +37,7 @@ from planners.convert import (
 
 
 def _is_weight(canonical: str) -> bool:
-    return canonical.split("/", 1)[0] not in OPTIMIZER_STATES
+    return not is_state(canonical)
 
 
 STATE_DICT_FILE = "state_dict.pt"

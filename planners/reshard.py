@@ -22,7 +22,7 @@ from ckptctl.formats.torch_dist.layout import (
     MCORE_METADATA_TEXT,
     torch_dist_files,
 )
-from ckptctl.model.catalog import OPTIMIZER_STATES
+from ckptctl.model.catalog import is_state
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.plan import FileKind, Plan, TextWrite
 from ckptctl.model.stored import CheckpointView, Format
@@ -58,7 +58,7 @@ def plan_reshard(
         t
         for f in source.files
         for t in f.tensors
-        if t.canonical.split("/")[0] not in OPTIMIZER_STATES
+        if not is_state(t.canonical)
     )
     weight_dtype = dtype or weight.dtype
     optimizer = target_optimizer(

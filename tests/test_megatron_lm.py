@@ -239,3 +239,25 @@ def test_megatron_lms_distributed_optimizer_moves_bit_for_bit(
     assert report["ok"], report
     against = next(c for c in report["checks"] if c["name"] == "against")
     assert "108 of 108 tensors" in against["detail"], against
+
+
+def test_sgds_momentum_moves_like_adams_state(
+    tmp_path_factory: pytest.TempPathFactory, cli
+) -> None:
+    """``--optimizer sgd``: the momentum buffers are optimizer state (not weights), resharded
+    with their parameters; Megatron-LM resumes from a TP1 -> TP2 -> TP1 round trip with the
+    losses it has from its own checkpoint."""
+    root = tmp_path_factory.mktemp("megatron-lm-sgd")
+    ckpt = root / "legacy"
+    args = [*ARGS, "--optimizer", "sgd"]
+    save = ["--save", str(ckpt), "--save-interval", "1000", "--ckpt-format", "torch"]
+    train(root / "first", [*args, *save], steps=SAVED_STEPS)
+    info = cli.json("inspect", ckpt)
+    assert info["optimizer_bytes"] == info["weight_bytes"]  # one momentum buffer per weight
+    tp2, back = root / "tp2", root / "tp1-again"
+    cli("reshard", ckpt, tp2, "--tp", "2")
+    cli("reshard", tp2, back, "--tp", "1")
+    load = ["--no-load-rng", "--load"]
+    own = train(root / "own", [*args, *load, str(ckpt)], steps=RESUMED_STEPS)
+    ours = train(root / "ours", [*args, *load, str(back)], steps=RESUMED_STEPS)
+    assert ours["losses"] == own["losses"]

@@ -10,7 +10,7 @@ from ckptctl.cli.options import Iteration, Json, TrueVocab, state
 from ckptctl.cli.output import Output, boundary, human_bytes
 from ckptctl.errors import LayoutError
 from ckptctl.formats.hf.families import choose_family
-from ckptctl.model.catalog import OPTIMIZER_STATES, expert_of
+from ckptctl.model.catalog import expert_of, is_state
 from ckptctl.model.geometry import nbytes
 from ckptctl.model.layout import ModelSpec
 from ckptctl.probe import Checkpoint, open_checkpoint
@@ -45,7 +45,7 @@ def describe(ckpt: Checkpoint) -> dict[str, Any]:
             size = nbytes(t.shape, t.dtype)
             file_total += size
             count += 1
-            if t.canonical.split("/", 1)[0] in OPTIMIZER_STATES:
+            if is_state(t.canonical):
                 optimizer += size
             else:
                 weights += size

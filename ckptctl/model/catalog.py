@@ -38,6 +38,12 @@ class Naming(StrEnum):
 OPTIMIZER_STATES = ("fp32_param", "exp_avg", "exp_avg_sq", "step")
 """Per-parameter optimizer state kept beside each weight (Adam with fp32 master weights)."""
 
+
+def is_state(canonical: str) -> bool:
+    """Whether a canonical tensor is optimizer state (``STATE/PARAM``): Adam's, or any torch
+    optimizer's (SGD's ``momentum_buffer``); parameter names hold no ``/``."""
+    return "/" in canonical
+
 _TE_TO_LOCAL = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
