@@ -261,3 +261,28 @@ def test_sgds_momentum_moves_like_adams_state(
     own = train(root / "own", [*args, *load, str(ckpt)], steps=RESUMED_STEPS)
     ours = train(root / "ours", [*args, *load, str(back)], steps=RESUMED_STEPS)
     assert ours["losses"] == own["losses"]
+
+
+def test_a_tp2_run_of_megatron_lm_reshards_both_ways(
+    tmp_path_factory: pytest.TempPathFactory, cli
+) -> None:
+    """Megatron-LM at TP2 (its args then carry ``tensor_parallel_num_weight_shards=2``): ckptctl
+    reads it, and Megatron-LM resumes from ckptctl's TP2 -> TP1 -> TP2 round trip with the
+    losses it has from its own checkpoint, and at TP1 with them to rounding."""
+    root = tmp_path_factory.mktemp("megatron-lm-tp2")
+    ckpt = root / "legacy"
+    tp2 = ["--tensor-model-parallel-size", "2"]
+    save = ["--save", str(ckpt), "--save-interval", "1000", "--ckpt-format", "torch"]
+    train(root / "first", [*ARGS, *tp2, *save], world=2, steps=SAVED_STEPS)
+    assert cli.json("inspect", ckpt)["layout"]["tp"] == 2
+    tp1, back = root / "tp1", root / "tp2-again"
+    cli("reshard", ckpt, tp1, "--tp", "1")
+    cli("reshard", tp1, back, "--tp", "2")
+    load = ["--no-load-rng", "--load"]
+    own = train(root / "own", [*ARGS, *tp2, *load, str(ckpt)], world=2, steps=RESUMED_STEPS)
+    ours = train(root / "ours", [*ARGS, *tp2, *load, str(back)], world=2, steps=RESUMED_STEPS)
+    assert ours["losses"] == own["losses"]
+    at_tp1 = train(root / "at-tp1", [*ARGS, *load, str(tp1)], steps=RESUMED_STEPS)
+    torch.testing.assert_close(
+        torch.tensor(at_tp1["losses"]), torch.tensor(own["losses"]), rtol=1e-5, atol=0
+    )

@@ -156,3 +156,15 @@ def test_the_exit_signal_megatron_keeps_in_args_loads_as_an_inert_stub() -> None
 )
 def test_values_compare_as_megatron_means_them(value: Any, default: Any, equal: bool) -> None:
     assert release_args.same(value, default) is equal
+
+
+def test_weight_shard_counts_follow_tp() -> None:
+    """Megatron-LM 0.19 records TP x gtp_weight_remat_size as ``tensor_parallel_num_weight_shards``
+    (plain at a remat size of 1): equal to TP it passes, otherwise it changes the layout."""
+    check_fields(
+        argparse.Namespace(tensor_model_parallel_size=2, tensor_parallel_num_weight_shards=2)
+    )
+    with pytest.raises(LayoutError, match="tensor_parallel_num_weight_shards=4"):
+        check_fields(
+            argparse.Namespace(tensor_model_parallel_size=2, tensor_parallel_num_weight_shards=4)
+        )

@@ -71,7 +71,8 @@ def _verdict(name: str, value: Any, fields: dict[str, Any], trusted: frozenset[s
     if name in PLAIN_VALUES:
         return "ok" if _plain(value, PLAIN_VALUES[name]) else "changed"
     if name in RELATED_VALUES:
-        return "ok" if _plain(value, (None, fields.get(RELATED_VALUES[name]))) else "changed"
+        related = tuple(fields.get(other) for other in RELATED_VALUES[name])
+        return "ok" if _plain(value, (None, *related)) else "changed"
     if name in _dormant(fields):
         return "ok"  # read by Megatron only when a switch is on, and it is off
     if release_args.at_default(name, value):
@@ -363,6 +364,11 @@ def args_for(
     if spec.is_moe:
         out.expert_model_parallel_size = layout.ep
         out.expert_tensor_parallel_size = layout.expert_tp
+    # Megatron-LM 0.19's weight-shard counts follow TP (and expert TP): kept so where set
+    if getattr(out, "tensor_parallel_num_weight_shards", None) is not None:
+        out.tensor_parallel_num_weight_shards = layout.tp
+    if getattr(out, "expert_tensor_parallel_num_weight_shards", None) is not None:
+        out.expert_tensor_parallel_num_weight_shards = layout.expert_tp
     if getattr(out, "vocab_size", None) is None:
         out.vocab_size = spec.vocab_size
     if hasattr(out, "data_parallel_size"):

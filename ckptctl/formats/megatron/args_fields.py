@@ -81,7 +81,6 @@ PLAIN_VALUES: dict[str, tuple[object, ...]] = {
     "softmax_type": ("vanilla",),
     "spec": (None,),
     "standalone_embedding_stage": (False,),
-    "tensor_parallel_num_weight_shards": (None, 1),
     "use_custom_fsdp": (False,),
     "use_fused_weighted_squared_relu": (False,),
     "use_grouped_gemm_for_dense_mlp": (False,),
@@ -103,7 +102,15 @@ PLAIN_VALUES: dict[str, tuple[object, ...]] = {
 }
 
 # Fields validate_args copies from another: plain while unset or equal to it.
-RELATED_VALUES: dict[str, str] = {"encoder_num_layers": "num_layers"}
+RELATED_VALUES: dict[str, tuple[str, ...]] = {
+    "encoder_num_layers": ("num_layers",),
+    # Megatron-LM 0.19 sets each to TP (expert TP) x gtp_weight_remat_size, which is plain at 1
+    "tensor_parallel_num_weight_shards": ("tensor_model_parallel_size",),
+    "expert_tensor_parallel_num_weight_shards": (
+        "expert_tensor_parallel_size",
+        "tensor_model_parallel_size",
+    ),
+}
 
 MOE_FIELDS = frozenset(
     """
@@ -147,7 +154,6 @@ MOE_MAPPED = frozenset(
 
 MOE_PLAIN_VALUES: dict[str, tuple[object, ...]] = {
     "expert_gtp_weight_remat_size": (1,),
-    "expert_tensor_parallel_num_weight_shards": (None, 1),
     "moe_apply_probs_on_input": (False,),
     "moe_extended_tp": (False,),
     "moe_latent_size": (None,),
