@@ -54,12 +54,7 @@ def plan_reshard(
             + "".join(f" ({n})" for n in source.notes if "--hf-config" in n)
         )
     target_layout.check_against(spec)
-    weight = next(
-        t
-        for f in source.files
-        for t in f.tensors
-        if not is_state(t.canonical)
-    )
+    weight = next(t for f in source.files for t in f.tensors if not is_state(t.canonical))
     weight_dtype = dtype or weight.dtype
     optimizer = target_optimizer(
         style.optimizer if source.has_optimizer else None, target_layout, weight_dtype

@@ -44,6 +44,7 @@ def is_state(canonical: str) -> bool:
     optimizer's (SGD's ``momentum_buffer``); parameter names hold no ``/``."""
     return "/" in canonical
 
+
 _TE_TO_LOCAL = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
