@@ -83,9 +83,10 @@ def refuse_dp_reshardable(ckpt: Checkpoint) -> None:
     if getattr(ckpt, "dp_reshardable", False):
         raise UsageError(
             f"{ckpt.storage.url}: optimizer state is dp_reshardable (grad-buffer buckets of the "
-            f"saved {ckpt.view.layout.describe()} layout), so it cannot move to another TP/PP "
-            "layout or format; re-save it with --dist-ckpt-optim-fully-reshardable, or take the "
-            "weights alone with consolidate --format hf"
+            f"saved {ckpt.view.layout.describe()} layout) that could not be placed on the "
+            "model's parameters (see the warning), so it cannot move; re-save it with "
+            "--dist-ckpt-optim-fully-reshardable, or take the weights alone with consolidate "
+            "--format hf"
         )
 
 

@@ -48,8 +48,8 @@ def carry_vocab_padding(
         for held in () if file.flat else file.tensors:
             if not _rows_of_vocab(held.canonical, held.shape, vocab, padded, source.layout.tp):
                 continue
-            first = _first_row(held.key, held.shape, file.rank, source.format == Format.TORCH_DIST)
-            if first is not None and held.view_offset is None:
+            first = _first_row(held, file.rank, source.format == Format.TORCH_DIST)
+            if first is not None and not held.transposed:
                 holders.setdefault(held.canonical, []).append((index, first, held))
     read = 0
     out = []
@@ -59,7 +59,7 @@ def carry_vocab_padding(
             found = holders.get(tensor.canonical) if tensor.padding else None
             if found and _rows_of_vocab(tensor.canonical, tensor.shape, vocab, padded, target.tp):
                 dcp = write.kind == FileKind.DCP_SHARD
-                first = _first_row(tensor.key, tensor.shape, write.rank, dcp)
+                first = _first_row(tensor, write.rank, dcp)
                 if first is not None and tensor.view_offset is None and not tensor.transposed:
                     tensor, moved = _with_padding_rows(tensor, first, spec.vocab_size, found)
                     read += moved
@@ -69,13 +69,20 @@ def carry_vocab_padding(
 
 
 def _first_row(
-    key: tuple[str | int, ...], shape: Shape, rank: tuple[int, int] | None, dcp: bool
+    tensor: StoredTensor | TensorWrite, rank: tuple[int, int] | None, dcp: bool
 ) -> int | None:
-    """A vocabulary tensor's first row in the padded vocabulary: a DCP chunk's offset
-    (``torch_dist``: key ``(fqn, row, column)``), or its TP rank's share (a legacy rank file)."""
+    """A vocabulary tensor's first row in the padded vocabulary: where its pieces put it, or,
+    for one of padding rows alone, a DCP chunk's row offset (``torch_dist``: key ``(fqn, row,
+    column)``; a distributed-optimizer bucket's flat offset says nothing) or its TP rank's share
+    (a legacy rank file)."""
+    pieces = getattr(tensor, "pieces", None)
+    if pieces:
+        return pieces[0].canonical[0] - pieces[0].local[0]
+    key = tensor.key
     if dcp:
-        return key[1] if len(key) > 1 and isinstance(key[1], int) else None
-    return rank[0] * shape[0] if rank is not None else None
+        row = key[1] if len(key) > 1 and isinstance(key[1], int) else None
+        return None if str(key[0]).startswith("optimizer.distributed.") else row
+    return rank[0] * tensor.shape[0] if rank is not None else None
 
 
 def _rows_of_vocab(canonical: str, shape: Shape, vocab: set[str], padded: int, tp: int) -> bool:
@@ -100,7 +107,8 @@ def _with_padding_rows(
         zero = (0,) * len(rest)
         sizes = (b - a, *rest)
         src, dst = (a - start, *zero), (a - first, *zero)
-        copies.append(CopyOp(source=index, key=held.key, src=src, dst=dst, sizes=sizes))
+        view = None if held.view_offset is None else (held.view_offset, held.shape)
+        copies.append(CopyOp(source=index, key=held.key, src=src, dst=dst, sizes=sizes, view=view))
         elements += prod(sizes)
         moved += nbytes(sizes, held.dtype)
         lo = b  # each row once: replicas of rows already taken (other DP ranks) are skipped

@@ -286,3 +286,29 @@ def test_a_tp2_run_of_megatron_lm_reshards_both_ways(
     torch.testing.assert_close(
         torch.tensor(at_tp1["losses"]), torch.tensor(own["losses"]), rtol=1e-5, atol=0
     )
+
+
+def test_megatron_lms_default_distributed_optimizer_state_moves(
+    tmp_path_factory: pytest.TempPathFactory, cli
+) -> None:
+    """``--use-distributed-optimizer`` with ``torch_dist`` saves ``dp_reshardable`` state by
+    default (raw grad-buffer buckets of one TP/PP/DP layout). At TP2 DP2 in fp32 the run is
+    bit-identical to one without the distributed optimizer, so: the buckets read as that run's
+    per-parameter state, bit for bit; and Megatron-LM, loading ckptctl's TP1 output without
+    the distributed optimizer, trains on with the losses it has when it reshards the other
+    run's checkpoint to TP1 itself."""
+    root = tmp_path_factory.mktemp("megatron-lm-dp-reshardable")
+    tp2 = [*ARGS, "--global-batch-size", "4", "--ckpt-format", "torch_dist"]
+    tp2 += ["--tensor-model-parallel-size", "2"]
+    buckets, plain = root / "dp_reshardable", root / "plain"
+    save = ["--save-interval", "1000", "--save"]
+    distributed = ["--use-distributed-optimizer"]
+    train(root / "first", [*tp2, *distributed, *save, str(buckets)], world=4, steps=SAVED_STEPS)
+    train(root / "plain-run", [*tp2, *save, str(plain)], world=4, steps=SAVED_STEPS)
+    assert cli.json("verify", buckets, "--against", plain)["ok"]
+    tp1 = root / "tp1"
+    cli("reshard", buckets, tp1, "--tp", "1", "--no-distributed-optimizer")
+    at_tp1 = [*ARGS, "--global-batch-size", "4", "--ckpt-format", "torch_dist", "--load"]
+    own = train(root / "own", [*at_tp1, str(plain)], world=2, steps=RESUMED_STEPS)
+    ours = train(root / "ours", [*at_tp1, str(tp1)], world=2, steps=RESUMED_STEPS)
+    assert ours["losses"] == own["losses"]

@@ -7,15 +7,18 @@ import argparse
 from typing import Any
 
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError
-from ckptctl.formats.dcp.metadata import BytesEntry, DcpMetadata, StorageInfo
+from ckptctl.formats.dcp.metadata import BytesEntry, DcpMetadata, StorageInfo, TensorEntry
 from ckptctl.formats.dcp.reader import DcpCheckpoint, files_of, join, read_metadata
 from ckptctl.formats.dcp.records import RecordWindow, open_record
 from ckptctl.formats.megatron.args import (
     check_saved_layout,
     checked_iteration,
     layout_from_args,
+    naming_from_args,
     spec_from_args,
 )
+from ckptctl.formats.megatron.layout import OptimizerLayout
+from ckptctl.formats.torch_dist import dp_reshardable
 from ckptctl.formats.torch_dist.layout import (
     COMMON,
     DP_RESHARDABLE_PREFIX,
@@ -24,6 +27,8 @@ from ckptctl.formats.torch_dist.layout import (
     model_catalog,
 )
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
+from ckptctl.model.catalog import Naming
+from ckptctl.model.layout import ModelSpec, ParallelLayout
 from ckptctl.model.stored import CheckpointView, Format, StoredTensor
 from ckptctl.storage import Storage
 
@@ -91,14 +96,14 @@ def probe_torch_dist(
     placed: list[tuple[StorageInfo, StoredTensor]] = []
     unknown: list[str] = []
     objects: set[str] = set()
-    dp_reshardable = False
+    buckets: dict[str, TensorEntry] = {}
     for fqn, entry in metadata.entries.items():
         if isinstance(entry, BytesEntry):
             if not fqn.startswith("common_state"):
                 objects.add(fqn.split("/")[0].rsplit(".", 1)[-1])
             continue
         if fqn.startswith(DP_RESHARDABLE_PREFIX):
-            dp_reshardable = True
+            buckets[fqn] = entry
             continue
         for chunk in entry.chunks:
             parts = chunk_parts(fqn, chunk.offsets, chunk.sizes, catalog)
@@ -128,12 +133,31 @@ def probe_torch_dist(
         )
     optimizer = dense_optimizer(common.get("optimizer"))
     sharding = optimizer.get("param_state_sharding_type")
-    has_optimizer = any(t.canonical.startswith("exp_avg/") for _, t in placed)
-    if sharding == "dp_reshardable" or dp_reshardable:
+    if buckets:
+        weight_dtype = next(t.dtype for _, t in placed if "/" not in t.canonical)
+        try:
+            mapped = place_buckets(buckets, spec, layout, args, weight_dtype)
+        except CheckpointError as err:
+            warnings.append(
+                f"optimizer state is dp_reshardable and could not be mapped ({err}): only the "
+                "weights can be taken from it"
+            )
+        else:
+            placed += [(metadata.storage[(str(t.key[0]), (int(t.key[1]),))], t) for t in mapped]
+            objects -= {"optimizer", "per_bucket_numel", "per_bucket_numel_unpadded"}
+            notes.append(
+                "optimizer state is dp_reshardable: its grad-buffer buckets are mapped by "
+                "replaying Megatron's buffer layout"
+            )
+            common_step = (
+                common_step if common_step is not None else _bucket_step(storage, base, metadata)
+            )
+    elif sharding == "dp_reshardable":
         warnings.append(
-            "optimizer state is dp_reshardable (raw grad-buffer buckets of the saved TP/PP "
-            "layout): only the weights can be taken from it"
+            "optimizer state is dp_reshardable, but the checkpoint holds no bucket tensors: "
+            "only the weights can be taken from it"
         )
+    has_optimizer = any(t.canonical.startswith("exp_avg/") for _, t in placed)
     if objects:
         # Pickled objects (RNG state, TransformerEngine FP8 metadata) have no reshardable form.
         warnings.append(f"not carried: {', '.join(sorted(objects))} (pickled objects)")
@@ -164,4 +188,40 @@ def _optimizer_step(optimizer: dict[str, Any]) -> float | None:
     if isinstance(groups, list) and groups and isinstance(groups[0], dict):
         step = groups[0].get("step")
         return float(step) if step is not None else None
+    return None
+
+
+def place_buckets(
+    buckets: dict[str, TensorEntry],
+    spec: ModelSpec,
+    layout: ParallelLayout,
+    args: argparse.Namespace,
+    weight_dtype: str,
+) -> list[StoredTensor]:
+    """The ``dp_reshardable`` bucket tensors placed by the grad-buffer layout ``args`` give."""
+    optimizer = OptimizerLayout(
+        states=(),
+        distributed=True,
+        overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)),
+        bucket_size=getattr(args, "ddp_bucket_size", None),
+    )
+    naming = naming_from_args(args) or Naming.TE
+    return dp_reshardable.place(buckets, spec, layout, optimizer, weight_dtype, naming)
+
+
+def _bucket_step(storage: Storage, base: str, metadata: DcpMetadata) -> float | None:
+    """Adam's step of ``dp_reshardable`` state: in the parameter groups of the optimizer state
+    dict Megatron saves beside the buckets (a pickled byte item)."""
+    for (fqn, offsets), info in metadata.storage.items():
+        if offsets is None and fqn.startswith(DP_RESHARDABLE_PREFIX) and ".optimizer/" in fqn:
+            item = join(base, info.relative_path)
+            with storage.open_read(item) as f:
+                window = RecordWindow(f, info.offset, info.length)
+                tree = open_record(window, info, storage.describe(item)).tree
+            tree = tree[0] if isinstance(tree, list) and tree else tree
+            groups = tree.get("param_groups") if isinstance(tree, dict) else None
+            if isinstance(groups, list) and groups and isinstance(groups[0], dict):
+                step = groups[0].get("step")
+                if isinstance(step, int | float) and not isinstance(step, bool):
+                    return float(step)
     return None
