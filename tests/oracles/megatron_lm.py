@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import sys
 import warnings
 from collections.abc import Callable
@@ -44,18 +43,20 @@ from typing import Any
 
 warnings.filterwarnings("ignore")
 
+import mcore_cpu  # noqa: E402  (this folder: the CUDA-on-CPU mode megatron-core's oracles use)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
-from torch.overrides import TorchFunctionMode  # noqa: E402
+from mcore_cpu import free_port  # noqa: E402
 
 SEQ = 16
 MICRO_BATCH = 2
 DATA_SEED = 4242
 
 
-class CpuAsCudaMode(TorchFunctionMode):
-    """CUDA tensor paths on the CPU (see the module's docstring)."""
+class CpuAsCudaMode(mcore_cpu.CpuAsCudaMode):
+    """megatron-core's CUDA tensor paths on the CPU (``mcore_cpu``), and those of Megatron-LM's
+    training code besides: a device given as an index, ``Tensor.to("cuda")``."""
 
     def __torch_function__(
         self,
@@ -65,17 +66,11 @@ class CpuAsCudaMode(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = dict(kwargs or {})
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            name = func(*args)
-            return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
-        if func is torch.Tensor.cuda:
-            return args[0]
-        device = kwargs.get("device")
-        if isinstance(device, str | torch.device | int) and _is_cuda(device):
+        if isinstance(kwargs.get("device"), int):
             kwargs["device"] = "cpu"
-        if func in (torch.Tensor.to,) and args and len(args) > 1 and _is_cuda(args[1]):
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
             args = (args[0], "cpu", *args[2:])
-        return func(*args, **kwargs)
+        return super().__torch_function__(func, types, args, kwargs)
 
 
 def _is_cuda(device: Any) -> bool:
@@ -149,12 +144,6 @@ def patch_for_cpu() -> None:
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
     initialize._set_random_seed = then_tracker_seeds
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def model_provider(  # type: ignore[no-untyped-def]

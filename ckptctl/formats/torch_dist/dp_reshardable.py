@@ -64,19 +64,8 @@ def place(
             raise CheckpointError(
                 f"{fqn}: not a bucket of the distributed optimizer's grad buffers"
             )
-        group, gbuf, dtype_key, bucket, state = parsed
-        buckets.setdefault((group, gbuf, dtype_key, state), {})[bucket] = (fqn, entry)
-    return _place_on(buckets, spec, layout, optimizer, weight_dtype, naming)
-
-
-def _place_on(
-    buckets: dict[tuple[int, int, str, str], dict[int, tuple[str, TensorEntry]]],
-    spec: ModelSpec,
-    layout: ParallelLayout,
-    optimizer: OptimizerLayout,
-    weight_dtype: str,
-    naming: Naming,
-) -> list[StoredTensor]:
+        rank, buffer, dtypes, bucket, state = parsed
+        buckets.setdefault((rank, buffer, dtypes, state), {})[bucket] = (fqn, entry)
     legacy = megatron_files(
         spec, layout, iteration=0, weight_dtype=weight_dtype, optimizer=optimizer, naming=naming
     )
