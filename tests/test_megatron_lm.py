@@ -312,3 +312,20 @@ def test_megatron_lms_default_distributed_optimizer_state_moves(
     own = train(root / "own", [*at_tp1, str(plain)], world=2, steps=RESUMED_STEPS)
     ours = train(root / "ours", [*at_tp1, str(tp1)], world=2, steps=RESUMED_STEPS)
     assert ours["losses"] == own["losses"]
+
+
+def test_a_bf16_run_reshards_as_megatron_lm_reshards_it(
+    tmp_path_factory: pytest.TempPathFactory, cli
+) -> None:
+    """bf16 weights, fp32 masters (Megatron's mixed-precision optimizer, ``fp32_param`` state)
+    in ``torch_dist``: ckptctl's TP2 reshard resumes with exactly the losses of Megatron-LM
+    resharding its own checkpoint to TP2 on load."""
+    root = tmp_path_factory.mktemp("megatron-lm-bf16")
+    ckpt, tp2 = root / "torch_dist", root / "tp2"
+    args = [*ARGS, "--bf16", "--ckpt-format", "torch_dist"]
+    train(root / "first", [*args, "--save", str(ckpt), "--save-interval", "1000"], steps=3)
+    cli("reshard", ckpt, tp2, "--tp", "2")
+    at_tp2 = [*args, "--tensor-model-parallel-size", "2", "--load"]
+    own = train(root / "own", [*at_tp2, str(ckpt)], world=2, steps=RESUMED_STEPS)
+    ours = train(root / "ours", [*at_tp2, str(tp2)], world=2, steps=RESUMED_STEPS)
+    assert ours["losses"] == own["losses"]
