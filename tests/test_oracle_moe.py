@@ -202,7 +202,10 @@ def test_moe_round_trips_through_any_layout_bit_exact(
     tmp = tmp_path_factory.mktemp("moe_round_trip")
     options = [f"--{axis}={layout[axis]}" for axis in ("tp", "pp", "ep", "etp", "dp")]
     options += ["--distributed-optimizer"] * layout["distributed"]
-    cli("reshard", src, tmp / "there", *options)
+    result = cli("reshard", src, tmp / "there", *options)
+    if not (tmp / "there").exists():  # the source's own layout: reshard writes nothing
+        assert "nothing to change" in result.stdout + result.stderr, result.stderr
+        return
     info = cli.json("inspect", tmp / "there")
     per_rank = 4 // layout["ep"]
     assert all(len(f["experts"]) == per_rank for f in info["files"])
