@@ -20,6 +20,7 @@ and the scheduler alone.
 from __future__ import annotations
 
 import shlex
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -46,6 +47,16 @@ CPU = """
 ARGS = shlex.split(MODEL + TRAINING + CPU)
 SAVED_STEPS = 3
 RESUMED_STEPS = 2
+
+
+def assert_resumes_alike(
+    root: Path, load_args: list[str], *, own: Path, ours: Path, world: int = 1
+) -> None:
+    """Megatron-LM resumes (``load_args`` end with ``--load``) from its own checkpoint and from
+    ckptctl's, and trains on with exactly the same losses."""
+    mine = train(root / "own", [*load_args, str(own)], world=world, steps=RESUMED_STEPS)
+    theirs = train(root / "ours", [*load_args, str(ours)], world=world, steps=RESUMED_STEPS)
+    assert theirs["losses"] == mine["losses"]
 
 
 @pytest.fixture(scope="module")
@@ -258,9 +269,7 @@ def test_sgds_momentum_moves_like_adams_state(
     cli("reshard", ckpt, tp2, "--tp", "2")
     cli("reshard", tp2, back, "--tp", "1")
     load = ["--no-load-rng", "--load"]
-    own = train(root / "own", [*args, *load, str(ckpt)], steps=RESUMED_STEPS)
-    ours = train(root / "ours", [*args, *load, str(back)], steps=RESUMED_STEPS)
-    assert ours["losses"] == own["losses"]
+    assert_resumes_alike(root, [*args, *load], own=ckpt, ours=back)
 
 
 def test_a_tp2_run_of_megatron_lm_reshards_both_ways(
@@ -309,9 +318,7 @@ def test_megatron_lms_default_distributed_optimizer_state_moves(
     tp1 = root / "tp1"
     cli("reshard", buckets, tp1, "--tp", "1", "--no-distributed-optimizer")
     at_tp1 = [*ARGS, "--global-batch-size", "4", "--ckpt-format", "torch_dist", "--load"]
-    own = train(root / "own", [*at_tp1, str(plain)], world=2, steps=RESUMED_STEPS)
-    ours = train(root / "ours", [*at_tp1, str(tp1)], world=2, steps=RESUMED_STEPS)
-    assert ours["losses"] == own["losses"]
+    assert_resumes_alike(root, at_tp1, own=plain, ours=tp1, world=2)
 
 
 def test_a_bf16_run_reshards_as_megatron_lm_reshards_it(
@@ -323,12 +330,12 @@ def test_a_bf16_run_reshards_as_megatron_lm_reshards_it(
     root = tmp_path_factory.mktemp("megatron-lm-bf16")
     ckpt, tp2 = root / "torch_dist", root / "tp2"
     args = [*ARGS, "--bf16", "--ckpt-format", "torch_dist"]
-    train(root / "first", [*args, "--save", str(ckpt), "--save-interval", "1000"], steps=3)
+    train(
+        root / "first", [*args, "--save", str(ckpt), "--save-interval", "1000"], steps=SAVED_STEPS
+    )
     cli("reshard", ckpt, tp2, "--tp", "2")
     at_tp2 = [*args, "--tensor-model-parallel-size", "2", "--load"]
-    own = train(root / "own", [*at_tp2, str(ckpt)], world=2, steps=RESUMED_STEPS)
-    ours = train(root / "ours", [*at_tp2, str(tp2)], world=2, steps=RESUMED_STEPS)
-    assert ours["losses"] == own["losses"]
+    assert_resumes_alike(root, at_tp2, own=ckpt, ours=tp2, world=2)
 
 
 def test_a_mixture_of_experts_run_reshards_over_expert_parallelism(
@@ -353,6 +360,4 @@ def test_a_mixture_of_experts_run_reshards_over_expert_parallelism(
     cli("reshard", ep1, back, "--ep", "2")
     assert cli.json("verify", back, "--against", ckpt)["ok"]
     load = ["--no-load-rng", "--load"]
-    own = train(root / "own", [*args, *load, str(ckpt)], world=2, steps=RESUMED_STEPS)
-    ours = train(root / "ours", [*args, *load, str(back)], world=2, steps=RESUMED_STEPS)
-    assert ours["losses"] == own["losses"]
+    assert_resumes_alike(root, [*args, *load], own=ckpt, ours=back, world=2)

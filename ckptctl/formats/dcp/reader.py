@@ -240,8 +240,6 @@ class DcpCheckpoint:
         # megatron-core's per-parameter optimizer keeps its groups at the top, the distributed
         # one under its torch optimizer.
         groups = opt.get("param_groups") or opt.get("optimizer", {}).get("param_groups", [])
-        if not groups and self.args is not None:
-            groups = self._bucket_param_groups()
         if self.args is None:
             groups = self._saved_param_groups()
             if len(groups) == 1:  # one group for every parameter: both kinds share it
@@ -251,19 +249,6 @@ class DcpCheckpoint:
             no_decay = float(group.get("wd_mult", 1.0)) == 0.0 or group.get("weight_decay") == 0
             out[no_decay] = {k: v for k, v in group.items() if k not in ("params", "step")}
         return out
-
-    def _bucket_param_groups(self) -> list[dict[str, Any]]:
-        """``dp_reshardable`` state keeps the torch optimizer's state dict (its parameter
-        groups) beside the buckets, per model-parallel rank, as a pickled item: rank 0's."""
-        name = f"{DP_RESHARDABLE_PREFIX}dp_group_idx_0.optimizer/"
-        for fqn, entry in self.metadata.entries.items():
-            if isinstance(entry, BytesEntry) and fqn.startswith(name):
-                tree, _ = self.byte_item(fqn)
-                tree = tree[0] if isinstance(tree, list) and tree else tree
-                groups = tree.get("param_groups") if isinstance(tree, dict) else None
-                if isinstance(groups, list) and all(isinstance(g, dict) for g in groups):
-                    return groups
-        return []
 
     def byte_item(self, fqn: str) -> tuple[Any, TorchZipReader]:
         """A non-tensor item (e.g. an optimizer hyperparameter) and its record's reader (for

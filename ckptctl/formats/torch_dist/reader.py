@@ -149,9 +149,12 @@ def probe_torch_dist(
                 "optimizer state is dp_reshardable: its grad-buffer buckets are mapped by "
                 "replaying Megatron's buffer layout"
             )
-            common_step = (
-                common_step if common_step is not None else _bucket_step(storage, base, metadata)
-            )
+            # The parameter groups (and Adam's step) are kept beside the buckets: where the
+            # other forms keep them, so that every reader of ``common`` finds them there.
+            groups = _bucket_param_groups(storage, base, metadata)
+            if groups:
+                optimizer = {**optimizer, "optimizer": {"param_groups": groups}}
+                common["optimizer"] = optimizer
     elif sharding == "dp_reshardable":
         warnings.append(
             "optimizer state is dp_reshardable, but the checkpoint holds no bucket tensors: "
@@ -209,19 +212,20 @@ def place_buckets(
     return dp_reshardable.place(buckets, spec, layout, optimizer, weight_dtype, naming)
 
 
-def _bucket_step(storage: Storage, base: str, metadata: DcpMetadata) -> float | None:
-    """Adam's step of ``dp_reshardable`` state: in the parameter groups of the optimizer state
-    dict Megatron saves beside the buckets (a pickled byte item)."""
+def _bucket_param_groups(
+    storage: Storage, base: str, metadata: DcpMetadata
+) -> list[dict[str, Any]]:
+    """``dp_reshardable`` state keeps the torch optimizer's state dict (parameter groups with
+    Adam's step) beside the buckets, per model-parallel rank, as a pickled item: rank 0's."""
+    name = f"{DP_RESHARDABLE_PREFIX}dp_group_idx_0.optimizer/"
     for (fqn, offsets), info in metadata.storage.items():
-        if offsets is None and fqn.startswith(DP_RESHARDABLE_PREFIX) and ".optimizer/" in fqn:
+        if offsets is None and fqn.startswith(name):
             item = join(base, info.relative_path)
             with storage.open_read(item) as f:
                 window = RecordWindow(f, info.offset, info.length)
                 tree = open_record(window, info, storage.describe(item)).tree
             tree = tree[0] if isinstance(tree, list) and tree else tree
             groups = tree.get("param_groups") if isinstance(tree, dict) else None
-            if isinstance(groups, list) and groups and isinstance(groups[0], dict):
-                step = groups[0].get("step")
-                if isinstance(step, int | float) and not isinstance(step, bool):
-                    return float(step)
-    return None
+            if isinstance(groups, list) and all(isinstance(g, dict) for g in groups):
+                return groups
+    return []
