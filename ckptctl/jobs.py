@@ -26,6 +26,7 @@ from ckptctl.distributed import Group
 from ckptctl.errors import CheckpointError, CkptctlError, UsageError
 from ckptctl.formats.megatron.layout import MegatronStyle
 from ckptctl.formats.megatron.ranks import coords
+from ckptctl.formats.torch_dist.layout import DP_RESHARDABLE_PREFIX
 from ckptctl.job_report import Progress, Report, Sources
 from ckptctl.lease import LOCK, hold
 from ckptctl.locations import refuse_overlap
@@ -294,9 +295,28 @@ def plan_reshard(
     lead = next(c for c, u in zip(everything, [src, *others], strict=True) if u == plan.source_url)
     lead_lost = (lost if lead is ckpt else frozenset()) | _planned_lost(plan, lead)
     plan = with_identities(plan, lead.storage, lead.view, lead_lost)
-    if choice.notes:
-        plan = plan.model_copy(update={"notes": (*choice.notes, *plan.notes)})
+    notes = (*choice.notes, *plan.notes, *_optimizer_form_notes(ckpt.view, plan))
+    if notes != plan.notes:
+        plan = plan.model_copy(update={"notes": notes})
     return Job(plan, Sources(lead, by_prefix), settings)
+
+
+def _optimizer_form_notes(source: CheckpointView, plan: Plan) -> tuple[str, ...]:
+    """Says so when the distributed optimizer's state changes form: ckptctl writes
+    ``torch_dist`` outputs' distributed-optimizer state ``fully_reshardable`` (per parameter),
+    whatever the source's."""
+    buckets = any(
+        str(t.key[0]).startswith(DP_RESHARDABLE_PREFIX) for f in source.files for t in f.tensors
+    )
+    rewritten = any(t.canonical.startswith("exp_avg/") for f in plan.files for t in f.tensors)
+    if not (buckets and rewritten and plan.target_format == Format.TORCH_DIST):
+        return ()
+    if not plan.target_layout.distributed_optimizer:
+        return ()
+    return (
+        "the distributed optimizer's state is written fully_reshardable (per parameter; "
+        "Megatron-LM loads it at any layout), not dp_reshardable as the source keeps it",
+    )
 
 
 def nothing_to_change(job: Job, *, strategy: str = "auto", dtype: str | None = None) -> bool:

@@ -45,7 +45,7 @@ def carry_vocab_padding(
     vocab = {p.name for p in parameters(spec) if p.split is Split.VOCAB}
     holders: dict[str, list[tuple[int, int, StoredTensor]]] = {}
     for index, file in enumerate(source.files):
-        for held in () if file.flat else file.tensors:
+        for held in file.tensors:
             if not _rows_of_vocab(held.canonical, held.shape, vocab, padded, source.layout.tp):
                 continue
             first = _first_row(held, file.rank, source.format == Format.TORCH_DIST)
@@ -55,17 +55,29 @@ def carry_vocab_padding(
     out = []
     for write in files:
         tensors = []
-        for tensor in () if write.flat else write.tensors:
-            found = holders.get(tensor.canonical) if tensor.padding else None
+        for tensor in write.tensors:
+            found = _padding_holders(tensor, holders) if tensor.padding else None
             if found and _rows_of_vocab(tensor.canonical, tensor.shape, vocab, padded, target.tp):
                 dcp = write.kind == FileKind.DCP_SHARD
                 first = _first_row(tensor, write.rank, dcp)
-                if first is not None and tensor.view_offset is None and not tensor.transposed:
+                if first is not None and not tensor.transposed:
                     tensor, moved = _with_padding_rows(tensor, first, spec.vocab_size, found)
                     read += moved
             tensors.append(tensor)
         out.append(write.model_copy(update={"tensors": tuple(tensors)}) if tensors else write)
     return tuple(out), read
+
+
+def _padding_holders(
+    tensor: TensorWrite, holders: dict[str, list[tuple[int, int, StoredTensor]]]
+) -> list[tuple[int, int, StoredTensor]]:
+    """Who holds ``tensor``'s rows; an fp32 master is the fp32 weight itself where the source
+    keeps no separate masters (Megatron's fp32 runs without the distributed optimizer)."""
+    found = holders.get(tensor.canonical, [])
+    state, _, weight = tensor.canonical.partition("/")
+    if not found and state == "fp32_param":
+        found = [h for h in holders.get(weight, []) if h[2].dtype == "float32"]
+    return found
 
 
 def _first_row(

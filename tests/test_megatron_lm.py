@@ -8,6 +8,8 @@ CPU shims the oracle needs (its docstring has the detail; none touches a stored 
 device calls and streams answered on the CPU, CUDA tensor paths run on the CPU, model
 parallelism initialised as ``_initialize_distributed`` does with devices, the RNG tracker seeded
 as on a GPU, the GPU architecture told to ``validate_args`` (it picks performance warnings),
+torch's Adam under the distributed optimizer's loader (a template step while the state is empty,
+Adam's step left as the parameter groups set it),
 dataset helpers not compiled (synthetic batches) and the local (non-TransformerEngine) layer
 spec.
 
@@ -226,9 +228,8 @@ def test_megatron_lms_distributed_optimizer_moves_bit_for_bit(
     """Megatron-LM's legacy checkpoint with the distributed optimizer (DP2: ``distrib_optim.pt``,
     flat buffers named only by the grad-buffer layout ckptctl replays): its HF model gives
     Megatron's logits, and its optimizer state comes back bit for bit from DP2 -> DP1 without
-    the distributed optimizer -> DP2 with it. (Megatron-LM 0.19 cannot resume its own such
-    checkpoint on the CPU: torch's Adam keeps a ``step`` per parameter that its loader does not
-    expect; TransformerEngine's fused Adam on a GPU does not.)"""
+    the distributed optimizer -> DP2 with it, and Megatron-LM trains on from that with the
+    losses it has from its own checkpoint."""
     transformers = pytest.importorskip("transformers")
     root = tmp_path_factory.mktemp("megatron-lm-distopt")
     ckpt, logits = root / "legacy", root / "logits.pt"
@@ -250,6 +251,8 @@ def test_megatron_lms_distributed_optimizer_moves_bit_for_bit(
     assert report["ok"], report
     against = next(c for c in report["checks"] if c["name"] == "against")
     assert "108 of 108 tensors" in against["detail"], against
+    load = [*args, "--ckpt-format", "torch", "--load"]
+    assert_resumes_alike(root, load, own=ckpt, ours=back, world=2)
 
 
 def test_sgds_momentum_moves_like_adams_state(
@@ -297,28 +300,64 @@ def test_a_tp2_run_of_megatron_lm_reshards_both_ways(
     )
 
 
+TP2_DP2 = [*ARGS, "--global-batch-size", "4", "--ckpt-format", "torch_dist"]
+TP2_DP2 += ["--tensor-model-parallel-size", "2"]
+DISTRIBUTED = ["--use-distributed-optimizer"]
+FULLY_RESHARDABLE = ["--dist-ckpt-optim-fully-reshardable"]
+SAVE = ["--save-interval", "1000", "--save"]
+
+
+@pytest.fixture(scope="module")
+def distributed_tp2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One TP2 DP2 fp32 run with the distributed optimizer, saved as ``torch_dist`` in
+    Megatron's default form (``dp_reshardable``: raw grad-buffer buckets of that layout) and,
+    the same run again, in its ``fully_reshardable`` form."""
+    root = tmp_path_factory.mktemp("megatron-lm-distributed")
+    buckets, per_parameter = root / "dp_reshardable", root / "fully_reshardable"
+    train(root / "a", [*TP2_DP2, *DISTRIBUTED, *SAVE, str(buckets)], world=4, steps=SAVED_STEPS)
+    twin = [*TP2_DP2, *DISTRIBUTED, *FULLY_RESHARDABLE, *SAVE, str(per_parameter)]
+    train(root / "b", twin, world=4, steps=SAVED_STEPS)
+    return {"root": root, "buckets": buckets, "per_parameter": per_parameter}
+
+
 def test_megatron_lms_default_distributed_optimizer_state_moves(
-    tmp_path_factory: pytest.TempPathFactory, cli
+    distributed_tp2: dict[str, Path], cli
 ) -> None:
-    """``--use-distributed-optimizer`` with ``torch_dist`` saves ``dp_reshardable`` state by
-    default (raw grad-buffer buckets of one TP/PP/DP layout). At TP2 DP2 in fp32 the run is
-    bit-identical to one without the distributed optimizer, so: the buckets read as that run's
-    per-parameter state, bit for bit; and Megatron-LM, loading ckptctl's TP1 output without
-    the distributed optimizer, trains on with the losses it has when it reshards the other
-    run's checkpoint to TP1 itself."""
-    root = tmp_path_factory.mktemp("megatron-lm-dp-reshardable")
-    tp2 = [*ARGS, "--global-batch-size", "4", "--ckpt-format", "torch_dist"]
-    tp2 += ["--tensor-model-parallel-size", "2"]
-    buckets, plain = root / "dp_reshardable", root / "plain"
-    save = ["--save-interval", "1000", "--save"]
-    distributed = ["--use-distributed-optimizer"]
-    train(root / "first", [*tp2, *distributed, *save, str(buckets)], world=4, steps=SAVED_STEPS)
-    train(root / "plain-run", [*tp2, *save, str(plain)], world=4, steps=SAVED_STEPS)
+    """At TP2 DP2 in fp32 the run is bit-identical to one without the distributed optimizer,
+    so: the buckets read as that run's per-parameter state, bit for bit; and Megatron-LM, loading
+    ckptctl's TP1 output without the distributed optimizer, trains on with the losses it has
+    when it reshards the other run's checkpoint to TP1 itself."""
+    root, buckets = distributed_tp2["root"], distributed_tp2["buckets"]
+    plain = root / "plain"
+    train(root / "plain-run", [*TP2_DP2, *SAVE, str(plain)], world=4, steps=SAVED_STEPS)
     assert cli.json("verify", buckets, "--against", plain)["ok"]
     tp1 = root / "tp1"
     cli("reshard", buckets, tp1, "--tp", "1", "--no-distributed-optimizer")
     at_tp1 = [*ARGS, "--global-batch-size", "4", "--ckpt-format", "torch_dist", "--load"]
     assert_resumes_alike(root, at_tp1, own=plain, ours=tp1, world=2)
+
+
+def test_distributed_optimizer_state_reshards_as_megatron_lm_reshards_it(
+    distributed_tp2: dict[str, Path], cli
+) -> None:
+    """The dp_reshardable buckets at TP2 -> TP1 (DP2, the distributed optimizer kept) by
+    ckptctl equal, weights and Adam state bit for bit, what Megatron-LM's own load-time
+    resharding makes of the fully_reshardable twin (loaded at TP1 and saved at once); and
+    Megatron-LM trains on from ckptctl's output with the losses it has from that twin."""
+    root = distributed_tp2["root"]
+    tp1 = [*ARGS, "--global-batch-size", "4", "--ckpt-format", "torch_dist", *DISTRIBUTED]
+    own = root / "megatron-tp1"
+    load_twin = ["--load", str(distributed_tp2["per_parameter"])]
+    train(root / "own", [*tp1, *FULLY_RESHARDABLE, *load_twin, *SAVE, str(own)], world=2, steps=0)
+    ours = root / "ckptctl-tp1"
+    cli("reshard", distributed_tp2["buckets"], ours, "--tp", "1")
+    report = cli.json("verify", ours, "--against", own)
+    assert report["ok"], report
+    against = next(c for c in report["checks"] if c["name"] == "against")
+    assert "108 of 108 tensors" in against["detail"], against
+    assert_resumes_alike(
+        root, [*tp1, "--load"], own=distributed_tp2["per_parameter"], ours=ours, world=2
+    )
 
 
 def test_a_bf16_run_reshards_as_megatron_lm_reshards_it(

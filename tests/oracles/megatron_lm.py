@@ -26,6 +26,11 @@ What differs from a GPU run, each a shim below, none touching a stored tensor:
   ``Tensor.cuda()`` is the tensor itself), ``torch.cuda.current_device`` is the CPU and
   ``torch.cuda.synchronize`` a no-op;
 * ``validate_args`` is told a GPU architecture (it picks performance warnings by it);
+* the distributed optimizer's loader, with torch's Adam standing in for TransformerEngine's or
+  Apex's fused Adam (neither runs on the CPU), is given the two things its torch-Adam path lacks:
+  a template step while the state is still empty, and a copy that leaves Adam's step (set from
+  the checkpoint's parameter groups) alone and runs with autograd off (see
+  ``_let_torch_adam_load_distributed_state``);
 * the dataset helpers are not compiled (synthetic batches, no dataset), and the model is the
   local (non-TransformerEngine) spec, built by this script's provider as ``pretrain_gpt.py``'s
   builder builds it.
@@ -144,6 +149,47 @@ def patch_for_cpu() -> None:
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
     initialize._set_random_seed = then_tracker_seeds
+    _let_torch_adam_load_distributed_state()
+
+
+def _let_torch_adam_load_distributed_state() -> None:
+    """Without TransformerEngine or Apex, the distributed optimizer wraps torch's Adam, whose
+    ``state_dict`` takes Adam's step from the per-parameter state; loading asks for that state
+    dict (the template of what to load, before any step has made state) and fails on an empty
+    set of steps. On a GPU, FusedAdam keeps the step in the parameter groups instead. So, only
+    while the state is still empty, the template is built with a step of 0 (the load replaces
+    it with the checkpoint's) and the state is left empty, as the loader expects."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    state_dict = distrib_optimizer.DistributedOptimizer.state_dict
+
+    def with_initial_state(self: Any) -> Any:
+        inner = self.optimizer
+        if distrib_optimizer.HAVE_APEX_OR_TE or inner.state:
+            return state_dict(self)
+        for group in inner.param_groups:
+            for param in group["params"]:
+                inner.state[param]["step"] = torch.tensor(0.0)
+        try:
+            return state_dict(self)
+        finally:
+            inner.state.clear()
+
+    distrib_optimizer.DistributedOptimizer.state_dict = with_initial_state
+    set_states = distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states
+
+    @torch.no_grad()
+    def set_states_leaving_step(self: Any, model_param: Any, tensors: dict[str, Any]) -> None:
+        # torch Adam's step is set from the parameter groups before the per-parameter state is
+        # loaded, and the fully_reshardable loader leaves it out of what it copies, yet then
+        # looks it up: a step that is not a tensor is one the copy skips. And in fp32 the main
+        # parameters are views of the model's, which the dp_reshardable loader copies into with
+        # autograd on (torch forbids that for views of leaves; bf16 keeps separate copies).
+        return set_states(self, model_param, {"step": None, **tensors})
+
+    distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states = (
+        set_states_leaving_step
+    )
 
 
 def model_provider(  # type: ignore[no-untyped-def]
