@@ -26,7 +26,7 @@ from ckptctl.distributed import Group
 from ckptctl.errors import CheckpointError, CkptctlError, UsageError
 from ckptctl.formats.megatron.layout import MegatronStyle
 from ckptctl.formats.megatron.ranks import coords
-from ckptctl.formats.torch_dist.layout import DP_RESHARDABLE_PREFIX
+from ckptctl.formats.torch_dist.layout import is_bucket_key
 from ckptctl.job_report import Progress, Report, Sources
 from ckptctl.lease import LOCK, hold
 from ckptctl.locations import refuse_overlap
@@ -305,9 +305,7 @@ def _optimizer_form_notes(source: CheckpointView, plan: Plan) -> tuple[str, ...]
     """Says so when the distributed optimizer's state changes form: ckptctl writes
     ``torch_dist`` outputs' distributed-optimizer state ``fully_reshardable`` (per parameter),
     whatever the source's."""
-    buckets = any(
-        str(t.key[0]).startswith(DP_RESHARDABLE_PREFIX) for f in source.files for t in f.tensors
-    )
+    buckets = any(is_bucket_key(str(t.key[0])) for f in source.files for t in f.tensors)
     rewritten = any(t.canonical.startswith("exp_avg/") for f in plan.files for t in f.tensors)
     if not (buckets and rewritten and plan.target_format == Format.TORCH_DIST):
         return ()

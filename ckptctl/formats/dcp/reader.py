@@ -46,9 +46,9 @@ from ckptctl.formats.megatron.format import recognised
 from ckptctl.formats.megatron.layout import TRACKER, GroupOrder, MegatronStyle, OptimizerLayout
 from ckptctl.formats.megatron.reader import find_iteration
 from ckptctl.formats.torch_dist.layout import (
-    DP_RESHARDABLE_PREFIX,
     MCORE_METADATA,
     dense_optimizer,
+    is_bucket_key,
 )
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
 from ckptctl.formats.torchsave.refs import stored_object, view_ref
@@ -208,12 +208,8 @@ class DcpCheckpoint:
     def dp_reshardable(self) -> bool:
         """Optimizer state saved as grad-buffer buckets that could not be placed on the model's
         parameters (the view's warning says why); placed buckets move like any state."""
-        saved = any(k.startswith(DP_RESHARDABLE_PREFIX) for k in self.metadata.entries)
-        placed = any(
-            str(t.key[0]).startswith(DP_RESHARDABLE_PREFIX)
-            for f in self.view.files
-            for t in f.tensors
-        )
+        saved = any(is_bucket_key(k) for k in self.metadata.entries)
+        placed = any(is_bucket_key(str(t.key[0])) for f in self.view.files for t in f.tensors)
         return saved and not placed
 
     def legacy_carried_state(self) -> dict[str, Any]:

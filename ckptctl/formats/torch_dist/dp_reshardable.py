@@ -4,7 +4,9 @@ placed on the canonical tensors. Pure.
 With ``--use-distributed-optimizer`` and no ``--dist-ckpt-optim-fully-reshardable`` (Megatron's
 default), the optimizer state is saved as the grad buffers themselves: per model-parallel rank
 ``g`` (``pp_rank * TP + tp_rank``), grad buffer ``i`` (a model chunk's, per dtype pair) and bucket
-``b``, one flat fp32 tensor per state (``optimizer.distributed.dp_group_idx_<g>.gbuf_idx_<i>
+``b``, one flat fp32 tensor per state (under a chained optimizer, EP > 1, each key starts with
+``chained_<i>.``: 0 for the dense parameters, 1 for the experts', whose ``g`` counts ranks of
+the expert tensor-model-pipeline group) (``optimizer.distributed.dp_group_idx_<g>.gbuf_idx_<i>
 .dtype_(<param>, <grad>).bucket_idx_<b>.<state>``) of the bucket's unpadded size, with no
 names. Where each parameter lies in it is the grad-buffer layout Megatron builds, which ckptctl
 replays for ``distrib_optim.pt`` (``distopt_layout``): the same buffers, concatenated there with
@@ -21,27 +23,40 @@ from math import prod
 
 from ckptctl.errors import CheckpointError
 from ckptctl.formats.dcp.metadata import TensorEntry
-from ckptctl.formats.megatron.layout import OptimizerLayout, megatron_files
+from ckptctl.formats.megatron.layout import ExpertNaming, OptimizerLayout, megatron_files
 from ckptctl.model.catalog import Naming
 from ckptctl.model.geometry import Shape, chunk_pieces
 from ckptctl.model.layout import ModelSpec, ParallelLayout
 from ckptctl.model.stored import StoredTensor
 
 KEY = re.compile(
-    r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_\((.*)\)"
-    r"\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)$"
+    r"^(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)"
+    r"\.dtype_\((.*)\)\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)$"
 )
 
+Where = tuple[int, int, int, str, str]
+"""``(sub-optimizer, model-parallel rank, grad buffer, dtype key, state)``: one bucket list."""
 
-def parse(fqn: str) -> tuple[int, int, str, int, str] | None:
-    """``(model-parallel rank, grad buffer, dtype key, bucket, state)`` of a bucket tensor; the
-    dtype key as ``distrib_optim.pt`` spells it (``bfloat16|float32``)."""
+
+def parse(fqn: str) -> tuple[Where, int] | None:
+    """Which bucket list a bucket tensor belongs to and its bucket number; the dtype key as
+    ``distrib_optim.pt`` spells it (``bfloat16|float32``), the sub-optimizer 0 unless chained
+    (dense then expert parameters, ``chained_<i>.``)."""
     found = KEY.match(fqn)
     if found is None:
         return None
-    group, gbuf, dtypes, bucket, state = found.groups()
+    sub, group, gbuf, dtypes, bucket, state = found.groups()
     names = [d.strip().removeprefix("torch.") for d in dtypes.split(",")]
-    return int(group), int(gbuf), "|".join(names), int(bucket), state
+    return (int(sub or 0), int(group), int(gbuf), "|".join(names), state), int(bucket)
+
+
+def group_of(layout: ParallelLayout, sub: int, tp_rank: int, pp_rank: int, ep_rank: int) -> int:
+    """The index Megatron names a rank's bucket keys by (``dp_group_idx``): its rank in the
+    model-parallel group (TP fastest, then PP) of the dense optimizer, or in the expert
+    tensor-model-pipeline group (expert TP fastest, then EP, then PP) of the expert one."""
+    if sub == 0:
+        return pp_rank * layout.tp + tp_rank
+    return (pp_rank * layout.ep + ep_rank) * layout.expert_tp + tp_rank
 
 
 def place(
@@ -51,46 +66,58 @@ def place(
     optimizer: OptimizerLayout,
     weight_dtype: str,
     naming: Naming,
+    expert_naming: ExpertNaming = ExpertNaming.SEQUENTIAL,
 ) -> list[StoredTensor]:
     """Every parameter's part of every bucket tensor in ``entries`` (the checkpoint's bucket
     tensors by key), as stored tensors keyed ``(fqn, chunk offset)``; ``CheckpointError`` when
     the replayed layout does not match the buckets stored (sizes, or a parameter across two)."""
-    if layout.ep > 1 or optimizer.chained:
-        raise CheckpointError("dp_reshardable state of an expert-parallel run is not mapped yet")
-    buckets: dict[tuple[int, int, str, str], dict[int, tuple[str, TensorEntry]]] = {}
+    if layout.ep > 1 and layout.expert_tp != layout.tp:
+        raise CheckpointError(
+            f"dp_reshardable state with expert TP {layout.expert_tp} unlike TP {layout.tp} is "
+            "not mapped yet"
+        )
+    buckets: dict[Where, dict[int, tuple[str, TensorEntry]]] = {}
     for fqn, entry in entries.items():
         parsed = parse(fqn)
         if parsed is None:
             raise CheckpointError(
                 f"{fqn}: not a bucket of the distributed optimizer's grad buffers"
             )
-        rank, buffer, dtypes, bucket, state = parsed
-        buckets.setdefault((rank, buffer, dtypes, state), {})[bucket] = (fqn, entry)
+        where, bucket = parsed
+        buckets.setdefault(where, {})[bucket] = (fqn, entry)
     legacy = megatron_files(
-        spec, layout, iteration=0, weight_dtype=weight_dtype, optimizer=optimizer, naming=naming
+        spec,
+        layout,
+        iteration=0,
+        weight_dtype=weight_dtype,
+        optimizer=optimizer,
+        naming=naming,
+        expert_naming=expert_naming,
     )
     placed: list[StoredTensor] = []
-    seen: set[tuple[int, int, str, str]] = set()
+    seen: set[Where] = set()
     for file in legacy:
         if not file.flat or file.rank is None:
             continue
         tp_rank, pp_rank = file.rank
-        group = pp_rank * layout.tp + tp_rank
         for tensor in file.tensors:
-            where = (group, int(tensor.key[-3]), str(tensor.key[-2]), str(tensor.key[-1]))
+            sub = int(tensor.key[0]) if optimizer.chained else 0
+            group = group_of(layout, sub, tp_rank, pp_rank, file.ep_rank)
+            where = (sub, group, int(tensor.key[-3]), str(tensor.key[-2]), str(tensor.key[-1]))
             stored = buckets.get(where)
             if stored is None:
                 raise CheckpointError(
-                    f"no dp_reshardable bucket tensors for model-parallel rank {group}, grad "
-                    f"buffer {where[1]} ({where[2]}), state {where[3]}"
+                    f"no dp_reshardable bucket tensors for optimizer {sub}'s model-parallel rank "
+                    f"{group}, grad buffer {where[2]} ({where[3]}), state {where[4]}"
                 )
             seen.add(where)
             placed += _parts(tensor, stored)
     if missing := set(buckets) - seen:
-        group, gbuf, dtype_key, state = sorted(missing)[0]
+        sub, group, gbuf, dtype_key, state = sorted(missing)[0]
         raise CheckpointError(
-            f"dp_reshardable buckets of model-parallel rank {group}, grad buffer {gbuf} "
-            f"({dtype_key}, {state}) belong to no parameter of the model its args describe"
+            f"dp_reshardable buckets of optimizer {sub}'s model-parallel rank {group}, grad "
+            f"buffer {gbuf} ({dtype_key}, {state}) belong to no parameter of the model its args "
+            "describe"
         )
     return placed
 

@@ -61,6 +61,12 @@ EXPERTS_KEY = f"{EXPERTS}.experts."
 ``[L, E, ...]``, the second dimension the global expert."""
 
 
+def is_bucket_key(fqn: str) -> bool:
+    """Whether ``fqn`` is ``dp_reshardable`` state (a bucket, or an object kept beside them) of
+    the distributed optimizer, or of one of a chained optimizer's (``chained_<i>.``)."""
+    return _CHAINED.sub("", fqn).startswith(DP_RESHARDABLE_PREFIX)
+
+
 def dense_optimizer(common_optimizer: Any) -> dict[str, Any]:
     """The (dense) optimizer's entry of ``common.pt``'s ``optimizer``: the entry itself, or under
     a chained dense + expert optimizer (``{0: dense, 1: experts}``) the first one."""

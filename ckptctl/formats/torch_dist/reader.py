@@ -17,13 +17,14 @@ from ckptctl.formats.megatron.args import (
     naming_from_args,
     spec_from_args,
 )
-from ckptctl.formats.megatron.layout import OptimizerLayout
+from ckptctl.formats.megatron.layout import OptimizerLayout, expert_naming_from_args
 from ckptctl.formats.torch_dist import dp_reshardable
 from ckptctl.formats.torch_dist.layout import (
     COMMON,
     DP_RESHARDABLE_PREFIX,
     chunk_parts,
     dense_optimizer,
+    is_bucket_key,
     model_catalog,
 )
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
@@ -102,7 +103,7 @@ def probe_torch_dist(
             if not fqn.startswith("common_state"):
                 objects.add(fqn.split("/")[0].rsplit(".", 1)[-1])
             continue
-        if fqn.startswith(DP_RESHARDABLE_PREFIX):
+        if is_bucket_key(fqn):
             buckets[fqn] = entry
             continue
         for chunk in entry.chunks:
@@ -151,10 +152,10 @@ def probe_torch_dist(
             )
             # The parameter groups (and Adam's step) are kept beside the buckets: where the
             # other forms keep them, so that every reader of ``common`` finds them there.
-            groups = _bucket_param_groups(storage, base, metadata)
-            if groups:
-                optimizer = {**optimizer, "optimizer": {"param_groups": groups}}
-                common["optimizer"] = optimizer
+            common["optimizer"] = _with_bucket_param_groups(
+                common.get("optimizer"), storage, base, metadata
+            )
+            optimizer = dense_optimizer(common["optimizer"])
     elif sharding == "dp_reshardable":
         warnings.append(
             "optimizer state is dp_reshardable, but the checkpoint holds no bucket tensors: "
@@ -207,17 +208,36 @@ def place_buckets(
         distributed=True,
         overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)),
         bucket_size=getattr(args, "ddp_bucket_size", None),
+        chained=any(fqn.startswith("chained_") for fqn in buckets),
     )
     naming = naming_from_args(args) or Naming.TE
-    return dp_reshardable.place(buckets, spec, layout, optimizer, weight_dtype, naming)
+    return dp_reshardable.place(
+        buckets, spec, layout, optimizer, weight_dtype, naming, expert_naming_from_args(args)
+    )
+
+
+def _with_bucket_param_groups(
+    common_optimizer: Any, storage: Storage, base: str, metadata: DcpMetadata
+) -> Any:
+    """``common``'s optimizer entry with each (sub-)optimizer's parameter groups, as the other
+    forms keep them: ``dp_reshardable`` state keeps them beside the buckets instead."""
+    chained = isinstance(common_optimizer, dict) and 0 in common_optimizer
+    entries = common_optimizer if chained else {None: common_optimizer}
+    out: dict[Any, Any] = {}
+    for sub, entry in entries.items():
+        prefix = "" if sub is None else f"chained_{sub}."
+        groups = _bucket_param_groups(storage, base, metadata, prefix)
+        entry = entry if isinstance(entry, dict) else {}
+        out[sub] = {**entry, "optimizer": {"param_groups": groups}} if groups else entry
+    return out if chained else out[None]
 
 
 def _bucket_param_groups(
-    storage: Storage, base: str, metadata: DcpMetadata
+    storage: Storage, base: str, metadata: DcpMetadata, prefix: str
 ) -> list[dict[str, Any]]:
     """``dp_reshardable`` state keeps the torch optimizer's state dict (parameter groups with
     Adam's step) beside the buckets, per model-parallel rank, as a pickled item: rank 0's."""
-    name = f"{DP_RESHARDABLE_PREFIX}dp_group_idx_0.optimizer/"
+    name = f"{prefix}{DP_RESHARDABLE_PREFIX}dp_group_idx_0.optimizer/"
     for (fqn, offsets), info in metadata.storage.items():
         if offsets is None and fqn.startswith(name):
             item = join(base, info.relative_path)
