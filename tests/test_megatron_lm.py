@@ -409,9 +409,7 @@ def test_a_mixture_of_experts_runs_default_optimizer_state_moves(
     default form (``dp_reshardable``: a chained optimizer's buckets, the dense one's over DP2,
     the experts' per EP rank) and as its ``fully_reshardable`` twin: the buckets read as the
     twin's per-parameter state bit for bit, EP2 -> EP1 -> EP2 by ckptctl comes back bit for
-    bit, and Megatron-LM trains on from that with the losses it has from the twin. (Megatron-LM
-    0.19 on the CPU resumes the dp_reshardable original itself with other losses from the
-    second step on, though it holds the same values: its own loader's doing, not judged here.)"""
+    bit, and Megatron-LM trains on from that with the losses it has from its own checkpoint."""
     root = tmp_path_factory.mktemp("megatron-lm-moe-distributed")
     buckets, twin = root / "dp_reshardable", root / "fully_reshardable"
     args = [
@@ -433,4 +431,4 @@ def test_a_mixture_of_experts_runs_default_optimizer_state_moves(
     cli("reshard", buckets, ep1, "--ep", "1")
     cli("reshard", ep1, back, "--ep", "2")
     assert cli.json("verify", back, "--against", twin)["ok"]
-    assert_resumes_alike(root, [*args, "--load"], own=twin, ours=back, world=2)
+    assert_resumes_alike(root, [*args, "--load"], own=buckets, ours=back, world=2)

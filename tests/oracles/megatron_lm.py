@@ -180,12 +180,14 @@ def _let_torch_adam_load_distributed_state() -> None:
 
     @torch.no_grad()
     def set_states_leaving_step(self: Any, model_param: Any, tensors: dict[str, Any]) -> None:
-        # torch Adam's step is set from the parameter groups before the per-parameter state is
-        # loaded, and the fully_reshardable loader leaves it out of what it copies, yet then
-        # looks it up: a step that is not a tensor is one the copy skips. And in fp32 the main
-        # parameters are views of the model's, which the dp_reshardable loader copies into with
-        # autograd on (torch forbids that for views of leaves; bf16 keeps separate copies).
-        return set_states(self, model_param, {"step": None, **tensors})
+        # torch Adam's step is set from the checkpoint's parameter groups before the
+        # per-parameter state is loaded; what the loaders then copy must leave it alone: the
+        # fully_reshardable loader leaves it out yet looks it up, and the dp_reshardable one
+        # brings the template's (a step that is not a tensor is one the copy skips). And in
+        # fp32 the main parameters are views of the model's, which the dp_reshardable loader
+        # copies into with autograd on (torch forbids that for views of leaves; bf16 keeps
+        # separate copies).
+        return set_states(self, model_param, {**tensors, "step": None})
 
     distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states = (
         set_states_leaving_step
