@@ -432,3 +432,30 @@ def test_a_mixture_of_experts_runs_default_optimizer_state_moves(
     cli("reshard", ep1, back, "--ep", "2")
     assert cli.json("verify", back, "--against", twin)["ok"]
     assert_resumes_alike(root, [*args, "--load"], own=buckets, ours=back, world=2)
+
+
+def test_a_qwen3_style_run_becomes_qwen3_and_reshards_as_megatron_lm_reshards_it(
+    tmp_path_factory: pytest.TempPathFactory, cli
+) -> None:
+    """Qwen3's shape (an RMSNorm over each query and key head, ``--qk-layernorm``, RoPE base
+    1e6) saved as ``torch_dist``: its HF model is a ``Qwen3ForCausalLM`` with Megatron's
+    logits, and Megatron-LM trains on from ckptctl's TP2 reshard with the losses it has when
+    it reshards the checkpoint to TP2 itself."""
+    transformers = pytest.importorskip("transformers")
+    root = tmp_path_factory.mktemp("megatron-lm-qwen3")
+    ckpt, logits = root / "torch_dist", root / "logits.pt"
+    args = [*ARGS, "--qk-layernorm", "--rotary-base", "1000000", "--ckpt-format", "torch_dist"]
+    train(root / "first", [*args, *SAVE, str(ckpt)], steps=SAVED_STEPS, logits=logits)
+    hf = root / "hf"
+    cli("consolidate", ckpt, hf, "--format", "hf")
+    config = transformers.AutoConfig.from_pretrained(hf)
+    assert config.architectures == ["Qwen3ForCausalLM"], config.architectures
+    megatron = torch.load(logits, weights_only=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    with torch.no_grad():
+        got = model(megatron["tokens"]).logits
+    torch.testing.assert_close(got, megatron["logits"][..., :1000], rtol=0, atol=1e-5)
+    tp2 = root / "tp2"
+    cli("reshard", ckpt, tp2, "--tp", "2")
+    at_tp2 = [*args, "--tensor-model-parallel-size", "2", "--load"]
+    assert_resumes_alike(root, at_tp2, own=ckpt, ours=tp2, world=2)
