@@ -133,7 +133,7 @@ def _implied(view: CheckpointView, shapes: dict[str, tuple[int, ...]], wanted: s
             shapes[name] = ()
 
 
-def _narrowed(names: Iterable[str], only: tuple[str, ...], weights_only: bool) -> set[str]:
+def narrowed(names: Iterable[str], only: tuple[str, ...], weights_only: bool) -> set[str]:
     kept = set()
     for name in names:
         if weights_only and is_optimizer_state(name):
@@ -193,8 +193,8 @@ def compare(
     _implied(a.view, shapes_a, set(shapes_b))
     _implied(b.view, shapes_b, set(shapes_a))
     held = (len(shapes_a), len(shapes_b))
-    names_a = _narrowed(shapes_a, only, weights_only)
-    names_b = _narrowed(shapes_b, only, weights_only)
+    names_a = narrowed(shapes_a, only, weights_only)
+    names_b = narrowed(shapes_b, only, weights_only)
     left_out = held[0] - len(names_a) + held[1] - len(names_b)
     common = sorted(names_a & names_b)
     result = Comparison(

@@ -33,7 +33,8 @@ from ckptctl.job_report import NoProgress, Progress
 from ckptctl.manifest import INCOMPLETE, MANIFEST, new_digest
 from ckptctl.model.catalog import parameters
 from ckptctl.model.geometry import missing_elements, nbytes
-from ckptctl.model.stored import Format, Shape, canonical_shapes
+from ckptctl.model.stored import Shape, canonical_shapes
+from ckptctl.padding_rows import padding_rows_compared
 from ckptctl.probe import Checkpoint, format_of, open_checkpoint
 from ckptctl.settings import Settings
 from ckptctl.storage import Storage
@@ -399,27 +400,11 @@ def against(
         detail += f"; {count} of them equal in value in another dtype ({kinds})"
     if result.steps[0] is not None and result.steps[1] is not None:
         detail += f"; Adam's step {result.steps[0]:g} on both"
-    detail += _padding_not_compared(a, b)
+    padding, differing = padding_rows_compared(a, b, rtol, atol, only, weights_only)
+    if differing:
+        return Check("against", "failed", f"{detail}; but {differing}"), rows, counts
+    detail += padding
     return Check("against", "passed", detail), rows, counts
-
-
-def _padding_not_compared(a: Checkpoint, b: Checkpoint) -> str:
-    """What the comparison leaves out of the vocabulary tensors: tensors are compared as the
-    model's (the tokenizer's rows), and Megatron's padding rows are not among them."""
-    padded = []
-    for side in (a, b):
-        spec, view = side.view.spec, side.view
-        if spec is not None and view.format in (Format.MEGATRON, Format.TORCH_DIST):
-            rows = spec.padded_vocab_size(view.layout.tp)
-            if rows > spec.vocab_size:
-                padded.append((spec.vocab_size, rows))
-    if not padded:
-        return ""
-    vocab, rows = padded[0]
-    return (
-        f"; vocabulary tensors compared on the tokenizer's {vocab} rows, not Megatron's "
-        f"padding rows (padded to {rows})"
-    )
 
 
 def _differences(bad: list[Any], compared: int, other: str, how: str) -> str:

@@ -12,9 +12,11 @@ padding row is copied from the source rank file that holds it, and Megatron resu
 target with the loss it would have had from the source. Where the padded sizes differ (a TP
 that changes the padding), the rows are new and stay zero (the plan's note says so).
 
-Only whole tensors are carried (the model's weights, and the Adam state of a checkpoint without
-the distributed optimizer): the distributed optimizer keeps its padding rows inside flat
-buffers, cut over data-parallel ranks, whose padding still starts from zeros.
+Rows are found wherever a stored tensor holds a TP rank's whole share of a vocabulary tensor: the
+weights, per-parameter Adam state, and a legacy ``distrib_optim.pt``'s slices of its flat buffers
+(fp32 masters and moments). ``dp_reshardable`` buckets cut over data-parallel ranks hold rows
+whose place in the vocabulary the chunk does not say; a target written as those buckets (none
+is yet) would start its padding from zeros.
 
 A rank's RNG state (Python's, numpy's, torch's, and the TP-rank-specific streams of the CUDA
 RNG tracker) belongs to its place in the TP/PP/EP grid: it is carried to the same rank of an
@@ -27,6 +29,7 @@ from __future__ import annotations
 from dataclasses import replace
 from math import prod
 
+from ckptctl.formats.torch_dist.layout import is_bucket_key
 from ckptctl.model.catalog import parameters
 from ckptctl.model.geometry import Shape, Split, nbytes
 from ckptctl.model.layout import ModelSpec, ParallelLayout
@@ -43,14 +46,7 @@ def carry_vocab_padding(
     if spec.padded_vocab_size(source.layout.tp) != padded or padded == spec.vocab_size:
         return files, 0
     vocab = {p.name for p in parameters(spec) if p.split is Split.VOCAB}
-    holders: dict[str, list[tuple[int, int, StoredTensor]]] = {}
-    for index, file in enumerate(source.files):
-        for held in file.tensors:
-            if not _rows_of_vocab(held.canonical, held.shape, vocab, padded, source.layout.tp):
-                continue
-            first = _first_row(held, file.rank, source.format == Format.TORCH_DIST)
-            if first is not None and not held.transposed:
-                holders.setdefault(held.canonical, []).append((index, first, held))
+    holders = padding_holders(source)
     read = 0
     out = []
     for write in files:
@@ -68,9 +64,35 @@ def carry_vocab_padding(
     return tuple(out), read
 
 
+PaddingHolder = tuple[int, int, StoredTensor]
+"""``(source file index, first row of the padded vocabulary it holds, stored tensor)``."""
+
+
+def padding_holders(source: CheckpointView) -> dict[str, list[PaddingHolder]]:
+    """Per vocabulary tensor (weights and optimizer state), the stored tensors that hold a TP
+    rank's whole share of its padded rows, with the first row each holds; empty where the
+    source has no padding rows."""
+    spec = source.spec
+    if spec is None:
+        return {}
+    padded = spec.padded_vocab_size(source.layout.tp)
+    if padded == spec.vocab_size:
+        return {}
+    vocab = {p.name for p in parameters(spec) if p.split is Split.VOCAB}
+    holders: dict[str, list[PaddingHolder]] = {}
+    for index, file in enumerate(source.files):
+        for held in file.tensors:
+            if not _rows_of_vocab(held.canonical, held.shape, vocab, padded, source.layout.tp):
+                continue
+            first = _first_row(held, file.rank, source.format == Format.TORCH_DIST)
+            if first is not None and not held.transposed:
+                holders.setdefault(held.canonical, []).append((index, first, held))
+    return holders
+
+
 def _padding_holders(
-    tensor: TensorWrite, holders: dict[str, list[tuple[int, int, StoredTensor]]]
-) -> list[tuple[int, int, StoredTensor]]:
+    tensor: TensorWrite, holders: dict[str, list[PaddingHolder]]
+) -> list[PaddingHolder]:
     """Who holds ``tensor``'s rows; an fp32 master is the fp32 weight itself where the source
     keeps no separate masters (Megatron's fp32 runs without the distributed optimizer)."""
     found = holders.get(tensor.canonical, [])
@@ -93,7 +115,7 @@ def _first_row(
     key = tensor.key
     if dcp:
         row = key[1] if len(key) > 1 and isinstance(key[1], int) else None
-        return None if str(key[0]).startswith("optimizer.distributed.") else row
+        return None if is_bucket_key(str(key[0])) else row
     return rank[0] * tensor.shape[0] if rank is not None else None
 
 

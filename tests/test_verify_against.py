@@ -140,3 +140,34 @@ def test_two_checkpoints_of_unknown_models_compare_by_stored_name(outputs, cli, 
 def test_narrowing_needs_against(outputs, cli) -> None:
     result = cli("verify", outputs["hf"], "--weights-only", code=2)
     assert "--against" in result.stderr
+
+
+def test_megatrons_vocabulary_padding_rows_are_compared(cli, tmp_path: Path) -> None:
+    """Megatron's padding rows (1100 -> 1152) are trained state outside the model's tensors:
+    equal ones are counted, and a change to them alone fails the comparison by name."""
+    import shutil
+
+    model = synth.make_model(synth.tiny_llama_config(), seed=3)
+    src = tmp_path / "src"
+    synth.write_megatron(
+        model, synth.adam_step(model, seed=3), src, dp=2, distributed_optimizer=True
+    )
+    plain = tmp_path / "plain"
+    cli("reshard", src, plain, "--dp", "1", "--no-distributed-optimizer")
+    report = _against(cli, plain, src)
+    assert report["ok"], report
+    detail = next(c for c in report["checks"] if c["name"] == "against")["detail"]
+    assert "padding rows (1100..1151) equal in 8 tensors" in detail, detail
+    changed = tmp_path / "changed"
+    shutil.copytree(src, changed)
+    rank_file = next(changed.rglob("model_optim_rng.pt"))
+    state = torch.load(rank_file, weights_only=False)
+    weight = state["model"]["output_layer.weight"]
+    assert weight.shape[0] == 1152
+    weight[1100:] = 1.0
+    torch.save(state, rank_file)
+    report = _against(cli, changed, src, code=1)
+    detail = next(c for c in report["checks"] if c["name"] == "against")["detail"]
+    assert " differ from " not in detail and "padding rows (1100..1151)" in detail, detail
+    assert "differ in 1 of 8 tensors" in detail, detail
+    assert "(output_layer.weight)" in detail, detail

@@ -1,0 +1,122 @@
+"""Megatron's vocabulary padding rows, compared between two checkpoints (``verify --against``).
+
+Megatron pads the embedding and output layer to a multiple of ``make_vocab_size_divisible_by x
+TP`` rows; those rows are trained state (its softmax covers the padded logits) that ckptctl's
+canonical tensors, the tokenizer's rows, leave out. Where both sides pad to the same number of
+rows, the rows are read from the stored tensors that hold a TP rank's whole share
+(``planners.megatron_rank_state.padding_holders``) and compared.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ckptctl.model.stored import Format
+from ckptctl.probe import Checkpoint
+from planners.megatron_rank_state import PaddingHolder, padding_holders
+
+
+def _padded_rows(side: Checkpoint) -> tuple[int, int] | None:
+    """``(tokenizer's rows, padded rows)`` of a Megatron checkpoint that pads its vocabulary."""
+    spec, view = side.view.spec, side.view
+    if spec is None or view.format not in (Format.MEGATRON, Format.TORCH_DIST):
+        return None
+    rows = spec.padded_vocab_size(view.layout.tp)
+    return (spec.vocab_size, rows) if rows > spec.vocab_size else None
+
+
+def padding_rows_compared(
+    a: Checkpoint,
+    b: Checkpoint,
+    rtol: float,
+    atol: float,
+    only: tuple[str, ...],
+    weights_only: bool,
+) -> tuple[str, str]:
+    """Megatron's vocabulary padding rows are trained state (its softmax covers them) outside
+    the model's tensors: compared where both sides pad to the same number of rows, said so
+    where they cannot be. Returns the detail to add and the failure (empty when none)."""
+    from ckptctl.compare import narrowed
+
+    padded = [_padded_rows(side) for side in (a, b)]
+    if not any(padded):
+        return "", ""
+    vocab, rows = next(p for p in padded if p)
+    if padded[0] != padded[1]:
+        return (
+            f"; vocabulary tensors compared on the tokenizer's {vocab} rows: Megatron's "
+            "padding rows are not compared (the sides do not pad to the same rows)",
+            "",
+        )
+    holders = [padding_holders(side.view) for side in (a, b)]
+    names = sorted(narrowed(set(holders[0]) | set(holders[1]), only, weights_only))
+    if not names:
+        return "", ""
+    for held in holders:  # an fp32 weight is its own master copy (no separate fp32_param)
+        for name in names:
+            state, _, weight = name.partition("/")
+            if state == "fp32_param" and name not in held:
+                held[name] = [h for h in held.get(weight, []) if h[2].dtype == "float32"]
+    differ, unlocated = [], []
+    for name in names:
+        here, there = (
+            _padding_of(side, held.get(name, []), vocab, rows)
+            for side, held in zip((a, b), holders, strict=True)
+        )
+        same = None if here is None or there is None else _same(here, there, rtol, atol)
+        if same is None:
+            unlocated.append(name)
+        elif not same:
+            differ.append(name)
+    if differ:
+        return "", (
+            f"Megatron's vocabulary padding rows ({vocab}..{rows - 1}), which its softmax "
+            f"covers (a run resumed from either side trains differently), differ in "
+            f"{len(differ)} of {len(names) - len(unlocated)} tensors ({', '.join(differ[:3])}"
+            f"{' ...' if len(differ) > 3 else ''}); a reshard that changes the padding starts "
+            "them from zeros"
+        )
+    detail = (
+        f"; Megatron's vocabulary padding rows ({vocab}..{rows - 1}) equal in "
+        f"{len(names) - len(unlocated)} tensors"
+    )
+    if unlocated:
+        detail += (
+            f", not compared in {len(unlocated)} (one side does not hold the rows whole, or "
+            "holds them in a dtype numpy cannot compare) "
+            f"({', '.join(unlocated[:2])}{' ...' if len(unlocated) > 2 else ''})"
+        )
+    return detail, ""
+
+
+def _padding_of(
+    side: Checkpoint, holders: list[PaddingHolder], vocab: int, rows: int
+) -> np.ndarray | None:
+    """Rows ``vocab..rows-1`` of one vocabulary tensor, from the stored tensors that hold them;
+    ``None`` when some are held by none of them."""
+    parts, lo = [], vocab
+    for index, first, held in sorted(holders, key=lambda h: h[1]):
+        start, stop = max(lo, first), min(rows, first + held.shape[0])
+        if start >= stop:
+            continue
+        rest = held.shape[1:]
+        view = None if held.view_offset is None else (held.view_offset, held.shape)
+        path = side.view.files[index].path
+        offsets, sizes = (start - first, *(0,) * len(rest)), (stop - start, *rest)
+        parts.append(side.read(path, held.key, offsets, sizes, view))
+        lo = stop
+        if lo >= rows:
+            return np.concatenate(parts)
+    return None
+
+
+def _same(here: np.ndarray, there: np.ndarray, rtol: float, atol: float) -> bool | None:
+    """Bit-exact (or within tolerances); ``None`` for rows of two dtypes numpy cannot compare
+    (bfloat16 is kept as its bits)."""
+    if here.shape != there.shape:
+        return False
+    if here.dtype == there.dtype and (rtol == atol == 0 or here.dtype.kind != "f"):
+        return here.tobytes() == there.tobytes()
+    if here.dtype.kind != "f" or there.dtype.kind != "f":
+        return None
+    return bool(np.allclose(here, there, rtol=rtol, atol=atol, equal_nan=True))
