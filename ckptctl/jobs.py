@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -244,6 +244,7 @@ def plan_reshard(
     true_vocab_size: int | None = None,
     target_format: Format | None = None,
     measured: dict | None = None,
+    optim_sharding: str | None = None,
 ) -> Job:
     """Probe the source and every other stored copy, then let the strategy planner choose how
     to reach the ``target`` layout (``tp``, ``pp``, ...; a missing or ``None`` value keeps the
@@ -267,6 +268,10 @@ def plan_reshard(
     ]
     choice = choose_target(ckpt.view.layout, ckpt.view.spec, target)
     layout = choice.layout
+    style = megatron_style(ckpt)
+    if optim_sharding is not None and style.optimizer is not None:
+        buckets = optim_sharding == "dp_reshardable"
+        style = replace(style, optimizer=replace(style.optimizer, buckets=buckets))
     if target_format is None:
         kept = ckpt.view.format in (Format.MEGATRON, Format.TORCH_DIST)
         target_format = Format(ckpt.view.format) if kept else Format.MEGATRON
@@ -282,7 +287,7 @@ def plan_reshard(
         copies,
         layout,
         target_url=dst,
-        style=megatron_style(ckpt),
+        style=style,
         strategy=strategy,
         dtype=dtype,
         measured=measured if measured is not None else saved_profiles(),
@@ -295,29 +300,54 @@ def plan_reshard(
     lead = next(c for c, u in zip(everything, [src, *others], strict=True) if u == plan.source_url)
     lead_lost = (lost if lead is ckpt else frozenset()) | _planned_lost(plan, lead)
     plan = with_identities(plan, lead.storage, lead.view, lead_lost)
+    if optim_sharding is not None and optimizer_form(plan) is None:
+        raise UsageError(
+            f"--optim-sharding {optim_sharding}: only a torch_dist target with the distributed "
+            "optimizer and optimizer state keeps it (--format torch_dist --distributed-optimizer)"
+        )
     notes = (*choice.notes, *plan.notes, *_optimizer_form_notes(ckpt.view, plan))
     if notes != plan.notes:
         plan = plan.model_copy(update={"notes": notes})
     return Job(plan, Sources(lead, by_prefix), settings)
 
 
+def source_form(view: CheckpointView) -> str | None:
+    """How a ``torch_dist`` source keeps the distributed optimizer's state (``None``: it keeps
+    none, or is no ``torch_dist`` checkpoint)."""
+    if view.format != Format.TORCH_DIST or not view.layout.distributed_optimizer:
+        return None
+    if not view.has_optimizer:
+        return None
+    buckets = any(is_bucket_key(str(t.key[0])) for f in view.files for t in f.tensors)
+    return "dp_reshardable" if buckets else "fully_reshardable"
+
+
+def optimizer_form(plan: Plan) -> str | None:
+    """How a plan's ``torch_dist`` target keeps the distributed optimizer's state."""
+    if plan.target_format != Format.TORCH_DIST or not plan.target_layout.distributed_optimizer:
+        return None
+    tensors = [t for f in plan.files for t in f.tensors]
+    if any(is_bucket_key(str(t.key[0])) for t in tensors):
+        return "dp_reshardable"
+    if any(t.canonical.startswith("exp_avg/") for t in tensors):
+        return "fully_reshardable"
+    return None
+
+
 def _optimizer_form_notes(source: CheckpointView, plan: Plan) -> tuple[str, ...]:
-    """Says so when the distributed optimizer's state changes form: ckptctl writes
-    ``torch_dist`` outputs' distributed-optimizer state ``fully_reshardable`` (per parameter),
-    whatever the source's."""
-    buckets = any(is_bucket_key(str(t.key[0])) for f in source.files for t in f.tensors)
-    rewritten = any(t.canonical.startswith("exp_avg/") for f in plan.files for t in f.tensors)
-    if not (buckets and rewritten and plan.target_format == Format.TORCH_DIST):
-        return ()
-    if not plan.target_layout.distributed_optimizer:
+    """Says so when the distributed optimizer's state changes form (``--optim-sharding``)."""
+    before, after = source_form(source), optimizer_form(plan)
+    if before is None or after is None or before == after:
         return ()
     return (
-        "the distributed optimizer's state is written fully_reshardable (per parameter; "
-        "Megatron-LM loads it at any layout), not dp_reshardable as the source keeps it",
+        f"the distributed optimizer's state is written {after}, not {before} as the source "
+        "keeps it",
     )
 
 
-def nothing_to_change(job: Job, *, strategy: str = "auto", dtype: str | None = None) -> bool:
+def nothing_to_change(
+    job: Job, *, strategy: str = "auto", dtype: str | None = None, sharding: str | None = None
+) -> bool:
     """Whether a reshard would write its source again as it is: the same format and layout,
     no dtype asked for, nothing lost or read from another copy, and no strategy named (a
     ``direct`` copy asked for by name is still made)."""
@@ -331,6 +361,7 @@ def nothing_to_change(job: Job, *, strategy: str = "auto", dtype: str | None = N
         and not plan.extra_sources
         and not lost
         and not set(f.path for f in job.sources.primary.view.files) - set(plan.source_files)
+        and sharding in (None, source_form(job.sources.primary.view))
     )
 
 

@@ -113,9 +113,9 @@ def _first_row(
     if pieces:
         return pieces[0].canonical[0] - pieces[0].local[0]
     key = tensor.key
-    if dcp:
-        row = key[1] if len(key) > 1 and isinstance(key[1], int) else None
-        return None if is_bucket_key(str(key[0])) else row
+    if dcp and not is_bucket_key(str(key[0])):
+        return key[1] if len(key) > 1 and isinstance(key[1], int) else None
+    # a legacy rank file's tensor, or a bucket chunk ckptctl writes (one TP shard whole)
     return rank[0] * tensor.shape[0] if rank is not None else None
 
 

@@ -17,6 +17,7 @@ from ckptctl.formats.megatron.layout import (
     target_optimizer,
     tracker_text,
 )
+from ckptctl.formats.torch_dist.dp_reshardable_targets import with_buckets
 from ckptctl.formats.torch_dist.layout import (
     MCORE_METADATA,
     MCORE_METADATA_TEXT,
@@ -68,7 +69,24 @@ def plan_reshard(
             # mixed-precision wrapper's (Megatron's FP32Optimizer trains the weights themselves)
             states = ("fp32_param", *states)
         base = iteration_dir(source.iteration)
-        targets = torch_dist_files(spec, target_layout, base, weight_dtype, states, style.naming)
+        # The distributed optimizer's state as its grad-buffer buckets (dp_reshardable), or
+        # per parameter (fully_reshardable): the source's form unless --optim-sharding says.
+        buckets = bool(states) and target_layout.distributed_optimizer
+        buckets = buckets and optimizer is not None and optimizer.buckets
+        per_parameter = () if buckets else states
+        targets = torch_dist_files(
+            spec, target_layout, base, weight_dtype, per_parameter, style.naming
+        )
+        if buckets and optimizer is not None:
+            targets = with_buckets(
+                targets,
+                spec,
+                target_layout,
+                optimizer,
+                weight_dtype,
+                style.naming,
+                style.expert_naming,
+            )
         files, estimates = plan_files(source, targets, FileKind.DCP_SHARD, carry_from=0)
         files, read = megatron_rank_files(source, files, target_layout)
         estimates = estimates.model_copy(update={"bytes_read": estimates.bytes_read + read})

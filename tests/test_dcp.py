@@ -617,6 +617,45 @@ def test_dp_reshardable_optimizer_moves(
     assert report["ok"], report
 
 
+def test_reshard_keeps_the_distributed_optimizers_form_unless_asked(
+    mcore_oracle: Path, tmp_path: Path, cli
+) -> None:
+    """A dp_reshardable source reshards to buckets of the target's grad-buffer layout (its own
+    form); ``--optim-sharding`` writes the other form, says so, and takes the state back; it is
+    refused where no target keeps such a form."""
+    source = mcore_oracle / "ckpt_optim_dp_reshardable"
+
+    def form(out: Path) -> tuple[str, bool]:
+        kind = load_common(out / ITER)["content_metadata"]["distrib_optim_sharding_type"]
+        return kind, any(".bucket_idx_" in key for key in tensor_shapes(out / ITER))
+
+    kept, per_parameter, back = tmp_path / "kept", tmp_path / "per-parameter", tmp_path / "back"
+    cli("reshard", source, kept, "--tp", "1")
+    assert form(kept) == ("dp_reshardable", True)
+    switched = cli(
+        "reshard", source, per_parameter, "--tp", "1", "--optim-sharding", "fully_reshardable"
+    )
+    assert "written fully_reshardable, not dp_reshardable" in switched.stderr
+    assert form(per_parameter) == ("fully_reshardable", False)
+    cli("reshard", per_parameter, back, "--tp", "2", "--optim-sharding", "dp_reshardable")
+    assert form(back) == ("dp_reshardable", True)
+    for out in (kept, per_parameter):
+        assert cli.json("verify", out, "--against", mcore_oracle / "ckpt_optim")["ok"]
+    report = cli.json("verify", back, "--against", source)  # padding rows included
+    assert report["ok"], report
+    refused = cli(
+        "reshard",
+        source,
+        tmp_path / "legacy",
+        "--format",
+        "megatron",
+        "--optim-sharding",
+        "dp_reshardable",
+        code=2,
+    )
+    assert "--optim-sharding dp_reshardable: only a torch_dist target" in refused.stderr
+
+
 # --------------------------------------------------------------------------------------------
 # 6. megatron-core loads what ckptctl writes
 # --------------------------------------------------------------------------------------------

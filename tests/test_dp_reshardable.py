@@ -6,6 +6,7 @@ test_megatron_lm.py.)"""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from math import prod
 
 import pytest
@@ -14,10 +15,13 @@ from hypothesis import strategies as st
 
 from ckptctl.errors import CheckpointError
 from ckptctl.formats.dcp.metadata import Chunk, TensorEntry
-from ckptctl.formats.megatron.layout import OptimizerLayout
+from ckptctl.formats.megatron.layout import ExpertNaming, OptimizerLayout
 from ckptctl.formats.torch_dist import dp_reshardable
+from ckptctl.formats.torch_dist.dp_reshardable_targets import with_buckets
+from ckptctl.formats.torch_dist.layout import is_bucket_key, torch_dist_files
 from ckptctl.model.catalog import Naming
 from ckptctl.model.layout import ModelSpec, ParallelLayout
+from ckptctl.model.stored import StoredTensor
 
 SPEC = ModelSpec(
     num_layers=2,
@@ -119,3 +123,52 @@ def test_a_key_that_is_no_bucket_is_refused() -> None:
             "float32",
             Naming.LOCAL,
         )
+
+
+MOE = ModelSpec(**{**SPEC.model_dump(), "num_experts": 4, "moe_router_topk": 2})
+
+
+@pytest.mark.parametrize(
+    ("spec", "layout"),
+    [
+        (SPEC, ParallelLayout(tp=2, dp=2, distributed_optimizer=True)),
+        (SPEC, ParallelLayout(pp=2, dp=4, distributed_optimizer=True)),
+        (MOE, ParallelLayout(dp=2, ep=2, distributed_optimizer=True)),
+    ],
+    ids=["tp2-dp2", "pp2-dp4", "ep2-dp2"],
+)
+def test_written_buckets_are_read_back_where_they_were_written(
+    spec: ModelSpec, layout: ParallelLayout
+) -> None:
+    """The bucket chunks a dp_reshardable target is written as (``with_buckets``), described as
+    a checkpoint's metadata would describe them, are placed by the reader on the same
+    parameter elements: writer and reader replay one layout."""
+    files = torch_dist_files(spec, layout, "iter_0000001", "float32", (), Naming.TE)
+    written = with_buckets(
+        files, spec, layout, DISTRIBUTED, "float32", Naming.TE, ExpertNaming.SEQUENTIAL
+    )
+    chunks = [t for f in written for t in f.tensors if is_bucket_key(str(t.key[0]))]
+    experts = [t for t in chunks if str(t.key[0]).startswith("chained_1.")]
+    assert chunks and bool(experts) == (layout.ep > 1)
+    boxes: dict[str, list[Chunk]] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for chunk in chunks:
+        fqn = str(chunk.key[0])
+        boxes.setdefault(fqn, []).append(
+            Chunk(offsets=(int(chunk.key[1]),), sizes=(prod(chunk.shape),))
+        )
+        assert chunk.base_shape is not None
+        shapes[fqn] = chunk.base_shape
+    entries = {
+        fqn: TensorEntry(dtype="float32", shape=shapes[fqn], chunks=tuple(found))
+        for fqn, found in boxes.items()
+    }
+    chained = replace(DISTRIBUTED, chained=layout.ep > 1)
+    placed = dp_reshardable.place(entries, spec, layout, chained, "float32", Naming.TE)
+
+    def elements(tensors: list[StoredTensor]) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+        return sorted((t.canonical, p.canonical, p.sizes) for t in tensors for p in t.pieces)
+
+    assert elements(placed) == elements(chunks)
+    covered = sum(prod(t.shape) for t in chunks)
+    assert covered <= sum(shape[0] for shape in shapes.values())

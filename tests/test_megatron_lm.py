@@ -341,23 +341,36 @@ def test_distributed_optimizer_state_reshards_as_megatron_lm_reshards_it(
     distributed_tp2: dict[str, Path], cli
 ) -> None:
     """The dp_reshardable buckets at TP2 -> TP1 (DP2, the distributed optimizer kept) by
-    ckptctl equal, weights and Adam state bit for bit, what Megatron-LM's own load-time
-    resharding makes of the fully_reshardable twin (loaded at TP1 and saved at once); and
-    Megatron-LM trains on from ckptctl's output with the losses it has from that twin."""
+    ckptctl, as buckets again (the source's form) and per parameter (``--optim-sharding
+    fully_reshardable``), equal, weights and Adam state bit for bit, what Megatron-LM's own
+    load-time resharding makes of the fully_reshardable twin (loaded at TP1 and saved at
+    once); and Megatron-LM trains on from either with the losses it has from that twin."""
     root = distributed_tp2["root"]
     tp1 = [*ARGS, "--global-batch-size", "4", "--ckpt-format", "torch_dist", *DISTRIBUTED]
     own = root / "megatron-tp1"
     load_twin = ["--load", str(distributed_tp2["per_parameter"])]
     train(root / "own", [*tp1, *FULLY_RESHARDABLE, *load_twin, *SAVE, str(own)], world=2, steps=0)
-    ours = root / "ckptctl-tp1"
-    cli("reshard", distributed_tp2["buckets"], ours, "--tp", "1")
-    report = cli.json("verify", ours, "--against", own)
-    assert report["ok"], report
-    against = next(c for c in report["checks"] if c["name"] == "against")
-    assert "108 of 108 tensors" in against["detail"], against
-    assert_resumes_alike(
-        root, [*tp1, "--load"], own=distributed_tp2["per_parameter"], ours=ours, world=2
+    buckets, per_parameter = root / "ckptctl-tp1", root / "ckptctl-tp1-per-parameter"
+    cli("reshard", distributed_tp2["buckets"], buckets, "--tp", "1")
+    cli(
+        "reshard",
+        distributed_tp2["buckets"],
+        per_parameter,
+        "--tp",
+        "1",
+        "--optim-sharding",
+        "fully_reshardable",
     )
+    resumed = train(root / "from-twin", [*tp1, *load_twin], world=2, steps=RESUMED_STEPS)
+    for ours in (buckets, per_parameter):
+        report = cli.json("verify", ours, "--against", own)
+        assert report["ok"], report
+        against = next(c for c in report["checks"] if c["name"] == "against")
+        assert "108 of 108 tensors" in against["detail"], against
+        assert "padding rows (1000..1023) equal in 8 tensors" in against["detail"], against
+        load = [*tp1, "--load", str(ours)]
+        theirs = train(root / f"from-{ours.name}", load, world=2, steps=RESUMED_STEPS)
+        assert theirs["losses"] == resumed["losses"], ours.name
 
 
 def test_a_bf16_run_reshards_as_megatron_lm_reshards_it(

@@ -163,6 +163,22 @@ class ReshardFormatName(StrEnum):
     torch_dist = "torch_dist"
 
 
+class OptimShardingName(StrEnum):
+    """How a ``torch_dist`` target keeps the distributed optimizer's state."""
+
+    dp_reshardable = "dp_reshardable"
+    fully_reshardable = "fully_reshardable"
+
+
+OptimSharding = Annotated[
+    OptimShardingName | None,
+    typer.Option(
+        "--optim-sharding",
+        help="torch_dist with the distributed optimizer: dp_reshardable (its grad-buffer "
+        "buckets, Megatron's default) or fully_reshardable (per parameter) (default: the "
+        "source's form; fully_reshardable from other sources).",
+    ),
+]
 ReshardFormat = Annotated[
     ReshardFormatName | None,
     typer.Option(
@@ -312,6 +328,7 @@ class TargetRequest:
     ranks_per_node: int | None
     strategy: str
     target_format: Format | None
+    optim_sharding: str | None = None
 
     def given(self) -> dict[str, Any]:
         """The target flags given on the command line, by their names there."""
@@ -330,6 +347,8 @@ class TargetRequest:
         out = {names[k]: v for k, v in self.layout.items() if v is not None}
         if self.target_format is not None:
             out["--format"] = self.target_format
+        if self.optim_sharding is not None:
+            out["--optim-sharding"] = self.optim_sharding
         return out
 
     def plan_options(self) -> dict[str, Any]:
@@ -342,6 +361,7 @@ class TargetRequest:
             "ranks_per_node": self.ranks_per_node,
             "strategy": self.strategy,
             "target_format": self.target_format,
+            "optim_sharding": self.optim_sharding,
         }
 
 
@@ -363,6 +383,7 @@ def target_request(
     ranks_per_node: RanksPerNode = None,
     strategy: Strategy = StrategyName.auto,
     target_format: ReshardFormat = None,
+    optim_sharding: OptimSharding = None,
 ) -> TargetRequest:
     return TargetRequest(
         layout_choices(tp, pp, vpp, dp, first, last, distributed_optimizer, ep, etp, even_stages),
@@ -373,6 +394,7 @@ def target_request(
         ranks_per_node,
         strategy.value,
         Format(target_format.value) if target_format is not None else None,
+        optim_sharding.value if optim_sharding is not None else None,
     )
 
 

@@ -24,6 +24,7 @@ from ckptctl.errors import UsageError
 from ckptctl.jobs import (
     given_sources,
     nothing_to_change,
+    optimizer_form,
     plan_consolidate,
     plan_reshard,
     saved_job,
@@ -77,7 +78,9 @@ def reshard_cmd(
             planned = plan_reshard(
                 src, dst, target.layout, settings, dtype=weights, **target.plan_options(), **options
             )
-            if nothing_to_change(planned, strategy=target.strategy, dtype=weights):
+            if nothing_to_change(
+                planned, strategy=target.strategy, dtype=weights, sharding=target.optim_sharding
+            ):
                 say_nothing_to_change(out, planned.plan, as_json)
                 return
         report = carry_out(out, planned, overwrite=job.overwrite, dry_run=job.dry_run)
@@ -100,6 +103,7 @@ def refuse_conflicts(plan_file: Path, plan: Plan, target: TargetRequest, dtype: 
         "--distributed-optimizer": layout.distributed_optimizer,
         "--even-stages": layout.first_stage_layers is None and layout.last_stage_layers is None,
         "--format": plan.target_format,
+        "--optim-sharding": optimizer_form(plan),
     }
     differ = [
         f"{flag} {value} (the plan: {planned[flag]})"

@@ -14,7 +14,7 @@ from ckptctl.destination import Destination, check_destination
 from ckptctl.distributed import Group, from_environment, launch, launched_world
 from ckptctl.errors import CkptctlError
 from ckptctl.job_report import NoProgress, Report
-from ckptctl.jobs import Job, run
+from ckptctl.jobs import Job, optimizer_form, run
 from ckptctl.model.plan import Plan
 from ckptctl.model.stored import Format
 from ckptctl.storage import Storage
@@ -145,6 +145,8 @@ def describe_side(plan: Plan, *, source: bool) -> str:
     layout = plan.source_layout if source else plan.target_layout
     text = f"{fmt} {layout.describe()}"
     if not source:
+        form = optimizer_form(plan)
+        text += f" ({form})" if form else ""
         text += ", with optimizer state" if _holds_optimizer(plan) else ", weights only"
         changed = changes(plan.source_layout, plan.target_layout)
         if plan.source_format != fmt:

@@ -80,6 +80,9 @@ class StoredFile:
     """Flat tensors (key, length) that ``view_offset`` tensors are slices of; gaps are zeros."""
     ep_rank: int = 0
     """Expert-parallel rank of a Megatron rank file (0 without expert parallelism)."""
+    buckets: tuple[tuple[KeyPath, tuple[int, ...]], ...] = ()
+    """Per flat tensor of a distributed-optimizer file: the unpadded sizes of the grad-buffer
+    buckets it concatenates (``distopt_layout``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -198,6 +198,7 @@ class DcpCheckpoint:
             group_order=GroupOrder.DECAY_FIRST,
             overlap_grad_reduce=bool(getattr(self.args, "overlap_grad_reduce", False)),
             bucket_size=getattr(self.args, "ddp_bucket_size", None),
+            buckets=any(is_bucket_key(str(t.key[0])) for f in self.view.files for t in f.tensors),
         )
 
     @property

@@ -76,6 +76,9 @@ class OptimizerLayout:
     chained: bool = False
     """Two optimizers, dense then expert-parallel parameters (megatron-core's ``ChainedOptimizer``
     under EP > 1): ``optimizer`` is a list of their state dicts, each numbered from 0."""
+    buckets: bool = False
+    """``torch_dist``: the distributed optimizer's state is kept as its grad-buffer buckets
+    (Megatron's ``dp_reshardable``) rather than per parameter (``fully_reshardable``)."""
     overlap_grad_reduce: bool = False
     bucket_size: int | None = None
     """``--ddp-bucket-size``; with overlap on and none given Megatron uses max(40M, 1M * dp)."""
@@ -373,6 +376,7 @@ def _distopt_file(
     tp_rank, pp_rank, ep_rank = saver.tp, saver.pp, saver.ep
     tensors: list[StoredTensor] = []
     flat: list[tuple[KeyPath, int]] = []
+    buckets: list[tuple[KeyPath, tuple[int, ...]]] = []
     for sub, members in enumerate(sub_optimizers(params, optimizer.chained)):
         if optimizer.chained and sub == 0 and saver.dp != 0:
             continue
@@ -404,6 +408,7 @@ def _distopt_file(
             for stored_state, canonical_state in DISTOPT_STATES.items():
                 key: KeyPath = (*prefix, gbuf, dtype_key, stored_state)
                 flat.append((key, buffer.numel_unpadded))
+                buckets.append((key, buffer.bucket_unpadded))
                 for first in in_chunk:
                     at = buffer.offsets[params[first].local_name]
                     for i in range(first, first + params[first].blocks):
@@ -412,7 +417,14 @@ def _distopt_file(
                         tensors.append(
                             stored_tensor(params[i], key, canonical, shape, "float32", pieces, at)
                         )
-    return StoredFile(path, tuple(tensors), (tp_rank, pp_rank), flat=tuple(flat), ep_rank=ep_rank)
+    return StoredFile(
+        path,
+        tuple(tensors),
+        (tp_rank, pp_rank),
+        flat=tuple(flat),
+        ep_rank=ep_rank,
+        buckets=tuple(buckets),
+    )
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -13,6 +13,7 @@ import posixpath
 import struct
 from collections.abc import Iterator
 from functools import cache
+from math import prod
 from typing import Any
 
 from ckptctl.byte_streams import ByteStream
@@ -27,14 +28,17 @@ from ckptctl.formats.dcp.metadata import (
 )
 from ckptctl.formats.dcp.write import metadata_bytes, write_bytes_record, write_tensor_record
 from ckptctl.formats.megatron.writer import group_template, training_state
+from ckptctl.formats.torch_dist.dp_reshardable_targets import bucket_groups
 from ckptctl.formats.torch_dist.layout import (
     COMMON,
     extra_state_keys,
+    is_bucket_key,
     model_catalog,
     record_geometry,
 )
 from ckptctl.formats.torchsave.zip_writer import TensorSlot, write_torch_zip
 from ckptctl.model.catalog import parameters
+from ckptctl.model.dtypes import DTYPES
 from ckptctl.model.plan import FileWrite, Plan
 from ckptctl.runs import Run
 
@@ -52,7 +56,9 @@ def write_dcp_shard(job: WriteJob, file: FileWrite, out: ByteStream) -> None:
     for tensor in file.tensors:
         fqn, offsets = str(tensor.key[0]), [int(k) for k in tensor.key[1:]]
         shape = tensor.shape
-        if plan.spec is not None:
+        if is_bucket_key(fqn):  # a parameter's range of a bucket, stored flat
+            shape = (prod(tensor.shape),)
+        elif plan.spec is not None:
             _, shape = record_geometry(
                 fqn, tensor.canonical, tensor.shape, plan.spec, plan.target_layout.tp
             )
@@ -70,7 +76,53 @@ def write_dcp_shard(job: WriteJob, file: FileWrite, out: ByteStream) -> None:
         for fqn in extra_state_keys(plan.spec, layers, experts, dense=file.ep_rank == 0):
             info = write_bytes_record(out, name, _empty_extra_state())
             records.append([fqn, None, info.offset, info.length])
+    for fqn, content in bucket_objects(job, file):
+        info = write_bytes_record(out, name, content)
+        records.append([fqn, None, info.offset, info.length])
     job.report.records[file.path] = records
+
+
+def bucket_objects(job: WriteJob, file: FileWrite) -> list[tuple[str, bytes]]:
+    """What Megatron keeps beside the dp_reshardable buckets of each model-parallel rank whose
+    buckets ``file`` holds: the torch optimizer's parameter groups, and the bucket sizes its
+    loader checks (padded and not), each pickled as Megatron's ``ShardedObject`` saves it."""
+    sizes = [
+        (str(t.key[0]), t.base_shape[0])
+        for t in file.tensors
+        if t.base_shape and is_bucket_key(str(t.key[0]))
+    ]
+    if not sizes:
+        return []
+    plan = job.plan
+    state = training_state(job, plan.files[0])
+    step = _group_step(state)
+    out = []
+    for group in bucket_groups(sizes, plan.target_layout):
+        kinds, experts = _sub_optimizer_kinds(plan, group.sub)
+        entry = _optimizer_entry(state, kinds, step, experts=experts, distributed=True)
+        objects = {
+            "optimizer": {"param_groups": entry["optimizer"]["param_groups"]},
+            "per_bucket_numel": [_by_dtype(*b) for b in group.padded],
+            "per_bucket_numel_unpadded": [_by_dtype(*b) for b in group.unpadded],
+        }
+        for name, value in objects.items():
+            buf = io.BytesIO()
+            write_torch_zip(buf, [value], [], lambda _: iter(()))
+            out.append((f"{group.prefix}{name}/shard_0_1", buf.getvalue()))
+    return out
+
+
+def _by_dtype(dtype_key: str, sizes: tuple[int, ...]) -> dict[tuple[Any, ...], list[int]]:
+    """``{(param dtype, grad dtype): [bucket sizes]}``, the dtypes as torch's."""
+    return {tuple(DTYPES[name] for name in dtype_key.split("|")): list(sizes)}
+
+
+def _sub_optimizer_kinds(plan: Plan, sub: int) -> tuple[tuple[bool, ...], bool]:
+    """The parameter-group kinds (no weight decay or not) of sub-optimizer ``sub``."""
+    if sub == 0:
+        return (False, True), False
+    experts = [p for p in parameters(plan.model()) if not p.buffer and p.expert is not None]
+    return tuple(sorted({p.no_weight_decay for p in experts})), True
 
 
 def _layers_in(spec: Any, file: FileWrite) -> list[int]:
@@ -126,9 +178,14 @@ def dcp_metadata(plan: Plan, records: dict[str, list[Record]]) -> DcpMetadata:
         for tensor in file.tensors:
             fqn, offsets = str(tensor.key[0]), tuple(int(k) for k in tensor.key[1:])
             assert plan.spec is not None
-            global_shape, sizes = record_geometry(
-                fqn, tensor.canonical, tensor.shape, plan.spec, plan.target_layout.tp
-            )
+            global_shape: tuple[int, ...]
+            sizes: tuple[int, ...]
+            if is_bucket_key(fqn) and tensor.base_shape:
+                global_shape, sizes = tensor.base_shape, (prod(tensor.shape),)
+            else:
+                global_shape, sizes = record_geometry(
+                    fqn, tensor.canonical, tensor.shape, plan.spec, plan.target_layout.tp
+                )
             shapes[fqn] = (global_shape, tensor.dtype)
             chunks.setdefault(fqn, []).append(Chunk(offsets=offsets, sizes=sizes))
             _, _, offset, length = by_key[(fqn, offsets)]
@@ -231,8 +288,18 @@ def common_state(plan: Plan, state: Any) -> dict[str, Any]:
             tree["optimizer"] = _optimizer_entry(state, (False, True), step, **form)
         if plan.target_layout.distributed_optimizer:
             content["distrib_optim_sharding_type"] = "fully_reshardable"
+            if _holds_buckets(plan):
+                # The parameter groups are kept beside the buckets (``bucket_objects``).
+                # (one dict per sub-optimizer: Megatron's loader fills each in place)
+                kept = [{"param_state_sharding_type": "dp_reshardable"} for _ in range(2)]
+                tree["optimizer"] = dict(enumerate(kept)) if plan.target_layout.ep > 1 else kept[0]
+                content["distrib_optim_sharding_type"] = "dp_reshardable"
     tree["content_metadata"] = content
     return tree
+
+
+def _holds_buckets(plan: Plan) -> bool:
+    return any(is_bucket_key(str(t.key[0])) for f in plan.files for t in f.tensors)
 
 
 def torch_dist_directory_names(plan: Plan) -> tuple[str, str]:

@@ -1,0 +1,153 @@
+"""Writing the distributed optimizer's state as Megatron's ``dp_reshardable`` grad-buffer
+buckets (``--optim-sharding dp_reshardable``): which bucket chunks each ``.distcp`` file holds,
+and the objects Megatron keeps beside them. Pure.
+
+The buckets are the grad-buffer layout of the *target* (``distopt_layout``, replayed as for
+``distrib_optim.pt``): per sub-optimizer, model-parallel rank, grad buffer and bucket, one flat
+fp32 tensor per state of the bucket's unpadded size. Each parameter's range in it is written as
+one chunk (its TP shard, whole rows), in the file of the model-parallel rank that owns it;
+Megatron's loader reads any chunking. Beside the buckets Megatron keeps, per model-parallel
+rank, the torch optimizer's parameter groups and the padded and unpadded bucket sizes, which
+its loader checks against its own layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from math import lcm, prod
+
+from ckptctl.errors import LayoutError
+from ckptctl.formats.megatron.layout import ExpertNaming, OptimizerLayout, megatron_files
+from ckptctl.formats.torch_dist.dp_reshardable import flat_boxes, group_of, parse
+from ckptctl.model.catalog import Naming
+from ckptctl.model.geometry import chunk_pieces
+from ckptctl.model.layout import ModelSpec, ParallelLayout
+from ckptctl.model.stored import StoredFile, StoredTensor
+
+
+def bucket_fqn(
+    chained: bool, sub: int, group: int, gbuf: int, dtype_key: str, bucket: int, state: str
+) -> str:
+    """The key Megatron saves a bucket under (``parse`` reads it back)."""
+    dtypes = ", ".join(f"torch.{name}" for name in dtype_key.split("|"))
+    prefix = f"chained_{sub}." if chained else ""
+    return (
+        f"{prefix}optimizer.distributed.dp_group_idx_{group}.gbuf_idx_{gbuf}.dtype_({dtypes})"
+        f".bucket_idx_{bucket}.{state}"
+    )
+
+
+def with_buckets(
+    files: tuple[StoredFile, ...],
+    spec: ModelSpec,
+    layout: ParallelLayout,
+    optimizer: OptimizerLayout,
+    weight_dtype: str,
+    naming: Naming,
+    expert_naming: ExpertNaming,
+) -> tuple[StoredFile, ...]:
+    """``files`` (a ``torch_dist`` target without per-parameter optimizer state) with the
+    bucket chunks of each model-parallel rank added to that rank's file; each chunk's
+    ``base_shape`` is its bucket's (the global shape of the tensor it is a chunk of)."""
+    if layout.ep > 1 and layout.expert_tp != layout.tp:
+        raise LayoutError(
+            f"--optim-sharding dp_reshardable with expert TP {layout.expert_tp} unlike TP "
+            f"{layout.tp} is not written yet; use --optim-sharding fully_reshardable"
+        )
+    legacy = megatron_files(
+        spec,
+        layout,
+        iteration=0,
+        weight_dtype=weight_dtype,
+        optimizer=replace(optimizer, distributed=True, chained=layout.ep > 1),
+        naming=naming,
+        expert_naming=expert_naming,
+    )
+    added: dict[tuple[tuple[int, int] | None, int], list[StoredTensor]] = {}
+    for file in legacy:
+        if not file.flat or file.rank is None:
+            continue
+        sizes = dict(file.buckets)
+        tp_rank, pp_rank = file.rank
+        for tensor in file.tensors:
+            sub = int(tensor.key[0]) if layout.ep > 1 else 0
+            group = group_of(layout, sub, tp_rank, pp_rank, file.ep_rank)
+            gbuf, dtype_key, state = int(tensor.key[-3]), str(tensor.key[-2]), str(tensor.key[-1])
+            bucket, start, size = _bucket_at(sizes[tensor.key], tensor.view_offset or 0)
+            fqn = bucket_fqn(layout.ep > 1, sub, group, gbuf, dtype_key, bucket, state)
+            owner = (file.rank, file.ep_rank)
+            for offsets, box, flat in flat_boxes(tensor.shape, 0, prod(tensor.shape)):
+                added.setdefault(owner, []).append(
+                    StoredTensor(
+                        (fqn, start + flat),
+                        tensor.canonical,
+                        box,
+                        "float32",
+                        chunk_pieces(tensor.pieces, offsets, box),
+                        base_shape=(size,),
+                    )
+                )
+    out = []
+    for file in files:
+        extra = added.pop((file.rank, file.ep_rank), [])
+        out.append(replace(file, tensors=(*file.tensors, *extra)) if extra else file)
+    if added:  # every legacy rank has a torch_dist file of the same coordinates
+        raise LayoutError(f"no torch_dist file for the buckets of ranks {sorted(added)}")
+    return tuple(out)
+
+
+def _bucket_at(sizes: tuple[int, ...], at: int) -> tuple[int, int, int]:
+    """``(bucket, offset in it, its size)`` of element ``at`` of the buckets' concatenation."""
+    base = 0
+    for bucket, size in enumerate(sizes):
+        if at < base + size:
+            return bucket, at - base, size
+        base += size
+    raise LayoutError(f"offset {at} lies past the {base} elements of the grad buffer")
+
+
+@dataclass(frozen=True, slots=True)
+class BucketGroup:
+    """What Megatron keeps beside one model-parallel rank's buckets of one sub-optimizer."""
+
+    prefix: str
+    """``optimizer.distributed.dp_group_idx_<g>.``, after ``chained_<i>.`` when chained."""
+    sub: int
+    unpadded: tuple[tuple[str, tuple[int, ...]], ...]
+    """Per grad buffer (in order): its dtype key and its buckets' unpadded sizes."""
+    padded: tuple[tuple[str, tuple[int, ...]], ...]
+    """The same, each bucket padded to a multiple of ``lcm(dp, 128)``."""
+
+
+def bucket_groups(
+    fqns_and_sizes: list[tuple[str, int]], layout: ParallelLayout
+) -> list[BucketGroup]:
+    """The groups of the bucket tensors given (key and bucket size), as Megatron keeps them."""
+    found: dict[tuple[int, int], dict[tuple[int, str], dict[int, int]]] = {}
+    chained = False
+    for fqn, size in fqns_and_sizes:
+        parsed = parse(fqn)
+        if parsed is None:
+            continue
+        (sub, group, gbuf, dtype_key, _), bucket = parsed
+        chained = chained or fqn.startswith("chained_")
+        found.setdefault((sub, group), {}).setdefault((gbuf, dtype_key), {})[bucket] = size
+    groups = []
+    for (sub, group), buffers in sorted(found.items()):
+        dp = layout.expert_dp if sub == 1 else layout.dp
+        pad = lcm(dp, 128)
+        unpadded, padded = [], []
+        for (_, dtype_key), buckets in sorted(buffers.items()):
+            sizes = tuple(buckets[b] for b in sorted(buckets))
+            unpadded.append((dtype_key, sizes))
+            padded.append((dtype_key, tuple(-(-s // pad) * pad for s in sizes)))
+        prefix = f"chained_{sub}." if chained else ""
+        groups.append(
+            BucketGroup(
+                f"{prefix}optimizer.distributed.dp_group_idx_{group}.",
+                sub,
+                tuple(unpadded),
+                tuple(padded),
+            )
+        )
+    return groups
