@@ -472,3 +472,46 @@ def test_a_qwen3_style_run_becomes_qwen3_and_reshards_as_megatron_lm_reshards_it
     cli("reshard", ckpt, tp2, "--tp", "2")
     at_tp2 = [*args, "--tensor-model-parallel-size", "2", "--load"]
     assert_resumes_alike(root, at_tp2, own=ckpt, ours=tp2, world=2)
+
+
+def test_a_virtual_pipeline_run_reshards_as_megatron_lm_reshards_it(
+    tmp_path_factory: pytest.TempPathFactory, cli
+) -> None:
+    """PP2 with two virtual stages per rank (interleaved schedule; one layer per model chunk),
+    saved as ``torch_dist`` and, the same run again, in the legacy format (``model0``/``model1``
+    per rank file): ckptctl's PP1 reshard of each trains on with the losses Megatron-LM has
+    when it reshards the ``torch_dist`` checkpoint to PP1 itself."""
+    root = tmp_path_factory.mktemp("megatron-lm-vpp")
+    args = [*ARGS, "--global-batch-size", "4"]
+    vpp = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
+    dist, legacy = root / "torch_dist", root / "legacy"
+    train(
+        root / "a",
+        [*args, *vpp, "--ckpt-format", "torch_dist", *SAVE, str(dist)],
+        world=2,
+        steps=SAVED_STEPS,
+    )
+    train(
+        root / "b",
+        [*args, *vpp, "--ckpt-format", "torch", *SAVE, str(legacy)],
+        world=2,
+        steps=SAVED_STEPS,
+    )
+    assert cli.json("inspect", legacy)["layout"]["vpp"] == 2
+    assert cli.json("verify", legacy, "--against", dist)["ok"]
+    own = train(
+        root / "own",
+        [*args, "--ckpt-format", "torch_dist", "--load", str(dist)],
+        steps=RESUMED_STEPS,
+    )
+    dist_pp1, legacy_pp1 = root / "torch_dist-pp1", root / "legacy-pp1"
+    cli("reshard", dist, dist_pp1, "--pp", "1", "--vpp", "1")
+    cli("reshard", legacy, legacy_pp1, "--pp", "1", "--vpp", "1")
+    for ours, load in (
+        (dist_pp1, ["--ckpt-format", "torch_dist"]),
+        (legacy_pp1, ["--ckpt-format", "torch", "--no-load-rng"]),
+    ):
+        theirs = train(
+            root / f"from-{ours.name}", [*args, *load, "--load", str(ours)], steps=RESUMED_STEPS
+        )
+        assert theirs["losses"] == own["losses"], ours.name

@@ -9,7 +9,8 @@ megatron-core 0.19.2 environment (Python >= 3.12; ``tests/megatron_lm.py`` build
 
 runs ``N`` gloo ranks on the CPU, trains ``K`` steps (from ``--load`` when given; the learning
 rate and weight decay schedules follow ``--train-iters``, which runs must share to resume),
-saves to ``--save`` when given, and writes each step's loss (rank 0's view) to ``OUT.json``.
+saves to ``--save`` when given, and writes each step's loss (as the last pipeline stage, which
+computes it, reports it) to ``OUT.json``.
 With ``--logits`` (TP 1, PP 1), the trained model's logits for ``logit_tokens()`` are saved
 to FILE with ``torch.save``, for comparison with another implementation of the model.
 
@@ -316,7 +317,10 @@ def rank_main(
         config = unwrap_model(model)[0].config
         from megatron.core.rerun_state_machine import RerunDataIterator
 
-        data = RerunDataIterator(batches(args.padded_vocab_size))
+        # One iterator per model chunk (virtual pipeline stages), each the same batches: the
+        # chunk holding the first layers reads the tokens, the one with the loss the labels.
+        chunks = [RerunDataIterator(batches(args.padded_vocab_size)) for _ in model]
+        data = chunks if len(chunks) > 1 else chunks[0]
         losses = []
         start = args.iteration
         for iteration in range(start, start + steps):
@@ -345,6 +349,10 @@ def rank_main(
             if rank == 0:
                 # tokens of the tokenizer's vocabulary, not of the padding rows
                 save_logits(model[0], args.vocab_size or args.padded_vocab_size, logits)
+    # The loss is known on the last pipeline stage only: report the first rank's that has it.
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, losses)
+    losses = next((seen for seen in everyone if None not in seen), losses)
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"losses": losses, "iteration": args.iteration}, f)
