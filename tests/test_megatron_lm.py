@@ -21,6 +21,7 @@ and the scheduler alone.
 
 from __future__ import annotations
 
+import io
 import shlex
 from pathlib import Path
 from typing import Any
@@ -515,3 +516,64 @@ def test_a_virtual_pipeline_run_reshards_as_megatron_lm_reshards_it(
             root / f"from-{ours.name}", [*args, *load, "--load", str(ours)], steps=RESUMED_STEPS
         )
         assert theirs["losses"] == own["losses"], ours.name
+
+
+def test_an_fp16_runs_loss_scale_moves_with_it(
+    tmp_path_factory: pytest.TempPathFactory, cli
+) -> None:
+    """fp16 with dynamic loss scaling (a short growth window, so the scale the checkpoint keeps
+    decides the next steps): ckptctl's TP2 reshard, as ``torch_dist`` and as legacy, keeps the
+    grad scaler's state (loss scale and its counters), and Megatron-LM trains on from either
+    with the losses it has when it reshards the checkpoint to TP2 itself."""
+    root = tmp_path_factory.mktemp("megatron-lm-fp16")
+    args = [*ARGS, "--fp16", "--loss-scale-window", "4"]
+    ckpt = root / "torch_dist"
+    train(root / "a", [*args, "--ckpt-format", "torch_dist", *SAVE, str(ckpt)], steps=SAVED_STEPS)
+    tp2 = [*args, "--tensor-model-parallel-size", "2"]
+    own = train(
+        root / "own",
+        [*tp2, "--ckpt-format", "torch_dist", "--load", str(ckpt)],
+        world=2,
+        steps=RESUMED_STEPS,
+    )
+    dist, legacy = root / "tp2", root / "tp2-legacy"
+    cli("reshard", ckpt, dist, "--tp", "2")
+    cli("reshard", ckpt, legacy, "--tp", "2", "--format", "megatron")
+    common = dist / "iter_0000003" / "common.pt"
+    rank_file = legacy / "iter_0000003" / "mp_rank_01" / "model_optim_rng.pt"
+    source = _grad_scaler(ckpt / "iter_0000003" / "common.pt", common_state=True)
+    assert source["growth_tracker"] == SAVED_STEPS, source
+    assert _grad_scaler(common) == source
+    assert _grad_scaler(rank_file) == source
+    for ours, load in ((dist, ["--ckpt-format", "torch_dist"]), (legacy, ["--no-load-rng"])):
+        theirs = train(
+            root / f"from-{ours.name}",
+            [*tp2, *load, "--load", str(ours)],
+            world=2,
+            steps=RESUMED_STEPS,
+        )
+        assert theirs["losses"] == own["losses"], ours.name
+
+
+def _grad_scaler(path: Path, common_state: bool = False) -> dict[str, Any]:
+    """The grad scaler's state a Megatron file keeps, read as ckptctl reads it (the file's
+    args name enums of Megatron-LM 0.19 that this environment's megatron-core lacks)."""
+    from ckptctl.formats.torchsave.archive import TorchZipReader
+
+    if common_state and not path.exists():  # 0.19 keeps the common state inside the DCP files
+        from torch.distributed.checkpoint import FileSystemReader
+
+        metadata = FileSystemReader(str(path.parent)).read_metadata()
+        info = next(i for k, i in metadata.storage_data.items() if k.fqn.startswith("common_state"))
+        with open(path.parent / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            record = io.BytesIO(f.read(info.length))
+        reader = TorchZipReader(record, str(path))
+        tree = reader.tree[0]
+    else:
+        with open(path, "rb") as f:
+            reader = TorchZipReader(io.BytesIO(f.read()), str(path))
+        tree = reader.tree
+    scaler = dict(tree["optimizer"]["grad_scaler"])
+    scaler["scale"] = reader.read_number(scaler["scale"])
+    return scaler

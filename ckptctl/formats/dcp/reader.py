@@ -85,6 +85,9 @@ class DcpCheckpoint:
     metadata: DcpMetadata
     args: argparse.Namespace | None = None
     common: dict[str, Any] = field(default_factory=dict)
+    common_tensors: dict[int, Any] = field(default_factory=dict)
+    """Values of the tensors in ``common``'s optimizer entry, by the identity of their
+    reference (``read_ref``)."""
     _records: dict[tuple[str, tuple[int, ...]], tuple[TorchZipReader, TensorRef]] = field(
         default_factory=dict
     )
@@ -214,13 +217,31 @@ class DcpCheckpoint:
         return saved and not placed
 
     def legacy_carried_state(self) -> dict[str, Any]:
-        """Training state for Megatron legacy rank files: scheduler, counters, iteration;
-        what only ``torch_dist`` knows (content metadata, sharding type) is left behind."""
+        """Training state for Megatron legacy rank files: scheduler, counters, iteration, and
+        what Megatron's optimizer wrapper keeps beside the torch optimizer (a grad scaler's
+        loss scale and counters); what only ``torch_dist`` knows (content metadata, sharding
+        type) is left behind."""
         skip = {"args", "optimizer", "rng_state", "content_metadata"}
         out = {k: v for k, v in self.common.items() if k not in skip}
         out.setdefault("checkpoint_version", 3.0)
         out["iteration"] = self.view.iteration or 0
+        opt = dense_optimizer(self.common.get("optimizer"))
+        if isinstance(opt.get("optimizer"), dict):  # a wrapper's entry, not torch's own
+            inner = ("optimizer", "param_state_sharding_type", "fp32_from_fp16_params")
+            extra = {k: v for k, v in opt.items() if k not in inner}
+            if extra:
+                out["optimizer_extra"] = extra
         return out
+
+    def read_ref(self, path: str, ref: TensorRef) -> Any:
+        """A tensor inside the common state's optimizer entry (read with it)."""
+        value = self.common_tensors.get(id(ref))
+        if value is None:
+            raise CheckpointError(
+                f"{self.storage.url}: a tensor of {ref.numel} elements in the common state is "
+                "not carried (only small ones are)"
+            )
+        return value
 
     def saved_training(self, path: str) -> SavedTraining:
         """``torch_dist``'s training state from ``common.pt``; an HF model's DCP checkpoint

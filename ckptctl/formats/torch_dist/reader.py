@@ -36,16 +36,20 @@ from ckptctl.storage import Storage
 
 def _common_state(
     storage: Storage, base: str, metadata: DcpMetadata
-) -> tuple[dict[str, Any], float | None]:
-    """``common.pt`` (or its byte item) and the torch optimizer's ``common_step``, if any."""
+) -> tuple[dict[str, Any], float | None, dict[int, Any]]:
+    """``common.pt`` (or its byte item), the torch optimizer's ``common_step``, if any, and the
+    values of the small tensors the optimizer's entry holds (a grad scaler's loss scale), read
+    while the archive is open: they are carried to a target as they are."""
     rel = join(base, COMMON)
     step = None
+    tensors: dict[int, Any] = {}
     if storage.exists(rel):
         with storage.open_read(rel) as f:
             reader = TorchZipReader(f, storage.describe(rel))
             tree = reader.tree
             if isinstance(ref := _common_step_ref(tree), TensorRef):
                 step = reader.read_number(ref)
+            tensors = _small_tensors(tree, reader)
     elif (info := metadata.storage.get(("common_state/shard_0_1", None))) is not None:
         # Megatron-Core >= 0.19 keeps it as a byte item: a pickled one-element list.
         item = join(base, info.relative_path)
@@ -56,13 +60,38 @@ def _common_state(
             tree = tree[0] if isinstance(tree, list) and tree else tree
             if isinstance(ref := _common_step_ref(tree), TensorRef):
                 step = record.read_number(ref)
+            tensors = _small_tensors(tree, record)
     else:
         raise CheckpointNotFoundError(
             f"{storage.describe(rel)}: missing; a torch_dist checkpoint keeps its args there"
         )
     if not isinstance(tree, dict) or not isinstance(tree.get("args"), argparse.Namespace):
         raise CheckpointError(f"{storage.describe(rel)}: no 'args' namespace")
-    return tree, step
+    return tree, step, tensors
+
+
+SMALL_TENSOR = 1 << 16
+"""Elements of the largest tensor of the common state's optimizer entry read with it."""
+
+
+def _small_tensors(tree: dict[str, Any], reader: Any) -> dict[int, Any]:
+    """Values of the tensors inside ``tree``'s optimizer entry, by the identity of their
+    reference (the tree keeps the references alive)."""
+    found: dict[int, Any] = {}
+
+    def visit(node: Any) -> None:
+        if isinstance(node, TensorRef):
+            if node.numel <= SMALL_TENSOR:
+                found[id(node)] = reader.read(node)
+        elif isinstance(node, dict):
+            for value in node.values():
+                visit(value)
+        elif isinstance(node, list | tuple):
+            for value in node:
+                visit(value)
+
+    visit(tree.get("optimizer") if isinstance(tree, dict) else None)
+    return found
 
 
 def _common_step_ref(tree: Any) -> Any:
@@ -84,7 +113,7 @@ def probe_torch_dist(
     trusted: frozenset[str] = frozenset(),
 ) -> DcpCheckpoint:
     metadata = read_metadata(storage, base)
-    common, common_step = _common_state(storage, base, metadata)
+    common, common_step, common_tensors = _common_state(storage, base, metadata)
     args = common["args"]
     spec = spec_from_args(args, true_vocab_size, trusted)
     layout = layout_from_args(args)
@@ -177,7 +206,7 @@ def probe_torch_dist(
         optimizer_step=step if has_optimizer else None,
         warnings=tuple(warnings),
     )
-    return DcpCheckpoint(storage, view, base, metadata, args, common)
+    return DcpCheckpoint(storage, view, base, metadata, args, common, common_tensors)
 
 
 def _directory_number(base: str) -> int | None:

@@ -100,14 +100,21 @@ def bucket_objects(job: WriteJob, file: FileWrite) -> list[tuple[str, bytes]]:
     for group in bucket_groups(sizes, plan.target_layout):
         kinds, experts = _sub_optimizer_kinds(plan, group.sub)
         entry = _optimizer_entry(state, kinds, step, experts=experts, distributed=True)
+        # Megatron keeps each item of the wrapper's state dict (the torch optimizer's groups, a
+        # grad scaler) as an object beside the buckets, and the bucket sizes.
+        extra = {
+            k: v for k, v in entry.items() if k not in ("optimizer", "param_state_sharding_type")
+        }
         objects = {
             "optimizer": {"param_groups": entry["optimizer"]["param_groups"]},
+            **extra,
             "per_bucket_numel": [_by_dtype(*b) for b in group.padded],
             "per_bucket_numel_unpadded": [_by_dtype(*b) for b in group.unpadded],
         }
         for name, value in objects.items():
             buf = io.BytesIO()
-            write_torch_zip(buf, [value], [], lambda _: iter(()))
+            slots = _carried_in(value, state)
+            write_torch_zip(buf, [value], slots, _carried(state))
             out.append((f"{group.prefix}{name}/shard_0_1", buf.getvalue()))
     return out
 
@@ -148,6 +155,24 @@ def _carried(state: Any, step: float | None = None) -> Any:
             yield state.carried_bytes(slot)
 
     return produce
+
+
+def _carried_in(tree: Any, state: Any) -> list[TensorSlot]:
+    """The carried tensors ``tree`` holds (the slots of what it keeps, by key)."""
+    keys: set[str] = set()
+
+    def visit(node: Any) -> None:
+        if isinstance(node, TensorSlot):
+            keys.add(node.key)
+        elif isinstance(node, dict):
+            for value in node.values():
+                visit(value)
+        elif isinstance(node, list | tuple):
+            for value in node:
+                visit(value)
+
+    visit(tree)
+    return [slot for slot in state.carried_slots() if slot.key in keys]
 
 
 def _holds(tree: Any, slot: TensorSlot) -> bool:
@@ -233,7 +258,9 @@ def _optimizer_entry(
     The distributed optimizer (``fully_reshardable``) keeps Adam's step per group. Megatron's
     other optimizers keep it once, as a tensor ``common_step`` beside the per-parameter state
     (``COMMON_STEP``): ``FP32Optimizer`` as torch's state dict itself, the mixed-precision
-    wrapper under ``optimizer`` (its fp32 masters are the ``fp32_param`` tensors)."""
+    wrapper under ``optimizer`` (its fp32 masters are the ``fp32_param`` tensors). What the
+    source's wrapper kept beside the torch optimizer (a grad scaler) is carried as it was."""
+    extra = dict(state.carried.get("optimizer_extra") or {})
     groups = []
     for no_decay in kinds:
         if no_decay in state.templates:
@@ -248,11 +275,12 @@ def _optimizer_entry(
         return {
             "optimizer": {"param_groups": groups},
             "param_state_sharding_type": "fully_reshardable",
+            **extra,
         }
     torch_state: dict[str, Any] = {"state": {}, "param_groups": groups}
     if step is not None:
         torch_state["state"]["common_step"] = COMMON_STEP
-    return torch_state if fp32_weights else {"optimizer": torch_state}
+    return torch_state if fp32_weights else {"optimizer": torch_state, **extra}
 
 
 COMMON_STEP = TensorSlot("common_step", "float32", ())
@@ -316,7 +344,7 @@ def torch_dist_directory_files(job: WriteJob) -> list[tuple[str, bytes]]:
     common_path, metadata_path = torch_dist_directory_names(plan)
     common = io.BytesIO()
     tree = common_state(plan, state)
-    slots = state.carried_slots()
+    slots = _carried_in(tree, state)
     step = _group_step(state)
     if step is not None and _holds(tree, COMMON_STEP):
         slots.append(COMMON_STEP)
