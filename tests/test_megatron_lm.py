@@ -577,3 +577,23 @@ def _grad_scaler(path: Path, common_state: bool = False) -> dict[str, Any]:
     scaler = dict(tree["optimizer"]["grad_scaler"])
     scaler["scale"] = reader.read_number(scaler["scale"])
     return scaler
+
+
+def test_an_fp16_runs_default_distributed_optimizer_state_moves(
+    tmp_path_factory: pytest.TempPathFactory, cli
+) -> None:
+    """fp16 with the distributed optimizer, saved as Megatron's default dp_reshardable buckets
+    (whose grad buffers reduce in fp16, and whose grad scaler is kept beside them): TP1 -> TP2
+    -> TP1 by ckptctl, as buckets each time, comes back bit for bit with the grad scaler, and
+    Megatron-LM trains on from it with the losses of its own checkpoint."""
+    root = tmp_path_factory.mktemp("megatron-lm-fp16-distributed")
+    args = [*ARGS, "--fp16", "--loss-scale-window", "4", "--global-batch-size", "4"]
+    args += ["--ckpt-format", "torch_dist", *DISTRIBUTED]
+    ckpt, tp2, back = root / "dp_reshardable", root / "tp2", root / "tp1-again"
+    train(root / "a", [*args, *SAVE, str(ckpt)], world=2, steps=SAVED_STEPS)
+    cli("reshard", ckpt, tp2, "--tp", "2")
+    cli("reshard", tp2, back, "--tp", "1")
+    report = cli.json("verify", back, "--against", ckpt)
+    assert report["ok"], report
+    assert not any("grad_scaler" in w for w in cli.json("inspect", back).get("warnings", []))
+    assert_resumes_alike(root, [*args, "--load"], own=ckpt, ours=back, world=2)

@@ -42,6 +42,7 @@ from ckptctl.formats.dcp.records import (
 )
 from ckptctl.formats.hf.families import spec_from_config
 from ckptctl.formats.hf.layout import CONFIG
+from ckptctl.formats.megatron.args import grad_reduce_dtype
 from ckptctl.formats.megatron.format import recognised
 from ckptctl.formats.megatron.layout import TRACKER, GroupOrder, MegatronStyle, OptimizerLayout
 from ckptctl.formats.megatron.reader import find_iteration
@@ -201,6 +202,7 @@ class DcpCheckpoint:
             group_order=GroupOrder.DECAY_FIRST,
             overlap_grad_reduce=bool(getattr(self.args, "overlap_grad_reduce", False)),
             bucket_size=getattr(self.args, "ddp_bucket_size", None),
+            grad_dtype=grad_reduce_dtype(self.args),
             buckets=any(is_bucket_key(str(t.key[0])) for f in self.view.files for t in f.tensors),
         )
 

@@ -107,6 +107,17 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+def grad_reduce_dtype(args: argparse.Namespace) -> str | None:
+    """The dtype Megatron's grad buffers reduce in when it is not fp32 (``None``): the
+    parameters' own for fp16 or bf16 runs without ``accumulate_allreduce_grads_in_fp32`` (which
+    ``validate_args`` sets for bf16 unless ``--grad-reduce-in-bf16``). It names the distributed
+    optimizer's grad buffers, ``(param dtype, grad dtype)``."""
+    weight = "float16" if _arg(args, "fp16") else "bfloat16" if _arg(args, "bf16") else None
+    if weight is None or _arg(args, "accumulate_allreduce_grads_in_fp32", default=False):
+        return None
+    return weight
+
+
 def naming_from_args(args: argparse.Namespace) -> Naming | None:
     """The parameter spelling Megatron-LM loads with, from ``args.transformer_impl`` (None when
     the args do not say)."""

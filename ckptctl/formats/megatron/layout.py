@@ -76,6 +76,9 @@ class OptimizerLayout:
     chained: bool = False
     """Two optimizers, dense then expert-parallel parameters (megatron-core's ``ChainedOptimizer``
     under EP > 1): ``optimizer`` is a list of their state dicts, each numbered from 0."""
+    grad_dtype: str | None = None
+    """The dtype the grad buffers reduce in, when not fp32 (``args.grad_reduce_dtype``): the
+    second dtype of each distributed-optimizer buffer's key."""
     buckets: bool = False
     """``torch_dist``: the distributed optimizer's state is kept as its grad-buffer buckets
     (Megatron's ``dp_reshardable``) rather than per parameter (``fully_reshardable``)."""
@@ -344,9 +347,11 @@ def _optimizer_tensors(
     return tensors
 
 
-def distopt_dtype_key(weight_dtype: str) -> str:
-    """Name of the ``(param dtype, grad dtype)`` key of a grad buffer; grads reduce in fp32."""
-    return f"{weight_dtype}|float32"
+def distopt_dtype_key(weight_dtype: str, grad_dtype: str | None = None) -> str:
+    """Name of the ``(param dtype, grad dtype)`` key of a grad buffer: grads reduce in fp32
+    unless the run reduced them in its 16-bit dtype (fp32 weights always reduce in fp32)."""
+    grad = grad_dtype if grad_dtype and weight_dtype != "float32" else "float32"
+    return f"{weight_dtype}|{grad}"
 
 
 def effective_bucket_size(
@@ -404,7 +409,7 @@ def _distopt_file(
                 bucket_size=effective_bucket_size(optimizer, dp, pp_rank, gbuf),
                 shared_embedding=shared,
             )
-            dtype_key = distopt_dtype_key(weight_dtype)
+            dtype_key = distopt_dtype_key(weight_dtype, optimizer.grad_dtype)
             for stored_state, canonical_state in DISTOPT_STATES.items():
                 key: KeyPath = (*prefix, gbuf, dtype_key, stored_state)
                 flat.append((key, buffer.numel_unpadded))
@@ -484,6 +489,7 @@ def _target_optimizer(
             states=(),
             distributed=True,
             group_order=GroupOrder.DECAY_FIRST,
+            grad_dtype=source.grad_dtype,
         )
     if not source.distributed:
         return source
@@ -493,4 +499,5 @@ def _target_optimizer(
         master_weights=master,
         wrapped=master,
         group_order=GroupOrder.DECAY_FIRST,
+        grad_dtype=source.grad_dtype,
     )

@@ -9,6 +9,7 @@ from dataclasses import replace
 from typing import Any
 
 from ckptctl.errors import CheckpointError
+from ckptctl.formats.megatron.args import grad_reduce_dtype
 from ckptctl.formats.megatron.layout import (
     GroupOrder,
     OptimizerLayout,
@@ -39,6 +40,7 @@ def optimizer_layout(tree: dict[str, Any], args: argparse.Namespace) -> Optimize
             overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)),
             bucket_size=getattr(args, "ddp_bucket_size", None),
             chained=chained,
+            grad_dtype=grad_reduce_dtype(args),
         )
     wrapped = isinstance(opt.get("optimizer"), dict)
     inner = opt["optimizer"] if wrapped else opt
@@ -52,6 +54,7 @@ def optimizer_layout(tree: dict[str, Any], args: argparse.Namespace) -> Optimize
         master_weights="fp32_from_fp16_params" in opt,
         wrapped=wrapped,
         chained=chained,
+        grad_dtype=grad_reduce_dtype(args),
     )
 
 

@@ -13,6 +13,7 @@ from ckptctl.formats.dcp.records import RecordWindow, open_record
 from ckptctl.formats.megatron.args import (
     check_saved_layout,
     checked_iteration,
+    grad_reduce_dtype,
     layout_from_args,
     naming_from_args,
     spec_from_args,
@@ -78,20 +79,20 @@ def _small_tensors(tree: dict[str, Any], reader: Any) -> dict[int, Any]:
     """Values of the tensors inside ``tree``'s optimizer entry, by the identity of their
     reference (the tree keeps the references alive)."""
     found: dict[int, Any] = {}
-
-    def visit(node: Any) -> None:
-        if isinstance(node, TensorRef):
-            if node.numel <= SMALL_TENSOR:
-                found[id(node)] = reader.read(node)
-        elif isinstance(node, dict):
-            for value in node.values():
-                visit(value)
-        elif isinstance(node, list | tuple):
-            for value in node:
-                visit(value)
-
-    visit(tree.get("optimizer") if isinstance(tree, dict) else None)
+    _read_small(tree.get("optimizer") if isinstance(tree, dict) else None, reader, found)
     return found
+
+
+def _read_small(node: Any, reader: Any, found: dict[int, Any]) -> None:
+    if isinstance(node, TensorRef):
+        if node.numel <= SMALL_TENSOR:
+            found[id(node)] = reader.read(node)
+    elif isinstance(node, dict):
+        for value in node.values():
+            _read_small(value, reader, found)
+    elif isinstance(node, list | tuple):
+        for value in node:
+            _read_small(value, reader, found)
 
 
 def _common_step_ref(tree: Any) -> Any:
@@ -181,9 +182,10 @@ def probe_torch_dist(
             )
             # The parameter groups (and Adam's step) are kept beside the buckets: where the
             # other forms keep them, so that every reader of ``common`` finds them there.
-            common["optimizer"] = _with_bucket_param_groups(
-                common.get("optimizer"), storage, base, metadata
+            common["optimizer"], taken = _with_bucket_param_groups(
+                common.get("optimizer"), storage, base, metadata, common_tensors
             )
+            objects -= taken
             optimizer = dense_optimizer(common["optimizer"])
     elif sharding == "dp_reshardable":
         warnings.append(
@@ -237,6 +239,7 @@ def place_buckets(
         distributed=True,
         overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)),
         bucket_size=getattr(args, "ddp_bucket_size", None),
+        grad_dtype=grad_reduce_dtype(args),
         chained=any(fqn.startswith("chained_") for fqn in buckets),
     )
     naming = naming_from_args(args) or Naming.TE
@@ -246,35 +249,57 @@ def place_buckets(
 
 
 def _with_bucket_param_groups(
-    common_optimizer: Any, storage: Storage, base: str, metadata: DcpMetadata
-) -> Any:
-    """``common``'s optimizer entry with each (sub-)optimizer's parameter groups, as the other
-    forms keep them: ``dp_reshardable`` state keeps them beside the buckets instead."""
+    common_optimizer: Any,
+    storage: Storage,
+    base: str,
+    metadata: DcpMetadata,
+    tensors: dict[int, Any],
+) -> tuple[Any, set[str]]:
+    """``common``'s optimizer entry with each (sub-)optimizer's parameter groups and what
+    Megatron's wrapper keeps beside them (a grad scaler), as the other forms keep them:
+    ``dp_reshardable`` state keeps them as objects beside the buckets instead. Also the names
+    of the objects so taken; their small tensors' values go into ``tensors``."""
     chained = isinstance(common_optimizer, dict) and 0 in common_optimizer
     entries = common_optimizer if chained else {None: common_optimizer}
     out: dict[Any, Any] = {}
+    taken: set[str] = set()
     for sub, entry in entries.items():
         prefix = "" if sub is None else f"chained_{sub}."
-        groups = _bucket_param_groups(storage, base, metadata, prefix)
+        objects = _bucket_objects(storage, base, metadata, prefix, tensors)
         entry = entry if isinstance(entry, dict) else {}
-        out[sub] = {**entry, "optimizer": {"param_groups": groups}} if groups else entry
-    return out if chained else out[None]
+        inner = objects.pop("optimizer", None)
+        groups = inner.get("param_groups") if isinstance(inner, dict) else None
+        if isinstance(groups, list) and all(isinstance(g, dict) for g in groups):
+            entry = {**entry, "optimizer": {"param_groups": groups}, **objects}
+            taken |= {"optimizer", *objects}
+        out[sub] = entry
+    return (out if chained else out[None]), taken
 
 
-def _bucket_param_groups(
-    storage: Storage, base: str, metadata: DcpMetadata, prefix: str
-) -> list[dict[str, Any]]:
-    """``dp_reshardable`` state keeps the torch optimizer's state dict (parameter groups with
-    Adam's step) beside the buckets, per model-parallel rank, as a pickled item: rank 0's."""
-    name = f"{prefix}{DP_RESHARDABLE_PREFIX}dp_group_idx_0.optimizer/"
+BESIDE_BUCKETS = ("per_bucket_numel", "per_bucket_numel_unpadded")
+"""Objects kept beside the buckets that describe them (read by the layout replay's checks)."""
+
+
+def _bucket_objects(
+    storage: Storage, base: str, metadata: DcpMetadata, prefix: str, tensors: dict[int, Any]
+) -> dict[str, Any]:
+    """The objects kept beside one sub-optimizer's buckets (model-parallel rank 0's: they are
+    the same on every rank), by name: the torch optimizer's state dict without its state, and
+    whatever else Megatron's wrapper keeps (a grad scaler)."""
+    name = f"{prefix}{DP_RESHARDABLE_PREFIX}dp_group_idx_0."
+    out: dict[str, Any] = {}
     for (fqn, offsets), info in metadata.storage.items():
-        if offsets is None and fqn.startswith(name):
-            item = join(base, info.relative_path)
-            with storage.open_read(item) as f:
-                window = RecordWindow(f, info.offset, info.length)
-                tree = open_record(window, info, storage.describe(item)).tree
+        if offsets is not None or not fqn.startswith(name):
+            continue
+        key = fqn[len(name) :].split("/", 1)[0]
+        if "." in key or key in BESIDE_BUCKETS or key.startswith("gbuf_idx_"):
+            continue
+        item = join(base, info.relative_path)
+        with storage.open_read(item) as f:
+            window = RecordWindow(f, info.offset, info.length)
+            record = open_record(window, info, storage.describe(item))
+            tree = record.tree
             tree = tree[0] if isinstance(tree, list) and tree else tree
-            groups = tree.get("param_groups") if isinstance(tree, dict) else None
-            if isinstance(groups, list) and all(isinstance(g, dict) for g in groups):
-                return groups
-    return []
+            _read_small(tree, record, tensors)
+        out[key] = tree
+    return out
