@@ -4,6 +4,8 @@ boxes of the canonical tensors, with ``args`` and training state in ``common.pt`
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError
@@ -47,21 +49,11 @@ def _common_state(
     if storage.exists(rel):
         with storage.open_read(rel) as f:
             reader = TorchZipReader(f, storage.describe(rel))
-            tree = reader.tree
-            if isinstance(ref := _common_step_ref(tree), TensorRef):
-                step = reader.read_number(ref)
-            tensors = _small_tensors(tree, reader)
+            tree, step, tensors = _common_parts(reader.tree, reader)
     elif (info := metadata.storage.get(("common_state/shard_0_1", None))) is not None:
-        # Megatron-Core >= 0.19 keeps it as a byte item: a pickled one-element list.
-        item = join(base, info.relative_path)
-        with storage.open_read(item) as f:
-            window = RecordWindow(f, info.offset, info.length)
-            record = open_record(window, info, storage.describe(item))
-            tree = record.tree
-            tree = tree[0] if isinstance(tree, list) and tree else tree
-            if isinstance(ref := _common_step_ref(tree), TensorRef):
-                step = record.read_number(ref)
-            tensors = _small_tensors(tree, record)
+        # Megatron-Core >= 0.19 keeps it as a byte item.
+        with _object_record(storage, base, info) as (tree, record):
+            tree, step, tensors = _common_parts(tree, record)
     else:
         raise CheckpointNotFoundError(
             f"{storage.describe(rel)}: missing; a torch_dist checkpoint keeps its args there"
@@ -69,6 +61,26 @@ def _common_state(
     if not isinstance(tree, dict) or not isinstance(tree.get("args"), argparse.Namespace):
         raise CheckpointError(f"{storage.describe(rel)}: no 'args' namespace")
     return tree, step, tensors
+
+
+def _common_parts(tree: Any, reader: Any) -> tuple[Any, float | None, dict[int, Any]]:
+    """The common state, its ``common_step`` (if any) and its optimizer's small tensors, read
+    while ``reader`` is open."""
+    ref = _common_step_ref(tree)
+    step = reader.read_number(ref) if isinstance(ref, TensorRef) else None
+    return tree, step, _small_tensors(tree, reader)
+
+
+@contextmanager
+def _object_record(storage: Storage, base: str, info: StorageInfo) -> Iterator[tuple[Any, Any]]:
+    """A pickled object of the DCP files (Megatron saves each as a one-element list) and its
+    record's reader, for the tensors inside, while the file is open."""
+    item = join(base, info.relative_path)
+    with storage.open_read(item) as f:
+        window = RecordWindow(f, info.offset, info.length)
+        record = open_record(window, info, storage.describe(item))
+        tree = record.tree
+        yield (tree[0] if isinstance(tree, list) and tree else tree), record
 
 
 SMALL_TENSOR = 1 << 16
@@ -294,12 +306,7 @@ def _bucket_objects(
         key = fqn[len(name) :].split("/", 1)[0]
         if "." in key or key in BESIDE_BUCKETS or key.startswith("gbuf_idx_"):
             continue
-        item = join(base, info.relative_path)
-        with storage.open_read(item) as f:
-            window = RecordWindow(f, info.offset, info.length)
-            record = open_record(window, info, storage.describe(item))
-            tree = record.tree
-            tree = tree[0] if isinstance(tree, list) and tree else tree
+        with _object_record(storage, base, info) as (tree, record):
             _read_small(tree, record, tensors)
         out[key] = tree
     return out
