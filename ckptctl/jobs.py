@@ -26,7 +26,6 @@ from ckptctl.distributed import Group
 from ckptctl.errors import CheckpointError, CkptctlError, UsageError
 from ckptctl.formats.megatron.layout import MegatronStyle
 from ckptctl.formats.megatron.ranks import coords
-from ckptctl.formats.torch_dist.layout import is_bucket_key
 from ckptctl.job_report import Progress, Report, Sources
 from ckptctl.lease import LOCK, hold
 from ckptctl.locations import refuse_overlap
@@ -52,6 +51,7 @@ from ckptctl.storage_errors import classify
 from planners.consolidate import plan_consolidate as consolidation
 from planners.consolidate import plan_hf_state_dict, plan_state_dict
 from planners.cost import profile_for, through_decoder, with_time
+from planners.optimizer_form import form_change_notes, optimizer_form, source_form
 from planners.strategy import Stored, plan_auto
 from planners.target import choose_target
 from planners.universal import plan_universal
@@ -305,44 +305,10 @@ def plan_reshard(
             f"--optim-sharding {optim_sharding}: only a torch_dist target with the distributed "
             "optimizer and optimizer state keeps it (--format torch_dist --distributed-optimizer)"
         )
-    notes = (*choice.notes, *plan.notes, *_optimizer_form_notes(ckpt.view, plan))
+    notes = (*choice.notes, *plan.notes, *form_change_notes(ckpt.view, plan))
     if notes != plan.notes:
         plan = plan.model_copy(update={"notes": notes})
     return Job(plan, Sources(lead, by_prefix), settings)
-
-
-def source_form(view: CheckpointView) -> str | None:
-    """How a ``torch_dist`` source keeps the distributed optimizer's state (``None``: it keeps
-    none, or is no ``torch_dist`` checkpoint)."""
-    if view.format != Format.TORCH_DIST or not view.layout.distributed_optimizer:
-        return None
-    if not view.has_optimizer:
-        return None
-    buckets = any(is_bucket_key(str(t.key[0])) for f in view.files for t in f.tensors)
-    return "dp_reshardable" if buckets else "fully_reshardable"
-
-
-def optimizer_form(plan: Plan) -> str | None:
-    """How a plan's ``torch_dist`` target keeps the distributed optimizer's state."""
-    if plan.target_format != Format.TORCH_DIST or not plan.target_layout.distributed_optimizer:
-        return None
-    tensors = [t for f in plan.files for t in f.tensors]
-    if any(is_bucket_key(str(t.key[0])) for t in tensors):
-        return "dp_reshardable"
-    if any(t.canonical.startswith("exp_avg/") for t in tensors):
-        return "fully_reshardable"
-    return None
-
-
-def _optimizer_form_notes(source: CheckpointView, plan: Plan) -> tuple[str, ...]:
-    """Says so when the distributed optimizer's state changes form (``--optim-sharding``)."""
-    before, after = source_form(source), optimizer_form(plan)
-    if before is None or after is None or before == after:
-        return ()
-    return (
-        f"the distributed optimizer's state is written {after}, not {before} as the source "
-        "keeps it",
-    )
 
 
 def nothing_to_change(

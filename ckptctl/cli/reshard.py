@@ -24,7 +24,6 @@ from ckptctl.errors import UsageError
 from ckptctl.jobs import (
     given_sources,
     nothing_to_change,
-    optimizer_form,
     plan_consolidate,
     plan_reshard,
     saved_job,
@@ -32,6 +31,7 @@ from ckptctl.jobs import (
 from ckptctl.locations import refuse_overlap
 from ckptctl.model.plan import Plan
 from ckptctl.model.stored import Format
+from planners.optimizer_form import optimizer_form
 
 
 @with_options(target_request, "target")

@@ -14,10 +14,11 @@ from ckptctl.destination import Destination, check_destination
 from ckptctl.distributed import Group, from_environment, launch, launched_world
 from ckptctl.errors import CkptctlError
 from ckptctl.job_report import NoProgress, Report
-from ckptctl.jobs import Job, optimizer_form, run
+from ckptctl.jobs import Job, run
 from ckptctl.model.plan import Plan
 from ckptctl.model.stored import Format
 from ckptctl.storage import Storage
+from planners.optimizer_form import optimizer_form
 from planners.target import changes
 
 

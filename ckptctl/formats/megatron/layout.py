@@ -422,14 +422,8 @@ def _distopt_file(
                         tensors.append(
                             stored_tensor(params[i], key, canonical, shape, "float32", pieces, at)
                         )
-    return StoredFile(
-        path,
-        tuple(tensors),
-        (tp_rank, pp_rank),
-        flat=tuple(flat),
-        ep_rank=ep_rank,
-        buckets=tuple(buckets),
-    )
+    rank = (tp_rank, pp_rank)
+    return StoredFile(path, tuple(tensors), rank, tuple(flat), ep_rank, tuple(buckets))
 
 
 def _numel(shape: tuple[int, ...]) -> int:

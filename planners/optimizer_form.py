@@ -1,0 +1,43 @@
+"""How a ``torch_dist`` checkpoint keeps the distributed optimizer's state: ``dp_reshardable``
+(Megatron's grad-buffer buckets) or ``fully_reshardable`` (per parameter), for a source and for
+a plan's target, and the note a reshard gives when the two differ. Pure."""
+
+from __future__ import annotations
+
+from ckptctl.formats.torch_dist.layout import is_bucket_key
+from ckptctl.model.plan import Plan
+from ckptctl.model.stored import CheckpointView, Format
+
+
+def source_form(view: CheckpointView) -> str | None:
+    """How a ``torch_dist`` source keeps the distributed optimizer's state (``None``: it keeps
+    none, or is no ``torch_dist`` checkpoint)."""
+    if view.format != Format.TORCH_DIST or not view.layout.distributed_optimizer:
+        return None
+    if not view.has_optimizer:
+        return None
+    buckets = any(is_bucket_key(str(t.key[0])) for f in view.files for t in f.tensors)
+    return "dp_reshardable" if buckets else "fully_reshardable"
+
+
+def optimizer_form(plan: Plan) -> str | None:
+    """How a plan's ``torch_dist`` target keeps the distributed optimizer's state."""
+    if plan.target_format != Format.TORCH_DIST or not plan.target_layout.distributed_optimizer:
+        return None
+    tensors = [t for f in plan.files for t in f.tensors]
+    if any(is_bucket_key(str(t.key[0])) for t in tensors):
+        return "dp_reshardable"
+    if any(t.canonical.startswith("exp_avg/") for t in tensors):
+        return "fully_reshardable"
+    return None
+
+
+def form_change_notes(source: CheckpointView, plan: Plan) -> tuple[str, ...]:
+    """Says so when the distributed optimizer's state changes form (``--optim-sharding``)."""
+    before, after = source_form(source), optimizer_form(plan)
+    if before is None or after is None or before == after:
+        return ()
+    return (
+        f"the distributed optimizer's state is written {after}, not {before} as the source "
+        "keeps it",
+    )
