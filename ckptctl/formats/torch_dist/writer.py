@@ -39,7 +39,8 @@ from ckptctl.formats.torch_dist.layout import (
 from ckptctl.formats.torchsave.zip_writer import TensorSlot, write_torch_zip
 from ckptctl.model.catalog import parameters
 from ckptctl.model.dtypes import DTYPES
-from ckptctl.model.plan import FileWrite, Plan
+from ckptctl.model.geometry import Shape
+from ckptctl.model.plan import FileWrite, Plan, TensorWrite
 from ckptctl.runs import Run
 
 Record = list[Any]
@@ -56,12 +57,8 @@ def write_dcp_shard(job: WriteJob, file: FileWrite, out: ByteStream) -> None:
     for tensor in file.tensors:
         fqn, offsets = str(tensor.key[0]), [int(k) for k in tensor.key[1:]]
         shape = tensor.shape
-        if is_bucket_key(fqn):  # a parameter's range of a bucket, stored flat
-            shape = (prod(tensor.shape),)
-        elif plan.spec is not None:
-            _, shape = record_geometry(
-                fqn, tensor.canonical, tensor.shape, plan.spec, plan.target_layout.tp
-            )
+        if plan.spec is not None:
+            _, shape = _record_geometry(plan, tensor)
         slot = TensorSlot("0", tensor.dtype, shape)
 
         def produce(_: TensorSlot, t: Any = tensor) -> Iterator[memoryview | Run]:
@@ -80,6 +77,16 @@ def write_dcp_shard(job: WriteJob, file: FileWrite, out: ByteStream) -> None:
         info = write_bytes_record(out, name, content)
         records.append([fqn, None, info.offset, info.length])
     job.report.records[file.path] = records
+
+
+def _record_geometry(plan: Plan, tensor: TensorWrite) -> tuple[Shape, Shape]:
+    """Global shape of the tensor ``tensor`` is a chunk of, and the chunk's record shape: a
+    parameter's range of a dp_reshardable bucket is stored flat, in a bucket of its
+    ``base_shape``; any other chunk as ``record_geometry`` says."""
+    fqn = str(tensor.key[0])
+    if is_bucket_key(fqn) and tensor.base_shape:
+        return tensor.base_shape, (prod(tensor.shape),)
+    return record_geometry(fqn, tensor.canonical, tensor.shape, plan.model(), plan.target_layout.tp)
 
 
 def bucket_objects(job: WriteJob, file: FileWrite) -> list[tuple[str, bytes]]:
@@ -202,15 +209,7 @@ def dcp_metadata(plan: Plan, records: dict[str, list[Record]]) -> DcpMetadata:
         name = posixpath.basename(file.path)
         for tensor in file.tensors:
             fqn, offsets = str(tensor.key[0]), tuple(int(k) for k in tensor.key[1:])
-            assert plan.spec is not None
-            global_shape: tuple[int, ...]
-            sizes: tuple[int, ...]
-            if is_bucket_key(fqn) and tensor.base_shape:
-                global_shape, sizes = tensor.base_shape, (prod(tensor.shape),)
-            else:
-                global_shape, sizes = record_geometry(
-                    fqn, tensor.canonical, tensor.shape, plan.spec, plan.target_layout.tp
-                )
+            global_shape, sizes = _record_geometry(plan, tensor)
             shapes[fqn] = (global_shape, tensor.dtype)
             chunks.setdefault(fqn, []).append(Chunk(offsets=offsets, sizes=sizes))
             _, _, offset, length = by_key[(fqn, offsets)]
