@@ -271,7 +271,9 @@ def plan_reshard(
     style = megatron_style(ckpt)
     if optim_sharding is not None and style.optimizer is not None:
         buckets = optim_sharding == "dp_reshardable"
-        style = replace(style, optimizer=replace(style.optimizer, buckets=buckets))
+        model_space = optim_sharding == "fully_sharded_model_space"
+        optimizer = replace(style.optimizer, buckets=buckets, model_space=model_space)
+        style = replace(style, optimizer=optimizer)
     if target_format is None:
         kept = ckpt.view.format in (Format.MEGATRON, Format.TORCH_DIST)
         target_format = Format(ckpt.view.format) if kept else Format.MEGATRON

@@ -114,6 +114,11 @@ def _first_row(
         return pieces[0].canonical[0] - pieces[0].local[0]
     key = tensor.key
     if dcp and not is_bucket_key(str(key[0])):
+        if len(key) == len(tensor.shape) + 2:
+            # fully_sharded_model_space: ``(fqn, row box, column box, start)``; a box ckptctl
+            # writes is whole (``base_shape`` says so), one read may be any part of its box.
+            whole = getattr(tensor, "base_shape", None) is not None
+            return int(key[1]) * tensor.shape[0] if whole else None
         return key[1] if len(key) > 1 and isinstance(key[1], int) else None
     # a legacy rank file's tensor, or a bucket chunk ckptctl writes (one TP shard whole)
     return rank[0] * tensor.shape[0] if rank is not None else None

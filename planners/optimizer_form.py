@@ -1,10 +1,12 @@
 """How a ``torch_dist`` checkpoint keeps the distributed optimizer's state: ``dp_reshardable``
-(Megatron's grad-buffer buckets) or ``fully_reshardable`` (per parameter), for a source and for
-a plan's target, and the note a reshard gives when the two differ. Pure."""
+(Megatron's grad-buffer buckets), ``fully_reshardable`` (per parameter) or
+``fully_sharded_model_space`` (per parameter, N-D flattened: megatron-core <= 0.14), for a
+source and for a plan's target, and the note a reshard gives when the two differ. Pure."""
 
 from __future__ import annotations
 
 from ckptctl.formats.torch_dist.layout import is_bucket_key
+from ckptctl.formats.torch_dist.model_space import is_model_space_key
 from ckptctl.model.plan import Plan
 from ckptctl.model.stored import CheckpointView, Format
 
@@ -16,8 +18,16 @@ def source_form(view: CheckpointView) -> str | None:
         return None
     if not view.has_optimizer:
         return None
-    buckets = any(is_bucket_key(str(t.key[0])) for f in view.files for t in f.tensors)
-    return "dp_reshardable" if buckets else "fully_reshardable"
+    keys = [str(t.key[0]) for f in view.files for t in f.tensors]
+    return _form(keys)
+
+
+def _form(keys: list[str]) -> str:
+    if any(is_bucket_key(k) for k in keys):
+        return "dp_reshardable"
+    if any(is_model_space_key(k) for k in keys):
+        return "fully_sharded_model_space"
+    return "fully_reshardable"
 
 
 def optimizer_form(plan: Plan) -> str | None:
@@ -25,11 +35,9 @@ def optimizer_form(plan: Plan) -> str | None:
     if plan.target_format != Format.TORCH_DIST or not plan.target_layout.distributed_optimizer:
         return None
     tensors = [t for f in plan.files for t in f.tensors]
-    if any(is_bucket_key(str(t.key[0])) for t in tensors):
-        return "dp_reshardable"
-    if any(t.canonical.startswith("exp_avg/") for t in tensors):
-        return "fully_reshardable"
-    return None
+    if not any(t.canonical.startswith("exp_avg/") for t in tensors):
+        return None
+    return _form([str(t.key[0]) for t in tensors])
 
 
 def form_change_notes(source: CheckpointView, plan: Plan) -> tuple[str, ...]:

@@ -23,6 +23,7 @@ from ckptctl.formats.torch_dist.layout import (
     MCORE_METADATA_TEXT,
     torch_dist_files,
 )
+from ckptctl.formats.torch_dist.model_space import flattened_files
 from ckptctl.model.catalog import is_state
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.plan import FileKind, Plan, TextWrite
@@ -70,7 +71,8 @@ def plan_reshard(
             states = ("fp32_param", *states)
         base = iteration_dir(source.iteration)
         # The distributed optimizer's state as its grad-buffer buckets (dp_reshardable), or
-        # per parameter (fully_reshardable): the source's form unless --optim-sharding says.
+        # per parameter (fully_reshardable, or N-D flattened: fully_sharded_model_space): the
+        # source's form unless --optim-sharding says.
         buckets = bool(states) and target_layout.distributed_optimizer
         buckets = buckets and optimizer is not None and optimizer.buckets
         per_parameter = () if buckets else states
@@ -87,6 +89,8 @@ def plan_reshard(
                 style.naming,
                 style.expert_naming,
             )
+        elif states and target_layout.distributed_optimizer and optimizer and optimizer.model_space:
+            targets = flattened_files(targets, spec, target_layout.tp)
         files, estimates = plan_files(source, targets, FileKind.DCP_SHARD, carry_from=0)
         files, read = megatron_rank_files(source, files, target_layout)
         estimates = estimates.model_copy(update={"bytes_read": estimates.bytes_read + read})

@@ -168,6 +168,7 @@ class OptimShardingName(StrEnum):
 
     dp_reshardable = "dp_reshardable"
     fully_reshardable = "fully_reshardable"
+    fully_sharded_model_space = "fully_sharded_model_space"
 
 
 OptimSharding = Annotated[
@@ -175,8 +176,9 @@ OptimSharding = Annotated[
     typer.Option(
         "--optim-sharding",
         help="torch_dist with the distributed optimizer: dp_reshardable (its grad-buffer "
-        "buckets, Megatron's default) or fully_reshardable (per parameter) (default: the "
-        "source's form; fully_reshardable from other sources).",
+        "buckets, Megatron's default), fully_reshardable (per parameter) or "
+        "fully_sharded_model_space (per parameter, N-D flattened: what megatron-core <= 0.14 "
+        "reads) (default: the source's form; fully_reshardable from other sources).",
     ),
 ]
 ReshardFormat = Annotated[

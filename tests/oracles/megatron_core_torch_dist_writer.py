@@ -121,10 +121,19 @@ from mcore_cpu import (
 )
 
 TP = 2
+"""Tensor-parallel size of the run (``--tp`` sets it for ``--load``: Megatron's own load-time
+resharding of a checkpoint saved at another TP)."""
 NUM_LAYERS = 2
 BATCH, SEQ = 2, 16
 # --optim-sharding type -> the directory its checkpoint goes to
-OPTIM_DIRS = {"fully_reshardable": "ckpt_optim", "dp_reshardable": "ckpt_optim_dp_reshardable"}
+OPTIM_DIRS = {
+    "fully_reshardable": "ckpt_optim",
+    "dp_reshardable": "ckpt_optim_dp_reshardable",
+    # megatron-core <= 0.14's default (0.15 and later refuse to write it), and an older form
+    # it still wrote on request: one pickled object per data-parallel group
+    "fully_sharded_model_space": "ckpt_optim_model_space",
+    "dp_zero_gather_scatter": "ckpt_optim_dp_zero",
+}
 
 
 def num_parameters() -> int:
@@ -203,6 +212,32 @@ def patch_fully_reshardable_load() -> None:
                 state["step"] = step
 
     DistributedOptimizer._set_main_param_and_optimizer_states = set_states_without_step  # type: ignore[method-assign]
+
+
+def patch_numpy_product() -> None:
+    """megatron-core <= 0.13 checks flattened optimizer shards with ``np.product``, which
+    numpy 2 removed; it is ``np.prod`` under its old name (no stored tensor is touched)."""
+    import numpy as np
+
+    if not hasattr(np, "product"):
+        np.product = np.prod  # type: ignore[attr-defined]
+
+
+def zero_gradient_step(optimizer: Any) -> None:
+    """Adam state for every parameter of a fresh ``DistributedOptimizer`` (megatron-core <= 0.13
+    has no ``_init_optimizer_states_with_dummy_values``): one step of the torch optimizer on
+    zero gradients, learning rate 0. The load that follows overwrites every value."""
+    inner = optimizer.optimizer
+    rates = [group["lr"] for group in inner.param_groups]
+    for group in inner.param_groups:
+        group["lr"] = 0.0
+        for param in group["params"]:
+            param.grad = torch.zeros_like(param)
+    inner.step()
+    for group, rate in zip(inner.param_groups, rates, strict=True):
+        group["lr"] = rate
+        for param in group["params"]:
+            param.grad = None
 
 
 # --------------------------------------------------------------------------- model and data
@@ -307,7 +342,14 @@ def save_torch_dist(
     from megatron.core.dist_checkpointing.strategies.fully_parallel import (
         FullyParallelSaveStrategyWrapper,
     )
-    from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
+
+    try:
+        from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
+    except ImportError:  # megatron-core <= 0.13 saved the metadata as it was built
+
+        def _clean_metadata_for_serialization(metadata: dict[str, Any]) -> dict[str, Any]:
+            return {k: v for k, v in metadata.items() if k != "dp_cp_group"}
+
     from megatron.core.rerun_state_machine import get_rerun_state_machine
 
     with_optimizer = optimizer is not None
@@ -357,8 +399,11 @@ def save_torch_dist(
 def worker(rank: int, port: int, out_dir: Path, options: dict[str, Any]) -> None:
     """One TP rank: build, save ``ckpt``, train one step, save ``ckpt_optim`` (or, with
     ``options["load"]``, load a checkpoint into a fresh model instead)."""
+    global TP
+    TP = options["tp"]
     # dist_checkpointing's fully-parallel save wrapper and FileSystemWriterAsync synchronize.
     patch_megatron_for_cpu(noop_cuda_synchronize=True)
+    patch_numpy_product()
     patch_fully_reshardable_load()
     with model_parallel(rank, port, TP, tp=TP, cpu_as_cuda=True):
         if options["load"] is not None:
@@ -435,7 +480,10 @@ def load_rank(src: Path, out_dir: Path, with_optimizer: bool) -> None:
         # with one zero-gradient step as megatron-core does for fsdp_dtensor; the load below
         # overwrites every value.
         for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-            inner._init_optimizer_states_with_dummy_values()
+            if hasattr(inner, "_init_optimizer_states_with_dummy_values"):
+                inner._init_optimizer_states_with_dummy_values()
+            else:  # megatron-core <= 0.13: the same by hand
+                zero_gradient_step(inner)
     metadata = sharded_sd_metadata(
         content.get("distrib_optim_sharding_type", "fully_sharded_model_space")
         if with_optimizer
@@ -498,6 +546,12 @@ def main(argv: list[str] | None = None) -> int:
         "write OUT_DIR/logits.pt and re-save what was loaded to OUT_DIR/ckpt",
     )
     parser.add_argument(
+        "--tp",
+        type=int,
+        default=TP,
+        help="with --load: the tensor-parallel size to load into (Megatron reshards on load)",
+    )
+    parser.add_argument(
         "--with-optimizer",
         action="store_true",
         help="with --load: also load the DistributedOptimizer and scheduler state",
@@ -509,8 +563,9 @@ def main(argv: list[str] | None = None) -> int:
         "load": args.load.resolve() if args.load is not None else None,
         "with_optimizer": args.with_optimizer,
         "optim_sharding": args.optim_sharding,
+        "tp": args.tp if args.load is not None else TP,
     }
-    spawn(worker, TP, out_dir, options)
+    spawn(worker, options["tp"], out_dir, options)
     return 0
 
 

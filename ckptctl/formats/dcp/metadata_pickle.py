@@ -136,6 +136,10 @@ def metadata_pickle(md: DcpMetadata, protocol: int) -> bytes:
         "storage_meta": storage_meta,
         "version": md.version,
     }
+    if md.mcore_data:
+        # megatron-core <= 0.14 reads the original shape of each N-D flattened tensor here (its
+        # Metadata subclass's attribute; on torch's own class an extra attribute all the same).
+        state["mcore_data"] = {k: dict(v) for k, v in md.mcore_data.items()}
     buf = io.BytesIO()
     _Pickler(buf, protocol=protocol).dump(_instance(_DCP, "Metadata", state))
     return buf.getvalue()

@@ -51,6 +51,7 @@ from ckptctl.formats.torch_dist.layout import (
     dense_optimizer,
     is_bucket_key,
 )
+from ckptctl.formats.torch_dist.model_space import is_model_space_key
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
 from ckptctl.formats.torchsave.refs import stored_object, view_ref
 from ckptctl.model.geometry import Piece, chunk_pieces
@@ -204,6 +205,8 @@ class DcpCheckpoint:
             bucket_size=getattr(self.args, "ddp_bucket_size", None),
             grad_dtype=grad_reduce_dtype(self.args),
             buckets=any(is_bucket_key(str(t.key[0])) for f in self.view.files for t in f.tensors),
+            model_space=self.view.layout.distributed_optimizer
+            and any(is_model_space_key(str(t.key[0])) for f in self.view.files for t in f.tensors),
         )
 
     @property
@@ -229,7 +232,14 @@ class DcpCheckpoint:
         out["iteration"] = self.view.iteration or 0
         opt = dense_optimizer(self.common.get("optimizer"))
         if isinstance(opt.get("optimizer"), dict):  # a wrapper's entry, not torch's own
-            inner = ("optimizer", "param_state_sharding_type", "fp32_from_fp16_params")
+            # (``param_state``: Adam's step per parameter of a fully_sharded_model_space
+            # save, which Megatron reads from the parameter groups instead)
+            inner = {
+                "optimizer",
+                "param_state_sharding_type",
+                "fp32_from_fp16_params",
+                "param_state",
+            }
             extra = {k: v for k, v in opt.items() if k not in inner}
             if extra:
                 out["optimizer_extra"] = extra

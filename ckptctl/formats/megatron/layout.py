@@ -82,6 +82,9 @@ class OptimizerLayout:
     buckets: bool = False
     """``torch_dist``: the distributed optimizer's state is kept as its grad-buffer buckets
     (Megatron's ``dp_reshardable``) rather than per parameter (``fully_reshardable``)."""
+    model_space: bool = False
+    """``torch_dist``: per parameter, but N-D flattened, as megatron-core <= 0.14 kept it by
+    default (``fully_sharded_model_space``)."""
     overlap_grad_reduce: bool = False
     bucket_size: int | None = None
     """``--ddp-bucket-size``; with overlap on and none given Megatron uses max(40M, 1M * dp)."""

@@ -37,7 +37,8 @@ FORMAT = CheckpointFormat(
         "metadata.json (sharded_backend torch_dist), .metadata, *.distcp, common.pt",
         True,
         "reshard --format torch_dist",
-        "layer-stacked keys, fully_reshardable and dp_reshardable optimizer state",
+        "layer-stacked keys, fully_reshardable, dp_reshardable and fully_sharded_model_space "
+        "optimizer state",
         "CRC-32 of every tensor record",
     ),
     writers={FileKind.DCP_SHARD: lazy(WRITER, "write_dcp_shard")},

@@ -61,6 +61,12 @@ EXPERTS_KEY = f"{EXPERTS}.experts."
 ``[L, E, ...]``, the second dimension the global expert."""
 
 
+def chained_prefix(fqn: str) -> str:
+    """``chained_<i>.`` when ``fqn`` is one of a chained optimizer's keys, else ``""``."""
+    found = _CHAINED.match(fqn)
+    return found.group(0) if found else ""
+
+
 def is_bucket_key(fqn: str) -> bool:
     """Whether ``fqn`` is ``dp_reshardable`` state (a bucket, or an object kept beside them) of
     the distributed optimizer, or of one of a chained optimizer's (``chained_<i>.``)."""

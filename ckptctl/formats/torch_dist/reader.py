@@ -22,6 +22,7 @@ from ckptctl.formats.megatron.args import (
 )
 from ckptctl.formats.megatron.layout import OptimizerLayout, expert_naming_from_args
 from ckptctl.formats.torch_dist import dp_reshardable
+from ckptctl.formats.torch_dist import model_space as model_space_form
 from ckptctl.formats.torch_dist.layout import (
     COMMON,
     DP_RESHARDABLE_PREFIX,
@@ -29,7 +30,9 @@ from ckptctl.formats.torch_dist.layout import (
     dense_optimizer,
     is_bucket_key,
     model_catalog,
+    split_key,
 )
+from ckptctl.formats.torch_dist.model_space import box_shape, flattened_parts
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
 from ckptctl.model.catalog import Naming
 from ckptctl.model.layout import ModelSpec, ParallelLayout
@@ -81,6 +84,21 @@ def _object_record(storage: Storage, base: str, info: StorageInfo) -> Iterator[t
         record = open_record(window, info, storage.describe(item))
         tree = record.tree
         yield (tree[0] if isinstance(tree, list) and tree else tree), record
+
+
+DEPRECATED_FORMS = ("dp_zero_gather_scatter", "fully_sharded_bucket_space")
+"""Distributed-optimizer forms older than ``fully_sharded_model_space``: one pickled object per
+data-parallel group, or buckets without the layout to place them."""
+
+
+def model_space_box(fqn: str, entry: TensorEntry, metadata: DcpMetadata) -> tuple[int, ...] | None:
+    """The box shape of ``fqn``'s N-D flattened optimizer state (``None`` for a model key):
+    from the shape of the model tensor it is the state of."""
+    state, key = split_key(fqn)
+    model = metadata.entries.get(key)
+    if state is None or state == "?" or not isinstance(model, TensorEntry):
+        return None
+    return box_shape(tuple(entry.shape), tuple(model.shape))
 
 
 SMALL_TENSOR = 1 << 16
@@ -140,16 +158,31 @@ def probe_torch_dist(
     unknown: list[str] = []
     objects: set[str] = set()
     buckets: dict[str, TensorEntry] = {}
+    sharding = dense_optimizer(common.get("optimizer")).get("param_state_sharding_type")
+    if sharding in DEPRECATED_FORMS:
+        # Unverified against a writer here: taking them for dp_reshardable buckets could misplace
+        # values, so they are left out, said plainly.
+        warnings.append(
+            f"optimizer state is {sharding}, an older form of megatron-core's that ckptctl does "
+            "not read: only the weights can be taken from it (to keep Adam's state, load it with "
+            "the release that wrote it and save it as fully_sharded_model_space)"
+        )
+    model_space = sharding == model_space_form.FORM
     for fqn, entry in metadata.entries.items():
         if isinstance(entry, BytesEntry):
             if not fqn.startswith("common_state"):
                 objects.add(fqn.split("/")[0].rsplit(".", 1)[-1])
             continue
         if is_bucket_key(fqn):
-            buckets[fqn] = entry
+            if sharding not in DEPRECATED_FORMS:
+                buckets[fqn] = entry
             continue
+        flattened = model_space_box(fqn, entry, metadata) if model_space else None
         for chunk in entry.chunks:
-            parts = chunk_parts(fqn, chunk.offsets, chunk.sizes, catalog)
+            if flattened is None:
+                parts = chunk_parts(fqn, chunk.offsets, chunk.sizes, catalog)
+            else:
+                parts = flattened_parts(fqn, flattened, chunk.offsets, chunk.sizes, catalog)
             if parts is None:
                 unknown.append(fqn)
                 break
@@ -175,7 +208,11 @@ def probe_torch_dist(
             f"{spec.hidden_size}); MoE and heterogeneous layers are not supported yet"
         )
     optimizer = dense_optimizer(common.get("optimizer"))
-    sharding = optimizer.get("param_state_sharding_type")
+    if model_space:
+        notes.append(
+            "optimizer state is fully_sharded_model_space (megatron-core <= 0.14): its N-D "
+            "flattened boxes are read as the parameters they flatten"
+        )
     if buckets:
         weight_dtype = next(t.dtype for _, t in placed if "/" not in t.canonical)
         try:

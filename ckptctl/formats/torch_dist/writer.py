@@ -35,7 +35,9 @@ from ckptctl.formats.torch_dist.layout import (
     is_bucket_key,
     model_catalog,
     record_geometry,
+    split_key,
 )
+from ckptctl.formats.torch_dist.model_space import is_model_space_key
 from ckptctl.formats.torchsave.zip_writer import TensorSlot, write_torch_zip
 from ckptctl.model.catalog import parameters
 from ckptctl.model.dtypes import DTYPES
@@ -86,6 +88,9 @@ def _record_geometry(plan: Plan, tensor: TensorWrite) -> tuple[Shape, Shape]:
     fqn = str(tensor.key[0])
     if is_bucket_key(fqn) and tensor.base_shape:
         return tensor.base_shape, (prod(tensor.shape),)
+    if split_key(fqn)[0] is not None and tensor.base_shape:
+        # One box of an N-D flattened key: fragment index, then the box's elements flat.
+        return tensor.base_shape, (*(1,) * (len(tensor.base_shape) - 1), prod(tensor.shape))
     return record_geometry(fqn, tensor.canonical, tensor.shape, plan.model(), plan.target_layout.tp)
 
 
@@ -204,6 +209,7 @@ def dcp_metadata(plan: Plan, records: dict[str, list[Record]]) -> DcpMetadata:
     shapes: dict[str, tuple[tuple[int, ...], str]] = {}
     storage: dict[tuple[str, tuple[int, ...] | None], StorageInfo] = {}
     objects: dict[str, BytesEntry] = {}
+    flattened: dict[str, Shape] = {}
     for file in plan.files:
         by_key = {(r[0], tuple(r[1])): r for r in records.get(file.path, []) if r[1] is not None}
         name = posixpath.basename(file.path)
@@ -211,6 +217,10 @@ def dcp_metadata(plan: Plan, records: dict[str, list[Record]]) -> DcpMetadata:
             fqn, offsets = str(tensor.key[0]), tuple(int(k) for k in tensor.key[1:])
             global_shape, sizes = _record_geometry(plan, tensor)
             shapes[fqn] = (global_shape, tensor.dtype)
+            if split_key(fqn)[0] is not None and tensor.base_shape and not is_bucket_key(fqn):
+                flattened[fqn] = record_geometry(
+                    fqn, tensor.canonical, tensor.shape, plan.model(), plan.target_layout.tp
+                )[0]
             chunks.setdefault(fqn, []).append(Chunk(offsets=offsets, sizes=sizes))
             _, _, offset, length = by_key[(fqn, offsets)]
             storage[(fqn, offsets)] = StorageInfo(relative_path=name, offset=offset, length=length)
@@ -223,7 +233,13 @@ def dcp_metadata(plan: Plan, records: dict[str, list[Record]]) -> DcpMetadata:
         for fqn in chunks
     }
     entries.update(objects)
-    return DcpMetadata(entries=entries, storage=storage)
+    if not flattened:
+        return DcpMetadata(entries=entries, storage=storage)
+    # fully_sharded_model_space: its loader looks every key up, the flattened ones' shapes too.
+    mcore: dict[str, dict[str, Shape]] = {fqn: {} for fqn in chunks} | {
+        fqn: {"nd_reformulated_orig_global_shape": shape} for fqn, shape in flattened.items()
+    }
+    return DcpMetadata(entries=entries, storage=storage, mcore_data=mcore)
 
 
 def _group_step(state: Any) -> float | None:
@@ -251,6 +267,7 @@ def _optimizer_entry(
     *,
     distributed: bool = True,
     fp32_weights: bool = False,
+    form: str = "fully_reshardable",
 ) -> dict[str, Any]:
     """One optimizer's common state: its parameter groups (weight-decay group first).
 
@@ -273,7 +290,7 @@ def _optimizer_entry(
     if distributed:
         return {
             "optimizer": {"param_groups": groups},
-            "param_state_sharding_type": "fully_reshardable",
+            "param_state_sharding_type": form,
             **extra,
         }
     torch_state: dict[str, Any] = {"state": {}, "param_groups": groups}
@@ -300,9 +317,10 @@ def common_state(plan: Plan, state: Any) -> dict[str, Any]:
     content: dict[str, Any] = {"singleton_local_shards": False}
     if has_optimizer:
         step = _group_step(state)
-        form = {
+        form: dict[str, Any] = {
             "distributed": plan.target_layout.distributed_optimizer,
             "fp32_weights": fp32_weights(plan),
+            "form": "fully_sharded_model_space" if _model_space(plan) else "fully_reshardable",
         }
         if plan.target_layout.ep > 1:  # chained: dense, then expert parameters
             experts = [p for p in parameters(plan.model()) if not p.buffer and p.expert is not None]
@@ -314,7 +332,7 @@ def common_state(plan: Plan, state: Any) -> dict[str, Any]:
         else:
             tree["optimizer"] = _optimizer_entry(state, (False, True), step, **form)
         if plan.target_layout.distributed_optimizer:
-            content["distrib_optim_sharding_type"] = "fully_reshardable"
+            content["distrib_optim_sharding_type"] = form["form"]
             if _holds_buckets(plan):
                 # The parameter groups are kept beside the buckets (``bucket_objects``).
                 # (one dict per sub-optimizer: Megatron's loader fills each in place)
@@ -323,6 +341,12 @@ def common_state(plan: Plan, state: Any) -> dict[str, Any]:
                 content["distrib_optim_sharding_type"] = "dp_reshardable"
     tree["content_metadata"] = content
     return tree
+
+
+def _model_space(plan: Plan) -> bool:
+    return plan.target_layout.distributed_optimizer and any(
+        is_model_space_key(str(t.key[0])) and t.base_shape for f in plan.files for t in f.tensors
+    )
 
 
 def _holds_buckets(plan: Plan) -> bool:

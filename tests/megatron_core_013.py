@@ -1,0 +1,60 @@
+"""megatron-core 0.13.1 for the tests of the distributed optimizer's older torch_dist form
+(``fully_sharded_model_space``, its default up to 0.14; 0.15 and later no longer write it).
+
+Its wheel is pure Python and runs on this project's own torch, so it is installed without
+dependencies into a directory of its own under ``~/.cache/ckptctl-oracles``
+(``$CKPTCTL_ORACLES``), built on first use and kept, and put ahead of the venv's
+megatron-core 0.16.1 on ``PYTHONPATH`` for the oracle script only.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.oracle_runner import OracleFailed
+
+RELEASE = "0.13.1"
+ROOT = Path(os.environ.get("CKPTCTL_ORACLES", Path.home() / ".cache" / "ckptctl-oracles"))
+SITE = ROOT / f"megatron-core-{RELEASE}"
+READY = SITE / "ckptctl-ready"
+ORACLE = Path(__file__).parent / "oracles" / "megatron_core_torch_dist_writer.py"
+
+
+def site() -> Path:
+    """The directory holding megatron-core 0.13.1, installed first if it is not there (under a
+    lock: test sessions side by side install it once)."""
+    if READY.exists():
+        return SITE
+    ROOT.mkdir(parents=True, exist_ok=True)
+    with open(ROOT / f"megatron-core-{RELEASE}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if READY.exists():
+            return SITE
+        shutil.rmtree(SITE, ignore_errors=True)
+        command = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps"]
+        command += ["--target", str(SITE), f"megatron-core=={RELEASE}"]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+        if done.returncode != 0:
+            raise OracleFailed(f"installing megatron-core {RELEASE} failed:\n{done.stderr}")
+        READY.write_text(RELEASE)
+    return SITE
+
+
+def run(*args: object, script: str = ORACLE.name, timeout: float = 900) -> str:
+    """``tests/oracles/<script> ARGS`` (the torch_dist writer unless named) on megatron-core
+    0.13.1."""
+    env = {**os.environ, "PYTHONPATH": str(site())}
+    oracle = ORACLE.with_name(script)
+    command = [sys.executable, str(oracle), *map(str, args)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    if done.returncode != 0:
+        raise OracleFailed(
+            f"{script} {' '.join(map(str, args))} on megatron-core {RELEASE} failed "
+            f"(exit {done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+        )
+    return done.stdout
