@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ckptctl import synth
+from tests import megatron_core_013
 from tests.oracle_runner import run_oracle
 from tests.test_reshard import _assert_tree_equal, assert_same_checkpoint
 
@@ -125,12 +126,18 @@ def test_unreplayable_layout_is_refused(tmp_path, cli, model_and_states):
 
 
 @pytest.mark.oracle
-def test_megatron_core_distributed_optimizer_files(tmp_path, cli):
+@pytest.mark.parametrize("release", ["0.16.1", megatron_core_013.RELEASE])
+def test_megatron_core_distributed_optimizer_files(tmp_path, cli, release):
     """A real DistributedOptimizer (TP2 PP2 DP2, one training step) is the writer; the live
-    optimizer's per-parameter state is the truth."""
+    optimizer's per-parameter state is the truth. Written by megatron-core 0.16.1 and by 0.13.1
+    (``distrib_optim.pt`` as releases before 0.14 save it)."""
     pytest.importorskip("megatron.core")
     real = tmp_path / "real"
-    run_oracle(WRITER, real, "--tp", 2, "--pp", 2, "--dp", 2, "--hidden", 48, "--ffn-hidden", 100)
+    flags = ("--tp", 2, "--pp", 2, "--dp", 2, "--hidden", 48, "--ffn-hidden", 100)
+    if release == megatron_core_013.RELEASE:
+        megatron_core_013.run(real, *flags, script=WRITER)
+    else:
+        run_oracle(WRITER, real, *flags)
     # Same layout, per-parameter torch state: every parameter's state must equal the truth.
     cli("reshard", real, tmp_path / "plain", "--tp", "2", "--pp", "2", "--no-distributed-optimizer")
     for tp in range(2):
