@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests import megatron_core_013
@@ -39,18 +40,19 @@ def mcli(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 @pytest.fixture(scope="module")
 def written(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """megatron-core 0.13.1's TP2 checkpoints after one step: ``ckpt_optim_model_space`` and
-    ``ckpt_optim_dp_zero`` (``dp_zero_gather_scatter``)."""
+    """megatron-core 0.13.1's TP2 DP3 checkpoints after one step: ``ckpt_optim_model_space``
+    (each DP rank saves its range of every box: chunks that cut rows) and ``ckpt_optim_dp_zero``
+    (``dp_zero_gather_scatter``)."""
     out = tmp_path_factory.mktemp("mcore013")
-    megatron_core_013.run(
-        out, "--optim-sharding", "fully_sharded_model_space", "dp_zero_gather_scatter"
-    )
+    sharding = ("fully_sharded_model_space", "dp_zero_gather_scatter")
+    megatron_core_013.run(out, "--dp", 3, "--optim-sharding", *sharding)
     return out
 
 
 @pytest.fixture(scope="module")
 def megatron_tp1(written: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """megatron-core 0.13.1's own load of the TP2 checkpoint into a TP1 model, saved again."""
+    """megatron-core 0.13.1's own load of the TP2 DP3 checkpoint into a TP1 DP1 model, saved
+    again."""
     out = tmp_path_factory.mktemp("mcore013-tp1")
     source = written / "ckpt_optim_model_space"
     megatron_core_013.run(out, "--load", source, "--tp", "1", "--with-optimizer")
@@ -60,7 +62,7 @@ def megatron_tp1(written: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 @pytest.fixture(scope="module")
 def ckptctl_tp1(written: Path, mcli: Cli, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("ckptctl") / "tp1"
-    mcli("reshard", written / "ckpt_optim_model_space", out, "--tp", "1")
+    mcli("reshard", written / "ckpt_optim_model_space", out, "--tp", "1", "--dp", "1")
     return out
 
 
@@ -75,8 +77,12 @@ def test_masters_read_from_model_space_equal_the_weights(
 ) -> None:
     """An fp32 run's distributed-optimizer masters are its weights: read from the N-D flattened
     boxes and written per parameter, each must equal its weight, which is read another way."""
-    out = tmp_path / "fully"
     source = written / "ckpt_optim_model_space"
+    stored = FileSystemReader(source / ITER).read_metadata().state_dict_metadata
+    cut = [k for k, m in stored.items() if k.startswith(FLATTENED) and len(m.chunks) > 1]
+    # DP ranges cut boxes: a box's elements in several chunks
+    assert any(c.sizes[-1] < stored[k].size[-1] for k in cut for c in stored[k].chunks)
+    out = tmp_path / "fully"
     mcli("reshard", source, out, "--optim-sharding", "fully_reshardable")
     state = tensors(out / ITER, tmp_path / "all.pt")
     masters = {k[len("optimizer.state.param.") :]: v for k, v in state.items() if ".param." in k}
@@ -90,7 +96,7 @@ def test_masters_read_from_model_space_equal_the_weights(
 def test_reshard_equals_megatrons_own_and_megatron_loads_it(
     ckptctl_tp1: Path, megatron_tp1: Path, mcli: Cli, tmp_path: Path
 ) -> None:
-    """TP2 -> TP1 keeps the form and equals, bit for bit, what megatron-core 0.13.1's load-time
+    """TP2 DP3 -> TP1 keeps the form and equals, bit for bit, what megatron-core 0.13.1's load-time
     resharding saves (weights, masters, moments, vocabulary padding rows); megatron-core 0.13.1
     loads ckptctl's output strictly and holds the same state and logits."""
     common = torch.load(ckptctl_tp1 / ITER / "common.pt", weights_only=False)
@@ -120,10 +126,10 @@ def test_reshard_equals_megatrons_own_and_megatron_loads_it(
 def test_round_trip_reproduces_every_flattened_tensor(
     written: Path, ckptctl_tp1: Path, mcli: Cli, tmp_path: Path
 ) -> None:
-    """TP2 -> TP1 -> TP2: every tensor of megatron-core's own files, N-D flattened optimizer
-    state included, comes back bit for bit."""
+    """TP2 DP3 -> TP1 -> TP2 DP3: every tensor of megatron-core's own files, N-D flattened
+    optimizer state included, comes back bit for bit."""
     back = tmp_path / "tp2"
-    mcli("reshard", ckptctl_tp1, back, "--tp", "2")
+    mcli("reshard", ckptctl_tp1, back, "--tp", "2", "--dp", "3")
     source = tensors(written / "ckpt_optim_model_space" / ITER, tmp_path / "src.pt")
     again = tensors(back / ITER, tmp_path / "back.pt")
     assert sorted(source) == sorted(again)

@@ -72,9 +72,14 @@ rows randomly, so trim to ``true_vocab_size`` before comparing with an unpadded 
 
 Usage::
 
-    python tests/oracles/megatron_core_torch_dist_writer.py OUT_DIR \
+    python tests/oracles/megatron_core_torch_dist_writer.py OUT_DIR [--dp N] \
         [--optim-sharding fully_reshardable dp_reshardable]
-    python tests/oracles/megatron_core_torch_dist_writer.py OUT_DIR --load CKPT [--with-optimizer]
+    python tests/oracles/megatron_core_torch_dist_writer.py OUT_DIR --load CKPT [--with-optimizer] \
+        [--tp N --dp N]
+
+On megatron-core 0.13.1 (``tests/megatron_core_013.py`` puts it first on ``PYTHONPATH``)
+``--optim-sharding`` also takes ``fully_sharded_model_space`` (that release's default) and
+``dp_zero_gather_scatter``; ``fully_reshardable`` and ``dp_reshardable`` are 0.14+ forms.
 
 Needs ``megatron-core==0.16.1``, ``einops`` and ``psutil`` on a CPU-only torch, and
 ``mcore_cpu.py`` next to this script (the model, CPU patches, rank set-up and training step
@@ -123,6 +128,9 @@ from mcore_cpu import (
 TP = 2
 """Tensor-parallel size of the run (``--tp`` sets it for ``--load``: Megatron's own load-time
 resharding of a checkpoint saved at another TP)."""
+DP = 1
+"""Data-parallel size (``--dp``): each DP rank trains on the same micro-batch, so the step is
+the DP = 1 step, and the distributed optimizer saves its DP ranges of every parameter."""
 NUM_LAYERS = 2
 BATCH, SEQ = 2, 16
 # --optim-sharding type -> the directory its checkpoint goes to
@@ -153,12 +161,12 @@ def megatron_args(with_optimizer: bool, optim_sharding: str | None = None) -> ar
         virtual_pipeline_model_parallel_size=None,
         context_parallel_size=1,
         expert_model_parallel_size=1,
-        data_parallel_size=1,
-        world_size=TP,
+        data_parallel_size=DP,
+        world_size=TP * DP,
         **model_args(TP, NUM_LAYERS),
         seq_length=SEQ,
         micro_batch_size=BATCH,
-        global_batch_size=BATCH,
+        global_batch_size=BATCH * DP,
         num_experts=None,
         params_dtype=torch.float32,
         bf16=False,
@@ -399,13 +407,13 @@ def save_torch_dist(
 def worker(rank: int, port: int, out_dir: Path, options: dict[str, Any]) -> None:
     """One TP rank: build, save ``ckpt``, train one step, save ``ckpt_optim`` (or, with
     ``options["load"]``, load a checkpoint into a fresh model instead)."""
-    global TP
-    TP = options["tp"]
+    global TP, DP
+    TP, DP = options["tp"], options["dp"]
     # dist_checkpointing's fully-parallel save wrapper and FileSystemWriterAsync synchronize.
     patch_megatron_for_cpu(noop_cuda_synchronize=True)
     patch_numpy_product()
     patch_fully_reshardable_load()
-    with model_parallel(rank, port, TP, tp=TP, cpu_as_cuda=True):
+    with model_parallel(rank, port, TP * DP, tp=TP, cpu_as_cuda=True):
         if options["load"] is not None:
             load_rank(options["load"], out_dir, options["with_optimizer"])
         else:
@@ -422,9 +430,9 @@ def run_rank(out_dir: Path, optim_sharding: list[str]) -> None:
     logits = reference_logits(gpt)
     save_torch_dist(out_dir / "ckpt", gpt)
 
-    ddp, optimizer, scheduler = wrap_for_training(config, gpt, global_batch=BATCH)
+    ddp, optimizer, scheduler = wrap_for_training(config, gpt, global_batch=BATCH * DP)
     losses, grad_norm = train_step(
-        ddp, optimizer, scheduler, [training_batch()], global_batch=BATCH
+        ddp, optimizer, scheduler, [training_batch()], global_batch=BATCH * DP
     )
     loss = mean_loss(losses)
     if dist.get_rank() == 0:
@@ -474,7 +482,7 @@ def load_rank(src: Path, out_dir: Path, with_optimizer: bool) -> None:
     content = dist_checkpointing.load_content_metadata(str(checkpoint_dir)) or {}
     optimizer = scheduler = None
     if with_optimizer:
-        _ddp, optimizer, scheduler = wrap_for_training(config, gpt, global_batch=BATCH)
+        _ddp, optimizer, scheduler = wrap_for_training(config, gpt, global_batch=BATCH * DP)
         # Without Apex / TransformerEngine, DistributedOptimizer.state_dict() needs Adam state
         # to exist already (it reads every param's "step"); a fresh torch Adam has none. Fill it
         # with one zero-gradient step as megatron-core does for fsdp_dtensor; the load below
@@ -552,6 +560,9 @@ def main(argv: list[str] | None = None) -> int:
         help="with --load: the tensor-parallel size to load into (Megatron reshards on load)",
     )
     parser.add_argument(
+        "--dp", type=int, default=DP, help="data-parallel size (of the run, or to load into)"
+    )
+    parser.add_argument(
         "--with-optimizer",
         action="store_true",
         help="with --load: also load the DistributedOptimizer and scheduler state",
@@ -564,8 +575,9 @@ def main(argv: list[str] | None = None) -> int:
         "with_optimizer": args.with_optimizer,
         "optim_sharding": args.optim_sharding,
         "tp": args.tp if args.load is not None else TP,
+        "dp": args.dp,
     }
-    spawn(worker, options["tp"], out_dir, options)
+    spawn(worker, options["tp"] * options["dp"], out_dir, options)
     return 0
 
 
