@@ -3,7 +3,7 @@
 Megatron pads the embedding and output layer to a multiple of ``make_vocab_size_divisible_by x
 TP`` rows; those rows are trained state (its softmax covers the padded logits) that ckptctl's
 canonical tensors, the tokenizer's rows, leave out. Where both sides pad to the same number of
-rows, the rows are read from the stored tensors that hold a TP rank's whole share
+rows, the rows are read from the stored boxes whose place in the padded tensor is known
 (``planners.megatron_rank_state.padding_holders``) and compared.
 """
 
@@ -82,8 +82,8 @@ def padding_rows_compared(
     )
     if unlocated:
         detail += (
-            f", not compared in {len(unlocated)} (one side does not hold the rows whole, or "
-            "holds them in a dtype numpy cannot compare) "
+            f", not compared in {len(unlocated)} (one side holds some of them where it does "
+            "not say, or holds them in a dtype numpy cannot compare) "
             f"({', '.join(unlocated[:2])}{' ...' if len(unlocated) > 2 else ''})"
         )
     return detail, ""
@@ -92,22 +92,23 @@ def padding_rows_compared(
 def _padding_of(
     side: Checkpoint, holders: list[PaddingHolder], vocab: int, rows: int
 ) -> np.ndarray | None:
-    """Rows ``vocab..rows-1`` of one vocabulary tensor, from the stored tensors that hold them;
-    ``None`` when some are held by none of them."""
-    parts, lo = [], vocab
-    for index, first, held in sorted(holders, key=lambda h: h[1]):
-        start, stop = max(lo, first), min(rows, first + held.shape[0])
-        if start >= stop:
+    """Rows ``vocab..rows-1`` of one vocabulary tensor, from the stored boxes that hold them;
+    ``None`` when some elements are held by none of them."""
+    columns = max((left + held.shape[1] for _, (_, left), held in holders), default=0)
+    out: np.ndarray | None = None
+    held_mask = np.zeros((rows - vocab, columns), dtype=bool)
+    for index, (top, left), held in sorted(holders, key=lambda h: h[1]):
+        r0, r1 = max(vocab, top), min(rows, top + held.shape[0])
+        if r0 >= r1 or held_mask[r0 - vocab : r1 - vocab, left : left + held.shape[1]].all():
             continue
-        rest = held.shape[1:]
         view = None if held.view_offset is None else (held.view_offset, held.shape)
         path = side.view.files[index].path
-        offsets, sizes = (start - first, *(0,) * len(rest)), (stop - start, *rest)
-        parts.append(side.read(path, held.key, offsets, sizes, view))
-        lo = stop
-        if lo >= rows:
-            return np.concatenate(parts)
-    return None
+        part = side.read(path, held.key, (r0 - top, 0), (r1 - r0, held.shape[1]), view)
+        if out is None:
+            out = np.zeros((rows - vocab, columns), dtype=part.dtype)
+        out[r0 - vocab : r1 - vocab, left : left + held.shape[1]] = part
+        held_mask[r0 - vocab : r1 - vocab, left : left + held.shape[1]] = True
+    return out if out is not None and held_mask.all() else None
 
 
 def _same(here: np.ndarray, there: np.ndarray, rtol: float, atol: float) -> bool | None:

@@ -165,6 +165,7 @@ def plan_files(
                     view_offset=tensor.view_offset,
                     transposed=tensor.transposed,
                     base_shape=tensor.base_shape,
+                    padded_origin=tensor.padded_origin,
                 )
             )
             peak = max(peak, 2 * nbytes(tensor.shape, "float32"))

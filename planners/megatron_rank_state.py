@@ -12,11 +12,12 @@ padding row is copied from the source rank file that holds it, and Megatron resu
 target with the loss it would have had from the source. Where the padded sizes differ (a TP
 that changes the padding), the rows are new and stay zero (the plan's note says so).
 
-Rows are found wherever a stored tensor holds a TP rank's whole share of a vocabulary tensor: the
-weights, per-parameter Adam state, and a legacy ``distrib_optim.pt``'s slices of its flat buffers
-(fp32 masters and moments). ``dp_reshardable`` buckets cut over data-parallel ranks hold rows
-whose place in the vocabulary the chunk does not say; a target written as those buckets (none
-is yet) would start its padding from zeros.
+Rows are found wherever a stored tensor holds a box of a vocabulary tensor whose place is known:
+the weights, per-parameter Adam state, a legacy ``distrib_optim.pt``'s slices of its flat
+buffers, and the boxes flat buffers cut over data-parallel ranks (``dp_reshardable`` buckets,
+``fully_sharded_model_space`` ranges: whole rows or parts of one), which readers place with
+``StoredTensor.padded_origin`` where their pieces cannot say. Each target box takes the part of
+each holder it overlaps, each element once.
 
 A rank's RNG state (Python's, numpy's, torch's, and the TP-rank-specific streams of the CUDA
 RNG tracker) belongs to its place in the TP/PP/EP grid: it is carried to the same rank of an
@@ -53,40 +54,39 @@ def carry_vocab_padding(
         tensors = []
         for tensor in write.tensors:
             found = _padding_holders(tensor, holders) if tensor.padding else None
-            if found and _rows_of_vocab(tensor.canonical, tensor.shape, vocab, padded, target.tp):
+            if found and _is_vocab_box(tensor.canonical, tensor.shape, vocab):
                 dcp = write.kind == FileKind.DCP_SHARD
-                first = _first_row(tensor, write.rank, dcp)
-                if first is not None and not tensor.transposed:
-                    tensor, moved = _with_padding_rows(tensor, first, spec.vocab_size, found)
+                origin = _origin(tensor, write.rank, dcp)
+                if origin is not None and not tensor.transposed:
+                    tensor, moved = _with_padding_rows(tensor, origin, spec.vocab_size, found)
                     read += moved
             tensors.append(tensor)
         out.append(write.model_copy(update={"tensors": tuple(tensors)}) if tensors else write)
     return tuple(out), read
 
 
-PaddingHolder = tuple[int, int, StoredTensor]
-"""``(source file index, first row of the padded vocabulary it holds, stored tensor)``."""
+PaddingHolder = tuple[int, Shape, StoredTensor]
+"""``(source file index, where its box lies in the padded tensor, stored tensor)``."""
 
 
 def padding_holders(source: CheckpointView) -> dict[str, list[PaddingHolder]]:
-    """Per vocabulary tensor (weights and optimizer state), the stored tensors that hold a TP
-    rank's whole share of its padded rows, with the first row each holds; empty where the
-    source has no padding rows."""
+    """Per vocabulary tensor (weights and optimizer state), the stored boxes of it whose place
+    in the padded tensor is known, with that place; empty where the source has no padding
+    rows."""
     spec = source.spec
     if spec is None:
         return {}
-    padded = spec.padded_vocab_size(source.layout.tp)
-    if padded == spec.vocab_size:
+    if spec.padded_vocab_size(source.layout.tp) == spec.vocab_size:
         return {}
     vocab = {p.name for p in parameters(spec) if p.split is Split.VOCAB}
     holders: dict[str, list[PaddingHolder]] = {}
     for index, file in enumerate(source.files):
         for held in file.tensors:
-            if not _rows_of_vocab(held.canonical, held.shape, vocab, padded, source.layout.tp):
+            if not _is_vocab_box(held.canonical, held.shape, vocab):
                 continue
-            first = _first_row(held, file.rank, source.format == Format.TORCH_DIST)
-            if first is not None and not held.transposed:
-                holders.setdefault(held.canonical, []).append((index, first, held))
+            origin = _origin(held, file.rank, source.format == Format.TORCH_DIST)
+            if origin is not None and not held.transposed:
+                holders.setdefault(held.canonical, []).append((index, origin, held))
     return holders
 
 
@@ -102,57 +102,72 @@ def _padding_holders(
     return found
 
 
-def _first_row(
+def _origin(
     tensor: StoredTensor | TensorWrite, rank: tuple[int, int] | None, dcp: bool
-) -> int | None:
-    """A vocabulary tensor's first row in the padded vocabulary: where its pieces put it, or,
-    for one of padding rows alone, a DCP chunk's row offset (``torch_dist``: key ``(fqn, row,
-    column)``; a distributed-optimizer bucket's flat offset says nothing) or its TP rank's share
-    (a legacy rank file)."""
+) -> Shape | None:
+    """Where a box of a vocabulary tensor lies in the padded tensor: its ``padded_origin``,
+    where its pieces put it, or, for one of padding rows alone, a DCP chunk's offsets
+    (``torch_dist``: key ``(fqn, row, column)``; a flat bucket's offset says nothing) or its TP
+    rank's share (a legacy rank file, whose tensors hold one whole)."""
+    if tensor.padded_origin is not None:
+        return tensor.padded_origin
     pieces = getattr(tensor, "pieces", None)
     if pieces:
-        return pieces[0].canonical[0] - pieces[0].local[0]
-    key = tensor.key
-    if dcp and not is_bucket_key(str(key[0])):
-        if len(key) == len(tensor.shape) + 2:
-            # fully_sharded_model_space: ``(fqn, row box, column box, start)``; a box ckptctl
-            # writes is whole (``base_shape`` says so), one read may be any part of its box.
-            whole = getattr(tensor, "base_shape", None) is not None
-            return int(key[1]) * tensor.shape[0] if whole else None
-        return key[1] if len(key) > 1 and isinstance(key[1], int) else None
-    # a legacy rank file's tensor, or a bucket chunk ckptctl writes (one TP shard whole)
-    return rank[0] * tensor.shape[0] if rank is not None else None
+        first = pieces[0]
+        return tuple(c - local for c, local in zip(first.canonical, first.local, strict=True))
+    key, rows, columns = tensor.key, tensor.shape[0], tensor.shape[1]
+    if dcp and is_bucket_key(str(key[0])):
+        return None
+    if dcp and len(key) == 4:
+        # fully_sharded_model_space, ``(fqn, row box, column box, start)``: a box ckptctl
+        # writes is whole (``base_shape`` says so); a read one may be any part of its box.
+        whole = getattr(tensor, "base_shape", None) is not None
+        return (int(key[1]) * rows, int(key[2]) * columns) if whole else None
+    if dcp:
+        return (int(key[1]), int(key[2])) if len(key) == 3 else None
+    return (rank[0] * rows, 0) if rank is not None else None
 
 
-def _rows_of_vocab(canonical: str, shape: Shape, vocab: set[str], padded: int, tp: int) -> bool:
-    """Whether a tensor is one TP rank's rows of a padded vocabulary tensor (the weight or its
-    Adam state, not the scalar step Adam keeps beside them)."""
-    return canonical.rpartition("/")[2] in vocab and bool(shape) and shape[0] * tp == padded
+def _is_vocab_box(canonical: str, shape: Shape, vocab: set[str]) -> bool:
+    """Whether a tensor is a box of a vocabulary tensor (the weight or its Adam state, not the
+    scalar step Adam keeps beside them)."""
+    return canonical.rpartition("/")[2] in vocab and len(shape) == 2
 
 
 def _with_padding_rows(
-    tensor: TensorWrite, first: int, vocab: int, holders: list[tuple[int, int, StoredTensor]]
+    tensor: TensorWrite, origin: Shape, vocab: int, holders: list[PaddingHolder]
 ) -> tuple[TensorWrite, int]:
-    """``tensor`` (rows ``first`` on of a padded vocabulary tensor) with copies of its padding
-    rows from the ``holders`` (source index, first padded row, stored tensor)."""
-    rows, rest = tensor.shape[0], tensor.shape[1:]
-    lo, hi = max(vocab, first), first + rows  # the padding rows this rank holds
+    """``tensor`` (the box at ``origin`` of a padded vocabulary tensor) with copies of its
+    padding rows from the ``holders``: each holder's overlap with the box's rows past the
+    vocabulary, each element once (replicas of a part already taken, as other DP ranks' or
+    EP ranks' copies, are skipped)."""
+    (top, left), (rows, columns) = origin, tensor.shape
+    lo, hi = max(vocab, top), top + rows
     copies = list(tensor.copies)
+    taken: list[tuple[int, int, int, int]] = []
     elements = moved = 0
-    for index, start, held in sorted(holders, key=lambda h: h[1]):
-        a, b = max(lo, start), min(hi, start + held.shape[0])
-        if a >= b or held.shape[1:] != rest:
+    for index, (h_top, h_left), held in sorted(holders, key=lambda h: h[1]):
+        r0, r1 = max(lo, h_top), min(hi, h_top + held.shape[0])
+        c0, c1 = max(left, h_left), min(left + columns, h_left + held.shape[1])
+        if r0 >= r1 or c0 >= c1:
             continue
-        zero = (0,) * len(rest)
-        sizes = (b - a, *rest)
-        src, dst = (a - start, *zero), (a - first, *zero)
+        if any(a < r1 and r0 < b and c < c1 and c0 < d for a, b, c, d in taken):
+            continue
+        taken.append((r0, r1, c0, c1))
+        sizes = (r1 - r0, c1 - c0)
         view = None if held.view_offset is None else (held.view_offset, held.shape)
-        copies.append(CopyOp(source=index, key=held.key, src=src, dst=dst, sizes=sizes, view=view))
+        copies.append(
+            CopyOp(
+                source=index,
+                key=held.key,
+                src=(r0 - h_top, c0 - h_left),
+                dst=(r0 - top, c0 - left),
+                sizes=sizes,
+                view=view,
+            )
+        )
         elements += prod(sizes)
         moved += nbytes(sizes, held.dtype)
-        lo = b  # each row once: replicas of rows already taken (other DP ranks) are skipped
-        if lo >= hi:
-            break
     if not elements:
         return tensor, 0
     return replace(tensor, copies=tuple(copies), padding=tensor.padding - elements), moved

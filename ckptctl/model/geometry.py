@@ -211,3 +211,18 @@ def _subtract(box: Box, cut: Box) -> list[Box]:
             )
         offsets[dim], sizes[dim] = a, b - a  # continue inside the cut's range
     return out
+
+
+def padding_origin(
+    whole: tuple[Piece, ...], offsets: Shape, sizes: Shape, box: tuple[Piece, ...]
+) -> Shape | None:
+    """Where the box ``(offsets, sizes)`` of a tensor with pieces ``whole`` lies in the padded
+    global tensor, when the box holds padding (its pieces ``box`` do not cover it, so a plan's
+    writes, which keep no pieces, cannot place it otherwise); ``None`` for a box its pieces
+    cover. The tensor's pieces fix its origin: padded rows continue the canonical ones."""
+    if not whole or sum(p.numel for p in box) == prod(sizes):
+        return None
+    first = whole[0]
+    return tuple(
+        c - local + o for c, local, o in zip(first.canonical, first.local, offsets, strict=True)
+    )

@@ -74,6 +74,8 @@ class TensorWrite:
     """Written as the transpose of ``shape`` (``StoredTensor.transposed``)."""
     base_shape: tuple[int, ...] | None = None
     """Shape of the stored tensor this one is a block of (``StoredTensor.base_shape``)."""
+    padded_origin: tuple[int, ...] | None = None
+    """Where a box holding padding rows lies (``StoredTensor.padded_origin``)."""
 
 
 class FileWrite(_Frozen):

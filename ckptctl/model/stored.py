@@ -50,6 +50,10 @@ class StoredTensor:
     base_shape: Shape | None = None
     """Shape of the stored tensor at ``key`` when this one is a block of it that is not a flat
     buffer of the file (``GroupedMLP``'s ``weight1``: one block per local expert)."""
+    padded_origin: Shape | None = None
+    """Where a box of a vocabulary tensor's state that holds Megatron's padding rows lies in the
+    padded tensor (global rows and columns), when its key cannot say (a flat buffer's cut of
+    it): its pieces leave the padding out, and a plan's writes keep no pieces."""
 
     @property
     def numel(self) -> int:

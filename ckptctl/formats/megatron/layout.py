@@ -297,7 +297,7 @@ def megatron_files(
         rank_path = f"{iteration_dir(iteration)}/{saver.directory(layout)}"
         if optimizer is not None and optimizer.distributed:
             files.append(
-                _distopt_file(
+                distopt_file(
                     f"{rank_path}/{DISTOPT_FILE}",
                     params,
                     geometry,
@@ -366,7 +366,7 @@ def effective_bucket_size(
     return optimizer.bucket_size or max(40_000_000, 1_000_000 * dp)
 
 
-def _distopt_file(
+def distopt_file(
     path: str,
     params: list[RankParam],
     geometry: list[tuple[tuple[int, ...], tuple[Piece, ...]]],

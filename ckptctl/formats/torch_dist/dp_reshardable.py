@@ -23,9 +23,10 @@ from math import prod
 
 from ckptctl.errors import CheckpointError
 from ckptctl.formats.dcp.metadata import TensorEntry
-from ckptctl.formats.megatron.layout import ExpertNaming, OptimizerLayout, megatron_files
+from ckptctl.formats.megatron.layout import ExpertNaming, OptimizerLayout
+from ckptctl.formats.torch_dist.bucket_replay import replay
 from ckptctl.model.catalog import Naming
-from ckptctl.model.geometry import Shape, chunk_pieces
+from ckptctl.model.geometry import Shape, chunk_pieces, padding_origin
 from ckptctl.model.layout import ModelSpec, ParallelLayout
 from ckptctl.model.stored import StoredTensor
 
@@ -50,15 +51,6 @@ def parse(fqn: str) -> tuple[Where, int] | None:
     return (int(sub or 0), int(group), int(gbuf), "|".join(names), state), int(bucket)
 
 
-def group_of(layout: ParallelLayout, sub: int, tp_rank: int, pp_rank: int, ep_rank: int) -> int:
-    """The index Megatron names a rank's bucket keys by (``dp_group_idx``): its rank in the
-    model-parallel group (TP fastest, then PP) of the dense optimizer, or in the expert
-    tensor-model-pipeline group (expert TP fastest, then EP, then PP) of the expert one."""
-    if sub == 0:
-        return pp_rank * layout.tp + tp_rank
-    return (pp_rank * layout.ep + ep_rank) * layout.expert_tp + tp_rank
-
-
 def place(
     entries: dict[str, TensorEntry],
     spec: ModelSpec,
@@ -71,11 +63,6 @@ def place(
     """Every parameter's part of every bucket tensor in ``entries`` (the checkpoint's bucket
     tensors by key), as stored tensors keyed ``(fqn, chunk offset)``; ``CheckpointError`` when
     the replayed layout does not match the buckets stored (sizes, or a parameter across two)."""
-    if layout.ep > 1 and layout.expert_tp != layout.tp:
-        raise CheckpointError(
-            f"dp_reshardable state with expert TP {layout.expert_tp} unlike TP {layout.tp} is "
-            "not mapped yet"
-        )
     buckets: dict[Where, dict[int, tuple[str, TensorEntry]]] = {}
     for fqn, entry in entries.items():
         parsed = parse(fqn)
@@ -85,24 +72,11 @@ def place(
             )
         where, bucket = parsed
         buckets.setdefault(where, {})[bucket] = (fqn, entry)
-    legacy = megatron_files(
-        spec,
-        layout,
-        iteration=0,
-        weight_dtype=weight_dtype,
-        optimizer=optimizer,
-        naming=naming,
-        expert_naming=expert_naming,
-    )
     placed: list[StoredTensor] = []
     seen: set[Where] = set()
-    for file in legacy:
-        if not file.flat or file.rank is None:
-            continue
-        tp_rank, pp_rank = file.rank
-        for tensor in file.tensors:
-            sub = int(tensor.key[0]) if optimizer.chained else 0
-            group = group_of(layout, sub, tp_rank, pp_rank, file.ep_rank)
+    for replayed in replay(spec, layout, optimizer, weight_dtype, naming, expert_naming):
+        sub, group = replayed.sub, replayed.group
+        for tensor in replayed.tensors:
             where = (sub, group, int(tensor.key[-3]), str(tensor.key[-2]), str(tensor.key[-1]))
             stored = buckets.get(where)
             if stored is None:
@@ -160,14 +134,16 @@ def _chunk_parts(
     hi = min(start + prod(tensor.shape), chunk_start + chunk_size)
     out = []
     for offsets, sizes, flat in flat_boxes(tensor.shape, lo - start, hi - start):
+        pieces = chunk_pieces(tensor.pieces, offsets, sizes)
         out.append(
             StoredTensor(
                 (fqn, chunk_start),
                 tensor.canonical,
                 sizes,
                 "float32",
-                chunk_pieces(tensor.pieces, offsets, sizes),
+                pieces,
                 view_offset=start + flat - chunk_start,
+                padded_origin=padding_origin(tensor.pieces, offsets, sizes, pieces),
             )
         )
     return out

@@ -17,10 +17,11 @@ from dataclasses import dataclass, replace
 from math import lcm, prod
 
 from ckptctl.errors import LayoutError
-from ckptctl.formats.megatron.layout import ExpertNaming, OptimizerLayout, megatron_files
-from ckptctl.formats.torch_dist.dp_reshardable import flat_boxes, group_of, parse
+from ckptctl.formats.megatron.layout import ExpertNaming, OptimizerLayout
+from ckptctl.formats.torch_dist.bucket_replay import replay
+from ckptctl.formats.torch_dist.dp_reshardable import flat_boxes, parse
 from ckptctl.model.catalog import Naming
-from ckptctl.model.geometry import chunk_pieces
+from ckptctl.model.geometry import chunk_pieces, padding_origin
 from ckptctl.model.layout import ModelSpec, ParallelLayout
 from ckptctl.model.stored import StoredFile, StoredTensor
 
@@ -49,42 +50,24 @@ def with_buckets(
     """``files`` (a ``torch_dist`` target without per-parameter optimizer state) with the
     bucket chunks of each model-parallel rank added to that rank's file; each chunk's
     ``base_shape`` is its bucket's (the global shape of the tensor it is a chunk of)."""
-    if layout.ep > 1 and layout.expert_tp != layout.tp:
-        raise LayoutError(
-            f"--optim-sharding dp_reshardable with expert TP {layout.expert_tp} unlike TP "
-            f"{layout.tp} is not written yet; use --optim-sharding fully_reshardable"
-        )
-    legacy = megatron_files(
-        spec,
-        layout,
-        iteration=0,
-        weight_dtype=weight_dtype,
-        optimizer=replace(optimizer, distributed=True, chained=layout.ep > 1),
-        naming=naming,
-        expert_naming=expert_naming,
-    )
+    chained = replace(optimizer, chained=layout.ep > 1)
     added: dict[tuple[tuple[int, int] | None, int], list[StoredTensor]] = {}
-    for file in legacy:
-        if not file.flat or file.rank is None:
-            continue
-        sizes = dict(file.buckets)
-        tp_rank, pp_rank = file.rank
-        for tensor in file.tensors:
-            sub = int(tensor.key[0]) if layout.ep > 1 else 0
-            group = group_of(layout, sub, tp_rank, pp_rank, file.ep_rank)
+    for group in replay(spec, layout, chained, weight_dtype, naming, expert_naming):
+        for tensor in group.tensors:
             gbuf, dtype_key, state = int(tensor.key[-3]), str(tensor.key[-2]), str(tensor.key[-1])
-            bucket, start, size = _bucket_at(sizes[tensor.key], tensor.view_offset or 0)
-            fqn = bucket_fqn(layout.ep > 1, sub, group, gbuf, dtype_key, bucket, state)
-            owner = (file.rank, file.ep_rank)
+            bucket, start, size = _bucket_at(group.buckets[tensor.key], tensor.view_offset or 0)
+            fqn = bucket_fqn(layout.ep > 1, group.sub, group.group, gbuf, dtype_key, bucket, state)
             for offsets, box, flat in flat_boxes(tensor.shape, 0, prod(tensor.shape)):
-                added.setdefault(owner, []).append(
+                pieces = chunk_pieces(tensor.pieces, offsets, box)
+                added.setdefault(group.owner, []).append(
                     StoredTensor(
                         (fqn, start + flat),
                         tensor.canonical,
                         box,
                         "float32",
-                        chunk_pieces(tensor.pieces, offsets, box),
+                        pieces,
                         base_shape=(size,),
+                        padded_origin=padding_origin(tensor.pieces, offsets, box, pieces),
                     )
                 )
     out = []

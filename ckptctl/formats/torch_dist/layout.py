@@ -51,6 +51,8 @@ class ChunkPart:
     view_offset: int | None
     """Element offset of the part in the chunk, when the chunk spans several layers."""
     pieces: tuple[Piece, ...]
+    padded_origin: Shape | None = None
+    """Where a part of padding rows only lies in the padded tensor (its pieces cannot say)."""
 
 
 _CHAINED = re.compile(r"^chained_\d+\.")

@@ -69,8 +69,16 @@ def flattened_parts(
         )
         if parts is None:
             return None
+        at = tuple(o + i for o, i in zip(origin, inner, strict=True))
         out.extend(
-            ChunkPart(p.canonical, p.shape, flat - start + (p.view_offset or 0), p.pieces)
+            ChunkPart(
+                p.canonical,
+                p.shape,
+                flat - start + (p.view_offset or 0),
+                p.pieces,
+                # an unstacked key's box lies in the padded tensor where its offsets say
+                None if p.pieces or len(p.shape) != len(at) else at,
+            )
             for p in parts
         )
     return out

@@ -197,6 +197,7 @@ def probe_torch_dist(
                         entry.dtype,
                         part.pieces,
                         part.view_offset,
+                        padded_origin=part.padded_origin,
                     ),
                 )
                 for part in parts
