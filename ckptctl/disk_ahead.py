@@ -27,7 +27,43 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptctl import writeback
-from ckptctl.read_early import PIECE, available_memory, byte_cached, read_into_cache
+
+PIECE = 4 << 20
+"""Bytes read per call (between two looks at whether to stop; ``DiskAhead``: at how far the
+writer has come)."""
+
+
+def available_memory() -> int:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes (0 where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def read_into_cache(fd: int, offset: int, nbytes: int, sink: int) -> None:
+    """Bring ``nbytes`` of ``fd`` from ``offset`` into the page cache: ``sendfile`` to
+    ``sink`` (``/dev/null``) reads them through the cache and copies nothing."""
+    while nbytes > 0:
+        n = os.sendfile(sink, fd, offset, nbytes)
+        if n <= 0:  # the end of the file
+            return
+        offset, nbytes = offset + n, nbytes - n
+
+
+def byte_cached(fd: int, offset: int) -> bool:
+    """Whether byte ``offset`` of ``fd`` is in the page cache: a one-byte ``RWF_NOWAIT`` read,
+    which returns at once instead of waiting for the disk (``False`` where the flag is
+    missing)."""
+    try:
+        return os.preadv(fd, [bytearray(1)], offset, os.RWF_NOWAIT) == 1
+    except (OSError, AttributeError):  # not cached (EAGAIN), or no such flag here
+        return False
+
 
 AHEAD = 256 << 20
 """Bytes of the writer's reads asked of the disk beyond what it has consumed."""

@@ -13,7 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
-from ckptctl import read_early, record_checks
+from ckptctl import record_checks
 from ckptctl.assembler import Assembler, JobStopped
 from ckptctl.disk_ahead import SourceReader
 from ckptctl.distributed import Group
@@ -137,7 +137,6 @@ def _source_reader(plan: Plan, assembler: Assembler, mine: tuple[int, ...]) -> S
     TP1 PP4 1.94 -> 1.75 s, -> TP4 PP1 2.13 -> 1.99 s, DCP -> torch 1.40 -> 1.31 s, HF
     0.89 -> 0.85 s. Without holding the writes back, the reader alone helped the merge only
     (~0.1-0.2 s on a slower disk) and slowed jobs writing two files at once."""
-    read_early.stop()  # the planned reads take over from the guess made at start-up
     return SourceReader(assembler.source_extents(w for i in mine for w in plan.files[i].tensors))
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Callable
 from typing import Annotated, Any, NoReturn
 
 import typer
@@ -167,14 +166,9 @@ def interrupted() -> NoReturn:
     os._exit(130)
 
 
-def main(on_success: Callable[[], None] | None = None) -> None:
-    """The ``ckptctl`` program (``on_success``: called once a command has succeeded). After a
-    command succeeds, the process leaves at once instead of tearing the interpreter down:
-    module teardown (numpy, pydantic, the layout models) takes ~45 ms, 4% of a one-second
-    conversion, and nothing is left for it to do: every output is closed and flushed, worker
-    threads are idle, a process group is closed. A failure takes the ordinary way out, where
-    nothing is skipped, and so does a run under a profiler or a coverage tracer (they write
-    their results at exit).
+def main() -> None:
+    """The ``ckptctl`` program, leaving the ordinary way with the command's exit code (an
+    interrupt, already unwound, leaves at once: see ``interrupted``).
 
     numpy's OpenBLAS is kept to the calling thread: ckptctl does no linear algebra, and
     OpenBLAS otherwise starts a thread per core when numpy is imported, which spins for ~0.1 s
@@ -185,13 +179,4 @@ def main(on_success: Callable[[], None] | None = None) -> None:
     except SystemExit as done:
         if done.code == 130:
             interrupted()
-        if done.code not in (0, None) or sys.getprofile() or sys.gettrace():
-            raise
-    if on_success is not None:
-        on_success()
-    try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    except (OSError, ValueError):  # a closed pipe: let the interpreter report it as usual
-        return
-    os._exit(0)
+        raise

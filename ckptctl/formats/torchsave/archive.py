@@ -18,7 +18,6 @@ shows up as a failing round-trip test, never as a silently wrong file.
 
 from __future__ import annotations
 
-import bisect
 import io
 import os
 import struct
@@ -30,7 +29,6 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ckptctl import record_checks
 from ckptctl.crc import crc32
-from ckptctl.direct_read import REACH, PastCache
 from ckptctl.errors import CheckpointError
 from ckptctl.formats.torchsave.unpickle import Shape, TensorRef, restricted_loads
 from ckptctl.model.dtypes import NUMBER_FORMATS, unpack_number
@@ -70,9 +68,6 @@ class TorchZipReader:
         self._fd = fileobj.fileno() if plain else None
         """A plain local file's descriptor, for mapped reads (record windows and remote files
         have none)."""
-        self._past_cache = PastCache(self._fd) if self._fd is not None else None
-        """Reads the records' local headers without caching them (``direct_read``)."""
-        self._header_offsets: list[int] | None = None
         local = getattr(fileobj, "local_file", None)  # a window of a local file (DCP record)
         self._path: str | None
         self._base: int
@@ -134,24 +129,8 @@ class TorchZipReader:
         return self._data_offsets[key]
 
     def _local_header(self, offset: int) -> bytes:
-        """A record's 30-byte local header; from a local file, read past the page cache
-        (``direct_read``: a header read through it would break the source stream at every
-        record)."""
-        if self._past_cache is not None:
-            header = self._past_cache.read(offset, 30, self._headers_near(offset))
-            if header is not None:
-                return header
-            self._past_cache = None
+        """A record's 30-byte local header."""
         return self._read_at(offset, 30)
-
-    def _headers_near(self, offset: int) -> int:
-        """The end of the last local header starting within ``REACH`` bytes after
-        ``offset`` (``offset`` itself when none does): one read takes them all in."""
-        if self._header_offsets is None:
-            self._header_offsets = sorted(info.header_offset for info in self._zip.infolist())
-        offsets = self._header_offsets
-        last = bisect.bisect_right(offsets, offset + REACH) - 1
-        return offsets[last] + 30 if last >= 0 and offsets[last] > offset else offset
 
     def _record_info(self, key: str) -> zipfile.ZipInfo:
         try:
