@@ -47,13 +47,13 @@ class Timing(NamedTuple):
     cpu: float
     """User plus system CPU seconds of the run (GNU time). On a virtual machine whose host
     takes back the memory the guest leaves free, touching that memory again shows up here as
-    system time: see ``bench_memory.py``."""
+    system time (measured 2026-11-28: bench/HISTORY.md)."""
 
 
 PRIME_BYTES = 8 << 30
 """Free memory passed through the page cache (then freed) before each timed run: enough that
 the host of this VM, which takes back free guest memory at a limited rate, has not reached what
-a run allocates before the run ends (measured with ``bench_memory.py``: 0.8 GiB written 8 s
+a run allocates before the run ends (measured 2026-11-28: 0.8 GiB written 8 s
 after freeing 8 GiB ran at 4.4 GB/s, after freeing 2 GiB at 0.44 GB/s)."""
 
 FILL = "import sys; block = bytearray(b'\\x01') * int(sys.argv[1])"
@@ -111,7 +111,7 @@ def prime_memory(need: int = 0, where: Path | None = None) -> None:
     touch of it waits for the host: ~2 s of system time per GB here, for `cp` as for ckptctl,
     more for whichever runs later after a free. Priming starts every run from memory the host
     backs, as on bare metal, where this costs a few tenths of a second and changes nothing.
-    Through the page cache, not anonymous memory: measured (``bench_memory.py``, 2026-11-28),
+    Through the page cache, not anonymous memory: measured (2026-11-28, bench/HISTORY.md),
     a page-cache write right after 4 GiB of anonymous memory was touched and freed ran no
     faster than after none, and as fast as right after a free once the 4 GiB had passed
     through the page cache (a cold `cp -r` of the 2.28 GB bench source: 3.5-4.2 s after
