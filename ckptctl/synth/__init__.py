@@ -2,11 +2,12 @@
 
 This module is a *test oracle*: it must stay independent of the rest of ``ckptctl`` (it imports
 only torch, numpy and transformers) so that a bug in ckptctl's readers or writers cannot hide
-behind the same bug here. Every layout rule is spelled out in plain torch code, following
-``checkpoint-formats.md`` S2 (files, ``args``), S3 (split rules, QKV groups, SwiGLU halves, vocab
-padding, tying, PP/VPP placement), S4.8 (non-distributed optimizer), S4.1-S4.5 (distributed
-optimizer: ``distrib_optim.pt``, coalesced format, Megatron-Core >= 0.8 buffer layout) and S8.3
-(HF name mapping).
+behind the same bug here. Every layout rule is spelled out in plain torch code, following the
+team's format reference (``checkpoint-formats.md``, kept beside the project, not in it) S2
+(files, ``args``), S3 (split rules, QKV groups, SwiGLU halves, vocab padding, tying, PP/VPP
+placement), S4.8 (non-distributed optimizer), S4.1-S4.5 (distributed optimizer:
+``distrib_optim.pt``, coalesced format, Megatron-Core >= 0.8 buffer layout) and S8.3 (HF name
+mapping).
 
 Pipeline: :func:`tiny_llama_config` -> :func:`make_model` -> :func:`adam_step` (one real Adam
 step, so moments are non-trivial) -> :func:`to_megatron_canonical` (full, TP-merged, vocab-unpadded
