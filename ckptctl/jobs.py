@@ -40,12 +40,7 @@ from ckptctl.probe import (
     open_checkpoint,
     with_identities,
 )
-from ckptctl.settings import (
-    LOCAL_FILES_AT_ONCE,
-    LOCAL_READ_PARALLEL,
-    REMOTE_READ_PARALLEL,
-    Settings,
-)
+from ckptctl.settings import Settings, default_files_at_once, default_read_parallel
 from ckptctl.staging import StagedStorage
 from ckptctl.storage_errors import classify
 from planners.consolidate import plan_consolidate as consolidation
@@ -455,7 +450,8 @@ def _execute(
     if settings.stage_dir is not None:
         target = StagedStorage(target, settings.stage_dir)
     local = job.sources.primary.storage.is_local
-    workers = max(plan.read_workers, LOCAL_READ_PARALLEL if local else REMOTE_READ_PARALLEL)
+    reads = settings.read_parallel or default_read_parallel(local)
+    workers = max(plan.read_workers, reads)
     try:
         return execute(
             plan,
@@ -466,7 +462,7 @@ def _execute(
             workers=workers,
             checksum=settings.checksum,
             group=group,
-            files_at_once=LOCAL_FILES_AT_ONCE,
+            files_at_once=settings.files_at_once or default_files_at_once(),
         )
     finally:
         if isinstance(target, StagedStorage):

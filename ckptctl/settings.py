@@ -7,6 +7,7 @@ another's configuration unawares. Pure values: no fsspec, no torch.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,17 +19,34 @@ S3_RETRIES = {"max_attempts": 10, "mode": "standard"}
 S3_TIMEOUTS = {"connect_timeout": 5, "read_timeout": 60}
 """Seconds; a dead endpoint is also caught up front by ``check_endpoint``."""
 
-LOCAL_READ_PARALLEL = 2
-"""Bands built at once from a local disk: one is read while the bytes of the one before are
-hashed and written (measured: reshard 3.2-3.5 s -> 2.0-2.8 s, 2.2 GB on 2 cores)."""
-LOCAL_FILES_AT_ONCE = 2
-"""Target files written at once to a local disk. The kernel copies and writes into one file
-under its inode's lock, so one file's bytes move on one core; a second file moves on the
-other (measured on 2 cores, warm, 2.3 GB: reshard TP2 PP2 -> TP1 PP4 2.03 -> 1.56 s, -> TP4
-PP1 2.21 -> 1.92 s; four at once no faster than two)."""
 REMOTE_READ_PARALLEL = 8
 """Ranged GETs in flight when a source is on an object store (each answers after a round trip);
 ``ckptctl calibrate`` measures read bandwidth the same way."""
+
+MOST_AT_ONCE = 16
+"""Upper bound of the defaults taken from the machine's cores: beyond it a local disk's queue,
+not the CPUs, sets the pace (``--read-parallel`` / ``--files-at-once`` go further)."""
+
+
+def cores() -> int:
+    """CPUs this process may run on (its affinity, as a container or ``taskset`` sets it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on every platform
+        return os.cpu_count() or 1
+
+
+def default_read_parallel(local: bool) -> int:
+    """Reads in flight by default: from a local disk, one band per core (at least two, so that
+    one band is read while the one before is hashed and written); from an object store,
+    ``REMOTE_READ_PARALLEL`` ranged GETs (latency-bound, not CPU-bound)."""
+    return max(2, min(cores(), MOST_AT_ONCE)) if local else REMOTE_READ_PARALLEL
+
+
+def default_files_at_once() -> int:
+    """Files of a local target written at once by default: one per core (at least two). The
+    kernel copies into one file under its inode's lock, so one file's bytes move on one core."""
+    return max(2, min(cores(), MOST_AT_ONCE))
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,3 +90,9 @@ class Settings:
     """File checksum recorded in manifests: ``xxh3_64`` or ``sha256``."""
     stage_dir: str | None = None
     """Write outputs to this local directory first and upload them in the background."""
+    read_parallel: int | None = None
+    """Reads in flight (``--read-parallel``): bands built at once from a local disk, ranged GETs
+    from an object store; ``None``: ``default_read_parallel`` for the source's storage."""
+    files_at_once: int | None = None
+    """Files of a local target written at once (``--files-at-once``); ``None``:
+    ``default_files_at_once``."""

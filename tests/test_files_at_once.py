@@ -1,7 +1,7 @@
-"""Several target files written at once (``execute(files_at_once=...)``, ``LOCAL_FILES_AT_ONCE``
-for local targets): the same bytes, counts and listing as one writer; two threads really write;
-a failure or an interrupt in one writer stops the others, reports the first cause, and leaves
-nothing marked complete and no partial file behind."""
+"""Several target files written at once (``execute(files_at_once=...)``, ``--files-at-once``
+for local targets, by default one per core): the same bytes, counts and listing as one writer;
+two threads really write; a failure or an interrupt in one writer stops the others, reports the
+first cause, and leaves nothing marked complete and no partial file behind."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from ckptctl import jobs, synth
+from ckptctl import synth
 from ckptctl.formats import registry
 from ckptctl.storage import Storage
 
@@ -81,13 +81,11 @@ def test_files_written_at_once_are_what_one_writer_writes(
 ) -> None:
     command, *options = JOBS[job]
     with writing_threads(monkeypatch) as opened:
-        report = cli.json(command, megatron, tmp_path / "at-once", *options)
+        report = cli.json(command, megatron, tmp_path / "at-once", *options, "--files-at-once", "2")
     data_files = [f for f in report["files"] if f != "ckptctl.manifest.json"]
     assert len({opened[f] for f in data_files if f in opened}) == 2  # two writers wrote
-    with monkeypatch.context() as patch:
-        patch.setattr(jobs, "LOCAL_FILES_AT_ONCE", 1)
-        with writing_threads(patch) as alone:
-            one = cli.json(command, megatron, tmp_path / "one", *options)
+    with monkeypatch.context() as patch, writing_threads(patch) as alone:
+        one = cli.json(command, megatron, tmp_path / "one", *options, "--files-at-once", "1")
     assert len(set(alone.values())) == 1
     assert tree(tmp_path / "at-once") == tree(tmp_path / "one")
     for figure in (*FIGURES, "bytes_copied_without_passing_through"):
@@ -149,3 +147,22 @@ def test_an_interrupt_stops_the_other_writers_at_their_next_tensor(
     out = tmp_path / "out"
     assert not (out / "ckptctl.manifest.json").exists()
     assert not list(out.rglob("*.pt")) and not list(out.rglob("*.partial"))
+
+
+@pytest.mark.parametrize("flag", ["--read-parallel", "--files-at-once"])
+def test_a_count_below_one_is_refused_by_name(flag: str, megatron: Path, tmp_path: Path, cli):
+    result = cli("reshard", megatron, tmp_path / "out", "--tp", "1", flag, "0", code=2)
+    assert f"{flag} 0: must be at least 1" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_defaults_follow_the_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptctl import settings
+
+    monkeypatch.setattr(settings, "cores", lambda: 64)
+    assert settings.default_files_at_once() == settings.MOST_AT_ONCE
+    assert settings.default_read_parallel(local=True) == settings.MOST_AT_ONCE
+    assert settings.default_read_parallel(local=False) == settings.REMOTE_READ_PARALLEL
+    monkeypatch.setattr(settings, "cores", lambda: 1)
+    assert settings.default_files_at_once() == 2 and settings.default_read_parallel(True) == 2
