@@ -6,13 +6,12 @@ from typing import Annotated
 
 import typer
 
+from ckptctl.cli.job_options import JobRequest, job_request
 from ckptctl.cli.options import (
     WEIGHT_DTYPES,
     ConsolidateFormatName,
-    JobRequest,
     Json,
     WeightDType,
-    job_request,
     parse_size,
     state,
     with_options,

@@ -7,13 +7,12 @@ from typing import Annotated, Any
 
 import typer
 
+from ckptctl.cli.job_options import JobRequest, job_request
 from ckptctl.cli.options import (
     WEIGHT_DTYPES,
-    JobRequest,
     Json,
     TargetRequest,
     WeightDType,
-    job_request,
     state,
     target_request,
     with_options,
