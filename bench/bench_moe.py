@@ -55,7 +55,7 @@ model.save_pretrained(out)
 
 ADAM = r"""
 import sys, glob, torch
-from ckptctl.probe import open_checkpoint
+from ckptctl.pipeline.probe import open_checkpoint
 from ckptctl.formats.megatron.layout import (
     optimizer_index, param_groups, rank_params, sub_optimizers,
 )

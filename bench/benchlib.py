@@ -372,9 +372,7 @@ def warm_page_cache(*sources: Path) -> str:
         drop_caches()
     for source in sources:
         read_all(source)
-    imports = (
-        "import numpy, xxhash, pydantic, typer, ckptctl.crc, ckptctl.cli.main, ckptctl.execute"
-    )
+    imports = "import numpy, xxhash, pydantic, typer, ckptctl.cli.main, ckptctl.pipeline.execute"
     subprocess.run([sys.executable, "-c", imports], check=True, cwd=ROOT)
     return "page cache emptied, then the source read" if emptied else "page cache warm"
 

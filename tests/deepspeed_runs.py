@@ -82,7 +82,7 @@ def by_hf_name(path: Path, state: str) -> dict[str, torch.Tensor]:
     fragments placed into canonical tensors, canonical tensors cut into HF names."""
     from ckptctl.formats.hf.layout import hf_tensors
     from ckptctl.model.catalog import parameters, state_name
-    from ckptctl.probe import open_checkpoint
+    from ckptctl.pipeline.probe import open_checkpoint
 
     ckpt = open_checkpoint(str(path))
     spec = ckpt.view.spec

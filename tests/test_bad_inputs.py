@@ -591,7 +591,7 @@ def test_bad_dcp_inputs(torch_dist_template: Path, tmp_path: Path, cli, case: st
 def test_a_directory_where_an_output_file_goes_fails_and_leaves_no_partial_file(
     tmp_path: Path,
 ) -> None:
-    from ckptctl.storage import Storage
+    from ckptctl.io.storage import Storage
 
     (tmp_path / "model.safetensors" / "inner").mkdir(parents=True)
     with (

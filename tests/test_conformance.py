@@ -21,7 +21,7 @@ import torch
 
 from ckptctl import synth
 from ckptctl.formats import registry
-from ckptctl.probe import open_checkpoint
+from ckptctl.pipeline.probe import open_checkpoint
 from tests.conftest import Cli
 from tests.deepspeed_runs import write_runs
 

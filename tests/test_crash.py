@@ -107,8 +107,8 @@ def test_the_run_log_is_saved_every_second_not_after_every_file(
     """A job of many small files (DeepSpeed universal: four per parameter) rewrites its
     in-progress log about once a second, not once per file; what it logged is reused by a
     rerun after a failure, and the files it had not logged yet are written again."""
-    from ckptctl import manifest
-    from ckptctl.storage import Storage
+    from ckptctl.checksums import manifest
+    from ckptctl.io.storage import Storage
 
     saved: list[dict] = []
     write_text = Storage.write_text

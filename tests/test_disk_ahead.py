@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from ckptctl import disk_ahead
-from ckptctl.disk_ahead import DiskAhead, Extent, merged
+from ckptctl.io import disk_ahead
+from ckptctl.io.disk_ahead import DiskAhead, Extent, merged
 from tests.page_cache import cold_file as _cold_file
 from tests.page_cache import resident as _resident
 

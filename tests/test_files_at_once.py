@@ -18,7 +18,7 @@ import pytest
 
 from ckptctl import synth
 from ckptctl.formats import registry
-from ckptctl.storage import Storage
+from ckptctl.io.storage import Storage
 
 
 @pytest.fixture(scope="module")

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from ckptctl import synth
-from ckptctl.locations import Overlap, overlap
-from ckptctl.storage_errors import classify
+from ckptctl.io.locations import Overlap, overlap
+from ckptctl.io.storage_errors import classify
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -180,7 +180,7 @@ def test_overwrite_removes_only_a_previous_ckptctl_output(ck: Path, tmp_path: Pa
 
 def _data_spans(path: Path) -> list[tuple[int, int]]:
     """(start, end) of the tensor bytes of every storage record in a file's zip archives."""
-    from ckptctl.integrity import zip_entries
+    from ckptctl.checksums.integrity import zip_entries
 
     spans = []
     raw = path.read_bytes()
@@ -199,7 +199,7 @@ def _data_spans(path: Path) -> list[tuple[int, int]]:
 
 
 def _dcp_entries(path: Path) -> list:
-    from ckptctl.probe import format_of, open_checkpoint
+    from ckptctl.pipeline.probe import format_of, open_checkpoint
 
     ckpt = open_checkpoint(str(path.parent))
     targets = format_of(ckpt).checksums(ckpt)
@@ -270,7 +270,7 @@ def _record_span(path: Path, tensor: str) -> tuple[int, int]:
     with path.open("rb") as f:
         ref = TorchZipReader(f, str(path)).tree["model"][tensor]
         key = ref.storage.key
-    from ckptctl.integrity import zip_entries
+    from ckptctl.checksums.integrity import zip_entries
 
     with path.open("rb") as f:
         (entry,) = [e for e in zip_entries(f, str(path)) if e.name.endswith(f"/data/{key}")]
@@ -556,9 +556,9 @@ def test_verify_against_reports_nan_on_one_side(ck: Path, tmp_path: Path, cli) -
 
 
 def test_a_same_layout_reshard_counts_progress_of_copied_files(ck: Path, tmp_path: Path) -> None:
-    from ckptctl.execute import execute
-    from ckptctl.jobs import plan_reshard
-    from ckptctl.storage import Storage
+    from ckptctl.io.storage import Storage
+    from ckptctl.pipeline.execute import execute
+    from ckptctl.pipeline.jobs import plan_reshard
 
     class Count:
         total = advanced = 0
@@ -599,15 +599,15 @@ def test_copies_the_kernel_refuses_are_streamed_instead(
     import errno
     import os
 
-    from ckptctl.execute import execute
-    from ckptctl.jobs import plan_reshard
-    from ckptctl.storage import Storage
+    from ckptctl.io.storage import Storage
+    from ckptctl.pipeline.execute import execute
+    from ckptctl.pipeline.jobs import plan_reshard
 
     def refuse(*args: object) -> int:
         raise OSError(errno.EXDEV, "Invalid cross-device link")
 
     monkeypatch.setattr(os, "copy_file_range", refuse)
-    monkeypatch.setattr("ckptctl.storage.kernel_copy_pays", lambda fd: True)  # even on ext4
+    monkeypatch.setattr("ckptctl.io.storage.kernel_copy_pays", lambda fd: True)  # even on ext4
     job = plan_reshard(str(ck), str(tmp_path / "o"), {"tp": 2, "pp": 2})
     report = execute(job.plan, job.sources, Storage(str(tmp_path / "o")))
     assert report.copied == {}

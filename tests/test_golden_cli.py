@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from ckptctl import storage, synth
+from ckptctl import synth
+from ckptctl.io import storage
 
 GOLDEN = Path(__file__).parent / "golden"
 VARYING = {
@@ -60,7 +61,7 @@ CASES = {
 def test_json_documents_match_the_golden_files(
     name: str, demo_ckpt: Path, tmp_path: Path, cli, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # How unchanged runs move depends on the file system (``ckptctl.filesystems``): the
+    # How unchanged runs move depends on the file system (``ckptctl.io.filesystems``): the
     # documents are those of the kernel copy, wherever the tests run.
     monkeypatch.setattr(storage, "kernel_copy_pays", lambda fd: True)
     ck = tmp_path / "ck"

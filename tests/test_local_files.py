@@ -1,4 +1,4 @@
-"""Local paths go through the OS instead of fsspec (``ckptctl.local_files``); fsspec's own
+"""Local paths go through the OS instead of fsspec (``ckptctl.io.local_files``); fsspec's own
 LocalFileSystem is the judge: the same root for every spelling of a URL, and the same answers
 to every call ``Storage`` makes, on a real tree with a linked directory."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from ckptctl.local_files import LocalFiles, local_root, protocol_of
-from ckptctl.storage import Storage
+from ckptctl.io.local_files import LocalFiles, local_root, protocol_of
+from ckptctl.io.storage import Storage
 
 
 @pytest.fixture

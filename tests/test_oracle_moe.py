@@ -294,7 +294,7 @@ def _assert_distopt_is_live_state(distopt: Path) -> None:
     """What ckptctl reads from megatron-core's distrib_optim.pt files, parameter by parameter,
     is the live DistributedOptimizers' fp32 masters and moments, bit for bit."""
     from ckptctl.model.catalog import parameters
-    from ckptctl.probe import open_checkpoint
+    from ckptctl.pipeline.probe import open_checkpoint
 
     ckpt = open_checkpoint(str(distopt))
     checked = set()

@@ -114,7 +114,7 @@ def _block(ckpt: Any, path: str, t: Any) -> torch.Tensor:
 
 
 def test_grouped_mlp_distributed_optimizer(grouped: dict[str, Path], tmp_path: Path, cli) -> None:
-    from ckptctl.probe import open_checkpoint
+    from ckptctl.pipeline.probe import open_checkpoint
 
     distopt = grouped["distopt"]
     # Every expert's fp32 master from distrib_optim.pt, rounded to bf16, is the weight megatron-

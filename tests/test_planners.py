@@ -243,7 +243,7 @@ def test_calibration_times_a_local_write_until_it_is_on_the_device(
     durable one: the page cache alone took 4.6 GB/s on a disk that writes 1.7 GB/s."""
     import os
 
-    from ckptctl import calibrate
+    from ckptctl.io import calibrate
 
     flushed: list[int] = []
     real = os.fdatasync

@@ -1,5 +1,5 @@
-"""Whole-record CRC-32 checks of records read in parts (ckptctl/record_checks.py), judged by
-zlib's CRC-32 of the bytes on disk."""
+"""Whole-record CRC-32 checks of records read in parts (ckptctl/checksums/record_checks.py),
+judged by zlib's CRC-32 of the bytes on disk."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptctl import record_checks, record_reading
+from ckptctl.checksums import record_checks, record_reading
 from ckptctl.errors import CheckpointError
 
 
@@ -146,7 +146,7 @@ def test_parts_that_do_not_cover_the_record_are_checked_with_the_bytes_between(
 
 
 def test_crc32_combine_joins_as_zlib_computes_the_whole() -> None:
-    from ckptctl.crc import crc32_combine, crc32_combine_python
+    from ckptctl.checksums.crc import crc32_combine, crc32_combine_python
 
     for n1, n2 in [(0, 5), (5, 0), (1, 1), (1000, 3), (7, 123457), (0, 0)]:
         a, b = os.urandom(n1), os.urandom(n2)

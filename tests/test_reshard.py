@@ -201,9 +201,9 @@ def test_tp_not_dividing_query_groups_is_refused(tmp_path: Path, cli) -> None:
 
 
 def test_parallel_reads_give_the_same_bytes(tmp_path: Path, cli) -> None:
-    from ckptctl.execute import execute
-    from ckptctl.jobs import plan_reshard
-    from ckptctl.storage import Storage
+    from ckptctl.io.storage import Storage
+    from ckptctl.pipeline.execute import execute
+    from ckptctl.pipeline.jobs import plan_reshard
 
     _write(tmp_path / "a", ParallelLayout(tp=2, pp=2), False, torch.float32)
     wanted = {"tp": 4, "pp": 1, "vpp": 1}

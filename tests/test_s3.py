@@ -208,7 +208,7 @@ def test_transient_failures_are_retried_and_the_result_is_bit_exact(
 def test_multipart_upload_commits_atomically_and_aborts_without_a_trace(bucket: str) -> None:
     import s3fs
 
-    from ckptctl.multipart import MultipartUpload
+    from ckptctl.io.multipart import MultipartUpload
 
     fs = s3fs.S3FileSystem()
     data = os.urandom(12 << 20)
@@ -238,9 +238,9 @@ def test_a_range_of_an_object_is_copied_by_the_server_between_written_bytes(
     only the lead that completed a part passed through this process."""
     import s3fs
 
-    from ckptctl.multipart import MultipartUpload, copy_run_on_server
-    from ckptctl.runs import Run
-    from ckptctl.storage import Storage
+    from ckptctl.io.multipart import MultipartUpload, copy_run_on_server
+    from ckptctl.io.runs import Run
+    from ckptctl.io.storage import Storage
 
     store = Storage(bucket)
     fs = store.fs  # the same store on both sides: a server-side copy applies
@@ -274,7 +274,7 @@ def test_a_failed_write_leaves_no_object_and_a_rerun_aborts_stale_uploads(
     cli("reshard", local_ckpt, f"{bucket}/out", "--tp", "1", "--pp", "1")
     assert not client.list_multipart_uploads(Bucket="lake").get("Uploads")
 
-    from ckptctl.storage import Storage
+    from ckptctl.io.storage import Storage
 
     target = Storage(f"{bucket}/other")
     with pytest.raises(RuntimeError), target.open_write("half.bin") as f:
@@ -370,8 +370,8 @@ def test_a_missing_bucket_is_a_one_line_storage_error(
 def test_a_large_range_is_fetched_as_parallel_sub_ranges(bucket: str, proxy: S3Proxy) -> None:
     import s3fs
 
+    from ckptctl.io.storage import RANGE_PART, Storage
     from ckptctl.settings import StorageConfig
-    from ckptctl.storage import RANGE_PART, Storage
 
     data = os.urandom(3 * RANGE_PART + 12345)
     s3fs.S3FileSystem().pipe("lake/big.bin", data)

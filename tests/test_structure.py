@@ -146,17 +146,28 @@ def test_the_pure_layouts_of_formats_import_no_torch() -> None:
             assert "torch" not in {m.split(".")[0] for m in _imports(modules[module])}, module
 
 
+LAYERS = {
+    "ckptctl.model": ("ckptctl.io", "ckptctl.checksums", "ckptctl.formats", "ckptctl.pipeline"),
+    "ckptctl.io": ("ckptctl.formats", "ckptctl.pipeline", "ckptctl.verify", "planners"),
+    "ckptctl.checksums": ("ckptctl.formats", "ckptctl.pipeline", "ckptctl.verify", "planners"),
+    "ckptctl.formats": ("ckptctl.pipeline", "ckptctl.verify", "planners"),
+    "planners": ("ckptctl.io", "ckptctl.checksums", "ckptctl.pipeline", "ckptctl.verify"),
+}
+"""What each package may not import: the pure model nothing with I/O; storage and checksums
+no format or job; formats no job, check or policy; planners (policy) no I/O."""
+
+
 def test_dependencies_point_one_way() -> None:
-    """cli -> planners -> pure model; cli -> jobs/execute -> formats/storage; nothing below
-    the CLI imports it, and the formats do not import the executor or the planners."""
+    """cli -> planners -> pure model; cli -> pipeline -> formats -> io / checksums; nothing
+    below the CLI imports it, and no package imports one above it (``LAYERS``)."""
     graph = _graph()
     for module, imported in graph.items():
         if not module.startswith(("ckptctl.cli", "ckptctl.__main__")):
             assert not any(m.startswith("ckptctl.cli") for m in imported), module
-        if module.startswith("ckptctl.formats"):
-            assert not any(
-                m.startswith(("planners", "ckptctl.execute", "ckptctl.jobs")) for m in imported
-            ), module
+        for package, above in LAYERS.items():
+            if module == package or module.startswith(f"{package}."):
+                wrong = sorted(m for m in imported if m.startswith(above))
+                assert not wrong, f"{module} imports {wrong}"
 
 
 def test_no_module_is_over_500_lines() -> None:

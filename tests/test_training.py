@@ -19,9 +19,9 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 import ckptctl
+from ckptctl.checksums.manifest import INCOMPLETE, MANIFEST
 from ckptctl.cli.main import app
 from ckptctl.errors import CheckpointError
-from ckptctl.manifest import INCOMPLETE, MANIFEST
 from ckptctl.training import Checkpointer
 from ckptctl.training.state import flatten
 

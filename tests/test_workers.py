@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from ckptctl import synth
-from ckptctl.manifest import INCOMPLETE, MANIFEST
+from ckptctl.checksums.manifest import INCOMPLETE, MANIFEST
 from ckptctl.model.plan import CopyOp, FileKind, FileWrite, TensorWrite
 from planners.shares import parallel_seconds, share_bytes, split_files
 from tests import test_s3

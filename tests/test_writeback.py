@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptctl import writeback
+from ckptctl.io import writeback
 
 pytestmark = pytest.mark.skipif(not writeback.available(), reason="no sync_file_range here")
 
@@ -46,7 +46,7 @@ def test_a_forked_child_makes_and_waits_for_its_own_requests(tmp_path: Path) -> 
 
 def _dirty_pages(fd: int) -> int | None:
     """Dirty pages of the whole file (``cachestat(2)``, Linux 6.5), ``None`` where unknown."""
-    from ckptctl.disk_ahead import CACHESTAT, _Cachestat, _CachestatRange, _syscall
+    from ckptctl.io.disk_ahead import CACHESTAT, _Cachestat, _CachestatRange, _syscall
 
     syscall = _syscall()
     if syscall is None:

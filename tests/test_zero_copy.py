@@ -1,4 +1,4 @@
-"""Bytes that do not change move by the kernel's copy (``ckptctl/runs.py``): every output is
+"""Bytes that do not change move by the kernel's copy (``ckptctl/io/runs.py``): every output is
 byte for byte what the in-memory path writes, the copy is counted in ``--json``, a kernel that
 cannot copy falls back cleanly, a corrupt or truncated source is refused, and every file is on
 the device before the manifest vouches for it."""
@@ -16,8 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from ckptctl import assembler, storage, synth
-from ckptctl.assembler import Assembler
+from ckptctl import synth
+from ckptctl.io import storage
+from ckptctl.pipeline import assembler
+from ckptctl.pipeline.assembler import Assembler
 
 
 @pytest.fixture(scope="module")
@@ -110,8 +112,8 @@ def test_a_fill_packed_without_numpy_is_the_array_numpy_builds(
     as the array numpy fills."""
     from math import prod
 
-    from ckptctl.job_report import NoProgress, Report
     from ckptctl.model.plan import TensorWrite
+    from ckptctl.pipeline.job_report import NoProgress, Report
 
     numel = prod(shape)
     write = TensorWrite(
@@ -216,7 +218,7 @@ def test_every_file_is_flushed_to_the_device_before_the_manifest(
         real(fd)
         flushed.append(os.readlink(f"/proc/self/fd/{fd}"))
 
-    from ckptctl import manifest
+    from ckptctl.checksums import manifest
 
     real_write = manifest.write_manifest
 
@@ -228,7 +230,7 @@ def test_every_file_is_flushed_to_the_device_before_the_manifest(
         return real_write(target, *args, **kwargs)
 
     monkeypatch.setattr(os, "fdatasync", record)
-    monkeypatch.setattr("ckptctl.execute.write_manifest", check_then_write)
+    monkeypatch.setattr("ckptctl.pipeline.execute.write_manifest", check_then_write)
     cli("reshard", megatron, tmp_path / "out", "--tp", "1", "--pp", "4")
     assert (tmp_path / "out/ckptctl.manifest.json").exists()
 
@@ -237,7 +239,7 @@ def test_a_run_past_the_end_of_its_file_is_refused_by_name(tmp_path: Path) -> No
     import io
 
     from ckptctl.errors import CheckpointError
-    from ckptctl.runs import Run
+    from ckptctl.io.runs import Run
 
     path = tmp_path / "short.bin"
     data = os.urandom(10_000)
@@ -255,7 +257,7 @@ def test_writeback_of_a_large_output_starts_while_it_is_written(
     """The kernel is asked to write each step of a local file out as it is written (not only
     at the final flush), over the whole file with no gaps; the calls reach the real
     ``sync_file_range`` and succeed."""
-    from ckptctl import storage, writeback
+    from ckptctl.io import storage, writeback
 
     if not writeback.available():
         pytest.skip("no sync_file_range on this system")
@@ -290,7 +292,7 @@ def test_writeback_requests_behind_a_slow_device_are_bounded_and_leave_no_gaps(
     declined range, so the ranges handed to the kernel still tile the file."""
     import time
 
-    from ckptctl import storage, writeback
+    from ckptctl.io import storage, writeback
 
     if not writeback.available():
         pytest.skip("no sync_file_range on this system")
@@ -323,7 +325,7 @@ def test_the_file_system_is_the_one_statfs_names(tmp_path: Path) -> None:
     and a file system that copies through a pipe (ext4) takes mapped-page writes."""
     import subprocess
 
-    from ckptctl import filesystems
+    from ckptctl.io import filesystems
 
     for folder in (tmp_path, Path("/dev/shm"), Path("/proc")):
         if not folder.is_dir():
@@ -346,7 +348,7 @@ def test_a_runs_pages_are_asked_of_the_disk_ahead_of_the_writer(
     """Every byte of a run written from mapped pages is asked for (``WILLNEED``) once, in
     order, before the window holding it is handed out, and never more than ``READ_AHEAD``
     ahead of it."""
-    from ckptctl import runs
+    from ckptctl.io import runs
 
     path = tmp_path / "src.bin"
     path.write_bytes(os.urandom(10 << 20))
@@ -383,9 +385,9 @@ def test_whole_records_appended_to_one_entry_take_one_crc_pass(
     goes through CRC-32 once. zipfile judges the entry; a flipped byte in either record fails."""
     import zlib
 
-    from ckptctl import runs
     from ckptctl.errors import CheckpointError
     from ckptctl.formats.torchsave import zip_writer
+    from ckptctl.io import runs
 
     halves = [os.urandom(3 << 20), os.urandom((2 << 20) + 12)]
     path = tmp_path / "shards.zip"

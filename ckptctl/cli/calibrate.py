@@ -7,9 +7,9 @@ from typing import Annotated
 
 import typer
 
-from ckptctl.calibrate import calibrate, save_profile
 from ckptctl.cli.options import Json, parse_size, state
 from ckptctl.cli.output import Output, boundary, human_bytes
+from ckptctl.io.calibrate import calibrate, save_profile
 
 
 def calibrate_cmd(

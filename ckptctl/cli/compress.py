@@ -31,8 +31,8 @@ def _show_plan(
     as_json: bool,
     quantize: str | None,
 ) -> None:
-    from ckptctl.calibrate import saved_profiles
     from ckptctl.compression.plan import plan_compress
+    from ckptctl.io.calibrate import saved_profiles
 
     plan = plan_compress(source, target, base, storage, saved_profiles(), quantize)
     if as_json:

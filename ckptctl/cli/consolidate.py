@@ -18,8 +18,8 @@ from ckptctl.cli.options import (
 )
 from ckptctl.cli.output import Output, boundary
 from ckptctl.cli.running import carry_out, finish, launch_workers
-from ckptctl.jobs import plan_consolidate, saved_job
 from ckptctl.model.stored import Format
+from ckptctl.pipeline.jobs import plan_consolidate, saved_job
 
 
 @with_options(job_request, "job")

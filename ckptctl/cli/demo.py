@@ -15,10 +15,10 @@ from ckptctl.cli.options import parse_size, state
 from ckptctl.cli.output import Output, boundary, human_bytes
 from ckptctl.cli.running import carry_out
 from ckptctl.errors import LayoutError, UsageError
-from ckptctl.jobs import plan_consolidate, plan_reshard
 from ckptctl.model.layout import ModelSpec, ParallelLayout
 from ckptctl.model.stored import Format
-from ckptctl.probe import open_checkpoint
+from ckptctl.pipeline.jobs import plan_consolidate, plan_reshard
+from ckptctl.pipeline.probe import open_checkpoint
 
 DEMO_MARKER = ".ckptctl-demo"
 """Marks a directory the demo wrote, which a later ``demo --out`` may replace."""

@@ -13,7 +13,7 @@ from ckptctl.formats.hf.families import choose_family
 from ckptctl.model.catalog import expert_of, is_state
 from ckptctl.model.geometry import nbytes
 from ckptctl.model.layout import ModelSpec
-from ckptctl.probe import Checkpoint, open_checkpoint
+from ckptctl.pipeline.probe import Checkpoint, open_checkpoint
 
 
 def inspect_cmd(

@@ -81,7 +81,7 @@ class JobRequest:
         )
 
     def source_options(self) -> dict[str, Any]:
-        """How the source is read (keyword arguments of the ``ckptctl.jobs`` planners)."""
+        """How the source is read (keyword arguments of the ``ckptctl.pipeline.jobs`` planners)."""
         return {"iteration": self.iteration, "true_vocab_size": self.true_vocab_size}
 
 

@@ -23,10 +23,10 @@ from pydantic import ByteSize, TypeAdapter
 from ckptctl import json_input
 from ckptctl.cli.global_options import CliState, state
 from ckptctl.errors import UsageError
+from ckptctl.io.multipart import MIN_PART_SIZE
+from ckptctl.io.storage import Storage
 from ckptctl.model.stored import Format
-from ckptctl.multipart import MIN_PART_SIZE
 from ckptctl.settings import Settings, StorageConfig
-from ckptctl.storage import Storage
 
 __all__ = ["CliState", "state"]
 
@@ -354,7 +354,7 @@ class TargetRequest:
         return out
 
     def plan_options(self) -> dict[str, Any]:
-        """Keyword arguments of ``ckptctl.jobs.plan_reshard``."""
+        """Keyword arguments of ``ckptctl.pipeline.jobs.plan_reshard``."""
         return {
             "full": self.full,
             "replicas": self.replicas,

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from ckptctl.cli.interrupts import INTERRUPTED
 from ckptctl.errors import CkptctlError
-from ckptctl.storage_errors import classify
+from ckptctl.io.storage_errors import classify
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -98,9 +98,9 @@ class Output:
 
     def progress(self) -> Any:
         """A progress sink for a long command: rich's bar on stderr for people, nothing
-        under ``--json`` or ``--quiet`` (``ckptctl.job_report.Progress``)."""
+        under ``--json`` or ``--quiet`` (``ckptctl.pipeline.job_report.Progress``)."""
         if self.as_json or self.quiet or self.silent:
-            from ckptctl.job_report import NoProgress
+            from ckptctl.pipeline.job_report import NoProgress
 
             return NoProgress()
         from ckptctl.cli.progress_bar import RichProgress

@@ -18,10 +18,10 @@ from ckptctl.cli.options import (
     with_options,
 )
 from ckptctl.cli.output import Output, boundary, human_bytes
-from ckptctl.jobs import Job, given_sources, plan_reshard
-from ckptctl.locations import refuse_overlap
+from ckptctl.io.locations import refuse_overlap
 from ckptctl.model.geometry import nbytes
 from ckptctl.model.plan import Plan
+from ckptctl.pipeline.jobs import Job, given_sources, plan_reshard
 from planners.graph import overlap_graph
 from planners.shares import parallel_seconds, share_bytes, split_files
 

@@ -20,16 +20,16 @@ from ckptctl.cli.options import (
 from ckptctl.cli.output import Output, boundary
 from ckptctl.cli.running import carry_out, finish, launch_workers
 from ckptctl.errors import UsageError
-from ckptctl.jobs import (
+from ckptctl.io.locations import refuse_overlap
+from ckptctl.model.plan import Plan
+from ckptctl.model.stored import Format
+from ckptctl.pipeline.jobs import (
     given_sources,
     nothing_to_change,
     plan_consolidate,
     plan_reshard,
     saved_job,
 )
-from ckptctl.locations import refuse_overlap
-from ckptctl.model.plan import Plan
-from ckptctl.model.stored import Format
 from planners.optimizer_form import optimizer_form
 
 

@@ -9,8 +9,8 @@ import typer
 from ckptctl.cli.options import CheckWorkers, Json, state
 from ckptctl.cli.output import Output, boundary
 from ckptctl.cli.running import launch_workers
-from ckptctl.distributed import from_environment
 from ckptctl.errors import UsageError
+from ckptctl.pipeline.distributed import from_environment
 
 
 def verify_cmd(
@@ -45,8 +45,8 @@ def verify_cmd(
     checksums its files carry (zip CRC-32), structure, coverage of every tensor, (--numerics)
     finite values, and (--against B) equal to B tensor by tensor in any layout or format.
     Exit 0 all passed, 1 a check failed, 2 usage, 3 bad input, 4 storage error."""
-    from ckptctl.verify import against, verify
-    from ckptctl.verify import as_json as report_json
+    from ckptctl.verify.checks import against, verify
+    from ckptctl.verify.checks import as_json as report_json
 
     out = Output(as_json)
     cli = state(ctx)

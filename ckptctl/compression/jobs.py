@@ -20,6 +20,7 @@ from typing import Any
 import xxhash
 
 from ckptctl import __version__
+from ckptctl.checksums.manifest import INCOMPLETE, MANIFEST, MANIFEST_VERSION, refuse_incomplete
 from ckptctl.compression.codec import CHUNK_SIZE, LEVEL, encode
 from ckptctl.compression.lossy import (
     LossyFile,
@@ -40,11 +41,10 @@ from ckptctl.compression.view import (
     open_view,
 )
 from ckptctl.errors import CheckpointError, OutputExistsError, UsageError
-from ckptctl.job_report import NoProgress, Progress
-from ckptctl.locations import refuse_overlap
-from ckptctl.manifest import INCOMPLETE, MANIFEST, MANIFEST_VERSION, refuse_incomplete
+from ckptctl.io.locations import refuse_overlap
+from ckptctl.io.storage import Storage
+from ckptctl.pipeline.job_report import NoProgress, Progress
 from ckptctl.settings import StorageConfig
-from ckptctl.storage import Storage
 
 _WORKERS = os.cpu_count() or 2
 _POOL = ThreadPoolExecutor(_WORKERS, thread_name_prefix="ckptctl-compress")
@@ -184,7 +184,7 @@ def _lossy_files(
 ) -> dict[str, LossyFile]:
     """The files holding tensors ``scope`` names, with the regions that quantize soundly (a
     tensor holding NaN or inf stays exact) and the zip CRC-32s their decoded bytes need."""
-    from ckptctl.probe import open_checkpoint
+    from ckptctl.pipeline.probe import open_checkpoint
     from ckptctl.settings import Settings
 
     ckpt = open_checkpoint(url, Settings(storage=config))

@@ -21,11 +21,11 @@ from typing import Any
 
 import numpy as np
 
+from ckptctl.checksums.crc import crc32
 from ckptctl.compression import quantize as q
-from ckptctl.crc import crc32
 from ckptctl.errors import UsageError
+from ckptctl.io.storage import Storage
 from ckptctl.model.dtypes import ITEMSIZE
-from ckptctl.storage import Storage
 
 MIN_NUMEL = 4096
 """Smaller tensors (norms, biases, counters) stay exact: a few bytes saved, not worth an error."""

@@ -7,13 +7,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ckptctl.checksums.manifest import refuse_incomplete
 from ckptctl.compression.codec import CHUNK_SIZE, encode
 from ckptctl.compression.view import open_view
 from ckptctl.errors import CheckpointError
-from ckptctl.manifest import refuse_incomplete
+from ckptctl.io.storage import Storage
 from ckptctl.model.profile import StorageProfile
 from ckptctl.settings import StorageConfig
-from ckptctl.storage import Storage
 from planners.cost import QUANTIZED_BYTES_PER_ELEMENT, compress_seconds, profile_for
 
 SAMPLES = 8
@@ -111,7 +111,7 @@ def plan_compress(
 
 def _regions(url: str, config: StorageConfig, scope: str) -> list[Any]:
     from ckptctl.compression.lossy import find_regions
-    from ckptctl.probe import open_checkpoint
+    from ckptctl.pipeline.probe import open_checkpoint
     from ckptctl.settings import Settings
 
     found = find_regions(open_checkpoint(url, Settings(storage=config)), scope)

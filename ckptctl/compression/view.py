@@ -17,10 +17,10 @@ import posixpath
 import threading
 from typing import Any, BinaryIO
 
-from ckptctl.byteview import ByteView
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError
+from ckptctl.io.byteview import ByteView
+from ckptctl.io.storage import Storage
 from ckptctl.settings import StorageConfig
-from ckptctl.storage import Storage
 
 INDEX = "ckptctl.compressed.json"
 DATA = "data"

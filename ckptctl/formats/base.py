@@ -14,18 +14,18 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ckptctl.byte_streams import ByteStream
+from ckptctl.checksums.integrity import Targets, whole_file_entries
 from ckptctl.formats.support import FormatSupport
-from ckptctl.integrity import Targets, whole_file_entries
+from ckptctl.io.byte_streams import ByteStream
+from ckptctl.io.storage import Storage
 from ckptctl.model.plan import FileWrite, Plan
 from ckptctl.model.stored import CheckpointView, FlatView, KeyPath, Shape
-from ckptctl.storage import Storage
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from ckptctl.assembler import Assembler
-    from ckptctl.job_report import Report, Sources
+    from ckptctl.pipeline.assembler import Assembler
+    from ckptctl.pipeline.job_report import Report, Sources
 
 
 class Checkpoint(Protocol):

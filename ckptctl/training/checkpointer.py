@@ -16,10 +16,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptctl.checksums.manifest import INCOMPLETE, MANIFEST
 from ckptctl.errors import UsageError
-from ckptctl.manifest import INCOMPLETE, MANIFEST
+from ckptctl.io.storage import Storage
 from ckptctl.settings import StorageConfig
-from ckptctl.storage import Storage
 from ckptctl.training.coordination import Coordinator
 from ckptctl.training.saving import Staged, begin, commit, rank_file, stage, write_rank
 from ckptctl.training.state import TensorItem, assign_writers, items_of, resolve_stateful

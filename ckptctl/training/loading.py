@@ -21,16 +21,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckptctl import record_checks
 from ckptctl.arrays import from_torch
+from ckptctl.checksums import record_checks
+from ckptctl.checksums.manifest import INCOMPLETE
 from ckptctl.errors import CheckpointError
 from ckptctl.formats.dcp.metadata import METADATA_FILE, BytesEntry, DcpMetadata, TensorEntry
 from ckptctl.formats.dcp.reader import DcpCheckpoint, open_dcp, read_metadata_and_lost
 from ckptctl.formats.torchsave.archive import TensorRef
 from ckptctl.formats.torchsave.refs import open_torch_file
-from ckptctl.manifest import INCOMPLETE
+from ckptctl.io.storage import Storage
 from ckptctl.settings import StorageConfig
-from ckptctl.storage import Storage
 from ckptctl.training.saving import Staged
 from planners.load import (
     FULL,

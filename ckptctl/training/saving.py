@@ -23,6 +23,7 @@ import xxhash
 
 from ckptctl import __version__
 from ckptctl.arrays import from_torch, raw_bytes
+from ckptctl.checksums.manifest import INCOMPLETE, MANIFEST, MANIFEST_VERSION
 from ckptctl.errors import CheckpointError
 from ckptctl.formats.dcp.metadata import (
     DCP_VERSION,
@@ -36,8 +37,7 @@ from ckptctl.formats.dcp.metadata import (
 )
 from ckptctl.formats.dcp.write import metadata_bytes, write_bytes_record, write_tensor_record
 from ckptctl.formats.torchsave.zip_writer import TensorSlot
-from ckptctl.manifest import INCOMPLETE, MANIFEST, MANIFEST_VERSION
-from ckptctl.storage import Storage
+from ckptctl.io.storage import Storage
 from ckptctl.training.state import Item, Path, TensorItem
 
 

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 
 import xxhash
 
+from ckptctl.checksums.manifest import INCOMPLETE, MANIFEST
 from ckptctl.errors import CheckpointError
 from ckptctl.formats.dcp.metadata import METADATA_FILE
-from ckptctl.manifest import INCOMPLETE, MANIFEST
+from ckptctl.io.storage import Storage
 from ckptctl.settings import StorageConfig
-from ckptctl.storage import Storage
 from planners.retention import Retention
 
 COPY_BLOCK = 8 << 20

@@ -55,7 +55,12 @@ def preload(flavour: str) -> None:
             for part in ("format", "reader", "writer"):
                 with contextlib.suppress(ImportError):
                     importlib.import_module(f"ckptctl.formats.{name}.{part}")
-        for name in ("ckptctl.execute", "ckptctl.verify", "ckptctl.compare", "ckptctl.arrays"):
+        for name in (
+            "ckptctl.pipeline.execute",
+            "ckptctl.verify.checks",
+            "ckptctl.verify.compare",
+            "ckptctl.arrays",
+        ):
             importlib.import_module(name)
         return
     if flavour == "deepspeed":

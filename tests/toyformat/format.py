@@ -8,13 +8,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from ckptctl.arrays import dtype_of
+from ckptctl.checksums.integrity import Targets
 from ckptctl.formats.base import CheckpointFormat, ProbeRequest
 from ckptctl.formats.support import FormatSupport
-from ckptctl.integrity import Targets
+from ckptctl.io.storage import Storage
 from ckptctl.model.geometry import Piece
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.stored import CheckpointView, FlatView, KeyPath, Shape, StoredFile, StoredTensor
-from ckptctl.storage import Storage
 
 NAME = "npy-dir"
 

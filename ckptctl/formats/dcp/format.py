@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from ckptctl.checksums.integrity import ZIP_MAGIC, Targets, whole_file_entries, zip_entries
 from ckptctl.formats.base import CheckpointFormat, ProbeRequest
 from ckptctl.formats.dcp.metadata import METADATA_FILE
 from ckptctl.formats.support import FormatSupport
 from ckptctl.formats.torch_dist.layout import COMMON, MCORE_METADATA
-from ckptctl.integrity import ZIP_MAGIC, Targets, whole_file_entries, zip_entries
+from ckptctl.io.storage import Storage
 from ckptctl.model.stored import CheckpointView
-from ckptctl.storage import Storage
 
 
 def _probe(storage: Storage, names: frozenset[str], request: ProbeRequest) -> Any:

@@ -54,6 +54,8 @@ from ckptctl.formats.torch_dist.layout import (
 from ckptctl.formats.torch_dist.model_space import is_model_space_key
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
 from ckptctl.formats.torchsave.refs import stored_object, view_ref
+from ckptctl.io.runs import Span
+from ckptctl.io.storage import Storage
 from ckptctl.model.geometry import Piece, chunk_pieces
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.stored import (
@@ -65,8 +67,6 @@ from ckptctl.model.stored import (
     StoredFile,
     StoredTensor,
 )
-from ckptctl.runs import Span
-from ckptctl.storage import Storage
 
 if TYPE_CHECKING:
     import numpy as np

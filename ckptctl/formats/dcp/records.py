@@ -14,14 +14,14 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from ckptctl.byte_streams import ByteStream
-from ckptctl.byteview import ByteView
 from ckptctl.errors import CheckpointError
 from ckptctl.formats.dcp.metadata import StorageInfo
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
+from ckptctl.io.byte_streams import ByteStream
+from ckptctl.io.byteview import ByteView
+from ckptctl.io.storage import Storage
 from ckptctl.model.dtypes import dtype_name
 from ckptctl.model.geometry import Shape
-from ckptctl.storage import Storage
 
 Fetch = Callable[[int, int], bytes]
 """``fetch(start, nbytes)``: bytes of a record, by position within it."""

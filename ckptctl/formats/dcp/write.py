@@ -15,7 +15,6 @@ import io
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ckptctl.byte_streams import ByteStream
 from ckptctl.errors import CheckpointError
 from ckptctl.formats.dcp.checks import metadata_problems
 from ckptctl.formats.dcp.metadata import (
@@ -24,7 +23,8 @@ from ckptctl.formats.dcp.metadata import (
 )
 from ckptctl.formats.dcp.metadata_pickle import metadata_pickle
 from ckptctl.formats.torchsave.zip_writer import TensorSlot, write_torch_zip
-from ckptctl.runs import Run
+from ckptctl.io.byte_streams import ByteStream
+from ckptctl.io.runs import Run
 
 _PICKLE_PROTOCOL = 4  # what torch's pickle.dump writes on Python 3.11-3.13; fixed for stable bytes
 

@@ -23,9 +23,9 @@ from ckptctl.formats.deepspeed.layout import (
 from ckptctl.formats.hf.layout import OPTIMIZER_KEY
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
 from ckptctl.formats.torchsave.refs import resolve
+from ckptctl.io.storage import Storage
 from ckptctl.model.dtypes import dtype_name
 from ckptctl.model.stored import KeyPath, Shape, StoredTensor
-from ckptctl.storage import Storage
 
 
 def address(value: Any) -> tuple[int, int]:

@@ -40,6 +40,7 @@ from ckptctl.formats.hf.layout import CONFIG, MODEL_KEY, hf_tensors
 from ckptctl.formats.megatron.layout import GroupOrder, MegatronStyle, OptimizerLayout
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
 from ckptctl.formats.torchsave.refs import TorchFiles, open_torch_file, resolve
+from ckptctl.io.storage import Storage
 from ckptctl.model.dtypes import dtype_name
 from ckptctl.model.geometry import Piece, Shape, whole
 from ckptctl.model.layout import ParallelLayout
@@ -50,7 +51,6 @@ from ckptctl.model.stored import (
     StoredFile,
     StoredTensor,
 )
-from ckptctl.storage import Storage
 
 
 @dataclass

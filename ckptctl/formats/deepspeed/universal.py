@@ -24,6 +24,7 @@ from ckptctl.formats.hf.families import spec_from_config
 from ckptctl.formats.hf.layout import CONFIG, hf_tensors
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
 from ckptctl.formats.torchsave.refs import TorchFiles, open_torch_file, resolve
+from ckptctl.io.storage import Storage
 from ckptctl.model.catalog import state_name
 from ckptctl.model.dtypes import dtype_name
 from ckptctl.model.layout import ParallelLayout
@@ -35,7 +36,6 @@ from ckptctl.model.stored import (
     StoredFile,
     StoredTensor,
 )
-from ckptctl.storage import Storage
 
 
 class UniversalCheckpoint(TorchFiles):

@@ -8,7 +8,6 @@ import struct
 from collections.abc import Iterator
 from typing import Any
 
-from ckptctl.byte_streams import ByteStream
 from ckptctl.formats.base import WriteJob
 from ckptctl.formats.deepspeed.layout import (
     PARAM_KEY,
@@ -17,6 +16,7 @@ from ckptctl.formats.deepspeed.layout import (
     UNIVERSAL_OPTIMIZER_STATE,
 )
 from ckptctl.formats.torchsave.zip_writer import TensorSlot, write_torch_zip
+from ckptctl.io.byte_streams import ByteStream
 from ckptctl.model.plan import FileWrite
 
 DS_VERSION = "0.19.8"

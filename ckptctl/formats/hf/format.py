@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from ckptctl.checksums.integrity import Targets
 from ckptctl.formats.base import CheckpointFormat, ProbeRequest, lazy
 from ckptctl.formats.hf.layout import CONFIG
 from ckptctl.formats.support import FormatSupport
-from ckptctl.integrity import Targets
+from ckptctl.io.storage import Storage
 from ckptctl.model.plan import FileKind
 from ckptctl.model.stored import CheckpointView
-from ckptctl.storage import Storage
 
 
 def _probe(storage: Storage, names: frozenset[str], request: ProbeRequest) -> Any:

@@ -15,13 +15,16 @@ from typing import Any, BinaryIO, ClassVar, Protocol
 import numpy as np
 import xxhash
 
-from ckptctl import json_input, record_checks
+from ckptctl import json_input
 from ckptctl.arrays import buffer, numpy_dtype, words
+from ckptctl.checksums import record_checks
+from ckptctl.checksums.manifest import recorded
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError, LayoutError
 from ckptctl.formats.hf.families import spec_from_config
 from ckptctl.formats.hf.layout import CONFIG, INDEX, SINGLE, hf_tensors
 from ckptctl.formats.safetensors_header import SafetensorsEntry, read_header
-from ckptctl.manifest import recorded
+from ckptctl.io.runs import Span
+from ckptctl.io.storage import Storage
 from ckptctl.model.dtypes import ITEMSIZE
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.stored import (
@@ -33,8 +36,6 @@ from ckptctl.model.stored import (
     StoredFile,
     StoredTensor,
 )
-from ckptctl.runs import Span
-from ckptctl.storage import Storage
 
 
 class SeekAndRead(Protocol):

@@ -10,12 +10,12 @@ from functools import partial
 from math import prod
 from typing import Any
 
-from ckptctl.byte_streams import ByteStream
 from ckptctl.formats.base import WriteJob
+from ckptctl.io.byte_streams import ByteStream
+from ckptctl.io.prefetch import ReadAhead
+from ckptctl.io.runs import Run, write_in_slices
 from ckptctl.model.dtypes import DTYPES, ITEMSIZE
 from ckptctl.model.plan import FileWrite
-from ckptctl.prefetch import ReadAhead
-from ckptctl.runs import Run, write_in_slices
 
 
 def write_safetensors(

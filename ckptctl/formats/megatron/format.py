@@ -7,8 +7,8 @@ from typing import Any
 from ckptctl.formats.base import CheckpointFormat, ProbeRequest, lazy
 from ckptctl.formats.megatron.layout import TRACKER
 from ckptctl.formats.support import FormatSupport
+from ckptctl.io.storage import Storage
 from ckptctl.model.plan import FileKind
-from ckptctl.storage import Storage
 
 
 def recognised(names: frozenset[str]) -> bool:

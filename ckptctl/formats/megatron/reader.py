@@ -38,6 +38,7 @@ from ckptctl.formats.megatron.optimizer_groups import (
 from ckptctl.formats.megatron.ranks import saving_ranks
 from ckptctl.formats.torchsave.archive import TensorRef
 from ckptctl.formats.torchsave.refs import TorchFiles, open_torch_file, resolve
+from ckptctl.io.storage import Storage
 from ckptctl.model.catalog import (
     EXPERTS,
     GROUPED_MLP_NAMES,
@@ -50,7 +51,6 @@ from ckptctl.model.catalog import (
 )
 from ckptctl.model.dtypes import dtype_name
 from ckptctl.model.stored import CheckpointView, Format, StoredFile
-from ckptctl.storage import Storage
 
 if TYPE_CHECKING:
     import numpy as np

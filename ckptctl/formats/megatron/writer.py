@@ -10,16 +10,16 @@ from dataclasses import dataclass
 from math import prod
 from typing import Any
 
-from ckptctl.byte_streams import ByteStream
 from ckptctl.formats.base import SavedTraining, WriteJob
 from ckptctl.formats.megatron.args import args_for, args_from_spec
 from ckptctl.formats.torchsave.archive import TensorRef
 from ckptctl.formats.torchsave.zip_writer import TensorSlot, write_torch_zip
+from ckptctl.io.byte_streams import ByteStream
+from ckptctl.io.prefetch import ReadAhead
+from ckptctl.io.runs import Run
 from ckptctl.model.catalog import parameters
 from ckptctl.model.dtypes import DTYPES
 from ckptctl.model.plan import FileWrite, TensorWrite
-from ckptctl.prefetch import ReadAhead
-from ckptctl.runs import Run
 
 
 def _without_step(group: dict[str, Any]) -> dict[str, Any]:

@@ -8,8 +8,8 @@ from typing import Any
 from ckptctl.formats.base import CheckpointFormat, ProbeRequest, lazy
 from ckptctl.formats.dcp.format import description_files, record_checksums
 from ckptctl.formats.support import FormatSupport
+from ckptctl.io.storage import Storage
 from ckptctl.model.plan import FileKind
-from ckptctl.storage import Storage
 
 
 def _probe(storage: Storage, names: frozenset[str], request: ProbeRequest) -> Any:

@@ -34,10 +34,10 @@ from ckptctl.formats.torch_dist.layout import (
 )
 from ckptctl.formats.torch_dist.model_space import box_shape, flattened_parts
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
+from ckptctl.io.storage import Storage
 from ckptctl.model.catalog import Naming
 from ckptctl.model.layout import ModelSpec, ParallelLayout
 from ckptctl.model.stored import CheckpointView, Format, StoredTensor
-from ckptctl.storage import Storage
 
 
 def _common_state(

@@ -16,7 +16,6 @@ from functools import cache
 from math import prod
 from typing import Any
 
-from ckptctl.byte_streams import ByteStream
 from ckptctl.formats.base import WriteJob
 from ckptctl.formats.dcp.metadata import (
     METADATA_FILE,
@@ -39,11 +38,12 @@ from ckptctl.formats.torch_dist.layout import (
 )
 from ckptctl.formats.torch_dist.model_space import is_model_space_key
 from ckptctl.formats.torchsave.zip_writer import TensorSlot, write_torch_zip
+from ckptctl.io.byte_streams import ByteStream
+from ckptctl.io.runs import Run
 from ckptctl.model.catalog import parameters
 from ckptctl.model.dtypes import DTYPES
 from ckptctl.model.geometry import Shape
 from ckptctl.model.plan import FileWrite, Plan, TensorWrite
-from ckptctl.runs import Run
 
 Record = list[Any]
 """``[fqn, chunk offsets, byte offset, length]``."""

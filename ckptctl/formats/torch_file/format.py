@@ -6,8 +6,8 @@ from typing import Any
 
 from ckptctl.formats.base import CheckpointFormat, ProbeRequest, lazy
 from ckptctl.formats.support import FormatSupport
+from ckptctl.io.storage import Storage
 from ckptctl.model.plan import FileKind
-from ckptctl.storage import Storage
 
 STATE_DICT_FILE = "state_dict.pt"
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from ckptctl.formats.torch_file.format import STATE_DICT_FILE
 from ckptctl.formats.torchsave.archive import TensorRef
 from ckptctl.formats.torchsave.refs import TorchFiles, open_torch_file
+from ckptctl.io.storage import Storage
 from ckptctl.model.dtypes import dtype_name
 from ckptctl.model.geometry import Piece
 from ckptctl.model.layout import ParallelLayout
@@ -19,7 +20,6 @@ from ckptctl.model.stored import (
     StoredFile,
     StoredTensor,
 )
-from ckptctl.storage import Storage
 
 if TYPE_CHECKING:
     pass

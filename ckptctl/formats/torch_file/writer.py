@@ -7,12 +7,12 @@ from collections.abc import Iterator
 from itertools import pairwise
 from typing import Any
 
-from ckptctl.byte_streams import ByteStream
 from ckptctl.formats.base import WriteJob
 from ckptctl.formats.torchsave.archive import TensorRef
 from ckptctl.formats.torchsave.zip_writer import TensorSlot, write_torch_zip
+from ckptctl.io.byte_streams import ByteStream
+from ckptctl.io.runs import Run
 from ckptctl.model.plan import FileWrite
-from ckptctl.runs import Run
 
 
 def write_state_dict_file(job: WriteJob, file: FileWrite, out: ByteStream) -> None:

@@ -27,12 +27,12 @@ from collections.abc import Callable
 from math import prod
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-from ckptctl import record_checks
-from ckptctl.crc import crc32
+from ckptctl.checksums import record_checks
+from ckptctl.checksums.crc import crc32
 from ckptctl.errors import CheckpointError
 from ckptctl.formats.torchsave.unpickle import Shape, TensorRef, restricted_loads
+from ckptctl.io.runs import Span
 from ckptctl.model.dtypes import NUMBER_FORMATS, unpack_number
-from ckptctl.runs import Span
 
 if TYPE_CHECKING:
     import numpy as np

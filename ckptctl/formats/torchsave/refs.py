@@ -10,10 +10,10 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
+from ckptctl.io.runs import Span
+from ckptctl.io.storage import Storage
 from ckptctl.model.dtypes import dtype_name
 from ckptctl.model.stored import CheckpointView, FlatView, KeyPath, Shape
-from ckptctl.runs import Span
-from ckptctl.storage import Storage
 
 if TYPE_CHECKING:
     import numpy as np

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from math import prod
 from typing import Any, SupportsIndex
 
-from ckptctl import record_checks
-from ckptctl.byte_streams import ByteStream
-from ckptctl.crc import crc32, crc32_combine
+from ckptctl.checksums import record_checks
+from ckptctl.checksums.crc import crc32, crc32_combine
 from ckptctl.formats.torchsave.archive import _ALIGNMENT
 from ckptctl.formats.torchsave.unpickle import Shape, Stub, _stub_type
+from ckptctl.io.byte_streams import ByteStream
+from ckptctl.io.runs import Run, write_in_slices
 from ckptctl.model.dtypes import DTYPES, DType, dtype_name
-from ckptctl.runs import Run, write_in_slices
 
 # torch's own names, pickled as globals without importing torch (``torch.load`` resolves them).
 _REBUILD_TENSOR = _stub_type("torch._utils", "_rebuild_tensor_v2")

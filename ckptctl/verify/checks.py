@@ -24,20 +24,20 @@ from math import prod
 from typing import Any
 
 from ckptctl.arrays import finite
+from ckptctl.checksums.integrity import Targets, safetensors_problems, stream_check
+from ckptctl.checksums.manifest import INCOMPLETE, MANIFEST, new_digest
 from ckptctl.compression.jobs import check_compressed
 from ckptctl.compression.view import CompressedStorage, open_view
-from ckptctl.distributed import Group
 from ckptctl.errors import CkptctlError
-from ckptctl.integrity import Targets, safetensors_problems, stream_check
-from ckptctl.job_report import NoProgress, Progress
-from ckptctl.manifest import INCOMPLETE, MANIFEST, new_digest
+from ckptctl.io.storage import Storage
 from ckptctl.model.catalog import parameters
 from ckptctl.model.geometry import missing_elements, nbytes
 from ckptctl.model.stored import Shape, canonical_shapes
-from ckptctl.padding_rows import padding_rows_compared
-from ckptctl.probe import Checkpoint, format_of, open_checkpoint
+from ckptctl.pipeline.distributed import Group
+from ckptctl.pipeline.job_report import NoProgress, Progress
+from ckptctl.pipeline.probe import Checkpoint, format_of, open_checkpoint
 from ckptctl.settings import Settings
-from ckptctl.storage import Storage
+from ckptctl.verify.padding_rows import padding_rows_compared
 from planners.shares import split_sizes
 
 
@@ -344,7 +344,7 @@ def against(
     of either side is compared or named as held by one side only, which fails the check unless
     ``only`` (glob patterns of canonical names) or ``weights_only`` narrows what is compared.
     Returns the check, a row per compared tensor and the counts (``compare.summary_fields``)."""
-    from ckptctl.compare import compare, describe_names, steps_differ, summary_fields
+    from ckptctl.verify.compare import compare, describe_names, steps_differ, summary_fields
 
     a, b = (open_checkpoint(u, settings) for u in (url, other))
     result = compare(

@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from ckptctl.bands import Band, BandQueue, band_ranges
-from ckptctl.disk_ahead import DiskAhead, Extent
-from ckptctl.job_report import Progress, Report, Sources
+from ckptctl.io.disk_ahead import DiskAhead, Extent
+from ckptctl.io.runs import Run
 from ckptctl.model.dtypes import DTYPES, pack_exactly
 from ckptctl.model.geometry import with_dim
 from ckptctl.model.plan import Plan, TensorWrite
 from ckptctl.model.stored import FlatView, KeyPath, Shape
-from ckptctl.runs import Run
+from ckptctl.pipeline.bands import Band, BandQueue, band_ranges
+from ckptctl.pipeline.job_report import Progress, Report, Sources
 
 if TYPE_CHECKING:
     import numpy as np

@@ -22,14 +22,14 @@ import numpy as np
 import torch
 
 from ckptctl.arrays import to_torch, words
-from ckptctl.assembler import Assembler
 from ckptctl.formats.named import under_spec
-from ckptctl.job_report import NoProgress, Progress, Report, Sources
 from ckptctl.model.catalog import is_state
 from ckptctl.model.geometry import Piece, missing_elements, nbytes
 from ckptctl.model.plan import FileKind, TensorWrite
 from ckptctl.model.stored import CheckpointView, StoredFile, StoredTensor, canonical_shapes
-from ckptctl.probe import Checkpoint
+from ckptctl.pipeline.assembler import Assembler
+from ckptctl.pipeline.job_report import NoProgress, Progress, Report, Sources
+from ckptctl.pipeline.probe import Checkpoint
 from planners.convert import plan_files
 
 

@@ -13,17 +13,17 @@ import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
-from ckptctl import record_checks
-from ckptctl.assembler import Assembler, JobStopped
-from ckptctl.disk_ahead import SourceReader
-from ckptctl.distributed import Group
+from ckptctl.checksums import record_checks
+from ckptctl.checksums.manifest import MANIFEST, RunLog, new_digest, write_manifest
 from ckptctl.formats import registry
 from ckptctl.formats.base import Checkpoint, WriteJob
-from ckptctl.job_report import NoProgress, Progress, Report, Sources, peak_rss_bytes
-from ckptctl.manifest import MANIFEST, RunLog, new_digest, write_manifest
+from ckptctl.io.disk_ahead import SourceReader
+from ckptctl.io.runs import write_in_slices
+from ckptctl.io.storage import Storage
 from ckptctl.model.plan import FileKind, Plan
-from ckptctl.runs import write_in_slices
-from ckptctl.storage import Storage
+from ckptctl.pipeline.assembler import Assembler, JobStopped
+from ckptctl.pipeline.distributed import Group
+from ckptctl.pipeline.job_report import NoProgress, Progress, Report, Sources, peak_rss_bytes
 from planners.shares import split_files
 
 DEFAULT_MEMORY_BUDGET = 1 << 30

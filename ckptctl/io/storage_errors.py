@@ -16,7 +16,7 @@ import urllib.parse
 from pydantic import ByteSize
 
 from ckptctl.errors import CkptctlError, StorageError
-from ckptctl.locations import location
+from ckptctl.io.locations import location
 
 _NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
 _READ_ONLY = {errno.EROFS}

@@ -9,15 +9,15 @@ from dataclasses import replace
 
 from pydantic import ValidationError
 
+from ckptctl.checksums.manifest import refuse_incomplete
 from ckptctl.compression.view import CompressedStorage, open_view
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError, CkptctlError, UsageError
 from ckptctl.formats import registry
 from ckptctl.formats.base import Checkpoint, CheckpointFormat, ProbeRequest
-from ckptctl.manifest import refuse_incomplete
+from ckptctl.io.storage import Storage
 from ckptctl.model.plan import Plan
 from ckptctl.model.stored import CheckpointView
 from ckptctl.settings import Settings
-from ckptctl.storage import Storage
 
 __all__ = ["Checkpoint", "fingerprint", "format_of", "identities", "open_checkpoint"]
 

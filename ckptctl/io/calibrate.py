@@ -13,10 +13,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from ckptctl.io.runs import write_in_slices
+from ckptctl.io.storage import Storage
 from ckptctl.model.profile import StorageProfile
-from ckptctl.runs import write_in_slices
 from ckptctl.settings import REMOTE_READ_PARALLEL, StorageConfig
-from ckptctl.storage import Storage
 
 SCRATCH = ".ckptctl-calibrate"
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from ckptctl.crc import crc32, crc32_combine
+from ckptctl.checksums.crc import crc32, crc32_combine
 
 WINDOW = 64 << 20
 """Bytes of a record mapped at a time (a mapped page counts towards the process's resident

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Generic, TypeVar, cast
 
 if TYPE_CHECKING:
-    from ckptctl.runs import Run
+    from ckptctl.io.runs import Run
 
 T = TypeVar("T")
 _END = object()

@@ -1,5 +1,5 @@
 """Byte movement on any fsspec URL: a small storage object rooted at a checkpoint directory.
-Local paths go through the OS (``ckptctl.local_files``); fsspec is loaded for remote URLs only.
+Local paths go through the OS (``ckptctl.io.local_files``); fsspec is loaded for remote URLs only.
 
 Paths given to it are relative and ``/``-separated; any that would leave the root are refused,
 since index files inside an untrusted checkpoint name the files we open. Writes appear only when
@@ -17,14 +17,14 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO
 
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError, StorageError, UsageError
-from ckptctl.filesystems import kernel_copy_pays
-from ckptctl.local_files import LocalFiles, local_root, protocol_of
-from ckptctl.multipart import MultipartUpload, abort_stale_uploads, copy_run_on_server
-from ckptctl.runs import WRITTEN_FROM_MAPPED_PAGES, Run, copy_run, feed
+from ckptctl.io.filesystems import kernel_copy_pays
+from ckptctl.io.local_files import LocalFiles, local_root, protocol_of
+from ckptctl.io.multipart import MultipartUpload, abort_stale_uploads, copy_run_on_server
+from ckptctl.io.runs import WRITTEN_FROM_MAPPED_PAGES, Run, copy_run, feed
+from ckptctl.io.storage_errors import CONNECT_TIMEOUT, check_endpoint, explicit_endpoint
+from ckptctl.io.writeback import available as can_write_back
+from ckptctl.io.writeback import request_writeback
 from ckptctl.settings import StorageConfig
-from ckptctl.storage_errors import CONNECT_TIMEOUT, check_endpoint, explicit_endpoint
-from ckptctl.writeback import available as can_write_back
-from ckptctl.writeback import request_writeback
 
 
 class HashingWriter(io.RawIOBase):
@@ -102,7 +102,7 @@ class HashingWriter(io.RawIOBase):
 
     def copy_range(self, run: Run, observers: list[Any]) -> int | None:
         """Append ``run`` without its bytes passing through Python: by a kernel copy, or, on a
-        file system where that copies through a pipe (``ckptctl.filesystems``), by writing the
+        file system where that copies through a pipe (``ckptctl.io.filesystems``), by writing the
         source's mapped pages; for a run of an object on the store this uploads to, by a
         server-side copy. The checksums (and ``observers``) see the mapped or fetched pages.
         ``run.copied_by`` says how; ``None``, with nothing written, when none applies (the
@@ -188,7 +188,7 @@ def _flush_folder(path: str) -> None:
 
 def _remote(url: str, protocol: str, options: dict[str, Any]) -> tuple[Any, str]:
     """The fsspec file system of a remote URL, and the path in it."""
-    import fsspec  # remote URLs only: see ckptctl.local_files
+    import fsspec  # remote URLs only: see ckptctl.io.local_files
 
     try:
         return fsspec.core.url_to_fs(url, **options)

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from ckptctl.storage import HashingWriter, Storage
+from ckptctl.io.storage import HashingWriter, Storage
 
 UPLOAD_CHUNK = 8 << 20
 

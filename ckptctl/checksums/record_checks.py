@@ -38,9 +38,9 @@ from typing import Any
 
 import xxhash
 
-from ckptctl.crc import crc32
+from ckptctl.checksums.crc import crc32
+from ckptctl.checksums.record_reading import Piece, Record, check, failure, joined
 from ckptctl.errors import CheckpointError
-from ckptctl.record_reading import Piece, Record, check, failure, joined
 
 __all__ = ["Record", "ask", "check_now", "checked", "saw", "saw_piece", "settle", "settle_across"]
 

@@ -23,13 +23,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from ckptctl import record_checks
-from ckptctl.crc import crc32
+from ckptctl.checksums import record_checks
+from ckptctl.checksums.crc import crc32
 from ckptctl.errors import CheckpointError
 
 WRITTEN_FROM_MAPPED_PAGES = "write_from_mapped_pages"
 """How a run moves to a local file where a kernel copy would only copy through a pipe: written
-from the source's mapped pages, a slice at a time (``ckptctl.filesystems``)."""
+from the source's mapped pages, a slice at a time (``ckptctl.io.filesystems``)."""
 
 WINDOW = 64 << 20
 """Bytes mapped (and copied by one kernel call) at a time: bounds the pages a run keeps

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ckptctl.model.stored import Format
-from ckptctl.probe import Checkpoint
+from ckptctl.pipeline.probe import Checkpoint
 from planners.megatron_rank_state import PaddingHolder, padding_holders
 
 
@@ -36,7 +36,7 @@ def padding_rows_compared(
     """Megatron's vocabulary padding rows are trained state (its softmax covers them) outside
     the model's tensors: compared where both sides pad to the same number of rows, said so
     where they cannot be. Returns the detail to add and the failure (empty when none)."""
-    from ckptctl.compare import narrowed
+    from ckptctl.verify.compare import narrowed
 
     padded = [_padded_rows(side) for side in (a, b)]
     if not any(padded):

@@ -9,12 +9,12 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from ckptctl.checksums.manifest import recorded
 from ckptctl.errors import CheckpointError
-from ckptctl.manifest import recorded
+from ckptctl.io.runs import Run
 from ckptctl.model.geometry import nbytes
 from ckptctl.model.plan import FileKind, FileWrite, Plan
 from ckptctl.model.stored import FlatView, KeyPath, Shape
-from ckptctl.runs import Run
 
 
 class Progress(Protocol):

@@ -19,20 +19,22 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ckptctl.calibrate import saved_profiles
+from ckptctl.checksums.manifest import completed_by
 from ckptctl.compression.view import CompressedStorage
-from ckptctl.destination import Destination, check_destination
-from ckptctl.distributed import Group
 from ckptctl.errors import CheckpointError, CkptctlError, UsageError
 from ckptctl.formats.megatron.layout import MegatronStyle
 from ckptctl.formats.megatron.ranks import coords
-from ckptctl.job_report import Progress, Report, Sources
-from ckptctl.lease import LOCK, hold
-from ckptctl.locations import refuse_overlap
-from ckptctl.manifest import completed_by
+from ckptctl.io.calibrate import saved_profiles
+from ckptctl.io.locations import refuse_overlap
+from ckptctl.io.staging import StagedStorage
+from ckptctl.io.storage_errors import classify
 from ckptctl.model.plan import Plan, smallest_band
 from ckptctl.model.stored import CheckpointView, Format
-from ckptctl.probe import (
+from ckptctl.pipeline.destination import Destination, check_destination
+from ckptctl.pipeline.distributed import Group
+from ckptctl.pipeline.job_report import Progress, Report, Sources
+from ckptctl.pipeline.lease import LOCK, hold
+from ckptctl.pipeline.probe import (
     Checkpoint,
     changed_files,
     file_sizes,
@@ -41,8 +43,6 @@ from ckptctl.probe import (
     with_identities,
 )
 from ckptctl.settings import Settings, default_files_at_once, default_read_parallel
-from ckptctl.staging import StagedStorage
-from ckptctl.storage_errors import classify
 from planners.consolidate import plan_consolidate as consolidation
 from planners.consolidate import plan_hf_state_dict, plan_state_dict
 from planners.cost import profile_for, through_decoder, with_time
@@ -443,7 +443,7 @@ def run(
 def _execute(
     job: Job, destination: Destination, progress: Progress | None, group: Group | None
 ) -> Report:
-    from ckptctl.execute import execute  # imports torch: only jobs that run need it
+    from ckptctl.pipeline.execute import execute  # imports torch: only jobs that run need it
 
     plan, settings = job.plan, job.settings
     target = destination.storage

@@ -20,12 +20,12 @@ import xxhash
 
 from ckptctl import __version__, json_input
 from ckptctl.errors import CheckpointError
+from ckptctl.io.storage import Storage
 from ckptctl.model.plan import Plan
-from ckptctl.storage import Storage
 
 MANIFEST = "ckptctl.manifest.json"
 LOCK = "ckptctl.lock"
-"""Held by the job writing a destination (``ckptctl.lease``)."""
+"""Held by the job writing a destination (``ckptctl.pipeline.lease``)."""
 INCOMPLETE = "ckptctl.incomplete"
 MANIFEST_VERSION = 1
 SAVE_EVERY = 1.0

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ckptctl.checksums.manifest import INCOMPLETE, LOCK, completed_by, foreign_files, read_marker
 from ckptctl.errors import OutputExistsError
-from ckptctl.lease import refuse_if_held
-from ckptctl.locations import refuse_overlap
-from ckptctl.manifest import INCOMPLETE, LOCK, completed_by, foreign_files, read_marker
+from ckptctl.io.locations import refuse_overlap
+from ckptctl.io.storage import Storage
+from ckptctl.io.storage_errors import check_free_space
 from ckptctl.model.plan import Plan
+from ckptctl.pipeline.lease import refuse_if_held
 from ckptctl.settings import Settings
-from ckptctl.storage import Storage
-from ckptctl.storage_errors import check_free_space
 
 
 @dataclass(frozen=True)

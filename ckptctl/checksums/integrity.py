@@ -15,10 +15,10 @@ import zipfile
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptctl.byte_streams import ByteStream
-from ckptctl.crc import crc32
+from ckptctl.checksums.crc import crc32
 from ckptctl.errors import CheckpointError
-from ckptctl.storage import Storage
+from ckptctl.io.byte_streams import ByteStream
+from ckptctl.io.storage import Storage
 
 ZIP_MAGIC = b"PK\x03\x04"
 _LOCAL_HEADER = 30

@@ -18,7 +18,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from ckptctl.runs import feed
+from ckptctl.io.runs import feed
 
 MIN_PART_SIZE = 5 << 20
 """S3's smallest part (all but the last)."""

@@ -27,9 +27,9 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+from ckptctl.checksums.manifest import LOCK
 from ckptctl.errors import CkptctlError
-from ckptctl.manifest import LOCK
-from ckptctl.storage import Storage
+from ckptctl.io.storage import Storage
 
 LEASE = 120.0
 """Seconds a lock stays valid without being renewed."""

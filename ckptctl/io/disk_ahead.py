@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ckptctl import writeback
+from ckptctl.io import writeback
 
 PIECE = 4 << 20
 """Bytes read per call (between two looks at whether to stop; ``DiskAhead``: at how far the
