@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -36,3 +37,12 @@ def _isolated_profiles(tmp_path_factory: pytest.TempPathFactory, monkeypatch) ->
 @pytest.fixture
 def cli() -> Cli:
     return Cli()
+
+
+@pytest.fixture(scope="module")
+def mcli(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cli]:
+    """The in-process CLI for module-scoped fixtures, with its own CKPTCTL_HOME (the autouse
+    per-test isolation above does not reach module scope)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CKPTCTL_HOME", str(tmp_path_factory.mktemp("ckptctl-home")))
+        yield Cli()

@@ -31,13 +31,6 @@ TENSORS_PER_FORMAT = 40
 
 
 @pytest.fixture(scope="module")
-def mcli(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("CKPTCTL_HOME", str(tmp_path_factory.mktemp("ckptctl-home")))
-        yield Cli()
-
-
-@pytest.fixture(scope="module")
 def samples(tmp_path_factory: pytest.TempPathFactory, mcli: Cli) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("conformance")
     config = synth.tiny_llama_config(num_layers=4)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -120,15 +119,6 @@ def hf_logits(hf_dir: Path, input_ids: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 # Module-scoped fixtures: every expensive run happens once
 # --------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def mcli(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cli]:
-    """The in-process CLI for module-scoped fixtures, with its own CKPTCTL_HOME (the autouse
-    per-test isolation in conftest does not reach module scope)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("CKPTCTL_HOME", str(tmp_path_factory.mktemp("ckptctl-home")))
-        yield Cli()
 
 
 @pytest.fixture(scope="module")

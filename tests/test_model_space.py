@@ -32,13 +32,6 @@ FLATTENED = "optimizer.state.fp32_param."
 
 
 @pytest.fixture(scope="module")
-def mcli(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("CKPTCTL_HOME", str(tmp_path_factory.mktemp("ckptctl-home")))
-        yield Cli()
-
-
-@pytest.fixture(scope="module")
 def written(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """megatron-core 0.13.1's TP2 DP3 checkpoints after one step: ``ckpt_optim_model_space``
     (each DP rank saves its range of every box: chunks that cut rows) and ``ckpt_optim_dp_zero``
