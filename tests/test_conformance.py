@@ -13,6 +13,7 @@ without a sample here fails ``test_every_registered_format_has_a_sample``.
 from __future__ import annotations
 
 import random
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -165,20 +166,19 @@ def test_written_then_read_again_is_bit_for_bit(
     assert " equal to " in against["detail"], against
 
 
-def _largest(root: Path) -> Path:
-    files = [p for p in root.rglob("*") if p.is_file() and not p.name.startswith("ckptctl.")]
-    return max(files, key=lambda p: p.stat().st_size)
+def _copy_and_its_largest_file(sample: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """A copy of ``sample`` to damage, and its largest data file (not ckptctl's own)."""
+    copy = tmp_path / "copy"
+    shutil.copytree(sample, copy)
+    files = [p for p in copy.rglob("*") if p.is_file() and not p.name.startswith("ckptctl.")]
+    return copy, max(files, key=lambda p: p.stat().st_size)
 
 
 @pytest.mark.parametrize("fmt", WRITTEN)
 def test_a_flipped_byte_fails_verify(
     fmt: str, samples: dict[str, Path], mcli: Cli, tmp_path: Path
 ) -> None:
-    import shutil
-
-    copy = tmp_path / "copy"
-    shutil.copytree(samples[fmt], copy)
-    victim = _largest(copy)
+    copy, victim = _copy_and_its_largest_file(samples[fmt], tmp_path)
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0x01
     victim.write_bytes(bytes(data))
@@ -190,11 +190,7 @@ def test_a_flipped_byte_fails_verify(
 def test_a_truncated_file_is_refused_with_exit_3(
     fmt: str, samples: dict[str, Path], mcli: Cli, tmp_path: Path
 ) -> None:
-    import shutil
-
-    copy = tmp_path / "copy"
-    shutil.copytree(samples[fmt], copy)
-    victim = _largest(copy)
+    copy, victim = _copy_and_its_largest_file(samples[fmt], tmp_path)
     with open(victim, "r+b") as f:
         f.truncate(victim.stat().st_size // 2)
     out = tmp_path / "out"

@@ -47,6 +47,9 @@ class GroupState:
 
 
 def group_of(layout: ParallelLayout, sub: int, rank: RankCoords) -> int:
+    """The index Megatron names a rank's bucket keys by (``dp_group_idx``): its rank in the
+    model-parallel group of the dense optimizer, or in the expert tensor-model-pipeline group
+    of the expert one."""
     if sub == 0:
         return rank.pp * layout.tp + rank.tp
     return (rank.pp * layout.ep + rank.ep) * layout.expert_tp + rank.etp

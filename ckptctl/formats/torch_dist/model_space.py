@@ -64,12 +64,10 @@ def flattened_parts(
     origin = tuple(f * b for f, b in zip(fragment, box, strict=True))
     out: list[ChunkPart] = []
     for inner, run, flat in flat_boxes(box, start, start + length):
-        parts = chunk_parts(
-            fqn, tuple(o + i for o, i in zip(origin, inner, strict=True)), run, catalog
-        )
+        at = tuple(o + i for o, i in zip(origin, inner, strict=True))
+        parts = chunk_parts(fqn, at, run, catalog)
         if parts is None:
             return None
-        at = tuple(o + i for o, i in zip(origin, inner, strict=True))
         out.extend(
             ChunkPart(
                 p.canonical,

@@ -22,7 +22,6 @@ from ckptctl.formats.megatron.args import (
 )
 from ckptctl.formats.megatron.layout import OptimizerLayout, expert_naming_from_args
 from ckptctl.formats.torch_dist import dp_reshardable
-from ckptctl.formats.torch_dist import model_space as model_space_form
 from ckptctl.formats.torch_dist.layout import (
     COMMON,
     DP_RESHARDABLE_PREFIX,
@@ -32,7 +31,7 @@ from ckptctl.formats.torch_dist.layout import (
     model_catalog,
     split_key,
 )
-from ckptctl.formats.torch_dist.model_space import box_shape, flattened_parts
+from ckptctl.formats.torch_dist.model_space import FORM, box_shape, flattened_parts
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
 from ckptctl.io.storage import Storage
 from ckptctl.model.catalog import Naming
@@ -167,7 +166,7 @@ def probe_torch_dist(
             "not read: only the weights can be taken from it (to keep Adam's state, load it with "
             "the release that wrote it and save it as fully_sharded_model_space)"
         )
-    model_space = sharding == model_space_form.FORM
+    model_space = sharding == FORM
     for fqn, entry in metadata.entries.items():
         if isinstance(entry, BytesEntry):
             if not fqn.startswith("common_state"):
