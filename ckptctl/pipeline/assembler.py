@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from ckptctl.io.disk_ahead import DiskAhead, Extent
+from ckptctl.io.disk_ahead import DiskAhead, Extent, window_for
 from ckptctl.io.runs import Run
 from ckptctl.model.dtypes import DTYPES, pack_exactly
 from ckptctl.model.geometry import with_dim
@@ -109,7 +109,9 @@ class Assembler:
         self._runs: dict[int, list[Run] | None] = {}
         """Tensors announced by ``expect``: the runs they move as (``None``: bands)."""
         self._disk_ahead: DiskAhead | None = None
-        """Reads the announced tensors' local source bytes into the page cache ahead."""
+        """Reads the announced tensors' local source bytes into the page cache ahead..."""
+        self.read_ahead = window_for(budget)
+        """...at most this many bytes ahead of the writer."""
         self.consumed = 0
         """Source bytes this assembler has read (what ``DiskAhead`` keeps ahead of)."""
 
@@ -128,7 +130,7 @@ class Assembler:
         if extents:
             if self._disk_ahead is not None:
                 self._disk_ahead.close()
-            self._disk_ahead = DiskAhead(extents, lambda: self.consumed)
+            self._disk_ahead = DiskAhead(extents, lambda: self.consumed, self.read_ahead)
 
     def source_extents(self, writes: Iterable[TensorWrite]) -> list[Extent]:
         """The local source bytes the tensors' reads touch, in their order."""

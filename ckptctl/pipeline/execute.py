@@ -17,7 +17,6 @@ from ckptctl.checksums import record_checks
 from ckptctl.checksums.manifest import MANIFEST, RunLog, new_digest, write_manifest
 from ckptctl.formats import registry
 from ckptctl.formats.base import Checkpoint, WriteJob
-from ckptctl.io.disk_ahead import SourceReader
 from ckptctl.io.runs import write_in_slices
 from ckptctl.io.storage import Storage
 from ckptctl.model.plan import FileKind, Plan
@@ -82,11 +81,9 @@ def execute(
         for _ in range(writers)
     ]
     jobs = [WriteJob(plan, source, assemble, report) for assemble in assemblers]
-    reader: SourceReader | None = None
     failure: Exception | None = None
     marks = _Marks(log, len(jobs))
     try:
-        reader = _source_reader(plan, assemblers[0], mine)
         _write_shares(jobs, mine, sizes, target, marks)
         marks.finish(_checked_sources(jobs[0]))
         target.drain()  # every rank's files are durable before rank 0 commits
@@ -97,8 +94,6 @@ def execute(
         _keep_finished(log, marks)
         raise
     finally:
-        if reader is not None:
-            reader.close()
         if pool is not None:
             pool.shutdown(wait=True)
     own_written = report.bytes_written
@@ -128,16 +123,6 @@ def _keep_finished(log: RunLog, marks: _Marks) -> None:
     with contextlib.suppress(Exception):  # the job's own error is the one to report
         marks.keep_unchecked()
         log.flush()
-
-
-def _source_reader(plan: Plan, assembler: Assembler, mine: tuple[int, ...]) -> SourceReader:
-    """This rank's local source bytes read as ``cp`` reads them, the device's writes held
-    back meanwhile (``SourceReader``). Measured, cold, 4-6 interleaved rounds on a disk that
-    reads 2.5 GB/s and writes 4.1 GB/s alone (medians): the merge 1.88 -> 1.79 s, TP2 PP2 ->
-    TP1 PP4 1.94 -> 1.75 s, -> TP4 PP1 2.13 -> 1.99 s, DCP -> torch 1.40 -> 1.31 s, HF
-    0.89 -> 0.85 s. Without holding the writes back, the reader alone helped the merge only
-    (~0.1-0.2 s on a slower disk) and slowed jobs writing two files at once."""
-    return SourceReader(assembler.source_extents(w for i in mine for w in plan.files[i].tensors))
 
 
 def _commit(job: WriteJob, target: Storage, log: RunLog, target_format: Any, checksum: str) -> None:

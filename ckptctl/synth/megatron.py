@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
+from collections.abc import Mapping
 
-import numpy
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -16,14 +15,11 @@ from ckptctl.synth.distopt import (
     _distrib_optim_state,
     _distributed_optimizer_state_dict,
 )
+from ckptctl.synth.megatron_state import _opt_param_scheduler, _optimizer_state, _rng_state
 from ckptctl.synth.model import (
-    _ADAM_BETAS,
-    _ADAM_EPS,
     _LOCAL_LAYER_KEYS,
     _LOCAL_TO_TE,
-    _RNG_SEED,
     _TE_LAYER_KEYS,
-    _WEIGHT_DECAY,
     DISTRIB_OPTIM,
     EMBEDDING,
     FINAL_NORM,
@@ -221,103 +217,6 @@ def _megatron_args(
     )
 
 
-def _rng_state() -> list[dict[str, object]]:
-    # Seeded private generators, not the process-global ones: files must be byte-reproducible.
-    return [
-        {
-            "random_rng_state": random.Random(_RNG_SEED).getstate(),
-            "np_rng_state": numpy.random.RandomState(_RNG_SEED).get_state(),
-            "torch_rng_state": torch.Generator().manual_seed(_RNG_SEED).get_state(),
-            "cuda_rng_state": None,
-            "rng_tracker_states": {},
-        }
-    ]
-
-
-def _opt_param_scheduler(iteration: int) -> dict[str, object]:
-    return {
-        "max_lr": 1e-3,
-        "lr_warmup_steps": 0,
-        "num_steps": iteration,
-        "lr_decay_style": "cosine",
-        "lr_decay_steps": 1000,
-        "min_lr": 1e-5,
-        "start_wd": 0.0,
-        "end_wd": 0.0,
-        "wd_incr_style": "constant",
-        "wd_incr_steps": 1000,
-    }
-
-
-def _param_group(no_wd: bool, params: list[int]) -> dict[str, object]:
-    return {
-        "lr": 1e-3,
-        "betas": _ADAM_BETAS,
-        "eps": _ADAM_EPS,
-        "weight_decay": 0.0 if no_wd else _WEIGHT_DECAY,
-        "amsgrad": False,
-        "foreach": None,
-        "maximize": False,
-        "capturable": False,
-        "differentiable": False,
-        "fused": None,
-        "wd_mult": 0.0 if no_wd else 1.0,
-        "lr_mult": 1.0,
-        "is_expert_parallel": False,
-        "is_decoupled_lr": False,
-        "params": params,
-    }
-
-
-def _optimizer_state(
-    chunks: list[dict[str, torch.Tensor]],
-    chunk_states: list[dict[str, dict[str, torch.Tensor]]],
-    params_dtype: torch.dtype,
-    param_group_order: str,
-) -> dict[str, object]:
-    """Megatron's non-distributed optimizer state for one rank file (S4.8).
-
-    Megatron walks ``named_parameters()`` of every model chunk in order and puts a parameter in
-    the no-weight-decay group iff it is a bias or 1-D. Group order: by first appearance
-    (``"appearance"``, megatron-core up to ~0.15, ``params_map`` insertion order) or the default
-    (weight-decay) group first (``"wd_first"``: megatron-core 0.16 sorts the group keys with the
-    override-free key first; pre-core Megatron-LM also appended the weight-decay group first).
-    torch numbers the parameters consecutively over the groups in group order.
-    """
-    groups: dict[bool, list[tuple[torch.Tensor, dict[str, torch.Tensor]]]] = {}
-    if param_group_order == "wd_first":
-        groups[False] = []
-    for weights, states in zip(chunks, chunk_states, strict=True):
-        for name, weight in weights.items():
-            no_wd = name.endswith(".bias") or weight.dim() == 1
-            groups.setdefault(no_wd, []).append((weight, states[name]))
-    groups = {no_wd: members for no_wd, members in groups.items() if members}
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    param_groups: list[dict[str, object]] = []
-    masters: list[list[torch.Tensor]] = []
-    index = 0
-    for no_wd, members in groups.items():
-        indices: list[int] = []
-        group_masters: list[torch.Tensor] = []
-        for _, st in members:
-            state[index] = {
-                "step": st["step"].clone(),
-                "exp_avg": st["exp_avg"],
-                "exp_avg_sq": st["exp_avg_sq"],
-            }
-            group_masters.append(st["fp32_param"])
-            indices.append(index)
-            index += 1
-        param_groups.append(_param_group(no_wd, indices))
-        masters.append(group_masters)
-    torch_state: dict[str, object] = {"state": state, "param_groups": param_groups}
-    if params_dtype == torch.float32:
-        # FP32Optimizer.state_dict() is the bare torch optimizer state dict.
-        return torch_state
-    # Float16OptimizerWithFloat16Params; bf16 has no grad scaler, so no 'grad_scaler' key.
-    return {"optimizer": torch_state, "fp32_from_fp16_params": masters}
-
-
 def _chunk_names(
     placement: list[list[range]], stage: int, chunk: int, naming: str, has_output: bool
 ) -> list[tuple[str, str]]:
@@ -381,7 +280,54 @@ def write_megatron(
     after the first). ``dp`` also sets ``args.data_parallel_size`` and ``args.world_size``
     without the distributed optimizer.
     """
-    config = model.config
+    weights, optim = to_megatron_canonical(model, states)
+    write_megatron_canonical(
+        model.config,
+        weights,
+        optim,
+        out_dir,
+        tp=tp,
+        pp=pp,
+        vpp=vpp,
+        first_stage_layers=first_stage_layers,
+        last_stage_layers=last_stage_layers,
+        naming=naming,
+        params_dtype=params_dtype,
+        iteration=iteration,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+        with_optimizer=with_optimizer,
+        param_group_order=param_group_order,
+        distributed_optimizer=distributed_optimizer,
+        dp=dp,
+        bucket_size=bucket_size,
+    )
+
+
+def write_megatron_canonical(
+    config: LlamaConfig,
+    weights: Mapping[str, torch.Tensor],
+    optim: Mapping[str, Mapping[str, torch.Tensor]],
+    out_dir: str,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    vpp: int = 1,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
+    naming: str = "te",
+    params_dtype: torch.dtype = torch.float32,
+    iteration: int = 1,
+    make_vocab_size_divisible_by: int = 128,
+    with_optimizer: bool = True,
+    param_group_order: str = "appearance",
+    distributed_optimizer: bool = False,
+    dp: int = 1,
+    bucket_size: int | None = None,
+) -> None:
+    """``write_megatron`` from canonical tensors (``to_megatron_canonical``'s ``weights`` and
+    ``optim``). Each is looked up once per rank file that holds it, so a mapping that makes
+    its tensors when asked (``ckptctl.synth.large``) writes a checkpoint no memory holds whole,
+    rank file by rank file."""
     if pp == 1 and (first_stage_layers is not None or last_stage_layers is not None):
         raise ValueError("first/last stage layer counts need pp > 1")
     if min(tp, pp, vpp, dp) < 1:
@@ -393,11 +339,10 @@ def write_megatron(
     placement = _chunk_layers(counts, vpp)
     tied = bool(config.tie_word_embeddings)
     vp = padded_vocab_size(config.vocab_size, tp, make_vocab_size_divisible_by)
-    weights, optim = to_megatron_canonical(model, states)
     if tied and pp > 1:
         # The last stage keeps its own copy of the embedding as output_layer (S3.6).
-        weights[OUTPUT] = weights[EMBEDDING]
-        optim[OUTPUT] = optim[EMBEDDING]
+        weights = {**weights, OUTPUT: weights[EMBEDDING]}
+        optim = {**optim, OUTPUT: optim[EMBEDDING]}
     args = _megatron_args(
         config,
         tp=tp,
