@@ -72,7 +72,7 @@ def find_regions(ckpt: Any, scope: str) -> dict[str, list[Region]]:
     and not overlapping (a tensor viewed twice is quantized once)."""
     if scope not in SCOPES:
         raise UsageError(f"--quantize {scope}: choose weights or all")
-    if not hasattr(ckpt, "where"):
+    if not ckpt.locates:
         raise UsageError(
             f"--quantize: ckptctl cannot locate the tensors of {ckpt.storage.url} in its files "
             "(it can for Megatron, DeepSpeed, DCP, torch_dist, HF and torch files)",
@@ -214,13 +214,9 @@ def overlay(data: bytearray, at: int, regions: list[Region], produce: Any) -> No
 def zip_windows(ckpt: Any, rel: str, size: int) -> list[tuple[int, int]]:
     """``(offset, length)`` of each zip archive in the file: the whole file for ``torch.save``
     files, each record of a DCP ``.distcp`` file."""
-    metadata = getattr(ckpt, "metadata", None)
-    if metadata is not None and rel.endswith(".distcp"):
-        base = getattr(ckpt, "base", "")
-        name = rel[len(base) + 1 :] if base and rel.startswith(base + "/") else rel
-        return sorted(
-            {(i.offset, i.length) for i in metadata.storage.values() if i.relative_path == name}
-        )
+    windows = ckpt.record_windows(rel)
+    if windows is not None:
+        return windows
     with ckpt.storage.open_read(rel) as f:
         return [(0, size)] if zipfile.is_zipfile(f) else []
 

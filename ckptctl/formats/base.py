@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ckptctl.checksums.integrity import Targets, whole_file_entries
 from ckptctl.formats.support import FormatSupport
@@ -24,15 +24,26 @@ from ckptctl.model.stored import CheckpointView, FlatView, KeyPath, Shape
 if TYPE_CHECKING:
     import numpy as np
 
+    from ckptctl.formats.megatron.layout import MegatronStyle
+    from ckptctl.io.runs import Span
     from ckptctl.pipeline.assembler import Assembler
     from ckptctl.pipeline.job_report import Report, Sources
 
 
-class Checkpoint(Protocol):
-    """An opened checkpoint: what it holds (``view``) and a reader of boxes of its tensors."""
+class Checkpoint:
+    """An opened checkpoint: what it holds (``view``), a reader of boxes of its tensors, and
+    every other capability the pipeline asks of a format, each declared here with the answer
+    of a format that lacks it. A format's reader subclasses this class and overrides what it
+    can do; nothing outside asks a reader whether it has an attribute."""
 
     storage: Storage
     view: CheckpointView
+    reads_into: ClassVar[bool] = False
+    """``read`` can put a box's bytes straight into a given array (``into``)."""
+    locates: ClassVar[bool] = False
+    """``where`` answers for this format's boxes (byte ranges of its files)."""
+    lost: frozenset[str] = frozenset()
+    """Files absent from storage, opened with ``allow_missing`` (recovered from copies)."""
 
     def read(
         self,
@@ -43,6 +54,7 @@ class Checkpoint(Protocol):
         view: FlatView = None,
         *,
         transposed: bool = False,
+        into: np.ndarray | None = None,
     ) -> np.ndarray:
         """Box ``[offsets, offsets + sizes)`` of the tensor at ``key`` (or of its ``view``), as
         a numpy array of the dtype ``ckptctl.arrays.numpy_dtype`` maps the stored one to
@@ -50,8 +62,70 @@ class Checkpoint(Protocol):
         arrays without importing torch.
 
         A format whose view declares ``StoredTensor.transposed`` tensors also takes
-        ``transposed=True`` for them: the box is then in the canonical orientation."""
-        ...
+        ``transposed=True`` for them: the box is then in the canonical orientation. A format
+        that ``reads_into`` may fill ``into`` and return it."""
+        raise NotImplementedError(f"{type(self).__name__} reads no tensors")
+
+    def where(
+        self, path: str, key: KeyPath, offsets: Shape, sizes: Shape, view: FlatView = None
+    ) -> Span | None:
+        """Where the box lies in the files, when it lies contiguously (``None``: unknown)."""
+        return None
+
+    def extent(
+        self, path: str, key: KeyPath, offsets: Shape, sizes: Shape, view: FlatView = None
+    ) -> Span | None:
+        """The bytes a read of the box touches, contiguous or not (by default: ``where``)."""
+        return self.where(path, key, offsets, sizes, view)
+
+    def record_windows(self, path: str) -> list[tuple[int, int]] | None:
+        """``(offset, length)`` of each zip archive within file ``path`` when the file holds
+        several (DCP records); ``None``: the file is one archive or none."""
+        return None
+
+    @property
+    def dp_reshardable(self) -> bool:
+        """Whether the optimizer state is Megatron's ``dp_reshardable`` buckets that could not
+        be placed on parameters (such state cannot move)."""
+        return False
+
+    @property
+    def style(self) -> MegatronStyle | None:
+        """Spelling, layer order and optimizer form to keep when writing Megatron files."""
+        return None
+
+    def saved_training(self, path: str) -> SavedTraining | None:
+        """Training state file ``path`` keeps besides tensors, for writers that carry it on."""
+        return None
+
+    def as_generic(self) -> Checkpoint | None:
+        """The checkpoint as named tensors, every stored key whatever model it holds (DCP)."""
+        return None
+
+    def state_dict_items(self) -> list[tuple[KeyPath, Any, Any]] | None:
+        """Non-tensor entries of an HF torch state dict (Adam's step, parameter groups), for a
+        checkpoint of an HF model trained under another framework; ``None`` otherwise."""
+        return None
+
+    def state_dict_aliases(self) -> dict[KeyPath, KeyPath]:
+        """Tied parameters, by their key path in that state dict."""
+        return {}
+
+    def key_path(self, name: str) -> KeyPath:
+        """The nested key path of a stored name in a torch state dict."""
+        return (name,)
+
+    def byte_items(self) -> list[str]:
+        """Names of stored non-tensor items a torch state dict carries on."""
+        return []
+
+    def param_groups(self) -> list[dict[str, Any]] | None:
+        """The optimizer's parameter groups by HF name, when the source keeps them so."""
+        return None
+
+    def universal_model_state(self) -> dict[str, Any]:
+        """Model-state entries a DeepSpeed universal checkpoint carries on."""
+        return {}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -138,7 +138,7 @@ class Sources:
         ckpt, rel = self.owner(path)
         if transposed:  # only formats that store tensors transposed take the flag
             return ckpt.read(rel, key, offsets, sizes, view, transposed=True)
-        if into is not None and getattr(ckpt, "reads_into", False):
+        if into is not None and ckpt.reads_into:
             return ckpt.read(rel, key, offsets, sizes, view, into=into)
         return ckpt.read(rel, key, offsets, sizes, view)
 
@@ -149,10 +149,9 @@ class Sources:
         when its format can say (``extent``, or ``where`` for a box lying contiguously);
         ``None`` for object stores and formats that cannot."""
         ckpt, rel = self.owner(path)
-        where = getattr(ckpt, "extent", None) or getattr(ckpt, "where", None)
-        if where is None or not ckpt.storage.is_local:
+        if not ckpt.storage.is_local:
             return None
-        span = where(rel, key, offsets, sizes, view)
+        span = ckpt.extent(rel, key, offsets, sizes, view)
         return None if span is None else (ckpt.storage.path(span.rel), span.offset, span.nbytes)
 
     def locate(
@@ -163,16 +162,15 @@ class Sources:
         the store being written to (``server_copy_to``) long enough to copy on the server;
         ``None`` otherwise (other object stores, compressed views: the box is read)."""
         ckpt, rel = self.owner(path)
-        where = getattr(ckpt, "where", None)
         storage = ckpt.storage
         on_server = (
             storage.is_s3
             and self.server_copy_to is not None
             and storage.fs is self.server_copy_to.fs
         )
-        if where is None or not (storage.is_local or on_server):
+        if not (storage.is_local or on_server):
             return None
-        span = where(rel, key, offsets, sizes, view)
+        span = ckpt.where(rel, key, offsets, sizes, view)
         if span is None:
             return None
         if storage.is_local:

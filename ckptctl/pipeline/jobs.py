@@ -76,7 +76,7 @@ def given_sources(
 def refuse_dp_reshardable(ckpt: Checkpoint) -> None:
     """``dp_reshardable`` optimizer state is raw grad-buffer buckets of one TP/PP/DP layout,
     which only Megatron itself loads, and only at that layout."""
-    if getattr(ckpt, "dp_reshardable", False):
+    if ckpt.dp_reshardable:
         raise UsageError(
             f"{ckpt.storage.url}: optimizer state is dp_reshardable (grad-buffer buckets of the "
             f"saved {ckpt.view.layout.describe()} layout) that could not be placed on the "
@@ -88,8 +88,8 @@ def refuse_dp_reshardable(ckpt: Checkpoint) -> None:
 
 def megatron_style(ckpt: Checkpoint) -> MegatronStyle:
     """Spelling, order and optimizer format to keep when writing Megatron files (a source
-    that has a Megatron style says so with a ``style`` attribute)."""
-    return getattr(ckpt, "style", None) or MegatronStyle()
+    that has none gets the defaults)."""
+    return ckpt.style or MegatronStyle()
 
 
 def plan_consolidate(
@@ -117,13 +117,13 @@ def plan_consolidate(
         plan = _timed(with_identities(plan, ckpt.storage, view), ratio)
         return Job(plan, Sources(read), settings)
 
-    if fmt == Format.TORCH and hasattr(ckpt, "state_dict_items"):
+    if fmt == Format.TORCH and ckpt.state_dict_items() is not None:
         # An HF model trained under another framework (DeepSpeed): weights and Adam state by
         # HF name, as torch's set_state_dict takes them.
         return job(plan_hf_state_dict(ckpt.view, **urls(), dtype=dtype))
     if fmt == Format.TORCH:
-        if hasattr(ckpt, "as_generic"):  # DCP: every stored key, whatever model it holds
-            generic = ckpt.as_generic()
+        if (as_generic := ckpt.as_generic()) is not None:  # DCP: every stored key
+            generic = as_generic
         elif ckpt.view.spec is None:  # a checkpoint of named tensors
             generic = ckpt
         else:
@@ -212,7 +212,7 @@ def lost_files(
 
 
 def _stored(ckpt: Checkpoint, url: str, lost: frozenset[str] = frozenset()) -> Stored:
-    lost = lost | getattr(ckpt, "lost", frozenset())
+    lost = lost | ckpt.lost
     return Stored(
         view=ckpt.view,
         url=url,
@@ -315,7 +315,7 @@ def nothing_to_change(
     no dtype asked for, nothing lost or read from another copy, and no strategy named (a
     ``direct`` copy asked for by name is still made)."""
     plan = job.plan
-    lost: frozenset[str] = getattr(job.sources.primary, "lost", frozenset())
+    lost: frozenset[str] = job.sources.primary.lost
     return (
         strategy == "auto"
         and dtype is None
@@ -377,7 +377,7 @@ def saved_job(
 
 def check_fresh(plan: Plan, ckpt: Checkpoint, extra: dict[str, Checkpoint]) -> None:
     """Refuse a saved plan whose source changed since it was made, naming what changed."""
-    lost: frozenset[str] = getattr(ckpt, "lost", frozenset())
+    lost: frozenset[str] = ckpt.lost
     now = fingerprint(ckpt.storage, ckpt.view, lost | _planned_lost(plan, ckpt))
     if now != plan.source_fingerprint:
         changed = changed_files(plan, ckpt.storage)

@@ -25,8 +25,9 @@ from ckptctl.arrays import from_torch
 from ckptctl.checksums import record_checks
 from ckptctl.checksums.manifest import INCOMPLETE
 from ckptctl.errors import CheckpointError
+from ckptctl.formats.dcp.files import read_metadata_and_lost
 from ckptctl.formats.dcp.metadata import METADATA_FILE, BytesEntry, DcpMetadata, TensorEntry
-from ckptctl.formats.dcp.reader import DcpCheckpoint, open_dcp, read_metadata_and_lost
+from ckptctl.formats.dcp.reader import DcpCheckpoint, open_dcp
 from ckptctl.formats.torchsave.archive import TensorRef
 from ckptctl.formats.torchsave.refs import open_torch_file
 from ckptctl.io.storage import Storage

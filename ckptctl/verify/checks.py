@@ -233,10 +233,9 @@ def _tensors(ckpt: Checkpoint) -> Check:
     shape and strides it is described with, and every byte of it inside the file: what a
     conversion reads, located without reading a byte of data (a reader that cannot locate
     tensors says so)."""
-    where = getattr(ckpt, "where", None)
-    if where is None:
+    if not ckpt.locates:
         return Check("tensors", "skipped", "this format's reader cannot locate tensors alone")
-    lost: frozenset[str] = getattr(ckpt, "lost", frozenset())
+    where, lost = ckpt.where, ckpt.lost
     problems: list[str] = []
     located: set[tuple] = set()
     for f in ckpt.view.files:
@@ -271,7 +270,7 @@ def _coverage(ckpt: Checkpoint) -> Check:
         shapes = {p.name: p.shape for p in parameters(view.spec)}
     pieces: dict[str, list] = {}
     for f in view.files:
-        if f.path in getattr(ckpt, "lost", frozenset()):
+        if f.path in ckpt.lost:
             continue
         for t in f.tensors:
             pieces.setdefault(t.canonical, []).extend(t.pieces)

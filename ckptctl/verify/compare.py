@@ -78,8 +78,7 @@ def is_optimizer_state(name: str) -> bool:
 
 def _generic(ckpt: Checkpoint) -> Checkpoint:
     """The checkpoint read key by key, where its format can (DCP and ``torch_dist``)."""
-    as_generic = getattr(ckpt, "as_generic", None)
-    return as_generic() if as_generic is not None else ckpt
+    return ckpt.as_generic() or ckpt
 
 
 def _with_view(ckpt: Checkpoint, view: CheckpointView) -> Checkpoint:

@@ -9,7 +9,7 @@ import numpy as np
 
 from ckptctl.arrays import dtype_of
 from ckptctl.checksums.integrity import Targets
-from ckptctl.formats.base import CheckpointFormat, ProbeRequest
+from ckptctl.formats.base import Checkpoint, CheckpointFormat, ProbeRequest
 from ckptctl.formats.support import FormatSupport
 from ckptctl.io.storage import Storage
 from ckptctl.model.geometry import Piece
@@ -20,12 +20,20 @@ NAME = "npy-dir"
 
 
 @dataclass
-class NpyCheckpoint:
+class NpyCheckpoint(Checkpoint):
     storage: Storage
     view: CheckpointView
 
     def read(
-        self, path: str, key: KeyPath, offsets: Shape, sizes: Shape, view: FlatView = None
+        self,
+        path: str,
+        key: KeyPath,
+        offsets: Shape,
+        sizes: Shape,
+        view: FlatView = None,
+        *,
+        transposed: bool = False,
+        into: np.ndarray | None = None,
     ) -> np.ndarray:
         array = np.load(io.BytesIO(self.storage.read_range(path, 0, self.storage.size(path))))
         box = tuple(slice(o, o + n) for o, n in zip(offsets, sizes, strict=True))

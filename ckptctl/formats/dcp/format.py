@@ -17,7 +17,8 @@ from ckptctl.model.stored import CheckpointView
 def _probe(storage: Storage, names: frozenset[str], request: ProbeRequest) -> Any:
     if request.file is not None:
         return None
-    from ckptctl.formats.dcp.reader import locate, probe_dcp
+    from ckptctl.formats.dcp.files import locate
+    from ckptctl.formats.dcp.reader import probe_dcp
 
     found = locate(storage, names, request.iteration)
     if found is None:

@@ -17,21 +17,19 @@ import threading
 from dataclasses import dataclass, field, replace
 from functools import partial
 from math import prod
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ckptctl import json_input
-from ckptctl.errors import CheckpointError, CheckpointNotFoundError, LayoutError
-from ckptctl.formats.base import SavedTraining
-from ckptctl.formats.dcp.checks import check_metadata
+from ckptctl.errors import CheckpointError, LayoutError
+from ckptctl.formats.base import Checkpoint, SavedTraining
+from ckptctl.formats.dcp.files import join, read_metadata
 from ckptctl.formats.dcp.hf_layout import key_table, prefixes
 from ckptctl.formats.dcp.metadata import (
-    METADATA_FILE,
     BytesEntry,
     DcpMetadata,
     StorageInfo,
     TensorEntry,
 )
-from ckptctl.formats.dcp.parse import parse_metadata
 from ckptctl.formats.dcp.records import (
     Fetch,
     RecordWindow,
@@ -43,9 +41,7 @@ from ckptctl.formats.dcp.records import (
 from ckptctl.formats.hf.families import spec_from_config
 from ckptctl.formats.hf.layout import CONFIG
 from ckptctl.formats.megatron.args import grad_reduce_dtype
-from ckptctl.formats.megatron.format import recognised
-from ckptctl.formats.megatron.layout import TRACKER, GroupOrder, MegatronStyle, OptimizerLayout
-from ckptctl.formats.megatron.reader import find_iteration
+from ckptctl.formats.megatron.layout import GroupOrder, MegatronStyle, OptimizerLayout
 from ckptctl.formats.torch_dist.layout import (
     MCORE_METADATA,
     dense_optimizer,
@@ -72,13 +68,11 @@ if TYPE_CHECKING:
     import numpy as np
 
 
-def join(base: str, rel: str) -> str:
-    return f"{base}/{rel}" if base else rel
-
-
 @dataclass
-class DcpCheckpoint:
+class DcpCheckpoint(Checkpoint):
     """A probed DCP checkpoint: its view for planners and lazily opened records."""
+
+    locates: ClassVar[bool] = True
 
     storage: Storage
     view: CheckpointView
@@ -127,8 +121,18 @@ class DcpCheckpoint:
         return window, partial(pread, f.fileno(), info.offset), where
 
     def read(
-        self, path: str, key: KeyPath, offsets: Shape, sizes: Shape, view: FlatView = None
+        self,
+        path: str,
+        key: KeyPath,
+        offsets: Shape,
+        sizes: Shape,
+        view: FlatView = None,
+        *,
+        transposed: bool = False,
+        into: np.ndarray | None = None,
     ) -> np.ndarray:
+        if transposed:
+            raise ValueError("DCP stores no tensor transposed")
         reader, ref = self._open(str(key[0]), tuple(int(k) for k in key[1:]))
         if view is not None:
             ref = view_ref(_flat(ref), *view)
@@ -155,6 +159,21 @@ class DcpCheckpoint:
         straight into ``into`` where the record lays the box out as ``into`` does."""
         reader, ref = self._open(fqn, chunk)
         return reader.read(ref, start, sizes, into)
+
+    def record_windows(self, path: str) -> list[tuple[int, int]] | None:
+        """Each record of a ``.distcp`` file is a zip archive of its own."""
+        if not path.endswith(".distcp"):
+            return None
+        name = (
+            path[len(self.base) + 1 :] if self.base and path.startswith(self.base + "/") else path
+        )
+        return sorted(
+            {
+                (i.offset, i.length)
+                for i in self.metadata.storage.values()
+                if i.relative_path == name
+            }
+        )
 
     def as_generic(self) -> DcpCheckpoint:
         """The same checkpoint read key by key, whatever model it holds."""
@@ -296,59 +315,6 @@ class DcpCheckpoint:
 def _flat(ref: TensorRef) -> TensorRef:
     """A contiguous record tensor viewed as 1-D (layer slices are views into it)."""
     return TensorRef(ref.storage, ref.offset, (prod(ref.shape),), (1,))
-
-
-def read_metadata(storage: Storage, base: str) -> DcpMetadata:
-    """``.metadata`` through the allow-list, checked, and every record inside its file."""
-    metadata, short = read_metadata_and_lost(storage, base)
-    where = storage.describe(join(base, METADATA_FILE))
-    for name, (size, end) in sorted(short.items()):
-        rel = join(base, name)
-        if size is None:
-            raise CheckpointNotFoundError(f"{storage.describe(rel)}: missing (named in {where})")
-        raise CheckpointError(
-            f"{storage.describe(rel)}: {size} bytes, but {METADATA_FILE} places records up "
-            f"to byte {end}; the file is truncated"
-        )
-    return metadata
-
-
-def read_metadata_and_lost(
-    storage: Storage, base: str
-) -> tuple[DcpMetadata, dict[str, tuple[int | None, int]]]:
-    """``.metadata`` through the allow-list and checked, and the record files that are missing
-    (size ``None``) or shorter than the records placed in them: ``name -> (size, needed)``."""
-    where = storage.describe(join(base, METADATA_FILE))
-    with storage.open_read(join(base, METADATA_FILE)) as f:
-        raw = f.read()
-    metadata = parse_metadata(raw, where)
-    check_metadata(metadata, where)
-    ends: dict[str, int] = {}
-    for info in metadata.storage.values():
-        storage.path(join(base, info.relative_path))  # refuses paths escaping the root
-        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
-    short: dict[str, tuple[int | None, int]] = {}
-    for name, end in sorted(ends.items()):
-        rel = join(base, name)
-        if not storage.exists(rel):
-            short[name] = (None, end)
-        elif (size := storage.size(rel)) < end:
-            short[name] = (size, end)
-    return metadata, short
-
-
-def locate(
-    storage: Storage, names: frozenset[str], iteration: int | None
-) -> tuple[str, int | None] | None:
-    """The directory holding ``.metadata`` (the root, or a Megatron iteration directory named
-    by the tracker or ``iteration``) and its iteration, or ``None`` if there is none."""
-    if METADATA_FILE in names:
-        return "", None
-    if recognised(names) and (TRACKER in names or iteration is not None):
-        rel, number = find_iteration(storage, iteration)
-        if storage.exists(join(rel, METADATA_FILE)):
-            return rel, number
-    return None
 
 
 def probe_dcp(

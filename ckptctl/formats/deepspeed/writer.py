@@ -64,9 +64,9 @@ def _param_groups(owner: Any, template: str) -> list[dict[str, Any]]:
     keeps its own; Megatron and DCP sources give decay then no-decay settings (the HF Trainer's
     order); a source without optimizer state gives two groups without settings (the engine
     keeps its own)."""
-    if hasattr(owner, "param_groups"):
-        return owner.param_groups()
-    saved = owner.saved_training(template) if hasattr(owner, "saved_training") else None
+    if (groups := owner.param_groups()) is not None:
+        return groups
+    saved = owner.saved_training(template)
     templates = saved.templates if saved is not None else {}
     groups = []
     for no_decay in (False, True):
@@ -80,7 +80,7 @@ def _model_states(job: WriteJob, owner: Any) -> dict[str, Any]:
     """What DeepSpeed's engine reads from ``mp_rank_00_model_states.pt`` before the universal
     files: counters and world sizes (weights come from ``zero/``, so ``module`` stays empty)."""
     plan = job.plan
-    kept = owner.universal_model_state() if hasattr(owner, "universal_model_state") else {}
+    kept = owner.universal_model_state()
     iteration = plan.iteration or 0
     return {
         "module": {},

@@ -20,6 +20,7 @@ from ckptctl.arrays import buffer, numpy_dtype, words
 from ckptctl.checksums import record_checks
 from ckptctl.checksums.manifest import recorded
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError, LayoutError
+from ckptctl.formats.base import Checkpoint
 from ckptctl.formats.hf.families import spec_from_config
 from ckptctl.formats.hf.layout import CONFIG, INDEX, SINGLE, hf_tensors
 from ckptctl.formats.safetensors_header import SafetensorsEntry, read_header
@@ -106,9 +107,9 @@ def _read_exactly(f: Any, view: memoryview, where: str) -> None:
 
 
 @dataclass
-class HFCheckpoint:
+class HFCheckpoint(Checkpoint):
     reads_into: ClassVar[bool] = True
-    """``read`` can put a box's bytes straight into a given array."""
+    locates: ClassVar[bool] = True
 
     storage: Storage
     view: CheckpointView
@@ -127,8 +128,12 @@ class HFCheckpoint:
         offsets: Shape,
         sizes: Shape,
         view: FlatView = None,
+        *,
+        transposed: bool = False,
         into: np.ndarray | None = None,
     ) -> np.ndarray:
+        if transposed:
+            raise ValueError("safetensors files of this reader hold no tensor transposed")
         name = str(key[0])
         entry = self.headers[path][name]
         where = self.storage.describe(path)

@@ -215,7 +215,7 @@ def training_state(job: WriteJob, file: FileWrite) -> TrainingState:
     plan = job.plan
     refs: list[TensorRef] = []
     owner, template_path = job.source.owner(plan.source_files[file.carry_from or 0])
-    saved = owner.saved_training(template_path) if hasattr(owner, "saved_training") else None
+    saved = owner.saved_training(template_path)
     saved = saved or SavedTraining()
     if saved.args is not None:
         carried = dict(saved.carried or {})

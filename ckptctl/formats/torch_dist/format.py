@@ -15,7 +15,8 @@ from ckptctl.model.plan import FileKind
 def _probe(storage: Storage, names: frozenset[str], request: ProbeRequest) -> Any:
     if request.file is not None:
         return None
-    from ckptctl.formats.dcp.reader import locate, mcore_backend
+    from ckptctl.formats.dcp.files import locate
+    from ckptctl.formats.dcp.reader import mcore_backend
     from ckptctl.formats.torch_dist.reader import probe_torch_dist
 
     found = locate(storage, names, request.iteration)

@@ -9,8 +9,9 @@ from contextlib import contextmanager
 from typing import Any
 
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError
+from ckptctl.formats.dcp.files import join, read_metadata
 from ckptctl.formats.dcp.metadata import BytesEntry, DcpMetadata, StorageInfo, TensorEntry
-from ckptctl.formats.dcp.reader import DcpCheckpoint, files_of, join, read_metadata
+from ckptctl.formats.dcp.reader import DcpCheckpoint, files_of
 from ckptctl.formats.dcp.records import RecordWindow, open_record
 from ckptctl.formats.megatron.args import (
     check_saved_layout,

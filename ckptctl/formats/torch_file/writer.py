@@ -21,7 +21,7 @@ def write_state_dict_file(job: WriteJob, file: FileWrite, out: ByteStream) -> No
     owner, assemble = job.source.primary, job.assemble
     # A source that nests its state dict (DCP) says where each name sits and which items are
     # not tensors; any other source is a flat mapping of names to tensors.
-    key_path = getattr(owner, "key_path", lambda name: (name,))
+    key_path = owner.key_path
     tree: Any = {}
     slots = []
     by_key = {}
@@ -39,7 +39,7 @@ def write_state_dict_file(job: WriteJob, file: FileWrite, out: ByteStream) -> No
         # Tensors inside pickled items (RNG states, Adam's step) are copied from their file.
         value = _slots_for_refs(value, lambda ref, r=reader: _inner_slot(ref, r, inner, slots))
         _set_path(tree, path, value)
-    for alias, target in getattr(owner, "state_dict_aliases", dict)().items():
+    for alias, target in owner.state_dict_aliases().items():
         # Tied weights: one storage under two names, as torch.save keeps them.
         _set_path(tree, alias, at_path[target])
 
@@ -58,11 +58,11 @@ def write_state_dict_file(job: WriteJob, file: FileWrite, out: ByteStream) -> No
 
 def _items(owner: Any) -> list[tuple[tuple[Any, ...], Any, Any]]:
     """Non-tensor items of the state dict: (key path, value, reader of tensors inside it)."""
-    if hasattr(owner, "state_dict_items"):
-        return owner.state_dict_items()
-    key_path = getattr(owner, "key_path", lambda name: (name,))
+    if (items := owner.state_dict_items()) is not None:
+        return items
+    key_path = owner.key_path
     out = []
-    for fqn in owner.byte_items() if hasattr(owner, "byte_items") else ():
+    for fqn in owner.byte_items():
         value, reader = owner.byte_item(fqn)
         out.append((key_path(fqn), value, reader))
     return out

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from ckptctl.formats.base import Checkpoint
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
 from ckptctl.io.runs import Span
 from ckptctl.io.storage import Storage
@@ -112,7 +113,7 @@ def stored_object(storage: Storage, rel: str) -> tuple[str, Callable[[], str]] |
 
 
 @dataclass
-class TorchFiles:
+class TorchFiles(Checkpoint):
     """A checkpoint kept as ``torch.save`` files: its view for planners and one lazy reader
     per file, read box by box (DeepSpeed's ZeRO and universal checkpoints build on it)."""
 
@@ -120,7 +121,7 @@ class TorchFiles:
     view: CheckpointView
     readers: dict[str, TorchZipReader]
     reads_into: ClassVar[bool] = True
-    """``read`` can put a box's bytes straight into a given array."""
+    locates: ClassVar[bool] = True
 
     def read(
         self,
