@@ -4,7 +4,7 @@ the global tensor this rank holds.
 Names follow torch DCP's default planner exactly (``flatten_state_dict``: keys of nested
 mappings joined by ``.``, lists entered only when they hold tensors or mappings), so a checkpoint
 saved by ckptctl loads with ``torch.distributed.checkpoint.load`` and the other way round;
-``tests/test_training_state.py`` checks the names against torch's own function.
+``tests/training/test_training.py`` checks the names against torch's own function.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Two ranks load row halves of a tensor one process saved whole to S3 (run under torchrun by
-tests/test_training_s3.py; the endpoint comes from ``AWS_ENDPOINT_URL``): each rank reads
+tests/training/test_training_s3.py; the endpoint comes from ``AWS_ENDPOINT_URL``): each rank reads
 half of the stored record, so neither read can check it alone. Both ranks load every URL
 given but the last, which rank 0 then loads alone (``no_dist``); each rank writes what it
 got to ``OUT/rank_N.json``: its load reports' figures, or the errors the loads raised."""

@@ -1,6 +1,6 @@
-"""Two ranks save to S3 at once (run under torchrun by tests/test_training_s3.py; the endpoint
-comes from ``AWS_ENDPOINT_URL``): each holds one row shard of a 128 MiB tensor, so each rank's
-file goes up in several multipart parts while the other rank's is still being written."""
+"""Two ranks save to S3 at once (run under torchrun by tests/training/test_training_s3.py; the
+endpoint comes from ``AWS_ENDPOINT_URL``): each holds one row shard of a 128 MiB tensor, so each
+rank's file goes up in several multipart parts while the other rank's is still being written."""
 
 from __future__ import annotations
 

@@ -6,7 +6,8 @@ Importing torch and ``torch.distributed.checkpoint`` only to pickle these few da
 about two seconds per job, more than writing a small checkpoint. The classes' pickled forms are
 stable across torch 2.x: plain dataclasses pickle as ``NEWOBJ`` plus their ``__dict__``;
 ``TensorProperties`` and ``_StorageInfo`` define ``__getstate__``; ``torch.Size`` and the layout
-reduce to calls. ``tests/test_dcp_metadata.py`` unpickles the result with torch and compares it
+reduce to calls. ``tests/formats/dcp/test_dcp_metadata.py``
+unpickles the result with torch and compares it
 with the same metadata built from torch's own classes.
 """
 

@@ -755,7 +755,7 @@ def test_distrib_optim_does_not_depend_on_dp(tmp_path: Path, trained) -> None:
 def test_example_cli_writes_distributed_optimizer(tmp_path: Path) -> None:
     import importlib.util
 
-    script = Path(__file__).parent.parent / "examples" / "make_checkpoint.py"
+    script = Path(__file__).resolve().parents[2] / "examples" / "make_checkpoint.py"
     spec = importlib.util.spec_from_file_location("make_checkpoint", script)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -1192,7 +1192,7 @@ def test_merge_rules_and_tp_forward_agree_with_real_megatron_tp2(tmp_path: Path)
 
     Tests the tests: if these merge rules and this simulated TP forward reproduce megatron-core's
     own tp=2 logits, the bit-exact round trips above pin the generator to Megatron's layout.
-    ``slow`` (a 2-process spawn, 6-12 s): run with ``pytest -m slow tests/test_synth.py``.
+    ``slow`` (a 2-process spawn, 6-12 s): run with ``pytest -m slow tests/synth/test_synth.py``.
     """
     pytest.importorskip("megatron.core")
     pytest.importorskip("einops")
@@ -1242,7 +1242,8 @@ def test_distrib_optim_matches_real_megatron_core_distributed_optimizer(tmp_path
 
     The replay un-flattens the real ``distrib_optim.pt`` into the exact master weights and Adam
     moments megatron reports (``truth_*.pt``); the generator, given the same shapes, writes the
-    same structure and buffer lengths. ``slow`` (~45 s): ``pytest -m slow tests/test_synth.py``.
+    same structure and buffer lengths. ``slow`` (~45 s):
+    ``pytest -m slow tests/synth/test_synth.py``.
     """
     pytest.importorskip("megatron.core")
     pytest.importorskip("einops")

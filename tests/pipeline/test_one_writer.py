@@ -17,7 +17,7 @@ import pytest
 from ckptctl import synth
 from ckptctl.io.storage import Storage
 from ckptctl.pipeline.lease import LOCK, DestinationBusyError, Lease
-from tests import test_s3
+from tests.io import test_s3
 
 s3_endpoint, bucket = test_s3.s3_endpoint, test_s3.bucket  # moto's S3 server fixtures
 

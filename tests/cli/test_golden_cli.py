@@ -1,6 +1,6 @@
 """The CLI's JSON documents for a fixed checkpoint, against golden files: a restructuring must
 not change what users' scripts read (fields that name paths, times or file identities vary by
-run and are left out). ``CKPTCTL_UPDATE_GOLDEN=1 pytest tests/test_golden_cli.py`` rewrites
+run and are left out). ``CKPTCTL_UPDATE_GOLDEN=1 pytest tests/cli/test_golden_cli.py`` rewrites
 them after a deliberate change."""
 
 from __future__ import annotations

@@ -211,7 +211,7 @@ def test_lost_ranks_flag_recovers_from_full(checkpoint: Path, tmp_path: Path, cl
         "recovery",
     )
     assert summary["strategy"] == "recovery"
-    from tests.test_reshard import assert_same_checkpoint
+    from tests.pipeline.test_reshard import assert_same_checkpoint
 
     assert_same_checkpoint(checkpoint, tmp_path / "out")
 
@@ -294,7 +294,7 @@ def test_via_full_keeps_the_full_checkpoint_and_cuts_from_it(
     assert summary["strategy"] == "full-then-split"
     assert (tmp_path / "full/iter_0000001/mp_rank_00/model_optim_rng.pt").exists()
     cli("reshard", tmp_path / "out", tmp_path / "back", "--tp", "2", "--pp", "2")
-    from tests.test_reshard import assert_same_checkpoint
+    from tests.pipeline.test_reshard import assert_same_checkpoint
 
     assert_same_checkpoint(checkpoint, tmp_path / "back")
 
@@ -357,7 +357,7 @@ def test_reshard_with_replica_reads_both_and_is_exact(
     )
     assert "spread over 2 stored copies" in summary["notes"][0] or summary["strategy"]
     cli("reshard", checkpoint, tmp_path / "plain", "--tp", "1", "--pp", "4")
-    from tests.test_reshard import assert_same_checkpoint
+    from tests.pipeline.test_reshard import assert_same_checkpoint
 
     assert_same_checkpoint(tmp_path / "plain", tmp_path / "b")
 
@@ -388,7 +388,7 @@ def test_unreadable_shard_found_by_probing_is_recovered(
         "recovery",
     )
     assert summary["strategy"] == "recovery"
-    from tests.test_reshard import assert_same_checkpoint
+    from tests.pipeline.test_reshard import assert_same_checkpoint
 
     assert_same_checkpoint(checkpoint, tmp_path / "out")
 

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from ckptctl import synth
 from tests.conftest import Cli
 from tests.oracle_runner import run_oracle
-from tests.test_reshard import assert_same_checkpoint
+from tests.pipeline.test_reshard import assert_same_checkpoint
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("megatron.core", reason="megatron-core 0.16.1 is the oracle here")

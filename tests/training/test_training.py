@@ -25,8 +25,8 @@ from ckptctl.errors import CheckpointError
 from ckptctl.training import Checkpointer
 from ckptctl.training.state import flatten
 
-WORKER = Path(__file__).parent / "training" / "worker.py"
-PLACEMENTS = Path(__file__).parent / "training" / "placements.py"
+WORKER = Path(__file__).parent / "worker.py"
+PLACEMENTS = Path(__file__).parent / "placements.py"
 STEPS = 4
 
 

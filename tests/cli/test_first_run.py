@@ -25,7 +25,7 @@ from ckptctl import synth
 from ckptctl.io.locations import Overlap, overlap
 from ckptctl.io.storage_errors import classify
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

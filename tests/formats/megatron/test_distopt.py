@@ -12,7 +12,7 @@ import torch
 from ckptctl import synth
 from tests import megatron_core_013
 from tests.oracle_runner import run_oracle
-from tests.test_reshard import _assert_tree_equal, assert_same_checkpoint
+from tests.pipeline.test_reshard import _assert_tree_equal, assert_same_checkpoint
 
 WRITER = "megatron_core_distopt_writer.py"
 

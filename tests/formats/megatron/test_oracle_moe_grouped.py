@@ -27,7 +27,12 @@ import pytest
 import torch
 
 from ckptctl.arrays import to_torch
-from tests.test_oracle_moe import _assert_same_files, _flat_buffers, _oracle, _relative
+from tests.formats.megatron.test_oracle_moe import (
+    _assert_same_files,
+    _flat_buffers,
+    _oracle,
+    _relative,
+)
 
 pytest.importorskip("megatron.core", reason="megatron-core 0.16.1 is the oracle here")
 transformers = pytest.importorskip("transformers")

@@ -19,8 +19,8 @@ from ckptctl import synth
 from ckptctl.checksums.manifest import INCOMPLETE, MANIFEST
 from ckptctl.model.plan import CopyOp, FileKind, FileWrite, TensorWrite
 from planners.shares import parallel_seconds, share_bytes, split_files
-from tests import test_s3
-from tests.test_reshard import assert_same_checkpoint
+from tests.io import test_s3
+from tests.pipeline.test_reshard import assert_same_checkpoint
 
 s3_endpoint, bucket = test_s3.s3_endpoint, test_s3.bucket  # moto's S3 server fixtures
 

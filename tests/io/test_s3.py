@@ -77,7 +77,7 @@ def test_local_to_s3_to_s3_to_local_is_bit_exact(
     cli("reshard", f"{bucket}/tp4", tmp_path / "back", "--tp", "2", "--pp", "2")
     report = cli.json("verify", f"{bucket}/tp4", "--against", local_ckpt)
     assert report["ok"] and all(t["max_abs_diff"] == 0.0 for t in report["tensors"])
-    from tests.test_reshard import assert_same_checkpoint
+    from tests.pipeline.test_reshard import assert_same_checkpoint
 
     assert_same_checkpoint(local_ckpt, tmp_path / "back")
     info = cli.json("inspect", f"{bucket}/tp4")
@@ -348,7 +348,7 @@ def test_memory_and_file_urls_work_like_paths(local_ckpt: Path, tmp_path: Path, 
     """fsspec URLs other than S3: ``memory://`` (in-process) and ``file://``."""
     cli("reshard", f"file://{local_ckpt}", "memory://lake/tp4", "--tp", "4", "--pp", "1")
     cli("reshard", "memory://lake/tp4", f"file://{tmp_path}/back", "--tp", "2", "--pp", "2")
-    from tests.test_reshard import assert_same_checkpoint
+    from tests.pipeline.test_reshard import assert_same_checkpoint
 
     assert_same_checkpoint(local_ckpt, tmp_path / "back")
     assert cli.json("verify", "memory://lake/tp4", "--against", local_ckpt)["ok"]
@@ -444,7 +444,7 @@ def test_compressed_checkpoints_live_in_the_lake(
 ) -> None:
     """compress s3 -> s3 (alone and as a delta against another S3 checkpoint), every command
     reading the result there, and decompress s3 -> local restoring every byte."""
-    from tests.test_reshard import assert_same_checkpoint
+    from tests.pipeline.test_reshard import assert_same_checkpoint
 
     cli("reshard", local_ckpt, f"{bucket}/step", "--strategy", "direct")  # an upload
     cli("reshard", local_ckpt, f"{bucket}/base", "--strategy", "direct")  # an upload
@@ -489,7 +489,7 @@ def test_a_reshard_from_the_lake_refuses_a_corrupt_record_it_reads_only_part_of(
     anything is marked complete. On an intact copy only the rows no file needs are fetched
     for the checks: TP1's vocabulary padding of the embedding and output layer, and of their
     two Adam moments (six records)."""
-    from tests.test_first_run import _record_span
+    from tests.cli.test_first_run import _record_span
 
     config = synth.tiny_llama_config(num_layers=1)
     model = synth.make_model(config, seed=2)

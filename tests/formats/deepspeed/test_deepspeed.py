@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors.torch")
 
 from tests import deepspeed_runs as runs  # noqa: E402  (after the skips)
-from tests import test_s3  # noqa: E402  (moto's S3 server fixtures)
+from tests.io import test_s3  # noqa: E402  (moto's S3 server fixtures)
 
 pytestmark = pytest.mark.oracle
 written = runs.written  # the DeepSpeed runs, written once per session
@@ -214,7 +214,7 @@ def test_on_s3(written: dict[str, Path], bucket: str, tmp_path: Path, cli) -> No
 def test_inspect_and_dry_runs_do_not_import_torch(
     written: dict[str, Path], run: str, tmp_path: Path
 ) -> None:
-    from tests.test_startup import run as in_fresh_interpreter
+    from tests.cli.test_startup import run as in_fresh_interpreter
 
     ckpt = written[run]
     assert in_fresh_interpreter("inspect", ckpt, "--json") == "torch not imported"
@@ -277,7 +277,7 @@ def test_universal_conversion_moves_every_byte_by_kernel_copy(
     import subprocess
     import sys
 
-    from tests.test_startup import DRIVER, imported
+    from tests.cli.test_startup import DRIVER, imported
 
     ckpt = written[run]
     argv = ("consolidate", ckpt, tmp_path / "u", "--format", "deepspeed-universal", "--json")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from ckptctl import synth
-from tests import test_s3
+from tests.io import test_s3
 
 s3_endpoint, bucket = test_s3.s3_endpoint, test_s3.bucket  # moto's S3 server fixtures
 

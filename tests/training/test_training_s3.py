@@ -8,8 +8,8 @@ import torch
 
 from ckptctl.settings import StorageConfig
 from ckptctl.training import Checkpointer
+from tests.io.test_s3 import bucket, proxy, s3_endpoint  # noqa: F401  (fixtures)
 from tests.s3proxy import S3Proxy
-from tests.test_s3 import bucket, proxy, s3_endpoint  # noqa: F401  (fixtures)
 
 PART = 5 << 20
 
@@ -111,7 +111,7 @@ def test_two_ranks_stream_their_files_to_s3_at_once(
     import sys
     from pathlib import Path
 
-    script = Path(__file__).parent / "training" / "s3_save.py"
+    script = Path(__file__).parent / "s3_save.py"
     proxy.reset()
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -171,7 +171,7 @@ def test_ranks_loading_halves_of_a_record_from_s3_check_it_together(
     proxy.reset()
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(Path(__file__).parent / "training" / "s3_load_parts.py"), str(tmp_path),
+         str(Path(__file__).parent / "s3_load_parts.py"), str(tmp_path),
          f"{bucket}/intact/step_1", f"{bucket}/corrupt/step_1", f"{bucket}/alone/step_1"],
         capture_output=True, text=True, timeout=600,
         env={**os.environ, "AWS_ENDPOINT_URL": proxy.url},

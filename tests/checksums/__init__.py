@@ -1,0 +1,1 @@
+"""Tests of ckptctl/checksums (the package layout mirrors ckptctl's)."""

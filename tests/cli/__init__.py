@@ -1,0 +1,1 @@
+"""Tests of ckptctl/cli (the package layout mirrors ckptctl's)."""

@@ -1,0 +1,1 @@
+"""Tests of ckptctl/compression (the package layout mirrors ckptctl's)."""

@@ -1,0 +1,1 @@
+"""Tests of ckptctl/formats (the package layout mirrors ckptctl's)."""

@@ -1,0 +1,1 @@
+"""Tests of ckptctl/formats/dcp (the package layout mirrors ckptctl's)."""

@@ -1,0 +1,1 @@
+"""Tests of ckptctl/formats/deepspeed (the package layout mirrors ckptctl's)."""

@@ -1,0 +1,1 @@
+"""Tests of ckptctl/formats/hf (the package layout mirrors ckptctl's)."""

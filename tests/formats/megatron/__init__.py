@@ -1,0 +1,1 @@
+"""Tests of ckptctl/formats/megatron (the package layout mirrors ckptctl's)."""

@@ -1,0 +1,1 @@
+"""Tests of ckptctl/formats/torch_dist (the package layout mirrors ckptctl's)."""

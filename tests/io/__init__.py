@@ -1,0 +1,1 @@
+"""Tests of ckptctl/io (the package layout mirrors ckptctl's)."""

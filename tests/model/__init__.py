@@ -1,0 +1,1 @@
+"""Tests of ckptctl/model (the package layout mirrors ckptctl's)."""

@@ -1,0 +1,1 @@
+"""Tests of ckptctl/pipeline (the package layout mirrors ckptctl's)."""

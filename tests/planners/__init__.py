@@ -1,0 +1,1 @@
+"""Tests of ckptctl/planners (the package layout mirrors ckptctl's)."""

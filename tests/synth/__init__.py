@@ -1,0 +1,1 @@
+"""Tests of ckptctl/synth (the package layout mirrors ckptctl's)."""

@@ -1,0 +1,1 @@
+"""Tests of ckptctl/verify (the package layout mirrors ckptctl's)."""
