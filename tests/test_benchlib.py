@@ -160,3 +160,23 @@ def test_attempt_refuses_a_file_system_too_full_to_time(benchlib, tmp_path: Path
     benchlib.FREE_MARGIN = 0
     benchlib.attempt(cmd, out, prime=False)
     assert marker.exists()
+
+
+def test_the_runner_keeps_every_table_a_suite_prints_and_renders_it_again() -> None:
+    import importlib
+
+    runner = importlib.import_module("bench.__main__")
+    printed = (
+        "generating...\nsource: 1.0 GB of something\n\n| run | seconds |\n|---|---:|\n"
+        "| cp -r | 2.00 |\n| ckptctl | 1.00 |\n\nfootnote\n| other | x |\n|---|---|\n| a | b |\n"
+    )
+    tables = runner.tables_of(printed)
+    assert [t["caption"] for t in tables] == ["source: 1.0 GB of something", "footnote"]
+    assert tables[0]["header"] == ["run", "seconds"]
+    assert tables[0]["rows"] == [["cp -r", "2.00"], ["ckptctl", "1.00"]]
+    result = {"suite": "x", "command": "python bench/bench_x.py", "started": "2026-11-29T00:00:00Z"}
+    document = {"machine": {"cpus": 2}, "results": [{**result, "tables": tables, "output": ""}]}
+    rendered = runner.render(document)
+    assert "| cp -r | 2.00 |" in rendered and "| a | b |" in rendered
+    assert runner.tables_of(rendered)[0]["rows"] == tables[0]["rows"]
+    assert set(runner.suites()) >= {"large", "convert", "s3", "workers"}

@@ -1,0 +1,1 @@
+"""The benches (``python -m bench list``); each suite also runs alone as a script."""
