@@ -9,10 +9,14 @@ import mmap
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import xxhash
 
 from ckptctl.checksums.crc import crc32, crc32_combine
+
+if TYPE_CHECKING:
+    from ckptctl.checksums.record_checks import RecordChecks
 
 WINDOW = 64 << 20
 """Bytes of a record mapped at a time (a mapped page counts towards the process's resident
@@ -41,6 +45,8 @@ class Record:
     safetensors tensor, whose format stores no checksum). Its parts cannot be joined out of
     order: parts read from the start, in order, are hashed as they pass; otherwise the record
     is read whole by the checking thread."""
+    checks: RecordChecks | None = field(default=None, compare=False, repr=False)
+    """The checks that see this record's parts (those of the storage it was read from)."""
 
 
 def joined(pieces: list[Piece]) -> list[Piece]:

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO
 
+from ckptctl.checksums.record_checks import RecordChecks
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError, StorageError, UsageError
 from ckptctl.io.filesystems import kernel_copy_pays
 from ckptctl.io.local_files import LocalFiles, local_root, protocol_of
@@ -213,9 +214,24 @@ class Storage:
     """Writes go straight to this URL (a staged storage writes to local files first, which
     cannot take a server-side copy)."""
 
+    @property
+    def checks(self) -> RecordChecks:
+        """The checks of the zip records read in parts from here (its own, or its job's)."""
+        own = self.__dict__.get("_checks")
+        if own is None:
+            own = RecordChecks()
+            self.__dict__["_checks"] = own
+        return own
+
     def __init__(
-        self, url: str, config: StorageConfig | None = None, *, read_only: bool = False
+        self,
+        url: str,
+        config: StorageConfig | None = None,
+        *,
+        read_only: bool = False,
+        checks: RecordChecks | None = None,
     ) -> None:
+        self.__dict__["_checks"] = checks  # (a view of another storage sets none: made when asked)
         self.url = url
         self.read_only = read_only
         """A source: every write, removal or upload through this object is refused."""

@@ -13,7 +13,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
-from ckptctl.checksums import record_checks
 from ckptctl.checksums.manifest import MANIFEST, RunLog, new_digest, write_manifest
 from ckptctl.formats import registry
 from ckptctl.formats.base import Checkpoint, WriteJob
@@ -23,6 +22,7 @@ from ckptctl.model.plan import FileKind, Plan
 from ckptctl.pipeline.assembler import Assembler, JobStopped
 from ckptctl.pipeline.distributed import Group
 from ckptctl.pipeline.job_report import NoProgress, Progress, Report, Sources, peak_rss_bytes
+from ckptctl.pipeline.source_checks import SourceChecks
 from planners.shares import split_files
 
 DEFAULT_MEMORY_BUDGET = 1 << 30
@@ -56,7 +56,8 @@ def execute(
         source.server_copy_to = target
     report = Report()
     started = time.perf_counter()
-    checked_before = record_checks.read_again()
+    checks = SourceChecks([source.primary, *source.extra.values()])
+    checked_before = checks.read_again()
     sizes = [source.file_bytes(plan, f) for f in plan.files]
     rank, world = (group.rank, group.world) if group else (0, 1)
     mine = split_files(plan.files, sizes, world)[rank]
@@ -82,7 +83,7 @@ def execute(
     ]
     jobs = [WriteJob(plan, source, assemble, report) for assemble in assemblers]
     failure: Exception | None = None
-    marks = _Marks(log, len(jobs))
+    marks = _Marks(log, len(jobs), checks)
     try:
         _write_shares(jobs, mine, sizes, target, marks)
         marks.finish(_checked_sources(jobs[0]))
@@ -97,7 +98,7 @@ def execute(
         if pool is not None:
             pool.shutdown(wait=True)
     own_written = report.bytes_written
-    checked_after = record_checks.read_again()
+    checked_after = checks.read_again()
     report.read_for_checks = [a - b for a, b in zip(checked_after, checked_before, strict=True)]
     if group is not None:
         group.agree(None if failure is None else str(failure) or type(failure).__name__)
@@ -279,7 +280,8 @@ def _write_file(job: WriteJob, i: int, sizes: list[int], target: Storage, marks:
         report.files_written.append(file.path)
         if "unchecked_records" in reused:  # kept once the source records it read are checked
             entry = {k: v for k, v in reused.items() if k != "unchecked_records"}
-            marks.add(_ask_again(reused["unchecked_records"]), file.path, entry)
+            keys = {marks.checks.ask_again(d) for d in reused["unchecked_records"]}
+            marks.add({key for key in keys if key is not None}, file.path, entry)
         return
     with target.open_write(file.path, new_digest(marks.log.algorithm)) as out:
         if file.kind == FileKind.COPY:
@@ -294,7 +296,7 @@ def _write_file(job: WriteJob, i: int, sizes: list[int], target: Storage, marks:
                 job.assemble.forget()
         # The records this file read in parts are checked before it counts as written (so
         # before the commit, too), once the other files being written have read on in them.
-        waiting = record_checks.settle(_checked_sources(job), leave_parts=True)
+        waiting = marks.checks.settle(_checked_sources(job), leave_parts=True)
     entry = {
         "tensors": report.tensor_checksums.get(file.path, {}),
         "size": out.size,
@@ -306,17 +308,6 @@ def _write_file(job: WriteJob, i: int, sizes: list[int], target: Storage, marks:
     report.files_written.append(file.path)
 
 
-def _ask_again(described: list[dict[str, Any]]) -> set[Any]:
-    """Queue the checks a stopped run left undone (whole records, read again)."""
-    keys = set()
-    for description in described:
-        record = record_checks.from_description(description)
-        record_checks.ask(record)
-        if (key := record_checks.key_of(record)) is not None:
-            keys.add(key)
-    return keys
-
-
 class _Marks:
     """The run log's marks of finished files, each made once the records the file read in
     parts are checked. The other files being written read on in the same records (each new
@@ -324,9 +315,10 @@ class _Marks:
     finished after it, before the bytes no file read are read for its checks (reading them at
     once would read the other files' halves twice)."""
 
-    def __init__(self, log: RunLog, patience: int) -> None:
+    def __init__(self, log: RunLog, patience: int, checks: SourceChecks) -> None:
         self.log = log
         self.patience = patience
+        self.checks = checks
         self._finished = 0
         """Files finished so far."""
         self._waiting: list[tuple[set[Any], str, dict[str, Any], int]] = []
@@ -341,17 +333,17 @@ class _Marks:
             due: list[Any] = []
             waiting: list[Any] = []
             for w in self._waiting:
-                ready = w[3] <= self._finished or record_checks.checked(w[0])
+                ready = w[3] <= self._finished or self.checks.checked(w[0])
                 (due if ready else waiting).append(w)
             self._waiting = waiting
         for keys_due, path_due, entry_due, _ in due:
-            record_checks.check_now(keys_due)
-            record_checks.checked(keys_due)  # waits for the check; raises its failure
+            self.checks.check_now(keys_due)
+            self.checks.checked(keys_due)  # waits for the check; raises its failure
             self.log.finished(path_due, **entry_due)
 
     def finish(self, sources: list[str]) -> None:
         """Check what no file read of the records read in parts, then mark the files left."""
-        record_checks.settle(sources)
+        self.checks.settle(sources)
         with self._lock:
             waiting, self._waiting = self._waiting, []
         for _, path, entry, _ in waiting:
@@ -364,7 +356,7 @@ class _Marks:
         with self._lock:
             waiting = list(self._waiting)
         for keys, path, entry, _ in waiting:
-            described = record_checks.describe(keys)
+            described = self.checks.describe(keys)
             if described is not None:
                 self.log.finished_unchecked(path, entry, described)
 

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from ckptctl.arrays import from_torch
-from ckptctl.checksums import record_checks
 from ckptctl.checksums.manifest import INCOMPLETE
+from ckptctl.checksums.record_checks import RecordChecks
 from ckptctl.errors import CheckpointError
 from ckptctl.formats.dcp.files import read_metadata_and_lost
 from ckptctl.formats.dcp.metadata import METADATA_FILE, BytesEntry, DcpMetadata, TensorEntry
@@ -155,12 +155,12 @@ def safe_value(data: bytes, where: str) -> Any:
         ) from None
 
 
-def _open_full(url: str, config: StorageConfig) -> _Sharded | _TorchFile:
-    storage = Storage(url, config, read_only=True)
+def _open_full(url: str, config: StorageConfig, checks: RecordChecks) -> _Sharded | _TorchFile:
+    storage = Storage(url, config, read_only=True, checks=checks)
     if storage.isdir():
         return _Sharded(storage)
     parent, name = posixpath.split(url.rstrip("/"))
-    return _TorchFile(Storage(parent or ".", config, read_only=True), name)
+    return _TorchFile(Storage(parent or ".", config, read_only=True, checks=checks), name)
 
 
 def load_into(
@@ -177,7 +177,8 @@ def load_into(
     calls ``load_into``, and all fail together (the records they read in parts are checked
     together, and one rank's failure fails the others instead of leaving them waiting)."""
     start = time.perf_counter()
-    records_before, bytes_before = record_checks.read_again()
+    checks = RecordChecks()  # this load's own: its records are checked together, then dropped
+    records_before, bytes_before = checks.read_again()
     resolved = resolve_stateful(state_dict)
     leaves = flatten(resolved)
     items = items_of(resolved)
@@ -188,13 +189,15 @@ def load_into(
             checked: list[str] = []  # nothing read from storage: no records to check
             report = _from_memory(checkpoint_id, tensors, leaves, memory)
         else:
-            report, checked = _from_storage(checkpoint_id, config, full, needs, tensors, leaves)
+            report, checked = _from_storage(
+                checkpoint_id, config, full, needs, tensors, leaves, checks
+            )
     except Exception as err:
         with contextlib.suppress(Exception):  # the error to raise is this one, whatever else
-            record_checks.settle_across([], gather, rank, f"{type(err).__name__}: {err}")
+            checks.settle_across([], gather, rank, f"{type(err).__name__}: {err}")
         raise
-    _agree(checked, gather, rank)
-    records_after, bytes_after = record_checks.read_again()
+    _agree(checked, gather, rank, checks)
+    records_after, bytes_after = checks.read_again()
     report.read_for_record_checks = {
         "records": records_after - records_before,
         "bytes": bytes_after - bytes_before,
@@ -216,11 +219,12 @@ def _from_storage(
     needs: list[Need],
     tensors: dict[str, TensorItem],
     leaves: dict[str, Leaf],
+    checks: RecordChecks,
 ) -> tuple[LoadReport, list[str]]:
     """The load from files, and the files whose records it read (to be checked)."""
-    sharded = _Sharded(Storage(checkpoint_id, config, read_only=True))
+    sharded = _Sharded(Storage(checkpoint_id, config, read_only=True, checks=checks))
     stored = sharded.tensors()
-    fallback = _open_full(full, config) if full and sharded.lost else None
+    fallback = _open_full(full, config, checks) if full and sharded.lost else None
     decision = plan_load(needs, stored, sharded.lost, fallback.tensors() if fallback else None)
     if decision.problems:
         more = f" (and {len(decision.problems) - 1} more)" if len(decision.problems) > 1 else ""
@@ -254,10 +258,12 @@ def _from_storage(
     return report, checked
 
 
-def _agree(checked: list[str], gather: Callable[[Any], list[Any]], rank: int) -> None:
+def _agree(
+    checked: list[str], gather: Callable[[Any], list[Any]], rank: int, checks: RecordChecks
+) -> None:
     """Check the records the ranks read in parts, together; raise the first failure of any
     rank (this rank's own first), on every rank."""
-    failures = record_checks.settle_across(checked, gather, rank)
+    failures = checks.settle_across(checked, gather, rank)
     own = failures[rank]
     if own is not None:
         raise CheckpointError(own)

@@ -13,10 +13,19 @@ import pytest
 from ckptctl.checksums import record_checks, record_reading
 from ckptctl.errors import CheckpointError
 
+CHECKS = record_checks.RecordChecks()
+"""The checks of the test running (a job's own: ``fresh_checks`` makes them per test)."""
+
+
+@pytest.fixture(autouse=True)
+def fresh_checks() -> None:
+    global CHECKS
+    CHECKS = record_checks.RecordChecks()
+
 
 def _record(path: Path, payload: bytes, at: int = 100) -> record_checks.Record:
     path.write_bytes(b"h" * at + payload + b"t" * 50)
-    return record_checks.Record(str(path), at, len(payload), zlib.crc32(payload), f"{path}: r")
+    return CHECKS.record(str(path), at, len(payload), zlib.crc32(payload), f"{path}: r")
 
 
 @pytest.fixture
@@ -45,18 +54,18 @@ def test_an_intact_record_passes_and_a_corrupt_one_fails_only_its_own_files(
     raw[corrupt.offset + len(payload) // 2] ^= 0x04
     bad.write_bytes(bytes(raw))
     record_checks.ask(corrupt)
-    record_checks.settle([str(good)])  # another file's failure is not this job's
+    CHECKS.settle([str(good)])  # another file's failure is not this job's
     with pytest.raises(CheckpointError, match=r"bad\.pt: r fails its CRC-32 check"):
-        record_checks.settle([str(bad), str(good)])
+        CHECKS.settle([str(bad), str(good)])
     # kept: a second job on the unchanged file fails too, without checking it again
     record_checks.ask(corrupt)
     with pytest.raises(CheckpointError, match="fails its CRC-32 check"):
-        record_checks.settle([str(bad)])
+        CHECKS.settle([str(bad)])
     # a file written since is checked afresh
     _record(bad, payload)
     os.utime(bad, ns=(1, 1))
     record_checks.ask(corrupt)
-    record_checks.settle([str(bad)])
+    CHECKS.settle([str(bad)])
 
 
 def test_a_record_past_the_end_of_its_file_is_refused(tmp_path: Path) -> None:
@@ -66,7 +75,7 @@ def test_a_record_past_the_end_of_its_file_is_refused(tmp_path: Path) -> None:
         f.truncate(record.offset + 10)
     record_checks.ask(record)
     with pytest.raises(CheckpointError, match="ends inside the record"):
-        record_checks.settle([str(path)])
+        CHECKS.settle([str(path)])
 
 
 def test_a_record_larger_than_a_window_is_checked_across_windows(
@@ -89,7 +98,7 @@ def test_parts_read_in_order_are_checked_as_they_pass_without_a_second_read(
     for start in range(0, len(payload), 300_000):  # bands; the last one overlaps the one before
         lo = max(0, start - 1000)
         record_checks.saw(record, lo, payload[lo : start + 300_000])
-    record_checks.settle([str(path)])
+    CHECKS.settle([str(path)])
     assert rereads == []
     # the same record corrupt, read in order: fails with no whole check either
     raw = bytearray(path.read_bytes())
@@ -100,7 +109,7 @@ def test_parts_read_in_order_are_checked_as_they_pass_without_a_second_read(
     for start in range(0, len(payload), 300_000):
         record_checks.saw(record, start, corrupt[start : start + 300_000])
     with pytest.raises(CheckpointError, match="fails its CRC-32 check"):
-        record_checks.settle([str(path)])
+        CHECKS.settle([str(path)])
     assert rereads == []
 
 
@@ -120,7 +129,7 @@ def test_parts_in_any_order_overlapping_are_joined_without_a_second_read(
         parts.append((lo * width + width // 2, hi * width))  # right half
     for start, end in reversed(parts):  # the last band of the right half first
         record_checks.saw(record, start, payload[start:end])
-    record_checks.settle([str(path)])
+    CHECKS.settle([str(path)])
     assert rereads == []
 
 
@@ -140,7 +149,7 @@ def test_parts_that_do_not_cover_the_record_are_checked_with_the_bytes_between(
     else:  # the first half only (rows past a new vocabulary size are not read)
         record_checks.saw(record, 0, payload[: len(payload) // 2])
     with pytest.raises(CheckpointError, match="fails its CRC-32 check"):
-        record_checks.settle([str(path)])
+        CHECKS.settle([str(path)])
     # only the bytes no read passed are read again
     assert rereads == [(record, 10 if order == "gap" else len(payload) // 2)]
 
@@ -163,20 +172,20 @@ def test_parts_whose_crc_the_writer_has_need_no_pass_and_overlaps_fall_back(
     half = len(payload) // 2
     record_checks.saw_piece(record, half, half, zlib.crc32(payload[half:]))
     record_checks.saw(record, 0, payload[: half + 100])  # a band reaching into the run
-    record_checks.settle([str(path)])
+    CHECKS.settle([str(path)])
     assert rereads == []
     # a wrong CRC-32 for a part (the bytes changed under the writer) fails the record
     os.utime(path, ns=(3, 3))
     record_checks.saw_piece(record, 0, half, zlib.crc32(payload[:half]) ^ 1)
     record_checks.saw_piece(record, half, half, zlib.crc32(payload[half:]))
     with pytest.raises(CheckpointError, match="fails its CRC-32 check"):
-        record_checks.settle([str(path)])
+        CHECKS.settle([str(path)])
     # parts that overlap cannot be joined: the record is checked from the first and the
     # bytes past it, read again (and is intact)
     os.utime(path, ns=(4, 4))
     record_checks.saw_piece(record, 0, half + 8, zlib.crc32(payload[: half + 8]))
     record_checks.saw_piece(record, half, half, zlib.crc32(payload[half:]))
-    record_checks.settle([str(path)])
+    CHECKS.settle([str(path)])
     assert rereads == [(record, half - 8)]
 
 
@@ -185,13 +194,13 @@ def test_a_forked_child_checks_records_with_its_own_thread(tmp_path: Path) -> No
     path = tmp_path / "fork.pt"
     record = _record(path, payload)
     record_checks.ask(record)  # the parent's checking thread is running
-    record_checks.settle([str(path)])
+    CHECKS.settle([str(path)])
     pid = os.fork()
     if pid == 0:  # the child: a whole check must finish, not wait for the parent's thread
         signal.alarm(20)  # a wait that never ends kills the child instead
         os.utime(path, ns=(5, 5))
         record_checks.ask(record)
-        record_checks.settle([str(path)])
+        CHECKS.settle([str(path)])
         os._exit(0)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
@@ -213,21 +222,21 @@ def test_records_of_objects_fetch_only_the_bytes_no_read_passed(
 
         name = f"s3://b/ck/x.pt ({version}): r"
         crc = zlib.crc32(payload)
-        return record_checks.Record("s3://b/ck/x.pt", 4096, len(payload), crc, name, fetch, version)
+        return CHECKS.record("s3://b/ck/x.pt", 4096, len(payload), crc, name, fetch, version)
 
     half = len(payload) // 2
     record_checks.saw(record("v1"), 0, payload[:half])
-    record_checks.settle(["s3://b/other.pt"])  # another object's job leaves it be
+    CHECKS.settle(["s3://b/other.pt"])  # another object's job leaves it be
     assert rereads == []
-    record_checks.settle(["s3://b/ck/x.pt"])
+    CHECKS.settle(["s3://b/ck/x.pt"])
     assert fetched == [(half, half)] and [n for _, n in rereads] == [half]
     # the same URL at another version is another object: its corrupt tail is fetched and fails
     record_checks.saw(record("v2"), 0, payload[:half])
     with pytest.raises(CheckpointError, match=r"\(v2\): r fails its CRC-32 check"):
-        record_checks.settle(["s3://b/ck/x.pt"])
+        CHECKS.settle(["s3://b/ck/x.pt"])
     # mended (the first version again): a job reading it now is not failed by the old one
     record_checks.saw(record("v1"), half, payload[half:])
-    record_checks.settle(["s3://b/ck/x.pt"])
+    CHECKS.settle(["s3://b/ck/x.pt"])
 
 
 def _rank(rank: int, world: int, record: record_checks.Record, parts: list, boxes: list) -> None:
@@ -258,8 +267,9 @@ def _rank(rank: int, world: int, record: record_checks.Record, parts: list, boxe
     out: object
     with contextlib.suppress(Exception):
         out = "crashed"
-        failures = record_checks.settle_across([record.path], gather, rank, failure)
-        out = (failures, record_checks.read_again())
+        assert record.checks is not None
+        failures = record.checks.settle_across([record.path], gather, rank, failure)
+        out = (failures, record.checks.read_again())
     boxes[world].put((rank, out))
 
 
@@ -303,3 +313,30 @@ def test_ranks_check_the_records_they_read_in_parts_together(tmp_path: Path, cas
     else:
         assert failures[0] == [None, None, "rank 2's own failure"]
         assert all(results[r][1] == (0, 0) for r in range(3))  # nothing checked: it failed
+
+
+def test_the_checks_of_two_jobs_are_their_own_and_leave_no_thread_behind(tmp_path: Path) -> None:
+    """Each storage (each job) owns its checks: a record that failed in one job's checks is no
+    failure of another's, which checks it afresh; once idle, no checking thread is left (a
+    training process loading checkpoint after checkpoint keeps neither records nor threads)."""
+    import threading
+
+    payload = os.urandom(1 << 20)
+    path = tmp_path / "bad.pt"
+    first = _record(path, payload)
+    raw = bytearray(path.read_bytes())
+    raw[first.offset + 10] ^= 0x01
+    path.write_bytes(bytes(raw))
+    record_checks.ask(first)
+    with pytest.raises(CheckpointError, match="fails its CRC-32 check"):
+        CHECKS.settle([str(path)])
+    other = record_checks.RecordChecks()
+    other.settle([str(path)])  # nothing asked of these checks: nothing to fail
+    again = other.record(first.path, first.offset, first.nbytes, first.crc, first.name)
+    record_checks.ask(again)
+    with pytest.raises(CheckpointError, match="fails its CRC-32 check"):
+        other.settle([str(path)])  # checked afresh, and failed on its own
+    for thread in threading.enumerate():  # (one may be between its last check and its end)
+        if thread.name == "ckptctl-crc":
+            thread.join(timeout=10)
+    assert not any(t.name == "ckptctl-crc" and t.is_alive() for t in threading.enumerate())

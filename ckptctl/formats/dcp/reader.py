@@ -102,7 +102,9 @@ class DcpCheckpoint(Checkpoint):
                 window, fetch, where = self._source(fqn, info)
                 rel = join(self.base, info.relative_path)
                 stored = stored_object(self.storage, rel)
-                reader = open_record(window, info, where, fetch, (rel, info.offset), stored)
+                place = (rel, info.offset)
+                checks = self.storage.checks
+                reader = open_record(window, info, where, fetch, place, stored, checks)
                 self._records[key] = (reader, tensor_of(reader, entry.dtype, sizes, where))
             return self._records[key]
 
@@ -308,7 +310,7 @@ class DcpCheckpoint(Checkpoint):
             raise CheckpointError(f"{self.storage.url}: no record for item {fqn}")
         with self._lock:
             window, fetch, where = self._source(fqn, info)
-            reader = open_record(window, info, where, fetch)
+            reader = open_record(window, info, where, fetch, checks=self.storage.checks)
         return reader.tree, reader
 
 

@@ -14,6 +14,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from ckptctl.checksums.record_checks import RecordChecks
 from ckptctl.errors import CheckpointError
 from ckptctl.formats.dcp.metadata import StorageInfo
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
@@ -109,6 +110,7 @@ def open_record(
     fetch: Fetch | None = None,
     place: tuple[str, int] | None = None,
     stored: tuple[str, Callable[[], str]] | None = None,
+    checks: RecordChecks | None = None,
 ) -> TorchZipReader:
     """A lazy reader of one record; ``window`` shows exactly its bytes (a ``RecordWindow`` or a
     ``RemoteRecord``), ``fetch`` reads them by range; ``place``: the file holding the record
@@ -118,7 +120,7 @@ def open_record(
             f"{where}: record uses stream transform(s) {list(info.transform_descriptors)} "
             "that ckptctl cannot undo"
         )
-    return TorchZipReader(window, where, fetch, place, stored)
+    return TorchZipReader(window, where, fetch, place, stored, checks)
 
 
 def tensor_of(reader: TorchZipReader, dtype: str, sizes: Shape, where: str) -> TensorRef:
@@ -136,9 +138,16 @@ def tensor_of(reader: TorchZipReader, dtype: str, sizes: Shape, where: str) -> T
 
 
 def open_tensor_record(
-    fileobj: ByteStream, info: StorageInfo, dtype: str, sizes: Shape, where: str
+    fileobj: ByteStream,
+    info: StorageInfo,
+    dtype: str,
+    sizes: Shape,
+    where: str,
+    checks: RecordChecks | None = None,
 ) -> tuple[TorchZipReader, TensorRef]:
     """Open the tensor record ``info`` locates in ``fileobj`` (the file
     ``info.relative_path``)."""
-    reader = open_record(RecordWindow(fileobj, info.offset, info.length), info, where)
+    reader = open_record(
+        RecordWindow(fileobj, info.offset, info.length), info, where, checks=checks
+    )
     return reader, tensor_of(reader, dtype, sizes, where)

@@ -174,11 +174,11 @@ class HFCheckpoint(Checkpoint):
         what = f"{self.storage.describe(path)}: tensor {name}"
         size = entry.end - entry.begin
         if self.storage.is_local:
-            return record_checks.Record(
+            return self.storage.checks.record(
                 self.storage.path(path), entry.begin, size, 0, what, digest=digest
             )
         storage, begin = self.storage, entry.begin
-        return record_checks.Record(
+        return storage.checks.record(
             storage.describe(path),
             begin,
             size,

@@ -81,7 +81,7 @@ def _object_record(storage: Storage, base: str, info: StorageInfo) -> Iterator[t
     item = join(base, info.relative_path)
     with storage.open_read(item) as f:
         window = RecordWindow(f, info.offset, info.length)
-        record = open_record(window, info, storage.describe(item))
+        record = open_record(window, info, storage.describe(item), checks=storage.checks)
         tree = record.tree
         yield (tree[0] if isinstance(tree, list) and tree else tree), record
 

@@ -55,8 +55,11 @@ class TorchZipReader:
         fetch: Callable[[int, int], bytes] | None = None,
         place: tuple[str, int] | None = None,
         stored: tuple[str, Callable[[], str]] | None = None,
+        checks: record_checks.RecordChecks | None = None,
     ) -> None:
-        """``fetch(start, nbytes)``, if given, reads tensor bytes by exact range, thread-safely
+        """``checks``: those of the storage the archive is read from, which see the parts of
+        records read in parts (without them, such parts go unchecked: a reader used alone).
+        ``fetch(start, nbytes)``, if given, reads tensor bytes by exact range, thread-safely
         and without read-ahead (remote stores: one ranged GET per read, several in flight);
         ``fileobj`` then serves only the zip directory and the pickle. ``place``: the file
         holding the archive (relative to its checkpoint's root) and the archive's offset in it,
@@ -75,6 +78,7 @@ class TorchZipReader:
         """The local file holding the archive, and the archive's offset in it, for the checks
         of records read in parts (``record_checks``)."""
         self._fetch = fetch
+        self._checks = checks
         self.place = place
         self._stored = stored
         self._version: str | None = None
@@ -200,15 +204,17 @@ class TorchZipReader:
         ``None`` where the reader was not told its file or object."""
         start, size = self._data_offsets[key]
         name = f"{self.where}: storage record {key}"
+        if self._checks is None:
+            return None
         if self._path is not None:
-            return record_checks.Record(self._path, self._base + start, size, self._crcs[key], name)
+            return self._checks.record(self._path, self._base + start, size, self._crcs[key], name)
         if self._stored is None or self._fetch is None:
             return None
         url, version = self._stored
         if self._version is None:
             self._version = version()
         fetch = self._fetch
-        return record_checks.Record(
+        return self._checks.record(
             url,
             (self.place[1] if self.place else 0) + start,
             size,

@@ -101,7 +101,9 @@ def open_torch_file(storage: Storage, rel: str) -> TorchZipReader:
     by exact byte range, in parallel when the executor asks for several."""
     fetch = None if storage.is_local else partial(storage.read_range, rel)
     stored = stored_object(storage, rel)
-    return TorchZipReader(storage.open_read(rel), storage.describe(rel), fetch, (rel, 0), stored)
+    return TorchZipReader(
+        storage.open_read(rel), storage.describe(rel), fetch, (rel, 0), stored, storage.checks
+    )
 
 
 def stored_object(storage: Storage, rel: str) -> tuple[str, Callable[[], str]] | None:
