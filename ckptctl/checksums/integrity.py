@@ -13,12 +13,14 @@ from __future__ import annotations
 import struct
 import zipfile
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptctl.checksums.crc import crc32
 from ckptctl.errors import CheckpointError
-from ckptctl.io.byte_streams import ByteStream
-from ckptctl.io.storage import Storage
+
+if TYPE_CHECKING:  # (checksums sit below storage: they take its objects, never import it)
+    from ckptctl.io.byte_streams import ByteStream
+    from ckptctl.io.storage import Storage
 
 ZIP_MAGIC = b"PK\x03\x04"
 _LOCAL_HEADER = 30
@@ -134,20 +136,3 @@ def stream_check(
                 problems.append(f"{label}: CRC-32 mismatch (the bytes changed after writing)")
         reader.drain()
     return problems
-
-
-def safetensors_problems(storage: Storage, rel: str) -> list[str]:
-    """A safetensors file's header against its size: every tensor inside, none sharing bytes,
-    nothing after the last (the parser every reader uses, ``formats.safetensors_header``)."""
-    from ckptctl.formats.safetensors_header import read_header
-
-    where = storage.describe(rel)
-    size = storage.size(rel)
-    try:
-        with storage.open_read(rel) as f:
-            header = read_header(f, where, size)
-    except CheckpointError as err:
-        return [str(err)]
-    if header.data_end != size:
-        return [f"{where}: {size - header.data_end} bytes after the last tensor"]
-    return []

@@ -14,14 +14,16 @@ import json
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
 from ckptctl import __version__, json_input
 from ckptctl.errors import CheckpointError
-from ckptctl.io.storage import Storage
 from ckptctl.model.plan import Plan
+
+if TYPE_CHECKING:  # (checksums sit below storage: they take its objects, never import it)
+    from ckptctl.io.storage import Storage
 
 MANIFEST = "ckptctl.manifest.json"
 LOCK = "ckptctl.lock"

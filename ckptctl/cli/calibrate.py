@@ -8,7 +8,8 @@ from typing import Annotated
 import typer
 
 from ckptctl.cli.options import Json, parse_size, state
-from ckptctl.cli.output import Output, boundary, human_bytes
+from ckptctl.cli.output import Output, boundary
+from ckptctl.cli.units import human_bytes
 from ckptctl.io.calibrate import calibrate, save_profile
 
 

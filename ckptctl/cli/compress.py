@@ -8,7 +8,8 @@ from typing import Annotated, Any
 import typer
 
 from ckptctl.cli.options import DryRun, Json, state
-from ckptctl.cli.output import Output, boundary, human_bytes
+from ckptctl.cli.output import Output, boundary
+from ckptctl.cli.units import human_bytes
 
 
 def _show(out: Output, verb: str, r: Any) -> None:
@@ -20,6 +21,14 @@ def _show(out: Output, verb: str, r: Any) -> None:
         f"in {r.seconds:.2f} s, "
         f"{human_bytes(rate)}/s in"
     )
+
+
+def _opener(url: str, config: Any) -> Any:
+    """The source opened as the pipeline opens it (compression finds tensors through it)."""
+    from ckptctl.pipeline.probe import open_checkpoint
+    from ckptctl.settings import Settings
+
+    return open_checkpoint(url, Settings(storage=config))
 
 
 def _show_plan(
@@ -34,7 +43,7 @@ def _show_plan(
     from ckptctl.compression.plan import plan_compress
     from ckptctl.io.calibrate import saved_profiles
 
-    plan = plan_compress(source, target, base, storage, saved_profiles(), quantize)
+    plan = plan_compress(source, target, base, storage, saved_profiles(), quantize, _opener)
     if as_json:
         out.json(plan.as_dict())
         return
@@ -85,7 +94,8 @@ def compress_cmd(
             return
         from ckptctl.compression.jobs import compress
 
-        report = compress(source, target, base, cli.settings.storage, quantize, out.progress())
+        progress = out.progress()
+        report = compress(source, target, base, cli.settings.storage, quantize, progress, _opener)
         if as_json:
             out.json(report.as_dict())
         else:

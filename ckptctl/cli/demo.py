@@ -12,8 +12,9 @@ import typer
 
 from ckptctl.cli.inspect import describe
 from ckptctl.cli.options import parse_size, state
-from ckptctl.cli.output import Output, boundary, human_bytes
+from ckptctl.cli.output import Output, boundary
 from ckptctl.cli.running import carry_out
+from ckptctl.cli.units import human_bytes
 from ckptctl.errors import LayoutError, UsageError
 from ckptctl.model.layout import ModelSpec, ParallelLayout
 from ckptctl.model.stored import Format

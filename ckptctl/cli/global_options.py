@@ -139,7 +139,7 @@ class CliState:
     @property
     def settings(self) -> Settings:
         if self._settings is None:
-            from ckptctl.cli.options import read_hf_config, storage_config
+            from ckptctl.cli.option_values import read_hf_config, storage_config
 
             r = self.request
             storage = storage_config(
@@ -165,7 +165,7 @@ def state(ctx: typer.Context) -> CliState:
 def with_global_options(command: Any) -> Any:
     """``command`` taking the global options too; what it is given after the command name is
     applied over what the root command was given (``state(ctx)`` then holds both)."""
-    from ckptctl.cli.options import with_options
+    from ckptctl.cli.option_values import with_options
 
     signature = inspect.signature(command, eval_str=True)
 

@@ -7,7 +7,8 @@ from typing import Annotated, Any
 import typer
 
 from ckptctl.cli.options import Iteration, Json, TrueVocab, state
-from ckptctl.cli.output import Output, boundary, human_bytes
+from ckptctl.cli.output import Output, boundary
+from ckptctl.cli.units import human_bytes
 from ckptctl.errors import LayoutError
 from ckptctl.formats.hf.families import choose_family
 from ckptctl.model.catalog import expert_of, is_state

@@ -100,7 +100,7 @@ class Output:
         """A progress sink for a long command: rich's bar on stderr for people, nothing
         under ``--json`` or ``--quiet`` (``ckptctl.pipeline.job_report.Progress``)."""
         if self.as_json or self.quiet or self.silent:
-            from ckptctl.pipeline.job_report import NoProgress
+            from ckptctl.progress import NoProgress
 
             return NoProgress()
         from ckptctl.cli.progress_bar import RichProgress
@@ -110,15 +110,6 @@ class Output:
     def show(self, renderable: Any) -> None:
         if not self.silent:
             self.out.print(renderable)
-
-
-def human_bytes(n: float) -> str:
-    """Bytes in binary units, the one unit ckptctl prints (``1.5 GiB``)."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n}"
 
 
 @contextlib.contextmanager

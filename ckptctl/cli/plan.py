@@ -17,7 +17,8 @@ from ckptctl.cli.options import (
     target_request,
     with_options,
 )
-from ckptctl.cli.output import Output, boundary, human_bytes
+from ckptctl.cli.output import Output, boundary
+from ckptctl.cli.units import human_bytes
 from ckptctl.io.locations import refuse_overlap
 from ckptctl.model.geometry import nbytes
 from ckptctl.model.plan import Plan

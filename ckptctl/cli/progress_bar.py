@@ -16,7 +16,7 @@ from rich.progress import (
 )
 from rich.text import Text
 
-from ckptctl.cli.output import human_bytes
+from ckptctl.cli.units import human_bytes
 
 
 class _BinarySpeed(ProgressColumn):

@@ -9,15 +9,17 @@ from typing import Any
 
 import typer
 
-from ckptctl.cli.output import Output, human_bytes
+from ckptctl.cli.output import Output
+from ckptctl.cli.units import human_bytes
 from ckptctl.errors import CkptctlError
 from ckptctl.io.storage import Storage
 from ckptctl.model.plan import Plan
 from ckptctl.model.stored import Format
 from ckptctl.pipeline.destination import Destination, check_destination
 from ckptctl.pipeline.distributed import Group, from_environment, launch, launched_world
-from ckptctl.pipeline.job_report import NoProgress, Report
+from ckptctl.pipeline.job_report import Report
 from ckptctl.pipeline.jobs import Job, run
+from ckptctl.progress import NoProgress
 from planners.optimizer_form import optimizer_form
 from planners.target import changes
 

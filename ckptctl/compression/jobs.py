@@ -43,8 +43,11 @@ from ckptctl.compression.view import (
 from ckptctl.errors import CheckpointError, OutputExistsError, UsageError
 from ckptctl.io.locations import refuse_overlap
 from ckptctl.io.storage import Storage
-from ckptctl.pipeline.job_report import NoProgress, Progress
+from ckptctl.progress import NoProgress, Progress
 from ckptctl.settings import StorageConfig
+
+Opener = Callable[[str, StorageConfig], Any]
+"""Opens a URL as a checkpoint (the pipeline's probe, handed in by the CLI)."""
 
 _WORKERS = os.cpu_count() or 2
 _POOL = ThreadPoolExecutor(_WORKERS, thread_name_prefix="ckptctl-compress")
@@ -96,9 +99,11 @@ def compress(
     config: StorageConfig,
     quantize: str | None = None,
     progress: Progress | None = None,
+    opener: Opener | None = None,
 ) -> CompressReport:
     """``quantize`` (``weights`` or ``all``): opt-in lossy storage of those float tensors
-    (``lossy``); never without it. ``progress`` hears of every chunk read."""
+    (``lossy``); never without it. ``progress`` hears of every chunk read. ``opener`` opens the
+    source as a checkpoint, to find its tensors (needed with ``quantize``)."""
     progress = progress or NoProgress()
     start = time.perf_counter()
     source = open_view(Storage(source_url, config, read_only=True), config)
@@ -107,7 +112,7 @@ def compress(
     refuse_incomplete(source)
     if quantize is not None and base_url is not None:
         refuse_quantized_delta()
-    lossy = _lossy_files(source_url, source, config, quantize) if quantize else {}
+    lossy = _lossy_files(source_url, source, config, quantize, opener) if quantize else {}
     base = open_view(Storage(base_url, config, read_only=True), config) if base_url else None
     if base is not None and not base.isdir():
         raise CheckpointError(f"--base {base_url}: not a checkpoint directory")
@@ -180,14 +185,13 @@ def refuse_quantized_delta() -> None:
 
 
 def _lossy_files(
-    url: str, source: Storage, config: StorageConfig, scope: str
+    url: str, source: Storage, config: StorageConfig, scope: str, opener: Opener | None
 ) -> dict[str, LossyFile]:
     """The files holding tensors ``scope`` names, with the regions that quantize soundly (a
     tensor holding NaN or inf stays exact) and the zip CRC-32s their decoded bytes need."""
-    from ckptctl.pipeline.probe import open_checkpoint
-    from ckptctl.settings import Settings
-
-    ckpt = open_checkpoint(url, Settings(storage=config))
+    if opener is None:
+        raise ValueError("quantizing needs the source opened as a checkpoint (an opener)")
+    ckpt = opener(url, config)
     out = {}
     for rel, regions in find_regions(ckpt, scope).items():
         kept = [r for r in regions if check_region(source, rel, r)]

@@ -5,7 +5,7 @@ checkpoint's bytes are encoded exactly as the job would encode them (against the
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptctl.checksums.manifest import refuse_incomplete
 from ckptctl.compression.codec import CHUNK_SIZE, encode
@@ -15,6 +15,9 @@ from ckptctl.io.storage import Storage
 from ckptctl.model.profile import StorageProfile
 from ckptctl.settings import StorageConfig
 from planners.cost import QUANTIZED_BYTES_PER_ELEMENT, compress_seconds, profile_for
+
+if TYPE_CHECKING:
+    from ckptctl.compression.jobs import Opener
 
 SAMPLES = 8
 """Chunks encoded to measure the ratio (4 MiB each: a fraction of a second)."""
@@ -49,6 +52,7 @@ def plan_compress(
     config: StorageConfig,
     measured: dict[str, StorageProfile] | None = None,
     quantize: str | None = None,
+    opener: Opener | None = None,
 ) -> CompressPlan:
     """The plan, after the checks the job makes first (complete source, base present, a
     destination that is new and outside both), with nothing written."""
@@ -80,7 +84,7 @@ def plan_compress(
     ratio = sampled / stored if stored else 1.0
     quantized = codes = 0
     if quantize is not None:
-        regions = _regions(source_url, config, quantize)
+        regions = _regions(source_url, config, quantize, opener)
         quantized = sum(r.nbytes for r in regions)
         codes = int(sum(r.numel for r in regions) * QUANTIZED_BYTES_PER_ELEMENT)
     stored_bytes = codes + int((total - quantized) / ratio)
@@ -109,12 +113,12 @@ def plan_compress(
     )
 
 
-def _regions(url: str, config: StorageConfig, scope: str) -> list[Any]:
+def _regions(url: str, config: StorageConfig, scope: str, opener: Opener | None) -> list[Any]:
     from ckptctl.compression.lossy import find_regions
-    from ckptctl.pipeline.probe import open_checkpoint
-    from ckptctl.settings import Settings
 
-    found = find_regions(open_checkpoint(url, Settings(storage=config)), scope)
+    if opener is None:
+        raise ValueError("quantizing needs the source opened as a checkpoint (an opener)")
+    found = find_regions(opener(url, config), scope)
     return [r for regions in found.values() for r in regions]
 
 

@@ -24,7 +24,8 @@ from ckptctl.model.geometry import with_dim
 from ckptctl.model.plan import Plan, TensorWrite
 from ckptctl.model.stored import FlatView, KeyPath, Shape
 from ckptctl.pipeline.bands import Band, BandQueue, band_ranges
-from ckptctl.pipeline.job_report import Progress, Report, Sources
+from ckptctl.pipeline.job_report import Report, Sources
+from ckptctl.progress import Progress
 
 if TYPE_CHECKING:
     import numpy as np

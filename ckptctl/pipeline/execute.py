@@ -21,8 +21,9 @@ from ckptctl.io.storage import Storage
 from ckptctl.model.plan import FileKind, Plan
 from ckptctl.pipeline.assembler import Assembler, JobStopped
 from ckptctl.pipeline.distributed import Group
-from ckptctl.pipeline.job_report import NoProgress, Progress, Report, Sources, peak_rss_bytes
+from ckptctl.pipeline.job_report import Report, Sources, peak_rss_bytes
 from ckptctl.pipeline.source_checks import SourceChecks
+from ckptctl.progress import NoProgress, Progress
 from planners.shares import split_files
 
 DEFAULT_MEMORY_BUDGET = 1 << 30

@@ -7,7 +7,7 @@ from __future__ import annotations
 import resource
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from ckptctl.checksums.manifest import recorded
 from ckptctl.errors import CheckpointError
@@ -15,25 +15,6 @@ from ckptctl.io.runs import Run
 from ckptctl.model.geometry import nbytes
 from ckptctl.model.plan import FileKind, FileWrite, Plan
 from ckptctl.model.stored import FlatView, KeyPath, Shape
-
-
-class Progress(Protocol):
-    """Where the executor reports bytes written; the CLI renders it, tests may count it."""
-
-    def start(self, total_bytes: int, description: str) -> None: ...
-    def advance(self, nbytes: int) -> None: ...
-    def finish(self) -> None: ...
-
-
-class NoProgress:
-    def start(self, total_bytes: int, description: str) -> None:
-        pass
-
-    def advance(self, nbytes: int) -> None:
-        pass
-
-    def finish(self) -> None:
-        pass
 
 
 @dataclass

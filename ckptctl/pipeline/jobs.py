@@ -32,7 +32,7 @@ from ckptctl.model.plan import Plan, smallest_band
 from ckptctl.model.stored import CheckpointView, Format
 from ckptctl.pipeline.destination import Destination, check_destination
 from ckptctl.pipeline.distributed import Group
-from ckptctl.pipeline.job_report import Progress, Report, Sources
+from ckptctl.pipeline.job_report import Report, Sources
 from ckptctl.pipeline.lease import LOCK, hold
 from ckptctl.pipeline.probe import (
     Checkpoint,
@@ -42,6 +42,7 @@ from ckptctl.pipeline.probe import (
     open_checkpoint,
     with_identities,
 )
+from ckptctl.progress import Progress
 from ckptctl.settings import Settings, default_files_at_once, default_read_parallel
 from planners.consolidate import plan_consolidate as consolidation
 from planners.consolidate import plan_hf_state_dict, plan_state_dict

@@ -24,18 +24,19 @@ from math import prod
 from typing import Any
 
 from ckptctl.arrays import finite
-from ckptctl.checksums.integrity import Targets, safetensors_problems, stream_check
+from ckptctl.checksums.integrity import Targets, stream_check
 from ckptctl.checksums.manifest import INCOMPLETE, MANIFEST, new_digest
 from ckptctl.compression.jobs import check_compressed
 from ckptctl.compression.view import CompressedStorage, open_view
-from ckptctl.errors import CkptctlError
+from ckptctl.errors import CheckpointError, CkptctlError
+from ckptctl.formats.safetensors_header import read_header
 from ckptctl.io.storage import Storage
 from ckptctl.model.catalog import parameters
 from ckptctl.model.geometry import missing_elements, nbytes
 from ckptctl.model.stored import Shape, canonical_shapes
 from ckptctl.pipeline.distributed import Group
-from ckptctl.pipeline.job_report import NoProgress, Progress
 from ckptctl.pipeline.probe import Checkpoint, format_of, open_checkpoint
+from ckptctl.progress import NoProgress, Progress
 from ckptctl.settings import Settings
 from ckptctl.verify.padding_rows import padding_rows_compared
 from planners.shares import split_sizes
@@ -173,7 +174,7 @@ def _stored_bytes(
         for path, entries in targets.zips.items():
             crc_problems += [(len(paths), p) for p in stream_check(ckpt.storage, path, entries)]
     for path in targets.safetensors if lead else ():
-        found = safetensors_problems(ckpt.storage, path)  # type: ignore[union-attr]
+        found = _safetensors_problems(ckpt.storage, path)  # type: ignore[union-attr]
         crc_problems += [(len(paths), p) for p in found]
     in_manifest, in_files = _everyone(group, manifest_problems), _everyone(group, crc_problems)
     if unreadable:
@@ -482,3 +483,17 @@ def _within(diff: Any, bounds: dict[str, float]) -> bool:
 
 def as_json(checks: list[Check]) -> dict:
     return {"ok": all(c.status != "failed" for c in checks), "checks": [asdict(c) for c in checks]}
+
+
+def _safetensors_problems(storage: Storage, rel: str) -> list[str]:
+    """A safetensors file's header against its size (the parser every reader uses)."""
+    where = storage.describe(rel)
+    size = storage.size(rel)
+    try:
+        with storage.open_read(rel) as f:
+            header = read_header(f, where, size)
+    except CheckpointError as err:
+        return [str(err)]
+    if header.data_end != size:
+        return [f"{where}: {size - header.data_end} bytes after the last tensor"]
+    return []

@@ -28,8 +28,9 @@ from ckptctl.model.geometry import Piece, missing_elements, nbytes
 from ckptctl.model.plan import FileKind, TensorWrite
 from ckptctl.model.stored import CheckpointView, StoredFile, StoredTensor, canonical_shapes
 from ckptctl.pipeline.assembler import Assembler
-from ckptctl.pipeline.job_report import NoProgress, Progress, Report, Sources
+from ckptctl.pipeline.job_report import Report, Sources
 from ckptctl.pipeline.probe import Checkpoint
+from ckptctl.progress import NoProgress, Progress
 from planners.convert import plan_files
 
 

@@ -113,7 +113,8 @@ def test_a_fill_packed_without_numpy_is_the_array_numpy_builds(
     from math import prod
 
     from ckptctl.model.plan import TensorWrite
-    from ckptctl.pipeline.job_report import NoProgress, Report
+    from ckptctl.pipeline.job_report import Report
+    from ckptctl.progress import NoProgress
 
     numel = prod(shape)
     write = TensorWrite(

@@ -6,10 +6,9 @@ from typing import Any
 
 from ckptctl.formats.base import CheckpointFormat, ProbeRequest, lazy
 from ckptctl.formats.support import FormatSupport
+from ckptctl.formats.torch_file.names import STATE_DICT_FILE
 from ckptctl.io.storage import Storage
 from ckptctl.model.plan import FileKind
-
-STATE_DICT_FILE = "state_dict.pt"
 
 
 def _probe(storage: Storage, names: frozenset[str], request: ProbeRequest) -> Any:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ckptctl.formats.torch_file.format import STATE_DICT_FILE
+from ckptctl.formats.torch_file.names import STATE_DICT_FILE
 from ckptctl.formats.torchsave.archive import TensorRef
 from ckptctl.formats.torchsave.refs import TorchFiles, open_torch_file
 from ckptctl.io.storage import Storage
