@@ -57,22 +57,27 @@ Identity = tuple[str, str, int, int, int, str | None]
 file's device and inode are not comparable across nodes)."""
 
 
+def _checks_of(record: Record) -> RecordChecks:
+    """The checks ``record`` belongs to (``RecordChecks.record`` makes every record the
+    pipeline hands on): a record without them would go unchecked, so it is refused."""
+    if record.checks is None:
+        raise ValueError(f"{record.name}: a record made outside RecordChecks.record")
+    return record.checks
+
+
 def ask(record: Record) -> None:
     """Check ``record`` whole (by the checks it belongs to), unless checked or asked for."""
-    if record.checks is not None:
-        record.checks.ask(record)
+    _checks_of(record).ask(record)
 
 
 def saw(record: Record, start: int, data: Any) -> None:
     """A read passed bytes ``[start, start + len(data))`` of ``record`` (``RecordChecks.saw``)."""
-    if record.checks is not None:
-        record.checks.saw(record, start, data)
+    _checks_of(record).saw(record, start, data)
 
 
 def saw_piece(record: Record, start: int, nbytes: int, value: int) -> None:
     """A part of ``record`` whose CRC-32 the caller has (``RecordChecks.saw_piece``)."""
-    if record.checks is not None:
-        record.checks.saw_piece(record, start, nbytes, value)
+    _checks_of(record).saw_piece(record, start, nbytes, value)
 
 
 def failure_text(record: Record) -> str:

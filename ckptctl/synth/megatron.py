@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -246,61 +247,12 @@ def write_megatron(
     model: LlamaForCausalLM,
     states: dict[str, dict[str, torch.Tensor]],
     out_dir: str,
-    *,
-    tp: int = 1,
-    pp: int = 1,
-    vpp: int = 1,
-    first_stage_layers: int | None = None,
-    last_stage_layers: int | None = None,
-    naming: str = "te",
-    params_dtype: torch.dtype = torch.float32,
-    iteration: int = 1,
-    make_vocab_size_divisible_by: int = 128,
-    with_optimizer: bool = True,
-    param_group_order: str = "appearance",
-    distributed_optimizer: bool = False,
-    dp: int = 1,
-    bucket_size: int | None = None,
+    **layout: Any,
 ) -> None:
-    """Write ``model`` (after :func:`adam_step`) as a Megatron-LM legacy checkpoint.
-
-    Layout: ``out_dir/latest_checkpointed_iteration.txt`` and
-    ``out_dir/iter_{iteration:07d}/mp_rank_TT[_PPP]/model_optim_rng.pt``, one per (tp, pp).
-    ``param_group_order`` ("appearance" or "wd_first") only matters when a rank's first
-    parameter is 1-D (local-spec names on a stage other than the first); see
-    :func:`_optimizer_state`.
-
-    ``distributed_optimizer=True`` writes what ``--use-distributed-optimizer`` saves with ``dp``
-    data-parallel ranks: ``model_optim_rng.pt['optimizer']`` is
-    ``DistributedOptimizer.state_dict()`` (param groups only), and ``distrib_optim.pt`` beside it
-    holds the fp32 master weights and Adam moments (:func:`_distrib_optim_state`).
-    ``bucket_size`` is megatron's ``--ddp-bucket-size`` with ``--overlap-grad-reduce`` (``None``:
-    overlap off, one bucket per buffer); as in megatron-core it applies only to the first model
-    chunk of pipeline stage 0 (DDP turns bucketing off on later stages and, under VPP, for chunks
-    after the first). ``dp`` also sets ``args.data_parallel_size`` and ``args.world_size``
-    without the distributed optimizer.
-    """
+    """Write ``model`` (after :func:`adam_step`) as a Megatron-LM legacy checkpoint, laid out
+    by the keyword options of :func:`write_megatron_canonical`."""
     weights, optim = to_megatron_canonical(model, states)
-    write_megatron_canonical(
-        model.config,
-        weights,
-        optim,
-        out_dir,
-        tp=tp,
-        pp=pp,
-        vpp=vpp,
-        first_stage_layers=first_stage_layers,
-        last_stage_layers=last_stage_layers,
-        naming=naming,
-        params_dtype=params_dtype,
-        iteration=iteration,
-        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-        with_optimizer=with_optimizer,
-        param_group_order=param_group_order,
-        distributed_optimizer=distributed_optimizer,
-        dp=dp,
-        bucket_size=bucket_size,
-    )
+    write_megatron_canonical(model.config, weights, optim, out_dir, **layout)
 
 
 def write_megatron_canonical(
@@ -324,10 +276,27 @@ def write_megatron_canonical(
     dp: int = 1,
     bucket_size: int | None = None,
 ) -> None:
-    """``write_megatron`` from canonical tensors (``to_megatron_canonical``'s ``weights`` and
-    ``optim``). Each is looked up once per rank file that holds it, so a mapping that makes
-    its tensors when asked (``ckptctl.synth.large``) writes a checkpoint no memory holds whole,
-    rank file by rank file."""
+    """Write canonical tensors (``to_megatron_canonical``'s ``weights`` and ``optim``) as a
+    Megatron-LM legacy checkpoint. Each is looked up once per rank file that holds it, so a
+    mapping that makes its tensors when asked (``ckptctl.synth.large``) writes a checkpoint no
+    memory holds whole, rank file by rank file.
+
+    Layout: ``out_dir/latest_checkpointed_iteration.txt`` and
+    ``out_dir/iter_{iteration:07d}/mp_rank_TT[_PPP]/model_optim_rng.pt``, one per (tp, pp).
+    ``param_group_order`` ("appearance" or "wd_first") only matters when a rank's first
+    parameter is 1-D (local-spec names on a stage other than the first); see
+    :func:`_optimizer_state`.
+
+    ``distributed_optimizer=True`` writes what ``--use-distributed-optimizer`` saves with ``dp``
+    data-parallel ranks: ``model_optim_rng.pt['optimizer']`` is
+    ``DistributedOptimizer.state_dict()`` (param groups only), and ``distrib_optim.pt`` beside it
+    holds the fp32 master weights and Adam moments (:func:`_distrib_optim_state`).
+    ``bucket_size`` is megatron's ``--ddp-bucket-size`` with ``--overlap-grad-reduce`` (``None``:
+    overlap off, one bucket per buffer); as in megatron-core it applies only to the first model
+    chunk of pipeline stage 0 (DDP turns bucketing off on later stages and, under VPP, for chunks
+    after the first). ``dp`` also sets ``args.data_parallel_size`` and ``args.world_size``
+    without the distributed optimizer.
+    """
     if pp == 1 and (first_stage_layers is not None or last_stage_layers is not None):
         raise ValueError("first/last stage layer counts need pp > 1")
     if min(tp, pp, vpp, dp) < 1:
