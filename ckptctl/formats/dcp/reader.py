@@ -12,7 +12,6 @@ ranged GETs on object stores). What the chunks hold:
 
 from __future__ import annotations
 
-import argparse
 import threading
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -40,14 +39,10 @@ from ckptctl.formats.dcp.records import (
 )
 from ckptctl.formats.hf.families import spec_from_config
 from ckptctl.formats.hf.layout import CONFIG
-from ckptctl.formats.megatron.args import grad_reduce_dtype
 from ckptctl.formats.megatron.layout import GroupOrder, MegatronStyle, OptimizerLayout
 from ckptctl.formats.torch_dist.layout import (
     MCORE_METADATA,
-    dense_optimizer,
-    is_bucket_key,
 )
-from ckptctl.formats.torch_dist.model_space import is_model_space_key
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
 from ckptctl.formats.torchsave.refs import stored_object, view_ref
 from ckptctl.io.runs import Span
@@ -79,11 +74,6 @@ class DcpCheckpoint(Checkpoint):
     base: str
     """Directory (relative to the checkpoint root) holding ``.metadata``."""
     metadata: DcpMetadata
-    args: argparse.Namespace | None = None
-    common: dict[str, Any] = field(default_factory=dict)
-    common_tensors: dict[int, Any] = field(default_factory=dict)
-    """Values of the tensors in ``common``'s optimizer entry, by the identity of their
-    reference (``read_ref``)."""
     _records: dict[tuple[str, tuple[int, ...]], tuple[TorchZipReader, TensorRef]] = field(
         default_factory=dict
     )
@@ -205,101 +195,32 @@ class DcpCheckpoint(Checkpoint):
 
     @property
     def optimizer(self) -> OptimizerLayout | None:
-        """``fully_reshardable`` state is the distributed optimizer's, per parameter: written
-        to Megatron legacy as ``distrib_optim.pt`` (or per-parameter torch state without it)."""
+        """An HF model under torch's Adam (FSDP2): per-parameter step and moments, the fp32
+        weights their own masters, as Megatron's FP32Optimizer stores them."""
         if not self.view.has_optimizer or self.view.spec is None:
             return None
-        if self.args is None:
-            # An HF model under torch's Adam (FSDP2): per-parameter step and moments, the fp32
-            # weights are their own masters, as Megatron's FP32Optimizer stores them.
-            return OptimizerLayout(
-                states=("step", "exp_avg", "exp_avg_sq"),
-                master_weights=False,
-                wrapped=False,
-                group_order=GroupOrder.DECAY_FIRST,
-            )
         return OptimizerLayout(
-            states=(),
-            distributed=True,
+            states=("step", "exp_avg", "exp_avg_sq"),
+            master_weights=False,
+            wrapped=False,
             group_order=GroupOrder.DECAY_FIRST,
-            overlap_grad_reduce=bool(getattr(self.args, "overlap_grad_reduce", False)),
-            bucket_size=getattr(self.args, "ddp_bucket_size", None),
-            grad_dtype=grad_reduce_dtype(self.args),
-            buckets=any(is_bucket_key(str(t.key[0])) for f in self.view.files for t in f.tensors),
-            model_space=self.view.layout.distributed_optimizer
-            and any(is_model_space_key(str(t.key[0])) for f in self.view.files for t in f.tensors),
         )
 
     @property
     def style(self) -> MegatronStyle:
-        return MegatronStyle(optimizer=self.optimizer).named_for(self.args)
-
-    @property
-    def dp_reshardable(self) -> bool:
-        """Optimizer state saved as grad-buffer buckets that could not be placed on the model's
-        parameters (the view's warning says why); placed buckets move like any state."""
-        saved = any(is_bucket_key(k) for k in self.metadata.entries)
-        placed = any(is_bucket_key(str(t.key[0])) for f in self.view.files for t in f.tensors)
-        return saved and not placed
-
-    def legacy_carried_state(self) -> dict[str, Any]:
-        """Training state for Megatron legacy rank files: scheduler, counters, iteration, and
-        what Megatron's optimizer wrapper keeps beside the torch optimizer (a grad scaler's
-        loss scale and counters); what only ``torch_dist`` knows (content metadata, sharding
-        type) is left behind."""
-        skip = {"args", "optimizer", "rng_state", "content_metadata"}
-        out = {k: v for k, v in self.common.items() if k not in skip}
-        out.setdefault("checkpoint_version", 3.0)
-        out["iteration"] = self.view.iteration or 0
-        opt = dense_optimizer(self.common.get("optimizer"))
-        if isinstance(opt.get("optimizer"), dict):  # a wrapper's entry, not torch's own
-            # (``param_state``: Adam's step per parameter of a fully_sharded_model_space
-            # save, which Megatron reads from the parameter groups instead)
-            inner = {
-                "optimizer",
-                "param_state_sharding_type",
-                "fp32_from_fp16_params",
-                "param_state",
-            }
-            extra = {k: v for k, v in opt.items() if k not in inner}
-            if extra:
-                out["optimizer_extra"] = extra
-        return out
-
-    def read_ref(self, path: str, ref: TensorRef) -> Any:
-        """A tensor inside the common state's optimizer entry (read with it)."""
-        value = self.common_tensors.get(id(ref))
-        if value is None:
-            raise CheckpointError(
-                f"{self.storage.url}: a tensor of {ref.numel} elements in the common state is "
-                "not carried (only small ones are)"
-            )
-        return value
+        return MegatronStyle(optimizer=self.optimizer)
 
     def saved_training(self, path: str) -> SavedTraining:
-        """``torch_dist``'s training state from ``common.pt``; an HF model's DCP checkpoint
-        keeps only its optimizer's parameter-group settings."""
-        if self.args is None:
-            return SavedTraining(templates=self.group_templates())
-        step = self.view.optimizer_step if self.view.has_optimizer else None
-        return SavedTraining(self.legacy_carried_state(), self.args, self.group_templates(), step)
+        """An HF model's DCP checkpoint keeps only its optimizer's parameter-group settings."""
+        return SavedTraining(templates=self.group_templates())
 
     def group_templates(self) -> dict[bool, dict[str, Any]]:
-        """Each parameter group's settings by kind (True: no weight decay), as the distributed
-        optimizer's param_groups in ``common.pt`` record them (Adam's step aside)."""
-        opt = dense_optimizer(self.common.get("optimizer"))
-        # megatron-core's per-parameter optimizer keeps its groups at the top, the distributed
-        # one under its torch optimizer.
-        groups = opt.get("param_groups") or opt.get("optimizer", {}).get("param_groups", [])
-        if self.args is None:
-            groups = self._saved_param_groups()
-            if len(groups) == 1:  # one group for every parameter: both kinds share it
-                return {kind: dict(groups[0]) for kind in (False, True)}
-        out: dict[bool, dict[str, Any]] = {}
-        for group in groups:
-            no_decay = float(group.get("wd_mult", 1.0)) == 0.0 or group.get("weight_decay") == 0
-            out[no_decay] = {k: v for k, v in group.items() if k not in ("params", "step")}
-        return out
+        """Each parameter group's settings by kind (True: no weight decay), as torch's
+        ``param_groups`` were saved (Adam's step aside)."""
+        groups = self._saved_param_groups()
+        if len(groups) == 1:  # one group for every parameter: both kinds share it
+            return {kind: dict(groups[0]) for kind in (False, True)}
+        return templates_of(groups)
 
     def byte_item(self, fqn: str) -> tuple[Any, TorchZipReader]:
         """A non-tensor item (e.g. an optimizer hyperparameter) and its record's reader (for
@@ -463,3 +384,13 @@ def _generic(
         (f"PyTorch DCP checkpoint: {len(metadata.entries) - items} tensors, {items} other items",),
     )
     return DcpCheckpoint(storage, view, base, metadata)
+
+
+def templates_of(groups: list[dict[str, Any]]) -> dict[bool, dict[str, Any]]:
+    """Parameter groups' settings by kind (True: no weight decay), without their parameters
+    and Adam's step."""
+    out: dict[bool, dict[str, Any]] = {}
+    for group in groups:
+        no_decay = float(group.get("wd_mult", 1.0)) == 0.0 or group.get("weight_decay") == 0
+        out[no_decay] = {k: v for k, v in group.items() if k not in ("params", "step")}
+    return out

@@ -11,7 +11,7 @@ from typing import Any
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError
 from ckptctl.formats.dcp.files import join, read_metadata
 from ckptctl.formats.dcp.metadata import BytesEntry, DcpMetadata, StorageInfo, TensorEntry
-from ckptctl.formats.dcp.reader import DcpCheckpoint, files_of
+from ckptctl.formats.dcp.reader import files_of
 from ckptctl.formats.dcp.records import RecordWindow, open_record
 from ckptctl.formats.megatron.args import (
     check_saved_layout,
@@ -23,6 +23,7 @@ from ckptctl.formats.megatron.args import (
 )
 from ckptctl.formats.megatron.layout import OptimizerLayout, expert_naming_from_args
 from ckptctl.formats.torch_dist import dp_reshardable
+from ckptctl.formats.torch_dist.checkpoint import TorchDistCheckpoint
 from ckptctl.formats.torch_dist.layout import (
     COMMON,
     DP_RESHARDABLE_PREFIX,
@@ -142,7 +143,7 @@ def probe_torch_dist(
     iteration: int | None,
     true_vocab_size: int | None,
     trusted: frozenset[str] = frozenset(),
-) -> DcpCheckpoint:
+) -> TorchDistCheckpoint:
     metadata = read_metadata(storage, base)
     common, common_step, common_tensors = _common_state(storage, base, metadata)
     args = common["args"]
@@ -258,7 +259,9 @@ def probe_torch_dist(
         optimizer_step=step if has_optimizer else None,
         warnings=tuple(warnings),
     )
-    return DcpCheckpoint(storage, view, base, metadata, args, common, common_tensors)
+    return TorchDistCheckpoint(
+        storage, view, base, metadata, args=args, common=common, common_tensors=common_tensors
+    )
 
 
 def _directory_number(base: str) -> int | None:
