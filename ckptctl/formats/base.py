@@ -119,6 +119,15 @@ class Checkpoint:
         """Names of stored non-tensor items a torch state dict carries on."""
         return []
 
+    def byte_item(self, name: str) -> tuple[Any, Any]:
+        """One of ``byte_items``: its value and the reader of the tensors inside it."""
+        raise KeyError(f"{self.storage.url} stores no non-tensor item {name!r}")
+
+    def read_ref(self, path: str, ref: Any) -> Any:
+        """A tensor that file ``path``'s carried training state refers to (``saved_training``),
+        read: formats that carry such state answer."""
+        raise NotImplementedError(f"{type(self).__name__} carries no training state's tensors")
+
     def param_groups(self) -> list[dict[str, Any]] | None:
         """The optimizer's parameter groups by HF name, when the source keeps them so."""
         return None
