@@ -5,16 +5,6 @@ from __future__ import annotations
 import json
 
 from ckptctl.errors import UsageError
-from ckptctl.formats.hf.families import hf_config
-from ckptctl.formats.hf.layout import (
-    CONFIG,
-    INDEX,
-    MODEL_KEY,
-    OPTIMIZER_KEY,
-    hf_files,
-    hf_tensors,
-    index_text,
-)
 from ckptctl.formats.megatron.layout import (
     TRACKER,
     MegatronStyle,
@@ -24,6 +14,16 @@ from ckptctl.formats.megatron.layout import (
 )
 from ckptctl.model.catalog import is_state, state_name
 from ckptctl.model.geometry import Piece, Shape, whole
+from ckptctl.model.hf_families import hf_config
+from ckptctl.model.hf_layout import (
+    CONFIG,
+    INDEX,
+    MODEL_KEY,
+    OPTIMIZER_KEY,
+    hf_files,
+    hf_tensors,
+    index_text,
+)
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.plan import FileKind, Plan, TextWrite
 from ckptctl.model.stored import CheckpointView, Format, StoredFile, StoredTensor, canonical_shapes

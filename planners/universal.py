@@ -15,10 +15,10 @@ from ckptctl.formats.deepspeed.layout import (
     UNIVERSAL_OPTIMIZER_STATE,
     universal_tag,
 )
-from ckptctl.formats.hf.families import hf_config
-from ckptctl.formats.hf.layout import CONFIG
 from ckptctl.model.catalog import state_name
 from ckptctl.model.geometry import whole
+from ckptctl.model.hf_families import hf_config
+from ckptctl.model.hf_layout import CONFIG
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.plan import FileKind, Plan, TextWrite
 from ckptctl.model.stored import CheckpointView, Format, StoredFile, StoredTensor

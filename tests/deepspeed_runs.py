@@ -80,8 +80,8 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def by_hf_name(path: Path, state: str) -> dict[str, torch.Tensor]:
     """Every HF parameter's weight (``state`` empty) or Adam state as ckptctl reads it: stored
     fragments placed into canonical tensors, canonical tensors cut into HF names."""
-    from ckptctl.formats.hf.layout import hf_tensors
     from ckptctl.model.catalog import parameters, state_name
+    from ckptctl.model.hf_layout import hf_tensors
     from ckptctl.pipeline.probe import open_checkpoint
 
     ckpt = open_checkpoint(str(path))

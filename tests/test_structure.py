@@ -199,7 +199,7 @@ def test_the_pure_layouts_of_formats_import_no_torch() -> None:
     modules = _modules()
     for pure in (
         "ckptctl.formats.megatron.layout",
-        "ckptctl.formats.hf.layout",
+        "ckptctl.model.hf_layout",
         "ckptctl.formats.torch_dist.layout",
         "ckptctl.formats.dcp.metadata",
     ):
@@ -254,3 +254,49 @@ def test_the_registry_is_the_only_list_of_formats() -> None:
     for fmt in registry.formats():
         assert fmt.support is not None and fmt.support.name == fmt.name
     assert json.dumps([f.support.as_dict() for f in registry.formats()])
+
+
+SHARED_FORMAT_MACHINERY = {
+    "base",
+    "registry",
+    "support",
+    "named",
+    "safetensors_header",
+    "torchsave",
+}
+"""Modules and folders under ``ckptctl/formats`` that every format may import."""
+
+CROSS_FORMAT_IMPORTS = {
+    # Megatron's iteration directories (tracker, ``iter_N``), which DCP checkpoints of Megatron
+    # runs sit in, and the Megatron optimizer form a DCP checkpoint of an HF model maps to.
+    ("dcp", "ckptctl.formats.megatron.format"),
+    ("dcp", "ckptctl.formats.megatron.reader"),
+    ("dcp", "ckptctl.formats.megatron.layout"),
+    # megatron-core's file names beside DCP files (``metadata.json``, ``common.pt``).
+    ("dcp", "ckptctl.formats.torch_dist.layout"),
+    # A Megatron target's optimizer form for a DeepSpeed source.
+    ("deepspeed", "ckptctl.formats.megatron.layout"),
+    # torch_dist is megatron-core's use of DCP: its container and Megatron's model rules.
+    *(("torch_dist", f"ckptctl.formats.dcp.{m}") for m in ("files", "format", "metadata")),
+    *(("torch_dist", f"ckptctl.formats.dcp.{m}") for m in ("reader", "records", "write")),
+    *(("torch_dist", f"ckptctl.formats.megatron.{m}") for m in ("args", "layout", "ranks")),
+    ("torch_dist", "ckptctl.formats.megatron.writer"),
+}
+"""What one format folder still imports of another (to shrink: shared model rules belong in
+modules of their own, as the HF family tables are in ``ckptctl.model``)."""
+
+
+def test_format_folders_import_no_other_format_but_the_known_exceptions() -> None:
+    found = set()
+    for module, imported in _lazy_graph().items():
+        if not module.startswith("ckptctl.formats."):
+            continue
+        folder = module.split(".")[2]
+        if folder in SHARED_FORMAT_MACHINERY:
+            continue
+        for other in imported:
+            parts = other.split(".")
+            elsewhere = other.startswith("ckptctl.formats.") and parts[2] != folder
+            if elsewhere and parts[2] not in SHARED_FORMAT_MACHINERY:
+                found.add((folder, other))
+    assert found <= CROSS_FORMAT_IMPORTS, sorted(found - CROSS_FORMAT_IMPORTS)

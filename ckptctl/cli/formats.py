@@ -7,8 +7,8 @@ import typer
 from ckptctl.cli.options import Json, state
 from ckptctl.cli.output import Output, boundary
 from ckptctl.formats import registry
-from ckptctl.formats.hf.families import FAMILIES, family_summary
 from ckptctl.formats.support import STORES
+from ckptctl.model.hf_families import FAMILIES, family_summary
 
 
 def formats_cmd(ctx: typer.Context, as_json: Json = False) -> None:

@@ -10,9 +10,9 @@ from ckptctl.cli.options import Iteration, Json, TrueVocab, state
 from ckptctl.cli.output import Output, boundary
 from ckptctl.cli.units import human_bytes
 from ckptctl.errors import LayoutError
-from ckptctl.formats.hf.families import choose_family
 from ckptctl.model.catalog import expert_of, is_state
 from ckptctl.model.geometry import nbytes
+from ckptctl.model.hf_families import choose_family
 from ckptctl.model.layout import ModelSpec
 from ckptctl.pipeline.probe import Checkpoint, open_checkpoint
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ckptctl.formats.hf.layout import hf_tensors
 from ckptctl.model.catalog import state_name
 from ckptctl.model.geometry import Piece, Shape
+from ckptctl.model.hf_layout import hf_tensors
 from ckptctl.model.layout import ModelSpec
 
 ANCHOR = "model.embed_tokens.weight"

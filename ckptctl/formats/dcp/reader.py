@@ -37,8 +37,6 @@ from ckptctl.formats.dcp.records import (
     pread,
     tensor_of,
 )
-from ckptctl.formats.hf.families import spec_from_config
-from ckptctl.formats.hf.layout import CONFIG
 from ckptctl.formats.megatron.layout import GroupOrder, MegatronStyle, OptimizerLayout
 from ckptctl.formats.torch_dist.layout import (
     MCORE_METADATA,
@@ -48,6 +46,8 @@ from ckptctl.formats.torchsave.refs import stored_object, view_ref
 from ckptctl.io.runs import Span
 from ckptctl.io.storage import Storage
 from ckptctl.model.geometry import Piece, chunk_pieces
+from ckptctl.model.hf_families import spec_from_config
+from ckptctl.model.hf_layout import CONFIG
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.stored import (
     CheckpointView,

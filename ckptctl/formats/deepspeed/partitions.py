@@ -20,11 +20,11 @@ from ckptctl.formats.deepspeed.layout import (
     partition_numel,
     stage3_fragments,
 )
-from ckptctl.formats.hf.layout import OPTIMIZER_KEY
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
 from ckptctl.formats.torchsave.refs import resolve
 from ckptctl.io.storage import Storage
 from ckptctl.model.dtypes import dtype_name
+from ckptctl.model.hf_layout import OPTIMIZER_KEY
 from ckptctl.model.stored import KeyPath, Shape, StoredTensor
 
 

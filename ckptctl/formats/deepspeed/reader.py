@@ -35,14 +35,14 @@ from ckptctl.formats.deepspeed.partitions import (
     stage3_frozen,
     zero_stage,
 )
-from ckptctl.formats.hf.families import spec_from_config
-from ckptctl.formats.hf.layout import CONFIG, MODEL_KEY, hf_tensors
 from ckptctl.formats.megatron.layout import GroupOrder, MegatronStyle, OptimizerLayout
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
 from ckptctl.formats.torchsave.refs import TorchFiles, open_torch_file, resolve
 from ckptctl.io.storage import Storage
 from ckptctl.model.dtypes import dtype_name
 from ckptctl.model.geometry import Piece, Shape, whole
+from ckptctl.model.hf_families import spec_from_config
+from ckptctl.model.hf_layout import CONFIG, MODEL_KEY, hf_tensors
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.stored import (
     CheckpointView,

@@ -20,13 +20,13 @@ from ckptctl.formats.deepspeed.layout import (
     UNIVERSAL_ZERO,
 )
 from ckptctl.formats.deepspeed.reader import model_config, tag_dir
-from ckptctl.formats.hf.families import spec_from_config
-from ckptctl.formats.hf.layout import CONFIG, hf_tensors
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
 from ckptctl.formats.torchsave.refs import TorchFiles, open_torch_file, resolve
 from ckptctl.io.storage import Storage
 from ckptctl.model.catalog import state_name
 from ckptctl.model.dtypes import dtype_name
+from ckptctl.model.hf_families import spec_from_config
+from ckptctl.model.hf_layout import CONFIG, hf_tensors
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.stored import (
     CheckpointView,

@@ -6,9 +6,9 @@ from typing import Any
 
 from ckptctl.checksums.integrity import Targets
 from ckptctl.formats.base import CheckpointFormat, ProbeRequest, lazy
-from ckptctl.formats.hf.layout import CONFIG
 from ckptctl.formats.support import FormatSupport
 from ckptctl.io.storage import Storage
+from ckptctl.model.hf_layout import CONFIG
 from ckptctl.model.plan import FileKind
 from ckptctl.model.stored import CheckpointView
 

@@ -21,12 +21,12 @@ from ckptctl.checksums import record_checks
 from ckptctl.checksums.manifest import recorded
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError, LayoutError
 from ckptctl.formats.base import Checkpoint
-from ckptctl.formats.hf.families import spec_from_config
-from ckptctl.formats.hf.layout import CONFIG, INDEX, SINGLE, hf_tensors
 from ckptctl.formats.safetensors_header import SafetensorsEntry, read_header
 from ckptctl.io.runs import Span
 from ckptctl.io.storage import Storage
 from ckptctl.model.dtypes import ITEMSIZE
+from ckptctl.model.hf_families import spec_from_config
+from ckptctl.model.hf_layout import CONFIG, INDEX, SINGLE, hf_tensors
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.stored import (
     CheckpointView,

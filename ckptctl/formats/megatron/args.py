@@ -8,7 +8,6 @@ import copy
 from typing import Any
 
 from ckptctl.errors import CheckpointError, LayoutError
-from ckptctl.formats.fields import refuse_fields
 from ckptctl.formats.megatron import release_args
 from ckptctl.formats.megatron.args_fields import (
     HARMLESS,
@@ -25,6 +24,7 @@ from ckptctl.formats.megatron.args_fields import (
     VARIANT_FIELDS,
 )
 from ckptctl.model.catalog import Naming
+from ckptctl.model.fields import refuse_fields
 from ckptctl.model.layout import (
     Activation,
     ModelSpec,

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptctl.errors import CheckpointError, LayoutError
-from ckptctl.formats.fields import refuse_fields
+from ckptctl.model.fields import refuse_fields
 from ckptctl.model.layout import Activation, ModelSpec, NormKind, PositionEmbedding, RouterScore
 
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import json
 
-from ckptctl.formats.hf.families import MoeNaming, choose_family
 from ckptctl.model.catalog import LAYER_PREFIX, expert_name
 from ckptctl.model.geometry import Piece, Shape, nbytes, whole
+from ckptctl.model.hf_families import MoeNaming, choose_family
 from ckptctl.model.layout import ModelSpec
 from ckptctl.model.stored import StoredFile, StoredTensor
 
