@@ -133,13 +133,6 @@ class Assembler:
                 self._disk_ahead.close()
             self._disk_ahead = DiskAhead(extents, lambda: self.consumed, self.read_ahead)
 
-    def source_extents(self, writes: Iterable[TensorWrite]) -> list[Extent]:
-        """The local source bytes the tensors' reads touch, in their order."""
-        extents = []
-        for write in writes:
-            extents += self._read_extents(write, self._runs_of(write))
-        return extents
-
     def _read_extents(self, write: TensorWrite, runs: list[Run] | None) -> list[Extent]:
         if runs is not None:
             return [Extent(r.path, r.offset, r.nbytes, r.nbytes) for r in runs if r.storage is None]
