@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import time
 
-from ckptctl.formats.megatron.layout import MegatronStyle, OptimizerLayout, megatron_files
+from ckptctl.formats.megatron.layout import megatron_files
+from ckptctl.formats.megatron.target import MegatronTarget
 from ckptctl.model.layout import ModelSpec, ParallelLayout
+from ckptctl.model.megatron_style import MegatronStyle, OptimizerLayout
 from ckptctl.model.stored import CheckpointView, Format
+from ckptctl.model.target import TargetRequest
 from planners.strategy import Stored, plan_auto
 
 SPEC = ModelSpec(
@@ -36,7 +39,12 @@ def main() -> None:
     stored = Stored(view, "/lake/ckpt", "0" * 16, {f.path: 0 for f in files})
     probed = time.perf_counter()
     plan = plan_auto(
-        stored, [], TARGET, target_url="/nvme/new", style=MegatronStyle(optimizer=optimizer)
+        stored,
+        [],
+        TARGET,
+        target_url="/nvme/new",
+        target=MegatronTarget(),
+        request=TargetRequest(style=MegatronStyle(optimizer=optimizer)),
     )
     planned = time.perf_counter()
     copies = sum(len(t.copies) for f in plan.files for t in f.tensors)

@@ -13,12 +13,12 @@ from collections import defaultdict
 from math import prod
 from typing import TypedDict
 
-from ckptctl.errors import CheckpointError, UsageError
+from ckptctl.errors import CheckpointError
 from ckptctl.model.geometry import Piece, Shape, box_difference, nbytes, overlap
 from ckptctl.model.layout import ModelSpec, ParallelLayout
-from ckptctl.model.plan import CopyOp, Estimates, FileKind, FileWrite, TensorWrite
-from ckptctl.model.stored import CheckpointView, Format, StoredFile, StoredTensor
-from planners.megatron_rank_state import carry_rank_rng, carry_vocab_padding, same_rank_grid
+from ckptctl.model.plan import CopyOp, Estimates, FileWrite, TensorWrite
+from ckptctl.model.stored import CheckpointView, StoredFile, StoredTensor
+from ckptctl.model.target import TargetFiles, TargetPlanner
 
 Found = tuple[int, Shape, Shape, Shape]
 """(candidate position, source offsets, target offsets, sizes)."""
@@ -80,17 +80,18 @@ def _holders_of(
 def plan_files(
     source: CheckpointView,
     targets: tuple[StoredFile, ...],
-    kind: FileKind,
+    kind: str,
     *,
     carry_from: int | None = None,
+    flat_kind: str | None = None,
 ) -> tuple[tuple[FileWrite, ...], Estimates]:
-    """Copy operations for every tensor of ``targets`` out of ``source``'s files."""
+    """Copy operations for every tensor of ``targets`` out of ``source``'s files, each
+    written as ``kind`` (files of flat buffers as ``flat_kind``)."""
     holders: dict[str, list[tuple[int, StoredTensor]]] = defaultdict(list)
     for index, file in enumerate(source.files):
         for tensor in file.tensors:
             holders[tensor.canonical].append((index, tensor))
     ranks = {i: f.rank for i, f in enumerate(source.files)}
-    distopt = FileKind.DISTRIBUTED_OPTIMIZER
     covers: dict[tuple, tuple[list[Found], bool]] = {}
 
     missing: list[str] = []
@@ -172,7 +173,7 @@ def plan_files(
         files.append(
             FileWrite(
                 path=target.path,
-                kind=distopt if target.flat else kind,
+                kind=(flat_kind or kind) if target.flat else kind,
                 tensors=tuple(writes),
                 rank=target.rank,
                 ep_rank=target.ep_rank,
@@ -194,53 +195,21 @@ def plan_files(
     )
 
 
-def megatron_target_notes(
-    source: CheckpointView, target_layout: ParallelLayout, target_format: Format
-) -> tuple[list[str], list[str]]:
-    """What a Megatron-family target cannot keep as it was, said the same way by every
-    operation that writes one (reshard, consolidate --format megatron): notes, warnings."""
-    notes, warnings = [], []
-    spec = source.spec
-    assert spec is not None
-    old, new = spec.padded_vocab_size(source.layout.tp), spec.padded_vocab_size(target_layout.tp)
-    if source.format in (Format.MEGATRON, Format.TORCH_DIST) and old != new:
-        notes.append(
-            f"vocabulary padding recomputed for tp={target_layout.tp}: {old} -> {new} rows; "
-            "padding rows of embedding, output layer and their optimizer state are zeros"
-        )
-    same_grid = same_rank_grid(source.layout, target_layout)
-    if source.format == Format.MEGATRON and target_format == Format.MEGATRON and not same_grid:
-        warnings.append(
-            "RNG state belongs to each rank's place in the TP/PP/EP grid, which changes: "
-            "dropped, as Megatron-LM does when it reshards; resume with --no-load-rng"
-        )
-    return notes, warnings
-
-
-def megatron_rank_files(
-    source: CheckpointView, files: tuple[FileWrite, ...], target: ParallelLayout
-) -> tuple[tuple[FileWrite, ...], int]:
-    """The files of a Megatron target (legacy or ``torch_dist``) with what a Megatron source
-    keeps beyond the canonical tensors (``planners.megatron_rank_state``); the bytes that
-    reads."""
-    if source.format not in (Format.MEGATRON, Format.TORCH_DIST) or source.spec is None:
-        return files, 0
-    files, read = carry_vocab_padding(source, files, source.spec, target)
-    legacy = all(f.kind != FileKind.DCP_SHARD for f in files)
-    if legacy and source.format == Format.MEGATRON and same_rank_grid(source.layout, target):
-        files = carry_rank_rng(source, files)
-    return files, read
-
-
-def refuse_frozen(source: CheckpointView, carries_optimizer: bool, target: str) -> None:
-    """Frozen parameters (DeepSpeed) have no Adam state, and Megatron's optimizers hold every
-    parameter: refuse rather than invent state for them."""
-    if source.frozen and carries_optimizer:
-        raise UsageError(
-            f"frozen parameters ({', '.join(source.frozen[:3])}) have no Adam state, but "
-            f"{target}'s optimizer holds every parameter: consolidate --format torch or "
-            "deepspeed-universal keeps the trained parameters' state, --format hf the weights"
-        )
+def plan_target(
+    source: CheckpointView, target: TargetPlanner, planned: TargetFiles
+) -> tuple[tuple[FileWrite, ...], Estimates]:
+    """The writes of a target format's files, and what else of the source it keeps."""
+    files, estimates = plan_files(
+        source,
+        planned.files,
+        planned.kind,
+        carry_from=0 if planned.carries_rank_state else None,
+        flat_kind=planned.flat_kind,
+    )
+    files, read = target.with_source_state(source, files, planned.layout)
+    if read:
+        estimates = estimates.model_copy(update={"bytes_read": estimates.bytes_read + read})
+    return files, estimates
 
 
 class SourceFields(TypedDict):

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ckptctl.model.plan import FileKind, FileWrite
+from ckptctl.model.plan import COPY, FileWrite
 
 
 def sources_of(file: FileWrite) -> frozenset[int]:
     """The plan's source files (indices) that ``file`` reads."""
-    if file.kind is FileKind.COPY:
+    if file.kind == COPY:
         return frozenset({file.copy_of or 0})
     return frozenset(c.source for t in file.tensors for c in t.copies)
 

@@ -8,12 +8,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from ckptctl.errors import CheckpointError, UsageError
-from ckptctl.formats.megatron.layout import TRACKER, MegatronStyle, tracker_text
 from ckptctl.model.geometry import nbytes
 from ckptctl.model.layout import ParallelLayout
-from ckptctl.model.plan import Estimates, FileKind, FileWrite, Plan, SourceRef, TextWrite
+from ckptctl.model.plan import COPY, Estimates, FileWrite, Plan, SourceRef
 from ckptctl.model.profile import StorageProfile
-from ckptctl.model.stored import CheckpointView, Format
+from ckptctl.model.stored import CheckpointView
+from ckptctl.model.target import TargetPlanner, TargetRequest
 from planners.balance import balance_reads
 from planners.convert import from_source
 from planners.cost import profile_for, with_time
@@ -47,10 +47,10 @@ class Situation:
     (``@0/``, ``@1/``, ...) their files take in the plan."""
     target_layout: ParallelLayout
     target_url: str | None
-    style: MegatronStyle
-    dtype: str | None = None
+    target: TargetPlanner
+    request: TargetRequest
+    """What the user asked of the target beyond its layout (dtype, the source's style)."""
     measured: dict[str, StorageProfile] = field(default_factory=dict)
-    target_format: Format = Format.MEGATRON
 
 
 def _prefixed(stored: Stored, prefix: str) -> CheckpointView:
@@ -75,7 +75,7 @@ def _timed(
                 prefix = _prefix_of(plan.source_files[copy.source], sources)
                 bytes_by[prefix] = bytes_by.get(prefix, 0) + nbytes(copy.sizes, tensor.dtype)
                 requests_by[prefix] = requests_by.get(prefix, 0) + 1
-        if file.kind is FileKind.COPY and file.copy_of is not None:
+        if file.kind == COPY and file.copy_of is not None:
             prefix = _prefix_of(plan.source_files[file.copy_of], sources)
             requests_by[prefix] = requests_by.get(prefix, 0) + 1
     target = profile_for(plan.target_url, measured)
@@ -107,12 +107,11 @@ def _reshard_from(
     plan = plan_reshard(
         view,
         s.target_layout,
+        s.target,
+        s.request,
         source_url=lead.url,
         source_fingerprint=lead.fingerprint,
         target_url=s.target_url or "",
-        style=s.style,
-        dtype=s.dtype,
-        target_format=s.target_format,
     )
     extra = tuple(
         SourceRef(prefix=p, url=o.url, format=o.view.format, fingerprint=o.fingerprint)
@@ -129,9 +128,9 @@ def direct(s: Situation) -> Plan:
     """The stored shards already have the target layout and are intact."""
     if s.sharded is None:
         raise Inapplicable("no sharded checkpoint is stored")
-    if s.target_format != s.sharded.view.format:
-        raise Inapplicable(f"the stored format is not {s.target_format}")
-    plan = _direct(s.sharded, s.target_layout, s.target_url)
+    if s.target.name != s.sharded.view.format:
+        raise Inapplicable(f"the stored format is not {s.target.name}")
+    plan = _direct(s.sharded, s.target, s.target_layout, s.target_url)
     return _timed(plan, {"": s.sharded.url}, s.measured)
 
 
@@ -227,9 +226,12 @@ STRATEGIES: tuple[tuple[str, Callable[[Situation], Plan]], ...] = (
 """Every strategy, in the order ties are broken."""
 
 
-def _direct(sharded: Stored, target_layout: ParallelLayout, target_url: str | None) -> Plan:
+def _direct(
+    sharded: Stored, target: TargetPlanner, target_layout: ParallelLayout, target_url: str | None
+) -> Plan:
     view = sharded.view
-    if view.format != Format.MEGATRON:
+    finish = target.stored_as_is(view)
+    if finish is None:
         raise Inapplicable(f"the stored format {view.format} is not the target's")
     if sharded.lost:
         raise Inapplicable(f"{len(sharded.lost)} stored file(s) are lost")
@@ -238,9 +240,7 @@ def _direct(sharded: Stored, target_layout: ParallelLayout, target_url: str | No
     paths = tuple(f.path for f in view.files)
     nbytes = sum(sharded.file_sizes.get(p, 0) for p in paths)
     moving = bool(target_url)
-    files = tuple(
-        FileWrite(path=p, kind=FileKind.COPY, tensors=(), copy_of=i) for i, p in enumerate(paths)
-    )
+    files = tuple(FileWrite(path=p, kind=COPY, tensors=(), copy_of=i) for i, p in enumerate(paths))
     return Plan(
         operation="reshard",
         strategy="direct",
@@ -250,10 +250,10 @@ def _direct(sharded: Stored, target_layout: ParallelLayout, target_url: str | No
         ),
         **from_source(view, sharded.url, sharded.fingerprint),
         target_url=target_url or sharded.url,
-        target_format=Format.MEGATRON,  # the stored format, checked above
+        target_format=target.name,
         target_layout=target_layout,
         files=files if moving else (),
-        finalize=(TextWrite(path=TRACKER, content=tracker_text(view.iteration)),) if moving else (),
+        finalize=finish if moving else (),
         estimates=Estimates(
             bytes_read=nbytes if moving else 0,
             bytes_written=nbytes if moving else 0,

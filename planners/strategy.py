@@ -17,11 +17,10 @@ alternatives with their estimates, or with the reason they could not be used. Pu
 from __future__ import annotations
 
 from ckptctl.errors import CheckpointError, CkptctlError, UsageError
-from ckptctl.formats.megatron.layout import MegatronStyle
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.plan import Alternative, Plan
 from ckptctl.model.profile import StorageProfile
-from ckptctl.model.stored import Format
+from ckptctl.model.target import TargetPlanner, TargetRequest
 from planners.graph import execution_order
 from planners.strategies import STRATEGIES, Inapplicable, Situation, Stored
 
@@ -34,11 +33,10 @@ def plan_auto(
     target_layout: ParallelLayout,
     *,
     target_url: str | None,
-    style: MegatronStyle,
+    target: TargetPlanner,
+    request: TargetRequest,
     strategy: str = "auto",
-    dtype: str | None = None,
     measured: dict[str, StorageProfile] | None = None,
-    target_format: Format = Format.MEGATRON,
 ) -> Plan:
     """The plan of the chosen strategy, with every strategy weighed as an alternative.
 
@@ -53,10 +51,9 @@ def plan_auto(
         {f"@{i}/": o for i, o in enumerate(others)},
         target_layout,
         target_url,
-        style,
-        dtype,
+        target,
+        request,
         measured or {},
-        target_format,
     )
     results: dict[str, Plan] = {}
     errors: dict[str, CkptctlError] = {}

@@ -212,7 +212,13 @@ LAYERS = {
     "ckptctl.io": ("ckptctl.formats", "ckptctl.pipeline", "ckptctl.verify", "planners"),
     "ckptctl.checksums": ("ckptctl.formats", "ckptctl.pipeline", "ckptctl.verify", "planners"),
     "ckptctl.formats": ("ckptctl.pipeline", "ckptctl.verify", "planners"),
-    "planners": ("ckptctl.io", "ckptctl.checksums", "ckptctl.pipeline", "ckptctl.verify"),
+    "planners": (
+        "ckptctl.io",
+        "ckptctl.checksums",
+        "ckptctl.formats",
+        "ckptctl.pipeline",
+        "ckptctl.verify",
+    ),
 }
 """What each package may not import: the pure model nothing with I/O; storage and checksums
 no format or job; formats no job, check or policy; planners (policy) no I/O."""
@@ -229,6 +235,17 @@ def test_dependencies_point_one_way() -> None:
             if module == package or module.startswith(f"{package}."):
                 wrong = sorted(m for m in imported if m.startswith(above))
                 assert not wrong, f"{module} imports {wrong}"
+
+
+def test_planners_import_only_the_pure_model() -> None:
+    """Policy sees formats only through ``ckptctl.model.target``: a planner imports the model
+    (and the error vocabulary), lazily or not, never a format, the pipeline or storage."""
+    for module, imported in _lazy_graph().items():
+        if not module.startswith("planners"):
+            continue
+        project = {m for m in imported if m.startswith("ckptctl")}
+        wrong = sorted(m for m in project if not m.startswith(("ckptctl.model", "ckptctl.errors")))
+        assert not wrong, f"{module} imports {wrong}"
 
 
 def test_no_module_is_over_500_lines() -> None:
@@ -263,6 +280,7 @@ SHARED_FORMAT_MACHINERY = {
     "named",
     "safetensors_header",
     "torchsave",
+    "target",
 }
 """Modules and folders under ``ckptctl/formats`` that every format may import."""
 
@@ -281,6 +299,9 @@ CROSS_FORMAT_IMPORTS = {
     *(("torch_dist", f"ckptctl.formats.dcp.{m}") for m in ("reader", "records", "write")),
     *(("torch_dist", f"ckptctl.formats.megatron.{m}") for m in ("args", "layout", "ranks")),
     ("torch_dist", "ckptctl.formats.megatron.writer"),
+    # The distributed optimizer's keys, and what every Megatron-family target keeps and says.
+    *(("torch_dist", f"ckptctl.formats.megatron.{m}") for m in ("distopt_layout", "rank_state")),
+    ("torch_dist", "ckptctl.formats.megatron.target"),
 }
 """What one format folder still imports of another (to shrink: shared model rules belong in
 modules of their own, as the HF family tables are in ``ckptctl.model``)."""

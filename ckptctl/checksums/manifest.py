@@ -224,7 +224,7 @@ def write_manifest(
         "strategy": plan.strategy,
         "plan_fingerprint": plan.fingerprint(),
         "source": {"url": plan.source_url, "fingerprint": plan.source_fingerprint},
-        "format": plan.target_format.value,
+        "format": plan.target_format,
         "layout": plan.target_layout.model_dump(mode="json"),
         "spec": plan.spec.model_dump(mode="json") if plan.spec else None,
         "checksum": algorithm,

@@ -9,16 +9,16 @@ import typer
 from ckptctl.cli.job_options import JobRequest, job_request
 from ckptctl.cli.options import (
     WEIGHT_DTYPES,
-    ConsolidateFormatName,
     Json,
     WeightDType,
+    format_option,
     parse_size,
     state,
     with_options,
 )
 from ckptctl.cli.output import Output, boundary
 from ckptctl.cli.running import carry_out, finish, launch_workers
-from ckptctl.model.stored import Format
+from ckptctl.formats.target import CONSOLIDATE
 from ckptctl.pipeline.jobs import plan_consolidate, saved_job
 
 
@@ -28,14 +28,7 @@ def consolidate_cmd(
     src: Annotated[str, typer.Argument(help="Sharded checkpoint directory or URL.")],
     dst: Annotated[str, typer.Argument(help="Destination directory or URL.")],
     job: JobRequest | None = None,
-    fmt: Annotated[
-        ConsolidateFormatName,
-        typer.Option(
-            "--format",
-            help="hf: safetensors weights; megatron: TP1 PP1 with optimizer state; torch: one "
-            "state_dict.pt (DCP, torch_dist and DeepSpeed sources); deepspeed-universal.",
-        ),
-    ] = ConsolidateFormatName.hf,
+    fmt: Annotated[str, format_option(CONSOLIDATE, "hf")] = "hf",
     dtype: WeightDType = None,
     max_shard_size: Annotated[
         str, typer.Option("--max-shard-size", help="Largest HF safetensors file.")
@@ -56,7 +49,7 @@ def consolidate_cmd(
             planned = plan_consolidate(
                 src,
                 dst,
-                Format(fmt.value),
+                fmt,
                 settings,
                 dtype=WEIGHT_DTYPES[dtype] if dtype else None,
                 max_shard_bytes=parse_size(max_shard_size),

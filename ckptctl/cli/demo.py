@@ -17,7 +17,6 @@ from ckptctl.cli.running import carry_out
 from ckptctl.cli.units import human_bytes
 from ckptctl.errors import LayoutError, UsageError
 from ckptctl.model.layout import ModelSpec, ParallelLayout
-from ckptctl.model.stored import Format
 from ckptctl.pipeline.jobs import plan_consolidate, plan_reshard
 from ckptctl.pipeline.probe import open_checkpoint
 
@@ -153,7 +152,7 @@ def demo_cmd(
             f"optimizer {human_bytes(info['optimizer_bytes'])})"
         )
         hf = root / "hf"
-        job = plan_consolidate(str(src), str(hf), Format.HF, cli.settings)
+        job = plan_consolidate(str(src), str(hf), "hf", cli.settings)
         plan, report = job.plan, carry_out(out, job, quiet=True)
         assert report is not None  # not a dry run: a report of what was written
         out.show(
@@ -161,7 +160,7 @@ def demo_cmd(
             f"{plan.estimates.read_requests} reads, {human_bytes(report.bytes_written)} written"
         )
         full = root / "megatron-full"
-        job = plan_consolidate(str(src), str(full), Format.MEGATRON, cli.settings)
+        job = plan_consolidate(str(src), str(full), "megatron", cli.settings)
         report = carry_out(out, job, quiet=True)
         assert report is not None
         out.show(

@@ -17,7 +17,8 @@ import typer
 
 from ckptctl.cli.global_options import CliState, state
 from ckptctl.cli.option_values import parse_size, read_hf_config, storage_config, with_options
-from ckptctl.model.stored import Format
+from ckptctl.formats import registry
+from ckptctl.formats.target import RESHARD
 from ckptctl.settings import Settings
 
 __all__ = [
@@ -155,13 +156,6 @@ class ChecksumName(StrEnum):
     sha256 = "sha256"
 
 
-class ReshardFormatName(StrEnum):
-    """The formats a reshard writes."""
-
-    megatron = "megatron"
-    torch_dist = "torch_dist"
-
-
 class OptimShardingName(StrEnum):
     """How a ``torch_dist`` target keeps the distributed optimizer's state."""
 
@@ -180,23 +174,30 @@ OptimSharding = Annotated[
         "reads) (default: the source's form; fully_reshardable from other sources).",
     ),
 ]
-ReshardFormat = Annotated[
-    ReshardFormatName | None,
-    typer.Option(
+
+
+def _targets(operation: str, first: str) -> list[str]:
+    """The registered target formats of ``operation``, ``first`` (the default) first."""
+    names = [t.name for t in registry.targets(operation)]
+    return sorted(names, key=lambda n: n != first)
+
+
+def format_option(operation: str, first: str, default: str | None = None) -> Any:
+    """``--format``: its choices and help from the registry (a new target format appears here
+    by being registered)."""
+    described = {t.name: t.help for t in registry.targets(operation)}
+    names = _targets(operation, first)
+    return typer.Option(
         "--format",
-        help="megatron: legacy mp_rank_* files; torch_dist: Megatron-Core's DCP format "
-        "(default: the source's, megatron for other sources).",
-    ),
+        metavar=f"<{'|'.join(names)}>",
+        help="; ".join(f"{n}: {described[n]}" for n in names)
+        + (f" (default: {default})." if default else "."),
+    )
+
+
+ReshardFormat = Annotated[
+    str | None, format_option(RESHARD, "megatron", "the source's, megatron for other sources")
 ]
-
-
-class ConsolidateFormatName(StrEnum):
-    """The formats a consolidation writes."""
-
-    hf = "hf"
-    megatron = "megatron"
-    torch = "torch"
-    deepspeed_universal = "deepspeed-universal"
 
 
 StageDir = Annotated[
@@ -276,7 +277,7 @@ class TargetRequest:
     lost_nodes: str | None
     ranks_per_node: int | None
     strategy: str
-    target_format: Format | None
+    target_format: str | None
     optim_sharding: str | None = None
 
     def given(self) -> dict[str, Any]:
@@ -342,6 +343,6 @@ def target_request(
         lost_nodes,
         ranks_per_node,
         strategy.value,
-        Format(target_format.value) if target_format is not None else None,
+        target_format,
         optim_sharding.value if optim_sharding is not None else None,
     )

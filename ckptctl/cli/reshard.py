@@ -20,9 +20,9 @@ from ckptctl.cli.options import (
 from ckptctl.cli.output import Output, boundary
 from ckptctl.cli.running import carry_out, finish, launch_workers
 from ckptctl.errors import UsageError
+from ckptctl.formats.torch_dist.optimizer_form import optimizer_form
 from ckptctl.io.locations import refuse_overlap
 from ckptctl.model.plan import Plan
-from ckptctl.model.stored import Format
 from ckptctl.pipeline.jobs import (
     given_sources,
     nothing_to_change,
@@ -30,7 +30,6 @@ from ckptctl.pipeline.jobs import (
     plan_reshard,
     saved_job,
 )
-from planners.optimizer_form import optimizer_form
 
 
 @with_options(target_request, "target")
@@ -66,7 +65,7 @@ def reshard_cmd(
                 raise UsageError("--via-full runs two steps; it takes no --dry-run or --plan")
             refuse_overlap("--via-full directory", via_full, sources)
             refuse_overlap("destination", dst, {"--via-full directory": via_full})
-            backup = plan_consolidate(src, via_full, Format.MEGATRON, settings, **options)
+            backup = plan_consolidate(src, via_full, "megatron", settings, **options)
             carry_out(out, backup, overwrite=job.overwrite, quiet=as_json)
             src = via_full
         weights = WEIGHT_DTYPES[dtype] if dtype else None
@@ -121,7 +120,7 @@ def refuse_conflicts(plan_file: Path, plan: Plan, target: TargetRequest, dtype: 
 
 
 def say_nothing_to_change(out: Output, plan: Plan, as_json: bool) -> None:
-    what = f"{plan.target_format.value} {plan.target_layout.describe()}"
+    what = f"{plan.target_format} {plan.target_layout.describe()}"
     if as_json:
         out.json(
             {
@@ -129,7 +128,7 @@ def say_nothing_to_change(out: Output, plan: Plan, as_json: bool) -> None:
                 "source": plan.source_url,
                 "target": plan.target_url,
                 "nothing_to_change": True,
-                "target_format": plan.target_format.value,
+                "target_format": plan.target_format,
                 "target_layout": plan.target_layout.model_dump(mode="json"),
                 "files": [],
             }

@@ -12,6 +12,7 @@ import typer
 from ckptctl.cli.output import Output
 from ckptctl.cli.units import human_bytes
 from ckptctl.errors import CkptctlError
+from ckptctl.formats.torch_dist.optimizer_form import optimizer_form
 from ckptctl.io.storage import Storage
 from ckptctl.model.plan import Plan
 from ckptctl.model.stored import Format
@@ -20,7 +21,6 @@ from ckptctl.pipeline.distributed import Group, from_environment, launch, launch
 from ckptctl.pipeline.job_report import Report
 from ckptctl.pipeline.jobs import Job, run
 from ckptctl.progress import NoProgress
-from planners.optimizer_form import optimizer_form
 from planners.target import changes
 
 
@@ -98,7 +98,7 @@ def report_dict(plan: Plan, report: Report) -> dict[str, Any]:
         "operation": plan.operation,
         "source": plan.source_url,
         "target": plan.target_url,
-        "target_format": plan.target_format.value,
+        "target_format": plan.target_format,
         "target_layout": plan.target_layout.model_dump(mode="json"),
         "plan_fingerprint": plan.fingerprint(),
         "files": report.files_written,
@@ -142,7 +142,7 @@ def finish(out: Output, plan: Plan, report: Report | None, as_json: bool) -> Non
 def describe_side(plan: Plan, *, source: bool) -> str:
     """One side of a job in full: format, layout, and what it holds; the target also says
     what changed (what the user did not give keeps the source's value, ``planners.target``)."""
-    fmt = plan.source_format if source else plan.target_format.value
+    fmt = plan.source_format if source else plan.target_format
     if fmt == Format.HF:
         return "hf safetensors, weights only"
     layout = plan.source_layout if source else plan.target_layout

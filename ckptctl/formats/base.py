@@ -24,8 +24,9 @@ from ckptctl.model.stored import CheckpointView, FlatView, KeyPath, Shape
 if TYPE_CHECKING:
     import numpy as np
 
-    from ckptctl.formats.megatron.layout import MegatronStyle
+    from ckptctl.formats.target import TargetFormat
     from ckptctl.io.runs import Span
+    from ckptctl.model.megatron_style import MegatronStyle
     from ckptctl.pipeline.assembler import Assembler
     from ckptctl.pipeline.job_report import Report, Sources
 
@@ -215,6 +216,8 @@ class CheckpointFormat:
     """The paths ``finish`` writes, known before the job starts."""
     description_files: Callable[[Storage, CheckpointView], list[str]] | None = None
     """Files besides tensor files that say what the checkpoint is (saved-plan fingerprints)."""
+    target: TargetFormat | None = None
+    """How the format is planned as a target (``None``: ckptctl only reads it)."""
     integrity: Callable[[Any], Targets] | None = None
     """Which checksums the files of an opened checkpoint carry (default: every tensor file is
     a ``torch.save`` archive with a CRC-32 per entry)."""

@@ -10,7 +10,9 @@ from __future__ import annotations
 import importlib
 from functools import cache
 
+from ckptctl.errors import UsageError
 from ckptctl.formats.base import CheckpointFormat, Writer
+from ckptctl.formats.target import TargetFormat
 
 BUILTIN = ("torch_dist", "dcp", "deepspeed", "megatron", "hf", "torch_file")
 """Folders under ``ckptctl/formats`` whose ``format.py`` exports ``FORMAT`` (or ``FORMATS``), in
@@ -58,3 +60,19 @@ def writer_for(kind: str) -> tuple[CheckpointFormat, Writer]:
         if kind in fmt.writers:
             return fmt, fmt.writers[kind]
     raise KeyError(f"no registered format writes {kind!r} files")
+
+
+def targets(operation: str) -> tuple[TargetFormat, ...]:
+    """The formats ``operation`` (``consolidate``, ``reshard``) may write, in registry order."""
+    return tuple(
+        f.target for f in formats() if f.target is not None and operation in f.target.operations
+    )
+
+
+def target(name: str, operation: str) -> TargetFormat:
+    """The target format ``--format name`` of ``operation`` means."""
+    for fmt in targets(operation):
+        if fmt.name == name:
+            return fmt
+    choices = ", ".join(t.name for t in targets(operation))
+    raise UsageError(f"{operation} --format {name}: choose one of {choices}")

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 
-from ckptctl.model.catalog import LAYER_PREFIX, expert_name
+from ckptctl.model.catalog import LAYER_PREFIX, expert_name, is_state
 from ckptctl.model.geometry import Piece, Shape, nbytes, whole
 from ckptctl.model.hf_families import MoeNaming, choose_family
 from ckptctl.model.layout import ModelSpec
-from ckptctl.model.stored import StoredFile, StoredTensor
+from ckptctl.model.stored import CheckpointView, StoredFile, StoredTensor, canonical_shapes
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -179,3 +179,16 @@ def index_text(files: tuple[StoredFile, ...]) -> str:
     weight_map = {str(t.key[0]): f.path for f in files for t in f.tensors}
     body = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     return json.dumps(body, indent=2)
+
+
+def named_weights(source: CheckpointView) -> list[tuple[str, str, Shape, tuple[Piece, ...]]]:
+    """(name, canonical, shape, pieces) of every weight: HF names cut from the canonical
+    tensors, or, for a model ckptctl does not know (a DeepSpeed run without ``config.json``),
+    the canonical tensors themselves, whole, under the names the source gives them."""
+    if source.spec is not None:
+        return hf_tensors(source.spec)
+    out: list[tuple[str, str, Shape, tuple[Piece, ...]]] = []
+    for name, (shape, _) in canonical_shapes(source).items():
+        if not is_state(name):
+            out.append((name, name, shape, (whole(shape),)))
+    return out

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict
 
 from ckptctl.errors import LayoutError
 from ckptctl.model.geometry import boxes_disjoint, nbytes
 from ckptctl.model.layout import ModelSpec, ParallelLayout
-from ckptctl.model.stored import Format
 
 PLAN_VERSION = 1
 
@@ -26,19 +24,9 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-class FileKind(StrEnum):
-    COPY = "copy"
-    """Byte-for-byte copy of a source file (direct strategy)."""
-    MEGATRON_RANK = "megatron-rank"
-    DISTRIBUTED_OPTIMIZER = "distrib-optim"
-    SAFETENSORS = "safetensors"
-    DCP_SHARD = "dcp-shard"
-    """A ``.distcp`` file: one ``torch.save`` record per tensor chunk (key: fqn, offsets)."""
-    TORCH_SAVE = "torch-save"
-    """One ``torch.save`` file of the whole state dict (tensor keys are key paths)."""
-    DEEPSPEED_UNIVERSAL = "deepspeed-universal"
-    """One file of a DeepSpeed universal checkpoint: a parameter's state, Adam's step, the
-    optimizer's global state or the model states."""
+COPY = "copy"
+"""``FileWrite.kind`` of a byte-for-byte copy of a source file (the direct strategy); every other
+kind names the registered format writer that writes the file (``CheckpointFormat.writers``)."""
 
 
 # Copy operations and tensor writes number in the hundred thousands for large models, so they are
@@ -80,7 +68,7 @@ class TensorWrite:
 
 class FileWrite(_Frozen):
     path: str
-    kind: FileKind
+    kind: str
     tensors: tuple[TensorWrite, ...]
     rank: tuple[int, int] | None = None
     ep_rank: int = 0
@@ -89,11 +77,11 @@ class FileWrite(_Frozen):
     """Source file whose training state (scheduler, counters) this file carries."""
     carry_rng: bool = False
     """Carry ``carry_from``'s RNG state too: it is the same rank of an unchanged TP/PP/EP grid
-    (``planners.megatron_rank_state``)."""
+    (``formats.megatron.rank_state``)."""
     flat: tuple[tuple[tuple[str | int, ...], int], ...] = ()
     """Flat tensors (key, length) that ``view_offset`` tensors are slices of."""
     copy_of: int | None = None
-    """For ``FileKind.COPY``: the source file copied as it is."""
+    """For a ``COPY``: the source file copied as it is."""
 
 
 class TextWrite(_Frozen):
@@ -144,7 +132,8 @@ class Plan(_Frozen):
     """``None`` for a model family ckptctl does not know (generic DCP to one torch file)."""
     source_layout: ParallelLayout
     target_url: str
-    target_format: Format
+    target_format: str
+    """The registered target format's name."""
     target_layout: ParallelLayout
     iteration: int | None = None
     files: tuple[FileWrite, ...]
@@ -167,7 +156,7 @@ class Plan(_Frozen):
         the planners make such plans only from a model ckptctl knows."""
         if self.spec is None:
             raise LayoutError(
-                f"a {self.target_format.value} target needs a model ckptctl knows, and the "
+                f"a {self.target_format} target needs a model ckptctl knows, and the "
                 f"plan for {self.source_url} has none"
             )
         return self.spec

@@ -18,7 +18,7 @@ from ckptctl.formats import registry
 from ckptctl.formats.base import Checkpoint, WriteJob
 from ckptctl.io.runs import write_in_slices
 from ckptctl.io.storage import Storage
-from ckptctl.model.plan import FileKind, Plan
+from ckptctl.model.plan import COPY, Plan
 from ckptctl.pipeline.assembler import Assembler, JobStopped
 from ckptctl.pipeline.distributed import Group
 from ckptctl.pipeline.job_report import Report, Sources, peak_rss_bytes
@@ -285,7 +285,7 @@ def _write_file(job: WriteJob, i: int, sizes: list[int], target: Storage, marks:
             marks.add({key for key in keys if key is not None}, file.path, entry)
         return
     with target.open_write(file.path, new_digest(marks.log.algorithm)) as out:
-        if file.kind == FileKind.COPY:
+        if file.kind == COPY:
             copied = plan.source_files[file.copy_of or 0]
             _copy_file(job.source, copied, out, job.assemble)
             job.source.check_copy(copied, marks.log.algorithm, out.digest.hexdigest())

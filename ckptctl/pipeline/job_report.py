@@ -13,7 +13,7 @@ from ckptctl.checksums.manifest import recorded
 from ckptctl.errors import CheckpointError
 from ckptctl.io.runs import Run
 from ckptctl.model.geometry import nbytes
-from ckptctl.model.plan import FileKind, FileWrite, Plan
+from ckptctl.model.plan import COPY, FileWrite, Plan
 from ckptctl.model.stored import FlatView, KeyPath, Shape
 
 
@@ -93,7 +93,7 @@ class Sources:
     def file_bytes(self, plan: Plan, file: FileWrite) -> int:
         """Bytes a target file moves: its tensors', or the size of the source file it copies
         (what progress counts and what shares of a job on several processes balance)."""
-        if file.kind == FileKind.COPY:
+        if file.kind == COPY:
             ckpt, rel = self.owner(plan.source_files[file.copy_of or 0])
             return int(ckpt.storage.size(rel))
         return sum(nbytes(t.shape, t.dtype) for t in file.tensors)

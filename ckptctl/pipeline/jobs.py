@@ -3,7 +3,7 @@
 This is the library's front door; the CLI is a thin layer over it (README, "Python API")::
 
     settings = Settings()
-    job = plan_consolidate("ckpt/", "out/", Format.HF, settings)
+    job = plan_consolidate("ckpt/", "out/", "hf", settings)
     destination = check_destination(job.plan, settings)   # validates; writes nothing
     report = run(job, destination)
 
@@ -22,14 +22,17 @@ from typing import Any
 from ckptctl.checksums.manifest import completed_by
 from ckptctl.compression.view import CompressedStorage
 from ckptctl.errors import CheckpointError, CkptctlError, UsageError
-from ckptctl.formats.megatron.layout import MegatronStyle
+from ckptctl.formats import registry
 from ckptctl.formats.megatron.ranks import coords
+from ckptctl.formats.target import CONSOLIDATE, RESHARD
+from ckptctl.formats.torch_dist.optimizer_form import form_change_notes, optimizer_form, source_form
 from ckptctl.io.calibrate import saved_profiles
 from ckptctl.io.locations import refuse_overlap
 from ckptctl.io.staging import StagedStorage
 from ckptctl.io.storage_errors import classify
+from ckptctl.model.megatron_style import MegatronStyle
 from ckptctl.model.plan import Plan, smallest_band
-from ckptctl.model.stored import CheckpointView, Format
+from ckptctl.model.target import TargetRequest
 from ckptctl.pipeline.destination import Destination, check_destination
 from ckptctl.pipeline.distributed import Group
 from ckptctl.pipeline.job_report import Report, Sources
@@ -45,12 +48,12 @@ from ckptctl.pipeline.probe import (
 from ckptctl.progress import Progress
 from ckptctl.settings import Settings, default_files_at_once, default_read_parallel
 from planners.consolidate import plan_consolidate as consolidation
-from planners.consolidate import plan_hf_state_dict, plan_state_dict
 from planners.cost import profile_for, through_decoder, with_time
-from planners.optimizer_form import form_change_notes, optimizer_form, source_form
 from planners.strategy import Stored, plan_auto
 from planners.target import choose_target
-from planners.universal import plan_universal
+
+DEFAULT_RESHARD_FORMAT = "megatron"
+"""What a reshard writes from a source whose format holds no layouts (HF, DCP, DeepSpeed)."""
 
 __all__ = ["Destination", "Job", "check_destination", "plan_consolidate", "plan_reshard", "run"]
 
@@ -96,7 +99,7 @@ def megatron_style(ckpt: Checkpoint) -> MegatronStyle:
 def plan_consolidate(
     src: str,
     dst: str,
-    fmt: Format,
+    fmt: str,
     settings: Settings | None = None,
     *,
     dtype: str | None = None,
@@ -104,56 +107,29 @@ def plan_consolidate(
     iteration: int | None = None,
     true_vocab_size: int | None = None,
 ) -> Job:
-    """One full checkpoint from ``src``: HF safetensors, TP1 PP1 Megatron, or one torch file."""
+    """One full checkpoint from ``src`` in the registered target format ``fmt`` (``hf``,
+    ``megatron`` TP1 PP1, ``torch``, ``deepspeed-universal``, ...)."""
     settings = settings or Settings()
+    target = registry.target(fmt, CONSOLIDATE)
     refuse_overlap("destination", dst, {"source": src})
     ckpt = open_checkpoint(src, settings, iteration=iteration, true_vocab_size=true_vocab_size)
-
-    def urls() -> dict[str, str]:
-        fp = fingerprint(ckpt.storage, ckpt.view)
-        return {"source_url": src, "source_fingerprint": fp, "target_url": dst}
-
-    def job(plan: Plan, view: CheckpointView = ckpt.view, read: Checkpoint = ckpt) -> Job:
-        ratio = ckpt.storage.stored_ratio() if isinstance(ckpt.storage, CompressedStorage) else None
-        plan = _timed(with_identities(plan, ckpt.storage, view), ratio)
-        return Job(plan, Sources(read), settings)
-
-    if fmt == Format.TORCH and ckpt.state_dict_items() is not None:
-        # An HF model trained under another framework (DeepSpeed): weights and Adam state by
-        # HF name, as torch's set_state_dict takes them.
-        return job(plan_hf_state_dict(ckpt.view, **urls(), dtype=dtype))
-    if fmt == Format.TORCH:
-        if (as_generic := ckpt.as_generic()) is not None:  # DCP: every stored key
-            generic = as_generic
-        elif ckpt.view.spec is None:  # a checkpoint of named tensors
-            generic = ckpt
-        else:
-            raise UsageError("--format torch consolidates DCP, torch_dist or DeepSpeed checkpoints")
-        plan = plan_state_dict(
-            generic.view,
-            source_url=src,
-            source_fingerprint=fingerprint(ckpt.storage, generic.view),
-            target_url=dst,
-        )
-        return job(plan, generic.view, generic)
-    if fmt == Format.DEEPSPEED_UNIVERSAL:
+    if target.moves_optimizer_state:
         refuse_dp_reshardable(ckpt)
-        return job(plan_universal(ckpt.view, **urls()))
-    if fmt not in (Format.HF, Format.MEGATRON):
-        raise UsageError(
-            f"consolidate --format {fmt.value}: choose hf, megatron, torch or deepspeed-universal"
-        )
-    if fmt != Format.HF:
-        refuse_dp_reshardable(ckpt)
-    plan = consolidation(
-        ckpt.view,
-        **urls(),
-        target_format=fmt,
-        style=megatron_style(ckpt),
-        dtype=dtype,
-        max_shard_bytes=max_shard_bytes,
+    read, planner = target.planner_for(ckpt)
+    request = TargetRequest(
+        dtype=dtype, max_shard_bytes=max_shard_bytes, style=megatron_style(ckpt)
     )
-    return job(plan)
+    plan = consolidation(
+        read.view,
+        planner,
+        request,
+        source_url=src,
+        source_fingerprint=fingerprint(ckpt.storage, read.view),
+        target_url=dst,
+    )
+    ratio = ckpt.storage.stored_ratio() if isinstance(ckpt.storage, CompressedStorage) else None
+    plan = _timed(with_identities(plan, ckpt.storage, read.view), ratio)
+    return Job(plan, Sources(read), settings)
 
 
 def _timed(plan: Plan, compressed_ratio: float | None = None) -> Plan:
@@ -238,7 +214,7 @@ def plan_reshard(
     dtype: str | None = None,
     iteration: int | None = None,
     true_vocab_size: int | None = None,
-    target_format: Format | None = None,
+    target_format: str | None = None,
     measured: dict | None = None,
     optim_sharding: str | None = None,
 ) -> Job:
@@ -270,13 +246,15 @@ def plan_reshard(
         model_space = optim_sharding == "fully_sharded_model_space"
         optimizer = replace(style.optimizer, buckets=buckets, model_space=model_space)
         style = replace(style, optimizer=optimizer)
-    if target_format is None:
-        kept = ckpt.view.format in (Format.MEGATRON, Format.TORCH_DIST)
-        target_format = Format(ckpt.view.format) if kept else Format.MEGATRON
+    reshardable = {t.name for t in registry.targets(RESHARD)}
+    if target_format is None:  # the source's format where it holds layouts, else Megatron's
+        kept = ckpt.view.format in reshardable
+        target_format = str(ckpt.view.format) if kept else DEFAULT_RESHARD_FORMAT
+    writes = registry.target(target_format, RESHARD)
     lost = lost_files(ckpt, parse_ranks(lost_ranks), parse_ranks(lost_nodes), ranks_per_node)
     primary = _stored(ckpt, src, lost)
     copies = [_stored(c, u) for c, u in zip(extra, others, strict=True)]
-    if ckpt.view.format in (Format.MEGATRON, Format.TORCH_DIST) and ckpt.view.layout.is_sharded:
+    if ckpt.view.format in reshardable and ckpt.view.layout.is_sharded:
         sharded: Stored | None = primary
     else:  # a full source is cut, never copied as if it were the target
         sharded, copies = None, [primary, *copies]
@@ -285,11 +263,10 @@ def plan_reshard(
         copies,
         layout,
         target_url=dst,
-        style=style,
+        target=writes,
+        request=TargetRequest(dtype=dtype, style=style),
         strategy=strategy,
-        dtype=dtype,
         measured=measured if measured is not None else saved_profiles(),
-        target_format=target_format,
     )
     # The planner names further copies "@<i>/" in the order it was given them.
     given = extra if sharded is not None else [ckpt, *extra]
@@ -320,7 +297,7 @@ def nothing_to_change(
     return (
         strategy == "auto"
         and dtype is None
-        and plan.source_format == plan.target_format.value
+        and plan.source_format == plan.target_format
         and plan.source_layout == plan.target_layout
         and not plan.extra_sources
         and not lost

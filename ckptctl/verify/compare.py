@@ -22,10 +22,11 @@ import numpy as np
 import torch
 
 from ckptctl.arrays import to_torch, words
+from ckptctl.formats.hf.target import SAFETENSORS
 from ckptctl.formats.named import under_spec
 from ckptctl.model.catalog import is_state
 from ckptctl.model.geometry import Piece, missing_elements, nbytes
-from ckptctl.model.plan import FileKind, TensorWrite
+from ckptctl.model.plan import TensorWrite
 from ckptctl.model.stored import CheckpointView, StoredFile, StoredTensor, canonical_shapes
 from ckptctl.pipeline.assembler import Assembler
 from ckptctl.pipeline.job_report import Report, Sources
@@ -217,7 +218,7 @@ def compare(
     writes = {}
     for side, ckpt, dtypes in (("a", a, dtypes_a), ("b", b, dtypes_b)):
         target = _canonical_file(readable, shapes_a, dtypes)
-        (file,), _ = plan_files(ckpt.view, (target,), FileKind.SAFETENSORS)
+        (file,), _ = plan_files(ckpt.view, (target,), SAFETENSORS)
         paths = tuple(f.path for f in ckpt.view.files)
         assembler = Assembler(paths, Sources(ckpt), Report(), NoProgress(), band)
         writes[side] = (dict(zip(readable, file.tensors, strict=True)), assembler)

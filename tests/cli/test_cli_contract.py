@@ -32,7 +32,7 @@ def _help(cli, *command: str) -> str:
 @pytest.mark.parametrize(
     ("command", "formats"),
     [
-        ("consolidate", "<hf|megatron|torch|deepspeed-universal>"),
+        ("consolidate", "<hf|deepspeed-universal|megatron|torch>"),
         ("reshard", "<megatron|torch_dist>"),
         ("plan", "<megatron|torch_dist>"),
     ],

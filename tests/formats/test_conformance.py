@@ -6,14 +6,18 @@ bit; a flipped byte fails ``verify``; a truncated file is refused with exit code
 One sample checkpoint per format: Megatron legacy written by the independent generator
 (``ckptctl.synth``), DeepSpeed ZeRO by DeepSpeed itself (``tests/deepspeed_runs.py``), DCP by
 ``torch.distributed.checkpoint.save``; the formats ckptctl writes (``torch_dist``, HF,
-DeepSpeed universal, one torch file) by ckptctl from those. A format added to the registry
-without a sample here fails ``test_every_registered_format_has_a_sample``.
+DeepSpeed universal, one torch file) by ckptctl from those. The test-only toy format
+(``tests/toyformat``: ``.npy`` files) is registered for this module and passes the same suite
+as a source and as a target, its sample written by ckptctl and its boxes compared with numpy's
+own ``np.load``. A format added to the registry without a sample here fails
+``test_every_registered_format_has_a_sample``.
 """
 
 from __future__ import annotations
 
 import random
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +29,22 @@ from ckptctl.formats import registry
 from ckptctl.pipeline.probe import open_checkpoint
 from tests.conftest import Cli
 from tests.deepspeed_runs import write_runs
+from tests.toyformat.format import FORMAT as TOY
 
 BOXES_PER_TENSOR = 2
 TENSORS_PER_FORMAT = 40
 """Stored tensors whose boxes are compared, per format (spread over its files)."""
+
+
+REGISTERED = sorted({*(f.name for f in registry.formats()), TOY.name})
+"""Every built-in format and the toy one (registered for this module by ``toy``)."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def toy() -> Iterator[None]:
+    registry.register(TOY)
+    yield
+    registry.unregister(TOY.name)
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +71,8 @@ def samples(tmp_path_factory: pytest.TempPathFactory, mcli: Cli) -> dict[str, Pa
     out["torch"] = root / "torch"
     mcli("consolidate", dcp, out["torch"], "--format", "torch")
     out["deepspeed"] = write_runs(tmp_path_factory)["stage2-dp2"]
+    out[TOY.name] = root / "npy"
+    mcli("consolidate", dcp, out[TOY.name], "--format", TOY.name)
     return out
 
 
@@ -69,6 +87,10 @@ def _torch_tensor(fmt: str, root: Path, path: str, key: tuple[Any, ...], cache: 
     """The stored tensor at ``key`` of ``path``, loaded by torch's (or safetensors', or DCP's)
     own reader, as it lies in the file (a DCP record: the chunk at the key's offsets)."""
     file = root / path
+    if fmt == TOY.name:
+        import numpy as np
+
+        return torch.from_numpy(np.load(file))
     if fmt == "hf":
         from safetensors.torch import load_file
 
@@ -114,7 +136,7 @@ def _bytes(value: Any) -> bytes:
     return value.tobytes()
 
 
-@pytest.mark.parametrize("fmt", sorted(f.name for f in registry.formats()))
+@pytest.mark.parametrize("fmt", REGISTERED)
 def test_a_box_read_is_torchs_own_slice(fmt: str, samples: dict[str, Path], tmp_path: Path) -> None:
     root = samples[fmt]
     ckpt = open_checkpoint(str(root))
@@ -142,7 +164,7 @@ def test_a_box_read_is_torchs_own_slice(fmt: str, samples: dict[str, Path], tmp_
 
 # --- what ckptctl writes reads back; damage is caught -----------------------------------------
 
-WRITTEN = ("megatron", "torch_dist", "hf", "deepspeed-universal", "torch")
+WRITTEN = ("megatron", "torch_dist", "hf", "deepspeed-universal", "torch", TOY.name)
 """Formats ckptctl writes (their samples above are its own outputs, with manifests)."""
 
 
@@ -186,7 +208,7 @@ def test_a_flipped_byte_fails_verify(
     assert victim.name in result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("fmt", sorted(f.name for f in registry.formats()))
+@pytest.mark.parametrize("fmt", REGISTERED)
 def test_a_truncated_file_is_refused_with_exit_3(
     fmt: str, samples: dict[str, Path], mcli: Cli, tmp_path: Path
 ) -> None:

@@ -17,7 +17,8 @@ import pytest
 
 from ckptctl import synth
 from ckptctl.checksums.manifest import INCOMPLETE, MANIFEST
-from ckptctl.model.plan import CopyOp, FileKind, FileWrite, TensorWrite
+from ckptctl.formats.megatron.target import MEGATRON_RANK
+from ckptctl.model.plan import CopyOp, FileWrite, TensorWrite
 from planners.shares import parallel_seconds, share_bytes, split_files
 from tests.io import test_s3
 from tests.pipeline.test_reshard import assert_same_checkpoint
@@ -34,7 +35,7 @@ def _file(path: str, sources: list[int]) -> FileWrite:
     tensor = TensorWrite(
         key=("w",), canonical="w", shape=(len(sources),), dtype="float32", copies=copies
     )
-    return FileWrite(path=path, kind=FileKind.MEGATRON_RANK, tensors=(tensor,))
+    return FileWrite(path=path, kind=MEGATRON_RANK, tensors=(tensor,))
 
 
 def test_shares_cover_every_file_once_and_balance_bytes() -> None:

@@ -14,10 +14,13 @@ from hypothesis import strategies as st
 
 from ckptctl import synth
 from ckptctl.errors import CheckpointError, LayoutError
-from ckptctl.formats.megatron.layout import MegatronStyle, OptimizerLayout, megatron_files
+from ckptctl.formats.megatron.layout import megatron_files
+from ckptctl.formats.megatron.target import MegatronTarget
 from ckptctl.model.layout import ModelSpec, ParallelLayout
-from ckptctl.model.plan import FileKind, coverage_problems
+from ckptctl.model.megatron_style import MegatronStyle, OptimizerLayout
+from ckptctl.model.plan import COPY, coverage_problems
 from ckptctl.model.stored import CheckpointView, Format
+from ckptctl.model.target import TargetRequest
 from planners.strategy import Stored, plan_auto
 
 SPEC = ModelSpec(
@@ -30,7 +33,11 @@ SPEC = ModelSpec(
     vocab_size=1100,
 )
 OPT = OptimizerLayout()
-STYLE = MegatronStyle(optimizer=OPT)
+MEGATRON = {
+    "target": MegatronTarget(),
+    "request": TargetRequest(style=MegatronStyle(optimizer=OPT)),
+}
+"""Plans for a Megatron legacy target, keeping per-parameter Adam state."""
 
 
 def stored(layout: ParallelLayout, url: str, lost: frozenset[str] = frozenset()) -> Stored:
@@ -44,12 +51,12 @@ LOST = "iter_0000007/mp_rank_01_001/model_optim_rng.pt"
 
 
 def test_unchanged_and_intact_loads_directly() -> None:
-    plan = plan_auto(stored(TP2PP2, "/nvme"), [], TP2PP2, target_url=None, style=STYLE)
+    plan = plan_auto(stored(TP2PP2, "/nvme"), [], TP2PP2, target_url=None, **MEGATRON)
     assert plan.strategy == "direct" and plan.files == () and plan.estimates.bytes_read == 0
     assert "no data moves" in plan.reason
-    copied = plan_auto(stored(TP2PP2, "/nvme"), [], TP2PP2, target_url="/lake", style=STYLE)
+    copied = plan_auto(stored(TP2PP2, "/nvme"), [], TP2PP2, target_url="/lake", **MEGATRON)
     assert copied.strategy == "direct"
-    assert {f.kind for f in copied.files} == {FileKind.COPY} and len(copied.files) == 4
+    assert {f.kind for f in copied.files} == {COPY} and len(copied.files) == 4
     assert {a.strategy for a in plan.alternatives} == {
         "shard-to-shard",
         "recovery",
@@ -59,7 +66,7 @@ def test_unchanged_and_intact_loads_directly() -> None:
 
 def test_changed_layout_goes_shard_to_shard() -> None:
     plan = plan_auto(
-        stored(TP2PP2, "/nvme"), [], ParallelLayout(tp=4, pp=1), target_url="/o", style=STYLE
+        stored(TP2PP2, "/nvme"), [], ParallelLayout(tp=4, pp=1), target_url="/o", **MEGATRON
     )
     assert plan.strategy == "shard-to-shard"
     assert coverage_problems(plan) == []
@@ -70,7 +77,7 @@ def test_changed_layout_goes_shard_to_shard() -> None:
 def test_lost_shard_with_replica_reads_only_the_lost_file_from_the_replica() -> None:
     sharded = stored(TP2PP2, "/nvme", frozenset({LOST}))
     replica = stored(TP2PP2, "s3://lake/ckpt")
-    plan = plan_auto(sharded, [replica], ParallelLayout(tp=1, pp=4), target_url="/o", style=STYLE)
+    plan = plan_auto(sharded, [replica], ParallelLayout(tp=1, pp=4), target_url="/o", **MEGATRON)
     assert plan.strategy == "recovery" and "replica" in plan.reason
     assert coverage_problems(plan) == []
     read = {plan.source_files[c.source] for f in plan.files for t in f.tensors for c in t.copies}
@@ -83,7 +90,7 @@ def test_lost_shard_with_replica_reads_only_the_lost_file_from_the_replica() -> 
 def test_lost_shard_with_full_checkpoint_uses_it() -> None:
     sharded = stored(TP2PP2, "/nvme", frozenset({LOST}))
     full = stored(ParallelLayout(), "/lake/full")
-    plan = plan_auto(sharded, [full], ParallelLayout(tp=2, pp=4), target_url="/o", style=STYLE)
+    plan = plan_auto(sharded, [full], ParallelLayout(tp=2, pp=4), target_url="/o", **MEGATRON)
     assert plan.strategy in ("recovery", "full-then-split")
     assert coverage_problems(plan) == []
     forced = plan_auto(
@@ -91,7 +98,7 @@ def test_lost_shard_with_full_checkpoint_uses_it() -> None:
         [full],
         ParallelLayout(tp=2, pp=4),
         target_url="/o",
-        style=STYLE,
+        **MEGATRON,
         strategy="recovery",
     )
     read = {
@@ -104,19 +111,19 @@ def test_lost_shard_with_full_checkpoint_uses_it() -> None:
 def test_lost_shard_with_nothing_else_is_refused_naming_it() -> None:
     sharded = stored(TP2PP2, "/nvme", frozenset({LOST}))
     with pytest.raises(CheckpointError, match="lost and stored nowhere else: " + LOST):
-        plan_auto(sharded, [], ParallelLayout(tp=1), target_url="/o", style=STYLE)
+        plan_auto(sharded, [], ParallelLayout(tp=1), target_url="/o", **MEGATRON)
 
 
 def test_impossible_target_keeps_its_own_error() -> None:
     with pytest.raises(LayoutError, match="tp=8 does not divide num_query_groups=4"):
-        plan_auto(stored(TP2PP2, "/nvme"), [], ParallelLayout(tp=8), target_url="/o", style=STYLE)
+        plan_auto(stored(TP2PP2, "/nvme"), [], ParallelLayout(tp=8), target_url="/o", **MEGATRON)
 
 
 def test_auto_prefers_what_the_cost_model_finds_cheaper() -> None:
     # The same full checkpoint is cheaper to cut than a reshard reading from S3.
     sharded = stored(TP2PP2, "s3://lake/sharded")
     full = stored(ParallelLayout(), "/nvme/full")
-    plan = plan_auto(sharded, [full], ParallelLayout(tp=4), target_url="/o", style=STYLE)
+    plan = plan_auto(sharded, [full], ParallelLayout(tp=4), target_url="/o", **MEGATRON)
     assert plan.strategy == "full-then-split"
     s2s = next(a for a in plan.alternatives if a.strategy == "shard-to-shard")
     assert s2s.estimates is not None and s2s.estimates.seconds > plan.estimates.seconds
@@ -137,17 +144,17 @@ def layouts(draw: st.DrawFn) -> ParallelLayout:
 @settings(max_examples=40, deadline=None)
 @given(source=layouts(), target=layouts())
 def test_every_plan_covers_every_target_element_once(source, target) -> None:
-    plan = plan_auto(stored(source, "/a"), [], target, target_url="/b", style=STYLE)
+    plan = plan_auto(stored(source, "/a"), [], target, target_url="/b", **MEGATRON)
     assert coverage_problems(plan) == []
 
 
 def test_planning_is_deterministic() -> None:
     """(How fast planning is, bench/bench_plan.py measures.)"""
     a = plan_auto(
-        stored(TP2PP2, "/a"), [], ParallelLayout(tp=1, pp=4, vpp=2), target_url="/b", style=STYLE
+        stored(TP2PP2, "/a"), [], ParallelLayout(tp=1, pp=4, vpp=2), target_url="/b", **MEGATRON
     )
     b = plan_auto(
-        stored(TP2PP2, "/a"), [], ParallelLayout(tp=1, pp=4, vpp=2), target_url="/b", style=STYLE
+        stored(TP2PP2, "/a"), [], ParallelLayout(tp=1, pp=4, vpp=2), target_url="/b", **MEGATRON
     )
     assert a.fingerprint() == b.fingerprint()
 
@@ -305,7 +312,7 @@ def test_reads_spread_over_intact_replicas_by_bandwidth() -> None:
         [stored(TP2PP2, "/nvme-copy")],
         ParallelLayout(tp=1, pp=4),
         target_url="/o",
-        style=STYLE,
+        **MEGATRON,
     )
     assert plan.strategy == "shard-to-shard" and plan.read_workers == 2
     assert coverage_problems(plan) == []
@@ -326,7 +333,7 @@ def test_reads_spread_over_intact_replicas_by_bandwidth() -> None:
         [stored(TP2PP2, "s3://lake/ckpt")],
         ParallelLayout(tp=1, pp=4),
         target_url="/o",
-        style=STYLE,
+        **MEGATRON,
     )
     lake = sum(
         1
@@ -401,7 +408,7 @@ def test_execution_order_keeps_source_locality_and_commits_last() -> None:
         [],
         ParallelLayout(tp=4, pp=2),
         target_url="/b",
-        style=STYLE,
+        **MEGATRON,
     )
     assert execution_order(plan).files == plan.files  # already applied: idempotent
     # Interleave the stages: stage 0 and stage 1 targets read different source files.

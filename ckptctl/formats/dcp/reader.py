@@ -37,7 +37,6 @@ from ckptctl.formats.dcp.records import (
     pread,
     tensor_of,
 )
-from ckptctl.formats.megatron.layout import GroupOrder, MegatronStyle, OptimizerLayout
 from ckptctl.formats.torch_dist.layout import (
     MCORE_METADATA,
 )
@@ -49,6 +48,7 @@ from ckptctl.model.geometry import Piece, chunk_pieces
 from ckptctl.model.hf_families import spec_from_config
 from ckptctl.model.hf_layout import CONFIG
 from ckptctl.model.layout import ParallelLayout
+from ckptctl.model.megatron_style import GroupOrder, MegatronStyle, OptimizerLayout
 from ckptctl.model.stored import (
     CheckpointView,
     FlatView,

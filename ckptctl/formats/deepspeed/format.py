@@ -6,9 +6,9 @@ from typing import Any
 
 from ckptctl.formats.base import CheckpointFormat, ProbeRequest, lazy
 from ckptctl.formats.deepspeed.layout import recognised, recognised_universal
+from ckptctl.formats.deepspeed.target import DEEPSPEED_UNIVERSAL, UniversalTarget
 from ckptctl.formats.support import FormatSupport
 from ckptctl.io.storage import Storage
-from ckptctl.model.plan import FileKind
 
 
 def _probe(storage: Storage, names: frozenset[str], request: ProbeRequest) -> Any:
@@ -57,10 +57,7 @@ UNIVERSAL = CheckpointFormat(
         "loads it at any DP size with load_universal_checkpoint",
         "CRC-32 of every zip entry",
     ),
-    writers={
-        FileKind.DEEPSPEED_UNIVERSAL: lazy(
-            "ckptctl.formats.deepspeed.writer", "write_universal_file"
-        )
-    },
+    target=UniversalTarget(),
+    writers={DEEPSPEED_UNIVERSAL: lazy("ckptctl.formats.deepspeed.writer", "write_universal_file")},
 )
 FORMATS = (UNIVERSAL, FORMAT)  # a universal tag directory holds model states too

@@ -35,7 +35,6 @@ from ckptctl.formats.deepspeed.partitions import (
     stage3_frozen,
     zero_stage,
 )
-from ckptctl.formats.megatron.layout import GroupOrder, MegatronStyle, OptimizerLayout
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
 from ckptctl.formats.torchsave.refs import TorchFiles, open_torch_file, resolve
 from ckptctl.io.storage import Storage
@@ -44,6 +43,7 @@ from ckptctl.model.geometry import Piece, Shape, whole
 from ckptctl.model.hf_families import spec_from_config
 from ckptctl.model.hf_layout import CONFIG, MODEL_KEY, hf_tensors
 from ckptctl.model.layout import ParallelLayout
+from ckptctl.model.megatron_style import GroupOrder, MegatronStyle, OptimizerLayout
 from ckptctl.model.stored import (
     CheckpointView,
     Format,

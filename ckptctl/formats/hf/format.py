@@ -6,10 +6,10 @@ from typing import Any
 
 from ckptctl.checksums.integrity import Targets
 from ckptctl.formats.base import CheckpointFormat, ProbeRequest, lazy
+from ckptctl.formats.hf.target import SAFETENSORS, HfTarget
 from ckptctl.formats.support import FormatSupport
 from ckptctl.io.storage import Storage
 from ckptctl.model.hf_layout import CONFIG
-from ckptctl.model.plan import FileKind
 from ckptctl.model.stored import CheckpointView
 
 
@@ -41,7 +41,8 @@ FORMAT = CheckpointFormat(
         "Llama family; source of reshard to any Megatron layout",
         "none in the format: headers and sizes only",
     ),
-    writers={FileKind.SAFETENSORS: lazy("ckptctl.formats.hf.writer", "write_safetensors_file")},
+    target=HfTarget(),
+    writers={SAFETENSORS: lazy("ckptctl.formats.hf.writer", "write_safetensors_file")},
     description_files=_description,
     integrity=_checksums,
 )

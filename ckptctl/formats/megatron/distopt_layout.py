@@ -9,6 +9,7 @@ lcm(dp, 128); the stored flat tensor concatenates buckets with their end padding
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from math import lcm
 
@@ -71,3 +72,25 @@ def replay_buffer(
         base += unpadded
     offsets = {name: bases[b] + start - buckets[b][0] for name, (start, b) in starts.items()}
     return BufferLayout(offsets, tuple(u for _, u in buckets), base)
+
+
+# --- the distributed optimizer's keys in torch_dist checkpoints -------------------------------
+
+DP_RESHARDABLE_PREFIX = "optimizer.distributed."
+"""Keys of ``dp_reshardable`` optimizer state: raw grad-buffer buckets of one TP/PP layout."""
+
+CHAINED = re.compile(r"^chained_\d+\.")
+"""megatron-core's ``ChainedOptimizer`` (dense, then expert parameters) prefixes each
+optimizer's keys with ``chained_<i>.``."""
+
+
+def chained_prefix(fqn: str) -> str:
+    """``chained_<i>.`` when ``fqn`` is one of a chained optimizer's keys, else ``""``."""
+    found = CHAINED.match(fqn)
+    return found.group(0) if found else ""
+
+
+def is_bucket_key(fqn: str) -> bool:
+    """Whether ``fqn`` is ``dp_reshardable`` state (a bucket, or an object kept beside them) of
+    the distributed optimizer, or of one of a chained optimizer's (``chained_<i>.``)."""
+    return CHAINED.sub("", fqn).startswith(DP_RESHARDABLE_PREFIX)

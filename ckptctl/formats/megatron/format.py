@@ -6,9 +6,9 @@ from typing import Any
 
 from ckptctl.formats.base import CheckpointFormat, ProbeRequest, lazy
 from ckptctl.formats.megatron.layout import TRACKER
+from ckptctl.formats.megatron.target import DISTRIBUTED_OPTIMIZER, MEGATRON_RANK, MegatronTarget
 from ckptctl.formats.support import FormatSupport
 from ckptctl.io.storage import Storage
-from ckptctl.model.plan import FileKind
 
 
 def recognised(names: frozenset[str]) -> bool:
@@ -43,10 +43,9 @@ FORMAT = CheckpointFormat(
         "distrib_optim.pt, scheduler and counters",
         "CRC-32 of every zip entry",
     ),
+    target=MegatronTarget(),
     writers={
-        FileKind.MEGATRON_RANK: lazy("ckptctl.formats.megatron.writer", "write_rank_file"),
-        FileKind.DISTRIBUTED_OPTIMIZER: lazy(
-            "ckptctl.formats.megatron.writer", "write_distopt_file"
-        ),
+        MEGATRON_RANK: lazy("ckptctl.formats.megatron.writer", "write_rank_file"),
+        DISTRIBUTED_OPTIMIZER: lazy("ckptctl.formats.megatron.writer", "write_distopt_file"),
     },
 )

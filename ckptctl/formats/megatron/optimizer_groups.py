@@ -10,17 +10,12 @@ from typing import Any
 
 from ckptctl.errors import CheckpointError
 from ckptctl.formats.megatron.args import grad_reduce_dtype
-from ckptctl.formats.megatron.layout import (
-    GroupOrder,
-    OptimizerLayout,
-    param_groups,
-    rank_params,
-    sub_optimizers,
-)
+from ckptctl.formats.megatron.layout import param_groups, rank_params, sub_optimizers
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
 from ckptctl.formats.torchsave.refs import resolve
 from ckptctl.model.catalog import ExpertNaming, Naming
 from ckptctl.model.layout import ModelSpec, ParallelLayout
+from ckptctl.model.megatron_style import GroupOrder, OptimizerLayout
 
 
 def optimizer_layout(tree: dict[str, Any], args: argparse.Namespace) -> OptimizerLayout | None:

@@ -24,10 +24,9 @@ from ckptctl.formats.megatron.layout import (
     DISTOPT_FILE,
     RANK_FILE,
     TRACKER,
-    MegatronStyle,
-    OptimizerLayout,
     iteration_dir,
     megatron_files,
+    style_for_args,
 )
 from ckptctl.formats.megatron.optimizer_groups import (
     carried_state,
@@ -50,6 +49,7 @@ from ckptctl.model.catalog import (
     uses_local_names,
 )
 from ckptctl.model.dtypes import dtype_name
+from ckptctl.model.megatron_style import MegatronStyle, OptimizerLayout
 from ckptctl.model.stored import CheckpointView, Format, StoredFile
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ class MegatronCheckpoint(TorchFiles):
     def style(self) -> MegatronStyle:
         """Spelling, layer order and optimizer format, kept when writing Megatron again."""
         style = MegatronStyle(self.naming, self.layer_order, self.optimizer, self.expert_naming)
-        return style.named_for(self.args)
+        return style_for_args(style, self.args)
 
     def saved_training(self, path: str) -> SavedTraining:
         """Counters, scheduler and ``args`` as rank file ``path`` keeps them."""

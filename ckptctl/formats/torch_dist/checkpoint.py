@@ -12,10 +12,12 @@ from ckptctl.errors import CheckpointError
 from ckptctl.formats.base import SavedTraining
 from ckptctl.formats.dcp.reader import DcpCheckpoint, templates_of
 from ckptctl.formats.megatron.args import grad_reduce_dtype
-from ckptctl.formats.megatron.layout import GroupOrder, MegatronStyle, OptimizerLayout
-from ckptctl.formats.torch_dist.layout import dense_optimizer, is_bucket_key
+from ckptctl.formats.megatron.distopt_layout import is_bucket_key
+from ckptctl.formats.megatron.layout import style_for_args
+from ckptctl.formats.torch_dist.layout import dense_optimizer
 from ckptctl.formats.torch_dist.model_space import is_model_space_key
 from ckptctl.formats.torchsave.archive import TensorRef
+from ckptctl.model.megatron_style import GroupOrder, MegatronStyle, OptimizerLayout
 
 
 @dataclass
@@ -47,7 +49,7 @@ class TorchDistCheckpoint(DcpCheckpoint):
 
     @property
     def style(self) -> MegatronStyle:
-        return MegatronStyle(optimizer=self.optimizer).named_for(self.args)
+        return style_for_args(MegatronStyle(optimizer=self.optimizer), self.args)
 
     @property
     def dp_reshardable(self) -> bool:

@@ -23,11 +23,12 @@ from math import prod
 
 from ckptctl.errors import CheckpointError
 from ckptctl.formats.dcp.metadata import TensorEntry
-from ckptctl.formats.megatron.layout import ExpertNaming, OptimizerLayout
+from ckptctl.formats.megatron.layout import ExpertNaming
 from ckptctl.formats.torch_dist.bucket_replay import replay
 from ckptctl.model.catalog import Naming
 from ckptctl.model.geometry import Shape, chunk_pieces, padding_origin
 from ckptctl.model.layout import ModelSpec, ParallelLayout
+from ckptctl.model.megatron_style import OptimizerLayout
 from ckptctl.model.stored import StoredTensor
 
 KEY = re.compile(

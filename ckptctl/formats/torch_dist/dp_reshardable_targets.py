@@ -17,12 +17,13 @@ from dataclasses import dataclass, replace
 from math import lcm, prod
 
 from ckptctl.errors import LayoutError
-from ckptctl.formats.megatron.layout import ExpertNaming, OptimizerLayout
+from ckptctl.formats.megatron.layout import ExpertNaming
 from ckptctl.formats.torch_dist.bucket_replay import replay
 from ckptctl.formats.torch_dist.dp_reshardable import flat_boxes, parse
 from ckptctl.model.catalog import Naming
 from ckptctl.model.geometry import chunk_pieces, padding_origin
 from ckptctl.model.layout import ModelSpec, ParallelLayout
+from ckptctl.model.megatron_style import OptimizerLayout
 from ckptctl.model.stored import StoredFile, StoredTensor
 
 

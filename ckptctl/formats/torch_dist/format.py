@@ -8,8 +8,8 @@ from typing import Any
 from ckptctl.formats.base import CheckpointFormat, ProbeRequest, lazy
 from ckptctl.formats.dcp.format import description_files, record_checksums
 from ckptctl.formats.support import FormatSupport
+from ckptctl.formats.torch_dist.target import DCP_SHARD, TorchDistTarget
 from ckptctl.io.storage import Storage
-from ckptctl.model.plan import FileKind
 
 
 def _probe(storage: Storage, names: frozenset[str], request: ProbeRequest) -> Any:
@@ -42,7 +42,8 @@ FORMAT = CheckpointFormat(
         "optimizer state",
         "CRC-32 of every tensor record",
     ),
-    writers={FileKind.DCP_SHARD: lazy(WRITER, "write_dcp_shard")},
+    target=TorchDistTarget(),
+    writers={DCP_SHARD: lazy(WRITER, "write_dcp_shard")},
     finish=lazy(WRITER, "torch_dist_directory_files"),
     finish_paths=lazy(WRITER, "torch_dist_directory_names"),
     description_files=description_files,

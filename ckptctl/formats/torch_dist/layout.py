@@ -12,12 +12,12 @@ of one canonical tensor per layer.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from functools import lru_cache
 from math import prod
 from typing import Any
 
+from ckptctl.formats.megatron.distopt_layout import CHAINED
 from ckptctl.formats.megatron.layout import rank_params
 from ckptctl.model.catalog import (
     EXPERTS,
@@ -37,8 +37,6 @@ _STATE_FROM_KEY = {"param": "fp32_param", "fp32_param": "fp32_param"} | {
     s: s for s in ("exp_avg", "exp_avg_sq")
 }
 _KEY_FROM_STATE = {"fp32_param": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
-DP_RESHARDABLE_PREFIX = "optimizer.distributed."
-"""Keys of ``dp_reshardable`` optimizer state: raw grad-buffer buckets of one TP/PP layout."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,24 +53,9 @@ class ChunkPart:
     """Where a part of padding rows only lies in the padded tensor (its pieces cannot say)."""
 
 
-_CHAINED = re.compile(r"^chained_\d+\.")
-"""megatron-core's ``ChainedOptimizer`` (dense, then expert parameters) prefixes each
-optimizer's keys with ``chained_<i>.``."""
 EXPERTS_KEY = f"{EXPERTS}.experts."
 """Stacked expert keys: ``decoder.layers.mlp.experts.experts.linear_fc1.weight`` is
 ``[L, E, ...]``, the second dimension the global expert."""
-
-
-def chained_prefix(fqn: str) -> str:
-    """``chained_<i>.`` when ``fqn`` is one of a chained optimizer's keys, else ``""``."""
-    found = _CHAINED.match(fqn)
-    return found.group(0) if found else ""
-
-
-def is_bucket_key(fqn: str) -> bool:
-    """Whether ``fqn`` is ``dp_reshardable`` state (a bucket, or an object kept beside them) of
-    the distributed optimizer, or of one of a chained optimizer's (``chained_<i>.``)."""
-    return _CHAINED.sub("", fqn).startswith(DP_RESHARDABLE_PREFIX)
 
 
 def dense_optimizer(common_optimizer: Any) -> dict[str, Any]:
@@ -86,7 +69,7 @@ def dense_optimizer(common_optimizer: Any) -> dict[str, Any]:
 
 def split_key(fqn: str) -> tuple[str | None, str]:
     """``(optimizer state or None, model key)``; an unknown optimizer state gives ``("?", ...)``."""
-    fqn = _CHAINED.sub("", fqn)
+    fqn = CHAINED.sub("", fqn)
     if fqn.startswith(OPTIMIZER_PREFIX):
         state, _, key = fqn[len(OPTIMIZER_PREFIX) :].partition(".")
         return _STATE_FROM_KEY.get(state, "?"), key

@@ -17,10 +17,10 @@ from __future__ import annotations
 from dataclasses import replace
 from math import prod
 
+from ckptctl.formats.megatron.distopt_layout import chained_prefix
 from ckptctl.formats.torch_dist.dp_reshardable import flat_boxes
 from ckptctl.formats.torch_dist.layout import (
     ChunkPart,
-    chained_prefix,
     chunk_parts,
     model_catalog,
     record_geometry,

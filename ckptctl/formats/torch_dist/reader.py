@@ -21,15 +21,14 @@ from ckptctl.formats.megatron.args import (
     naming_from_args,
     spec_from_args,
 )
-from ckptctl.formats.megatron.layout import OptimizerLayout, expert_naming_from_args
+from ckptctl.formats.megatron.distopt_layout import DP_RESHARDABLE_PREFIX, is_bucket_key
+from ckptctl.formats.megatron.layout import expert_naming_from_args
 from ckptctl.formats.torch_dist import dp_reshardable
 from ckptctl.formats.torch_dist.checkpoint import TorchDistCheckpoint
 from ckptctl.formats.torch_dist.layout import (
     COMMON,
-    DP_RESHARDABLE_PREFIX,
     chunk_parts,
     dense_optimizer,
-    is_bucket_key,
     model_catalog,
     split_key,
 )
@@ -38,6 +37,7 @@ from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
 from ckptctl.io.storage import Storage
 from ckptctl.model.catalog import Naming
 from ckptctl.model.layout import ModelSpec, ParallelLayout
+from ckptctl.model.megatron_style import OptimizerLayout
 from ckptctl.model.stored import CheckpointView, Format, StoredTensor
 
 

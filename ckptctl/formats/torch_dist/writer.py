@@ -26,12 +26,12 @@ from ckptctl.formats.dcp.metadata import (
     TensorEntry,
 )
 from ckptctl.formats.dcp.write import metadata_bytes, write_bytes_record, write_tensor_record
+from ckptctl.formats.megatron.distopt_layout import is_bucket_key
 from ckptctl.formats.megatron.writer import group_template, training_state
 from ckptctl.formats.torch_dist.dp_reshardable_targets import bucket_groups
 from ckptctl.formats.torch_dist.layout import (
     COMMON,
     extra_state_keys,
-    is_bucket_key,
     model_catalog,
     record_geometry,
     split_key,

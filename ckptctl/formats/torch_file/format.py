@@ -7,8 +7,8 @@ from typing import Any
 from ckptctl.formats.base import CheckpointFormat, ProbeRequest, lazy
 from ckptctl.formats.support import FormatSupport
 from ckptctl.formats.torch_file.names import STATE_DICT_FILE
+from ckptctl.formats.torch_file.target import TORCH_SAVE, TorchTarget
 from ckptctl.io.storage import Storage
-from ckptctl.model.plan import FileKind
 
 
 def _probe(storage: Storage, names: frozenset[str], request: ProbeRequest) -> Any:
@@ -35,7 +35,6 @@ FORMAT = CheckpointFormat(
         "nested state dicts as dcp_to_torch_save writes them",
         "CRC-32 of every zip entry",
     ),
-    writers={
-        FileKind.TORCH_SAVE: lazy("ckptctl.formats.torch_file.writer", "write_state_dict_file")
-    },
+    target=TorchTarget(),
+    writers={TORCH_SAVE: lazy("ckptctl.formats.torch_file.writer", "write_state_dict_file")},
 )

@@ -15,12 +15,14 @@ from hypothesis import strategies as st
 
 from ckptctl.errors import CheckpointError
 from ckptctl.formats.dcp.metadata import Chunk, TensorEntry
-from ckptctl.formats.megatron.layout import ExpertNaming, OptimizerLayout
+from ckptctl.formats.megatron.distopt_layout import is_bucket_key
+from ckptctl.formats.megatron.layout import ExpertNaming
 from ckptctl.formats.torch_dist import dp_reshardable
 from ckptctl.formats.torch_dist.dp_reshardable_targets import with_buckets
-from ckptctl.formats.torch_dist.layout import is_bucket_key, torch_dist_files
+from ckptctl.formats.torch_dist.layout import torch_dist_files
 from ckptctl.model.catalog import Naming
 from ckptctl.model.layout import ModelSpec, ParallelLayout
+from ckptctl.model.megatron_style import OptimizerLayout
 from ckptctl.model.stored import StoredTensor
 
 SPEC = ModelSpec(

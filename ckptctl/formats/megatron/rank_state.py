@@ -30,19 +30,39 @@ from __future__ import annotations
 from dataclasses import replace
 from math import prod
 
-from ckptctl.formats.torch_dist.layout import is_bucket_key
+from ckptctl.formats.megatron.distopt_layout import is_bucket_key
 from ckptctl.model.catalog import parameters
 from ckptctl.model.geometry import Shape, Split, nbytes
 from ckptctl.model.layout import ModelSpec, ParallelLayout
-from ckptctl.model.plan import CopyOp, FileKind, FileWrite, TensorWrite
+from ckptctl.model.plan import CopyOp, FileWrite, TensorWrite
 from ckptctl.model.stored import CheckpointView, Format, StoredTensor
 
 
+def carry_source_state(
+    source: CheckpointView, files: tuple[FileWrite, ...], target: ParallelLayout, *, dcp: bool
+) -> tuple[tuple[FileWrite, ...], int]:
+    """The files of a Megatron target (legacy, or ``torch_dist`` when ``dcp``) with what a
+    Megatron source keeps beyond the canonical tensors: vocabulary padding rows, and a legacy
+    rank's RNG state on an unchanged grid; the bytes that reads."""
+    if source.format not in (Format.MEGATRON, Format.TORCH_DIST) or source.spec is None:
+        return files, 0
+    files, read = carry_vocab_padding(source, files, source.spec, target, dcp=dcp)
+    if not dcp and source.format == Format.MEGATRON and same_rank_grid(source.layout, target):
+        files = carry_rank_rng(source, files)
+    return files, read
+
+
 def carry_vocab_padding(
-    source: CheckpointView, files: tuple[FileWrite, ...], spec: ModelSpec, target: ParallelLayout
+    source: CheckpointView,
+    files: tuple[FileWrite, ...],
+    spec: ModelSpec,
+    target: ParallelLayout,
+    *,
+    dcp: bool,
 ) -> tuple[tuple[FileWrite, ...], int]:
     """``files`` with the padding rows of their vocabulary tensors copied from ``source``
-    where both pad to the same size; and the bytes those copies read."""
+    where both pad to the same size (``dcp``: they are ``torch_dist`` files); and the bytes
+    those copies read."""
     padded = spec.padded_vocab_size(target.tp)
     if spec.padded_vocab_size(source.layout.tp) != padded or padded == spec.vocab_size:
         return files, 0
@@ -55,7 +75,6 @@ def carry_vocab_padding(
         for tensor in write.tensors:
             found = _padding_holders(tensor, holders) if tensor.padding else None
             if found and _is_vocab_box(tensor.canonical, tensor.shape, vocab):
-                dcp = write.kind == FileKind.DCP_SHARD
                 origin = _origin(tensor, write.rank, dcp)
                 if origin is not None and not tensor.transposed:
                     tensor, moved = _with_padding_rows(tensor, origin, spec.vocab_size, found)
