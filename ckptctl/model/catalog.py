@@ -52,6 +52,21 @@ _TE_TO_LOCAL = {
     "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
 }
 _LOCAL_TO_TE = {local: te for te, local in _TE_TO_LOCAL.items()}
+# Multi-latent attention: the input norm is its own module in both specs (the first linear is
+# no fused layer-norm linear), and TE fuses the q / kv norms into the up projections.
+_MLA_TE_TO_LOCAL = {
+    f"self_attention.linear_{which}_up_proj.layer_norm_{kind}": (
+        f"self_attention.{which}_layernorm.{kind}"
+    )
+    for which in ("q", "kv")
+    for kind in ("weight", "bias")
+}
+_MLA_LOCAL_TO_TE = {local: te for te, local in _MLA_TE_TO_LOCAL.items()}
+MLA_DOWN_PROJECTIONS = frozenset(
+    {"self_attention.linear_q_down_proj.weight", "self_attention.linear_kv_down_proj.weight"}
+)
+"""Duplicated on every TP rank under TE (``TELinear``), column-parallel in the local spec
+(``ColumnParallelLinear``, gathered in the forward)."""
 
 LAYER_PREFIX = "decoder.layers."
 EXPERTS = "mlp.experts"
@@ -180,12 +195,49 @@ def _moe_mlp(spec: ModelSpec, layernorm: bool) -> list[tuple[str, Shape, Split]]
 ROUTER_EXPERT_BIAS = "mlp.router.expert_bias"
 
 
+def _mla_attention(spec: ModelSpec, layernorm: bool) -> list[tuple[str, Shape, Split]]:
+    """A multi-latent attention layer's attention part in the TE spec's registration order
+    (``MLASelfAttention``: the output projection first, then q and kv down / up projections,
+    each up projection with its fused norm)."""
+    mla = spec.mla
+    assert mla is not None
+    h, n = spec.hidden_size, spec.num_attention_heads
+    rep = Split.REPLICATED
+    out: list[tuple[str, Shape, Split]] = [("input_layernorm.weight", (h,), rep)]
+    if layernorm:
+        out.append(("input_layernorm.bias", (h,), rep))
+    out.append(("self_attention.linear_proj.weight", (h, n * mla.v_head_dim), Split.ROW))
+    if spec.add_bias_linear:
+        out.append(("self_attention.linear_proj.bias", (h,), rep))
+
+    def up(which: str, rank: int, rows: int) -> None:
+        prefix = f"self_attention.linear_{which}_up_proj."
+        if spec.qk_layernorm:
+            out.append((prefix + "layer_norm_weight", (rank,), rep))
+            if layernorm:
+                out.append((prefix + "layer_norm_bias", (rank,), rep))
+        out.append((prefix + "weight", (rows, rank), Split.COLUMN))
+
+    q_rows = n * mla.q_head_dim
+    if mla.q_lora_rank is None:
+        out.append(("self_attention.linear_q_proj.weight", (q_rows, h), Split.COLUMN))
+    else:
+        out.append(("self_attention.linear_q_down_proj.weight", (mla.q_lora_rank, h), rep))
+        up("q", mla.q_lora_rank, q_rows)
+    kv_down = mla.kv_lora_rank + mla.qk_pos_emb_head_dim
+    out.append(("self_attention.linear_kv_down_proj.weight", (kv_down, h), rep))
+    up("kv", mla.kv_lora_rank, n * (mla.qk_head_dim + mla.v_head_dim))
+    return out
+
+
 def layer_suffixes(spec: ModelSpec) -> list[tuple[str, Shape, Split]]:
     """Parameters of one transformer layer in Megatron-Core's registration order; an MoE
     layer's routed experts are the one ``EXPERTS`` entry (see ``expert_suffixes``)."""
     h, d = spec.hidden_size, spec.kv_channels
     bias = spec.add_bias_linear
     layernorm = spec.normalization is NormKind.LAYERNORM
+    if spec.mla is not None:
+        return _mla_attention(spec, layernorm) + _mlp(spec, layernorm)
     out: list[tuple[str, Shape, Split]] = [
         ("self_attention.linear_proj.weight", (h, spec.num_attention_heads * d), Split.ROW)
     ]
@@ -203,8 +255,15 @@ def layer_suffixes(spec: ModelSpec) -> list[tuple[str, Shape, Split]]:
             out.append((f"self_attention.{which}_layernorm.weight", (d,), Split.REPLICATED))
             if layernorm:
                 out.append((f"self_attention.{which}_layernorm.bias", (d,), Split.REPLICATED))
+    return out + _mlp(spec, layernorm)
+
+
+def _mlp(spec: ModelSpec, layernorm: bool) -> list[tuple[str, Shape, Split]]:
+    """A layer's MLP part: routed experts, or a dense MLP with the pre-MLP norm fused."""
     if spec.is_moe:
-        return out + _moe_mlp(spec, layernorm)
+        return _moe_mlp(spec, layernorm)
+    h, bias = spec.hidden_size, spec.add_bias_linear
+    out: list[tuple[str, Shape, Split]] = []
     fc1_split = Split.GATED if spec.gated_linear_unit else Split.COLUMN
     out.append(("mlp.linear_fc1.layer_norm_weight", (h,), Split.REPLICATED))
     if layernorm:
@@ -221,9 +280,15 @@ def layer_suffixes(spec: ModelSpec) -> list[tuple[str, Shape, Split]]:
 def local_spec_order(suffixes: list[str]) -> list[str]:
     """TE-spelled layer suffixes in the local spec's ``named_parameters`` order: there the
     pre-attention norm is the layer's own first module (``input_layernorm``), not part of
-    ``linear_qkv``; everything else keeps its place."""
+    ``linear_qkv``; multi-latent attention's q / kv norms are modules registered after the
+    projections; everything else keeps its place."""
     first = [s for s in suffixes if s.startswith("self_attention.linear_qkv.layer_norm_")]
-    return first + [s for s in suffixes if s not in first]
+    norms = [s for s in suffixes if s in _MLA_TE_TO_LOCAL]
+    rest = [s for s in suffixes if s not in first and s not in norms]
+    if norms:
+        at = rest.index("self_attention.linear_kv_up_proj.weight") + 1
+        rest[at:at] = norms
+    return first + rest
 
 
 def parameters(spec: ModelSpec) -> list[Param]:
@@ -275,19 +340,33 @@ def state_name(state: str, param: str) -> str:
     return f"{state}/{param}"
 
 
-def local_layer_name(suffix: str, naming: Naming) -> str:
-    return _TE_TO_LOCAL.get(suffix, suffix) if naming is Naming.LOCAL else suffix
+def local_layer_name(suffix: str, naming: Naming, mla: bool = False) -> str:
+    if naming is not Naming.LOCAL:
+        return suffix
+    if mla and suffix in _MLA_TE_TO_LOCAL:
+        return _MLA_TE_TO_LOCAL[suffix]
+    if mla and suffix.startswith("input_layernorm."):
+        return suffix
+    return _TE_TO_LOCAL.get(suffix, suffix)
 
 
-def te_layer_suffix(suffix: str, moe: bool = False) -> str:
+def te_layer_suffix(suffix: str, moe: bool = False, mla: bool = False) -> str:
     """The TE spelling of a layer-relative parameter name in either spec (an MoE layer keeps
-    ``pre_mlp_layernorm``: its MLP has no fused norm)."""
+    ``pre_mlp_layernorm``: its MLP has no fused norm; a multi-latent attention layer keeps
+    ``input_layernorm``)."""
     if moe and suffix.startswith("pre_mlp_layernorm."):
         return suffix
+    if mla and suffix.startswith("input_layernorm."):
+        return suffix
+    if mla and suffix in _MLA_LOCAL_TO_TE:
+        return _MLA_LOCAL_TO_TE[suffix]
     return _LOCAL_TO_TE.get(suffix, suffix)
 
 
-def uses_local_names(names: list[str]) -> bool:
+def uses_local_names(names: list[str], mla: bool = False) -> bool:
     """Whether stored names follow the local spec: its attention norm is a module of its own
-    (an MoE layer's ``pre_mlp_layernorm`` is one in both specs, so it cannot tell)."""
+    (an MoE layer's ``pre_mlp_layernorm`` is one in both specs, so it cannot tell); under
+    multi-latent attention, its q / kv norms are (TE fuses them into the up projections)."""
+    if mla:
+        return any(".self_attention.kv_layernorm." in name for name in names)
     return any(name.split(".", 3)[-1].startswith("input_layernorm.") for name in names)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 
-from ckptctl.model.catalog import LAYER_PREFIX, expert_name, is_state
+from ckptctl.model import hf_deepseek
+from ckptctl.model.catalog import LAYER_PREFIX, ROUTER_EXPERT_BIAS, expert_name, is_state
 from ckptctl.model.geometry import Piece, Shape, nbytes, whole
 from ckptctl.model.hf_families import MoeNaming, choose_family
 from ckptctl.model.layout import ModelSpec
@@ -64,23 +65,26 @@ def hf_tensors(spec: ModelSpec) -> list[Entry]:
     for i in range(spec.num_layers):
         src, dst = f"{LAYER_PREFIX}{i}.", f"model.layers.{i}."
         qkv = f"{src}self_attention.linear_qkv."
-        for part in ("q", "k", "v"):
+        if spec.mla is not None:
+            out.extend(hf_deepseek.attention_tensors(spec, src, dst))
+        for part in ("q", "k", "v") if spec.mla is None else ():
             shape, pieces = _qkv_pieces(spec, part, (h,))
             out.append((f"{dst}self_attn.{part}_proj.weight", qkv + "weight", shape, pieces))
             if qkv_bias:
                 shape, pieces = _qkv_pieces(spec, part, ())
                 out.append((f"{dst}self_attn.{part}_proj.bias", qkv + "bias", shape, pieces))
-        whole(
-            f"{dst}self_attn.o_proj.weight",
-            f"{src}self_attention.linear_proj.weight",
-            (h, spec.num_attention_heads * spec.kv_channels),
-        )
+        if spec.mla is None:
+            whole(
+                f"{dst}self_attn.o_proj.weight",
+                f"{src}self_attention.linear_proj.weight",
+                (h, spec.num_attention_heads * spec.kv_channels),
+            )
         if bias:
             whole(f"{dst}self_attn.o_proj.bias", f"{src}self_attention.linear_proj.bias", (h,))
-        if spec.qk_layernorm:
+        if spec.qk_layernorm and spec.mla is None:
             whole(f"{dst}self_attn.q_norm.weight", f"{src}self_attention.q_layernorm.weight", (d,))
             whole(f"{dst}self_attn.k_norm.weight", f"{src}self_attention.k_layernorm.weight", (d,))
-        if family.moe is not None:
+        if family.moe is not None and spec.is_moe:
             out.extend(_moe_tensors(spec, family.moe, src, dst))
             pre_mlp_norm = f"{src}pre_mlp_layernorm.weight"
         else:
@@ -90,7 +94,8 @@ def hf_tensors(spec: ModelSpec) -> list[Entry]:
                 )
             )
             pre_mlp_norm = f"{src}mlp.linear_fc1.layer_norm_weight"
-        whole(f"{dst}input_layernorm.weight", qkv + "layer_norm_weight", (h,))
+        norm = f"{src}input_layernorm.weight" if spec.mla else qkv + "layer_norm_weight"
+        whole(f"{dst}input_layernorm.weight", norm, (h,))
         whole(f"{dst}post_attention_layernorm.weight", pre_mlp_norm, (h,))
     whole("model.norm.weight", "decoder.final_layernorm.weight", (h,))
     if not spec.tie_embeddings:
@@ -122,6 +127,8 @@ def _moe_tensors(spec: ModelSpec, moe: MoeNaming, src: str, dst: str) -> list[En
     h, e = spec.hidden_size, spec.num_experts or 0
     block = f"{dst}{moe.block}."
     out: list[Entry] = [(f"{block}gate.weight", f"{src}mlp.router.weight", (e, h), _full((e, h)))]
+    if moe.router_bias is not None:
+        out.append((block + moe.router_bias, f"{src}{ROUTER_EXPERT_BIAS}", (e,), _full((e,))))
     for expert in range(e):
         out.extend(
             _mlp_tensors(
@@ -134,6 +141,18 @@ def _moe_tensors(spec: ModelSpec, moe: MoeNaming, src: str, dst: str) -> list[En
             )
         )
     shared = spec.moe_shared_expert_intermediate_size
+    if moe.shared_experts is not None and shared:
+        parts = ("gate_proj", "up_proj", "down_proj")
+        out.extend(
+            _mlp_tensors(
+                f"{block}{moe.shared_experts}.",
+                f"{src}mlp.shared_experts.",
+                parts,
+                h,
+                shared,
+                False,
+            )
+        )
     if moe.shared_gated_expert and shared:
         parts = ("gate_proj", "up_proj", "down_proj")
         out.extend(

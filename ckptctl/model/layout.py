@@ -12,6 +12,7 @@ from math import ceil
 from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt, model_validator
 
 from ckptctl.errors import LayoutError
+from ckptctl.model.mla import MlaSpec
 
 
 class NormKind(StrEnum):
@@ -113,6 +114,15 @@ class ModelSpec(_Frozen):
     """FFN size of the always-on shared expert(s) of each MoE layer; unset: none."""
     moe_shared_expert_gate: bool = False
     """A sigmoid gate (``gate_weight``, one row) scaling the shared experts' output."""
+    moe_router_num_groups: StrictInt | None = None
+    """Group-limited routing (DeepSeek-V3): experts in this many groups, tokens routed within
+    the ``moe_router_group_topk`` best groups only; unset: no groups."""
+    moe_router_group_topk: StrictInt | None = None
+    moe_router_topk_scaling_factor: StrictFloat | None = None
+    """The routed experts' weights scaled by this (DeepSeek-V3's ``routed_scaling_factor``)."""
+    mla: MlaSpec | None = None
+    """Multi-latent attention in place of (grouped-query) attention; ``qk_layernorm`` then
+    says whether the compressed queries and keys/values are normed."""
 
     @model_validator(mode="before")
     @classmethod
@@ -142,6 +152,13 @@ class ModelSpec(_Frozen):
             if value is not None and value > most:
                 problems.append(f"{field}={value} is implausible (at most {most})")
         problems.extend(self._moe_problems())
+        if self.mla is not None and self.num_query_groups != self.num_attention_heads:
+            problems.append(
+                f"multi-latent attention has a key/value per head: num_query_groups="
+                f"{self.num_query_groups} must equal num_attention_heads={self.num_attention_heads}"
+            )
+        if self.mla is not None and self.position_embedding is not PositionEmbedding.ROPE:
+            problems.append("multi-latent attention needs rope position embeddings")
         if self.num_query_groups > 0 and self.num_attention_heads % self.num_query_groups:
             problems.append(
                 f"num_query_groups={self.num_query_groups} does not divide "
@@ -158,6 +175,9 @@ class ModelSpec(_Frozen):
                 "moe_shared_expert_intermediate_size",
                 "moe_router_expert_bias",
                 "moe_shared_expert_gate",
+                "moe_router_num_groups",
+                "moe_router_group_topk",
+                "moe_router_topk_scaling_factor",
             )
             return [
                 f"{name} is set but num_experts is not"
@@ -178,6 +198,16 @@ class ModelSpec(_Frozen):
                 problems.append(f"{name}={value} must be positive")
         if self.moe_shared_expert_gate and not self.moe_shared_expert_intermediate_size:
             problems.append("moe_shared_expert_gate needs moe_shared_expert_intermediate_size")
+        groups, best = self.moe_router_num_groups, self.moe_router_group_topk
+        if (groups is None) != (best is None):
+            problems.append("moe_router_num_groups and moe_router_group_topk go together")
+        elif groups is not None and best is not None:
+            if groups < 1 or self.num_experts % groups:
+                problems.append(
+                    f"moe_router_num_groups={groups} does not divide num_experts={self.num_experts}"
+                )
+            elif not 1 <= best <= groups:
+                problems.append(f"moe_router_group_topk={best} must lie in 1..{groups}")
         return problems
 
     @property
@@ -201,10 +231,15 @@ class ModelSpec(_Frozen):
         if self.position_embedding is PositionEmbedding.ROPE:
             share = "" if self.rotary_percent == 1.0 else f", {self.rotary_percent:g} of head dims"
             position = f"RoPE (base {self.rotary_base:g}{share})"
+        heads = (
+            f"heads {self.num_attention_heads}, {self.mla.describe()}"
+            if self.mla is not None
+            else f"heads {self.num_attention_heads} (query groups {self.num_query_groups}, "
+            f"head dim {self.kv_channels})"
+        )
         parts = [
             f"{self.num_layers} layers, hidden {self.hidden_size}, ffn {self.ffn_hidden_size}",
-            f"heads {self.num_attention_heads} (query groups {self.num_query_groups}, "
-            f"head dim {self.kv_channels})",
+            heads,
             f"vocab {self.vocab_size}",
             self.mlp_name,
             *([self.moe_description()] if self.is_moe else []),
@@ -223,6 +258,11 @@ class ModelSpec(_Frozen):
         routing += " before top-k)" if self.moe_router_pre_softmax else ")"
         if self.moe_router_expert_bias:
             routing += " with expert bias"
+        if self.moe_router_num_groups:
+            routing += f", within the best {self.moe_router_group_topk} of "
+            routing += f"{self.moe_router_num_groups} groups"
+        if self.moe_router_topk_scaling_factor is not None:
+            routing += f", weights x{self.moe_router_topk_scaling_factor:g}"
         if self.moe_shared_expert_intermediate_size:
             gate = " gated" if self.moe_shared_expert_gate else ""
             routing += f", shared{gate} expert ffn {self.moe_shared_expert_intermediate_size}"

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
-from math import prod
 from typing import Any
 
 from ckptctl.arrays import finite
@@ -31,13 +30,13 @@ from ckptctl.compression.view import CompressedStorage, open_view
 from ckptctl.errors import CheckpointError, CkptctlError
 from ckptctl.formats.safetensors_header import read_header
 from ckptctl.io.storage import Storage
-from ckptctl.model.catalog import parameters
-from ckptctl.model.geometry import missing_elements, nbytes
-from ckptctl.model.stored import Shape, canonical_shapes
+from ckptctl.model.geometry import nbytes
+from ckptctl.model.stored import Shape
 from ckptctl.pipeline.distributed import Group
 from ckptctl.pipeline.probe import Checkpoint, format_of, open_checkpoint
 from ckptctl.progress import NoProgress, Progress
 from ckptctl.settings import Settings
+from ckptctl.verify.coverage import coverage_problems
 from ckptctl.verify.padding_rows import padding_rows_compared
 from planners.shares import split_sizes
 
@@ -264,30 +263,11 @@ def _tensors(ckpt: Checkpoint) -> Check:
 
 
 def _coverage(ckpt: Checkpoint) -> Check:
-    view = ckpt.view
-    if view.spec is None:  # unknown model: each stored tensor's bounding box must be full
-        shapes = {n: s for n, (s, _) in canonical_shapes(view).items()}
-    else:
-        shapes = {p.name: p.shape for p in parameters(view.spec)}
-    pieces: dict[str, list] = {}
-    for f in view.files:
-        if f.path in ckpt.lost:
-            continue
-        for t in f.tensors:
-            pieces.setdefault(t.canonical, []).extend(t.pieces)
-    problems = []
-    for name, shape in shapes.items():
-        wanted = [name]
-        if view.has_optimizer and view.spec is not None and name not in view.frozen:
-            wanted += [f"{s}/{name}" for s in ("exp_avg", "exp_avg_sq")]
-        for canonical in wanted:
-            missing = missing_elements(shape, pieces.get(canonical, []))
-            if missing:
-                problems.append(f"{canonical}: {missing} of {prod(shape)} elements held nowhere")
+    problems, tensors = coverage_problems(ckpt.view, ckpt.lost)
     if problems:
         return Check("coverage", "failed", "; ".join(problems[:5]))
-    states = "weights and optimizer state" if view.has_optimizer else "weights"
-    return Check("coverage", "passed", f"every element of {len(shapes)} tensors ({states}) held")
+    states = "weights and optimizer state" if ckpt.view.has_optimizer else "weights"
+    return Check("coverage", "passed", f"every element of {tensors} tensors ({states}) held")
 
 
 def _numerics(ckpt: Checkpoint, band_bytes: int, group: Group | None, progress: Progress) -> Check:

@@ -575,3 +575,50 @@ def describe(value: object, indent: str = "") -> str:
     if isinstance(value, int | float | str | bool | tuple | None):
         return repr(value)
     return type(value).__name__
+
+
+# --------------------------------------------------------------------------- multi-latent attention
+
+
+def cpu_multi_latent_attention(spec: Any) -> Any:
+    """``spec`` (a layer spec, or a decoder block spec of layer specs) with multi-latent
+    attention runnable on the CPU: megatron-core's MLA builds its core attention with
+    ``k_channels``/``v_channels``, which only TransformerEngine's ``TEDotProductAttention``
+    takes (the local spec's ``DotProductAttention`` does not), so :class:`MlaCoreAttention`
+    stands in for it; and its TE-only FP8 check is turned off (``HAVE_TE`` is set when
+    megatron-core's TE extension imports without TransformerEngine). No stored tensor changes:
+    the core attention has no parameters."""
+    import megatron.core.transformer.multi_latent_attention as mla
+
+    mla.HAVE_TE = False
+    for layer in getattr(spec, "layer_specs", None) or [spec]:
+        attention = layer.submodules.self_attention
+        if attention.module is mla.MLASelfAttention:
+            attention.submodules.core_attention = MlaCoreAttention
+    return spec
+
+
+class MlaCoreAttention(torch.nn.Module):
+    """Causal softmax attention over ``[s, b, heads, dim]`` query, key and value whose value
+    dimension differs from the query's, scaled by MLA's ``softmax_scale``: the computation
+    TransformerEngine's fused attention does, in plain PyTorch (fp32 softmax)."""
+
+    def __init__(
+        self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str,
+        softmax_scale: float | None = None, **_: Any,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        self.softmax_scale = softmax_scale
+
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+        **_: Any,
+    ) -> torch.Tensor:  # fmt: skip
+        q, k, v = (t.permute(1, 2, 0, 3).float() for t in (query, key, value))
+        scale = self.softmax_scale if self.softmax_scale is not None else q.shape[-1] ** -0.5
+        scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+        seq = scores.shape[-1]
+        scores = scores.masked_fill(torch.ones(seq, seq, dtype=torch.bool).triu(1), float("-inf"))
+        out = torch.matmul(torch.softmax(scores, dim=-1), v).to(query.dtype)
+        batch, heads, _, dim = out.shape
+        return out.permute(2, 0, 1, 3).reshape(seq, batch, heads * dim)

@@ -34,7 +34,10 @@ What differs from a GPU run, each a shim below, none touching a stored tensor:
   ``_let_torch_adam_load_distributed_state``);
 * the dataset helpers are not compiled (synthetic batches, no dataset), and the model is the
   local (non-TransformerEngine) spec, built by this script's provider as ``pretrain_gpt.py``'s
-  builder builds it.
+  builder builds it;
+* under multi-latent attention, plain PyTorch causal attention stands in for
+  TransformerEngine's fused attention, the only core attention megatron-core's MLA can build
+  (``mcore_cpu.cpu_multi_latent_attention``; it holds no parameters).
 """
 
 from __future__ import annotations
@@ -225,8 +228,11 @@ def model_provider(  # type: ignore[no-untyped-def]
             config.num_moe_experts,
             config.moe_grouped_gemm,
             config.qk_layernorm,
+            multi_latent_attention=config.multi_latent_attention,
             normalization=config.normalization,
         )
+    if config.multi_latent_attention:
+        spec = mcore_cpu.cpu_multi_latent_attention(spec)
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,

@@ -45,7 +45,7 @@ from ckptctl.formats.torchsave.refs import stored_object, view_ref
 from ckptctl.io.runs import Span
 from ckptctl.io.storage import Storage
 from ckptctl.model.geometry import Piece, chunk_pieces
-from ckptctl.model.hf_families import spec_from_config
+from ckptctl.model.hf_config import spec_from_config
 from ckptctl.model.hf_layout import CONFIG
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.megatron_style import GroupOrder, MegatronStyle, OptimizerLayout

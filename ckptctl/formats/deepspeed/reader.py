@@ -40,7 +40,7 @@ from ckptctl.formats.torchsave.refs import TorchFiles, open_torch_file, resolve
 from ckptctl.io.storage import Storage
 from ckptctl.model.dtypes import dtype_name
 from ckptctl.model.geometry import Piece, Shape, whole
-from ckptctl.model.hf_families import spec_from_config
+from ckptctl.model.hf_config import spec_from_config
 from ckptctl.model.hf_layout import CONFIG, MODEL_KEY, hf_tensors
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.megatron_style import GroupOrder, MegatronStyle, OptimizerLayout

@@ -25,7 +25,7 @@ from ckptctl.formats.torchsave.refs import TorchFiles, open_torch_file, resolve
 from ckptctl.io.storage import Storage
 from ckptctl.model.catalog import state_name
 from ckptctl.model.dtypes import dtype_name
-from ckptctl.model.hf_families import spec_from_config
+from ckptctl.model.hf_config import spec_from_config
 from ckptctl.model.hf_layout import CONFIG, hf_tensors
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.stored import (

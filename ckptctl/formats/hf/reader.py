@@ -25,7 +25,7 @@ from ckptctl.formats.safetensors_header import SafetensorsEntry, read_header
 from ckptctl.io.runs import Span
 from ckptctl.io.storage import Storage
 from ckptctl.model.dtypes import ITEMSIZE
-from ckptctl.model.hf_families import spec_from_config
+from ckptctl.model.hf_config import spec_from_config
 from ckptctl.model.hf_layout import CONFIG, INDEX, SINGLE, hf_tensors
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.stored import (

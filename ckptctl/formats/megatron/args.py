@@ -23,6 +23,13 @@ from ckptctl.formats.megatron.args_fields import (
     RELATED_VALUES,
     VARIANT_FIELDS,
 )
+from ckptctl.formats.megatron.mla_args import (
+    MLA_HARMLESS,
+    MLA_MAPPED,
+    MLA_PLAIN_VALUES,
+    mla_args,
+    mla_spec,
+)
 from ckptctl.model.catalog import Naming
 from ckptctl.model.fields import refuse_fields
 from ckptctl.model.layout import (
@@ -64,6 +71,11 @@ def _verdict(name: str, value: Any, fields: dict[str, Any], trusted: frozenset[s
     if name in trusted or name in MAPPED or name in HARMLESS:
         return "ok"
     moe = bool(fields.get("num_experts"))
+    if fields.get("multi_latent_attention"):
+        if name in MLA_MAPPED or name in MLA_HARMLESS:
+            return "ok"  # read by mla_spec, which refuses what it cannot carry
+        if name in MLA_PLAIN_VALUES:
+            return "ok" if _plain(value, MLA_PLAIN_VALUES[name]) else "changed"
     if moe and (name in MOE_MAPPED or name in MOE_HARMLESS):
         return "ok"
     if moe and name in MOE_PLAIN_VALUES:
@@ -215,6 +227,7 @@ def spec_from_args(
         rotary_percent=float(_arg(args, "rotary_percent", default=1.0)),
         qk_layernorm=bool(_arg(args, "qk_layernorm", default=False)),
         hf_family=_arg(args, "ckptctl_hf_family"),
+        mla=mla_spec(args),
         **_moe_spec(args),
     )
 
@@ -236,7 +249,15 @@ def _moe_spec(args: argparse.Namespace) -> dict[str, Any]:
         "moe_router_expert_bias": bool(_arg(args, "moe_router_enable_expert_bias", default=False)),
         "moe_shared_expert_intermediate_size": _arg(args, "moe_shared_expert_intermediate_size"),
         "moe_shared_expert_gate": bool(_arg(args, "moe_shared_expert_gate", default=False)),
+        "moe_router_num_groups": _arg(args, "moe_router_num_groups"),
+        "moe_router_group_topk": _arg(args, "moe_router_group_topk"),
+        "moe_router_topk_scaling_factor": _scaling(args),
     }
+
+
+def _scaling(args: argparse.Namespace) -> float | None:
+    value = _arg(args, "moe_router_topk_scaling_factor")
+    return None if value is None else float(value)
 
 
 MOST_ITERATIONS = 1 << 48
@@ -337,6 +358,7 @@ def args_from_spec(spec: ModelSpec) -> argparse.Namespace:
         rotary_base=spec.rotary_base,
         rotary_percent=spec.rotary_percent,
         **_moe_args(spec),
+        **mla_args(spec.mla),
         transformer_impl="transformer_engine",
         ckptctl_hf_family=spec.hf_family,
         data_parallel_size=1,
@@ -356,6 +378,9 @@ def _moe_args(spec: ModelSpec) -> dict[str, Any]:
         "moe_router_enable_expert_bias": spec.moe_router_expert_bias,
         "moe_shared_expert_intermediate_size": spec.moe_shared_expert_intermediate_size,
         "moe_shared_expert_gate": spec.moe_shared_expert_gate,
+        "moe_router_num_groups": spec.moe_router_num_groups,
+        "moe_router_group_topk": spec.moe_router_group_topk,
+        "moe_router_topk_scaling_factor": spec.moe_router_topk_scaling_factor,
         "moe_grouped_gemm": False,
     }
 

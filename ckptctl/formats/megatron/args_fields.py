@@ -146,8 +146,9 @@ MOE_FIELDS = frozenset(
 MOE_MAPPED = frozenset(
     """
     expert_tensor_parallel_size moe_ffn_hidden_size moe_grouped_gemm
-    moe_router_enable_expert_bias moe_router_pre_softmax moe_router_score_function
-    moe_router_topk moe_shared_expert_gate moe_shared_expert_intermediate_size
+    moe_router_enable_expert_bias moe_router_group_topk moe_router_num_groups
+    moe_router_pre_softmax moe_router_score_function moe_router_topk
+    moe_router_topk_scaling_factor moe_shared_expert_gate moe_shared_expert_intermediate_size
     moe_use_legacy_grouped_gemm
     """.split()
 )
@@ -161,9 +162,6 @@ MOE_PLAIN_VALUES: dict[str, tuple[object, ...]] = {
     "moe_mlp_glu_interleave_size": (None,),
     "moe_router_force_biased": (None,),
     "moe_router_force_load_balancing": (False,),
-    "moe_router_group_topk": (None,),
-    "moe_router_num_groups": (None,),
-    "moe_router_topk_scaling_factor": (None, 1.0),
     "moe_shared_expert_glu_interleave_size": (None,),
     "moe_single_grouped_bias": (False,),
     "moe_single_grouped_weight": (False,),

@@ -18,6 +18,7 @@ from ckptctl.formats.megatron.ranks import RankCoords, saving_ranks
 from ckptctl.model.catalog import (
     EXPERTS,
     LAYER_PREFIX,
+    MLA_DOWN_PROJECTIONS,
     ExpertNaming,
     Naming,
     Param,
@@ -31,7 +32,7 @@ from ckptctl.model.catalog import (
     parameters,
     state_name,
 )
-from ckptctl.model.geometry import Piece, Shape, shard_shape_and_pieces
+from ckptctl.model.geometry import Piece, Shape, Split, shard_shape_and_pieces
 from ckptctl.model.layout import ModelSpec, ParallelLayout
 from ckptctl.model.megatron_style import GroupOrder, MegatronStyle, OptimizerLayout
 from ckptctl.model.stored import KeyPath, StoredFile, StoredTensor
@@ -128,6 +129,7 @@ def rank_params(
     expert_parts = [s for s, _, _ in expert_suffixes(spec)] if spec.is_moe else []
     chunks = layout.chunk_layers(spec.num_layers)
     last_stage, last_chunk = layout.pp - 1, layout.vpp - 1
+    mla = spec.mla is not None
     out: list[RankParam] = []
     for chunk in range(layout.vpp):
         model_key = "model" if layout.vpp == 1 else f"model{chunk}"
@@ -151,7 +153,14 @@ def rank_params(
                     )
                     continue
                 param = by_name[prefix + suffix]
-                name = f"{local_prefix}{local_layer_name(suffix, naming)}"
+                if naming is Naming.LOCAL and suffix in MLA_DOWN_PROJECTIONS:
+                    if param.shape[0] % layout.tp:
+                        raise LayoutError(
+                            f"tp={layout.tp} does not divide the {param.shape[0]} rows of "
+                            f"{suffix}, which the local spec splits over TP"
+                        )
+                    param = replace(param, split=Split.COLUMN)  # see MLA_DOWN_PROJECTIONS
+                name = f"{local_prefix}{local_layer_name(suffix, naming, mla)}"
                 out.append(RankParam(param, model_key, name))
         if pp_rank == last_stage and chunk == last_chunk:
             out.extend(RankParam(p, model_key, p.name) for p in params if p.stage is Stage.LAST)

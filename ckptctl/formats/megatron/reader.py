@@ -139,12 +139,12 @@ def find_iteration(storage: Storage, iteration: int | None) -> tuple[str, int | 
     )
 
 
-def _layer_order(model: dict[str, Any], moe: bool) -> tuple[str, ...]:
+def _layer_order(model: dict[str, Any], moe: bool, mla: bool) -> tuple[str, ...]:
     """Layer-relative parameter names of local layer 0, in stored order, TE spelling; an MoE
     layer's experts collapse into the one ``EXPERTS`` marker where their block starts."""
     prefix = f"{LAYER_PREFIX}0."
     suffixes = [
-        te_layer_suffix(k[len(prefix) :], moe)
+        te_layer_suffix(k[len(prefix) :], moe, mla)
         for k in model
         if k.startswith(prefix) and not k.endswith(_EXTRA_STATE)
     ]
@@ -263,8 +263,9 @@ def probe_megatron(
                 )
     models = [v for t in trees.values() for k, v in t.items() if k.startswith("model")]
     names = [k for m in models for k in m]
-    naming = Naming.LOCAL if uses_local_names(names) else Naming.TE
-    stored_order = next((o for m in models if (o := _layer_order(m, spec.is_moe))), ())
+    mla = spec.mla is not None
+    naming = Naming.LOCAL if uses_local_names(names, mla) else Naming.TE
+    stored_order = next((o for m in models if (o := _layer_order(m, spec.is_moe, mla))), ())
     expert_naming = _expert_naming(names, storage.describe(first_rel))
     # Unknown names are reported by the file check below, missing ones too: the order keeps the
     # catalog's parameters only, in the order the files store them.

@@ -11,10 +11,11 @@ from ckptctl.formats.megatron.layout import (
     target_optimizer,
     tracker_text,
 )
+from ckptctl.formats.megatron.mla_args import mla_args
 from ckptctl.formats.megatron.rank_state import carry_source_state, same_rank_grid
 from ckptctl.formats.target import CONSOLIDATE, RESHARD, TargetFormat, known_model
 from ckptctl.model.catalog import is_state
-from ckptctl.model.layout import ParallelLayout
+from ckptctl.model.layout import ModelSpec, ParallelLayout
 from ckptctl.model.plan import FileWrite, TextWrite
 from ckptctl.model.stored import CheckpointView, Format
 from ckptctl.model.target import TargetFiles, TargetRequest
@@ -23,6 +24,14 @@ MEGATRON_RANK = "megatron-rank"
 """``FileWrite.kind`` of a ``model_optim_rng.pt`` rank file."""
 DISTRIBUTED_OPTIMIZER = "distrib-optim"
 """``FileWrite.kind`` of a ``distrib_optim.pt`` file (flat buffers)."""
+
+
+def writable(source: CheckpointView) -> ModelSpec:
+    """The source's model, refused before anything is written where Megatron-LM's arguments
+    cannot build it."""
+    spec = known_model(source, "megatron")
+    mla_args(spec.mla)
+    return spec
 
 
 def weight_dtype(source: CheckpointView, request: TargetRequest) -> str:
@@ -77,7 +86,7 @@ class MegatronTarget(TargetFormat):
     help = "legacy mp_rank_* files with optimizer and training state"
 
     def target_files(self, source: CheckpointView, request: TargetRequest) -> TargetFiles:
-        spec = known_model(source, self.name)
+        spec = writable(source)
         style = request.style
         consolidating = request.layout is None
         if request.layout is None:  # one full checkpoint, still one rank per data-parallel copy

@@ -12,21 +12,24 @@ of one canonical tensor per layer.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from math import prod
 from typing import Any
 
 from ckptctl.formats.megatron.distopt_layout import CHAINED
-from ckptctl.formats.megatron.layout import rank_params
+from ckptctl.formats.megatron.layout import RankParam, rank_params
 from ckptctl.model.catalog import (
     EXPERTS,
     LAYER_PREFIX,
+    MLA_DOWN_PROJECTIONS,
     Naming,
     Param,
     expert_name,
+    local_layer_name,
     parameters,
     state_name,
+    te_layer_suffix,
 )
 from ckptctl.model.geometry import Piece, Shape, Split, shard_shape_and_pieces
 from ckptctl.model.layout import ModelSpec, ParallelLayout
@@ -109,7 +112,7 @@ def chunk_parts(
     parts = []
     per_layer = prod(inner_sizes)
     for name, index in names:
-        param = catalog.get(name) or catalog.get(name.replace(_FUSED_PRE_MLP, _PRE_MLP, 1))
+        param = _param_of(name, catalog)
         if param is None or len(param.shape) != len(inner_sizes):
             return None
         clipped = tuple(
@@ -138,6 +141,17 @@ def model_catalog(spec: ModelSpec) -> dict[str, Param]:
     return {p.name: p for p in parameters(spec)}
 
 
+def _param_of(name: str, catalog: dict[str, Param]) -> Param | None:
+    """The parameter a stored key names: in TE spelling; the local spec's MoE norm under the
+    fused name; or, under multi-latent attention (whose local spec maps no key to TE's), in the
+    local spec's own spelling."""
+    found = catalog.get(name) or catalog.get(name.replace(_FUSED_PRE_MLP, _PRE_MLP, 1))
+    if found is None and name.startswith(LAYER_PREFIX):
+        layer, _, suffix = name[len(LAYER_PREFIX) :].partition(".")
+        found = catalog.get(f"{LAYER_PREFIX}{layer}.{te_layer_suffix(suffix, mla=True)}")
+    return found
+
+
 # --- writing -----------------------------------------------------------------------------------
 
 
@@ -155,7 +169,14 @@ class TargetChunk:
     pieces: tuple[Piece, ...]
 
 
-def torch_dist_key(param: Param, naming: Naming = Naming.TE) -> str:
+def local_split(rp: RankParam) -> RankParam:
+    """``rp`` as the local spec splits it (MLA's down projections are column-parallel there)."""
+    if rp.param.layer is None or not rp.param.name.endswith(tuple(MLA_DOWN_PROJECTIONS)):
+        return rp
+    return replace(rp, param=replace(rp.param, split=Split.COLUMN))
+
+
+def torch_dist_key(param: Param, naming: Naming = Naming.TE, mla: bool = False) -> str:
     """The sharded key: layer parameters without their layer number (a leading layer
     dimension instead), routed experts also without their number (an expert dimension)."""
     if param.layer is None:
@@ -165,6 +186,9 @@ def torch_dist_key(param: Param, naming: Naming = Naming.TE) -> str:
         return (
             f"{LAYER_PREFIX}{EXPERTS_KEY}{suffix.split('.local_experts.', 1)[1].split('.', 1)[1]}"
         )
+    if naming is Naming.LOCAL and mla:
+        # megatron-core's local multi-latent attention spec maps no key: local spelling.
+        return f"{LAYER_PREFIX}{local_layer_name(suffix, naming, mla=True)}"
     if naming is Naming.LOCAL and suffix.startswith(_PRE_MLP):
         # The local spec maps the MoE layer's norm onto the dense layer's fused name.
         suffix = suffix.replace(_PRE_MLP, _FUSED_PRE_MLP, 1)
@@ -206,7 +230,11 @@ def rank_chunks(
     tp_rank, pp_rank, ep_rank = rank
     padded = spec.padded_vocab_size(layout.tp)
     out: list[TargetChunk] = []
+    # TE's parameter order (megatron-core saves by key, so the order only fixes the files');
+    # the local spec's split of MLA's down projections, which is not TE's.
     params = rank_params(spec, layout, pp_rank, ep_rank=ep_rank)
+    if naming is Naming.LOCAL and spec.mla is not None:
+        params = [local_split(rp) for rp in params]
     for prefix_state in (None, *states):
         for rp in params:
             param = rp.param
@@ -243,7 +271,7 @@ def _chunks(
     """The boxes of one TP (or expert TP) shard of ``param`` (or of its optimizer state)."""
     size, shard_rank = shard
     local, pieces = shard_shape_and_pieces(param.split, param.shape, size, shard_rank, padded)
-    key = torch_dist_key(param, naming)
+    key = torch_dist_key(param, naming, spec.mla is not None)
     if prefix_state is not None:
         key = optimizer_key(prefix_state, key, param, layout)
     canonical = state_name(prefix_state, param.name) if prefix_state else param.name
@@ -347,14 +375,23 @@ layer has shared experts' linears instead of ``mlp.linear_fc*``, and per-expert 
 extra state is an ``(L, E)`` grid."""
 
 
+_MLA_QUERIES = ("linear_q_down_proj", "linear_q_up_proj")
+"""Multi-latent attention's linears in place of ``linear_qkv`` (``linear_q_proj`` when queries
+are not compressed)."""
+
+
 def extra_state_keys(
     spec: ModelSpec, layers: list[int], experts: range = range(0), dense: bool = True
 ) -> list[str]:
     """Empty ``_extra_state`` items of ``layers``: the dense modules' (``dense``) and the
     ``experts``' own."""
     modules: tuple[str, ...] = EXTRA_STATE_MODULES
+    if spec.mla is not None:
+        queries = ("linear_q_proj",) if spec.mla.q_lora_rank is None else _MLA_QUERIES
+        attention = (*queries, "linear_kv_down_proj", "linear_kv_up_proj")
+        modules = (*(f"self_attention.{m}" for m in attention), *modules[1:])
     if spec.is_moe:
-        modules = modules[:3]
+        modules = modules[: len(modules) - 2]
         if spec.moe_shared_expert_intermediate_size:
             modules += ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
     keys: list[str] = []

@@ -11,8 +11,13 @@ from ckptctl.formats.megatron.layout import (
     tracker_text,
 )
 from ckptctl.formats.megatron.rank_state import carry_source_state
-from ckptctl.formats.megatron.target import megatron_notes, refuse_frozen, weight_dtype
-from ckptctl.formats.target import RESHARD, TargetFormat, known_model
+from ckptctl.formats.megatron.target import (
+    megatron_notes,
+    refuse_frozen,
+    weight_dtype,
+    writable,
+)
+from ckptctl.formats.target import RESHARD, TargetFormat
 from ckptctl.formats.torch_dist.dp_reshardable_targets import with_buckets
 from ckptctl.formats.torch_dist.layout import MCORE_METADATA, MCORE_METADATA_TEXT, torch_dist_files
 from ckptctl.formats.torch_dist.model_space import flattened_files
@@ -31,7 +36,7 @@ class TorchDistTarget(TargetFormat):
     help = "Megatron-Core's DCP format"
 
     def target_files(self, source: CheckpointView, request: TargetRequest) -> TargetFiles:
-        spec = known_model(source, self.name)
+        spec = writable(source)
         style = request.style
         layout = request.layout or ParallelLayout(dp=source.layout.dp)
         dtype = weight_dtype(source, request)

@@ -82,7 +82,6 @@ def test_partial_rotary_is_carried_through_reshards_and_refused_for_hf(
     ("field", "value"),
     [
         ("apply_layernorm_1p", True),
-        ("multi_latent_attention", True),
         ("mtp_num_layers", 1),
         ("use_rope_scaling", True),
         ("window_size", (4096, 0)),
@@ -100,6 +99,14 @@ def test_unmapped_math_changing_fields_are_refused_by_name(
         assert f"args.{field}={value!r}" in result.stderr, result.stderr
         assert "Traceback" not in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_an_mla_field_ckptctl_cannot_carry_is_refused_by_name(llama: Path, cli) -> None:
+    """Multi-latent attention is read (``test_megatron_lm_mla.py``); its down projections
+    fused into one tensor (``--mla-down-proj-fusion``) are not, and say so."""
+    _edit_args(llama, multi_latent_attention=True, mla_down_proj_fusion=True)
+    result = cli("inspect", llama, code=2)
+    assert "args.mla_down_proj_fusion=True" in result.stderr, result.stderr
 
 
 def test_args_that_call_for_tensors_the_files_lack_are_refused(llama: Path, cli) -> None:
