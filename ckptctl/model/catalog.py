@@ -230,14 +230,16 @@ def _mla_attention(spec: ModelSpec, layernorm: bool) -> list[tuple[str, Shape, S
     return out
 
 
-def layer_suffixes(spec: ModelSpec) -> list[tuple[str, Shape, Split]]:
+def layer_suffixes(spec: ModelSpec, moe: bool | None = None) -> list[tuple[str, Shape, Split]]:
     """Parameters of one transformer layer in Megatron-Core's registration order; an MoE
-    layer's routed experts are the one ``EXPERTS`` entry (see ``expert_suffixes``)."""
+    layer's routed experts are the one ``EXPERTS`` entry (see ``expert_suffixes``). ``moe``
+    says which kind of layer of a model with dense and MoE layers (default: the model's)."""
+    moe = spec.is_moe if moe is None else moe
     h, d = spec.hidden_size, spec.kv_channels
     bias = spec.add_bias_linear
     layernorm = spec.normalization is NormKind.LAYERNORM
     if spec.mla is not None:
-        return _mla_attention(spec, layernorm) + _mlp(spec, layernorm)
+        return _mla_attention(spec, layernorm) + _mlp(spec, layernorm, moe)
     out: list[tuple[str, Shape, Split]] = [
         ("self_attention.linear_proj.weight", (h, spec.num_attention_heads * d), Split.ROW)
     ]
@@ -255,12 +257,12 @@ def layer_suffixes(spec: ModelSpec) -> list[tuple[str, Shape, Split]]:
             out.append((f"self_attention.{which}_layernorm.weight", (d,), Split.REPLICATED))
             if layernorm:
                 out.append((f"self_attention.{which}_layernorm.bias", (d,), Split.REPLICATED))
-    return out + _mlp(spec, layernorm)
+    return out + _mlp(spec, layernorm, moe)
 
 
-def _mlp(spec: ModelSpec, layernorm: bool) -> list[tuple[str, Shape, Split]]:
+def _mlp(spec: ModelSpec, layernorm: bool, moe: bool) -> list[tuple[str, Shape, Split]]:
     """A layer's MLP part: routed experts, or a dense MLP with the pre-MLP norm fused."""
-    if spec.is_moe:
+    if moe:
         return _moe_mlp(spec, layernorm)
     h, bias = spec.hidden_size, spec.add_bias_linear
     out: list[tuple[str, Shape, Split]] = []
@@ -275,6 +277,19 @@ def _mlp(spec: ModelSpec, layernorm: bool) -> list[tuple[str, Shape, Split]]:
     if bias:
         out.append(("mlp.linear_fc2.bias", (h,), Split.REPLICATED))
     return out
+
+
+def suffix_order(spec: ModelSpec) -> list[str]:
+    """One order for the layers of every kind (dense, MoE) of ``spec``: an MoE layer's, with
+    a dense layer's MLP suffixes where its MLP part starts; each layer takes the suffixes it
+    has, in this order."""
+    suffixes = [s for s, _, _ in layer_suffixes(spec)]
+    if not spec.is_moe or not spec.dense_layers:
+        return suffixes
+    dense = [s for s, _, _ in layer_suffixes(spec, moe=False)]
+    mlp = [s for s in dense if s not in suffixes]
+    at = next(i for i, s in enumerate(suffixes) if s.startswith(("pre_mlp_layernorm.", "mlp.")))
+    return suffixes[:at] + mlp + suffixes[at:]
 
 
 def local_spec_order(suffixes: list[str]) -> list[str]:
@@ -311,11 +326,11 @@ def _parameters(spec: ModelSpec) -> tuple[Param, ...]:
                 Stage.FIRST,
             )
         )
-    suffixes = layer_suffixes(spec)
+    kinds = {moe: layer_suffixes(spec, moe) for moe in (False, spec.is_moe)}
     experts = expert_suffixes(spec) if spec.is_moe else []
     for layer in range(spec.num_layers):
         prefix = f"{LAYER_PREFIX}{layer}."
-        for suffix, shape, split in suffixes:
+        for suffix, shape, split in kinds[spec.is_moe_layer(layer)]:
             if suffix == EXPERTS:
                 params.extend(
                     Param(expert_name(prefix, e, sub), sub_shape, sub_split, Stage.LAYER, layer, e)

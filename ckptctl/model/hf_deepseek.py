@@ -1,10 +1,10 @@
 """DeepSeek-V3's HF family (``DeepseekV3ForCausalLM``: DeepSeek-V3/R1, Kimi K2, Moonlight) as
-far as ckptctl carries it: multi-latent attention and, in every layer, either a dense SwiGLU
-MLP or routed experts with a shared expert and a sigmoid router with its score-correction bias
-and group-limited top-k. Its ``config.json`` read strictly and written back. Pure.
+far as ckptctl carries it: multi-latent attention, and dense SwiGLU MLPs in the first layers
+and routed experts with a shared expert and a sigmoid router (score-correction bias,
+group-limited top-k) in the others. Its ``config.json`` read strictly and written back. Pure.
 
-Not carried yet, and refused by name: dense layers before the MoE layers (``first_k_dense_replace``
-between 0 and the number of layers), multi-token prediction layers
+Dense layers first and routed ones after (``first_k_dense_replace``) are the model
+description's ``dense_layers``. Not carried yet, and refused by name: multi-token prediction layers
 (``num_nextn_predict_layers``), and queries rotated in halves rather than in interleaved pairs
 (``rope_interleave=false``: Megatron-Core's multi-latent attention rotates the layout the hub's
 checkpoints hold, which transformers reads with ``rope_interleave=true``).
@@ -89,6 +89,11 @@ def family_problems(spec: ModelSpec, cls: str) -> list[str]:
         problems.append(f"{cls} routes by sigmoid, not {spec.moe_router_score_function}")
     if not spec.moe_router_expert_bias:
         problems.append(f"{cls} has a router score-correction bias (moe_router_enable_expert_bias)")
+    if spec.dense_layers != tuple(range(len(spec.dense_layers))):
+        problems.append(
+            f"{cls}'s dense layers come first (first_k_dense_replace); this model's are "
+            f"layers {list(spec.dense_layers)}"
+        )
     if spec.moe_shared_expert_gate:
         problems.append(f"{cls} has no gate on its shared experts")
     shared = spec.moe_shared_expert_intermediate_size
@@ -121,7 +126,7 @@ def config(spec: ModelSpec) -> dict[str, Any]:
     if spec.is_moe:
         experts = spec.num_experts or 0
         out.update(
-            first_k_dense_replace=0,
+            first_k_dense_replace=len(spec.dense_layers),
             n_routed_experts=experts,
             num_experts_per_tok=spec.moe_router_topk,
             moe_intermediate_size=spec.expert_ffn_size,
@@ -162,11 +167,6 @@ def spec_fields(config: Mapping[str, Any]) -> dict[str, Any]:
     problems = []
     layers = config["num_hidden_layers"]
     dense_first = _int(config, "first_k_dense_replace", 3)
-    if 0 < dense_first < layers:
-        problems.append(
-            f"first_k_dense_replace={dense_first}: dense layers before MoE layers are not "
-            "supported yet"
-        )
     mtp = _int(config, "num_nextn_predict_layers", 0)
     if mtp:
         problems.append(f"num_nextn_predict_layers={mtp}: multi-token prediction layers are not "
@@ -197,7 +197,7 @@ def spec_fields(config: Mapping[str, Any]) -> dict[str, Any]:
     ):
         if key in config and config[key] != plain:
             problems.append(f"{key}={config[key]!r}")
-    moe = dense_first == 0
+    moe = dense_first < layers
     if moe and config.get("norm_topk_prob", True) is not True:
         problems.append(
             "norm_topk_prob=false: Megatron renormalises the top-k weights of a sigmoid router"
@@ -222,6 +222,7 @@ def spec_fields(config: Mapping[str, Any]) -> dict[str, Any]:
     ffn = _int(config, "moe_intermediate_size", 2048)
     groups = _int(config, "n_group", 1)
     return out | {
+        "dense_layers": tuple(range(dense_first)),
         "num_experts": experts,
         "moe_ffn_hidden_size": ffn,
         "moe_router_topk": _int(config, "num_experts_per_tok", 8),

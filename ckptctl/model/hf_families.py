@@ -268,6 +268,9 @@ def _moe_problems(spec: ModelSpec, family: Family) -> list[str]:
     if not spec.is_moe:
         return [f"{cls} is a mixture-of-experts class; this model is dense"]
     problems = []
+    if spec.dense_layers:
+        problems.append(f"{cls} has experts in every layer; layers {list(spec.dense_layers)} of "
+                        "this model are dense")  # fmt: skip
     if spec.moe_router_score_function is not RouterScore.SOFTMAX:
         problems.append(f"{cls} routes by softmax, not {spec.moe_router_score_function}")
     if spec.moe_router_expert_bias:

@@ -84,7 +84,7 @@ def hf_tensors(spec: ModelSpec) -> list[Entry]:
         if spec.qk_layernorm and spec.mla is None:
             whole(f"{dst}self_attn.q_norm.weight", f"{src}self_attention.q_layernorm.weight", (d,))
             whole(f"{dst}self_attn.k_norm.weight", f"{src}self_attention.k_layernorm.weight", (d,))
-        if family.moe is not None and spec.is_moe:
+        if family.moe is not None and spec.is_moe_layer(i):
             out.extend(_moe_tensors(spec, family.moe, src, dst))
             pre_mlp_norm = f"{src}pre_mlp_layernorm.weight"
         else:

@@ -114,6 +114,9 @@ class ModelSpec(_Frozen):
     """FFN size of the always-on shared expert(s) of each MoE layer; unset: none."""
     moe_shared_expert_gate: bool = False
     """A sigmoid gate (``gate_weight``, one row) scaling the shared experts' output."""
+    dense_layers: tuple[StrictInt, ...] = ()
+    """Layers whose MLP is dense although the model has experts (Megatron's ``moe_layer_freq``
+    0 entries; DeepSeek-V3's first three, ``first_k_dense_replace``)."""
     moe_router_num_groups: StrictInt | None = None
     """Group-limited routing (DeepSeek-V3): experts in this many groups, tokens routed within
     the ``moe_router_group_topk`` best groups only; unset: no groups."""
@@ -178,11 +181,12 @@ class ModelSpec(_Frozen):
                 "moe_router_num_groups",
                 "moe_router_group_topk",
                 "moe_router_topk_scaling_factor",
+                "dense_layers",
             )
             return [
                 f"{name} is set but num_experts is not"
                 for name in moe_only
-                if getattr(self, name) not in (None, False)
+                if getattr(self, name) not in (None, False, ())
             ]
         problems = []
         if self.num_experts < 1:
@@ -198,6 +202,14 @@ class ModelSpec(_Frozen):
                 problems.append(f"{name}={value} must be positive")
         if self.moe_shared_expert_gate and not self.moe_shared_expert_intermediate_size:
             problems.append("moe_shared_expert_gate needs moe_shared_expert_intermediate_size")
+        dense = self.dense_layers
+        if list(dense) != sorted(set(dense)) or any(not 0 <= i < self.num_layers for i in dense):
+            problems.append(
+                f"dense_layers={list(dense)} must be distinct layer indices below num_layers="
+                f"{self.num_layers}, in order"
+            )
+        elif len(dense) == self.num_layers:
+            problems.append("dense_layers holds every layer: the model has no MoE layer")
         groups, best = self.moe_router_num_groups, self.moe_router_group_topk
         if (groups is None) != (best is None):
             problems.append("moe_router_num_groups and moe_router_group_topk go together")
@@ -213,6 +225,10 @@ class ModelSpec(_Frozen):
     @property
     def is_moe(self) -> bool:
         return self.num_experts is not None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is routed experts."""
+        return self.num_experts is not None and layer not in self.dense_layers
 
     @property
     def expert_ffn_size(self) -> int:
@@ -253,7 +269,10 @@ class ModelSpec(_Frozen):
         return ", ".join(parts)
 
     def moe_description(self) -> str:
-        routing = f"top-{self.moe_router_topk} of {self.num_experts} experts (ffn "
+        routing = ""
+        if self.dense_layers:
+            routing = f"dense MLP in layers {_ranges(self.dense_layers)}, elsewhere "
+        routing += f"top-{self.moe_router_topk} of {self.num_experts} experts (ffn "
         routing += f"{self.expert_ffn_size}, {self.moe_router_score_function}"
         routing += " before top-k)" if self.moe_router_pre_softmax else ")"
         if self.moe_router_expert_bias:
@@ -292,6 +311,20 @@ class ModelSpec(_Frozen):
         """Megatron's padding: the next multiple of ``make_vocab_size_divisible_by * tp``."""
         multiple = self.make_vocab_size_divisible_by * tp
         return ceil(self.vocab_size / multiple) * multiple
+
+
+def _ranges(layers: tuple[int, ...]) -> str:
+    """``0-2, 7`` for (0, 1, 2, 7)."""
+    out: list[str] = []
+    start = prev = layers[0]
+    for layer in (*layers[1:], None):
+        if layer is not None and layer == prev + 1:
+            prev = layer
+            continue
+        out.append(str(start) if start == prev else f"{start}-{prev}")
+        if layer is not None:
+            start = prev = layer
+    return ", ".join(out)
 
 
 class ParallelLayout(_Frozen):
@@ -360,7 +393,7 @@ class ParallelLayout(_Frozen):
             problems.append(
                 f"tp={t} does not divide num_attention_heads={spec.num_attention_heads}"
             )
-        if spec.ffn_hidden_size % t and not spec.is_moe:
+        if spec.ffn_hidden_size % t and (not spec.is_moe or spec.dense_layers):
             problems.append(f"tp={t} does not divide ffn_hidden_size={spec.ffn_hidden_size}")
         problems.extend(self._expert_problems(spec))
         try:

@@ -252,7 +252,23 @@ def _moe_spec(args: argparse.Namespace) -> dict[str, Any]:
         "moe_router_num_groups": _arg(args, "moe_router_num_groups"),
         "moe_router_group_topk": _arg(args, "moe_router_group_topk"),
         "moe_router_topk_scaling_factor": _scaling(args),
+        "dense_layers": dense_layers(_arg(args, "moe_layer_freq", default=1), args.num_layers),
     }
+
+
+def dense_layers(freq: Any, num_layers: int) -> tuple[int, ...]:
+    """The dense layers of ``--moe-layer-freq`` as megatron-core reads it: N (or "N") makes
+    every N-th layer an MoE layer, from layer 0; a list says it per layer (0: dense)."""
+    if isinstance(freq, str) and freq.strip().isdigit():
+        freq = int(freq)
+    if isinstance(freq, int) and not isinstance(freq, bool) and freq >= 1:
+        return tuple(i for i in range(num_layers) if i % freq)
+    if isinstance(freq, list | tuple) and len(freq) == num_layers and set(freq) <= {0, 1}:
+        return tuple(i for i, moe in enumerate(freq) if not moe)
+    raise LayoutError(
+        f"args.moe_layer_freq={freq!r}: not a layer frequency or a 0/1 pattern of "
+        f"{num_layers} layers"
+    )
 
 
 def _scaling(args: argparse.Namespace) -> float | None:
@@ -381,6 +397,9 @@ def _moe_args(spec: ModelSpec) -> dict[str, Any]:
         "moe_router_num_groups": spec.moe_router_num_groups,
         "moe_router_group_topk": spec.moe_router_group_topk,
         "moe_router_topk_scaling_factor": spec.moe_router_topk_scaling_factor,
+        "moe_layer_freq": (
+            [int(spec.is_moe_layer(i)) for i in range(spec.num_layers)] if spec.dense_layers else 1
+        ),
         "moe_grouped_gemm": False,
     }
 

@@ -149,6 +149,7 @@ MOE_MAPPED = frozenset(
     moe_router_enable_expert_bias moe_router_group_topk moe_router_num_groups
     moe_router_pre_softmax moe_router_score_function moe_router_topk
     moe_router_topk_scaling_factor moe_shared_expert_gate moe_shared_expert_intermediate_size
+    moe_layer_freq
     moe_use_legacy_grouped_gemm
     """.split()
 )
@@ -158,7 +159,6 @@ MOE_PLAIN_VALUES: dict[str, tuple[object, ...]] = {
     "moe_apply_probs_on_input": (False,),
     "moe_extended_tp": (False,),
     "moe_latent_size": (None,),
-    "moe_layer_freq": (1, "1"),
     "moe_mlp_glu_interleave_size": (None,),
     "moe_router_force_biased": (None,),
     "moe_router_force_load_balancing": (False,),

@@ -31,6 +31,7 @@ from ckptctl.model.catalog import (
     local_spec_order,
     parameters,
     state_name,
+    suffix_order,
 )
 from ckptctl.model.geometry import Piece, Shape, Split, shard_shape_and_pieces
 from ckptctl.model.layout import ModelSpec, ParallelLayout
@@ -107,7 +108,7 @@ def expert_naming_from_args(args: Any) -> ExpertNaming:
 def default_layer_order(spec: ModelSpec, naming: Naming) -> tuple[str, ...]:
     """A layer's parameters (TE spelling) in megatron-core's ``named_parameters`` order for
     the layer spec that ``naming`` belongs to."""
-    suffixes = [s for s, _, _ in layer_suffixes(spec)]
+    suffixes = suffix_order(spec)
     return tuple(local_spec_order(suffixes) if naming is Naming.LOCAL else suffixes)
 
 
@@ -130,6 +131,8 @@ def rank_params(
     chunks = layout.chunk_layers(spec.num_layers)
     last_stage, last_chunk = layout.pp - 1, layout.vpp - 1
     mla = spec.mla is not None
+    # A model of dense and MoE layers: each layer takes the suffixes of its kind from the order.
+    kinds = {moe: {s for s, _, _ in layer_suffixes(spec, moe)} for moe in (False, spec.is_moe)}
     out: list[RankParam] = []
     for chunk in range(layout.vpp):
         model_key = "model" if layout.vpp == 1 else f"model{chunk}"
@@ -138,7 +141,10 @@ def rank_params(
         layers = chunks[(pp_rank, chunk)]
         for local, layer in enumerate(layers):
             prefix, local_prefix = f"{LAYER_PREFIX}{layer}.", f"{LAYER_PREFIX}{local}."
+            kind = kinds[spec.is_moe_layer(layer)]
             for suffix in order:
+                if suffix not in kind:
+                    continue
                 if suffix == EXPERTS:
                     grouped = expert_naming is ExpertNaming.GROUPED
                     out.extend(

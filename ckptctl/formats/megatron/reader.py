@@ -44,7 +44,7 @@ from ckptctl.model.catalog import (
     LAYER_PREFIX,
     ExpertNaming,
     Naming,
-    layer_suffixes,
+    suffix_order,
     te_layer_suffix,
     uses_local_names,
 )
@@ -139,17 +139,25 @@ def find_iteration(storage: Storage, iteration: int | None) -> tuple[str, int | 
     )
 
 
-def _layer_order(model: dict[str, Any], moe: bool, mla: bool) -> tuple[str, ...]:
-    """Layer-relative parameter names of local layer 0, in stored order, TE spelling; an MoE
-    layer's experts collapse into the one ``EXPERTS`` marker where their block starts."""
-    prefix = f"{LAYER_PREFIX}0."
-    suffixes = [
-        te_layer_suffix(k[len(prefix) :], moe, mla)
-        for k in model
-        if k.startswith(prefix) and not k.endswith(_EXTRA_STATE)
-    ]
+def _layer_order(models: list[dict[str, Any]], mla: bool) -> tuple[str, ...]:
+    """Layer-relative parameter names in stored order, TE spelling, over every layer the files
+    hold (a model of dense and MoE layers has two kinds: each layer's own suffixes keep their
+    order, those of the kind seen later follow); an MoE layer's experts collapse into the one
+    ``EXPERTS`` marker where their block starts."""
+    layers: dict[tuple[int, str], list[str]] = {}
+    for n, model in enumerate(models):
+        for key in model:
+            if not key.startswith(LAYER_PREFIX) or key.endswith(_EXTRA_STATE):
+                continue
+            local, _, suffix = key[len(LAYER_PREFIX) :].partition(".")
+            layers.setdefault((n, local), []).append(suffix)
+    out: list[str] = []
     expert_prefix = f"{EXPERTS}."
-    out = [s if not s.startswith(expert_prefix) else EXPERTS for s in suffixes]
+    for suffixes in layers.values():
+        moe = any(s.startswith("mlp.router.") for s in suffixes)
+        for suffix in suffixes:
+            te = te_layer_suffix(suffix, moe, mla)
+            out.append(EXPERTS if te.startswith(expert_prefix) else te)
     return tuple(dict.fromkeys(out))
 
 
@@ -265,11 +273,11 @@ def probe_megatron(
     names = [k for m in models for k in m]
     mla = spec.mla is not None
     naming = Naming.LOCAL if uses_local_names(names, mla) else Naming.TE
-    stored_order = next((o for m in models if (o := _layer_order(m, spec.is_moe, mla))), ())
+    stored_order = _layer_order(models, mla)
     expert_naming = _expert_naming(names, storage.describe(first_rel))
     # Unknown names are reported by the file check below, missing ones too: the order keeps the
     # catalog's parameters only, in the order the files store them.
-    known = [suffix for suffix, _, _ in layer_suffixes(spec)]
+    known = suffix_order(spec)
     in_files = [s for s in stored_order if s in known]
     absent = [s for s in known if s not in in_files]
     if stored_order and absent:

@@ -84,6 +84,16 @@ def is_stacked(key: str) -> bool:
     return key.startswith(LAYER_PREFIX) and not key[len(LAYER_PREFIX) :].split(".")[0].isdigit()
 
 
+def _numbered_experts(key: str) -> tuple[str, str] | None:
+    """``(layer prefix, expert suffix)`` of a numbered layer's stacked experts key."""
+    if not key.startswith(LAYER_PREFIX):
+        return None
+    layer, _, rest = key[len(LAYER_PREFIX) :].partition(".")
+    if not layer.isdigit() or not rest.startswith(EXPERTS_KEY):
+        return None
+    return f"{LAYER_PREFIX}{layer}.", rest[len(EXPERTS_KEY) :]
+
+
 def chunk_parts(
     fqn: str, offsets: Shape, sizes: Shape, catalog: dict[str, Param]
 ) -> list[ChunkPart] | None:
@@ -92,6 +102,8 @@ def chunk_parts(
     state, key = split_key(fqn)
     if state == "?":
         return None
+    # Records with leading layer / expert dimensions hold their parts as views.
+    leading = is_stacked(key) or _numbered_experts(key) is not None
     if is_stacked(key) and key[len(LAYER_PREFIX) :].startswith(EXPERTS_KEY):
         suffix = key[len(LAYER_PREFIX) + len(EXPERTS_KEY) :]
         (first, expert), (layers, experts) = offsets[:2], sizes[:2]
@@ -101,6 +113,13 @@ def chunk_parts(
             for i in range(layers)
             for j in range(experts)
         ]
+    elif (numbered := _numbered_experts(key)) is not None:
+        # Dense and MoE layers mixed: megatron-core keys each layer by its number, a layer's
+        # experts stacked in one dimension.
+        prefix, suffix = numbered
+        expert, experts = offsets[0], sizes[0]
+        inner_offsets, inner_sizes = offsets[1:], sizes[1:]
+        names = [(expert_name(prefix, expert + j, suffix), j) for j in range(experts)]
     elif is_stacked(key):
         suffix = key[len(LAYER_PREFIX) :]
         first, layers = offsets[0], sizes[0]
@@ -125,7 +144,7 @@ def chunk_parts(
                 canonical=state_name(state, param.name) if state else param.name,
                 shape=inner_sizes,
                 # Layer parts are views of the record, which has the extra layer dimension.
-                view_offset=index * per_layer if is_stacked(key) else None,
+                view_offset=index * per_layer if leading else None,
                 pieces=pieces,
             )
         )
@@ -176,23 +195,26 @@ def local_split(rp: RankParam) -> RankParam:
     return replace(rp, param=replace(rp.param, split=Split.COLUMN))
 
 
-def torch_dist_key(param: Param, naming: Naming = Naming.TE, mla: bool = False) -> str:
+def torch_dist_key(
+    param: Param, naming: Naming = Naming.TE, mla: bool = False, numbered: bool = False
+) -> str:
     """The sharded key: layer parameters without their layer number (a leading layer
     dimension instead), routed experts also without their number (an expert dimension)."""
     if param.layer is None:
         return param.name
     suffix = param.name[len(LAYER_PREFIX) :].split(".", 1)[1]
+    # Dense and MoE layers mixed: megatron-core keys each layer by its number.
+    layer = f"{param.layer}." if numbered else ""
     if param.expert is not None:
-        return (
-            f"{LAYER_PREFIX}{EXPERTS_KEY}{suffix.split('.local_experts.', 1)[1].split('.', 1)[1]}"
-        )
+        expert = suffix.split(".local_experts.", 1)[1].split(".", 1)[1]
+        return f"{LAYER_PREFIX}{layer}{EXPERTS_KEY}{expert}"
     if naming is Naming.LOCAL and mla:
         # megatron-core's local multi-latent attention spec maps no key: local spelling.
-        return f"{LAYER_PREFIX}{local_layer_name(suffix, naming, mla=True)}"
+        return f"{LAYER_PREFIX}{layer}{local_layer_name(suffix, naming, mla=True)}"
     if naming is Naming.LOCAL and suffix.startswith(_PRE_MLP):
         # The local spec maps the MoE layer's norm onto the dense layer's fused name.
         suffix = suffix.replace(_PRE_MLP, _FUSED_PRE_MLP, 1)
-    return f"{LAYER_PREFIX}{suffix}"
+    return f"{LAYER_PREFIX}{layer}{suffix}"
 
 
 def global_shape(param: Param, spec: ModelSpec, tp: int) -> Shape:
@@ -200,8 +222,9 @@ def global_shape(param: Param, spec: ModelSpec, tp: int) -> Shape:
     if param.split is Split.VOCAB:
         shape = (spec.padded_vocab_size(tp), *shape[1:])
     if param.expert is not None:
-        return (spec.num_layers, spec.num_experts or 0, *shape)
-    return (spec.num_layers, *shape) if param.layer is not None else shape
+        layers = () if spec.dense_layers else (spec.num_layers,)
+        return (*layers, spec.num_experts or 0, *shape)
+    return (spec.num_layers, *shape) if param.layer is not None and not spec.dense_layers else shape
 
 
 def optimizer_key(state: str, key: str, param: Param, layout: ParallelLayout) -> str:
@@ -271,7 +294,7 @@ def _chunks(
     """The boxes of one TP (or expert TP) shard of ``param`` (or of its optimizer state)."""
     size, shard_rank = shard
     local, pieces = shard_shape_and_pieces(param.split, param.shape, size, shard_rank, padded)
-    key = torch_dist_key(param, naming, spec.mla is not None)
+    key = torch_dist_key(param, naming, spec.mla is not None, bool(spec.dense_layers))
     if prefix_state is not None:
         key = optimizer_key(prefix_state, key, param, layout)
     canonical = state_name(prefix_state, param.name) if prefix_state else param.name
@@ -283,7 +306,7 @@ def _chunks(
             (p.canonical, p.sizes, (Piece((0,) * len(p.sizes), p.canonical, p.sizes),))
             for p in pieces
         ]
-    lead = _leading(param)
+    lead = _leading(param, spec)
     return [
         TargetChunk(
             fqn=key,
@@ -298,11 +321,13 @@ def _chunks(
     ]
 
 
-def _leading(param: Param) -> tuple[int, ...]:
-    """Offsets of a parameter's chunks in the stacked dimensions: layer, then expert."""
+def _leading(param: Param, spec: ModelSpec) -> tuple[int, ...]:
+    """Offsets of a parameter's chunks in the stacked dimensions: layer, then expert (no layer
+    dimension where dense and MoE layers mix: each layer has keys of its own)."""
     if param.layer is None:
         return ()
-    return (param.layer,) if param.expert is None else (param.layer, param.expert)
+    layers = () if spec.dense_layers else (param.layer,)
+    return layers if param.expert is None else (*layers, param.expert)
 
 
 MCORE_METADATA = "metadata.json"
@@ -357,7 +382,8 @@ def record_geometry(
     _, key = split_key(fqn)
     name = canonical.split("/", 1)[-1]
     param = model_catalog(spec)[name]
-    lead = (1,) * len(_leading(param)) if is_stacked(key) else ()
+    stacked = is_stacked(key) or _numbered_experts(key) is not None
+    lead = (1,) * len(_leading(param, spec)) if stacked else ()
     return global_shape(param, spec, tp), (*lead, *local_shape)
 
 
@@ -380,32 +406,51 @@ _MLA_QUERIES = ("linear_q_down_proj", "linear_q_up_proj")
 are not compressed)."""
 
 
-def extra_state_keys(
-    spec: ModelSpec, layers: list[int], experts: range = range(0), dense: bool = True
-) -> list[str]:
-    """Empty ``_extra_state`` items of ``layers``: the dense modules' (``dense``) and the
-    ``experts``' own."""
+def _extra_state_modules(spec: ModelSpec, moe: bool) -> tuple[str, ...]:
     modules: tuple[str, ...] = EXTRA_STATE_MODULES
     if spec.mla is not None:
         queries = ("linear_q_proj",) if spec.mla.q_lora_rank is None else _MLA_QUERIES
         attention = (*queries, "linear_kv_down_proj", "linear_kv_up_proj")
         modules = (*(f"self_attention.{m}" for m in attention), *modules[1:])
-    if spec.is_moe:
+    if moe:
         modules = modules[: len(modules) - 2]
         if spec.moe_shared_expert_intermediate_size:
             modules += ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
+    return modules
+
+
+def extra_state_keys(
+    spec: ModelSpec, layers: list[int], experts: range = range(0), dense: bool = True
+) -> list[str]:
+    """Empty ``_extra_state`` items of ``layers``: the dense modules' (``dense``) and the
+    ``experts``' own."""
+    kinds = {moe: _extra_state_modules(spec, moe) for moe in (False, spec.is_moe)}
     keys: list[str] = []
     total_experts = spec.num_experts or 0
+    linears = ("linear_fc1", "linear_fc2")
     for layer in layers:
+        moe = spec.is_moe_layer(layer)
+        if spec.dense_layers:  # dense and MoE layers mixed: each layer keyed by its number
+            prefix = f"{LAYER_PREFIX}{layer}."
+            if dense:
+                keys.extend(f"{prefix}{module}._extra_state/shard_0_1" for module in kinds[moe])
+            if moe:
+                keys.extend(
+                    f"{prefix}{EXPERTS_KEY}{linear}._extra_state/shard_{expert}_{total_experts}"
+                    for expert in experts
+                    for linear in linears
+                )
+            continue
         if dense:
             keys.extend(
                 f"{LAYER_PREFIX}{module}._extra_state/shard_{layer}_{spec.num_layers}"
-                for module in modules
+                for module in kinds[moe]
             )
-        keys.extend(
-            f"{LAYER_PREFIX}{EXPERTS_KEY}{linear}._extra_state/"
-            f"shard_{layer}.{expert}_{spec.num_layers}.{total_experts}"
-            for expert in experts
-            for linear in ("linear_fc1", "linear_fc2")
-        )
+        if moe:
+            keys.extend(
+                f"{LAYER_PREFIX}{EXPERTS_KEY}{linear}._extra_state/"
+                f"shard_{layer}.{expert}_{spec.num_layers}.{total_experts}"
+                for expert in experts
+                for linear in linears
+            )
     return keys

@@ -1,7 +1,7 @@
 """DeepSeek-V3's HF family (issue 54): models built by transformers' ``DeepseekV3ForCausalLM``
-(multi-latent attention; every layer dense, or every layer routed with a shared expert and
-DeepSeek's sigmoid router) go to Megatron layouts and back bit for bit with the original's
-logits; what ckptctl does not carry yet is refused by name."""
+(multi-latent attention; dense layers first, routed ones with a shared expert and DeepSeek's
+sigmoid router after) go to Megatron layouts and back bit for bit with the original's logits;
+what ckptctl does not carry yet is refused by name."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 IDS = torch.randint(0, 1000, (2, 13), generator=torch.Generator().manual_seed(5))
 
 
-def _make(root: Path, *, moe: bool, **extra: object) -> torch.nn.Module:
+def _make(root: Path, *, moe: bool, dense_first: int = 1, **extra: object) -> torch.nn.Module:
     sizes: dict[str, object] = dict(
         vocab_size=1000,
         hidden_size=64,
@@ -37,7 +37,7 @@ def _make(root: Path, *, moe: bool, **extra: object) -> torch.nn.Module:
         qk_rope_head_dim=8,
         qk_nope_head_dim=8,
         v_head_dim=16,
-        first_k_dense_replace=0 if moe else 4,
+        first_k_dense_replace=dense_first if moe else 4,
         num_nextn_predict_layers=0,
         max_position_embeddings=128,
         tie_word_embeddings=False,
@@ -63,20 +63,27 @@ def _tensors(root: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    ("moe", "layout"),
-    [(False, ("--tp", "2", "--pp", "2")), (True, ("--tp", "2", "--ep", "2", "--dp", "2"))],
-    ids=["dense", "moe"],
+    ("moe", "dense_first", "layout"),
+    [
+        (False, 4, ("--tp", "2", "--pp", "2")),
+        (True, 0, ("--tp", "2", "--ep", "2", "--dp", "2")),
+        (True, 1, ("--tp", "2", "--pp", "2", "--ep", "2", "--dp", "2")),
+    ],
+    ids=["dense", "moe", "dense-first-moe"],
 )
 def test_deepseek_v3_goes_to_megatron_and_back_bit_exactly(
-    moe: bool, layout: tuple[str, ...], tmp_path: Path, cli
+    moe: bool, dense_first: int, layout: tuple[str, ...], tmp_path: Path, cli
 ) -> None:
+    """Every layer dense; every layer routed; and DeepSeek-V3's own shape, dense layers first
+    (here one, on the first pipeline stage with a routed one)."""
     src = tmp_path / "hf"
-    model = _make(src, moe=moe)
+    model = _make(src, moe=moe, dense_first=dense_first)
     megatron = tmp_path / "megatron"
     cli("reshard", src, megatron, *layout)
     info = cli.json("inspect", megatron)
     assert info["spec"]["mla"]["q_lora_rank"] == 32 and info["spec"]["mla"]["v_head_dim"] == 16
     assert info["spec"]["num_experts"] == (8 if moe else None)
+    assert info["spec"]["dense_layers"] == list(range(dense_first if moe else 0))
     back = tmp_path / "back"
     cli("consolidate", megatron, back, "--format", "hf")
     config = json.loads((back / "config.json").read_text())
@@ -121,7 +128,6 @@ def test_yarn_and_uncompressed_queries_are_carried(tmp_path: Path, cli) -> None:
 @pytest.mark.parametrize(
     ("edit", "named"),
     [
-        ({"first_k_dense_replace": 1}, "first_k_dense_replace=1"),
         ({"num_nextn_predict_layers": 1}, "num_nextn_predict_layers=1"),
         ({"rope_interleave": False}, "rope_interleave=False"),
         ({"rms_norm_eps": 1e-5}, "rms_norm_eps=1e-05"),

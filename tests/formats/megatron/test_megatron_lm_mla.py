@@ -44,11 +44,12 @@ DEEPSEEK_MOE = shlex.split(
     "--moe-shared-expert-intermediate-size 32 --moe-router-score-function sigmoid "
     "--moe-router-enable-expert-bias --moe-router-num-groups 2 --moe-router-group-topk 1 "
     "--moe-router-topk-scaling-factor 2.5 --moe-router-load-balancing-type none "
-    "--moe-aux-loss-coeff 0 --moe-token-dispatcher-type allgather"
+    "--moe-aux-loss-coeff 0 --moe-token-dispatcher-type allgather --moe-layer-freq [0]+[1]"
 )
-"""DeepSeek-V3's router: sigmoid scores, a score-correction bias (updated as it trains), the
-best group of two, weights scaled by 2.5, and a shared expert (the ``allgather`` dispatcher:
-``alltoall`` needs CUDA stream events)."""
+"""DeepSeek-V3's shape: a dense first layer, then routed experts with DeepSeek's router
+(sigmoid scores, a score-correction bias updated as it trains, the best group of two, weights
+scaled by 2.5) and a shared expert (the ``allgather`` dispatcher: ``alltoall`` needs CUDA
+stream events)."""
 
 
 def _hf_logits(hf: Path, tokens: torch.Tensor) -> torch.Tensor:
@@ -134,19 +135,20 @@ def test_an_mla_torch_dist_run_reshards_as_megatron_lm_reshards_it(
 def test_a_deepseek_style_moe_run_becomes_deepseek_v3_with_megatrons_logits(
     tmp_path_factory: pytest.TempPathFactory, cli
 ) -> None:
-    """MLA with DeepSeek-V3's router (sigmoid, score-correction bias, group-limited top-k,
-    scaled weights) and a shared expert: HF gives Megatron's logits, and an EP round trip comes
-    back bit for bit."""
+    """MLA, a dense first layer and MoE after it with DeepSeek-V3's router and a shared expert:
+    HF gives Megatron's logits, and an EP round trip comes back bit for bit."""
     root = tmp_path_factory.mktemp("megatron-lm-mla-moe")
     ckpt, logits = root / "legacy", root / "logits.pt"
     save = ["--save", str(ckpt), "--save-interval", "1000", "--ckpt-format", "torch"]
     train(root / "first", [*ARGS, *DEEPSEEK_MOE, *save], steps=SAVED_STEPS, logits=logits)
     spec = cli.json("inspect", ckpt)["spec"]
     assert spec["moe_router_num_groups"] == 2 and spec["moe_router_topk_scaling_factor"] == 2.5
+    assert spec["dense_layers"] == [0]
     hf = root / "hf"
     cli("consolidate", ckpt, hf, "--format", "hf")
     config = json.loads((hf / "config.json").read_text())
     assert (config["n_group"], config["topk_group"], config["n_shared_experts"]) == (2, 1, 1)
+    assert config["first_k_dense_replace"] == 1
     megatron = torch.load(logits, weights_only=True)
     logits_hf = _hf_logits(hf, megatron["tokens"])
     # the experts' outputs are summed in another order: equal to fp32 rounding
@@ -155,3 +157,30 @@ def test_a_deepseek_style_moe_run_becomes_deepseek_v3_with_megatrons_logits(
     cli("reshard", ckpt, ep2, "--ep", "2", "--dp", "2")
     cli("reshard", ep2, back, "--ep", "1", "--dp", "1")
     assert cli.json("verify", back, "--against", ckpt)["ok"]
+
+
+def test_a_deepseek_style_torch_dist_run_reshards_as_megatron_lm_reshards_it(
+    tmp_path_factory: pytest.TempPathFactory, cli
+) -> None:
+    """The same model saved as ``torch_dist`` (its dense and MoE layers stacked under shared
+    keys): HF gives Megatron's logits, and ckptctl's EP2 reshard resumes with exactly the
+    losses of Megatron-LM's own EP2 reshard on load (MoE at TP2 needs sequence parallelism,
+    which Megatron-LM asks for; Megatron-LM moves no optimizer state from one optimizer to a
+    chained one, so both load the weights only)."""
+    root = tmp_path_factory.mktemp("megatron-lm-mla-moe-dist")
+    ckpt, logits = root / "torch_dist", root / "logits.pt"
+    save = ["--save", str(ckpt), "--save-interval", "1000", "--ckpt-format", "torch_dist"]
+    args = [*ARGS, *DEEPSEEK_MOE]
+    train(root / "first", [*args, *save], steps=SAVED_STEPS, logits=logits)
+    hf = root / "hf"
+    cli("consolidate", ckpt, hf, "--format", "hf")
+    megatron = torch.load(logits, weights_only=True)
+    logits_hf = _hf_logits(hf, megatron["tokens"])
+    torch.testing.assert_close(logits_hf, megatron["logits"][..., :1000], rtol=0, atol=1e-6)
+    ep2 = root / "ep2"
+    cli("reshard", ckpt, ep2, "--ep", "2", "--dp", "2")
+    at_ep2 = ["--ckpt-format", "torch_dist", "--expert-model-parallel-size", "2"]
+    at_ep2 += ["--global-batch-size", "4", "--no-load-optim", "--no-load-rng", "--load"]
+    own = train(root / "own", [*args, *at_ep2, str(ckpt)], world=2, steps=RESUMED_STEPS)
+    ours = train(root / "ours", [*args, *at_ep2, str(ep2)], world=2, steps=RESUMED_STEPS)
+    assert ours["losses"] == own["losses"]
