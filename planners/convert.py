@@ -88,8 +88,17 @@ def plan_files(
     """Copy operations for every tensor of ``targets`` out of ``source``'s files, each
     written as ``kind`` (files of flat buffers as ``flat_kind``)."""
     holders: dict[str, list[tuple[int, StoredTensor]]] = defaultdict(list)
+    # Copies of one box in files of the same TP rank (a dense tensor in every EP rank's file)
+    # are alike to the cover below, which takes the first: only the first is kept, so a
+    # tensor held by 64 expert-parallel files costs one candidate per TP rank, not 64.
+    seen: set[tuple[str, int | None, int]] = set()
     for index, file in enumerate(source.files):
+        tp_rank = file.rank[0] if file.rank else None
         for tensor in file.tensors:
+            alike = (tensor.canonical, tp_rank, id(tensor.pieces))
+            if alike in seen:
+                continue
+            seen.add(alike)
             holders[tensor.canonical].append((index, tensor))
     ranks = {i: f.rank for i, f in enumerate(source.files)}
     covers: dict[tuple, tuple[list[Found], bool]] = {}

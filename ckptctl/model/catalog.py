@@ -312,6 +312,18 @@ def parameters(spec: ModelSpec) -> list[Param]:
 
 
 @lru_cache(maxsize=8)
+def parameters_by_name(spec: ModelSpec) -> dict[str, Param]:
+    """Every canonical parameter of ``spec`` by name (shared: do not change it)."""
+    return {p.name: p for p in _parameters(spec)}
+
+
+@lru_cache(maxsize=32)
+def stage_parameters(spec: ModelSpec, stage: Stage) -> tuple[Param, ...]:
+    """The parameters of ``stage`` (embeddings first, final norm and output layer last)."""
+    return tuple(p for p in _parameters(spec) if p.stage is stage)
+
+
+@lru_cache(maxsize=8)
 def _parameters(spec: ModelSpec) -> tuple[Param, ...]:
     h = spec.hidden_size
     params = [

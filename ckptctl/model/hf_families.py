@@ -11,8 +11,8 @@ Each family is one transformers class whose tensors are a fixed function of the 
   experts, top-k weights renormalised), ``qwen2_moe`` (``Qwen2MoeForCausalLM``, Qwen2 with
   experts and a sigmoid-gated shared expert), ``qwen3_moe`` (``Qwen3MoeForCausalLM``, Qwen3 with
   experts); the Qwen ones renormalise top-k weights only with ``norm_topk_prob``;
-* ``deepseek_v3`` (``DeepseekV3ForCausalLM``): multi-latent attention, every layer dense or
-  every layer routed with shared experts and a sigmoid router (``hf_deepseek``).
+* ``deepseek_v3`` (``DeepseekV3ForCausalLM``): multi-latent attention, dense layers first and
+  routed ones with shared experts and a sigmoid router after (``hf_deepseek``).
 
 All are gated SiLU MLPs, RMSNorm, full RoPE. A model none of them can hold is refused for HF
 with the reason. ``hf_config`` reads a family's ``config.json``.
@@ -178,10 +178,10 @@ def family_summary(family: Family) -> dict[str, str]:
             mlp += " with a gated shared expert"
     if family.mla:
         holds = (
-            "multi-latent attention (YaRN or RoPE), every layer a SwiGLU MLP or SwiGLU routed "
-            "experts with shared experts and a sigmoid router (score-correction bias, "
-            "group-limited top-k), RMSNorm, tied or untied embeddings, no biases; not yet: dense "
-            "layers before MoE layers, multi-token prediction"
+            "multi-latent attention (YaRN or RoPE), SwiGLU MLPs in the first layers and SwiGLU "
+            "routed experts with shared experts and a sigmoid router (score-correction bias, "
+            "group-limited top-k) after, RMSNorm, tied or untied embeddings, no biases; not yet: "
+            "multi-token prediction"
         )
     else:
         holds = f"{mlp}, RMSNorm, RoPE, GQA or MHA, tied or untied embeddings, {bias}{norms}"

@@ -29,7 +29,8 @@ from ckptctl.model.catalog import (
     layer_suffixes,
     local_layer_name,
     local_spec_order,
-    parameters,
+    parameters_by_name,
+    stage_parameters,
     state_name,
     suffix_order,
 )
@@ -123,8 +124,8 @@ def rank_params(
 ) -> list[RankParam]:
     """The parameters a pipeline stage (and EP rank) holds, in ``named_parameters`` order
     over its chunks; parameters and persistent buffers alike (``Param.buffer`` tells)."""
-    params = parameters(spec)
-    by_name = {p.name: p for p in params}
+    # Cached per spec: a large model's catalog is built once, not once per rank file.
+    by_name = parameters_by_name(spec)
     order = layer_order or default_layer_order(spec, naming)
     experts = layout.local_experts(spec, ep_rank)
     expert_parts = [s for s, _, _ in expert_suffixes(spec)] if spec.is_moe else []
@@ -137,7 +138,7 @@ def rank_params(
     for chunk in range(layout.vpp):
         model_key = "model" if layout.vpp == 1 else f"model{chunk}"
         if pp_rank == 0 and chunk == 0:
-            out.extend(RankParam(p, model_key, p.name) for p in params if p.stage is Stage.FIRST)
+            out.extend(RankParam(p, model_key, p.name) for p in stage_parameters(spec, Stage.FIRST))
         layers = chunks[(pp_rank, chunk)]
         for local, layer in enumerate(layers):
             prefix, local_prefix = f"{LAYER_PREFIX}{layer}.", f"{LAYER_PREFIX}{local}."
@@ -169,7 +170,7 @@ def rank_params(
                 name = f"{local_prefix}{local_layer_name(suffix, naming, mla)}"
                 out.append(RankParam(param, model_key, name))
         if pp_rank == last_stage and chunk == last_chunk:
-            out.extend(RankParam(p, model_key, p.name) for p in params if p.stage is Stage.LAST)
+            out.extend(RankParam(p, model_key, p.name) for p in stage_parameters(spec, Stage.LAST))
             if spec.tie_embeddings and layout.pp > 1:
                 embedding = by_name["embedding.word_embeddings.weight"]
                 out.append(RankParam(embedding, model_key, TIED_OUTPUT, tied_copy=True))
