@@ -88,10 +88,10 @@ def test_a_math_field_away_from_its_plain_value_is_refused_by_name() -> None:
 
 
 def test_a_switched_off_feature_keeps_its_fields_dormant_until_switched_on() -> None:
-    mla = argparse.Namespace(q_lora_rank=512, multi_latent_attention=False)
+    mla = argparse.Namespace(mla_down_proj_fusion=True, multi_latent_attention=False)
     check_fields(mla)
-    mla.multi_latent_attention = True
-    with pytest.raises(LayoutError, match="q_lora_rank"):
+    mla.multi_latent_attention = True  # read now, and its fused down projections are not
+    with pytest.raises(LayoutError, match="mla_down_proj_fusion"):
         check_fields(mla)
 
 
