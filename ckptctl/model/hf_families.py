@@ -239,9 +239,8 @@ def check_family(spec: ModelSpec, family: Family) -> None:
         problems.extend(hf_deepseek.family_problems(spec, cls))
     elif spec.mla is not None:
         problems.append(f"{cls} has no multi-latent attention")
-    if family.mla:
-        pass  # its q / kv norms are the compressed ones (qk_layernorm), checked above
-    elif spec.qk_layernorm != family.qk_norm:
+    # (under multi-latent attention qk_layernorm is the compressed q / kv norms, checked above)
+    if not family.mla and spec.qk_layernorm != family.qk_norm:
         problems.append(
             f"{cls} {'needs' if family.qk_norm else 'has no'} q/k layernorm "
             f"(qk_layernorm={spec.qk_layernorm})"
