@@ -26,7 +26,13 @@ from typing import Any
 import pytest
 import torch
 
-from tests.formats.megatron.test_megatron_lm import CPU, RESUMED_STEPS, SAVED_STEPS, TRAINING
+from tests.formats.megatron.test_megatron_lm import (
+    CPU,
+    RESUMED_STEPS,
+    SAVED_STEPS,
+    TRAINING,
+    assert_resumes_alike,
+)
 from tests.megatron_lm_env import train
 
 MODEL = """
@@ -184,3 +190,23 @@ def test_a_deepseek_style_torch_dist_run_reshards_as_megatron_lm_reshards_it(
     own = train(root / "own", [*args, *at_ep2, str(ckpt)], world=2, steps=RESUMED_STEPS)
     ours = train(root / "ours", [*args, *at_ep2, str(ep2)], world=2, steps=RESUMED_STEPS)
     assert ours["losses"] == own["losses"]
+
+
+def test_an_mla_run_with_the_distributed_optimizer_moves_bit_for_bit(
+    tmp_path_factory: pytest.TempPathFactory, cli
+) -> None:
+    """MLA under the distributed optimizer (DP2, ``distrib_optim.pt``: flat buffers in the
+    local spec's parameter order, MLA's q / kv norms after the projections): DP2 -> DP1 without
+    it -> DP2 with it comes back bit for bit, and Megatron-LM trains on from that with the
+    losses it has from its own checkpoint."""
+    root = tmp_path_factory.mktemp("megatron-lm-mla-distopt")
+    ckpt = root / "legacy"
+    args = [*ARGS, "--use-distributed-optimizer", "--global-batch-size", "4"]
+    save = ["--save", str(ckpt), "--save-interval", "1000", "--ckpt-format", "torch"]
+    train(root / "first", [*args, *save], world=2, steps=SAVED_STEPS)
+    plain, back = root / "dp1", root / "dp2-again"
+    cli("reshard", ckpt, plain, "--dp", "1", "--no-distributed-optimizer")
+    cli("reshard", plain, back, "--dp", "2", "--distributed-optimizer")
+    assert cli.json("verify", back, "--against", ckpt)["ok"]
+    load = [*args, "--ckpt-format", "torch", "--load"]
+    assert_resumes_alike(root, load, own=ckpt, ours=back, world=2)
