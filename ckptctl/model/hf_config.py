@@ -8,7 +8,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from ckptctl.errors import CheckpointError, LayoutError
-from ckptctl.model import hf_deepseek
 from ckptctl.model.fields import refuse_fields
 from ckptctl.model.hf_families import FAMILIES, Family
 from ckptctl.model.layout import Activation, ModelSpec
@@ -67,7 +66,7 @@ def spec_from_config(
         raise LayoutError("attention_bias and mlp_bias differ: Megatron has one add_bias_linear")
     if family.name in ("qwen3", "qwen3_moe") and bias:
         raise LayoutError("attention_bias=true: Megatron cannot hold biases on attention only")
-    fields = hf_deepseek.spec_fields(config) if family.mla else _moe_spec(config, family)
+    fields = family.rules.spec_fields(config) if family.rules else _moe_spec(config, family)
     return ModelSpec(**(_common_fields(config, family, make_vocab_size_divisible_by) | fields))
 
 
@@ -159,11 +158,9 @@ def _plain_problem(key: str, value: Any, config: Mapping[str, Any]) -> str | Non
     """The key=value that makes the model more than its family's plain form, if it does."""
     if key == "hidden_act" and value != "silu":
         return f"hidden_act={value!r}"
-    if (
-        key in ("rope_scaling", "rope_parameters")
-        and config.get("model_type") == hf_deepseek.MODEL_TYPE
-    ):
-        return None  # read whole by hf_deepseek.spec_fields
+    family = FAMILIES.get(str(config.get("model_type")))
+    if key in ("rope_scaling", "rope_parameters") and family and family.rules:
+        return None  # read whole by the family's own rules
     if key in ("rope_scaling", "rope_parameters") and value:
         if not isinstance(value, Mapping):
             return f"{key}={value!r}"

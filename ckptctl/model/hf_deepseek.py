@@ -22,23 +22,31 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ckptctl.errors import CheckpointError, LayoutError
+from ckptctl.errors import LayoutError
 from ckptctl.model.geometry import Piece, Shape, whole
-from ckptctl.model.layout import ModelSpec, RouterScore
+from ckptctl.model.hf_routed import (
+    ROUTED_KEYS,
+    FamilyRules,
+    count,
+    routed_config,
+    routed_config_problems,
+    routed_fields,
+    routed_problems,
+)
+from ckptctl.model.layout import ModelSpec
 from ckptctl.model.mla import MlaSpec, RopeType
 
 Entry = tuple[str, str, Shape, tuple[Piece, ...]]
 
 MODEL_TYPE = "deepseek_v3"
+DENSE_FIRST = 3
+"""transformers' default ``first_k_dense_replace`` for the family."""
 LATENT_NORM_EPS = 1e-6
 """transformers' ``DeepseekV3RMSNorm`` default: the epsilon of ``q_a_layernorm`` and
 ``kv_a_layernorm``, which it builds without ``rms_norm_eps``."""
-CONFIG_KEYS = frozenset(
-    """moe_intermediate_size n_shared_experts n_routed_experts routed_scaling_factor
-    kv_lora_rank q_lora_rank qk_rope_head_dim v_head_dim qk_nope_head_dim qk_head_dim n_group
-    topk_group num_experts_per_tok first_k_dense_replace norm_topk_prob rope_interleave
-    attention_bias num_nextn_predict_layers output_router_logits aux_loss_alpha seq_aux
-    topk_method scoring_func ep_size moe_layer_freq""".split()  # noqa: SIM905
+CONFIG_KEYS = ROUTED_KEYS | frozenset(
+    """kv_lora_rank q_lora_rank qk_rope_head_dim v_head_dim qk_nope_head_dim qk_head_dim
+    rope_interleave attention_bias""".split()  # noqa: SIM905
 )
 """Keys of its ``config.json`` beyond the common ones."""
 
@@ -83,27 +91,7 @@ def family_problems(spec: ModelSpec, cls: str) -> list[str]:
             f"{cls} norms the compressed queries and keys with eps {LATENT_NORM_EPS:g} whatever "
             f"rms_norm_eps says, Megatron with its one norm epsilon ({spec.norm_epsilon:g})"
         )
-    if not spec.is_moe:
-        return problems
-    if spec.moe_router_score_function is not RouterScore.SIGMOID:
-        problems.append(f"{cls} routes by sigmoid, not {spec.moe_router_score_function}")
-    if not spec.moe_router_expert_bias:
-        problems.append(f"{cls} has a router score-correction bias (moe_router_enable_expert_bias)")
-    if spec.dense_layers != tuple(range(len(spec.dense_layers))):
-        problems.append(
-            f"{cls}'s dense layers come first (first_k_dense_replace); this model's are "
-            f"layers {list(spec.dense_layers)}"
-        )
-    if spec.moe_shared_expert_gate:
-        problems.append(f"{cls} has no gate on its shared experts")
-    shared = spec.moe_shared_expert_intermediate_size
-    if not shared or shared % spec.expert_ffn_size:
-        problems.append(
-            f"{cls}'s shared experts are n_shared_experts x moe_intermediate_size wide; "
-            f"moe_shared_expert_intermediate_size={shared} is no multiple of "
-            f"{spec.expert_ffn_size}"
-        )
-    return problems
+    return problems + routed_problems(spec, cls)
 
 
 def config(spec: ModelSpec) -> dict[str, Any]:
@@ -120,33 +108,8 @@ def config(spec: ModelSpec) -> dict[str, Any]:
         "rope_interleave": True,
         "attention_bias": False,
         "num_nextn_predict_layers": 0,
-        "norm_topk_prob": True,
-        "output_router_logits": False,
     }
-    if spec.is_moe:
-        experts = spec.num_experts or 0
-        out.update(
-            first_k_dense_replace=len(spec.dense_layers),
-            n_routed_experts=experts,
-            num_experts_per_tok=spec.moe_router_topk,
-            moe_intermediate_size=spec.expert_ffn_size,
-            n_shared_experts=(spec.moe_shared_expert_intermediate_size or 0)
-            // spec.expert_ffn_size,
-            n_group=spec.moe_router_num_groups or 1,
-            topk_group=spec.moe_router_group_topk or 1,
-            routed_scaling_factor=spec.moe_router_topk_scaling_factor or 1.0,
-        )
-    else:  # every layer dense: the MoE keys are unread
-        out.update(
-            first_k_dense_replace=spec.num_layers,
-            n_routed_experts=1,
-            num_experts_per_tok=1,
-            moe_intermediate_size=spec.ffn_hidden_size,
-            n_shared_experts=1,
-            n_group=1,
-            topk_group=1,
-            routed_scaling_factor=1.0,
-        )
+    out.update(routed_config(spec))
     if mla.rope_type is RopeType.YARN:
         out["rope_parameters"] = {
             "rope_type": "yarn",
@@ -165,9 +128,7 @@ def spec_fields(config: Mapping[str, Any]) -> dict[str, Any]:
     """``ModelSpec`` fields of a DeepSeek-V3 ``config.json`` beyond the common ones; what the
     spec cannot carry is refused by name."""
     problems = []
-    layers = config["num_hidden_layers"]
-    dense_first = _int(config, "first_k_dense_replace", 3)
-    mtp = _int(config, "num_nextn_predict_layers", 0)
+    mtp = count(config, "num_nextn_predict_layers", 0)
     if mtp:
         problems.append(f"num_nextn_predict_layers={mtp}: multi-token prediction layers are not "
                         "supported yet")  # fmt: skip
@@ -190,49 +151,22 @@ def spec_fields(config: Mapping[str, Any]) -> dict[str, Any]:
         )
     if config.get("attention_bias"):
         problems.append("attention_bias=true: Megatron's multi-latent attention has no biases")
-    for key, plain in (
-        ("topk_method", "noaux_tc"),
-        ("scoring_func", "sigmoid"),
-        ("moe_layer_freq", 1),
-    ):
-        if key in config and config[key] != plain:
-            problems.append(f"{key}={config[key]!r}")
-    moe = dense_first < layers
-    if moe and config.get("norm_topk_prob", True) is not True:
-        problems.append(
-            "norm_topk_prob=false: Megatron renormalises the top-k weights of a sigmoid router"
-        )
+    problems += routed_config_problems(config, DENSE_FIRST)
     if problems:
         raise LayoutError(problems)
     rope_type, rope = _rope(config)
     mla = MlaSpec(
         q_lora_rank=config.get("q_lora_rank"),
-        kv_lora_rank=_int(config, "kv_lora_rank", 512),
-        qk_head_dim=_int(config, "qk_nope_head_dim", 128),
-        qk_pos_emb_head_dim=_int(config, "qk_rope_head_dim", 64),
-        v_head_dim=_int(config, "v_head_dim", 128),
+        kv_lora_rank=count(config, "kv_lora_rank", 512),
+        qk_head_dim=count(config, "qk_nope_head_dim", 128),
+        qk_pos_emb_head_dim=count(config, "qk_rope_head_dim", 64),
+        v_head_dim=count(config, "v_head_dim", 128),
         rope_type=rope_type,
         **rope,
     )
     out: dict[str, Any] = {"mla": mla, "num_query_groups": heads, "qk_layernorm": True}
     out["kv_channels"] = mla.q_head_dim
-    if not moe:
-        return out
-    experts = _int(config, "n_routed_experts", 256)
-    ffn = _int(config, "moe_intermediate_size", 2048)
-    groups = _int(config, "n_group", 1)
-    return out | {
-        "dense_layers": tuple(range(dense_first)),
-        "num_experts": experts,
-        "moe_ffn_hidden_size": ffn,
-        "moe_router_topk": _int(config, "num_experts_per_tok", 8),
-        "moe_router_score_function": RouterScore.SIGMOID,
-        "moe_router_expert_bias": True,
-        "moe_shared_expert_intermediate_size": _int(config, "n_shared_experts", 1) * ffn,
-        "moe_router_num_groups": None if groups == 1 else groups,
-        "moe_router_group_topk": None if groups == 1 else _int(config, "topk_group", 1),
-        "moe_router_topk_scaling_factor": _float(config, "routed_scaling_factor", 1.0),
-    }
+    return out | routed_fields(config, DENSE_FIRST)
 
 
 def _rope(config: Mapping[str, Any]) -> tuple[RopeType, dict[str, Any]]:
@@ -254,15 +188,14 @@ def _rope(config: Mapping[str, Any]) -> tuple[RopeType, dict[str, Any]]:
     }
 
 
-def _int(config: Mapping[str, Any], key: str, default: int) -> int:
-    value = config.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise CheckpointError(f"config.json: {key}={value!r} is not a count")
-    return value
-
-
-def _float(config: Mapping[str, Any], key: str, default: float) -> float:
-    value = config.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise CheckpointError(f"config.json: {key}={value!r} is not a number")
-    return float(value)
+RULES = FamilyRules(
+    holds=(
+        "multi-latent attention (YaRN or RoPE), SwiGLU MLPs in the first layers and SwiGLU "
+        "routed experts with shared experts and a sigmoid router (score-correction bias, "
+        "group-limited top-k) after, RMSNorm, tied or untied embeddings, no biases; not yet: "
+        "multi-token prediction"
+    ),
+    problems=family_problems,
+    config=config,
+    spec_fields=spec_fields,
+)

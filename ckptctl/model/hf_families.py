@@ -12,10 +12,13 @@ Each family is one transformers class whose tensors are a fixed function of the 
   experts and a sigmoid-gated shared expert), ``qwen3_moe`` (``Qwen3MoeForCausalLM``, Qwen3 with
   experts); the Qwen ones renormalise top-k weights only with ``norm_topk_prob``;
 * ``deepseek_v3`` (``DeepseekV3ForCausalLM``): multi-latent attention, dense layers first and
-  routed ones with shared experts and a sigmoid router after (``hf_deepseek``).
+  routed ones with shared experts and a sigmoid router after (``hf_deepseek``);
+* ``glm4_moe`` (``Glm4MoeForCausalLM``): DeepSeek-V3's routed layers under grouped-query
+  attention with q/k/v biases, optional q/k norms and partial RoPE (``hf_glm``).
 
-All are gated SiLU MLPs, RMSNorm, full RoPE. A model none of them can hold is refused for HF
-with the reason. ``hf_config`` reads a family's ``config.json``.
+All are gated SiLU MLPs, RMSNorm, RoPE (over every head dimension but in GLM-4.5). A model
+none of them can hold is refused for HF with the reason. ``hf_config`` reads a family's
+``config.json``.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptctl.errors import LayoutError
-from ckptctl.model import hf_deepseek
+from ckptctl.model import hf_deepseek, hf_glm
+from ckptctl.model.hf_routed import FamilyRules
 from ckptctl.model.layout import Activation, ModelSpec, NormKind, PositionEmbedding, RouterScore
 
 
@@ -62,8 +66,9 @@ class Family:
     """Family-specific keys this module maps or checks (beyond the common ones)."""
     moe: MoeNaming | None = None
     """Set for mixture-of-experts families: every decoder layer's MLP is routed experts."""
-    mla: bool = False
-    """Multi-latent attention (``hf_deepseek``): every layer's MLP is dense or routed alike."""
+    rules: FamilyRules | None = None
+    """The family's own rules (DeepSeek-V3, GLM-4.5): its checks, ``config.json`` keys and
+    RoPE settings; the common ones below do not apply."""
 
 
 _QWEN_MOE_KEYS = frozenset(
@@ -147,7 +152,23 @@ FAMILIES = {
                 shared_experts="shared_experts",
                 router_bias="gate.e_score_correction_bias",
             ),
-            mla=True,
+            rules=hf_deepseek.RULES,
+        ),
+        Family(
+            hf_glm.MODEL_TYPE,
+            "Glm4MoeForCausalLM",
+            "always",
+            False,
+            hf_glm.CONFIG_KEYS,
+            MoeNaming(
+                "mlp",
+                ("gate_proj", "up_proj", "down_proj"),
+                "n_routed_experts",
+                "moe_intermediate_size",
+                shared_experts="shared_experts",
+                router_bias="gate.e_score_correction_bias",
+            ),
+            rules=hf_glm.RULES,
         ),
         Family(
             "qwen3_moe",
@@ -176,13 +197,8 @@ def family_summary(family: Family) -> dict[str, str]:
         mlp = "SwiGLU routed experts"
         if family.moe.shared_gated_expert:
             mlp += " with a gated shared expert"
-    if family.mla:
-        holds = (
-            "multi-latent attention (YaRN or RoPE), SwiGLU MLPs in the first layers and SwiGLU "
-            "routed experts with shared experts and a sigmoid router (score-correction bias, "
-            "group-limited top-k) after, RMSNorm, tied or untied embeddings, no biases; not yet: "
-            "multi-token prediction"
-        )
+    if family.rules is not None:
+        holds = family.rules.holds
     else:
         holds = f"{mlp}, RMSNorm, RoPE, GQA or MHA, tied or untied embeddings, {bias}{norms}"
     return {"model_type": family.name, "architecture": family.architecture, "holds": holds}
@@ -194,6 +210,8 @@ def choose_family(spec: ModelSpec) -> Family:
         name = spec.hf_family
     elif spec.mla is not None:
         name = hf_deepseek.MODEL_TYPE
+    elif spec.is_moe and spec.moe_router_score_function is RouterScore.SIGMOID:
+        name = hf_glm.MODEL_TYPE
     elif spec.is_moe:
         if spec.qk_layernorm:
             name = "qwen3_moe"
@@ -229,18 +247,20 @@ def check_family(spec: ModelSpec, family: Family) -> None:
         problems.append(f"{cls} needs RMSNorm, this model uses {spec.normalization}")
     if spec.position_embedding is not PositionEmbedding.ROPE:
         problems.append(f"{cls} needs RoPE, this model uses {spec.position_embedding}")
+    if family.rules is not None:
+        problems.extend(family.rules.problems(spec, cls))
+        if problems:
+            raise LayoutError(problems)
+        return
     if spec.rotary_percent != 1.0:
         problems.append(
             f"rotary_percent={spec.rotary_percent}: {cls} rotates every head dimension and "
             "cannot express partial rotary embeddings; keep it as Megatron (reshard, "
             "consolidate --format megatron)"
         )
-    if family.mla:
-        problems.extend(hf_deepseek.family_problems(spec, cls))
-    elif spec.mla is not None:
+    if spec.mla is not None:
         problems.append(f"{cls} has no multi-latent attention")
-    # (under multi-latent attention qk_layernorm is the compressed q / kv norms, checked above)
-    if not family.mla and spec.qk_layernorm != family.qk_norm:
+    if spec.qk_layernorm != family.qk_norm:
         problems.append(
             f"{cls} {'needs' if family.qk_norm else 'has no'} q/k layernorm "
             f"(qk_layernorm={spec.qk_layernorm})"
@@ -254,8 +274,7 @@ def check_family(spec: ModelSpec, family: Family) -> None:
         problems.append(f"{cls} cannot hold q/k/v biases (add_qkv_bias)")
     if family.qkv_bias == "all" and spec.add_qkv_bias and not spec.add_bias_linear:
         problems.append(f"{cls} cannot hold q/k/v-only biases (that is Qwen2ForCausalLM)")
-    if not family.mla:
-        problems.extend(_moe_problems(spec, family))
+    problems.extend(_moe_problems(spec, family))
     if problems:
         raise LayoutError(problems)
 
@@ -316,8 +335,8 @@ def hf_config(spec: ModelSpec, dtype: str) -> dict[str, Any]:
         config["sliding_window"] = None
     if "use_sliding_window" in family.config_keys:
         config["use_sliding_window"] = False
-    if family.mla:
-        config.update(hf_deepseek.config(spec))
+    if family.rules is not None:
+        config.update(family.rules.config(spec))
     elif family.moe is not None:
         config.update(_moe_config(spec, family.moe))
     return config

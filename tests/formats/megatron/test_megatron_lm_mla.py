@@ -210,3 +210,36 @@ def test_an_mla_run_with_the_distributed_optimizer_moves_bit_for_bit(
     assert cli.json("verify", back, "--against", ckpt)["ok"]
     load = [*args, "--ckpt-format", "torch", "--load"]
     assert_resumes_alike(root, load, own=ckpt, ours=back, world=2)
+
+
+GLM_MODEL = """
+    --num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4
+    --group-query-attention --num-query-groups 2 --kv-channels 16 --add-qkv-bias --qk-layernorm
+    --rotary-percent 0.5 --seq-length 16 --max-position-embeddings 32
+    --position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear
+    --untie-embeddings-and-output-weights
+    --vocab-size 1000 --make-vocab-size-divisible-by 128 --tokenizer-type NullTokenizer
+"""
+
+
+def test_a_glm_style_run_becomes_glm4_moe_with_megatrons_logits(
+    tmp_path_factory: pytest.TempPathFactory, cli
+) -> None:
+    """DeepSeek-V3's routed layers under grouped-query attention with q/k/v biases, q/k norms
+    and RoPE over half of each head (GLM-4.5's shape): HF's ``Glm4MoeForCausalLM`` gives
+    Megatron's logits."""
+    transformers = pytest.importorskip("transformers")
+    root = tmp_path_factory.mktemp("megatron-lm-glm")
+    ckpt, logits = root / "legacy", root / "logits.pt"
+    args = [*shlex.split(GLM_MODEL + TRAINING + CPU), *DEEPSEEK_MOE]
+    save = ["--save", str(ckpt), "--save-interval", "1000", "--ckpt-format", "torch"]
+    train(root / "first", [*args, *save], steps=SAVED_STEPS, logits=logits)
+    hf = root / "hf"
+    cli("consolidate", ckpt, hf, "--format", "hf")
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    assert type(model).__name__ == "Glm4MoeForCausalLM"
+    megatron = torch.load(logits, weights_only=True)
+    with torch.no_grad():
+        got = model(megatron["tokens"]).logits
+    # the experts' outputs are summed in another order: equal to fp32 rounding
+    torch.testing.assert_close(got, megatron["logits"][..., :1000], rtol=0, atol=1e-6)
