@@ -65,7 +65,8 @@ def routed_config(spec: ModelSpec) -> dict[str, Any]:
     """The routed layers' ``config.json`` keys for ``spec`` (no multi-token prediction)."""
     out: dict[str, Any] = {
         "num_nextn_predict_layers": 0,
-        "norm_topk_prob": True,
+        # Megatron renormalises a sigmoid router's weights only when it picks several experts
+        "norm_topk_prob": not spec.is_moe or spec.moe_router_topk > 1,
         "output_router_logits": False,
     }
     if spec.is_moe:
@@ -110,9 +111,15 @@ def routed_config_problems(config: Mapping[str, Any], dense_default: int) -> lis
         if key in config and config[key] != plain:
             problems.append(f"{key}={config[key]!r}")
     routed = count(config, "first_k_dense_replace", dense_default) < config["num_hidden_layers"]
-    if routed and config.get("norm_topk_prob", True) is not True:
+    # Megatron renormalises a sigmoid router's top-k weights when k > 1 and keeps the raw
+    # score of a single expert; transformers renormalises exactly when norm_topk_prob says.
+    several = count(config, "num_experts_per_tok", 8) > 1
+    normalised = config.get("norm_topk_prob", True) is True
+    if routed and normalised != several:
         problems.append(
-            "norm_topk_prob=false: Megatron renormalises the top-k weights of a sigmoid router"
+            f"norm_topk_prob={str(normalised).lower()} with "
+            f"{config.get('num_experts_per_tok', 8)} expert(s) per token: Megatron renormalises "
+            "a sigmoid router's weights exactly when it picks more than one"
         )
     return problems
 

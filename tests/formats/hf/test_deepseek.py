@@ -132,6 +132,7 @@ def test_yarn_and_uncompressed_queries_are_carried(tmp_path: Path, cli) -> None:
         ({"rope_interleave": False}, "rope_interleave=False"),
         ({"rms_norm_eps": 1e-5}, "rms_norm_eps=1e-05"),
         ({"norm_topk_prob": False}, "norm_topk_prob=false"),
+        ({"num_experts_per_tok": 1}, "norm_topk_prob=true with 1 expert(s) per token"),
         ({"num_key_value_heads": 2}, "num_key_value_heads=2"),
         # Megatron-LM's MLA config takes YaRN's original context from no argument
         (
