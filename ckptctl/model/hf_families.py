@@ -78,6 +78,17 @@ _QWEN_MOE_KEYS = frozenset(
 )
 
 
+_ROUTED_NAMING = MoeNaming(
+    "mlp",
+    ("gate_proj", "up_proj", "down_proj"),
+    "n_routed_experts",
+    "moe_intermediate_size",
+    shared_experts="shared_experts",
+    router_bias="gate.e_score_correction_bias",
+)
+"""DeepSeek-V3's and GLM-4.5's routed layers (``hf_routed``): one naming for both."""
+
+
 FAMILIES = {
     f.name: f
     for f in (
@@ -144,14 +155,7 @@ FAMILIES = {
             "never",
             False,
             hf_deepseek.CONFIG_KEYS,
-            MoeNaming(
-                "mlp",
-                ("gate_proj", "up_proj", "down_proj"),
-                "n_routed_experts",
-                "moe_intermediate_size",
-                shared_experts="shared_experts",
-                router_bias="gate.e_score_correction_bias",
-            ),
+            _ROUTED_NAMING,
             rules=hf_deepseek.RULES,
         ),
         Family(
@@ -160,14 +164,7 @@ FAMILIES = {
             "always",
             False,
             hf_glm.CONFIG_KEYS,
-            MoeNaming(
-                "mlp",
-                ("gate_proj", "up_proj", "down_proj"),
-                "n_routed_experts",
-                "moe_intermediate_size",
-                shared_experts="shared_experts",
-                router_bias="gate.e_score_correction_bias",
-            ),
+            _ROUTED_NAMING,
             rules=hf_glm.RULES,
         ),
         Family(

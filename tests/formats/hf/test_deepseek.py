@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.formats.hf.routed_models import randomised_and_saved, safetensors_of
+
 transformers = pytest.importorskip("transformers")
-safetensors_torch = pytest.importorskip("safetensors.torch")
+pytest.importorskip("safetensors.torch")
 
 IDS = torch.randint(0, 1000, (2, 13), generator=torch.Generator().manual_seed(5))
 
@@ -44,22 +46,7 @@ def _make(root: Path, *, moe: bool, dense_first: int = 1, **extra: object) -> to
     )
     config = transformers.DeepseekV3Config(**(sizes | extra))
     torch.manual_seed(12)
-    model = transformers.DeepseekV3ForCausalLM(config).eval()
-    with torch.no_grad():
-        # Norms start at one and the score-correction bias at zero: random values catch any
-        # misplaced one.
-        biases = [b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")]
-        for tensor in (*model.parameters(), *biases):
-            tensor.normal_(0.0, 0.2)
-    model.save_pretrained(root)
-    return model
-
-
-def _tensors(root: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for path in sorted(root.glob("*.safetensors")):
-        out.update(safetensors_torch.load_file(path))
-    return out
+    return randomised_and_saved(transformers.DeepseekV3ForCausalLM(config), root)
 
 
 @pytest.mark.parametrize(
@@ -88,7 +75,7 @@ def test_deepseek_v3_goes_to_megatron_and_back_bit_exactly(
     cli("consolidate", megatron, back, "--format", "hf")
     config = json.loads((back / "config.json").read_text())
     assert config["architectures"] == ["DeepseekV3ForCausalLM"]
-    mine, theirs = _tensors(back), _tensors(src)
+    mine, theirs = safetensors_of(back), safetensors_of(src)
     assert mine.keys() == theirs.keys()
     for name, tensor in theirs.items():
         assert torch.equal(mine[name], tensor), name

@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.formats.hf.routed_models import randomised_and_saved, safetensors_of
+
 transformers = pytest.importorskip("transformers")
-safetensors_torch = pytest.importorskip("safetensors.torch")
+pytest.importorskip("safetensors.torch")
 
 IDS = torch.randint(0, 1000, (2, 13), generator=torch.Generator().manual_seed(6))
 
@@ -42,20 +44,7 @@ def _make(root: Path) -> torch.nn.Module:
         tie_word_embeddings=False,
     )
     torch.manual_seed(13)
-    model = transformers.Glm4MoeForCausalLM(config).eval()
-    with torch.no_grad():
-        biases = [b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")]
-        for tensor in (*model.parameters(), *biases):
-            tensor.normal_(0.0, 0.2)
-    model.save_pretrained(root)
-    return model
-
-
-def _tensors(root: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for path in sorted(root.glob("*.safetensors")):
-        out.update(safetensors_torch.load_file(path))
-    return out
+    return randomised_and_saved(transformers.Glm4MoeForCausalLM(config), root)
 
 
 def test_glm4_moe_goes_to_megatron_and_back_bit_exactly(tmp_path: Path, cli) -> None:
@@ -71,7 +60,7 @@ def test_glm4_moe_goes_to_megatron_and_back_bit_exactly(tmp_path: Path, cli) -> 
     config = json.loads((back / "config.json").read_text())
     assert config["architectures"] == ["Glm4MoeForCausalLM"]
     assert config["rope_parameters"]["partial_rotary_factor"] == 0.5
-    mine, theirs = _tensors(back), _tensors(src)
+    mine, theirs = safetensors_of(back), safetensors_of(src)
     assert mine.keys() == theirs.keys()
     for name, tensor in theirs.items():
         assert torch.equal(mine[name], tensor), name
