@@ -233,6 +233,14 @@ def model_provider(  # type: ignore[no-untyped-def]
         )
     if config.multi_latent_attention:
         spec = mcore_cpu.cpu_multi_latent_attention(spec)
+    mtp_block_spec = None
+    if args.mtp_num_layers:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+        # As pretrain_gpt builds it: the last decoder layer's spec, after each MTP projection.
+        mtp_block_spec = get_gpt_mtp_block_spec(
+            config, spec, use_transformer_engine=False, vp_stage=vp_stage
+        )
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -247,6 +255,7 @@ def model_provider(  # type: ignore[no-untyped-def]
         rotary_base=args.rotary_base,
         vp_stage=vp_stage,
         pg_collection=pg_collection,
+        mtp_block_spec=mtp_block_spec,
     )
 
 
@@ -327,6 +336,13 @@ def rank_main(
         # chunk holding the first layers reads the tokens, the one with the loss the labels.
         chunks = [RerunDataIterator(batches(args.padded_vocab_size)) for _ in model]
         data = chunks if len(chunks) > 1 else chunks[0]
+        # As megatron.training.train sets them up: the loss scale (mixed precision) and the
+        # step's gradient finalisation (the data-parallel reduction, the embedding copies'
+        # all-reduce across pipeline stages, the router expert bias update).
+        from megatron.core.distributed import finalize_model_grads
+
+        config.grad_scale_func = optimizer.scale_loss
+        config.finalize_model_grads_func = finalize_model_grads
         losses = []
         start = args.iteration
         for iteration in range(start, start + steps):

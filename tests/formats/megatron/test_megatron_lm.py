@@ -579,7 +579,8 @@ def test_an_fp16_runs_loss_scale_moves_with_it(
     grad scaler's state (loss scale and its counters), and Megatron-LM trains on from either
     with the losses it has when it reshards the checkpoint to TP2 itself."""
     root = tmp_path_factory.mktemp("megatron-lm-fp16")
-    args = [*ARGS, "--fp16", "--loss-scale-window", "4"]
+    # A first scale of 2^32 (Megatron's default) overflows and skips the few steps run here.
+    args = [*ARGS, "--fp16", "--loss-scale-window", "4", "--initial-loss-scale", "4096"]
     ckpt = root / "torch_dist"
     train(root / "a", [*args, "--ckpt-format", "torch_dist", *SAVE, str(ckpt)], steps=SAVED_STEPS)
     tp2 = [*args, "--tensor-model-parallel-size", "2"]
@@ -640,7 +641,8 @@ def test_an_fp16_runs_default_distributed_optimizer_state_moves(
     -> TP1 by ckptctl, as buckets each time, comes back bit for bit with the grad scaler, and
     Megatron-LM trains on from it with the losses of its own checkpoint."""
     root = tmp_path_factory.mktemp("megatron-lm-fp16-distributed")
-    args = [*ARGS, "--fp16", "--loss-scale-window", "4", "--global-batch-size", "4"]
+    args = [*ARGS, "--fp16", "--loss-scale-window", "4", "--initial-loss-scale", "4096"]
+    args += ["--global-batch-size", "4"]
     args += ["--ckpt-format", "torch_dist", *DISTRIBUTED]
     ckpt, tp2, back = root / "dp_reshardable", root / "tp2", root / "tp1-again"
     train(root / "a", [*args, *SAVE, str(ckpt)], world=2, steps=SAVED_STEPS)
