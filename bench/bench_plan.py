@@ -1,8 +1,8 @@
 """How long planning takes, and the memory it holds, for the largest plans: a 405B-class dense
 model (126 layers, hidden 16384, TP8 PP16 -> TP16 PP8, uneven first/last stages) and the
 DeepSeek-V3 shape (61 layers, the first three dense, 256 routed experts and a shared one in
-the others, multi-latent attention; EP64 PP16 -> EP32 PP8), both with Adam state. Pure
-planning, no I/O (DeepSeek-V3's multi-token prediction layer is not carried yet).
+the others, multi-latent attention, one multi-token prediction layer on the last stage; EP64
+PP16 -> EP32 PP8), both with Adam state. Pure planning, no I/O.
 
     python bench/bench_plan.py
 """
@@ -65,6 +65,7 @@ DEEPSEEK_V3 = ModelSpec(
     moe_router_group_topk=4,
     moe_router_topk_scaling_factor=2.5,
     dense_layers=(0, 1, 2),
+    mtp_num_layers=1,
 )
 DEEPSEEK_SOURCE = ParallelLayout(pp=16, dp=64, ep=64, first_stage_layers=3, last_stage_layers=2)
 DEEPSEEK_TARGET = ParallelLayout(pp=8, dp=32, ep=32, first_stage_layers=7, last_stage_layers=6)

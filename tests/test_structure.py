@@ -199,6 +199,7 @@ def test_the_pure_layouts_of_formats_import_no_torch() -> None:
     modules = _modules()
     for pure in (
         "ckptctl.formats.megatron.layout",
+        "ckptctl.formats.megatron.target_style",
         "ckptctl.model.hf_layout",
         "ckptctl.formats.torch_dist.layout",
         "ckptctl.formats.dcp.metadata",
@@ -298,6 +299,7 @@ CROSS_FORMAT_IMPORTS = {
     *(("torch_dist", f"ckptctl.formats.dcp.{m}") for m in ("files", "format", "metadata")),
     *(("torch_dist", f"ckptctl.formats.dcp.{m}") for m in ("reader", "records", "write")),
     *(("torch_dist", f"ckptctl.formats.megatron.{m}") for m in ("args", "layout", "ranks")),
+    ("torch_dist", "ckptctl.formats.megatron.target_style"),
     ("torch_dist", "ckptctl.formats.megatron.writer"),
     # The distributed optimizer's keys, and what every Megatron-family target keeps and says.
     *(("torch_dist", f"ckptctl.formats.megatron.{m}") for m in ("distopt_layout", "rank_state")),

@@ -24,6 +24,9 @@ class Stage(StrEnum):
     """The stage and chunk owning the transformer layer."""
     LAST = "last"
     """Last stage, last virtual chunk (final norm, output layer)."""
+    MTP = "mtp"
+    """Last stage, last virtual chunk, between the final norm and the output layer: the
+    multi-token prediction layers."""
 
 
 class Naming(StrEnum):
@@ -69,6 +72,31 @@ MLA_DOWN_PROJECTIONS = frozenset(
 (``ColumnParallelLinear``, gathered in the forward)."""
 
 LAYER_PREFIX = "decoder.layers."
+MTP_PREFIX = "mtp.layers."
+MTP_INNER = "transformer_layer"
+"""The module an MTP layer's transformer layer is under in canonical names and in megatron-core's
+sharded keys (every release); its legacy files name it ``mtp_model_layer`` since 0.17."""
+
+
+def mtp_layer_prefix(k: int, inner: str = MTP_INNER) -> str:
+    """Prefix of MTP layer ``k``'s transformer layer parameters."""
+    return f"{MTP_PREFIX}{k}.{inner}."
+
+
+def layer_parts(name: str) -> tuple[str, str] | None:
+    """``(layer prefix, layer-relative suffix)`` of a canonical name of a decoder layer's or an
+    MTP layer's transformer layer parameter; ``None`` for any other."""
+    if name.startswith(LAYER_PREFIX):
+        layer, _, suffix = name[len(LAYER_PREFIX) :].partition(".")
+        return f"{LAYER_PREFIX}{layer}.", suffix
+    if name.startswith(MTP_PREFIX):
+        k, _, rest = name[len(MTP_PREFIX) :].partition(".")
+        inner, _, suffix = rest.partition(".")
+        if inner == MTP_INNER and suffix:
+            return mtp_layer_prefix(int(k)), suffix
+    return None
+
+
 EXPERTS = "mlp.experts"
 """Where a layer's routed experts sit among its parameters. Layer orders hold this one marker
 for the whole expert block, because the block's own order depends on the expert module
@@ -357,9 +385,63 @@ def _parameters(spec: ModelSpec) -> tuple[Param, ...]:
     params.append(Param("decoder.final_layernorm.weight", (h,), Split.REPLICATED, Stage.LAST))
     if spec.normalization is NormKind.LAYERNORM:
         params.append(Param("decoder.final_layernorm.bias", (h,), Split.REPLICATED, Stage.LAST))
+    for k in range(spec.mtp_num_layers):
+        params.extend(_mtp_layer(spec, k, kinds[spec.mtp_is_moe], experts))
     if not spec.tie_embeddings:
         params.append(Param("output_layer.weight", (spec.vocab_size, h), Split.VOCAB, Stage.LAST))
     return tuple(params)
+
+
+def _norm(prefix: str, spec: ModelSpec) -> list[tuple[str, Shape, Split]]:
+    out: list[tuple[str, Shape, Split]] = [
+        (f"{prefix}.weight", (spec.hidden_size,), Split.REPLICATED)
+    ]
+    if spec.normalization is NormKind.LAYERNORM:
+        out.append((f"{prefix}.bias", (spec.hidden_size,), Split.REPLICATED))
+    return out
+
+
+def mtp_head_suffixes(spec: ModelSpec) -> list[tuple[str, Shape, Split]]:
+    """An MTP layer's parameters before its transformer layer, in registration order: the
+    embedding's norm, the hidden state's, and the column-parallel projection of both."""
+    h = spec.hidden_size
+    return [
+        *_norm("enorm", spec),
+        *_norm("hnorm", spec),
+        ("eh_proj.weight", (h, 2 * h), Split.COLUMN),
+    ]
+
+
+def mtp_tail_suffixes(spec: ModelSpec) -> list[tuple[str, Shape, Split]]:
+    """An MTP layer's parameters after its transformer layer: the final norm."""
+    return _norm("final_layernorm", spec)
+
+
+def _mtp_layer(
+    spec: ModelSpec,
+    k: int,
+    inner: list[tuple[str, Shape, Split]],
+    experts: list[tuple[str, Shape, Split]],
+) -> list[Param]:
+    """MTP layer ``k``: its norms and projection, its transformer layer (of the last decoder
+    layer's kind, experts expanded), its final norm."""
+    head = f"{MTP_PREFIX}{k}."
+    prefix = mtp_layer_prefix(k)
+    out = [Param(head + s, shape, split, Stage.MTP) for s, shape, split in mtp_head_suffixes(spec)]
+    for suffix, shape, split in inner:
+        if suffix == EXPERTS:
+            out.extend(
+                Param(expert_name(prefix, e, sub), sub_shape, sub_split, Stage.MTP, None, e)
+                for e in range(spec.num_experts or 0)
+                for sub, sub_shape, sub_split in experts
+            )
+            continue
+        buffer = suffix == ROUTER_EXPERT_BIAS
+        out.append(Param(prefix + suffix, shape, split, Stage.MTP, buffer=buffer))
+    out.extend(
+        Param(head + s, shape, split, Stage.MTP) for s, shape, split in mtp_tail_suffixes(spec)
+    )
+    return out
 
 
 def state_name(state: str, param: str) -> str:

@@ -107,7 +107,6 @@ def config(spec: ModelSpec) -> dict[str, Any]:
         "head_dim": mla.qk_pos_emb_head_dim,
         "rope_interleave": True,
         "attention_bias": False,
-        "num_nextn_predict_layers": 0,
     }
     out.update(routed_config(spec))
     if mla.rope_type is RopeType.YARN:
@@ -128,10 +127,6 @@ def spec_fields(config: Mapping[str, Any]) -> dict[str, Any]:
     """``ModelSpec`` fields of a DeepSeek-V3 ``config.json`` beyond the common ones; what the
     spec cannot carry is refused by name."""
     problems = []
-    mtp = count(config, "num_nextn_predict_layers", 0)
-    if mtp:
-        problems.append(f"num_nextn_predict_layers={mtp}: multi-token prediction layers are not "
-                        "supported yet")  # fmt: skip
     if config.get("rope_interleave", True) is not True:
         problems.append(
             f"rope_interleave={config.get('rope_interleave')!r}: Megatron-Core's multi-latent "
@@ -192,8 +187,8 @@ RULES = FamilyRules(
     holds=(
         "multi-latent attention (YaRN or RoPE), SwiGLU MLPs in the first layers and SwiGLU "
         "routed experts with shared experts and a sigmoid router (score-correction bias, "
-        "group-limited top-k) after, RMSNorm, tied or untied embeddings, no biases; not yet: "
-        "multi-token prediction"
+        "group-limited top-k) after, RMSNorm, tied or untied embeddings, no biases, "
+        "multi-token prediction layers (model.layers.<num_hidden_layers + k>)"
     ),
     problems=family_problems,
     config=config,

@@ -257,6 +257,11 @@ def check_family(spec: ModelSpec, family: Family) -> None:
         )
     if spec.mla is not None:
         problems.append(f"{cls} has no multi-latent attention")
+    if spec.mtp_num_layers:
+        problems.append(
+            f"{cls} has no multi-token prediction layers (mtp_num_layers={spec.mtp_num_layers}); "
+            "DeepseekV3ForCausalLM and Glm4MoeForCausalLM have"
+        )
     if spec.qk_layernorm != family.qk_norm:
         problems.append(
             f"{cls} {'needs' if family.qk_norm else 'has no'} q/k layernorm "

@@ -4,9 +4,8 @@ and, optionally, an RMSNorm over each query and key head (``use_qk_norm``), RoPE
 each head (``partial_rotary_factor``: Megatron's ``rotary_percent``, the first dimensions
 rotated in halves alike), and DeepSeek-V3's routed layers (``hf_routed``: dense layers first,
 routed experts with shared ones and a sigmoid router after). Pure.
-
-Not carried yet, and refused by name: multi-token prediction layers
-(``num_nextn_predict_layers``, which GLM-4.5's own configs set to 1).
+Its multi-token prediction layers (``num_nextn_predict_layers``, which GLM-4.5's own configs set
+to 1) are DeepSeek-V3's (``hf_layout``).
 """
 
 from __future__ import annotations
@@ -85,7 +84,7 @@ RULES = FamilyRules(
         "SwiGLU MLPs in the first layers and SwiGLU routed experts with shared experts and a "
         "sigmoid router (score-correction bias, group-limited top-k) after, GQA with q/k/v "
         "biases or none, optional q/k RMSNorm, partial RoPE, RMSNorm, tied or untied "
-        "embeddings; not yet: multi-token prediction"
+        "embeddings, multi-token prediction layers (model.layers.<num_hidden_layers + k>)"
     ),
     problems=family_problems,
     config=config,

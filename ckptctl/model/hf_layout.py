@@ -9,9 +9,17 @@ two halves of ``linear_fc1``, the vocabulary is the true (unpadded) one, and a t
 from __future__ import annotations
 
 import json
+import re
 
 from ckptctl.model import hf_deepseek
-from ckptctl.model.catalog import LAYER_PREFIX, ROUTER_EXPERT_BIAS, expert_name, is_state
+from ckptctl.model.catalog import (
+    LAYER_PREFIX,
+    MTP_PREFIX,
+    ROUTER_EXPERT_BIAS,
+    expert_name,
+    is_state,
+    mtp_layer_prefix,
+)
 from ckptctl.model.geometry import Piece, Shape, nbytes, whole
 from ckptctl.model.hf_families import MoeNaming, choose_family
 from ckptctl.model.layout import ModelSpec
@@ -52,55 +60,111 @@ def _qkv_pieces(spec: ModelSpec, part: str, trailing: Shape) -> tuple[Shape, tup
 def hf_tensors(spec: ModelSpec) -> list[Entry]:
     """(HF name, canonical name, shape, pieces) for every tensor, in HF state-dict order."""
     family = choose_family(spec)
-    h, f = spec.hidden_size, spec.ffn_hidden_size
+    h = spec.hidden_size
+    out: list[Entry] = []
+    out.append(_whole("model.embed_tokens.weight", EMBEDDING, (spec.vocab_size, h)))
+    for i in range(spec.num_layers):
+        src, dst = f"{LAYER_PREFIX}{i}.", f"model.layers.{i}."
+        out.extend(_layer_tensors(spec, family.moe, src, dst, spec.is_moe_layer(i)))
+    out.append(_whole("model.norm.weight", "decoder.final_layernorm.weight", (h,)))
+    if not spec.tie_embeddings:
+        out.append(_whole("lm_head.weight", OUTPUT, (spec.vocab_size, h)))
+    for k in range(spec.mtp_num_layers):
+        out.extend(_mtp_tensors(spec, family.moe, k))
+    return out
+
+
+EMBEDDING, OUTPUT = "embedding.word_embeddings.weight", "output_layer.weight"
+
+
+def _whole(hf: str, canonical: str, shape: Shape) -> Entry:
+    return (hf, canonical, shape, _full(shape))
+
+
+def _mtp_tensors(spec: ModelSpec, moe: MoeNaming | None, k: int) -> list[Entry]:
+    """MTP layer ``k`` as DeepSeek-V3 releases it: one more decoder layer
+    ``model.layers.<num_hidden_layers + k>`` with the MTP norms and projection, and copies of the
+    embedding and output layer it shares with the model (``embed_tokens``,
+    ``shared_head.head``), as the hub's checkpoints hold them."""
+    h, v = spec.hidden_size, spec.vocab_size
+    head, dst = f"{MTP_PREFIX}{k}.", f"model.layers.{spec.num_layers + k}."
+    output = EMBEDDING if spec.tie_embeddings else OUTPUT
+    return [
+        _whole(f"{dst}embed_tokens.weight", EMBEDDING, (v, h)),
+        _whole(f"{dst}enorm.weight", f"{head}enorm.weight", (h,)),
+        _whole(f"{dst}hnorm.weight", f"{head}hnorm.weight", (h,)),
+        _whole(f"{dst}eh_proj.weight", f"{head}eh_proj.weight", (h, 2 * h)),
+        *_layer_tensors(spec, moe, mtp_layer_prefix(k), dst, spec.mtp_is_moe),
+        _whole(f"{dst}shared_head.norm.weight", f"{head}final_layernorm.weight", (h,)),
+        _whole(f"{dst}shared_head.head.weight", output, (v, h)),
+    ]
+
+
+SHARED_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
+"""An MTP layer's copies of the embedding and output layer: replicas of tensors the model
+holds anyway (read from either, written to both)."""
+
+
+def _layer_tensors(
+    spec: ModelSpec, moe: MoeNaming | None, src: str, dst: str, routed: bool
+) -> list[Entry]:
+    """One decoder layer: canonical prefix ``src`` (a decoder or MTP layer's), HF ``dst``."""
+    h, f, d = spec.hidden_size, spec.ffn_hidden_size, spec.kv_channels
+    bias = spec.add_bias_linear
+    qkv_bias = bias or spec.add_qkv_bias
     out: list[Entry] = []
 
     def whole(hf: str, canonical: str, shape: Shape) -> None:
-        out.append((hf, canonical, shape, _full(shape)))
+        out.append(_whole(hf, canonical, shape))
 
-    whole("model.embed_tokens.weight", "embedding.word_embeddings.weight", (spec.vocab_size, h))
-    bias = spec.add_bias_linear
-    qkv_bias = bias or spec.add_qkv_bias
-    d = spec.kv_channels
-    for i in range(spec.num_layers):
-        src, dst = f"{LAYER_PREFIX}{i}.", f"model.layers.{i}."
-        qkv = f"{src}self_attention.linear_qkv."
-        if spec.mla is not None:
-            out.extend(hf_deepseek.attention_tensors(spec, src, dst))
-        for part in ("q", "k", "v") if spec.mla is None else ():
-            shape, pieces = _qkv_pieces(spec, part, (h,))
-            out.append((f"{dst}self_attn.{part}_proj.weight", qkv + "weight", shape, pieces))
-            if qkv_bias:
-                shape, pieces = _qkv_pieces(spec, part, ())
-                out.append((f"{dst}self_attn.{part}_proj.bias", qkv + "bias", shape, pieces))
-        if spec.mla is None:
-            whole(
-                f"{dst}self_attn.o_proj.weight",
-                f"{src}self_attention.linear_proj.weight",
-                (h, spec.num_attention_heads * spec.kv_channels),
-            )
-        if bias:
-            whole(f"{dst}self_attn.o_proj.bias", f"{src}self_attention.linear_proj.bias", (h,))
-        if spec.qk_layernorm and spec.mla is None:
-            whole(f"{dst}self_attn.q_norm.weight", f"{src}self_attention.q_layernorm.weight", (d,))
-            whole(f"{dst}self_attn.k_norm.weight", f"{src}self_attention.k_layernorm.weight", (d,))
-        if family.moe is not None and spec.is_moe_layer(i):
-            out.extend(_moe_tensors(spec, family.moe, src, dst))
-            pre_mlp_norm = f"{src}pre_mlp_layernorm.weight"
-        else:
-            out.extend(
-                _mlp_tensors(
-                    f"{dst}mlp.", f"{src}mlp.", ("gate_proj", "up_proj", "down_proj"), h, f, bias
-                )
-            )
-            pre_mlp_norm = f"{src}mlp.linear_fc1.layer_norm_weight"
-        norm = f"{src}input_layernorm.weight" if spec.mla else qkv + "layer_norm_weight"
-        whole(f"{dst}input_layernorm.weight", norm, (h,))
-        whole(f"{dst}post_attention_layernorm.weight", pre_mlp_norm, (h,))
-    whole("model.norm.weight", "decoder.final_layernorm.weight", (h,))
-    if not spec.tie_embeddings:
-        whole("lm_head.weight", "output_layer.weight", (spec.vocab_size, h))
+    qkv = f"{src}self_attention.linear_qkv."
+    if spec.mla is not None:
+        out.extend(hf_deepseek.attention_tensors(spec, src, dst))
+    for part in ("q", "k", "v") if spec.mla is None else ():
+        shape, pieces = _qkv_pieces(spec, part, (h,))
+        out.append((f"{dst}self_attn.{part}_proj.weight", qkv + "weight", shape, pieces))
+        if qkv_bias:
+            shape, pieces = _qkv_pieces(spec, part, ())
+            out.append((f"{dst}self_attn.{part}_proj.bias", qkv + "bias", shape, pieces))
+    if spec.mla is None:
+        whole(
+            f"{dst}self_attn.o_proj.weight",
+            f"{src}self_attention.linear_proj.weight",
+            (h, spec.num_attention_heads * spec.kv_channels),
+        )
+    if bias:
+        whole(f"{dst}self_attn.o_proj.bias", f"{src}self_attention.linear_proj.bias", (h,))
+    if spec.qk_layernorm and spec.mla is None:
+        whole(f"{dst}self_attn.q_norm.weight", f"{src}self_attention.q_layernorm.weight", (d,))
+        whole(f"{dst}self_attn.k_norm.weight", f"{src}self_attention.k_layernorm.weight", (d,))
+    if moe is not None and routed:
+        out.extend(_moe_tensors(spec, moe, src, dst))
+        pre_mlp_norm = f"{src}pre_mlp_layernorm.weight"
+    else:
+        out.extend(_mlp_tensors(f"{dst}mlp.", f"{src}mlp.", _GATED_MLP, h, f, bias))
+        pre_mlp_norm = f"{src}mlp.linear_fc1.layer_norm_weight"
+    norm = f"{src}input_layernorm.weight" if spec.mla else qkv + "layer_norm_weight"
+    whole(f"{dst}input_layernorm.weight", norm, (h,))
+    whole(f"{dst}post_attention_layernorm.weight", pre_mlp_norm, (h,))
     return out
+
+
+_HUB_EXPERT = re.compile(r"(.*\.experts\.)(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+
+def packed_expert(spec: ModelSpec, hub_name: str) -> tuple[str, Shape, int] | None:
+    """Where transformers 5 keeps hub expert tensor ``hub_name`` in memory (and in checkpoints
+    saved from its state dict): ``(packed name, its shape, element offset)`` in
+    ``experts.gate_up_proj`` ``[E, 2F, H]`` (gate rows, then up rows) or ``experts.down_proj``
+    ``[E, H, F]``; ``None`` for a tensor that is no expert's gate, up or down projection."""
+    match = _HUB_EXPERT.fullmatch(hub_name)
+    if match is None:
+        return None
+    prefix, expert, part = match.group(1), int(match.group(2)), match.group(3)
+    e, f, h = spec.num_experts or 0, spec.expert_ffn_size, spec.hidden_size
+    if part == "down_proj":
+        return f"{prefix}down_proj", (e, h, f), expert * h * f
+    return f"{prefix}gate_up_proj", (e, 2 * f, h), (2 * expert + (part == "up_proj")) * f * h
 
 
 def _mlp_tensors(

@@ -62,9 +62,9 @@ def routed_problems(spec: ModelSpec, cls: str) -> list[str]:
 
 
 def routed_config(spec: ModelSpec) -> dict[str, Any]:
-    """The routed layers' ``config.json`` keys for ``spec`` (no multi-token prediction)."""
+    """The routed layers' ``config.json`` keys for ``spec``, and its MTP layers'."""
     out: dict[str, Any] = {
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": spec.mtp_num_layers,
         # Megatron renormalises a sigmoid router's weights only when it picks several experts
         "norm_topk_prob": not spec.is_moe or spec.moe_router_topk > 1,
         "output_router_logits": False,
@@ -98,11 +98,6 @@ def routed_config(spec: ModelSpec) -> dict[str, Any]:
 def routed_config_problems(config: Mapping[str, Any], dense_default: int) -> list[str]:
     """The routed layers' keys of ``config.json`` that ckptctl cannot carry, by name."""
     problems = []
-    mtp = count(config, "num_nextn_predict_layers", 0)
-    if mtp:
-        problems.append(
-            f"num_nextn_predict_layers={mtp}: multi-token prediction layers are not supported yet"
-        )
     for key, plain in (
         ("topk_method", "noaux_tc"),
         ("scoring_func", "sigmoid"),
@@ -128,11 +123,12 @@ def routed_fields(config: Mapping[str, Any], dense_default: int) -> dict[str, An
     """``ModelSpec`` fields of the routed layers (none when every layer is dense);
     ``dense_default``: the family's ``first_k_dense_replace`` when the file has none."""
     dense_first = count(config, "first_k_dense_replace", dense_default)
+    mtp = {"mtp_num_layers": count(config, "num_nextn_predict_layers", 0)}
     if dense_first >= config["num_hidden_layers"]:
-        return {}
+        return mtp
     ffn = count(config, "moe_intermediate_size", 2048)
     groups = count(config, "n_group", 1)
-    return {
+    return mtp | {
         "dense_layers": tuple(range(dense_first)),
         "num_experts": count(config, "n_routed_experts", 256),
         "moe_ffn_hidden_size": ffn,

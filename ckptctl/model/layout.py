@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt, model_valida
 
 from ckptctl.errors import LayoutError
 from ckptctl.model.mla import MlaSpec
+from ckptctl.model.moe_spec import moe_description, moe_problems
 
 
 class NormKind(StrEnum):
@@ -126,6 +127,10 @@ class ModelSpec(_Frozen):
     mla: MlaSpec | None = None
     """Multi-latent attention in place of (grouped-query) attention; ``qk_layernorm`` then
     says whether the compressed queries and keys/values are normed."""
+    mtp_num_layers: StrictInt = 0
+    """Multi-token prediction layers after the decoder (DeepSeek-V3's one): each an embedding
+    norm, a hidden-state norm, a ``[h, 2h]`` projection, a transformer layer of the last
+    layer's kind and a final norm; they share the embedding and output layer."""
 
     @model_validator(mode="before")
     @classmethod
@@ -154,7 +159,7 @@ class ModelSpec(_Frozen):
             value = getattr(self, field)
             if value is not None and value > most:
                 problems.append(f"{field}={value} is implausible (at most {most})")
-        problems.extend(self._moe_problems())
+        problems.extend(moe_problems(self))
         if self.mla is not None and self.num_query_groups != self.num_attention_heads:
             problems.append(
                 f"multi-latent attention has a key/value per head: num_query_groups="
@@ -162,6 +167,10 @@ class ModelSpec(_Frozen):
             )
         if self.mla is not None and self.position_embedding is not PositionEmbedding.ROPE:
             problems.append("multi-latent attention needs rope position embeddings")
+        if not 0 <= self.mtp_num_layers <= self.num_layers:
+            problems.append(
+                f"mtp_num_layers={self.mtp_num_layers} must lie in 0..num_layers={self.num_layers}"
+            )
         if self.num_query_groups > 0 and self.num_attention_heads % self.num_query_groups:
             problems.append(
                 f"num_query_groups={self.num_query_groups} does not divide "
@@ -171,57 +180,6 @@ class ModelSpec(_Frozen):
             raise LayoutError(problems)
         return self
 
-    def _moe_problems(self) -> list[str]:
-        if self.num_experts is None:
-            moe_only = (
-                "moe_ffn_hidden_size",
-                "moe_shared_expert_intermediate_size",
-                "moe_router_expert_bias",
-                "moe_shared_expert_gate",
-                "moe_router_num_groups",
-                "moe_router_group_topk",
-                "moe_router_topk_scaling_factor",
-                "dense_layers",
-            )
-            return [
-                f"{name} is set but num_experts is not"
-                for name in moe_only
-                if getattr(self, name) not in (None, False, ())
-            ]
-        problems = []
-        if self.num_experts < 1:
-            problems.append(f"num_experts={self.num_experts} must be positive")
-        if not 1 <= self.moe_router_topk <= max(self.num_experts, 1):
-            problems.append(
-                f"moe_router_topk={self.moe_router_topk} must lie in 1..num_experts="
-                f"{self.num_experts}"
-            )
-        for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                problems.append(f"{name}={value} must be positive")
-        if self.moe_shared_expert_gate and not self.moe_shared_expert_intermediate_size:
-            problems.append("moe_shared_expert_gate needs moe_shared_expert_intermediate_size")
-        dense = self.dense_layers
-        if list(dense) != sorted(set(dense)) or any(not 0 <= i < self.num_layers for i in dense):
-            problems.append(
-                f"dense_layers={list(dense)} must be distinct layer indices below num_layers="
-                f"{self.num_layers}, in order"
-            )
-        elif len(dense) == self.num_layers:
-            problems.append("dense_layers holds every layer: the model has no MoE layer")
-        groups, best = self.moe_router_num_groups, self.moe_router_group_topk
-        if (groups is None) != (best is None):
-            problems.append("moe_router_num_groups and moe_router_group_topk go together")
-        elif groups is not None and best is not None:
-            if groups < 1 or self.num_experts % groups:
-                problems.append(
-                    f"moe_router_num_groups={groups} does not divide num_experts={self.num_experts}"
-                )
-            elif not 1 <= best <= groups:
-                problems.append(f"moe_router_group_topk={best} must lie in 1..{groups}")
-        return problems
-
     @property
     def is_moe(self) -> bool:
         return self.num_experts is not None
@@ -229,6 +187,12 @@ class ModelSpec(_Frozen):
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer ``layer``'s MLP is routed experts."""
         return self.num_experts is not None and layer not in self.dense_layers
+
+    @property
+    def mtp_is_moe(self) -> bool:
+        """Whether the multi-token prediction layers' MLP is routed experts: megatron-core
+        builds them with the last decoder layer's spec."""
+        return self.is_moe_layer(self.num_layers - 1)
 
     @property
     def expert_ffn_size(self) -> int:
@@ -258,34 +222,20 @@ class ModelSpec(_Frozen):
             heads,
             f"vocab {self.vocab_size}",
             self.mlp_name,
-            *([self.moe_description()] if self.is_moe else []),
+            *([moe_description(self)] if self.is_moe else []),
             f"{self.normalization} (eps {self.norm_epsilon:g})",
             *(["q/k layernorm"] if self.qk_layernorm else []),
             bias,
             position,
             f"{'tied' if self.tie_embeddings else 'untied'} embeddings",
+            *([self._mtp_description()] if self.mtp_num_layers else []),
             *([f"from HF {self.hf_family}"] if self.hf_family else []),
         ]
         return ", ".join(parts)
 
-    def moe_description(self) -> str:
-        routing = ""
-        if self.dense_layers:
-            routing = f"dense MLP in layers {_ranges(self.dense_layers)}, elsewhere "
-        routing += f"top-{self.moe_router_topk} of {self.num_experts} experts (ffn "
-        routing += f"{self.expert_ffn_size}, {self.moe_router_score_function}"
-        routing += " before top-k)" if self.moe_router_pre_softmax else ")"
-        if self.moe_router_expert_bias:
-            routing += " with expert bias"
-        if self.moe_router_num_groups:
-            routing += f", within the best {self.moe_router_group_topk} of "
-            routing += f"{self.moe_router_num_groups} groups"
-        if self.moe_router_topk_scaling_factor is not None:
-            routing += f", weights x{self.moe_router_topk_scaling_factor:g}"
-        if self.moe_shared_expert_intermediate_size:
-            gate = " gated" if self.moe_shared_expert_gate else ""
-            routing += f", shared{gate} expert ffn {self.moe_shared_expert_intermediate_size}"
-        return routing
+    def _mtp_description(self) -> str:
+        n = self.mtp_num_layers
+        return f"{n} multi-token prediction layer{'s' if n > 1 else ''}"
 
     @property
     def mlp_name(self) -> str:
@@ -311,20 +261,6 @@ class ModelSpec(_Frozen):
         """Megatron's padding: the next multiple of ``make_vocab_size_divisible_by * tp``."""
         multiple = self.make_vocab_size_divisible_by * tp
         return ceil(self.vocab_size / multiple) * multiple
-
-
-def _ranges(layers: tuple[int, ...]) -> str:
-    """``0-2, 7`` for (0, 1, 2, 7)."""
-    out: list[str] = []
-    start = prev = layers[0]
-    for layer in (*layers[1:], None):
-        if layer is not None and layer == prev + 1:
-            prev = layer
-            continue
-        out.append(str(start) if start == prev else f"{start}-{prev}")
-        if layer is not None:
-            start = prev = layer
-    return ", ".join(out)
 
 
 class ParallelLayout(_Frozen):
@@ -396,6 +332,12 @@ class ParallelLayout(_Frozen):
         if spec.ffn_hidden_size % t and (not spec.is_moe or spec.dense_layers):
             problems.append(f"tp={t} does not divide ffn_hidden_size={spec.ffn_hidden_size}")
         problems.extend(self._expert_problems(spec))
+        if spec.mtp_num_layers and spec.tie_embeddings and self.pp > 1:
+            # megatron-core then keeps an output layer weight on the last stage that no forward
+            # uses and no sharded checkpoint holds
+            problems.append(
+                "tied embeddings with multi-token prediction layers over pp > 1: not supported yet"
+            )
         try:
             self._stage_layer_counts(spec.num_layers)
         except LayoutError as err:

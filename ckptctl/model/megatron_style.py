@@ -72,3 +72,6 @@ class MegatronStyle:
     layer_order: tuple[str, ...] | None = None
     optimizer: OptimizerLayout | None = None
     expert_naming: ExpertNaming = ExpertNaming.SEQUENTIAL
+    mtp_inner: str = "mtp_model_layer"
+    """The module legacy files keep an MTP layer's transformer layer under: megatron-core 0.17
+    on names it ``mtp_model_layer``, earlier releases ``transformer_layer``."""

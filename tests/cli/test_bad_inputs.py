@@ -321,10 +321,10 @@ MORE: dict[str, tuple[Callable[[Path], None], str, int]] = {
         "multi-latent attention has a key/value per head",
         3,
     ),
-    "multi-token prediction": (
+    "multi-token prediction layers the files lack": (
         _edit("args/mtp_num_layers", 1),
-        "args.mtp_num_layers=1",
-        2,
+        "args.mtp_num_layers=1 but the files hold no multi-token prediction layer",
+        3,
     ),
     "empty iteration dir": (
         lambda r: [shutil.rmtree(p) for p in (r / "iter_0000001").iterdir()],

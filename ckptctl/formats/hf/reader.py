@@ -21,13 +21,23 @@ from ckptctl.checksums import record_checks
 from ckptctl.checksums.manifest import recorded
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError, LayoutError
 from ckptctl.formats.base import Checkpoint
+from ckptctl.formats.hf.fp8 import (
+    DEQUANTIZED,
+    FP8,
+    QUANTIZATION,
+    SCALE_SUFFIX,
+    BlockFp8,
+    block_fp8,
+    dequantize,
+    scale_rows_and_columns,
+)
 from ckptctl.formats.safetensors_header import SafetensorsEntry, read_header
 from ckptctl.io.runs import Span
 from ckptctl.io.storage import Storage
 from ckptctl.model.dtypes import ITEMSIZE
 from ckptctl.model.hf_config import spec_from_config
-from ckptctl.model.hf_layout import CONFIG, INDEX, SINGLE, hf_tensors
-from ckptctl.model.layout import ParallelLayout
+from ckptctl.model.hf_layout import CONFIG, INDEX, SINGLE, hf_tensors, packed_expert
+from ckptctl.model.layout import ModelSpec, ParallelLayout
 from ckptctl.model.stored import (
     CheckpointView,
     FlatView,
@@ -118,6 +128,9 @@ class HFCheckpoint(Checkpoint):
     digests: dict[str, dict[str, str]] = field(default_factory=dict)
     """Each tensor's xxh3-64 by file and name, where a ckptctl manifest records them: the
     format stores no checksum, so these are what every read is held to."""
+    fp8: BlockFp8 | None = None
+    quantized: dict[tuple[str, str], tuple[str, str]] = field(default_factory=dict)
+    """FP8 weights by (file, name): where their scales are (read dequantized)."""
     _open: dict[str, BinaryIO] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -135,7 +148,31 @@ class HFCheckpoint(Checkpoint):
         if transposed:
             raise ValueError("safetensors files of this reader hold no tensor transposed")
         name = str(key[0])
-        entry = self.headers[path][name]
+        scales = self.quantized.get((path, name))
+        data = self._read_box(path, name, offsets, sizes, None if scales else into, view)
+        if scales is None or self.fp8 is None:
+            return data
+        block = self.fp8.block
+        first, count = scale_rows_and_columns(block, offsets, sizes)
+        grid = self._read_box(*scales, first, count, None)
+        return dequantize(data, grid, block, (offsets[0], offsets[1]))
+
+    def _read_box(
+        self,
+        path: str,
+        name: str,
+        offsets: Shape,
+        sizes: Shape,
+        into: np.ndarray | None,
+        view: FlatView = None,
+    ) -> np.ndarray:
+        stored = entry = self.headers[path][name]
+        if view is not None:  # one expert's part of a packed tensor: read as a tensor of its own
+            at, shape = view
+            begin = entry.begin + at * ITEMSIZE[entry.dtype]
+            entry = SafetensorsEntry(
+                entry.dtype, shape, begin, begin + prod(shape) * ITEMSIZE[entry.dtype]
+            )
         where = self.storage.describe(path)
         if not self.storage.is_local:  # exact ranged GETs, several in flight
             data = read_box(_RangeFile(self.storage, path), entry, offsets, sizes, into, where)
@@ -144,7 +181,9 @@ class HFCheckpoint(Checkpoint):
                 if path not in self._open:
                     self._open[path] = self.storage.open_read(path)
                 data = read_box(self._open[path], entry, offsets, sizes, into, where)
-        self._check(path, name, entry, offsets, sizes, data)
+        # a packed expert's part is never the whole stored tensor its checksum covers
+        whole = view is None and not any(offsets) and tuple(sizes) == stored.shape
+        self._check(path, name, stored, whole, data)
         return data
 
     def _check(
@@ -152,8 +191,7 @@ class HFCheckpoint(Checkpoint):
         path: str,
         name: str,
         entry: SafetensorsEntry,
-        offsets: Shape,
-        sizes: Shape,
+        whole: bool,
         data: np.ndarray,
     ) -> None:
         """Hold what was read to the manifest's checksum of its tensor: a whole tensor here
@@ -161,7 +199,6 @@ class HFCheckpoint(Checkpoint):
         record = self._record(path, name, entry)
         if record is None:
             return
-        whole = not any(offsets) and tuple(sizes) == entry.shape
         if not whole:
             record_checks.ask(record)
         elif xxhash.xxh3_64_hexdigest(buffer(words(data).reshape(-1))) != record.digest:
@@ -192,9 +229,10 @@ class HFCheckpoint(Checkpoint):
     def where(
         self, path: str, key: KeyPath, offsets: Shape, sizes: Shape, view: FlatView = None
     ) -> Span | None:
-        """Where the box lies in the file, when it is whole rows of the tensor."""
+        """Where the box lies in the file, when it is whole rows of the tensor (and its bytes
+        are the values: not FP8 read dequantized)."""
         entry = self.headers[path][str(key[0])]
-        if view is not None or prod(sizes) == 0:
+        if view is not None or prod(sizes) == 0 or (path, str(key[0])) in self.quantized:
             return None
         if entry.shape and tuple(sizes[1:]) != tuple(entry.shape[1:]):
             return None
@@ -217,6 +255,54 @@ class _RangeFile:
         return self.storage.read_range(self.path, self.pos, nbytes)
 
 
+LM_HEAD = "lm_head.weight"
+_INERT = (".rotary_emb.inv_freq",)
+"""Buffers older transformers saved that the weights do not depend on (recomputed on load)."""
+
+
+def _scale_problem(
+    fp8: BlockFp8 | None,
+    name: str,
+    shape: Shape,
+    scale: tuple[str, SafetensorsEntry | None],
+    storage: Storage,
+) -> str | None:
+    """What keeps FP8 weight ``name`` from being dequantized, if anything."""
+    if fp8 is None:
+        return (
+            f"{storage.describe(CONFIG)}: tensor {name} is {FP8} but there is no "
+            f"{QUANTIZATION} to say how it is scaled; cannot read it"
+        )
+    path, entry = scale
+    if entry is None:
+        return f"tensor {name} is {FP8} without its scales {name}{SCALE_SUFFIX}"
+    expected = fp8.scale_shape(shape)
+    if entry.shape != expected or entry.dtype not in ("float32", "bfloat16"):
+        return (
+            f"{storage.describe(path)}: {name}{SCALE_SUFFIX} is {entry.dtype} "
+            f"{list(entry.shape)}; {fp8.describe()} needs float32 {list(expected)}"
+        )
+    return None
+
+
+def _refuse_unmapped(names: set[str], spec: ModelSpec, storage: Storage) -> None:
+    """Refuse a checkpoint holding tensors the model its ``config.json`` describes has no place
+    for: a conversion would drop them (an MTP layer the config does not announce, a bias, a
+    vision tower). A tied model's ``lm_head.weight`` is skipped as transformers skips it."""
+    dropped = sorted(
+        n for n in names if not n.endswith(_INERT) and not (spec.tie_embeddings and n == LM_HEAD)
+    )
+    if dropped:
+        shown = ", ".join(dropped[:3]) + (
+            f" and {len(dropped) - 3} more" if len(dropped) > 3 else ""
+        )
+        raise CheckpointError(
+            f"{storage.describe(CONFIG)}: the checkpoint holds {shown}, which the model this "
+            "config.json describes has no place for; a conversion would drop them (is the "
+            "config the checkpoint's own?)"
+        )
+
+
 def probe_hf(
     storage: Storage,
     make_vocab_size_divisible_by: int = 128,
@@ -227,7 +313,9 @@ def probe_hf(
         raise CheckpointNotFoundError(f"{storage.describe(CONFIG)}: missing; not an HF checkpoint")
     config = json_input.parse_object(storage.read_text(CONFIG), storage.describe(CONFIG))
     try:
-        spec = spec_from_config(config, make_vocab_size_divisible_by, trusted)
+        fp8 = block_fp8(config)  # how the weights are stored, not what the model is
+        model = {k: v for k, v in config.items() if k != QUANTIZATION}
+        spec = spec_from_config(model, make_vocab_size_divisible_by, trusted)
     except LayoutError as err:
         raise LayoutError(f"{storage.describe(CONFIG)}: {err}") from None
     if storage.exists(INDEX):
@@ -242,19 +330,41 @@ def probe_hf(
     else:
         raise CheckpointNotFoundError(f"{storage.url}: neither {INDEX} nor {SINGLE} found")
     headers: dict[str, dict[str, SafetensorsEntry]] = {}
-    files: dict[str, list[StoredTensor]] = {}
-    problems = []
-    for name, canonical, shape, pieces in hf_tensors(spec):
+
+    def entry_of(name: str) -> tuple[str, SafetensorsEntry | None]:
         path = weight_map.get(name) if weight_map is not None else SINGLE
         if path is None:
-            problems.append(f"{storage.describe(INDEX)}: no file for tensor {name}")
-            continue
+            return "", None
         if path not in headers:
             storage.path(path)  # refuses paths escaping the root before anything is opened
             with storage.open_read(path) as f:
-                size = storage.size(path)
-                headers[path] = read_header(f, storage.describe(path), size).tensors
-        entry = headers[path].get(name)
+                headers[path] = read_header(f, storage.describe(path), storage.size(path)).tensors
+        return path, headers[path].get(name)
+
+    quantized: dict[tuple[str, str], tuple[str, str]] = {}
+    used: set[str] = set()
+    files: dict[str, list[StoredTensor]] = {}
+    problems = []
+    for name, canonical, shape, pieces in hf_tensors(spec):
+        path, entry = entry_of(name)
+        packed = packed_expert(spec, name) if entry is None else None
+        if packed is not None and entry_of(packed[0])[1] is not None:
+            # transformers 5's in-memory spelling: every expert in one tensor
+            where, whole = entry_of(packed[0])
+            assert whole is not None
+            if whole.shape != packed[1]:
+                problems.append(
+                    f"{storage.describe(where)}: tensor {packed[0]} has shape "
+                    f"{list(whole.shape)}, expected {list(packed[1])}"
+                )
+                continue
+            used.add(packed[0])
+            tensor = StoredTensor((packed[0],), canonical, shape, whole.dtype, pieces, packed[2])
+            files.setdefault(where, []).append(tensor)
+            continue
+        if not path:
+            problems.append(f"{storage.describe(INDEX)}: no file for tensor {name}")
+            continue
         if entry is None:
             problems.append(f"{storage.describe(path)}: tensor {name} missing")
             continue
@@ -264,11 +374,21 @@ def probe_hf(
                 f"expected {list(shape)}"
             )
             continue
-        files.setdefault(path, []).append(
-            StoredTensor((name,), canonical, shape, entry.dtype, pieces)
-        )
+        dtype = entry.dtype
+        if dtype == FP8:
+            problem = _scale_problem(fp8, name, shape, entry_of(name + SCALE_SUFFIX), storage)
+            if problem:
+                problems.append(problem)
+                continue
+            quantized[(path, name)] = (entry_of(name + SCALE_SUFFIX)[0], name + SCALE_SUFFIX)
+            dtype = DEQUANTIZED
+        files.setdefault(path, []).append(StoredTensor((name,), canonical, shape, dtype, pieces))
     if problems:
         raise CheckpointError("; ".join(problems[:5]))
+    held = set(weight_map) if weight_map is not None else set(headers.get(SINGLE, {}))
+    mapped = {name for name, *_ in hf_tensors(spec)} | {name for _, name in quantized.values()}
+    mapped |= used
+    _refuse_unmapped(held - mapped, spec, storage)
     view = CheckpointView(
         Format.HF,
         spec,
@@ -276,8 +396,15 @@ def probe_hf(
         tuple(StoredFile(path, tuple(ts)) for path, ts in files.items()),
         None,
         False,
-        ("HF checkpoints hold weights only: no optimizer state",),
+        (
+            "HF checkpoints hold weights only: no optimizer state",
+            *(
+                [f"{len(quantized)} weights stored as {fp8.describe()}"]
+                if fp8 and quantized
+                else []
+            ),
+        ),
     )
     known = recorded(storage)
     digests = known.tensors if known is not None else {}
-    return HFCheckpoint(storage, view, headers, config, digests)
+    return HFCheckpoint(storage, view, headers, config, digests, fp8, quantized)

@@ -18,6 +18,8 @@ from ckptctl.formats.megatron.args_fields import (
     MOE_MAPPED,
     MOE_PLAIN_VALUES,
     MTP_FIELDS,
+    MTP_HARMLESS,
+    MTP_PLAIN_VALUES,
     MUP_FIELDS,
     PLAIN_VALUES,
     RELATED_VALUES,
@@ -76,6 +78,11 @@ def _verdict(name: str, value: Any, fields: dict[str, Any], trusted: frozenset[s
             return "ok"  # read by mla_spec, which refuses what it cannot carry
         if name in MLA_PLAIN_VALUES:
             return "ok" if _plain(value, MLA_PLAIN_VALUES[name]) else "changed"
+    if fields.get("mtp_num_layers"):
+        if name in MTP_HARMLESS:
+            return "ok"
+        if name in MTP_PLAIN_VALUES:
+            return "ok" if _plain(value, MTP_PLAIN_VALUES[name]) else "changed"
     if moe and (name in MOE_MAPPED or name in MOE_HARMLESS):
         return "ok"
     if moe and name in MOE_PLAIN_VALUES:
@@ -228,6 +235,7 @@ def spec_from_args(
         qk_layernorm=bool(_arg(args, "qk_layernorm", default=False)),
         hf_family=_arg(args, "ckptctl_hf_family"),
         mla=mla_spec(args),
+        mtp_num_layers=int(_arg(args, "mtp_num_layers", default=0)),
         **_moe_spec(args),
     )
 
@@ -375,6 +383,7 @@ def args_from_spec(spec: ModelSpec) -> argparse.Namespace:
         rotary_percent=spec.rotary_percent,
         **_moe_args(spec),
         **mla_args(spec.mla),
+        mtp_num_layers=spec.mtp_num_layers or None,
         transformer_impl="transformer_engine",
         ckptctl_hf_family=spec.hf_family,
         data_parallel_size=1,

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 MAPPED = frozenset(
     """
+    mtp_num_layers
     account_for_embedding_in_pipeline_split account_for_loss_in_pipeline_split add_bias_linear
     add_position_embedding add_qkv_bias ckptctl_hf_family ckptctl_true_vocab_size data_parallel_size
     ddp_bucket_size decoder_first_pipeline_num_layers decoder_last_pipeline_num_layers
@@ -65,7 +66,6 @@ PLAIN_VALUES: dict[str, tuple[object, ...]] = {
     "layernorm_zero_centered_gamma": (False,),
     "linear_attention_freq": (None,),
     "mrope_section": (None,),
-    "mtp_num_layers": (None, 0),
     "multi_latent_attention": (False,),
     "no_rope_freq": (None,),
     "num_distributed_optimizer_instances": (1,),
@@ -428,6 +428,17 @@ MTP_FIELDS = frozenset(
     mtp_use_repeated_layer
     """.split()
 )
+
+MTP_HARMLESS = frozenset({"mtp_detach_heads", "mtp_loss_scaling_factor"})
+"""With multi-token prediction on: how its loss is weighted and whether its gradient reaches
+the decoder; training only, the weights keep their layout."""
+MTP_PLAIN_VALUES: dict[str, tuple[object, ...]] = {
+    "mtp_hybrid_override_pattern": (None,),
+    "mtp_standalone": (False,),
+    "mtp_use_repeated_layer": (False,),
+}
+"""With multi-token prediction on, refused away from these: a hybrid (Mamba) MTP block, MTP on
+a pipeline stage of its own (a custom pipeline layout), one layer shared by every depth."""
 
 MUP_FIELDS = frozenset(
     """

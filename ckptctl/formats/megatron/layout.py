@@ -9,16 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from math import prod
-from typing import Any
 
 from ckptctl.errors import LayoutError
-from ckptctl.formats.megatron.args import naming_from_args
 from ckptctl.formats.megatron.distopt_layout import replay_buffer
 from ckptctl.formats.megatron.ranks import RankCoords, saving_ranks
 from ckptctl.model.catalog import (
     EXPERTS,
     LAYER_PREFIX,
     MLA_DOWN_PROJECTIONS,
+    MTP_PREFIX,
     ExpertNaming,
     Naming,
     Param,
@@ -29,6 +28,9 @@ from ckptctl.model.catalog import (
     layer_suffixes,
     local_layer_name,
     local_spec_order,
+    mtp_head_suffixes,
+    mtp_layer_prefix,
+    mtp_tail_suffixes,
     parameters_by_name,
     stage_parameters,
     state_name,
@@ -36,7 +38,7 @@ from ckptctl.model.catalog import (
 )
 from ckptctl.model.geometry import Piece, Shape, Split, shard_shape_and_pieces
 from ckptctl.model.layout import ModelSpec, ParallelLayout
-from ckptctl.model.megatron_style import GroupOrder, MegatronStyle, OptimizerLayout
+from ckptctl.model.megatron_style import GroupOrder, OptimizerLayout
 from ckptctl.model.stored import KeyPath, StoredFile, StoredTensor
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -45,6 +47,10 @@ DISTOPT_FILE = "distrib_optim.pt"
 DISTOPT_STATES = {"param": "fp32_param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 """``distrib_optim.pt`` state names -> canonical optimizer state names."""
 TIED_OUTPUT = "output_layer.weight"
+EMBEDDING = "embedding.word_embeddings.weight"
+MTP_LEGACY_INNER = "mtp_model_layer"
+"""What megatron-core (0.17 on) names an MTP layer's transformer layer in legacy files; before,
+and in ``torch_dist`` keys always, it is ``transformer_layer`` (``catalog.MTP_INNER``)."""
 _SCALAR = (Piece((), (), ()),)
 
 
@@ -93,19 +99,6 @@ def stored_tensor(
     )
 
 
-def expert_naming_from_args(args: Any) -> ExpertNaming:
-    """The expert module megatron-core builds: without grouped GEMM ``SequentialMLP``; with
-    it ``TEGroupedMLP`` under TransformerEngine, else (or when asked for the legacy one)
-    ``GroupedMLP``."""
-    if not getattr(args, "moe_grouped_gemm", False):
-        return ExpertNaming.SEQUENTIAL
-    if getattr(args, "transformer_impl", "transformer_engine") == "transformer_engine" and not (
-        getattr(args, "moe_use_legacy_grouped_gemm", False)
-    ):
-        return ExpertNaming.TE_GROUPED
-    return ExpertNaming.GROUPED
-
-
 def default_layer_order(spec: ModelSpec, naming: Naming) -> tuple[str, ...]:
     """A layer's parameters (TE spelling) in megatron-core's ``named_parameters`` order for
     the layer spec that ``naming`` belongs to."""
@@ -121,9 +114,11 @@ def rank_params(
     layer_order: tuple[str, ...] | None = None,
     ep_rank: int = 0,
     expert_naming: ExpertNaming = ExpertNaming.SEQUENTIAL,
+    mtp_inner: str = MTP_LEGACY_INNER,
 ) -> list[RankParam]:
     """The parameters a pipeline stage (and EP rank) holds, in ``named_parameters`` order
-    over its chunks; parameters and persistent buffers alike (``Param.buffer`` tells)."""
+    over its chunks; parameters and persistent buffers alike (``Param.buffer`` tells).
+    ``mtp_inner`` is the module the files keep an MTP layer's transformer layer under."""
     # Cached per spec: a large model's catalog is built once, not once per rank file.
     by_name = parameters_by_name(spec)
     order = layer_order or default_layer_order(spec, naming)
@@ -134,45 +129,80 @@ def rank_params(
     mla = spec.mla is not None
     # A model of dense and MoE layers: each layer takes the suffixes of its kind from the order.
     kinds = {moe: {s for s, _, _ in layer_suffixes(spec, moe)} for moe in (False, spec.is_moe)}
+
+    def layer(prefix: str, local_prefix: str, moe: bool, model_key: str) -> list[RankParam]:
+        out: list[RankParam] = []
+        for suffix in order:
+            if suffix not in kinds[moe]:
+                continue
+            if suffix == EXPERTS:
+                grouped = expert_naming is ExpertNaming.GROUPED
+                out.extend(
+                    RankParam(
+                        by_name[expert_name(prefix, e, part)],
+                        model_key,
+                        local_prefix + name,
+                        block=e - experts.start if grouped else 0,
+                        blocks=len(experts) if grouped else 1,
+                    )
+                    for part, e, name in expert_block(expert_parts, experts, expert_naming)
+                )
+                continue
+            param = by_name[prefix + suffix]
+            if naming is Naming.LOCAL and suffix in MLA_DOWN_PROJECTIONS:
+                if param.shape[0] % layout.tp:
+                    raise LayoutError(
+                        f"tp={layout.tp} does not divide the {param.shape[0]} rows of "
+                        f"{suffix}, which the local spec splits over TP"
+                    )
+                param = replace(param, split=Split.COLUMN)  # see MLA_DOWN_PROJECTIONS
+            name = f"{local_prefix}{local_layer_name(suffix, naming, mla)}"
+            out.append(RankParam(param, model_key, name))
+        return out
+
+    def mtp(model_key: str) -> list[RankParam]:
+        out: list[RankParam] = []
+        for k in range(spec.mtp_num_layers):
+            head = f"{MTP_PREFIX}{k}."
+            out.extend(
+                RankParam(by_name[head + s], model_key, head + s)
+                for s, _, _ in mtp_head_suffixes(spec)
+            )
+            out.extend(
+                layer(
+                    mtp_layer_prefix(k), mtp_layer_prefix(k, mtp_inner), spec.mtp_is_moe, model_key
+                )
+            )
+            out.extend(
+                RankParam(by_name[head + s], model_key, head + s)
+                for s, _, _ in mtp_tail_suffixes(spec)
+            )
+        return out
+
     out: list[RankParam] = []
     for chunk in range(layout.vpp):
         model_key = "model" if layout.vpp == 1 else f"model{chunk}"
-        if pp_rank == 0 and chunk == 0:
+        first = pp_rank == 0 and chunk == 0
+        last = pp_rank == last_stage and chunk == last_chunk
+        if first:
             out.extend(RankParam(p, model_key, p.name) for p in stage_parameters(spec, Stage.FIRST))
-        layers = chunks[(pp_rank, chunk)]
-        for local, layer in enumerate(layers):
-            prefix, local_prefix = f"{LAYER_PREFIX}{layer}.", f"{LAYER_PREFIX}{local}."
-            kind = kinds[spec.is_moe_layer(layer)]
-            for suffix in order:
-                if suffix not in kind:
-                    continue
-                if suffix == EXPERTS:
-                    grouped = expert_naming is ExpertNaming.GROUPED
-                    out.extend(
-                        RankParam(
-                            by_name[expert_name(prefix, e, part)],
-                            model_key,
-                            local_prefix + name,
-                            block=e - experts.start if grouped else 0,
-                            blocks=len(experts) if grouped else 1,
-                        )
-                        for part, e, name in expert_block(expert_parts, experts, expert_naming)
-                    )
-                    continue
-                param = by_name[prefix + suffix]
-                if naming is Naming.LOCAL and suffix in MLA_DOWN_PROJECTIONS:
-                    if param.shape[0] % layout.tp:
-                        raise LayoutError(
-                            f"tp={layout.tp} does not divide the {param.shape[0]} rows of "
-                            f"{suffix}, which the local spec splits over TP"
-                        )
-                    param = replace(param, split=Split.COLUMN)  # see MLA_DOWN_PROJECTIONS
-                name = f"{local_prefix}{local_layer_name(suffix, naming, mla)}"
-                out.append(RankParam(param, model_key, name))
-        if pp_rank == last_stage and chunk == last_chunk:
-            out.extend(RankParam(p, model_key, p.name) for p in stage_parameters(spec, Stage.LAST))
-            if spec.tie_embeddings and layout.pp > 1:
-                embedding = by_name["embedding.word_embeddings.weight"]
+        elif last and spec.mtp_num_layers:
+            # MTP layers embed the tokens too: the last stage keeps a copy of the embedding,
+            # registered first, as megatron-core's GPTModel builds it there.
+            embedding = by_name[EMBEDDING]
+            out.append(RankParam(embedding, model_key, EMBEDDING, tied_copy=True))
+        for local, number in enumerate(chunks[(pp_rank, chunk)]):
+            prefix, local_prefix = f"{LAYER_PREFIX}{number}.", f"{LAYER_PREFIX}{local}."
+            out.extend(layer(prefix, local_prefix, spec.is_moe_layer(number), model_key))
+        if last:
+            tail = stage_parameters(spec, Stage.LAST)
+            decoder = [p for p in tail if p.name.startswith("decoder.")]
+            out.extend(RankParam(p, model_key, p.name) for p in decoder)
+            out.extend(mtp(model_key))
+            out.extend(RankParam(p, model_key, p.name) for p in tail if p not in decoder)
+            # With MTP the output layer uses the last stage's embedding copy (no weight of its own).
+            if spec.tie_embeddings and layout.pp > 1 and not spec.mtp_num_layers:
+                embedding = by_name[EMBEDDING]
                 out.append(RankParam(embedding, model_key, TIED_OUTPUT, tied_copy=True))
     return out
 
@@ -228,6 +258,7 @@ def megatron_files(
     naming: Naming = Naming.TE,
     layer_order: tuple[str, ...] | None = None,
     expert_naming: ExpertNaming = ExpertNaming.SEQUENTIAL,
+    mtp_inner: str = MTP_LEGACY_INNER,
 ) -> tuple[StoredFile, ...]:
     """Every rank file of a Megatron legacy checkpoint and the tensors it holds: one per
     saving rank (``ranks.saving_ranks``), each with the dense parameters of its (tp, pp) shard
@@ -242,7 +273,9 @@ def megatron_files(
     files = []
     for saver in saving_ranks(layout):
         tp_rank, pp_rank, ep_rank = saver.tp, saver.pp, saver.ep
-        params = rank_params(spec, layout, pp_rank, naming, layer_order, ep_rank, expert_naming)
+        params = rank_params(
+            spec, layout, pp_rank, naming, layer_order, ep_rank, expert_naming, mtp_inner
+        )
         tensors: list[StoredTensor] = []
         geometry = []
         for rp in params:
@@ -289,24 +322,27 @@ def _optimizer_tensors(
     """Per-parameter torch optimizer state (and fp32 masters) of one rank file, sub-optimizer
     by sub-optimizer, each numbering its parameters group after group."""
     tensors = []
+    # Hot for the largest plans (hundreds of thousands of tensors): paths hoisted, and the
+    # common case (a parameter stored whole) built without the helper.
     for sub, members in enumerate(sub_optimizers(params, optimizer.chained)):
         groups = param_groups(params, optimizer.group_order, members)
+        state_path, sub_path = optimizer.sub_state(sub), optimizer.sub(sub)
         for first, (index, g, i) in sorted(optimizer_index(groups).items()):
             for pos in range(first, first + params[first].blocks):
                 rp, (shape, pieces) = params[pos], geometry[pos]
                 name = rp.param.name
                 for state in optimizer.states:
-                    key: KeyPath = (*optimizer.sub_state(sub), "state", index, state)
+                    key: KeyPath = (*state_path, "state", index, state)
+                    canonical = state_name(state, name)
                     if state == "step":  # one step per stored parameter
                         if rp.block == 0:
-                            tensors.append(
-                                StoredTensor(key, state_name(state, name), (), "float32", _SCALAR)
-                            )
+                            tensors.append(StoredTensor(key, canonical, (), "float32", _SCALAR))
+                    elif rp.blocks == 1:
+                        tensors.append(StoredTensor(key, canonical, shape, "float32", pieces))
                     else:
-                        canonical = state_name(state, name)
                         tensors.append(stored_tensor(rp, key, canonical, shape, "float32", pieces))
                 if optimizer.master_weights:
-                    key = (*optimizer.sub(sub), "fp32_from_fp16_params", g, i)
+                    key = (*sub_path, "fp32_from_fp16_params", g, i)
                     canonical = state_name("fp32_param", name)
                     tensors.append(stored_tensor(rp, key, canonical, shape, "float32", pieces))
     return tensors
@@ -398,56 +434,5 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def style_for_args(style: MegatronStyle, args: Any) -> MegatronStyle:
-    """``style`` spelled as ``args.transformer_impl`` (and ``moe_grouped_gemm``) say
-    Megatron-LM will load it (in that spec's layer order), whatever the source's own
-    spelling."""
-    if args is None:
-        return style
-    style = replace(style, expert_naming=expert_naming_from_args(args))
-    naming = naming_from_args(args)
-    if naming is None or naming is style.naming:
-        return style
-    return replace(style, naming=naming, layer_order=None)
-
-
 def tracker_text(iteration: int | None) -> str:
     return "release" if iteration is None else str(iteration)
-
-
-def target_optimizer(
-    source: OptimizerLayout | None, layout: ParallelLayout, weight_dtype: str
-) -> OptimizerLayout | None:
-    """How a target of ``layout`` stores the source's optimizer state.
-
-    Switching between the distributed optimizer and per-parameter torch state follows
-    Megatron-Core 0.16: weight-decay group first; without fp32 master copies (fp32 weights) the
-    torch state dict is stored bare, as ``FP32Optimizer`` does.
-    """
-    if source is None:
-        return None
-    return replace(_target_optimizer(source, layout, weight_dtype), chained=layout.ep > 1)
-
-
-def _target_optimizer(
-    source: OptimizerLayout, layout: ParallelLayout, weight_dtype: str
-) -> OptimizerLayout:
-    if layout.distributed_optimizer:
-        if source.distributed:
-            return source
-        return OptimizerLayout(
-            states=(),
-            distributed=True,
-            group_order=GroupOrder.DECAY_FIRST,
-            grad_dtype=source.grad_dtype,
-        )
-    if not source.distributed:
-        return source
-    master = weight_dtype != "float32"
-    return OptimizerLayout(
-        states=("step", "exp_avg", "exp_avg_sq"),
-        master_weights=master,
-        wrapped=master,
-        group_order=GroupOrder.DECAY_FIRST,
-        grad_dtype=source.grad_dtype,
-    )

@@ -80,7 +80,7 @@ def _group_kind(group: dict[str, Any]) -> bool | None:
 def match_groups(
     spec: ModelSpec,
     layout: ParallelLayout,
-    style: tuple[Naming, tuple[str, ...] | None, ExpertNaming],
+    style: tuple[Naming, tuple[str, ...] | None, ExpertNaming, str],
     optimizer: OptimizerLayout,
     trees: dict[tuple[int, int, int], dict[str, Any]],
 ) -> tuple[OptimizerLayout, dict[bool, dict[str, Any]]]:
@@ -90,12 +90,14 @@ def match_groups(
     Megatron-Core changed the order in 0.16 (weight-decay group first); we try both and take the
     one whose group sizes and ``wd_mult`` agree with every file.
     """
-    naming, layer_order, expert_naming = style
+    naming, layer_order, expert_naming, mtp_inner = style
     for order in GroupOrder:
         templates: dict[bool, dict[str, Any]] = {}
         fits = True
         for (tp_rank, pp_rank, ep_rank), tree in trees.items():
-            params = rank_params(spec, layout, pp_rank, naming, layer_order, ep_rank, expert_naming)
+            params = rank_params(
+                spec, layout, pp_rank, naming, layer_order, ep_rank, expert_naming, mtp_inner
+            )
             for sub, members in enumerate(sub_optimizers(params, optimizer.chained)):
                 try:
                     stored = resolve(tree, optimizer.sub_state(sub))["param_groups"]

@@ -22,11 +22,11 @@ from ckptctl.formats.megatron.args import (
 )
 from ckptctl.formats.megatron.layout import (
     DISTOPT_FILE,
+    MTP_LEGACY_INNER,
     RANK_FILE,
     TRACKER,
     iteration_dir,
     megatron_files,
-    style_for_args,
 )
 from ckptctl.formats.megatron.optimizer_groups import (
     carried_state,
@@ -35,6 +35,7 @@ from ckptctl.formats.megatron.optimizer_groups import (
     optimizer_step,
 )
 from ckptctl.formats.megatron.ranks import saving_ranks
+from ckptctl.formats.megatron.target_style import style_for_args
 from ckptctl.formats.torchsave.archive import TensorRef
 from ckptctl.formats.torchsave.refs import TorchFiles, open_torch_file, resolve
 from ckptctl.io.storage import Storage
@@ -42,8 +43,11 @@ from ckptctl.model.catalog import (
     EXPERTS,
     GROUPED_MLP_NAMES,
     LAYER_PREFIX,
+    MTP_INNER,
+    MTP_PREFIX,
     ExpertNaming,
     Naming,
+    mtp_layer_prefix,
     suffix_order,
     te_layer_suffix,
     uses_local_names,
@@ -72,6 +76,7 @@ class MegatronCheckpoint(TorchFiles):
     lost: frozenset[str] = frozenset()
     """Rank files absent from storage (only with ``allow_missing``)."""
     expert_naming: ExpertNaming = ExpertNaming.SEQUENTIAL
+    mtp_inner: str = MTP_LEGACY_INNER
 
     def tree(self, path: str) -> Any:
         return self.readers[path].tree
@@ -82,7 +87,9 @@ class MegatronCheckpoint(TorchFiles):
     @property
     def style(self) -> MegatronStyle:
         """Spelling, layer order and optimizer format, kept when writing Megatron again."""
-        style = MegatronStyle(self.naming, self.layer_order, self.optimizer, self.expert_naming)
+        style = MegatronStyle(
+            self.naming, self.layer_order, self.optimizer, self.expert_naming, self.mtp_inner
+        )
         return style_for_args(style, self.args)
 
     def saved_training(self, path: str) -> SavedTraining:
@@ -159,6 +166,13 @@ def _layer_order(models: list[dict[str, Any]], mla: bool) -> tuple[str, ...]:
             te = te_layer_suffix(suffix, moe, mla)
             out.append(EXPERTS if te.startswith(expert_prefix) else te)
     return tuple(dict.fromkeys(out))
+
+
+def _mtp_inner(names: list[str]) -> str:
+    """The module the files keep MTP layers' transformer layers under (by release)."""
+    if any(name.startswith(mtp_layer_prefix(0, MTP_INNER)) for name in names):
+        return MTP_INNER
+    return MTP_LEGACY_INNER
 
 
 def _expert_naming(names: list[str], where: str) -> ExpertNaming:
@@ -275,6 +289,7 @@ def probe_megatron(
     naming = Naming.LOCAL if uses_local_names(names, mla) else Naming.TE
     stored_order = _layer_order(models, mla)
     expert_naming = _expert_naming(names, storage.describe(first_rel))
+    mtp_inner = _mtp_inner(names)
     # Unknown names are reported by the file check below, missing ones too: the order keeps the
     # catalog's parameters only, in the order the files store them.
     known = suffix_order(spec)
@@ -287,6 +302,11 @@ def probe_megatron(
             "model args call for (e.g. qk_layernorm, add_qkv_bias, a LayerNorm's bias)"
         )
     layer_order = tuple(in_files + absent)
+    if spec.mtp_num_layers and not any(name.startswith(MTP_PREFIX) for name in names):
+        raise CheckpointError(
+            f"{storage.describe(first_rel)}: args.mtp_num_layers={spec.mtp_num_layers} but the "
+            "files hold no multi-token prediction layer (mtp.layers.*)"
+        )
     extra = sorted({k for k in names if k.endswith(_EXTRA_STATE)})
     some_weight = next(v for m in models for v in m.values() if isinstance(v, TensorRef))
     optimizer = optimizer_layout(trees[first_rel], args)
@@ -298,7 +318,7 @@ def probe_megatron(
             if name not in missing
         }
         optimizer, templates = match_groups(
-            spec, layout, (naming, layer_order, expert_naming), optimizer, by_rank
+            spec, layout, (naming, layer_order, expert_naming, mtp_inner), optimizer, by_rank
         )
     notes, warnings = [], []
     if layout.distributed_optimizer and optimizer is None:
@@ -316,6 +336,7 @@ def probe_megatron(
         naming=naming,
         layer_order=layer_order,
         expert_naming=expert_naming,
+        mtp_inner=mtp_inner,
     )
     if iter_rel == "":
         files = tuple(replace(f, path=f.path.split("/", 1)[1]) for f in files)
@@ -359,6 +380,7 @@ def probe_megatron(
         templates,
         lost,
         expert_naming,
+        mtp_inner,
     )
 
 

@@ -8,11 +8,11 @@ from ckptctl.errors import UsageError
 from ckptctl.formats.megatron.layout import (
     TRACKER,
     megatron_files,
-    target_optimizer,
     tracker_text,
 )
 from ckptctl.formats.megatron.mla_args import mla_args
 from ckptctl.formats.megatron.rank_state import carry_source_state, same_rank_grid
+from ckptctl.formats.megatron.target_style import target_optimizer
 from ckptctl.formats.target import CONSOLIDATE, RESHARD, TargetFormat, known_model
 from ckptctl.model.catalog import is_state
 from ckptctl.model.layout import ModelSpec, ParallelLayout
@@ -107,6 +107,7 @@ class MegatronTarget(TargetFormat):
             naming=style.naming,
             layer_order=style.layer_order,
             expert_naming=style.expert_naming,
+            mtp_inner=style.mtp_inner,
         )
         notes, warnings = megatron_notes(source, layout, legacy=True)
         if consolidating and source.has_optimizer and optimizer is None:

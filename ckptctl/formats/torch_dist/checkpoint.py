@@ -13,7 +13,7 @@ from ckptctl.formats.base import SavedTraining
 from ckptctl.formats.dcp.reader import DcpCheckpoint, templates_of
 from ckptctl.formats.megatron.args import grad_reduce_dtype
 from ckptctl.formats.megatron.distopt_layout import is_bucket_key
-from ckptctl.formats.megatron.layout import style_for_args
+from ckptctl.formats.megatron.target_style import style_for_args
 from ckptctl.formats.torch_dist.layout import dense_optimizer
 from ckptctl.formats.torch_dist.model_space import is_model_space_key
 from ckptctl.formats.torchsave.archive import TensorRef

@@ -23,9 +23,12 @@ from ckptctl.model.catalog import (
     EXPERTS,
     LAYER_PREFIX,
     MLA_DOWN_PROJECTIONS,
+    MTP_INNER,
+    MTP_PREFIX,
     Naming,
     Param,
     expert_name,
+    layer_parts,
     local_layer_name,
     parameters,
     state_name,
@@ -85,13 +88,12 @@ def is_stacked(key: str) -> bool:
 
 
 def _numbered_experts(key: str) -> tuple[str, str] | None:
-    """``(layer prefix, expert suffix)`` of a numbered layer's stacked experts key."""
-    if not key.startswith(LAYER_PREFIX):
+    """``(layer prefix, expert suffix)`` of a numbered layer's (or an MTP layer's) stacked
+    experts key."""
+    parts = None if is_stacked(key) else layer_parts(key)
+    if parts is None or not parts[1].startswith(EXPERTS_KEY):
         return None
-    layer, _, rest = key[len(LAYER_PREFIX) :].partition(".")
-    if not layer.isdigit() or not rest.startswith(EXPERTS_KEY):
-        return None
-    return f"{LAYER_PREFIX}{layer}.", rest[len(EXPERTS_KEY) :]
+    return parts[0], parts[1][len(EXPERTS_KEY) :]
 
 
 def chunk_parts(
@@ -165,9 +167,9 @@ def _param_of(name: str, catalog: dict[str, Param]) -> Param | None:
     fused name; or, under multi-latent attention (whose local spec maps no key to TE's), in the
     local spec's own spelling."""
     found = catalog.get(name) or catalog.get(name.replace(_FUSED_PRE_MLP, _PRE_MLP, 1))
-    if found is None and name.startswith(LAYER_PREFIX):
-        layer, _, suffix = name[len(LAYER_PREFIX) :].partition(".")
-        found = catalog.get(f"{LAYER_PREFIX}{layer}.{te_layer_suffix(suffix, mla=True)}")
+    parts = layer_parts(name) if found is None else None
+    if parts is not None:
+        found = catalog.get(parts[0] + te_layer_suffix(parts[1], mla=True))
     return found
 
 
@@ -190,7 +192,8 @@ class TargetChunk:
 
 def local_split(rp: RankParam) -> RankParam:
     """``rp`` as the local spec splits it (MLA's down projections are column-parallel there)."""
-    if rp.param.layer is None or not rp.param.name.endswith(tuple(MLA_DOWN_PROJECTIONS)):
+    name = rp.param.name
+    if layer_parts(name) is None or not name.endswith(tuple(MLA_DOWN_PROJECTIONS)):
         return rp
     return replace(rp, param=replace(rp.param, split=Split.COLUMN))
 
@@ -199,32 +202,40 @@ def torch_dist_key(
     param: Param, naming: Naming = Naming.TE, mla: bool = False, numbered: bool = False
 ) -> str:
     """The sharded key: layer parameters without their layer number (a leading layer
-    dimension instead), routed experts also without their number (an expert dimension)."""
-    if param.layer is None:
+    dimension instead), routed experts also without their number (an expert dimension). An
+    MTP layer's transformer layer keeps its prefix (no layer dimension)."""
+    parts = layer_parts(param.name)
+    if parts is None:
         return param.name
-    suffix = param.name[len(LAYER_PREFIX) :].split(".", 1)[1]
-    # Dense and MoE layers mixed: megatron-core keys each layer by its number.
-    layer = f"{param.layer}." if numbered else ""
+    prefix, suffix = parts
+    if param.layer is not None:
+        # Dense and MoE layers mixed: megatron-core keys each layer by its number.
+        prefix = f"{LAYER_PREFIX}{param.layer}." if numbered else LAYER_PREFIX
     if param.expert is not None:
         expert = suffix.split(".local_experts.", 1)[1].split(".", 1)[1]
-        return f"{LAYER_PREFIX}{layer}{EXPERTS_KEY}{expert}"
+        return f"{prefix}{EXPERTS_KEY}{expert}"
     if naming is Naming.LOCAL and mla:
         # megatron-core's local multi-latent attention spec maps no key: local spelling.
-        return f"{LAYER_PREFIX}{layer}{local_layer_name(suffix, naming, mla=True)}"
+        return f"{prefix}{local_layer_name(suffix, naming, mla=True)}"
     if naming is Naming.LOCAL and suffix.startswith(_PRE_MLP):
         # The local spec maps the MoE layer's norm onto the dense layer's fused name.
         suffix = suffix.replace(_PRE_MLP, _FUSED_PRE_MLP, 1)
-    return f"{LAYER_PREFIX}{layer}{suffix}"
+    return f"{prefix}{suffix}"
+
+
+def _stacked(param: Param, spec: ModelSpec) -> bool:
+    """Whether ``param``'s key has a leading layer dimension (homogeneous decoder layers)."""
+    return param.layer is not None and not spec.dense_layers
 
 
 def global_shape(param: Param, spec: ModelSpec, tp: int) -> Shape:
     shape = param.shape
     if param.split is Split.VOCAB:
         shape = (spec.padded_vocab_size(tp), *shape[1:])
+    layers = (spec.num_layers,) if _stacked(param, spec) else ()
     if param.expert is not None:
-        layers = () if spec.dense_layers else (spec.num_layers,)
         return (*layers, spec.num_experts or 0, *shape)
-    return (spec.num_layers, *shape) if param.layer is not None and not spec.dense_layers else shape
+    return (*layers, *shape)
 
 
 def optimizer_key(state: str, key: str, param: Param, layout: ParallelLayout) -> str:
@@ -323,10 +334,8 @@ def _chunks(
 
 def _leading(param: Param, spec: ModelSpec) -> tuple[int, ...]:
     """Offsets of a parameter's chunks in the stacked dimensions: layer, then expert (no layer
-    dimension where dense and MoE layers mix: each layer has keys of its own)."""
-    if param.layer is None:
-        return ()
-    layers = () if spec.dense_layers else (param.layer,)
+    dimension where dense and MoE layers mix, or in an MTP layer: each has keys of its own)."""
+    layers = (param.layer,) if _stacked(param, spec) and param.layer is not None else ()
     return layers if param.expert is None else (*layers, param.expert)
 
 
@@ -417,6 +426,28 @@ def _extra_state_modules(spec: ModelSpec, moe: bool) -> tuple[str, ...]:
         if spec.moe_shared_expert_intermediate_size:
             modules += ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
     return modules
+
+
+def mtp_extra_state_keys(
+    spec: ModelSpec, experts: range = range(0), dense: bool = True
+) -> list[str]:
+    """Empty ``_extra_state`` items of the MTP layers (their projection, their transformer
+    layer's modules and its ``experts``), keyed like a numbered layer's."""
+    keys: list[str] = []
+    total = spec.num_experts or 0
+    modules = _extra_state_modules(spec, spec.mtp_is_moe)
+    for k in range(spec.mtp_num_layers):
+        head, inner = f"{MTP_PREFIX}{k}.", f"{MTP_PREFIX}{k}.{MTP_INNER}."
+        if dense:
+            keys.append(f"{head}eh_proj._extra_state/shard_0_1")
+            keys.extend(f"{inner}{module}._extra_state/shard_0_1" for module in modules)
+        if spec.mtp_is_moe:
+            keys.extend(
+                f"{inner}{EXPERTS_KEY}{linear}._extra_state/shard_{expert}_{total}"
+                for expert in experts
+                for linear in ("linear_fc1", "linear_fc2")
+            )
+    return keys
 
 
 def extra_state_keys(

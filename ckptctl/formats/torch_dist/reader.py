@@ -22,7 +22,7 @@ from ckptctl.formats.megatron.args import (
     spec_from_args,
 )
 from ckptctl.formats.megatron.distopt_layout import DP_RESHARDABLE_PREFIX, is_bucket_key
-from ckptctl.formats.megatron.layout import expert_naming_from_args
+from ckptctl.formats.megatron.target_style import expert_naming_from_args
 from ckptctl.formats.torch_dist import dp_reshardable
 from ckptctl.formats.torch_dist.checkpoint import TorchDistCheckpoint
 from ckptctl.formats.torch_dist.layout import (

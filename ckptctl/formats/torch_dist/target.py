@@ -7,7 +7,6 @@ from __future__ import annotations
 from ckptctl.formats.megatron.layout import (
     TRACKER,
     iteration_dir,
-    target_optimizer,
     tracker_text,
 )
 from ckptctl.formats.megatron.rank_state import carry_source_state
@@ -17,6 +16,7 @@ from ckptctl.formats.megatron.target import (
     weight_dtype,
     writable,
 )
+from ckptctl.formats.megatron.target_style import target_optimizer
 from ckptctl.formats.target import RESHARD, TargetFormat
 from ckptctl.formats.torch_dist.dp_reshardable_targets import with_buckets
 from ckptctl.formats.torch_dist.layout import MCORE_METADATA, MCORE_METADATA_TEXT, torch_dist_files

@@ -33,6 +33,7 @@ from ckptctl.formats.torch_dist.layout import (
     COMMON,
     extra_state_keys,
     model_catalog,
+    mtp_extra_state_keys,
     record_geometry,
     split_key,
 )
@@ -40,7 +41,7 @@ from ckptctl.formats.torch_dist.model_space import is_model_space_key
 from ckptctl.formats.torchsave.zip_writer import TensorSlot, write_torch_zip
 from ckptctl.io.byte_streams import ByteStream
 from ckptctl.io.runs import Run
-from ckptctl.model.catalog import parameters
+from ckptctl.model.catalog import Stage, parameters
 from ckptctl.model.dtypes import DTYPES
 from ckptctl.model.geometry import Shape
 from ckptctl.model.plan import FileWrite, Plan, TensorWrite
@@ -72,7 +73,10 @@ def write_dcp_shard(job: WriteJob, file: FileWrite, out: ByteStream) -> None:
     if plan.spec is not None and file.rank is not None and file.rank[0] == 0:
         layers = _layers_in(plan.spec, file)
         experts = plan.target_layout.local_experts(plan.spec, file.ep_rank)
-        for fqn in extra_state_keys(plan.spec, layers, experts, dense=file.ep_rank == 0):
+        extra = extra_state_keys(plan.spec, layers, experts, dense=file.ep_rank == 0)
+        if _holds_mtp(plan.spec, file):
+            extra += mtp_extra_state_keys(plan.spec, experts, dense=file.ep_rank == 0)
+        for fqn in extra:
             info = write_bytes_record(out, name, _empty_extra_state())
             records.append([fqn, None, info.offset, info.length])
     for fqn, content in bucket_objects(job, file):
@@ -148,6 +152,11 @@ def _layers_in(spec: Any, file: FileWrite) -> list[int]:
     catalog = model_catalog(spec)
     layers = {catalog[t.canonical.split("/", 1)[-1]].layer for t in file.tensors}
     return sorted(layer for layer in layers if layer is not None)
+
+
+def _holds_mtp(spec: Any, file: FileWrite) -> bool:
+    catalog = model_catalog(spec)
+    return any(catalog[t.canonical.split("/", 1)[-1]].stage is Stage.MTP for t in file.tensors)
 
 
 @cache

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.formats.hf.routed_models import randomised_and_saved, safetensors_of
+from tests.formats.hf.routed_models import randomised_and_saved, safetensors_of, with_mtp_layer
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors.torch")
@@ -84,6 +84,89 @@ def test_deepseek_v3_goes_to_megatron_and_back_bit_exactly(
         assert torch.equal(loaded(IDS).logits, model(IDS).logits)
 
 
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ("--tp", "2", "--pp", "2", "--ep", "2", "--dp", "2"),
+        ("--pp", "2", "--vpp", "2"),
+        ("--pp", "2", "--pp-first-stage-layers", "3", "--pp-last-stage-layers", "1"),
+    ],
+    ids=["tp-pp-ep", "virtual-pipeline", "uneven-stages"],
+)
+def test_an_mtp_layer_goes_to_megatron_and_back_bit_exactly(
+    layout: tuple[str, ...], tmp_path: Path, cli
+) -> None:
+    """DeepSeek-V3 as released: one MTP layer kept as ``model.layers.<num_hidden_layers>``
+    (a routed layer with its norms, projection and copies of the embedding and output layer)
+    lands on the last pipeline stage (its last virtual chunk) and its EP ranks, and comes back
+    bit for bit; transformers' own MTP loader reads it from the result."""
+    from transformers.modeling_layers import MtpModel
+
+    src = tmp_path / "hf"
+    model = _make(src, moe=True, num_nextn_predict_layers=1)
+    theirs = with_mtp_layer(transformers.DeepseekV3ForCausalLM, model.config, src, layers=4)
+    megatron = tmp_path / "megatron"
+    cli("reshard", src, megatron, *layout)
+    assert cli.json("inspect", megatron)["spec"]["mtp_num_layers"] == 1
+    back = tmp_path / "back"
+    cli("consolidate", megatron, back, "--format", "hf")
+    assert json.loads((back / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    mine = safetensors_of(back)
+    assert mine.keys() == theirs.keys()
+    for name, tensor in theirs.items():
+        assert torch.equal(mine[name], tensor), name
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(back, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(IDS).logits, model(IDS).logits)
+    loaded._keys_to_ignore_on_load_unexpected = [r"model\.layers\.4\..*"]
+    mtp = MtpModel.from_pretrained(loaded).state_dict()
+    assert torch.equal(mtp["layers.0.eh_proj.weight"], theirs["model.layers.4.eh_proj.weight"])
+    assert torch.equal(
+        mtp["layers.0.post_norm.weight"], theirs["model.layers.4.shared_head.norm.weight"]
+    )
+    gate = mtp["layers.0.mtp_block.mlp.experts.gate_up_proj"][3, :32]
+    assert torch.equal(gate, theirs["model.layers.4.mlp.experts.3.gate_proj.weight"])
+
+
+def test_an_mtp_layer_its_config_does_not_announce_is_refused_not_dropped(
+    tmp_path: Path, cli
+) -> None:
+    """The failure users of other tools report ("the converted model is one layer short"):
+    tensors the config has no place for stop the conversion, named."""
+    src = tmp_path / "hf"
+    model = _make(src, moe=True, num_nextn_predict_layers=1)
+    with_mtp_layer(transformers.DeepseekV3ForCausalLM, model.config, src, layers=4)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
+    result = cli("reshard", src, tmp_path / "out", "--tp", "2", code=3)
+    assert "model.layers.4.eh_proj.weight" in result.stderr, result.stderr
+    assert "would drop them" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_transformers_5_in_memory_expert_names_are_read(tmp_path: Path, cli) -> None:
+    """A checkpoint saved from the model's state dict as transformers 5 holds it (every
+    layer's experts packed: ``mlp.experts.gate_up_proj`` ``[E, 2F, H]``, ``down_proj``
+    ``[E, H, F]``) converts like the hub's per-expert spelling, and is written back in it."""
+    from safetensors.torch import save_file
+
+    hub = tmp_path / "hub"
+    model = _make(hub, moe=True)
+    packed = tmp_path / "packed"
+    packed.mkdir()
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    assert "model.layers.1.mlp.experts.gate_up_proj" in state
+    save_file(state, packed / "model.safetensors", metadata={"format": "pt"})
+    (packed / "config.json").write_text((hub / "config.json").read_text())
+    megatron, back = tmp_path / "megatron", tmp_path / "back"
+    cli("reshard", packed, megatron, "--tp", "2", "--ep", "2", "--dp", "2")
+    cli("consolidate", megatron, back, "--format", "hf")
+    mine, theirs = safetensors_of(back), safetensors_of(hub)
+    assert mine.keys() == theirs.keys()
+    for name, tensor in theirs.items():
+        assert torch.equal(mine[name], tensor), name
+
+
 def test_yarn_and_uncompressed_queries_are_carried(tmp_path: Path, cli) -> None:
     """YaRN's settings (DeepSeek-V3's long context) and queries without compression
     (``q_lora_rank`` unset: one ``q_proj``) survive HF -> Megatron -> HF."""
@@ -115,7 +198,6 @@ def test_yarn_and_uncompressed_queries_are_carried(tmp_path: Path, cli) -> None:
 @pytest.mark.parametrize(
     ("edit", "named"),
     [
-        ({"num_nextn_predict_layers": 1}, "num_nextn_predict_layers=1"),
         ({"rope_interleave": False}, "rope_interleave=False"),
         ({"rms_norm_eps": 1e-5}, "rms_norm_eps=1e-05"),
         ({"norm_topk_prob": False}, "norm_topk_prob=false"),

@@ -1,7 +1,7 @@
 """GLM-4.5's HF family (issue 54): ``Glm4MoeForCausalLM`` models built by transformers (q/k/v
 biases, per-head q/k norms, RoPE over half of each head, a dense first layer, then routed
 experts with a shared one and DeepSeek's sigmoid router) go to Megatron layouts and back bit
-for bit with the original's logits; multi-token prediction is refused by name."""
+for bit with the original's logits, with the MTP layer GLM-4.5's releases keep."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.formats.hf.routed_models import randomised_and_saved, safetensors_of
+from tests.formats.hf.routed_models import randomised_and_saved, safetensors_of, with_mtp_layer
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors.torch")
@@ -36,7 +36,7 @@ def _make(root: Path) -> torch.nn.Module:
         num_experts_per_tok=2,
         routed_scaling_factor=2.5,
         first_k_dense_replace=1,
-        num_nextn_predict_layers=0,
+        num_nextn_predict_layers=1,
         attention_bias=True,
         use_qk_norm=True,
         partial_rotary_factor=0.5,
@@ -50,29 +50,23 @@ def _make(root: Path) -> torch.nn.Module:
 def test_glm4_moe_goes_to_megatron_and_back_bit_exactly(tmp_path: Path, cli) -> None:
     src = tmp_path / "hf"
     model = _make(src)
+    theirs = with_mtp_layer(transformers.Glm4MoeForCausalLM, model.config, src, layers=4)
     megatron = tmp_path / "megatron"
     cli("reshard", src, megatron, "--tp", "2", "--pp", "2", "--ep", "2", "--dp", "2")
     spec = cli.json("inspect", megatron)["spec"]
     assert (spec["rotary_percent"], spec["add_qkv_bias"], spec["qk_layernorm"]) == (0.5, True, True)
     assert spec["dense_layers"] == [0] and spec["moe_router_score_function"] == "sigmoid"
+    assert spec["mtp_num_layers"] == 1
     back = tmp_path / "back"
     cli("consolidate", megatron, back, "--format", "hf")
     config = json.loads((back / "config.json").read_text())
     assert config["architectures"] == ["Glm4MoeForCausalLM"]
     assert config["rope_parameters"]["partial_rotary_factor"] == 0.5
-    mine, theirs = safetensors_of(back), safetensors_of(src)
+    assert config["num_nextn_predict_layers"] == 1
+    mine = safetensors_of(back)
     assert mine.keys() == theirs.keys()
     for name, tensor in theirs.items():
         assert torch.equal(mine[name], tensor), name
     loaded = transformers.AutoModelForCausalLM.from_pretrained(back, dtype=torch.float32).eval()
     with torch.no_grad():
         assert torch.equal(loaded(IDS).logits, model(IDS).logits)
-
-
-def test_multi_token_prediction_is_refused_by_name(tmp_path: Path, cli) -> None:
-    src = tmp_path / "hf"
-    _make(src)
-    config = json.loads((src / "config.json").read_text())
-    (src / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
-    result = cli("reshard", src, tmp_path / "out", "--tp", "2", code=2)
-    assert "num_nextn_predict_layers=1" in result.stderr, result.stderr

@@ -82,7 +82,6 @@ def test_partial_rotary_is_carried_through_reshards_and_refused_for_hf(
     ("field", "value"),
     [
         ("apply_layernorm_1p", True),
-        ("mtp_num_layers", 1),
         ("use_rope_scaling", True),
         ("window_size", (4096, 0)),
         ("openai_gelu", True),
@@ -107,6 +106,19 @@ def test_an_mla_field_ckptctl_cannot_carry_is_refused_by_name(llama: Path, cli) 
     _edit_args(llama, multi_latent_attention=True, mla_down_proj_fusion=True)
     result = cli("inspect", llama, code=2)
     assert "args.mla_down_proj_fusion=True" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("mtp_use_repeated_layer", True), ("mtp_hybrid_override_pattern", "M")]
+)
+def test_an_mtp_field_ckptctl_cannot_carry_is_refused_by_name(
+    llama: Path, field: str, value: object, cli
+) -> None:
+    """Multi-token prediction layers are read (``test_megatron_lm_mtp.py``); one layer shared
+    by every depth, or a hybrid MTP block, is not, and says so."""
+    _edit_args(llama, mtp_num_layers=1, **{field: value})
+    result = cli("inspect", llama, code=2)
+    assert f"args.{field}={value!r}" in result.stderr, result.stderr
 
 
 def test_args_that_call_for_tensors_the_files_lack_are_refused(llama: Path, cli) -> None:
