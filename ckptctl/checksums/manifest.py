@@ -13,7 +13,7 @@ import hashlib
 import json
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import xxhash
@@ -178,12 +178,16 @@ class RunLog:
         size: int,
         checksum: str,
         records: list[Any] | None = None,
+        quantized: dict[str, float] | None = None,
     ) -> None:
         """Record a finished file: its size and checksum as written, its tensors' checksums
-        (and, for DCP shards, where each record lies, which ``.metadata`` is built from)."""
+        (and, for DCP shards, where each record lies, which ``.metadata`` is built from; for
+        weights written lossily, each one's largest error)."""
         entry: dict[str, Any] = {"size": size, "checksum": checksum, "tensors": tensors}
         if records is not None:
             entry["records"] = records
+        if quantized is not None:
+            entry["quantized"] = quantized
         with self._lock:
             self.unchecked.pop(path, None)
             self.done[path] = entry
@@ -212,6 +216,7 @@ def write_manifest(
     known: dict[str, dict[str, Any]] | None = None,
     algorithm: str = "xxh3_64",
     extra: list[str] | None = None,
+    quantized: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """Write the manifest (checksums of files already logged are reused), then clear the
     in-progress marker: from here on the checkpoint is complete."""
@@ -240,6 +245,8 @@ def write_manifest(
         },
         "tensors": tensor_checksums,
     }
+    if quantized:  # written lossily when asked (--dtype fp8-block): verify holds them to it
+        body["quantized_max_abs_error"] = dict(sorted(quantized.items()))
     storage.write_text(MANIFEST, json.dumps(body, indent=1, sort_keys=True))
     storage.remove(INCOMPLETE)
     return body
@@ -253,6 +260,8 @@ class Recorded:
     algorithm: str
     files: dict[str, str]
     tensors: dict[str, dict[str, str]]
+    quantized: dict[str, float] = field(default_factory=dict)
+    """Canonical tensor -> the largest error it was written with (``--dtype fp8-block``)."""
 
 
 def recorded(storage: Storage) -> Recorded | None:
@@ -277,7 +286,10 @@ def recorded(storage: Storage) -> Recorded | None:
         if not isinstance(named, dict) or not all(isinstance(v, str) for v in named.values()):
             raise CheckpointError(f"{where}: the tensor checksums of {rel} are not strings")
         out_tensors[rel] = named
-    return Recorded(algorithm, out_files, out_tensors)
+    errors = json_input.field(doc, "quantized_max_abs_error", dict, where, {})
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in errors.values()):
+        raise CheckpointError(f"{where}: quantized_max_abs_error holds a value that is no number")
+    return Recorded(algorithm, out_files, out_tensors, {k: float(v) for k, v in errors.items()})
 
 
 def refuse_incomplete(storage: Storage) -> None:

@@ -19,6 +19,7 @@ from ckptctl.cli.global_options import CliState, state
 from ckptctl.cli.option_values import parse_size, read_hf_config, storage_config, with_options
 from ckptctl.formats import registry
 from ckptctl.formats.target import RESHARD
+from ckptctl.model.target import FP8_BLOCK
 from ckptctl.settings import Settings
 
 __all__ = [
@@ -40,13 +41,25 @@ class DType(StrEnum):
     bf16 = "bf16"
     fp16 = "fp16"
     fp32 = "fp32"
+    fp8_block = "fp8-block"
 
 
-WEIGHT_DTYPES = {DType.bf16: "bfloat16", DType.fp16: "float16", DType.fp32: "float32"}
+WEIGHT_DTYPES = {
+    DType.bf16: "bfloat16",
+    DType.fp16: "float16",
+    DType.fp32: "float32",
+    DType.fp8_block: FP8_BLOCK,
+}
 """``--dtype`` choices as torch dtype names."""
 
 WeightDType = Annotated[
-    DType | None, typer.Option("--dtype", help="Convert weights (optimizer stays fp32).")
+    DType | None,
+    typer.Option(
+        "--dtype",
+        help="Convert weights (optimizer stays fp32); fp8-block: linear weights in FP8 with "
+        "128x128 block scales, as DeepSeek-V3 releases them (--format hf only; lossy, each "
+        "weight's error recorded and held by verify --against).",
+    ),
 ]
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
 Iteration = Annotated[

@@ -31,6 +31,8 @@ class TargetFormat:
     """The commands that may write it (``consolidate``, ``reshard``)."""
     help: ClassVar[str]
     """One phrase for ``--format``'s help: what the target holds."""
+    block_quantized: ClassVar[bool] = False
+    """It writes linear weights in block-scaled FP8 when asked (``--dtype fp8-block``)."""
     moves_optimizer_state: ClassVar[bool] = True
     """It places optimizer state on the model's parameters, so a source whose state could not
     be placed (``Checkpoint.dp_reshardable``) is refused rather than written without it."""

@@ -17,6 +17,10 @@ from ckptctl.model.megatron_style import MegatronStyle
 from ckptctl.model.plan import FileWrite, TextWrite
 from ckptctl.model.stored import CheckpointView, StoredFile
 
+FP8_BLOCK = "fp8-block"
+"""``TargetRequest.dtype`` asking for linear weights in block-scaled FP8 (DeepSeek-V3's release
+form), which only a target that says ``block_quantized`` writes."""
+
 
 @dataclass(frozen=True, slots=True)
 class TargetRequest:
@@ -25,7 +29,7 @@ class TargetRequest:
     layout: ParallelLayout | None = None
     """The wanted layout (``reshard``); ``None`` for a consolidation, whose format decides."""
     dtype: str | None = None
-    """Weights converted to this dtype; ``None`` keeps the source's."""
+    """Weights converted to this dtype (or ``FP8_BLOCK``); ``None`` keeps the source's."""
     max_shard_bytes: int = 5 << 30
     """Largest file of a format that cuts its tensors into files by size (HF)."""
     style: MegatronStyle = field(default_factory=MegatronStyle)

@@ -142,7 +142,13 @@ def _commit(job: WriteJob, target: Storage, log: RunLog, target_format: Any, che
         report.files_written.append(text.path)
     target.drain()  # and every file is on the device before the manifest vouches for it
     write_manifest(
-        target, plan, report.tensor_checksums, log.done, algorithm=checksum, extra=extra_files
+        target,
+        plan,
+        report.tensor_checksums,
+        log.done,
+        algorithm=checksum,
+        extra=extra_files,
+        quantized=_largest_errors(report.quantized),
     )
     log.clear_rank_logs()
     report.files_written.append(MANIFEST)
@@ -154,6 +160,7 @@ def _gather(group: Group, report: Report, log: RunLog) -> None:
         {
             "done": log.done,
             "tensors": report.tensor_checksums,
+            "quantized": report.quantized,
             "records": report.records,
             "files": report.files_written,
             "read": report.bytes_read,
@@ -170,6 +177,7 @@ def _gather(group: Group, report: Report, log: RunLog) -> None:
             continue
         log.done.update(part["done"])
         report.tensor_checksums.update(part["tensors"])
+        report.quantized.update(part["quantized"])
         report.records.update(part["records"])
         report.files_written.extend(part["files"])
         report.bytes_read += part["read"]
@@ -269,12 +277,23 @@ def _write_shares(
     jobs[0].report.files_written.sort(key=lambda path: order.get(path, len(order)))
 
 
+def _largest_errors(quantized: dict[str, dict[str, float]]) -> dict[str, float]:
+    """Each canonical tensor's largest quantization error over the files holding its parts."""
+    out: dict[str, float] = {}
+    for errors in quantized.values():
+        for canonical, error in errors.items():
+            out[canonical] = max(out.get(canonical, 0.0), error)
+    return out
+
+
 def _write_file(job: WriteJob, i: int, sizes: list[int], target: Storage, marks: _Marks) -> None:
     plan, report = job.plan, job.report
     file = plan.files[i]
     reused = marks.log.reusable(file.path)
     if reused is not None:  # resuming: this file was finished and is intact
         report.tensor_checksums[file.path] = reused["tensors"]
+        if "quantized" in reused:
+            report.quantized[file.path] = reused["quantized"]
         report.records[file.path] = reused.get("records", [])
         with job.assemble.counting:
             job.assemble.progress.advance(sizes[i])
@@ -305,6 +324,8 @@ def _write_file(job: WriteJob, i: int, sizes: list[int], target: Storage, marks:
     }
     if file.path in report.records:
         entry["records"] = report.records[file.path]
+    if file.path in report.quantized:
+        entry["quantized"] = report.quantized[file.path]
     marks.add(waiting, file.path, entry)
     report.files_written.append(file.path)
 

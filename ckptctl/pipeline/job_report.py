@@ -27,6 +27,9 @@ class Report:
     peak_rss_bytes: int = 0
     tensor_checksums: dict[str, dict[str, str]] = field(default_factory=dict)
     """File -> tensor key -> xxh3-64 of its bytes, taken while streaming."""
+    quantized: dict[str, dict[str, float]] = field(default_factory=dict)
+    """File -> canonical tensor -> largest error of its part written in a lossy dtype
+    (``--dtype fp8-block``), as a reader dequantizes it against the source's values."""
     records: dict[str, list[list[Any]]] = field(default_factory=dict)
     """DCP shard file -> its records ``[fqn, chunk offsets, byte offset, length]``."""
     copied: dict[str, int] = field(default_factory=dict)

@@ -24,7 +24,7 @@ from ckptctl.compression.view import CompressedStorage
 from ckptctl.errors import CheckpointError, CkptctlError, UsageError
 from ckptctl.formats import registry
 from ckptctl.formats.megatron.ranks import coords
-from ckptctl.formats.target import CONSOLIDATE, RESHARD
+from ckptctl.formats.target import CONSOLIDATE, RESHARD, TargetFormat
 from ckptctl.formats.torch_dist.optimizer_form import form_change_notes, optimizer_form, source_form
 from ckptctl.io.calibrate import saved_profiles
 from ckptctl.io.locations import refuse_overlap
@@ -32,7 +32,7 @@ from ckptctl.io.staging import StagedStorage
 from ckptctl.io.storage_errors import classify
 from ckptctl.model.megatron_style import MegatronStyle
 from ckptctl.model.plan import Plan, smallest_band
-from ckptctl.model.target import TargetRequest
+from ckptctl.model.target import FP8_BLOCK, TargetRequest
 from ckptctl.pipeline.destination import Destination, check_destination
 from ckptctl.pipeline.distributed import Group
 from ckptctl.pipeline.job_report import Report, Sources
@@ -111,6 +111,7 @@ def plan_consolidate(
     ``megatron`` TP1 PP1, ``torch``, ``deepspeed-universal``, ...)."""
     settings = settings or Settings()
     target = registry.target(fmt, CONSOLIDATE)
+    refuse_unwritable_dtype(dtype, target)
     refuse_overlap("destination", dst, {"source": src})
     ckpt = open_checkpoint(src, settings, iteration=iteration, true_vocab_size=true_vocab_size)
     if target.moves_optimizer_state:
@@ -130,6 +131,15 @@ def plan_consolidate(
     ratio = ckpt.storage.stored_ratio() if isinstance(ckpt.storage, CompressedStorage) else None
     plan = _timed(with_identities(plan, ckpt.storage, read.view), ratio)
     return Job(plan, Sources(read), settings)
+
+
+def refuse_unwritable_dtype(dtype: str | None, target: TargetFormat) -> None:
+    """``--dtype fp8-block`` asks for a format that writes block-scaled FP8."""
+    if dtype == FP8_BLOCK and not target.block_quantized:
+        raise UsageError(
+            f"--dtype fp8-block: --format {target.name} cannot hold block-scaled FP8; "
+            "consolidate --format hf writes it"
+        )
 
 
 def _timed(plan: Plan, compressed_ratio: float | None = None) -> Plan:
@@ -251,6 +261,7 @@ def plan_reshard(
         kept = ckpt.view.format in reshardable
         target_format = str(ckpt.view.format) if kept else DEFAULT_RESHARD_FORMAT
     writes = registry.target(target_format, RESHARD)
+    refuse_unwritable_dtype(dtype, writes)
     lost = lost_files(ckpt, parse_ranks(lost_ranks), parse_ranks(lost_nodes), ranks_per_node)
     primary = _stored(ckpt, src, lost)
     copies = [_stored(c, u) for c, u in zip(extra, others, strict=True)]

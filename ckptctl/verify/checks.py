@@ -450,10 +450,11 @@ def _lossy(storage: Any) -> bool:
 
 
 def _lossy_bounds(ckpt: Checkpoint) -> dict[str, float]:
-    """Largest error of each tensor a ``compress --quantize`` stored lossily (its canonical
-    name), over all its pieces."""
+    """Largest error of each tensor a ``compress --quantize`` stored lossily, or a
+    conversion wrote in FP8 (``--dtype fp8-block``), by canonical name, over all its pieces."""
     bounds = getattr(ckpt.storage, "quantization_errors", None)
-    return bounds() if bounds is not None else {}
+    written = getattr(ckpt, "quantization_errors", None)  # FP8 written by ckptctl
+    return {**(bounds() if bounds is not None else {}), **(written() if written else {})}
 
 
 def _within(diff: Any, bounds: dict[str, float]) -> bool:

@@ -6,7 +6,7 @@ from typing import Any
 
 from ckptctl.checksums.integrity import Targets
 from ckptctl.formats.base import CheckpointFormat, ProbeRequest, lazy
-from ckptctl.formats.hf.target import SAFETENSORS, HfTarget
+from ckptctl.formats.hf.target import SAFETENSORS, SAFETENSORS_FP8, HfTarget
 from ckptctl.formats.support import FormatSupport
 from ckptctl.io.storage import Storage
 from ckptctl.model.hf_layout import CONFIG
@@ -42,7 +42,10 @@ FORMAT = CheckpointFormat(
         "none in the format: headers and sizes only",
     ),
     target=HfTarget(),
-    writers={SAFETENSORS: lazy("ckptctl.formats.hf.writer", "write_safetensors_file")},
+    writers={
+        SAFETENSORS: lazy("ckptctl.formats.hf.writer", "write_safetensors_file"),
+        SAFETENSORS_FP8: lazy("ckptctl.formats.hf.fp8_writer", "write_fp8_safetensors_file"),
+    },
     description_files=_description,
     integrity=_checksums,
 )

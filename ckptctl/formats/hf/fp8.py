@@ -101,3 +101,56 @@ def scale_rows_and_columns(
     first = (offsets[0] // block[0], offsets[1] // block[1])
     last = ((offsets[0] + sizes[0] - 1) // block[0], (offsets[1] + sizes[1] - 1) // block[1])
     return first, (last[0] - first[0] + 1, last[1] - first[1] + 1)
+
+
+# --- writing ---------------------------------------------------------------------------------
+
+WRITE_BLOCK = BlockFp8((128, 128))
+"""The blocks ``--dtype fp8-block`` writes: DeepSeek-V3's."""
+FP8_MAX = 448.0
+"""float8_e4m3fn's largest finite value: each block is scaled so its largest magnitude is it."""
+
+
+def quantizable(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether HF tensor ``name`` is stored in FP8 under ``--dtype fp8-block``: as DeepSeek's
+    release does, every linear weight of attention and MLP (experts included), but the router,
+    norms, embeddings, the output layer and the MTP layers' own projection stay as they are."""
+    return (
+        len(shape) == 2
+        and (".self_attn." in name or ".mlp." in name)
+        and not name.endswith(".mlp.gate.weight")
+    )
+
+
+def quantization_config(fp8: BlockFp8) -> dict[str, Any]:
+    """``config.json``'s ``quantization_config`` for weights written as ``fp8``."""
+    return {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": list(fp8.block),
+    }
+
+
+def quantize_rows(rows: np.ndarray, block: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, float]:
+    """Quantize ``rows`` (at most one block of rows of a weight, any float dtype) as
+    transformers' ``Fp8Quantize`` does: per block, scale = 448 / (its largest magnitude, or
+    1 for an all-zero block), elements times scale clipped to +-448 and cast to e4m3;
+    ``weight_scale_inv`` = 1 / scale. Returns the FP8 rows, their scales' row and the largest
+    error of what a reader dequantizes (``dequantize``) against ``rows``."""
+    import torch
+
+    x = to_torch(rows).to(torch.float32)
+    count, columns = x.shape
+    blocks = ceil(columns / block[1])
+    padded = torch.nn.functional.pad(x, (0, blocks * block[1] - columns))
+    largest = padded.reshape(count, blocks, block[1]).abs().amax(dim=(0, 2))
+    safe = torch.where(largest > 0, largest, torch.ones_like(largest))
+    scale = torch.where(largest > 0, FP8_MAX / safe, torch.ones_like(safe))
+    inverse = (1.0 / scale).to(torch.float32)
+    per_column = scale.repeat_interleave(block[1])[:columns]
+    q = torch.clamp(x * per_column, min=-FP8_MAX, max=FP8_MAX).to(torch.float8_e4m3fn)
+    codes = from_torch(q)
+    back = to_torch(dequantize(codes, from_torch(inverse.reshape(1, -1)), block, (0, 0)))
+    error = float((back.to(torch.float32) - x).abs().max()) if x.numel() else 0.0
+    return codes, from_torch(inverse), error

@@ -131,6 +131,9 @@ class HFCheckpoint(Checkpoint):
     fp8: BlockFp8 | None = None
     quantized: dict[tuple[str, str], tuple[str, str]] = field(default_factory=dict)
     """FP8 weights by (file, name): where their scales are (read dequantized)."""
+    written_errors: dict[str, float] = field(default_factory=dict)
+    """The largest error each canonical tensor was quantized with, where ckptctl wrote the FP8
+    (its manifest says): ``verify --against`` holds the tensor to it."""
     _open: dict[str, BinaryIO] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -156,6 +159,9 @@ class HFCheckpoint(Checkpoint):
         first, count = scale_rows_and_columns(block, offsets, sizes)
         grid = self._read_box(*scales, first, count, None)
         return dequantize(data, grid, block, (offsets[0], offsets[1]))
+
+    def quantization_errors(self) -> dict[str, float]:
+        return self.written_errors
 
     def _read_box(
         self,
@@ -407,4 +413,5 @@ def probe_hf(
     )
     known = recorded(storage)
     digests = known.tensors if known is not None else {}
-    return HFCheckpoint(storage, view, headers, config, digests, fp8, quantized)
+    errors = known.quantized if known is not None and quantized else {}
+    return HFCheckpoint(storage, view, headers, config, digests, fp8, quantized, errors)

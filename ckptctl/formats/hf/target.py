@@ -4,17 +4,51 @@ most ``--max-shard-size``, with the index and ``config.json`` written last. Pure
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
+from ckptctl.formats.hf.fp8 import (
+    FP8,
+    SCALE_SUFFIX,
+    WRITE_BLOCK,
+    quantizable,
+    quantization_config,
+)
 from ckptctl.formats.target import CONSOLIDATE, TargetFormat, known_model
+from ckptctl.model.geometry import nbytes
 from ckptctl.model.hf_families import hf_config
 from ckptctl.model.hf_layout import CONFIG, INDEX, hf_files, hf_tensors, index_text
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.plan import TextWrite
-from ckptctl.model.stored import CheckpointView
-from ckptctl.model.target import TargetFiles, TargetRequest
+from ckptctl.model.stored import CheckpointView, StoredFile, StoredTensor
+from ckptctl.model.target import FP8_BLOCK, TargetFiles, TargetRequest
 
 SAFETENSORS = "safetensors"
 """``FileWrite.kind`` of a safetensors file."""
+SAFETENSORS_FP8 = "safetensors-fp8-block"
+"""A safetensors file whose linear weights its writer quantizes to block-scaled FP8."""
+
+
+def _unquantized(tensor: StoredTensor, dtypes: dict[str, str]) -> StoredTensor:
+    return replace(tensor, dtype=dtypes[str(tensor.key[0])])
+
+
+def fp8_index_text(files: tuple[StoredFile, ...], quantized: set[str]) -> str:
+    """``model.safetensors.index.json`` of files whose ``quantized`` weights are FP8, each
+    with its ``weight_scale_inv`` beside it."""
+    weight_map: dict[str, str] = {}
+    total = 0
+    for f in files:
+        for t in f.tensors:
+            name = str(t.key[0])
+            weight_map[name] = f.path
+            if name in quantized:
+                grid = WRITE_BLOCK.scale_shape((t.shape[0], t.shape[1]))
+                weight_map[name + SCALE_SUFFIX] = f.path
+                total += nbytes(t.shape, FP8) + nbytes(grid, "float32")
+            else:
+                total += nbytes(t.shape, t.dtype)
+    body = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    return json.dumps(body, indent=2)
 
 
 class HfTarget(TargetFormat):
@@ -23,25 +57,44 @@ class HfTarget(TargetFormat):
     help = "safetensors weights"
     moves_optimizer_state = False
 
+    block_quantized = True
+
     def target_files(self, source: CheckpointView, request: TargetRequest) -> TargetFiles:
         spec = known_model(source, self.name)
         dtypes = source.canonical_dtypes()
-        weight_dtypes = {
-            hf: request.dtype or dtypes[canonical] for hf, canonical, _, _ in hf_tensors(spec)
-        }
-        targets = hf_files(spec, weight_dtypes, request.max_shard_bytes)
-        out_dtype = request.dtype or next(iter(weight_dtypes.values()))
+        fp8 = request.dtype == FP8_BLOCK
+        kept = None if fp8 else request.dtype
+        weight_dtypes = {hf: kept or dtypes[canonical] for hf, canonical, _, _ in hf_tensors(spec)}
+        quantized = {hf for hf, _, shape, _ in hf_tensors(spec) if fp8 and quantizable(hf, shape)}
+        # Files are cut by the bytes they will hold (FP8 and scales); the plan reads the
+        # quantized weights in their own dtype, which the FP8 writer quantizes.
+        sizing = {hf: FP8 if hf in quantized else d for hf, d in weight_dtypes.items()}
+        targets = hf_files(spec, sizing, request.max_shard_bytes)
+        if quantized:
+            targets = tuple(
+                replace(f, tensors=tuple(_unquantized(t, weight_dtypes) for t in f.tensors))
+                for f in targets
+            )
+        out_dtype = kept or next(iter(weight_dtypes.values()))
         finalize = []
         if len(targets) > 1:
-            finalize.append(TextWrite(path=INDEX, content=index_text(targets)))
-        config = json.dumps(hf_config(spec, out_dtype), indent=2)
-        finalize.append(TextWrite(path=CONFIG, content=config))
+            text = fp8_index_text(targets, quantized) if quantized else index_text(targets)
+            finalize.append(TextWrite(path=INDEX, content=text))
+        config = hf_config(spec, out_dtype)
+        if quantized:
+            config["quantization_config"] = quantization_config(WRITE_BLOCK)
+        finalize.append(TextWrite(path=CONFIG, content=json.dumps(config, indent=2)))
         notes: tuple[str, ...] = ()
         if source.has_optimizer:
             notes = ("HF safetensors hold weights only: optimizer state is not written",)
+        if quantized:
+            notes += (
+                f"{len(quantized)} linear weights written in FP8 (e4m3, 128x128 blocks, "
+                "weight_scale_inv beside each); each one's largest error goes to the manifest",
+            )
         return TargetFiles(
             files=targets,
-            kind=SAFETENSORS,
+            kind=SAFETENSORS_FP8 if quantized else SAFETENSORS,
             layout=ParallelLayout(),
             reason="HF safetensors: full tensors, q/k/v and gate/up split out, vocabulary trimmed",
             finalize=tuple(finalize),

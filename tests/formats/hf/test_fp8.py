@@ -172,3 +172,93 @@ def test_fp8_weights_without_their_scales_are_refused_by_name(tmp_path: Path, cl
     (src / "config.json").write_text(json.dumps(config))
     result = cli("consolidate", src, tmp_path / "out", "--format", "hf", code=3)
     assert "float8_e4m3fn but there is no quantization_config" in result.stderr, result.stderr
+
+
+def _release_sized(root: Path) -> torch.nn.Module:
+    """A bf16 DeepSeek-V3 model whose linear weights span whole 128x128 blocks, but one:
+    ``kv_a_proj_with_mqa`` has 192 rows, its last row of blocks partial."""
+    config = transformers.DeepseekV3Config(
+        vocab_size=1000,
+        hidden_size=256,
+        intermediate_size=256,
+        moe_intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        n_shared_experts=1,
+        n_routed_experts=4,
+        n_group=2,
+        topk_group=1,
+        num_experts_per_tok=2,
+        kv_lora_rank=128,
+        q_lora_rank=128,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=64,
+        v_head_dim=64,
+        first_k_dense_replace=1,
+        num_nextn_predict_layers=0,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        dtype="bfloat16",
+    )
+    torch.manual_seed(22)
+    return randomised_and_saved(transformers.DeepseekV3ForCausalLM(config).to(torch.bfloat16), root)
+
+
+def test_fp8_block_writes_what_transformers_quantizes_and_verify_holds_it(
+    tmp_path: Path, cli
+) -> None:
+    """``--dtype fp8-block``: every linear weight of attention and MLP becomes e4m3 with its
+    ``weight_scale_inv``, bitwise what transformers' own ``Fp8Quantize`` makes of it (a
+    partial block as it makes of the block padded with zeros); router, norms, embeddings and
+    output layer stay bf16. ``verify --against`` passes within each weight's recorded error,
+    and fails once the record claims less."""
+    from types import SimpleNamespace
+
+    from transformers import FineGrainedFP8Config
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize
+
+    src, out = tmp_path / "bf16", tmp_path / "fp8"
+    _release_sized(src)
+    original = safetensors_of(src)
+    cli("consolidate", src, out, "--format", "hf", "--dtype", "fp8-block")
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["weight_block_size"] == [128, 128]
+    written = safetensors_of(out)
+    theirs = Fp8Quantize(SimpleNamespace(quantization_config=FineGrainedFP8Config()))
+    quantized = [n for n in original if n + "_scale_inv" in written]
+    assert len(quantized) == 2 * 5 + 3 + 4 * 3 + 3  # attention, dense MLP, experts, shared
+    for name in quantized:
+        weight = original[name]
+        rows = -(-weight.shape[0] // 128) * 128
+        padded = torch.nn.functional.pad(weight, (0, 0, 0, rows - weight.shape[0]))
+        expected = theirs._quantize_one(name, padded)
+        assert written[name].dtype == torch.float8_e4m3fn, name
+        assert torch.equal(
+            written[name].view(torch.uint8), expected[name][: weight.shape[0]].view(torch.uint8)
+        ), name
+        assert torch.equal(written[name + "_scale_inv"], expected[name + "_scale_inv"]), name
+    for name, tensor in original.items():
+        if name not in quantized:
+            assert torch.equal(written[name], tensor), name
+    report = cli.json("verify", out, "--against", src)
+    assert report["ok"], report
+    manifest_path = out / "ckptctl.manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    bounds = manifest["quantized_max_abs_error"]
+    assert len(bounds) == 2 * 5 + 2 + 4 * 2 + 2  # canonical tensors: gate and up are one
+    assert all(0 < bound < 0.1 for bound in bounds.values()), bounds
+    manifest["quantized_max_abs_error"] = {name: 0.0 for name in bounds}
+    manifest_path.write_text(json.dumps(manifest))
+    failed = json.loads(cli("verify", out, "--against", src, "--json", code=1).stdout)
+    assert not failed["ok"], failed
+
+
+def test_fp8_block_is_refused_where_the_format_cannot_hold_it(tmp_path: Path, cli) -> None:
+    src = tmp_path / "bf16"
+    _release_sized(src)
+    result = cli(
+        "consolidate", src, tmp_path / "out", "--format", "megatron", "--dtype", "fp8-block", code=2
+    )
+    assert "--format megatron cannot hold block-scaled FP8" in result.stderr, result.stderr
+    assert not (tmp_path / "out").exists()
