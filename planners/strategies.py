@@ -69,15 +69,22 @@ def _timed(
     """Estimate time, charging each source's reads to its own storage profile."""
     bytes_by: dict[str, int] = {}
     requests_by: dict[str, int] = {}
-    for file in plan.files:
-        for tensor in file.tensors:
-            for copy in tensor.copies:
-                prefix = _prefix_of(plan.source_files[copy.source], sources)
-                bytes_by[prefix] = bytes_by.get(prefix, 0) + nbytes(copy.sizes, tensor.dtype)
+    if len(sources) > 1:  # one source reads what the plan's estimates say
+        # (each source file's store found once: plans of the largest models hold 10^5 copies)
+        prefixes = [_prefix_of(path, sources) for path in plan.source_files]
+        for file in plan.files:
+            for tensor in file.tensors:
+                for copy in tensor.copies:
+                    prefix = prefixes[copy.source]
+                    bytes_by[prefix] = bytes_by.get(prefix, 0) + nbytes(copy.sizes, tensor.dtype)
+                    requests_by[prefix] = requests_by.get(prefix, 0) + 1
+            if file.kind == COPY and file.copy_of is not None:
+                prefix = prefixes[file.copy_of]
                 requests_by[prefix] = requests_by.get(prefix, 0) + 1
-        if file.kind == COPY and file.copy_of is not None:
-            prefix = _prefix_of(plan.source_files[file.copy_of], sources)
-            requests_by[prefix] = requests_by.get(prefix, 0) + 1
+    else:
+        for prefix in sources:
+            bytes_by[prefix] = plan.estimates.bytes_read
+            requests_by[prefix] = plan.estimates.read_requests
     target = profile_for(plan.target_url, measured)
     e = with_time(plan.estimates, profile_for(plan.source_url, measured), target)
     per_source = [
