@@ -100,9 +100,24 @@ def _mtp_tensors(spec: ModelSpec, moe: MoeNaming | None, k: int) -> list[Entry]:
     ]
 
 
-SHARED_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
-"""An MTP layer's copies of the embedding and output layer: replicas of tensors the model
-holds anyway (read from either, written to both)."""
+SHARED_COPIES = {
+    "embed_tokens.weight": "model.embed_tokens.weight",
+    "shared_head.head.weight": "lm_head.weight",
+}
+"""An MTP layer's copies of the embedding and output layer, and the tensors they copy: written
+to both; read from the original, the copy checked to hold the same bytes."""
+
+
+def shared_original(spec: ModelSpec, name: str) -> str | None:
+    """The tensor HF tensor ``name`` is an MTP layer's copy of, if it is one."""
+    for k in range(spec.mtp_num_layers):
+        prefix = f"model.layers.{spec.num_layers + k}."
+        copy = name[len(prefix) :] if name.startswith(prefix) else None
+        if copy in SHARED_COPIES:
+            original = SHARED_COPIES[copy]
+            tied = spec.tie_embeddings and original == "lm_head.weight"
+            return "model.embed_tokens.weight" if tied else original
+    return None
 
 
 def _layer_tensors(

@@ -90,6 +90,19 @@ class StoredFile:
 
 
 @dataclass(frozen=True, slots=True)
+class Replica:
+    """A stored tensor a format keeps as a copy of another (DeepSeek's MTP layers keep copies
+    of the embedding and the output layer): conversions read the original, and check that the
+    copy holds the same bytes before their output counts as complete."""
+
+    path: str
+    key: KeyPath
+    shape: Shape
+    copy_path: str
+    copy_key: KeyPath
+
+
+@dataclass(frozen=True, slots=True)
 class CheckpointView:
     """A whole checkpoint as files of canonical pieces, plus what produced it."""
 
@@ -112,6 +125,8 @@ class CheckpointView:
     target's ``fp32_param`` copies them."""
     warnings: tuple[str, ...] = ()
     """What a conversion of this checkpoint cannot carry (``notes`` say the rest)."""
+    replicas: tuple[Replica, ...] = ()
+    """Stored copies of stored tensors, not part of any canonical tensor (``Replica``)."""
 
     def canonical_dtypes(self) -> dict[str, str]:
         return {t.canonical: t.dtype for f in self.files for t in f.tensors}

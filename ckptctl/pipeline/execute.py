@@ -22,6 +22,7 @@ from ckptctl.model.plan import COPY, Plan
 from ckptctl.pipeline.assembler import Assembler, JobStopped
 from ckptctl.pipeline.distributed import Group
 from ckptctl.pipeline.job_report import Report, Sources, peak_rss_bytes
+from ckptctl.pipeline.replicas import check_replicas
 from ckptctl.pipeline.source_checks import SourceChecks
 from ckptctl.progress import NoProgress, Progress
 from planners.shares import split_files
@@ -107,6 +108,8 @@ def execute(
     if failure is not None:
         raise failure
     if rank == 0:
+        for ckpt in (source.primary, *source.extra.values()):
+            report.bytes_read += check_replicas(ckpt)
         _commit(jobs[0], target, log, target_format, checksum)
     if group is not None:
         group.agree(None)  # every rank returns once the job is committed

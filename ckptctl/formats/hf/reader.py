@@ -36,13 +36,21 @@ from ckptctl.io.runs import Span
 from ckptctl.io.storage import Storage
 from ckptctl.model.dtypes import ITEMSIZE
 from ckptctl.model.hf_config import spec_from_config
-from ckptctl.model.hf_layout import CONFIG, INDEX, SINGLE, hf_tensors, packed_expert
+from ckptctl.model.hf_layout import (
+    CONFIG,
+    INDEX,
+    SINGLE,
+    hf_tensors,
+    packed_expert,
+    shared_original,
+)
 from ckptctl.model.layout import ModelSpec, ParallelLayout
 from ckptctl.model.stored import (
     CheckpointView,
     FlatView,
     Format,
     KeyPath,
+    Replica,
     Shape,
     StoredFile,
     StoredTensor,
@@ -349,6 +357,7 @@ def probe_hf(
 
     quantized: dict[tuple[str, str], tuple[str, str]] = {}
     used: set[str] = set()
+    copies: list[tuple[str, str, str]] = []
     files: dict[str, list[StoredTensor]] = {}
     problems = []
     for name, canonical, shape, pieces in hf_tensors(spec):
@@ -380,6 +389,10 @@ def probe_hf(
                 f"expected {list(shape)}"
             )
             continue
+        original = shared_original(spec, name)
+        if original is not None:  # an MTP layer's copy: checked against the original, not read
+            copies.append((name, path, original))
+            continue
         dtype = entry.dtype
         if dtype == FP8:
             problem = _scale_problem(fp8, name, shape, entry_of(name + SCALE_SUFFIX), storage)
@@ -395,6 +408,10 @@ def probe_hf(
     mapped = {name for name, *_ in hf_tensors(spec)} | {name for _, name in quantized.values()}
     mapped |= used
     _refuse_unmapped(held - mapped, spec, storage)
+    replicas = tuple(
+        Replica(entry_of(original)[0], (original,), headers[path][name].shape, path, (name,))
+        for name, path, original in copies
+    )
     view = CheckpointView(
         Format.HF,
         spec,
@@ -410,6 +427,7 @@ def probe_hf(
                 else []
             ),
         ),
+        replicas=replicas,
     )
     known = recorded(storage)
     digests = known.tensors if known is not None else {}

@@ -128,6 +128,25 @@ def test_an_mtp_layer_goes_to_megatron_and_back_bit_exactly(
     assert torch.equal(gate, theirs["model.layers.4.mlp.experts.3.gate_proj.weight"])
 
 
+def test_an_mtp_copy_that_differs_from_what_it_copies_stops_the_conversion(
+    tmp_path: Path, cli
+) -> None:
+    """The MTP layer's copies of the embedding and output layer are read from the originals
+    (Megatron shares one tensor); a copy that differs would be lost, so the conversion checks
+    each copy and stops before its output counts as complete."""
+    from safetensors.torch import save_file
+
+    src = tmp_path / "hf"
+    model = _make(src, moe=True, num_nextn_predict_layers=1)
+    tensors = with_mtp_layer(transformers.DeepseekV3ForCausalLM, model.config, src, layers=4)
+    tensors["model.layers.4.shared_head.head.weight"][700, 3] += 1.0
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    result = cli("reshard", src, tmp_path / "out", "--tp", "2", code=3)
+    assert "model.layers.4.shared_head.head.weight should copy lm_head.weight" in result.stderr
+    assert "rows 0-999" in result.stderr, result.stderr
+    assert not (tmp_path / "out" / "ckptctl.manifest.json").exists()
+
+
 def test_an_mtp_layer_its_config_does_not_announce_is_refused_not_dropped(
     tmp_path: Path, cli
 ) -> None:
