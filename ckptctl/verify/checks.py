@@ -34,6 +34,7 @@ from ckptctl.model.geometry import nbytes
 from ckptctl.model.stored import Shape
 from ckptctl.pipeline.distributed import Group
 from ckptctl.pipeline.probe import Checkpoint, format_of, open_checkpoint
+from ckptctl.pipeline.replicas import check_replicas
 from ckptctl.progress import NoProgress, Progress
 from ckptctl.settings import Settings
 from ckptctl.verify.coverage import coverage_problems
@@ -92,6 +93,8 @@ def verify(
         return checks
     checks.append(_tensors(ckpt))
     checks.append(_coverage(ckpt))
+    if ckpt.view.replicas:
+        checks.append(_replicas(ckpt))
     checks.append(
         _numerics(ckpt, band_bytes, group, progress)
         if numerics
@@ -260,6 +263,15 @@ def _tensors(ckpt: Checkpoint) -> Check:
     return Check(
         "tensors", "passed", f"{len(located)} stored tensors lie inside their files as described"
     )
+
+
+def _replicas(ckpt: Checkpoint) -> Check:
+    """The copies the checkpoint keeps of its own tensors hold the same bytes (``replicas``)."""
+    try:
+        check_replicas(ckpt)
+    except CheckpointError as err:
+        return Check("replicas", "failed", str(err))
+    return Check("replicas", "passed", f"{len(ckpt.view.replicas)} copies equal what they copy")
 
 
 def _coverage(ckpt: Checkpoint) -> Check:

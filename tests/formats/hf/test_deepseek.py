@@ -145,6 +145,8 @@ def test_an_mtp_copy_that_differs_from_what_it_copies_stops_the_conversion(
     assert "model.layers.4.shared_head.head.weight should copy lm_head.weight" in result.stderr
     assert "rows 0-999" in result.stderr, result.stderr
     assert not (tmp_path / "out" / "ckptctl.manifest.json").exists()
+    checks = json.loads(cli("verify", src, "--json", code=1).stdout)["checks"]
+    assert [c["status"] for c in checks if c["name"] == "replicas"] == ["failed"], checks
 
 
 def test_an_mtp_layer_its_config_does_not_announce_is_refused_not_dropped(
