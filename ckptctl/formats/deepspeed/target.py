@@ -16,10 +16,10 @@ from ckptctl.formats.deepspeed.layout import (
     universal_tag,
 )
 from ckptctl.formats.target import CONSOLIDATE, TargetFormat
-from ckptctl.model.catalog import state_name
+from ckptctl.model.catalog import parameters, state_name
 from ckptctl.model.geometry import whole
 from ckptctl.model.hf_families import hf_config
-from ckptctl.model.hf_layout import CONFIG, named_weights
+from ckptctl.model.hf_layout import CONFIG, named_weights, shared_original
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.plan import TextWrite
 from ckptctl.model.stored import CheckpointView, StoredFile, StoredTensor
@@ -33,18 +33,24 @@ the optimizer's global state or the model states."""
 def universal_files(source: CheckpointView) -> tuple[str, tuple[StoredFile, ...]]:
     """The tag and the per-parameter files: ``fp32.pt`` from the fp32 masters where the source
     keeps them apart (Megatron mixed precision), else from the weights (converted to fp32);
-    Adam's moments and step for trained parameters when the source has optimizer state."""
+    Adam's moments and step for trained parameters when the source has optimizer state. An MTP
+    layer's copies of the embedding and output layer are no parameters of the HF model, and a
+    buffer (the router's expert bias) has no Adam state."""
     tag = universal_tag(source.iteration)
     frozen = set(source.frozen)
     held = source.canonical_dtypes()
+    spec = source.spec
+    untrained = {p.name for p in parameters(spec) if p.buffer} if spec is not None else set()
     out = []
     for hf, canonical, shape, pieces in named_weights(source):
+        if spec is not None and shared_original(spec, hf) is not None:
+            continue
         folder = f"{tag}/zero/{hf}"
         master = state_name("fp32_param", canonical)
         weight = master if master in held else canonical
         fp32 = StoredTensor(PARAM_KEY, weight, shape, "float32", pieces)
         out.append(StoredFile(f"{folder}/fp32.pt", (fp32,)))
-        if not source.has_optimizer or canonical in frozen:
+        if not source.has_optimizer or canonical in frozen or canonical in untrained:
             continue
         for state in ("exp_avg", "exp_avg_sq"):
             tensor = StoredTensor(PARAM_KEY, state_name(state, canonical), shape, "float32", pieces)

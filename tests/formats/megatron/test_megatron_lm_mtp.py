@@ -117,6 +117,15 @@ def test_an_mtp_run_becomes_deepseek_v3_with_its_mtp_layer(legacy: dict[str, Any
     )
     assert torch.equal(written["model.layers.2.shared_head.head.weight"], written["lm_head.weight"])
     assert not [k for k in written if re.match(r"model\.layers\.[3-9]", k)]
+    # DeepSpeed's universal form names parameters as HF does: the MTP layer's are there, its
+    # copies of shared tensors are no parameters, and the router's expert bias has no Adam state
+    universal = legacy["root"] / "universal"
+    cli("consolidate", legacy["ckpt"], universal, "--format", "deepspeed-universal")
+    zero = next(universal.glob("*/zero"))
+    assert (zero / "model.layers.2.eh_proj.weight" / "exp_avg.pt").exists()
+    assert not (zero / "model.layers.2.embed_tokens.weight").exists()
+    bias = zero / "model.layers.2.mlp.gate.e_score_correction_bias"
+    assert sorted(p.name for p in bias.iterdir()) == ["fp32.pt"]
 
 
 def test_an_mtp_pipeline_round_trip_resumes_with_megatrons_own_losses(
