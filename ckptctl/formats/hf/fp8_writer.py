@@ -14,7 +14,8 @@ import xxhash
 
 from ckptctl.arrays import buffer, numpy_dtype, words
 from ckptctl.formats.base import WriteJob
-from ckptctl.formats.hf.fp8 import FP8, SCALE_SUFFIX, WRITE_BLOCK, quantizable, quantize_rows
+from ckptctl.formats.hf.fp8 import FP8, SCALE_SUFFIX, WRITE_BLOCK, quantizable
+from ckptctl.formats.hf.fp8_math import quantize_rows
 from ckptctl.formats.hf.writer import write_safetensors
 from ckptctl.io.byte_streams import ByteStream
 from ckptctl.io.prefetch import ReadAhead

@@ -28,9 +28,8 @@ from ckptctl.formats.hf.fp8 import (
     SCALE_SUFFIX,
     BlockFp8,
     block_fp8,
-    dequantize,
-    scale_rows_and_columns,
 )
+from ckptctl.formats.hf.fp8_math import dequantize, scale_rows_and_columns
 from ckptctl.formats.safetensors_header import SafetensorsEntry, read_header
 from ckptctl.io.runs import Span
 from ckptctl.io.storage import Storage
