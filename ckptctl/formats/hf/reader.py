@@ -354,6 +354,25 @@ def probe_hf(
                 headers[path] = read_header(f, storage.describe(path), storage.size(path)).tensors
         return path, headers[path].get(name)
 
+    def held_names() -> set[str]:
+        """Every tensor the checkpoint holds, by the index or the one file's header."""
+        if weight_map is not None:
+            return set(weight_map)
+        entry_of(SINGLE)  # (reads the file's header)
+        return set(headers[SINGLE])
+
+    warnings: tuple[str, ...] = ()
+    if spec.mtp_num_layers:
+        first = f"model.layers.{spec.num_layers}."
+        if not any(name.startswith(first) for name in held_names()):
+            # transformers saves DeepSeek-V3 and GLM-4.5 without their MTP layers (it never
+            # loads them) and keeps num_nextn_predict_layers: the model is whole without them.
+            warnings = (
+                f"{storage.describe(CONFIG)} announces {spec.mtp_num_layers} multi-token "
+                "prediction layer(s) (num_nextn_predict_layers) but the checkpoint holds none "
+                "(transformers drops them when it saves): read, and written, without them",
+            )
+            spec = spec.model_copy(update={"mtp_num_layers": 0})
     quantized: dict[tuple[str, str], tuple[str, str]] = {}
     used: set[str] = set()
     copies: list[tuple[str, str, str]] = []
@@ -409,7 +428,7 @@ def probe_hf(
         files.setdefault(path, []).append(StoredTensor((name,), canonical, shape, dtype, pieces))
     if problems:
         raise CheckpointError("; ".join(problems[:5]))
-    held = set(weight_map) if weight_map is not None else set(headers.get(SINGLE, {}))
+    held = held_names()
     mapped = {name for name, *_ in hf_tensors(spec)} | {name for _, name in quantized.values()}
     mapped |= used
     _refuse_unmapped(held - mapped, spec, storage)
@@ -433,6 +452,7 @@ def probe_hf(
             ),
         ),
         replicas=replicas,
+        warnings=warnings,
     )
     known = recorded(storage)
     digests = known.tensors if known is not None else {}

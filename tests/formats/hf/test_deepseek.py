@@ -149,6 +149,22 @@ def test_an_mtp_copy_that_differs_from_what_it_copies_stops_the_conversion(
     assert [c["status"] for c in checks if c["name"] == "replicas"] == ["failed"], checks
 
 
+def test_a_model_saved_by_transformers_without_its_mtp_layer_is_read_without_it(
+    tmp_path: Path, cli
+) -> None:
+    """transformers never loads an MTP layer and saves a fine-tuned DeepSeek-V3 without one,
+    keeping ``num_nextn_predict_layers``: such a checkpoint is the whole main model; it is read
+    without MTP, and the conversion says so."""
+    src = tmp_path / "hf"
+    _make(src, moe=True, num_nextn_predict_layers=1)
+    assert json.loads((src / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    info = cli.json("inspect", src)
+    assert info["spec"]["mtp_num_layers"] == 0
+    assert any("holds none" in w for w in info["warnings"]), info
+    result = cli("reshard", src, tmp_path / "megatron", "--tp", "2")
+    assert "num_nextn_predict_layers" in result.stderr + result.stdout
+
+
 def test_an_mtp_layer_its_config_does_not_announce_is_refused_not_dropped(
     tmp_path: Path, cli
 ) -> None:
