@@ -21,32 +21,52 @@ pytest.importorskip("safetensors.torch")
 pytest.importorskip("transformers.integrations.finegrained_fp8")
 
 
-def _model(root: Path) -> torch.nn.Module:
+SMALL = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_attention_heads=4,
+    kv_lora_rank=16,
+    q_lora_rank=32,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=16,
+)
+"""Sizes whose blocks (8 or 16 wide) tile the weights, but for one partial block at 16."""
+RELEASE_SIZED = dict(
+    hidden_size=256,
+    intermediate_size=256,
+    moe_intermediate_size=128,
+    num_attention_heads=2,
+    kv_lora_rank=128,
+    q_lora_rank=128,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=64,
+    v_head_dim=64,
+)
+"""Sizes whose linear weights span whole 128x128 blocks, but one: ``kv_a_proj_with_mqa`` has
+192 rows, its last row of blocks partial."""
+
+
+def _model(root: Path, sizes: dict[str, int] = SMALL, seed: int = 21) -> torch.nn.Module:
+    """A bf16 DeepSeek-V3 made by transformers (a dense layer, then four routed experts)."""
     config = transformers.DeepseekV3Config(
         vocab_size=1000,
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=32,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
+        num_key_value_heads=sizes["num_attention_heads"],
         n_shared_experts=1,
         n_routed_experts=4,
         n_group=2,
         topk_group=1,
         num_experts_per_tok=2,
-        kv_lora_rank=16,
-        q_lora_rank=32,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=16,
         first_k_dense_replace=1,
         num_nextn_predict_layers=0,
         max_position_embeddings=64,
         tie_word_embeddings=False,
         dtype="bfloat16",
+        **sizes,
     )
-    torch.manual_seed(21)
+    torch.manual_seed(seed)
     return randomised_and_saved(transformers.DeepseekV3ForCausalLM(config).to(torch.bfloat16), root)
 
 
@@ -174,37 +194,6 @@ def test_fp8_weights_without_their_scales_are_refused_by_name(tmp_path: Path, cl
     assert "float8_e4m3fn but there is no quantization_config" in result.stderr, result.stderr
 
 
-def _release_sized(root: Path) -> torch.nn.Module:
-    """A bf16 DeepSeek-V3 model whose linear weights span whole 128x128 blocks, but one:
-    ``kv_a_proj_with_mqa`` has 192 rows, its last row of blocks partial."""
-    config = transformers.DeepseekV3Config(
-        vocab_size=1000,
-        hidden_size=256,
-        intermediate_size=256,
-        moe_intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        n_shared_experts=1,
-        n_routed_experts=4,
-        n_group=2,
-        topk_group=1,
-        num_experts_per_tok=2,
-        kv_lora_rank=128,
-        q_lora_rank=128,
-        qk_rope_head_dim=64,
-        qk_nope_head_dim=64,
-        v_head_dim=64,
-        first_k_dense_replace=1,
-        num_nextn_predict_layers=0,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        dtype="bfloat16",
-    )
-    torch.manual_seed(22)
-    return randomised_and_saved(transformers.DeepseekV3ForCausalLM(config).to(torch.bfloat16), root)
-
-
 def test_fp8_block_writes_what_transformers_quantizes_and_verify_holds_it(
     tmp_path: Path, cli
 ) -> None:
@@ -219,7 +208,7 @@ def test_fp8_block_writes_what_transformers_quantizes_and_verify_holds_it(
     from transformers.integrations.finegrained_fp8 import Fp8Quantize
 
     src, out = tmp_path / "bf16", tmp_path / "fp8"
-    _release_sized(src)
+    _model(src, RELEASE_SIZED, seed=22)
     original = safetensors_of(src)
     cli("consolidate", src, out, "--format", "hf", "--dtype", "fp8-block")
     config = json.loads((out / "config.json").read_text())
@@ -256,7 +245,7 @@ def test_fp8_block_writes_what_transformers_quantizes_and_verify_holds_it(
 
 def test_fp8_block_is_refused_where_the_format_cannot_hold_it(tmp_path: Path, cli) -> None:
     src = tmp_path / "bf16"
-    _release_sized(src)
+    _model(src, RELEASE_SIZED, seed=22)
     result = cli(
         "consolidate", src, tmp_path / "out", "--format", "megatron", "--dtype", "fp8-block", code=2
     )
