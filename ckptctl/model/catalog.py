@@ -369,27 +369,42 @@ def _parameters(spec: ModelSpec) -> tuple[Param, ...]:
     kinds = {moe: layer_suffixes(spec, moe) for moe in (False, spec.is_moe)}
     experts = expert_suffixes(spec) if spec.is_moe else []
     for layer in range(spec.num_layers):
+        suffixes = kinds[spec.is_moe_layer(layer)]
         prefix = f"{LAYER_PREFIX}{layer}."
-        for suffix, shape, split in kinds[spec.is_moe_layer(layer)]:
-            if suffix == EXPERTS:
-                params.extend(
-                    Param(expert_name(prefix, e, sub), sub_shape, sub_split, Stage.LAYER, layer, e)
-                    for e in range(spec.num_experts or 0)
-                    for sub, sub_shape, sub_split in experts
-                )
-                continue
-            buffer = suffix == ROUTER_EXPERT_BIAS
-            params.append(
-                Param(f"{prefix}{suffix}", shape, split, Stage.LAYER, layer, buffer=buffer)
-            )
-    params.append(Param("decoder.final_layernorm.weight", (h,), Split.REPLICATED, Stage.LAST))
-    if spec.normalization is NormKind.LAYERNORM:
-        params.append(Param("decoder.final_layernorm.bias", (h,), Split.REPLICATED, Stage.LAST))
+        params.extend(_layer_params(spec, prefix, suffixes, experts, Stage.LAYER, layer))
+    params.extend(
+        Param(f"decoder.{s}", shape, split, Stage.LAST)
+        for s, shape, split in _norm("final_layernorm", spec)
+    )
     for k in range(spec.mtp_num_layers):
         params.extend(_mtp_layer(spec, k, kinds[spec.mtp_is_moe], experts))
     if not spec.tie_embeddings:
         params.append(Param("output_layer.weight", (spec.vocab_size, h), Split.VOCAB, Stage.LAST))
     return tuple(params)
+
+
+def _layer_params(
+    spec: ModelSpec,
+    prefix: str,
+    suffixes: list[tuple[str, Shape, Split]],
+    experts: list[tuple[str, Shape, Split]],
+    stage: Stage,
+    layer: int | None,
+) -> list[Param]:
+    """One transformer layer's parameters under ``prefix`` (a decoder layer's, an MTP
+    layer's), the ``EXPERTS`` marker expanded into every routed expert's parameters."""
+    out: list[Param] = []
+    for suffix, shape, split in suffixes:
+        if suffix == EXPERTS:
+            out.extend(
+                Param(expert_name(prefix, e, sub), sub_shape, sub_split, stage, layer, e)
+                for e in range(spec.num_experts or 0)
+                for sub, sub_shape, sub_split in experts
+            )
+            continue
+        buffer = suffix == ROUTER_EXPERT_BIAS
+        out.append(Param(prefix + suffix, shape, split, stage, layer, buffer=buffer))
+    return out
 
 
 def _norm(prefix: str, spec: ModelSpec) -> list[tuple[str, Shape, Split]]:
@@ -426,18 +441,8 @@ def _mtp_layer(
     """MTP layer ``k``: its norms and projection, its transformer layer (of the last decoder
     layer's kind, experts expanded), its final norm."""
     head = f"{MTP_PREFIX}{k}."
-    prefix = mtp_layer_prefix(k)
     out = [Param(head + s, shape, split, Stage.MTP) for s, shape, split in mtp_head_suffixes(spec)]
-    for suffix, shape, split in inner:
-        if suffix == EXPERTS:
-            out.extend(
-                Param(expert_name(prefix, e, sub), sub_shape, sub_split, Stage.MTP, None, e)
-                for e in range(spec.num_experts or 0)
-                for sub, sub_shape, sub_split in experts
-            )
-            continue
-        buffer = suffix == ROUTER_EXPERT_BIAS
-        out.append(Param(prefix + suffix, shape, split, Stage.MTP, buffer=buffer))
+    out.extend(_layer_params(spec, mtp_layer_prefix(k), inner, experts, Stage.MTP, None))
     out.extend(
         Param(head + s, shape, split, Stage.MTP) for s, shape, split in mtp_tail_suffixes(spec)
     )
