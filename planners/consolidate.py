@@ -7,7 +7,7 @@ from __future__ import annotations
 from ckptctl.model.plan import Plan
 from ckptctl.model.stored import CheckpointView
 from ckptctl.model.target import TargetPlanner, TargetRequest
-from planners.convert import from_source, plan_target
+from planners.convert import collector_paused, from_source, plan_target
 
 
 def plan_consolidate(
@@ -21,8 +21,9 @@ def plan_consolidate(
 ) -> Plan:
     """One full checkpoint in ``target``'s format (``request.layout`` is ``None``: the format
     decides; ``request.dtype`` converts weights only, optimizer state stays fp32)."""
-    planned = target.target_files(source, request)
-    files, estimates = plan_target(source, target, planned)
+    with collector_paused():
+        planned = target.target_files(source, request)
+        files, estimates = plan_target(source, target, planned)
     return Plan(
         operation="consolidate",
         strategy="merge",

@@ -15,7 +15,7 @@ from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.plan import Plan
 from ckptctl.model.stored import CheckpointView
 from ckptctl.model.target import TargetPlanner, TargetRequest
-from planners.convert import from_source, plan_target
+from planners.convert import collector_paused, from_source, plan_target
 
 
 def plan_reshard(
@@ -36,8 +36,9 @@ def plan_reshard(
             + "".join(f" ({n})" for n in source.notes if "--hf-config" in n)
         )
     target_layout.check_against(spec)
-    planned = target.target_files(source, replace(request, layout=target_layout))
-    files, estimates = plan_target(source, target, planned)
+    with collector_paused():
+        planned = target.target_files(source, replace(request, layout=target_layout))
+        files, estimates = plan_target(source, target, planned)
     notes, warnings = [*source.notes, *planned.notes], [*source.warnings, *planned.warnings]
     if not planned.optimizer_carried and source.has_optimizer:
         warnings.append(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import typer
@@ -94,6 +94,13 @@ class Output:
         if self.silent and "error" not in data:
             return
         sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+        sys.stdout.flush()
+
+    def json_parts(self, parts: Iterable[str]) -> None:
+        """A JSON document too large to build whole (a plan), written as it is made."""
+        if self.silent:
+            return
+        sys.stdout.writelines(parts)
         sys.stdout.flush()
 
     def progress(self) -> Any:

@@ -77,10 +77,11 @@ def plan_cmd(
         plan = job.plan
         shares = worker_shares(job, workers) if workers > 1 else None
         if save is not None:
-            save.write_text(plan.model_dump_json(indent=1))
+            with save.open("w") as saved:
+                saved.writelines(plan.json_parts())
             out.info(f"plan saved to {save} (fingerprint {plan.fingerprint()})")
         if as_json:
-            out.json(plan.model_dump(mode="json") | ({"workers": shares} if shares else {}))
+            out.json_parts(plan.json_parts({"workers": shares} if shares else None))
         else:
             show(out, plan)
             if shares:

@@ -7,7 +7,7 @@ optimizer, the torch optimizer state keyed by parameter index in Megatron's para
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from math import prod
 
 from ckptctl.errors import LayoutError
@@ -271,14 +271,25 @@ def megatron_files(
         )
     padded = spec.padded_vocab_size(layout.tp)
     files = []
+    # The files of every EP rank of one (tp, expert tp, pp) shard hold the same dense tensors
+    # at the same positions and keys (each EP rank has as many local experts): they are built
+    # once and shared (frozen objects), so a 64-way expert-parallel checkpoint costs its dense
+    # tensors once, not 64 times.
+    dense_of: dict[tuple[int, int, int, int], _DenseShard] = {}
     for saver in saving_ranks(layout):
         tp_rank, pp_rank, ep_rank = saver.tp, saver.pp, saver.ep
         params = rank_params(
             spec, layout, pp_rank, naming, layer_order, ep_rank, expert_naming, mtp_inner
         )
+        dense = dense_of.setdefault((tp_rank, saver.etp, pp_rank, len(params)), _DenseShard())
         tensors: list[StoredTensor] = []
         geometry = []
-        for rp in params:
+        for pos, rp in enumerate(params):
+            known = dense.weights.get(pos) if rp.param.expert is None else None
+            if known is not None:
+                geometry.append(known[1])
+                tensors.append(known[0])
+                continue
             # Experts are split over expert TP, the rest over TP.
             tp, rank = (
                 (layout.tp, tp_rank) if rp.param.expert is None else (layout.expert_tp, saver.etp)
@@ -289,6 +300,8 @@ def megatron_files(
             dtype = "float32" if rp.param.buffer else weight_dtype
             key = (rp.model_key, rp.local_name)
             tensors.append(stored_tensor(rp, key, rp.param.name, shape, dtype, pieces))
+            if rp.param.expert is None:
+                dense.weights[pos] = (tensors[-1], (shape, pieces))
         rank_path = f"{iteration_dir(iteration)}/{saver.directory(layout)}"
         if optimizer is not None and optimizer.distributed:
             files.append(
@@ -304,7 +317,7 @@ def megatron_files(
                 )
             )
         elif optimizer is not None:
-            tensors.extend(_optimizer_tensors(params, geometry, optimizer))
+            tensors.extend(_optimizer_tensors(params, geometry, optimizer, dense.states))
         files.append(
             StoredFile(
                 f"{rank_path}/{RANK_FILE}", tuple(tensors), (tp_rank, pp_rank), ep_rank=ep_rank
@@ -314,20 +327,37 @@ def megatron_files(
     return tuple(sorted(files, key=lambda f: f.path.endswith(DISTOPT_FILE)))
 
 
+@dataclass
+class _DenseShard:
+    """What the files of one dense shard share (``megatron_files``), by parameter position:
+    each dense weight's tensor and geometry, each dense parameter's optimizer state tensors."""
+
+    weights: dict[int, tuple[StoredTensor, tuple[Shape, tuple[Piece, ...]]]] = field(
+        default_factory=dict
+    )
+    states: dict[int, list[StoredTensor]] = field(default_factory=dict)
+
+
 def _optimizer_tensors(
     params: list[RankParam],
     geometry: list[tuple[tuple[int, ...], tuple[Piece, ...]]],
     optimizer: OptimizerLayout,
+    dense: dict[int, list[StoredTensor]],
 ) -> list[StoredTensor]:
     """Per-parameter torch optimizer state (and fp32 masters) of one rank file, sub-optimizer
-    by sub-optimizer, each numbering its parameters group after group."""
-    tensors = []
+    by sub-optimizer, each numbering its parameters group after group; a dense parameter's
+    tensors are taken from ``dense`` (another EP rank's file of the shard) once built."""
+    tensors: list[StoredTensor] = []
     # Hot for the largest plans (hundreds of thousands of tensors): paths hoisted, and the
     # common case (a parameter stored whole) built without the helper.
     for sub, members in enumerate(sub_optimizers(params, optimizer.chained)):
         groups = param_groups(params, optimizer.group_order, members)
         state_path, sub_path = optimizer.sub_state(sub), optimizer.sub(sub)
         for first, (index, g, i) in sorted(optimizer_index(groups).items()):
+            if params[first].param.expert is None and first in dense:
+                tensors.extend(dense[first])
+                continue
+            built = len(tensors)
             for pos in range(first, first + params[first].blocks):
                 rp, (shape, pieces) = params[pos], geometry[pos]
                 name = rp.param.name
@@ -345,6 +375,8 @@ def _optimizer_tensors(
                     key = (*sub_path, "fp32_from_fp16_params", g, i)
                     canonical = state_name("fp32_param", name)
                     tensors.append(stored_tensor(rp, key, canonical, shape, "float32", pieces))
+            if params[first].param.expert is None:
+                dense[first] = tensors[built:]
     return tensors
 
 

@@ -11,6 +11,7 @@ shards or overwrite one file with another, which we refuse.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from ckptctl.errors import LayoutError
@@ -65,7 +66,7 @@ def saving_ranks(layout: ParallelLayout) -> tuple[RankCoords, ...]:
         c for rank in range(per_stage * layout.pp) if (c := coords(layout, rank)).expert_dp == 0
     ]
     dirs = [c.directory(layout) for c in savers]
-    clash = sorted({d for d in dirs if dirs.count(d) > 1})
+    clash = sorted(d for d, n in Counter(dirs).items() if n > 1)
     dense = {c.tp for c in savers}
     what = f"tp={layout.tp} etp={layout.expert_tp} ep={layout.ep}: Megatron-LM's legacy rank files"
     if clash:
