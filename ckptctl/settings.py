@@ -23,6 +23,11 @@ REMOTE_READ_PARALLEL = 8
 """Ranged GETs in flight when a source is on an object store (each answers after a round trip);
 ``ckptctl calibrate`` measures read bandwidth the same way."""
 
+REMOTE_FILES_AT_ONCE = 2
+"""Files of an object-store target written at once: two, so that one file's last parts upload
+while the next file's reads begin (one at a time, reads stood idle at the end of every file:
+a tenth of a job's time through a 5 MB/s link, ``bench/bench_nodes.py``)."""
+
 MOST_AT_ONCE = 16
 """Upper bound of the defaults taken from the machine's cores: beyond it a local disk's queue,
 not the CPUs, sets the pace (``--read-parallel`` / ``--files-at-once`` go further)."""

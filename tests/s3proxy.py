@@ -1,6 +1,9 @@
-"""A small HTTP proxy in front of the moto S3 server: it records every request (method, object
-key, byte range, bytes sent back) and can fail a share of them the way S3 does when it throttles
-(503 SlowDown) or when a connection drops. Clients point their endpoint at it instead of moto."""
+"""A small HTTP proxy in front of an S3 server (moto, SeaweedFS): it records every request
+(method, object key, byte range, bytes sent back), can fail a share of them the way S3 does when
+it throttles (503 SlowDown) or when a connection drops, and can cap the bytes per second it
+carries in each direction, as one node's network link (``S3Proxy(upstream, link=20e6)``): a
+simulated node reaches the store only through its own proxy. Clients point their endpoint at
+it instead of the server."""
 
 from __future__ import annotations
 
@@ -36,10 +39,35 @@ class Request:
     answered: float = 0.0
 
 
+class Link:
+    """One direction of a link of ``rate`` bytes per second, shared by every connection
+    through it: each transfer (a response a chunk at a time, a request body whole) waits for
+    its turn and takes its bytes' time."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self._free_at = time.monotonic()
+        self._lock = threading.Lock()
+
+    def carry(self, nbytes: int) -> None:
+        with self._lock:
+            now = time.monotonic()
+            self._free_at = max(self._free_at, now) + nbytes / self.rate
+            done = self._free_at
+        time.sleep(max(0.0, done - now))
+
+
+_CHUNK = 1 << 20
+
+
 class S3Proxy:
-    def __init__(self, upstream: str) -> None:
+    def __init__(self, upstream: str, link: float | None = None) -> None:
         parsed = urlsplit(upstream)
         self.upstream = (parsed.hostname or "127.0.0.1", parsed.port or 80)
+        self.down = Link(link) if link else None
+        """What the node receives (response bodies), at most ``link`` bytes per second."""
+        self.up = Link(link) if link else None
+        """What the node sends (request bodies)."""
         self.requests: list[Request] = []
         self.fail_every = 0
         """Fail every n-th data request (GET of an object, PUT of a part or object); 0: none."""
@@ -133,6 +161,8 @@ class S3Proxy:
                 handler.close_connection = True
                 handler.connection.close()
             return
+        if self.up is not None and body:
+            self.up.carry(len(body))
         headers = {k: v for k, v in handler.headers.items() if k.lower() not in _HOP}
         headers["Content-Length"] = str(len(body))
         conn = http.client.HTTPConnection(*self.upstream, timeout=60)
@@ -165,4 +195,8 @@ class S3Proxy:
             handler.send_header("Content-Length", str(len(payload)))
         handler.end_headers()
         if handler.command != "HEAD":
-            handler.wfile.write(payload)
+            for start in range(0, len(payload), _CHUNK):
+                chunk = payload[start : start + _CHUNK]
+                if self.down is not None:
+                    self.down.carry(len(chunk))
+                handler.wfile.write(chunk)

@@ -25,6 +25,7 @@ from ckptctl.pipeline.job_report import Report, Sources, peak_rss_bytes
 from ckptctl.pipeline.replicas import check_replicas
 from ckptctl.pipeline.source_checks import SourceChecks
 from ckptctl.progress import NoProgress, Progress
+from ckptctl.settings import REMOTE_FILES_AT_ONCE
 from planners.shares import split_files
 
 DEFAULT_MEMORY_BUDGET = 1 << 30
@@ -76,7 +77,8 @@ def execute(
     if rank:
         log = RunLog(target, plan, checksum, finish_paths, rank, world)
     pool = ThreadPoolExecutor(workers, thread_name_prefix="ckptctl-read") if workers > 1 else None
-    writers = max(1, min(files_at_once, len(mine))) if target.is_local else 1
+    at_once = files_at_once if target.is_local else REMOTE_FILES_AT_ONCE
+    writers = max(1, min(at_once, len(mine)))
     counting, stop = threading.Lock(), threading.Event()
     share_budget = memory_budget // writers
     assemblers = [

@@ -150,7 +150,8 @@ def _timed(plan: Plan, compressed_ratio: float | None = None) -> Plan:
     source, target = profile_for(plan.source_url, measured), profile_for(plan.target_url, measured)
     if compressed_ratio is not None:
         source = through_decoder(source, compressed_ratio)
-    return plan.model_copy(update={"estimates": with_time(plan.estimates, source, target)})
+    timed = with_time(plan.estimates, source, target, plan.source_url, plan.target_url)
+    return plan.model_copy(update={"estimates": timed})
 
 
 def parse_ranks(text: str | None) -> set[int]:

@@ -8,6 +8,7 @@ import filecmp
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -22,6 +23,7 @@ from ckptctl.model.plan import CopyOp, FileWrite, TensorWrite
 from planners.shares import parallel_seconds, share_bytes, split_files
 from tests.io import test_s3
 from tests.pipeline.test_reshard import assert_same_checkpoint
+from tests.s3proxy import S3Proxy
 
 s3_endpoint, bucket = test_s3.s3_endpoint, test_s3.bucket  # moto's S3 server fixtures
 
@@ -199,6 +201,65 @@ def test_torchrun_runs_one_job(source: Path, tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     assert [r["rank"] for r in json.loads(done.stdout)["ranks"]] == [0, 1]  # one document
     same_tree(ref, out)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _fetch(url: str, into: Path) -> Path:
+    import s3fs
+
+    s3fs.S3FileSystem(skip_instance_cache=True).get(
+        url.removeprefix("s3://"), str(into), recursive=True
+    )
+    return into
+
+
+def _node(rank: int, nodes: int, port: int, endpoint: str, argv: list[str]) -> subprocess.Popen:
+    """Node ``rank`` of ``nodes`` under torchrun (one process), reaching S3 at ``endpoint``."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes),
+         "--node-rank", str(rank), "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+         "--master-port", str(port), "-m", "ckptctl", *argv, "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "AWS_ENDPOINT_URL": endpoint},
+    )  # fmt: skip
+
+
+def test_nodes_each_through_their_own_endpoint_write_what_one_process_writes(
+    s3_endpoint: str, bucket: str, source: Path, tmp_path: Path
+) -> None:
+    """Two torchrun nodes (``--nnodes 2 --node-rank i``, one process each), each reaching the
+    store only through its own endpoint (a proxy in front of it, as nodes of a cluster each
+    have their own gateway or NIC): the same plan on both, and the output one process writes."""
+    import s3fs
+
+    s3fs.S3FileSystem(skip_instance_cache=True).put(str(source), "lake/src", recursive=True)
+    argv = ["reshard", f"{bucket}/src", f"{bucket}/out", "--tp", "1", "--pp", "4"]
+    done = ckptctl(*argv)
+    assert done.returncode == 0, done.stderr
+    ref = _fetch(f"{bucket}/out", tmp_path / "reference")
+    s3fs.S3FileSystem(skip_instance_cache=True).rm("lake/out", recursive=True)
+    proxies = [S3Proxy(s3_endpoint).start() for _ in range(2)]
+    port = _free_port()
+    try:
+        nodes = [_node(rank, 2, port, proxy.url, argv) for rank, proxy in enumerate(proxies)]
+        outcomes = [node.communicate(timeout=600) for node in nodes]
+    finally:
+        for proxy in proxies:
+            proxy.stop()
+    for node, (_, err) in zip(nodes, outcomes, strict=True):
+        assert node.returncode == 0, err[-3000:]
+    assert [r["rank"] for r in json.loads(outcomes[0][0])["ranks"]] == [0, 1]
+    for proxy in proxies:  # each node read its share and wrote its files through its own
+        assert proxy.gets("lake/src/"), proxy.url
+        assert any(
+            r.method in ("PUT", "POST") and r.key.startswith("lake/out/") for r in proxy.requests
+        )
+    same_tree(ref, _fetch(f"{bucket}/out", tmp_path / "nodes"))
 
 
 def _rank_pid(launcher: subprocess.Popen, rank: int) -> int | None:

@@ -21,6 +21,7 @@ from ckptctl.model.megatron_style import MegatronStyle, OptimizerLayout
 from ckptctl.model.plan import COPY, coverage_problems
 from ckptctl.model.stored import CheckpointView, Format
 from ckptctl.model.target import TargetRequest
+from planners.cost import job_seconds
 from planners.strategy import Stored, plan_auto
 
 SPEC = ModelSpec(
@@ -420,3 +421,13 @@ def test_execution_order_keeps_source_locality_and_commits_last() -> None:
     changes = sum(1 for a, b in pairwise(sources) if a != b)
     assert changes == 1  # all targets of one source, then all of the other
     assert ordered.finalize == plan.finalize  # the commit marker stays last
+
+
+def test_reads_and_writes_overlap_unless_both_are_on_local_disks() -> None:
+    """A job reads ahead of its writer: a network link (or two devices) carries both at once,
+    while two local paths may share one device."""
+    assert job_seconds(3.0, 2.0, "/nvme/a", "/nvme/b") == 5.0
+    assert job_seconds(3.0, 2.0, "file:///nvme/a", "/nvme/b") == 5.0
+    assert job_seconds(3.0, 2.0, "s3://lake/a", "s3://lake/b") == 3.0
+    assert job_seconds(3.0, 5.0, "/nvme/a", "s3://lake/b") == 5.0
+    assert job_seconds(3.0, 2.0, "s3://lake/a", "/nvme/b") == 3.0
