@@ -21,7 +21,6 @@ import argparse
 import hashlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -108,30 +107,12 @@ def filled(argv: list[str], dst: str) -> list[str]:
     return [a.format(src=f"s3://{BUCKET}/src", dst=f"s3://{BUCKET}/{dst}") for a in argv]
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def start_node(
-    rank: int, nodes: int, port: int, endpoint: str, argv: list[str]
-) -> subprocess.Popen:
-    """Node ``rank`` of ``nodes``: one torchrun process, reaching S3 at ``endpoint``."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes),
-         "--node-rank", str(rank), "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
-         "--master-port", str(port), "-m", "ckptctl", *argv, "--json"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "AWS_ENDPOINT_URL": endpoint},
-    )  # fmt: skip
-
-
 def run_nodes(
     endpoint: str, link: float, n: int, argv: list[str], dst: str
 ) -> tuple[float, dict[str, Any]]:
     """Seconds from launching ``n`` nodes until all have exited (each through its own link),
     and rank 0's report (each rank's own job seconds in ``ranks``)."""
+    from tests.nodes import free_port, start_node
     from tests.s3proxy import S3Proxy
 
     proxies = [S3Proxy(endpoint, link=link).start() for _ in range(n)]

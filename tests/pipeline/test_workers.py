@@ -8,7 +8,6 @@ import filecmp
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from ckptctl.formats.megatron.target import MEGATRON_RANK
 from ckptctl.model.plan import CopyOp, FileWrite, TensorWrite
 from planners.shares import parallel_seconds, share_bytes, split_files
 from tests.io import test_s3
+from tests.nodes import free_port, start_node
 from tests.pipeline.test_reshard import assert_same_checkpoint
 from tests.s3proxy import S3Proxy
 
@@ -203,12 +203,6 @@ def test_torchrun_runs_one_job(source: Path, tmp_path: Path) -> None:
     same_tree(ref, out)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def _fetch(url: str, into: Path) -> Path:
     import s3fs
 
@@ -216,17 +210,6 @@ def _fetch(url: str, into: Path) -> Path:
         url.removeprefix("s3://"), str(into), recursive=True
     )
     return into
-
-
-def _node(rank: int, nodes: int, port: int, endpoint: str, argv: list[str]) -> subprocess.Popen:
-    """Node ``rank`` of ``nodes`` under torchrun (one process), reaching S3 at ``endpoint``."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes),
-         "--node-rank", str(rank), "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
-         "--master-port", str(port), "-m", "ckptctl", *argv, "--json"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "AWS_ENDPOINT_URL": endpoint},
-    )  # fmt: skip
 
 
 def test_nodes_each_through_their_own_endpoint_write_what_one_process_writes(
@@ -244,9 +227,9 @@ def test_nodes_each_through_their_own_endpoint_write_what_one_process_writes(
     ref = _fetch(f"{bucket}/out", tmp_path / "reference")
     s3fs.S3FileSystem(skip_instance_cache=True).rm("lake/out", recursive=True)
     proxies = [S3Proxy(s3_endpoint).start() for _ in range(2)]
-    port = _free_port()
+    port = free_port()
     try:
-        nodes = [_node(rank, 2, port, proxy.url, argv) for rank, proxy in enumerate(proxies)]
+        nodes = [start_node(rank, 2, port, proxy.url, argv) for rank, proxy in enumerate(proxies)]
         outcomes = [node.communicate(timeout=600) for node in nodes]
     finally:
         for proxy in proxies:
