@@ -16,20 +16,19 @@ from ckptctl.model.plan import Plan, coverage_problems
 from ckptctl.model.stored import CheckpointView, Format, StoredFile
 from ckptctl.model.target import TargetRequest
 from planners.strategy import Stored, plan_auto
+from tests.planners.test_planners import SPEC
 
-MOE = ModelSpec(
-    num_layers=4,
-    hidden_size=64,
-    ffn_hidden_size=128,
-    num_attention_heads=8,
-    num_query_groups=4,
-    kv_channels=8,
-    vocab_size=1100,
-    num_experts=8,
-    moe_ffn_hidden_size=32,
-    moe_router_topk=2,
-    dense_layers=(0,),
+MOE = ModelSpec.model_validate(
+    SPEC.model_dump()
+    | {
+        "num_layers": 4,
+        "num_experts": 8,
+        "moe_ffn_hidden_size": 32,
+        "moe_router_topk": 2,
+        "dense_layers": (0,),
+    }
 )
+"""The planner tests' model with experts in every layer but the first."""
 SOURCE = ParallelLayout(pp=2, dp=4, ep=4)
 TARGET = ParallelLayout(pp=4, dp=2, ep=2)
 OPT = OptimizerLayout()
