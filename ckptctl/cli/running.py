@@ -59,12 +59,13 @@ def carry_out(
 
 def _checked_by_rank0(job: Job, group: Group, overwrite: bool) -> Destination:
     """The same plan everywhere, then rank 0 alone checks (and clears) the destination."""
-    prints = group.all_gather(job.plan.fingerprint())
+    prints = group.all_gather(job.plan.shared_fingerprint())
     if len(set(prints)) > 1:
         differ = ", ".join(f"rank {r}: {fp}" for r, fp in enumerate(prints))
         raise CkptctlError(
             f"the ranks planned different jobs (plan fingerprints {differ}); every rank must "
-            "run the same command on the same source"
+            "run the same command on the same source (a copy of it per node must keep its "
+            "files' sizes and modification times: cp -a, rsync -a)"
         )
     destination, failure = None, None
     if group.rank == 0:

@@ -1,6 +1,7 @@
 """Measure a storage target's cost profile: write and read bandwidth and per-request latency.
 
-Writes one scratch file under the URL, reads it back whole and by small ranges, and removes it.
+Writes one scratch file under the URL, reads it back whole and by small ranges (on a local disk
+from the device, not from the page cache the write filled), and removes it.
 The result is a ``ckptctl.model.profile.StorageProfile`` saved as JSON for later plans.
 """
 
@@ -45,6 +46,8 @@ def calibrate(
     storage.drain()  # durable, as a job's outputs are before its manifest: not the page cache
     write_seconds = time.perf_counter() - started
     try:
+        if storage.is_local:
+            _forget_cached(storage.path(SCRATCH))
         starts = range(0, len(payload), READ_PIECE)
         started = time.perf_counter()
         with ThreadPoolExecutor(parallel) as pool:
@@ -68,6 +71,17 @@ def calibrate(
         latency=statistics.median(latencies),
         concurrency=parallel,
     )
+
+
+def _forget_cached(path: str) -> None:
+    """Take the scratch file's pages out of the page cache: the file was just written, so
+    reading it back would measure memory, not the disk a job's (cold) source is read from."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # only clean pages can be dropped
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def save_profile(profile: StorageProfile, path: Path | None = None) -> Path:

@@ -170,27 +170,53 @@ class Plan(_Frozen):
         return self.spec
 
     def fingerprint(self) -> str:
-        """A stable hash of the plan's content, so processes and reruns can check they agree.
+        """A stable hash of the plan's content, so reruns can tell an output of this very plan
+        (each source file known by its full identity: on a local disk, inode and change time
+        too, which no copy or hand-set time reproduces).
 
-        A job asks for it several times (destination, manifest, every process's agreement) and
-        a trillion-parameter plan takes a second to hash: the last plan's is remembered, by
-        identity (the plan is frozen; a changed copy is another object)."""
-        global _last_fingerprint
-        last = _last_fingerprint
+        A job asks for it several times (destination, manifest) and a trillion-parameter plan
+        takes a second to hash: the last plan's hashes are remembered, by identity (the plan is
+        frozen; a changed copy is another object)."""
+        return self._fingerprints()[0]
+
+    def shared_fingerprint(self) -> str:
+        """What the processes of one job must agree on before writing: the plan, each local
+        source file known only by what a faithful copy keeps (size and modification time:
+        nodes may read one checkpoint from copies of their own, whose inodes and change times
+        differ); object-store identities (ETag, version) as they are."""
+        return self._fingerprints()[1]
+
+    def _fingerprints(self) -> tuple[str, str]:
+        global _last_fingerprints
+        last = _last_fingerprints
         if last is not None and last[0] is self:
             return last[1]
-        digest = hashlib.sha256()
-        for part in self.json_parts():
-            digest.update(part.encode())
-        value = digest.hexdigest()[:16]
-        _last_fingerprint = (self, value)
+        content = hashlib.sha256()
+        for part in self.json_parts(identities=False):
+            content.update(part.encode())
+
+        def with_identities(identities: list[Any]) -> str:
+            digest = content.copy()
+            digest.update(json.dumps(identities).encode())
+            return digest.hexdigest()[:16]
+
+        # The source's fingerprint hashes its files' full identities too: the shared one has
+        # the files' copy-kept identities instead.
+        full = [(path, identity) for path, identity in self.source_identities]
+        shared = [(path, _as_copies_keep(identity)) for path, identity in full]
+        value = (with_identities([self.source_fingerprint, full]), with_identities(shared))
+        _last_fingerprints = (self, value)
         return value
 
-    def json_parts(self, extra: dict[str, Any] | None = None) -> Iterator[str]:
-        """The plan as one JSON document (with ``extra``'s keys beside the plan's), given a
-        file at a time, one file per line: a trillion-parameter plan is hundreds of MB of JSON,
-        written and hashed without ever being held whole."""
-        head = self.model_dump_json(exclude={"files"})
+    def json_parts(
+        self, extra: dict[str, Any] | None = None, *, identities: bool = True
+    ) -> Iterator[str]:
+        """The plan as one JSON document (with ``extra``'s keys beside the plan's; without what
+        identifies the very source files if not ``identities``), given a file at a time, one
+        file per line: a trillion-parameter plan is hundreds of MB of JSON, written and hashed
+        without ever being held whole."""
+        own = {"source_identities", "source_fingerprint"}  # of these very source files
+        head = self.model_dump_json(exclude={"files"} if identities else {"files", *own})
         more = json.dumps(extra, default=str)[1:-1] + "," if extra else ""
         yield f'{head[:-1]},{more}"files":['
         for position, file in enumerate(self.files):
@@ -198,7 +224,15 @@ class Plan(_Frozen):
         yield "\n]}\n"
 
 
-_last_fingerprint: tuple[Plan, str] | None = None
+_last_fingerprints: tuple[Plan, tuple[str, str]] | None = None
+
+HOST_ONLY = ("ctime=", "ino=")
+"""Parts of a local file's identity (``Storage.identity``: ``size= mtime= ctime= ino=``) that
+only the host holding that very file has: a copy elsewhere keeps size and modification time."""
+
+
+def _as_copies_keep(identity: str) -> str:
+    return " ".join(part for part in identity.split() if not part.startswith(HOST_ONLY))
 
 
 def smallest_band(plan: Plan) -> tuple[int, str]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import filecmp
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -301,6 +302,28 @@ def test_ranks_that_plan_different_jobs_are_refused(source: Path, tmp_path: Path
         assert "the ranks planned different jobs" in err
         assert "Traceback" not in err
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_nodes_reading_copies_of_the_source_agree_on_the_plan(source: Path, tmp_path: Path) -> None:
+    """A node may read the checkpoint from a copy of its own (``rsync -a`` to its disk): the
+    ranks agree on a plan from a copy that keeps its files' sizes and modification times,
+    though its inodes and change times differ; an output's fingerprint (what a rerun checks)
+    still tells the copies apart, and a copy whose times were not kept is another job."""
+    from ckptctl.pipeline.jobs import plan_reshard
+
+    here, out = tmp_path / "src", str(tmp_path / "out")
+    shutil.copytree(source, here)
+    first = plan_reshard(str(here), out, {"tp": 1}).plan
+    shutil.move(here, tmp_path / "aside")
+    shutil.copytree(tmp_path / "aside", here)  # copy2: sizes and modification times kept
+    copy = plan_reshard(str(here), out, {"tp": 1}).plan
+    assert copy.shared_fingerprint() == first.shared_fingerprint()
+    assert copy.fingerprint() != first.fingerprint()
+    assert copy.files == first.files
+    newest = max(f for f in here.rglob("*.pt"))
+    os.utime(newest, ns=(newest.stat().st_atime_ns, newest.stat().st_mtime_ns + 1))
+    touched = plan_reshard(str(here), out, {"tp": 1}).plan
+    assert touched.shared_fingerprint() != first.shared_fingerprint()
 
 
 def _port() -> int:
