@@ -46,18 +46,18 @@ READY = VENV / "ckptctl-ready.json"
 
 
 def python312() -> str:
-    """A Python 3.12 interpreter: on the PATH, or one pyenv installed."""
-    found = shutil.which("python3.12")
-    if found:
-        return found
+    """A Python 3.12 interpreter that runs: on the PATH, or one pyenv installed. (pyenv's shim
+    for python3.12 is on the PATH even where 3.12 is not a selected version, and then fails.)"""
     pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
-    candidates = sorted(glob.glob(str(pyenv / "versions" / "3.12*" / "bin" / "python3.12")))
-    if not candidates:
-        raise OracleFailed(
-            "Megatron-LM 0.19.2 needs Python 3.12, and none was found (python3.12 on the PATH, "
-            "or pyenv's): install one, e.g. `pyenv install 3.12`"
-        )
-    return candidates[-1]
+    installed = sorted(glob.glob(str(pyenv / "versions" / "3.12*" / "bin" / "python3.12")))
+    on_path = shutil.which("python3.12")
+    for candidate in [*([on_path] if on_path else []), *reversed(installed)]:
+        if subprocess.run([candidate, "-c", ""], capture_output=True).returncode == 0:
+            return candidate
+    raise OracleFailed(
+        "Megatron-LM 0.19.2 needs Python 3.12, and none was found (python3.12 on the PATH, "
+        "or pyenv's): install one, e.g. `pyenv install 3.12`"
+    )
 
 
 def megatron_python() -> Path:
@@ -91,6 +91,37 @@ def _run(command: list[str], what: str) -> None:
         raise OracleFailed(f"Megatron-LM environment, {what}:\n{done.stdout}\n{done.stderr}")
 
 
+def command(
+    report: Path,
+    megatron_args: list[str],
+    *,
+    world: int = 1,
+    steps: int,
+    logits: Path | None = None,
+) -> list[str]:
+    """The oracle's command line: ``steps`` steps of Megatron-LM on ``world`` gloo ranks with
+    ``megatron_args``, its report (losses, iteration, each rank's peak RSS) written to
+    ``report``."""
+    line = [str(megatron_python()), str(ORACLE), "train", str(report), "--world", str(world)]
+    line += ["--steps", str(steps)]
+    if logits is not None:
+        line += ["--logits", str(logits)]
+    return [*line, "--", *megatron_args]
+
+
+def environment(scratch: Path) -> dict[str, str]:
+    """The oracle's environment, its build caches under ``scratch``."""
+    env = {
+        **os.environ,
+        # torch's build cache of the run's own: a build killed half way leaves a lock behind
+        # that would stall every later run (see fork_server._build_deepspeed_ops)
+        "TORCH_EXTENSIONS_DIR": str(scratch / "torch_extensions"),
+        "CUDA_VISIBLE_DEVICES": "",
+    }
+    env.pop("PYTHONPATH", None)  # the oracle's interpreter is not this one
+    return env
+
+
 def train(
     out: Path,
     megatron_args: list[str],
@@ -103,22 +134,10 @@ def train(
     """Run Megatron-LM's training code (``tests/oracles/megatron_lm.py``) in ``out``'s folder:
     ``steps`` steps on ``world`` gloo ranks; the losses and iteration it reports."""
     report = out.with_suffix(".json")
-    command = [str(megatron_python()), str(ORACLE), "train", str(report), "--world", str(world)]
-    command += ["--steps", str(steps)]
-    if logits is not None:
-        command += ["--logits", str(logits)]
-    env = {
-        **os.environ,
-        # torch's build cache of the run's own: a build killed half way leaves a lock behind
-        # that would stall every later run (see fork_server._build_deepspeed_ops)
-        "TORCH_EXTENSIONS_DIR": str(out.parent / "torch_extensions"),
-        "CUDA_VISIBLE_DEVICES": "",
-    }
-    env.pop("PYTHONPATH", None)  # the oracle's interpreter is not this one
     done = subprocess.run(
-        [*command, "--", *megatron_args],
+        command(report, megatron_args, world=world, steps=steps, logits=logits),
         cwd=out.parent,
-        env=env,
+        env=environment(out.parent),
         capture_output=True,
         text=True,
         timeout=timeout,

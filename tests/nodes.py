@@ -1,7 +1,7 @@
 """Simulated nodes on one machine: each a torchrun process (``--nnodes N --node-rank i``, one
 process per node, static rendezvous on 127.0.0.1) reaching S3 through its own endpoint (an
-``S3Proxy`` in front of the store, optionally rate-capped as the node's link). Used by the
-scale-out tests and ``bench/bench_nodes.py``."""
+``S3Proxy`` in front of the store, optionally rate-capped as the node's link), or its own disk.
+Used by the scale-out tests, ``bench/bench_nodes.py`` and ``bench/bench_disks.py``."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Sequence
 
 
 def free_port() -> int:
@@ -18,14 +19,20 @@ def free_port() -> int:
 
 
 def start_node(
-    rank: int, nodes: int, port: int, endpoint: str, argv: list[str]
+    rank: int,
+    nodes: int,
+    port: int,
+    endpoint: str | None,
+    argv: list[str],
+    wrapper: Sequence[str] = (),
 ) -> subprocess.Popen:
     """Node ``rank`` of ``nodes`` running ``ckptctl *argv --json``, reaching S3 at
-    ``endpoint``; the rendezvous on ``port`` of 127.0.0.1."""
+    ``endpoint`` (if given); the rendezvous on ``port`` of 127.0.0.1. ``wrapper``: a command
+    the node runs under (its own mount namespace, say)."""
+    env = {**os.environ, **({"AWS_ENDPOINT_URL": endpoint} if endpoint else {})}
     return subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes),
+        [*wrapper, sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes),
          "--node-rank", str(rank), "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
          "--master-port", str(port), "-m", "ckptctl", *argv, "--json"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "AWS_ENDPOINT_URL": endpoint},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip

@@ -96,6 +96,7 @@ def seaweedfs(workdir: Path) -> Iterator[str]:
         f"-s3.config={workdir / 's3.json'}",
         *flags,
     ]
+    (workdir / "ports.json").write_text(json.dumps(http))  # for vacuum()
     log = (workdir / "weed.log").open("wb")
     server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=workdir)
     endpoint = f"http://127.0.0.1:{http['s3']}"
@@ -115,6 +116,16 @@ def seaweedfs(workdir: Path) -> Iterator[str]:
             server.kill()
             server.wait()
         log.close()
+
+
+def vacuum(workdir: Path) -> None:
+    """Reclaim the disk space of deleted objects now (SeaweedFS compacts its volumes only when
+    a third of one is garbage, on its own schedule): a bench that moves checkpoints larger than
+    RAM through it has room for two copies, not three."""
+    master = json.loads((workdir / "ports.json").read_text())["master"]
+    url = f"http://127.0.0.1:{master}/vol/vacuum?garbageThreshold=0.0001"
+    with urllib.request.urlopen(url, timeout=3600) as answer:
+        answer.read()
 
 
 def make_bucket(endpoint: str, name: str) -> None:

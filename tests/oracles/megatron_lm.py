@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
 import sys
 import warnings
 from collections.abc import Callable
@@ -372,12 +373,16 @@ def rank_main(
                 # tokens of the tokenizer's vocabulary, not of the padding rows
                 save_logits(model[0], args.vocab_size or args.padded_vocab_size, logits)
     # The loss is known on the last pipeline stage only: report the first rank's that has it.
+    # Each rank's peak RSS (for bench/bench_megatron.py: the memory Megatron-LM's own
+    # load-time resharding takes) is reported with it.
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, losses)
-    losses = next((seen for seen in everyone if None not in seen), losses)
+    dist.all_gather_object(everyone, (losses, peak))
+    losses = next((seen for seen, _ in everyone if None not in seen), losses)
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({"losses": losses, "iteration": args.iteration}, f)
+            report = {"losses": losses, "iteration": args.iteration}
+            json.dump({**report, "peak_rss": [p for _, p in everyone]}, f)
     dist.barrier()
     dist.destroy_process_group()
 
