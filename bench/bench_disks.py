@@ -37,7 +37,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bench_nodes import JOBS, SHARD
+from bench_nodes import JOBS, SHARD, rank_figures
 from benchlib import compile_bytecode, du, evict, files_of
 
 HERE = Path(__file__).resolve().parent
@@ -80,17 +80,16 @@ def main() -> None:
         )
         print(
             "| job | nodes | seconds | speed-up | per node (ideal N) | slowest rank's job s "
-            "| start-up, rendezvous, planning s | output as 1 node's | model: seconds "
-            "| model vs measured |"
+            "| start-up, rendezvous, planning s | largest share | read / planned "
+            "| output as 1 node's | model: seconds | model vs measured |"
         )
-        print("|---|---:|---:|---:|---:|---:|---:|---|---:|---:|")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")
         for title, argv in JOBS.items():
             one, reference = None, None
             for n in counts:
                 dst = f"{title.split()[0]}-{n}"
                 seconds, report = run_nodes(mounts[:n], args.view, argv, dst)
-                ranks = report.get("ranks") or [{"seconds": report["seconds"]}]
-                slowest = max(r["seconds"] for r in ranks)
+                slowest, largest, read = rank_figures(report)
                 digest = union_digests([m / dst for m in mounts[:n]])
                 model = predicted(mounts[0], n, argv)
                 one = one or seconds
@@ -99,7 +98,8 @@ def main() -> None:
                 print(
                     f"| {title} | {n} | {seconds:.1f} | {one / seconds:.2f}x "
                     f"| {one / seconds / n:.2f} | {slowest:.1f} | {seconds - slowest:.1f} "
-                    f"| {same} | {model:.1f} | {model / seconds:.2f} |",
+                    f"| {largest:.2f} | {read:.2f}x | {same} | {model:.1f} "
+                    f"| {model / seconds:.2f} |",
                     flush=True,
                 )
                 for mount in mounts[:n]:

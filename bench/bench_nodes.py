@@ -79,17 +79,16 @@ def main() -> None:
         )
         print(
             "| job | nodes | seconds | speed-up | per node (ideal N) | slowest rank's job s "
-            "| start-up, rendezvous, planning s | output as 1 node's | model: seconds "
-            "| model vs measured |"
+            "| start-up, rendezvous, planning s | largest share | read / planned "
+            "| output as 1 node's | model: seconds | model vs measured |"
         )
-        print("|---|---:|---:|---:|---:|---:|---:|---|---:|---:|")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")
         for title, argv in JOBS.items():
             one, reference = None, None
             for n in counts:
                 dst = f"{title.split()[0]}-{n}"
                 seconds, report = run_nodes(endpoint, link, n, argv, dst)
-                ranks = report.get("ranks") or [{"seconds": report["seconds"]}]
-                slowest = max(r["seconds"] for r in ranks)
+                slowest, largest, read = rank_figures(report)
                 digest = digests(store, f"{BUCKET}/{dst}")
                 model = predicted(n, argv)
                 one = one or seconds
@@ -98,9 +97,24 @@ def main() -> None:
                 print(
                     f"| {title} | {n} | {seconds:.1f} | {one / seconds:.2f}x "
                     f"| {one / seconds / n:.2f} | {slowest:.1f} | {seconds - slowest:.1f} "
-                    f"| {same} | {model:.1f} | {model / seconds:.2f} |",
+                    f"| {largest:.2f} | {read:.2f}x | {same} | {model:.1f} "
+                    f"| {model / seconds:.2f} |",
                     flush=True,
                 )
+
+
+def rank_figures(report: dict[str, Any]) -> tuple[float, float, float]:
+    """From a job's report: the slowest rank's job seconds, the largest rank's part of the
+    bytes written (1/N is an even split), and the source bytes all ranks read (for record
+    checks too) against the bytes the plan reads: what keeps N nodes from N times the speed."""
+    ranks = report.get("ranks")
+    if not ranks:
+        read = report["bytes_read"] + report["read_for_record_checks"]["bytes"]
+        return report["seconds"], 1.0, read / report["estimates"]["bytes_read"]
+    slowest = max(r["seconds"] for r in ranks)
+    largest = max(r["bytes_written"] for r in ranks) / max(report["bytes_written"], 1)
+    read = sum(r["bytes_read"] for r in ranks) / report["estimates"]["bytes_read"]
+    return slowest, largest, read
 
 
 def filled(argv: list[str], dst: str) -> list[str]:

@@ -2,11 +2,13 @@
 
 time = latency x requests / concurrency (or requests / IOPS, whichever is slower)
        + bytes / bandwidth, for reads and writes separately;
-job  = reads + writes when both are on local disks (they may share one device), and the
-       longer of the two otherwise: a job reads ahead of its writer, and a network link (or
-       two devices) carries both at once. (``bench/bench_nodes.py``: s3 -> s3 through one
-       5 MB/s link moved 0.59 GB each way in 140 s: 1.19x the longer direction's 118 s, 0.59x
-       their sum.)
+job  = the longer of reads and writes + (1 - overlap) x the shorter: a job reads ahead of its
+       writer, and how much of the one runs during the other is the storage's, measured by
+       ``ckptctl calibrate`` when source and target are on one calibrated storage. Without a
+       measure: reads + writes when both are on local disks (they may share one device), the
+       longer otherwise (a network link, or two devices, carries both at once).
+       (``bench/bench_nodes.py``: s3 -> s3 through one 5 MB/s link moved 0.59 GB each way in
+       140 s: 1.19x the longer direction's 118 s, 0.59x their sum.)
 """
 
 from __future__ import annotations
@@ -84,12 +86,22 @@ def is_local(url: str) -> bool:
     return "://" not in url or url.startswith("file://")
 
 
-def job_seconds(read: float, write: float, source_url: str, target_url: str) -> float:
-    """A job's time from its reads' and its writes': summed when both are on local disks,
-    overlapped otherwise (see the module's docstring)."""
-    if is_local(source_url) and is_local(target_url):
-        return read + write
-    return max(read, write)
+def job_seconds(
+    read: float, write: float, source_url: str, target_url: str, overlap: float | None = None
+) -> float:
+    """A job's time from its reads' and its writes', ``overlap`` of the shorter running during
+    the longer (see the module's docstring); unmeasured (None): summed when both are on local
+    disks, overlapped otherwise."""
+    if overlap is None:
+        overlap = 0.0 if is_local(source_url) and is_local(target_url) else 1.0
+    overlap = min(max(overlap, 0.0), 1.0)
+    return max(read, write) + (1.0 - overlap) * min(read, write)
+
+
+def shared_overlap(source: StorageProfile, target: StorageProfile) -> float | None:
+    """The measured overlap of reads and writes when a job reads and writes one calibrated
+    storage (the same profile); None otherwise (two storages: the rule for unmeasured)."""
+    return source.overlap if source == target else None
 
 
 def with_time(
@@ -101,5 +113,5 @@ def with_time(
 ) -> Estimates:
     read = source.seconds(estimates.bytes_read, estimates.read_requests)
     write = target.seconds(estimates.bytes_written, estimates.write_requests, write=True)
-    seconds = job_seconds(read, write, source_url, target_url)
+    seconds = job_seconds(read, write, source_url, target_url, shared_overlap(source, target))
     return estimates.model_copy(update={"seconds": round(seconds, 6)})

@@ -16,7 +16,7 @@ from ckptctl.model.stored import CheckpointView
 from ckptctl.model.target import TargetPlanner, TargetRequest
 from planners.balance import balance_reads
 from planners.convert import from_source
-from planners.cost import job_seconds, profile_for, with_time
+from planners.cost import job_seconds, profile_for, shared_overlap, with_time
 from planners.reshard import plan_reshard
 
 
@@ -85,14 +85,8 @@ def _timed(
         for prefix in sources:
             bytes_by[prefix] = plan.estimates.bytes_read
             requests_by[prefix] = plan.estimates.read_requests
-    target = profile_for(plan.target_url, measured)
-    e = with_time(
-        plan.estimates,
-        profile_for(plan.source_url, measured),
-        target,
-        plan.source_url,
-        plan.target_url,
-    )
+    source, target = profile_for(plan.source_url, measured), profile_for(plan.target_url, measured)
+    e = with_time(plan.estimates, source, target, plan.source_url, plan.target_url)
     per_source = [
         profile_for(sources[p], measured).seconds(bytes_by.get(p, 0), requests_by.get(p, 0))
         for p in sources
@@ -102,7 +96,8 @@ def _timed(
     if plan.strategy == "direct":
         read = profile_for(plan.source_url, measured).seconds(e.bytes_read, e.read_requests)
     write = target.seconds(e.bytes_written, e.write_requests, write=True)
-    seconds = job_seconds(read, write, plan.source_url, plan.target_url)
+    overlap = shared_overlap(source, target) if len(sources) == 1 else None
+    seconds = job_seconds(read, write, plan.source_url, plan.target_url, overlap)
     return plan.model_copy(update={"estimates": e.model_copy(update={"seconds": seconds})})
 
 

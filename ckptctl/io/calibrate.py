@@ -36,25 +36,14 @@ def calibrate(
 ) -> StorageProfile:
     """Measure ``url`` the way jobs use it: a streamed (multipart) write until it is durable
     (flushed to the device on local disks), ranged reads with as many in flight as a job keeps
-    (one on local disks), and single small reads for latency."""
+    (one on local disks), single small reads for latency, and then a read and a write at once,
+    for how much the two overlap on this storage."""
     storage = Storage(url, config)
     payload = os.urandom(1 << 20) * max(size >> 20, 1)
     parallel = 1 if storage.is_local else REMOTE_READ_PARALLEL
-    started = time.perf_counter()
-    with storage.open_write(SCRATCH) as f:
-        write_in_slices(f, payload)
-    storage.drain()  # durable, as a job's outputs are before its manifest: not the page cache
-    write_seconds = time.perf_counter() - started
+    write_seconds = _timed_write(storage, SCRATCH, payload)
     try:
-        if storage.is_local:
-            _forget_cached(storage.path(SCRATCH))
-        starts = range(0, len(payload), READ_PIECE)
-        started = time.perf_counter()
-        with ThreadPoolExecutor(parallel) as pool:
-            got = sum(pool.map(lambda s: len(storage.read_range(SCRATCH, s, READ_PIECE)), starts))
-        read_seconds = time.perf_counter() - started
-        if got != len(payload):
-            raise OSError(f"{url}: read back {got} of {len(payload)} calibration bytes")
+        read_seconds = _timed_read(storage, SCRATCH, len(payload), parallel)
         latencies = []
         rng = random.Random(0)
         for _ in range(probes):
@@ -62,15 +51,56 @@ def calibrate(
             t = time.perf_counter()
             storage.read_range(SCRATCH, offset, 4096)
             latencies.append(time.perf_counter() - t)
+        both_seconds = _read_while_writing(storage, parallel, payload)
     finally:
         storage.remove(SCRATCH)
+        if storage.exists(SCRATCH_TOO):
+            storage.remove(SCRATCH_TOO)
+    # Of the shorter direction's time, the part the longer one hid.
+    hidden = read_seconds + write_seconds - both_seconds
     return StorageProfile(
         name=url,
         read_bandwidth=len(payload) / max(read_seconds, 1e-9),
         write_bandwidth=len(payload) / max(write_seconds, 1e-9),
         latency=statistics.median(latencies),
         concurrency=parallel,
+        overlap=round(min(max(hidden / max(min(read_seconds, write_seconds), 1e-9), 0.0), 1.0), 3),
     )
+
+
+SCRATCH_TOO = ".ckptctl-calibrate-2"
+"""The file written while the first is read back."""
+
+
+def _timed_write(storage: Storage, rel: str, payload: bytes) -> float:
+    started = time.perf_counter()
+    with storage.open_write(rel) as f:
+        write_in_slices(f, payload)
+    storage.drain()  # durable, as a job's outputs are before its manifest: not the page cache
+    return time.perf_counter() - started
+
+
+def _timed_read(storage: Storage, rel: str, nbytes: int, parallel: int) -> float:
+    if storage.is_local:
+        _forget_cached(storage.path(rel))
+    starts = range(0, nbytes, READ_PIECE)
+    started = time.perf_counter()
+    with ThreadPoolExecutor(parallel) as pool:
+        got = sum(pool.map(lambda s: len(storage.read_range(rel, s, READ_PIECE)), starts))
+    if got != nbytes:
+        raise OSError(f"{storage.describe(rel)}: read back {got} of {nbytes} calibration bytes")
+    return time.perf_counter() - started
+
+
+def _read_while_writing(storage: Storage, parallel: int, payload: bytes) -> float:
+    """Seconds to read the scratch file back (from the device) while writing another as big:
+    a job's reads and writes at once."""
+    started = time.perf_counter()
+    with ThreadPoolExecutor(1) as writer:
+        written = writer.submit(_timed_write, storage, SCRATCH_TOO, payload)
+        _timed_read(storage, SCRATCH, len(payload), parallel)
+        written.result()
+    return time.perf_counter() - started
 
 
 def _forget_cached(path: str) -> None:

@@ -19,6 +19,12 @@ class StorageProfile(BaseModel):
     """Requests in flight at once."""
     iops: float | None = None
     """Cap on requests per second, if the storage has one."""
+    overlap: float | None = None
+    """How much of the shorter of a job's reads and writes on this storage runs during the
+    longer: 0, one after the other (one disk serving both in turn); 1, entirely at once (a
+    full-duplex link, or a disk with separate read and write budgets). Measured by ``ckptctl
+    calibrate`` (reads and writes at once against each alone); None: not measured (the cost
+    model then takes 0 for a job on local disks and 1 otherwise)."""
 
     def seconds(self, nbytes: int, requests: int, *, write: bool = False) -> float:
         if requests == 0 and nbytes == 0:

@@ -104,6 +104,7 @@ def execute(
     own_written = report.bytes_written
     checked_after = checks.read_again()
     report.read_for_checks = [a - b for a, b in zip(checked_after, checked_before, strict=True)]
+    own_read = report.bytes_read + report.read_for_checks[1]  # (records, bytes)
     if group is not None:
         group.agree(None if failure is None else str(failure) or type(failure).__name__)
         _gather(group, report, log)
@@ -119,7 +120,7 @@ def execute(
     report.seconds = time.perf_counter() - started
     report.peak_rss_bytes = peak_rss_bytes()
     if group is not None:
-        report.ranks = _rank_figures(group, report, own_written)
+        report.ranks = _rank_figures(group, report, own_written, own_read)
     return report
 
 
@@ -194,13 +195,15 @@ def _gather(group: Group, report: Report, log: RunLog) -> None:
             report.copied[how] = report.copied.get(how, 0) + n
 
 
-def _rank_figures(group: Group, report: Report, written: int) -> list[dict[str, Any]]:
-    """Each rank's own figures (rank 0's report sums them)."""
+def _rank_figures(group: Group, report: Report, written: int, read: int) -> list[dict[str, Any]]:
+    """Each rank's own figures (rank 0's report sums them); ``read`` counts the source bytes
+    read for checks too (a record that several ranks read parts of is checked whole)."""
     mine = {
         "rank": group.rank,
         "seconds": round(report.seconds, 3),
         "peak_rss_bytes": report.peak_rss_bytes,
         "bytes_written": written,
+        "bytes_read": read,
     }
     return group.all_gather(mine)
 

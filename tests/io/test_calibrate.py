@@ -1,5 +1,6 @@
 """``ckptctl calibrate`` on a local disk: a profile of positive figures, read back as a job
-reads (one range in flight), saved where later plans find it, and no scratch file left."""
+reads (one range in flight), with how much reads and writes overlap, saved where later plans
+find it, and no scratch file left."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ def test_a_local_disk_is_measured_and_its_profile_used_by_plans(
     profile = calibrate(str(disk), size=4 << 20, probes=4)
     assert profile.read_bandwidth > 0 and profile.write_bandwidth > 0 and profile.latency > 0
     assert profile.concurrency == 1
+    assert profile.overlap is not None and 0.0 <= profile.overlap <= 1.0
     assert not (disk / SCRATCH).exists() and list(disk.iterdir()) == []
     save_profile(profile)
     measured = saved_profiles()

@@ -154,6 +154,8 @@ def test_several_processes_write_what_one_writes(
     report = json.loads(done.stdout)  # one document, from rank 0
     assert [r["rank"] for r in report["ranks"]] == list(range(workers))
     assert sum(r["bytes_written"] for r in report["ranks"]) == report["bytes_written"]
+    checked = report["read_for_record_checks"]["bytes"]
+    assert sum(r["bytes_read"] for r in report["ranks"]) == report["bytes_read"] + checked
     same_tree(ref, out)
     assert not any(p.name.startswith(INCOMPLETE) for p in out.rglob("*"))
 

@@ -18,10 +18,11 @@ from ckptctl.formats.megatron.layout import megatron_files
 from ckptctl.formats.megatron.target import MegatronTarget
 from ckptctl.model.layout import ModelSpec, ParallelLayout
 from ckptctl.model.megatron_style import MegatronStyle, OptimizerLayout
-from ckptctl.model.plan import COPY, coverage_problems
+from ckptctl.model.plan import COPY, Estimates, coverage_problems
+from ckptctl.model.profile import StorageProfile
 from ckptctl.model.stored import CheckpointView, Format
 from ckptctl.model.target import TargetRequest
-from planners.cost import job_seconds
+from planners.cost import job_seconds, with_time
 from planners.strategy import Stored, plan_auto
 
 SPEC = ModelSpec(
@@ -431,3 +432,23 @@ def test_reads_and_writes_overlap_unless_both_are_on_local_disks() -> None:
     assert job_seconds(3.0, 2.0, "s3://lake/a", "s3://lake/b") == 3.0
     assert job_seconds(3.0, 5.0, "/nvme/a", "s3://lake/b") == 5.0
     assert job_seconds(3.0, 2.0, "s3://lake/a", "/nvme/b") == 3.0
+
+
+def test_a_measured_overlap_of_reads_and_writes_is_the_one_used() -> None:
+    """Where calibrate measured how much reads and writes overlap on one storage, a job that
+    reads and writes it is charged so: the longer direction, and the part of the shorter that
+    does not run during it."""
+    assert job_seconds(3.0, 2.0, "/nvme/a", "/nvme/b", overlap=1.0) == 3.0
+    assert job_seconds(3.0, 2.0, "/nvme/a", "/nvme/b", overlap=0.25) == 4.5
+    assert job_seconds(3.0, 2.0, "s3://lake/a", "s3://lake/b", overlap=0.0) == 5.0
+    assert job_seconds(3.0, 2.0, "/nvme/a", "/nvme/b", overlap=1.7) == 3.0  # a noisy measure
+    disk = StorageProfile(name="/nvme", read_bandwidth=1e9, write_bandwidth=1e9, latency=0.0)
+    both = disk.model_copy(update={"overlap": 1.0})
+    estimates = Estimates(
+        bytes_read=3 * 10**9, bytes_written=2 * 10**9, read_requests=0, peak_memory_bytes=0
+    )
+    assert with_time(estimates, disk, disk, "/nvme/a", "/nvme/b").seconds == 5.0
+    assert with_time(estimates, both, both, "/nvme/a", "/nvme/b").seconds == 3.0
+    # Two storages: each its own device or link, whatever one of them measured alone.
+    other = both.model_copy(update={"name": "/other"})
+    assert with_time(estimates, both, other, "/nvme/a", "/other/b").seconds == 5.0
