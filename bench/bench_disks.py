@@ -37,7 +37,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bench_nodes import JOBS, SHARD, rank_figures
+from bench_nodes import SHARD, Measured, print_scaling
 from benchlib import compile_bytecode, du, evict, files_of
 
 HERE = Path(__file__).resolve().parent
@@ -72,38 +72,21 @@ def main() -> None:
     rate = int(args.disk * 1e6)
     with disks(work, max(counts), du(src) * 3 + (256 << 20), src, rate) as mounts:
         calibrate(mounts[0])
-        print(
-            f"\nsource: {du(src) / 1e9:.2f} GB Megatron TP2 PP2 with Adam state, a copy on each "
+        caption = (
+            f"source: {du(src) / 1e9:.2f} GB Megatron TP2 PP2 with Adam state, a copy on each "
             f"node's disk (ext4 on a loop device capped at {args.disk:g} MB/s each way by the "
             f"cgroup v1 blkio throttle); each node one torchrun process in its own mount "
-            f"namespace; {os.cpu_count()} CPUs shared by all\n"
+            f"namespace; {os.cpu_count()} CPUs shared by all"
         )
-        print(
-            "| job | nodes | seconds | speed-up | per node (ideal N) | slowest rank's job s "
-            "| start-up, rendezvous, planning s | largest share | read / planned "
-            "| output as 1 node's | model: seconds | model vs measured |"
-        )
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")
-        for title, argv in JOBS.items():
-            one, reference = None, None
-            for n in counts:
-                dst = f"{title.split()[0]}-{n}"
-                seconds, report = run_nodes(mounts[:n], args.view, argv, dst)
-                slowest, largest, read = rank_figures(report)
-                digest = union_digests([m / dst for m in mounts[:n]])
-                model = predicted(mounts[0], n, argv)
-                one = one or seconds
-                reference = reference or digest
-                same = "yes" if digest == reference else "**no**"
-                print(
-                    f"| {title} | {n} | {seconds:.1f} | {one / seconds:.2f}x "
-                    f"| {one / seconds / n:.2f} | {slowest:.1f} | {seconds - slowest:.1f} "
-                    f"| {largest:.2f} | {read:.2f}x | {same} | {model:.1f} "
-                    f"| {model / seconds:.2f} |",
-                    flush=True,
-                )
-                for mount in mounts[:n]:
-                    shutil.rmtree(mount / dst, ignore_errors=True)
+
+        def measure(argv: list[str], n: int, dst: str) -> Measured:
+            seconds, report = run_nodes(mounts[:n], args.view, argv, dst)
+            digest = union_digests([m / dst for m in mounts[:n]])
+            for mount in mounts[:n]:
+                shutil.rmtree(mount / dst, ignore_errors=True)
+            return seconds, report, digest, predicted(mounts[0], n, argv)
+
+        print_scaling(caption, counts, measure)
 
 
 @contextlib.contextmanager

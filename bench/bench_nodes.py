@@ -24,6 +24,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -72,35 +73,51 @@ def main() -> None:
         store = s3fs.S3FileSystem(skip_instance_cache=True)
         store.put(str(src), f"{BUCKET}/src", recursive=True)
         calibrate(endpoint, link)
-        print(
-            f"\nsource: {du(src) / 1e9:.2f} GB Megatron TP2 PP2 with Adam state on SeaweedFS "
+        caption = (
+            f"source: {du(src) / 1e9:.2f} GB Megatron TP2 PP2 with Adam state on SeaweedFS "
             f"(127.0.0.1); each node one torchrun process reaching it through its own proxy "
-            f"capped at {args.link:g} MB/s each way; {os.cpu_count()} CPUs shared by all\n"
+            f"capped at {args.link:g} MB/s each way; {os.cpu_count()} CPUs shared by all"
         )
-        print(
-            "| job | nodes | seconds | speed-up | per node (ideal N) | slowest rank's job s "
-            "| start-up, rendezvous, planning s | largest share | read / planned "
-            "| output as 1 node's | model: seconds | model vs measured |"
-        )
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")
-        for title, argv in JOBS.items():
-            one, reference = None, None
-            for n in counts:
-                dst = f"{title.split()[0]}-{n}"
-                seconds, report = run_nodes(endpoint, link, n, argv, dst)
-                slowest, largest, read = rank_figures(report)
-                digest = digests(store, f"{BUCKET}/{dst}")
-                model = predicted(n, argv)
-                one = one or seconds
-                reference = reference or digest
-                same = "yes" if digest == reference else "**no**"
-                print(
-                    f"| {title} | {n} | {seconds:.1f} | {one / seconds:.2f}x "
-                    f"| {one / seconds / n:.2f} | {slowest:.1f} | {seconds - slowest:.1f} "
-                    f"| {largest:.2f} | {read:.2f}x | {same} | {model:.1f} "
-                    f"| {model / seconds:.2f} |",
-                    flush=True,
-                )
+
+        def measure(argv: list[str], n: int, dst: str) -> Measured:
+            seconds, report = run_nodes(endpoint, link, n, argv, dst)
+            return seconds, report, digests(store, f"{BUCKET}/{dst}"), predicted(n, argv)
+
+        print_scaling(caption, counts, measure)
+
+
+Measured = tuple[float, dict[str, Any], dict[str, str], float]
+"""A job on N nodes: wall seconds, rank 0's report, its output's digests, the model's seconds."""
+
+
+def print_scaling(
+    caption: str, counts: list[int], measure: Callable[[list[str], int, str], Measured]
+) -> None:
+    """The table of every job in ``JOBS`` on each count of nodes, as ``measure(argv, n,
+    output name)`` finds it: speed-up over one node, the slowest rank, start-up, the largest
+    share, bytes read against the plan's, the output against one node's, the cost model."""
+    print(f"\n{caption}\n")
+    print(
+        "| job | nodes | seconds | speed-up | per node (ideal N) | slowest rank's job s "
+        "| start-up, rendezvous, planning s | largest share | read / planned "
+        "| output as 1 node's | model: seconds | model vs measured |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")
+    for title, argv in JOBS.items():
+        one, reference = None, None
+        for n in counts:
+            seconds, report, digest, model = measure(argv, n, f"{title.split()[0]}-{n}")
+            slowest, largest, read = rank_figures(report)
+            one = one or seconds
+            reference = reference or digest
+            same = "yes" if digest == reference else "**no**"
+            print(
+                f"| {title} | {n} | {seconds:.1f} | {one / seconds:.2f}x "
+                f"| {one / seconds / n:.2f} | {slowest:.1f} | {seconds - slowest:.1f} "
+                f"| {largest:.2f} | {read:.2f}x | {same} | {model:.1f} "
+                f"| {model / seconds:.2f} |",
+                flush=True,
+            )
 
 
 def rank_figures(report: dict[str, Any]) -> tuple[float, float, float]:
