@@ -24,7 +24,7 @@ from ckptctl.cli.options import (
     parse_size,
 )
 from ckptctl.errors import UsageError
-from ckptctl.settings import Settings
+from ckptctl.settings import REMOTE_FILES_AT_ONCE, Settings
 
 ReadParallel = Annotated[
     int | None,
@@ -38,8 +38,8 @@ FilesAtOnce = Annotated[
     int | None,
     typer.Option(
         "--files-at-once",
-        help="Files of a local target written at once (default: one per core, 2-16); they "
-        "share --memory-budget.",
+        help="Files of the target written at once (default: on a local disk one per core, "
+        f"2-16; to an object store {REMOTE_FILES_AT_ONCE}); they share --memory-budget.",
     ),
 ]
 

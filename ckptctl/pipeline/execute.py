@@ -25,7 +25,6 @@ from ckptctl.pipeline.job_report import Report, Sources, peak_rss_bytes
 from ckptctl.pipeline.replicas import check_replicas
 from ckptctl.pipeline.source_checks import SourceChecks
 from ckptctl.progress import NoProgress, Progress
-from ckptctl.settings import REMOTE_FILES_AT_ONCE
 from planners.shares import split_files
 
 DEFAULT_MEMORY_BUDGET = 1 << 30
@@ -47,7 +46,7 @@ def execute(
     Tensor data in flight stays within about ``memory_budget`` bytes, whatever the tensor sizes.
     ``workers`` > 1 builds that many bands at once, ahead of the writer (object stores: GETs in
     flight; local disks: reading overlaps hashing and writing). ``files_at_once`` > 1 writes
-    that many files of a local target at once, each thread taking the next file in plan order
+    that many files at once, each thread taking the next file in plan order
     (they share the budget; the outputs are the same bytes). With a process ``group``, this
     process writes its share of the files (``planners.shares``); rank 0 commits once every rank
     has sent what it wrote, and its report covers the whole job (``ranks``: each one's).
@@ -77,8 +76,7 @@ def execute(
     if rank:
         log = RunLog(target, plan, checksum, finish_paths, rank, world)
     pool = ThreadPoolExecutor(workers, thread_name_prefix="ckptctl-read") if workers > 1 else None
-    at_once = files_at_once if target.is_local else REMOTE_FILES_AT_ONCE
-    writers = max(1, min(at_once, len(mine)))
+    writers = max(1, min(files_at_once, len(mine)))
     counting, stop = threading.Lock(), threading.Event()
     share_budget = memory_budget // writers
     assemblers = [

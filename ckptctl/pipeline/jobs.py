@@ -452,7 +452,7 @@ def _execute(
             workers=workers,
             checksum=settings.checksum,
             group=group,
-            files_at_once=settings.files_at_once or default_files_at_once(),
+            files_at_once=settings.files_at_once or default_files_at_once(target.is_local),
         )
     finally:
         if isinstance(target, StagedStorage):

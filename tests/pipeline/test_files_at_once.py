@@ -1,7 +1,8 @@
-"""Several target files written at once (``execute(files_at_once=...)``, ``--files-at-once``
-for local targets, by default one per core): the same bytes, counts and listing as one writer;
-two threads really write; a failure or an interrupt in one writer stops the others, reports the
-first cause, and leaves nothing marked complete and no partial file behind."""
+"""Several target files written at once (``execute(files_at_once=...)``, ``--files-at-once``; by
+default one per core to a local disk, ``REMOTE_FILES_AT_ONCE`` to an object store): the same
+bytes, counts and listing as one writer; two threads really write; a failure or an interrupt in
+one writer stops the others, reports the first cause, and leaves nothing marked complete and no
+partial file behind."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ import pytest
 from ckptctl import synth
 from ckptctl.formats import registry
 from ckptctl.io.storage import Storage
+from tests.io import test_s3
+
+s3_endpoint, bucket = test_s3.s3_endpoint, test_s3.bucket  # moto's S3 server fixtures
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +97,35 @@ def test_files_written_at_once_are_what_one_writer_writes(
     cli("verify", tmp_path / "at-once")
 
 
+def test_files_at_once_to_an_object_store_are_what_one_writer_writes(
+    bucket: str, megatron: Path, tmp_path: Path, cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--files-at-once`` counts for an object-store target too (its default is
+    ``REMOTE_FILES_AT_ONCE``, uploads being bound by the link rather than the cores)."""
+    options = ("--tp", "1", "--pp", "4")
+    with writing_threads(monkeypatch) as opened:
+        cli("reshard", megatron, f"{bucket}/at-once", *options, "--files-at-once", "3")
+    with monkeypatch.context() as patch, writing_threads(patch) as alone:
+        cli("reshard", megatron, f"{bucket}/one", *options, "--files-at-once", "1")
+    data = [f for f in opened if f.endswith(".pt")]
+    assert len(data) == 4 and len({opened[f] for f in data}) == 3  # three writers wrote
+    assert len({alone[f] for f in data}) == 1
+    assert objects(f"{bucket}/at-once") == objects(f"{bucket}/one")
+
+
+def objects(prefix: str) -> dict[str, str]:
+    """Every object's digest under ``prefix`` but the manifest (it names its target)."""
+    import s3fs
+
+    store = s3fs.S3FileSystem(skip_instance_cache=True)
+    root = prefix.removeprefix("s3://")
+    return {
+        key[len(root) :]: hashlib.sha256(store.cat_file(key)).hexdigest()
+        for key in store.find(root)
+        if not key.endswith("ckptctl.manifest.json")
+    }
+
+
 def _corrupt_largest_record(path: Path) -> None:
     import zipfile
 
@@ -164,5 +197,7 @@ def test_the_defaults_follow_the_machine(monkeypatch: pytest.MonkeyPatch) -> Non
     assert settings.default_files_at_once() == settings.MOST_AT_ONCE
     assert settings.default_read_parallel(local=True) == settings.MOST_AT_ONCE
     assert settings.default_read_parallel(local=False) == settings.REMOTE_READ_PARALLEL
+    # An object store's uploads are bound by the link, not the cores.
+    assert settings.default_files_at_once(local=False) == settings.REMOTE_FILES_AT_ONCE
     monkeypatch.setattr(settings, "cores", lambda: 1)
     assert settings.default_files_at_once() == 2 and settings.default_read_parallel(True) == 2
