@@ -29,7 +29,8 @@ run mostly one after the other (its last parts upload after its last reads), so 
 must read while one uploads. Through a 5 MB/s link (``bench/bench_nodes.py``, one node), one
 file at a time left reads idle at the end of every file; two took the reshard from 156.9 to
 140.6 s; four took it to 131.2 s and the consolidate to HF (24 MiB shards) from 66.1 to 47.3 s.
-They share the memory budget."""
+They share the memory budget, and the parts two files had in flight (``upload_parallel`` each):
+upload memory does not grow with the number of files."""
 
 MOST_AT_ONCE = 16
 """Upper bound of the defaults taken from the machine's cores: beyond it a local disk's queue,

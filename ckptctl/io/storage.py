@@ -249,6 +249,9 @@ class Storage:
         self.durable = True
         """Local files written here are flushed to the device before ``drain`` returns (a
         staging directory, whose files are uploaded and removed, says no)."""
+        self.upload_parallel = self.config.upload_parallel
+        """Parts of one file uploading at once (each holds a part in memory): a job writing
+        several files at once shares the configured parts among them."""
         self._folders: set[str] = set()
         """Local directories this object created or found (not made again per file)."""
         self.is_local = "file" in _protocols(self.fs)
@@ -400,9 +403,7 @@ class Storage:
         self._refuse_if_source(rel)
         final = self.path(rel)
         if self.is_s3:
-            upload = MultipartUpload(
-                self.fs, final, self.config.part_size, self.config.upload_parallel
-            )
+            upload = MultipartUpload(self.fs, final, self.config.part_size, self.upload_parallel)
             try:
                 yield HashingWriter(upload, digest)  # type: ignore[arg-type]
                 upload.commit()

@@ -442,6 +442,10 @@ def _execute(
     local = job.sources.primary.storage.is_local
     reads = settings.read_parallel or default_read_parallel(local)
     workers = max(plan.read_workers, reads)
+    at_once = settings.files_at_once or default_files_at_once(target.is_local)
+    if not target.is_local and at_once > 2:
+        # The parts in flight (and in memory) of two files, however many files are written.
+        target.upload_parallel = max(2, 2 * target.config.upload_parallel // at_once)
     try:
         return execute(
             plan,
@@ -452,7 +456,7 @@ def _execute(
             workers=workers,
             checksum=settings.checksum,
             group=group,
-            files_at_once=settings.files_at_once or default_files_at_once(target.is_local),
+            files_at_once=at_once,
         )
     finally:
         if isinstance(target, StagedStorage):

@@ -101,12 +101,29 @@ def test_files_at_once_to_an_object_store_are_what_one_writer_writes(
     bucket: str, megatron: Path, tmp_path: Path, cli, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``--files-at-once`` counts for an object-store target too (its default is
-    ``REMOTE_FILES_AT_ONCE``, uploads being bound by the link rather than the cores)."""
+    ``REMOTE_FILES_AT_ONCE``, uploads being bound by the link rather than the cores), and the
+    files share the parts in flight that two files had, so upload memory does not grow."""
+    from ckptctl.io import multipart, storage
+    from ckptctl.settings import StorageConfig
+
     options = ("--tp", "1", "--pp", "4")
+    parts: list[int] = []  # each upload's parts in flight
+
+    class Counted(multipart.MultipartUpload):
+        def __init__(self, fs: Any, path: str, part_size: int, parallel: int) -> None:
+            parts.append(parallel)
+            super().__init__(fs, path, part_size, parallel)
+
+    monkeypatch.setattr(storage, "MultipartUpload", Counted)
     with writing_threads(monkeypatch) as opened:
         cli("reshard", megatron, f"{bucket}/at-once", *options, "--files-at-once", "3")
+    # Three files share the parts (and their memory) that two files had at once.
+    configured = StorageConfig().upload_parallel
+    assert parts and 3 * max(parts) <= 2 * configured
+    parts.clear()
     with monkeypatch.context() as patch, writing_threads(patch) as alone:
         cli("reshard", megatron, f"{bucket}/one", *options, "--files-at-once", "1")
+    assert parts and set(parts) == {configured}
     data = [f for f in opened if f.endswith(".pt")]
     assert len(data) == 4 and len({opened[f] for f in data}) == 3  # three writers wrote
     assert len({alone[f] for f in data}) == 1
