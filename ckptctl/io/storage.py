@@ -250,8 +250,7 @@ class Storage:
         """Local files written here are flushed to the device before ``drain`` returns (a
         staging directory, whose files are uploaded and removed, says no)."""
         self.upload_parallel = self.config.upload_parallel
-        """Parts of one file uploading at once (each holds a part in memory): a job writing
-        several files at once shares the configured parts among them."""
+        """Parts of one file uploading at once (files written at once share the configured)."""
         self._folders: set[str] = set()
         """Local directories this object created or found (not made again per file)."""
         self.is_local = "file" in _protocols(self.fs)
