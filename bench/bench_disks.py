@@ -37,7 +37,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bench_nodes import SHARD, Measured, print_scaling
+from bench_nodes import Measured, predicted, print_scaling
 from benchlib import compile_bytecode, du, evict, files_of
 
 HERE = Path(__file__).resolve().parent
@@ -84,7 +84,7 @@ def main() -> None:
             digest = union_digests([m / dst for m in mounts[:n]])
             for mount in mounts[:n]:
                 shutil.rmtree(mount / dst, ignore_errors=True)
-            return seconds, report, digest, predicted(mounts[0], n, argv)
+            return seconds, report, digest, predicted(n, argv, str(mounts[0]))
 
         print_scaling(caption, counts, measure)
 
@@ -186,21 +186,6 @@ def calibrate(mount: Path) -> None:
         check=True,
         capture_output=True,
     )
-
-
-def predicted(mount: Path, n: int, argv: list[str]) -> float:
-    """The cost model's seconds for ``n`` nodes, each with its own disk (what ``plan
-    --workers`` reports), planned on the calibrated disk."""
-    from ckptctl.cli.plan import worker_shares
-    from ckptctl.pipeline.jobs import plan_consolidate, plan_reshard
-
-    src, dst = str(mount / "src"), str(mount / "planned")
-    if argv[0] == "reshard":
-        job = plan_reshard(src, dst, {"tp": 1, "pp": 4})
-    else:
-        job = plan_consolidate(src, dst, "hf", max_shard_bytes=SHARD)
-    model = worker_shares(job, max(n, 2))
-    return float(model["seconds_one_node_each"] if n > 1 else model["seconds_one_process"])
 
 
 if __name__ == "__main__":

@@ -194,13 +194,14 @@ def calibrate(endpoint: str, link: float) -> None:
         proxy.stop()
 
 
-def predicted(n: int, argv: list[str]) -> float:
-    """The cost model's seconds for ``n`` nodes, each with its own link (what ``plan --workers``
-    reports), planned here on the calibrated link."""
+def predicted(n: int, argv: list[str], root: str = f"s3://{BUCKET}") -> float:
+    """The cost model's seconds for ``n`` nodes, each with its own link or disk (what ``plan
+    --workers`` reports), for the job ``argv`` on the source under ``root``, planned on the
+    calibrated storage."""
     from ckptctl.cli.plan import worker_shares
     from ckptctl.pipeline.jobs import plan_consolidate, plan_reshard
 
-    src, dst = f"s3://{BUCKET}/src", f"s3://{BUCKET}/planned"
+    src, dst = f"{root}/src", f"{root}/planned"
     if argv[0] == "reshard":
         job = plan_reshard(src, dst, {"tp": 1, "pp": 4})
     else:
