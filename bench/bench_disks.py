@@ -37,10 +37,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bench_nodes import Measured, predicted, print_scaling
+from bench_nodes import Measured, made_source, predicted, print_scaling
 from benchlib import compile_bytecode, du, evict, files_of
 
-HERE = Path(__file__).resolve().parent
 THROTTLE = Path("/sys/fs/cgroup/blkio")
 
 
@@ -57,15 +56,7 @@ def main() -> None:
         sys.exit("bench_disks needs root and cgroup v1's blkio controller (/sys/fs/cgroup/blkio)")
     counts = [int(n) for n in args.nodes.split(",")]
     work = args.workdir.resolve()
-    src = work / "src"
-    if not src.exists():
-        work.mkdir(parents=True, exist_ok=True)
-        subprocess.run(
-            [sys.executable, str(HERE.parent / "examples/make_checkpoint.py"), "--out", str(src),
-             "--tp", "2", "--pp", "2", "--hidden", str(args.hidden), "--ffn", str(args.hidden),
-             "--heads", "16", "--kv-heads", "4", "--layers", str(args.layers)],
-            check=True,
-        )  # fmt: skip
+    src = made_source(work, args.hidden, args.layers)
     compile_bytecode()
     os.environ["CKPTCTL_HOME"] = str(work / "home")  # the calibrated disk, nothing else
     args.view.mkdir(parents=True, exist_ok=True)

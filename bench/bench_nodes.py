@@ -54,15 +54,7 @@ def main() -> None:
     parser.add_argument("--endpoint-url", help=argparse.SUPPRESS)
     args = parser.parse_args()
     counts = [int(n) for n in args.nodes.split(",")]
-    src = args.workdir / "src"
-    if not src.exists():
-        args.workdir.mkdir(parents=True, exist_ok=True)
-        subprocess.run(
-            [sys.executable, str(HERE.parent / "examples/make_checkpoint.py"), "--out", str(src),
-             "--tp", "2", "--pp", "2", "--hidden", str(args.hidden), "--ffn", str(args.hidden),
-             "--heads", "16", "--kv-heads", "4", "--layers", str(args.layers)],
-            check=True,
-        )  # fmt: skip
+    src = made_source(args.workdir, args.hidden, args.layers)
     compile_bytecode()
     os.environ["CKPTCTL_HOME"] = str(args.workdir / "home")  # the calibrated link, nothing else
     link = args.link * 1e6
@@ -84,6 +76,21 @@ def main() -> None:
             return seconds, report, digests(store, f"{BUCKET}/{dst}"), predicted(n, argv)
 
         print_scaling(caption, counts, measure)
+
+
+def made_source(workdir: Path, hidden: int, layers: int) -> Path:
+    """The benches' Megatron TP2 PP2 checkpoint with Adam state, ``workdir/src``: made once
+    (``examples/make_checkpoint.py``), kept for later runs."""
+    src = workdir / "src"
+    if not src.exists():
+        workdir.mkdir(parents=True, exist_ok=True)
+        subprocess.run(
+            [sys.executable, str(HERE.parent / "examples/make_checkpoint.py"), "--out", str(src),
+             "--tp", "2", "--pp", "2", "--hidden", str(hidden), "--ffn", str(hidden),
+             "--heads", "16", "--kv-heads", "4", "--layers", str(layers)],
+            check=True,
+        )  # fmt: skip
+    return src
 
 
 Measured = tuple[float, dict[str, Any], dict[str, str], float]
