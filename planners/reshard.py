@@ -13,7 +13,7 @@ from dataclasses import replace
 from ckptctl.errors import UsageError
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.plan import Plan
-from ckptctl.model.stored import CheckpointView
+from ckptctl.model.stored import CheckpointView, unmapped_model
 from ckptctl.model.target import TargetPlanner, TargetRequest
 from planners.convert import collector_paused, from_source, plan_target
 
@@ -30,11 +30,7 @@ def plan_reshard(
 ) -> Plan:
     spec = source.spec
     if spec is None:
-        raise UsageError(
-            "the source's model family is unknown (not Megatron-Core or HF Llama keys): it can "
-            "only be consolidated with --format torch"
-            + "".join(f" ({n})" for n in source.notes if "--hf-config" in n)
-        )
+        raise UsageError(unmapped_model(source, "a resharded checkpoint"))
     target_layout.check_against(spec)
     with collector_paused():
         planned = target.target_files(source, replace(request, layout=target_layout))

@@ -282,6 +282,7 @@ SHARED_FORMAT_MACHINERY = {
     "safetensors_header",
     "torchsave",
     "target",
+    "transformers_model",  # transformers' own description of an HF model it builds
 }
 """Modules and folders under ``ckptctl/formats`` that every format may import."""
 

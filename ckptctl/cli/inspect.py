@@ -14,6 +14,7 @@ from ckptctl.model.catalog import expert_of, is_state
 from ckptctl.model.geometry import nbytes
 from ckptctl.model.hf_families import choose_family
 from ckptctl.model.layout import ModelSpec
+from ckptctl.model.stored import CheckpointView
 from ckptctl.pipeline.probe import Checkpoint, open_checkpoint
 
 
@@ -67,7 +68,7 @@ def describe(ckpt: Checkpoint) -> dict[str, Any]:
         "format": str(view.format),
         "iteration": view.iteration,
         "spec": view.spec.model_dump(mode="json") if view.spec else None,
-        "hf": _hf_target(view.spec) if view.spec else None,
+        "hf": _hf_target(view.spec) if view.spec else _hf_named(view),
         "layout": view.layout.model_dump(mode="json"),
         "tensors": count,
         "weight_bytes": weights,
@@ -77,6 +78,13 @@ def describe(ckpt: Checkpoint) -> dict[str, Any]:
         "notes": list(view.notes),
         "warnings": list(view.warnings),
     }
+
+
+def _hf_named(view: CheckpointView) -> dict[str, Any] | None:
+    """An HF model known by name only: its class, and that it has no family table."""
+    if view.hf_named is None:
+        return None
+    return {"architecture": view.hf_named.model.architecture, "refused": [], "by_name": True}
 
 
 def _hf_target(spec: ModelSpec) -> dict[str, Any]:
@@ -102,7 +110,12 @@ def _ranges(values: list[int]) -> str:
 def _show_inspect(out: Output, info: dict[str, Any]) -> None:
     spec, layout = info["spec"], info["layout"]
     out.show(f"[bold]{info['url']}[/]  {info['format']}  iteration {info['iteration']}")
-    if spec is None:
+    if spec is None and info["hf"] is not None:
+        out.show(
+            f"model: HF {info['hf']['architecture']} by name (shapes checked by transformers; "
+            "no family table: HF and torch targets only)"
+        )
+    elif spec is None:
         out.show("model: unknown family (keys are not Megatron-Core's or HF Llama's)")
     else:
         model = ModelSpec.model_validate(spec)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, ClassVar
 from ckptctl.errors import UsageError
 from ckptctl.model.layout import ModelSpec, ParallelLayout
 from ckptctl.model.plan import FileWrite, TextWrite
-from ckptctl.model.stored import CheckpointView
+from ckptctl.model.stored import CheckpointView, unmapped_model
 from ckptctl.model.target import TargetFiles, TargetPlanner, TargetRequest
 
 if TYPE_CHECKING:
@@ -57,9 +57,5 @@ class TargetFormat:
 def known_model(source: CheckpointView, target: str) -> ModelSpec:
     """The source's model, which a target named by model (HF, Megatron) needs."""
     if source.spec is None:
-        raise UsageError(
-            f"the source's model family is unknown (keys are not Megatron-Core's or HF Llama's): "
-            f"it cannot become {target}; consolidate it with --format torch"
-            + "".join(f" ({n})" for n in source.notes if "--hf-config" in n)
-        )
+        raise UsageError(unmapped_model(source, target))
     return source.spec

@@ -40,6 +40,11 @@ _REQUIRED = (
 )  # fmt: skip
 
 
+def has_family_table(config: Mapping[str, Any]) -> bool:
+    """Whether ``config`` is of a family ckptctl maps (its refusals then say most)."""
+    return (config.get("model_type") or "llama") in FAMILIES
+
+
 def spec_from_config(
     config: Mapping[str, Any],
     make_vocab_size_divisible_by: int = 128,

@@ -252,15 +252,25 @@ def hf_files(
     ``dtypes`` maps HF names to dtype names. One file is named ``model.safetensors``, several
     ``model-0000i-of-0000N.safetensors``, as ``save_pretrained`` does.
     """
+    tensors = [
+        StoredTensor((hf,), canonical, shape, dtypes[hf], pieces)
+        for hf, canonical, shape, pieces in hf_tensors(spec)
+    ]
+    return shard_files(tensors, max_shard_bytes)
+
+
+def shard_files(
+    tensors: list[StoredTensor], max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+) -> tuple[StoredFile, ...]:
+    """Tensors (keyed by their HF names) cut greedily, in order, into safetensors files."""
     shards: list[list[StoredTensor]] = [[]]
     size = 0
-    for hf, canonical, shape, pieces in hf_tensors(spec):
-        dtype = dtypes[hf]
-        tensor_bytes = nbytes(shape, dtype)
+    for tensor in tensors:
+        tensor_bytes = nbytes(tensor.shape, tensor.dtype)
         if shards[-1] and size + tensor_bytes > max_shard_bytes:
             shards.append([])
             size = 0
-        shards[-1].append(StoredTensor((hf,), canonical, shape, dtype, pieces))
+        shards[-1].append(tensor)
         size += tensor_bytes
     if len(shards) == 1:
         return (StoredFile(SINGLE, tuple(shards[0])),)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from ckptctl.model.geometry import Piece, Shape
+from ckptctl.model.hf_named import HfNamedSource
 from ckptctl.model.layout import ModelSpec, ParallelLayout
 
 KeyPath = tuple[str | int, ...]
@@ -131,9 +132,29 @@ class CheckpointView:
     """What a conversion of this checkpoint cannot carry (``notes`` say the rest)."""
     replicas: tuple[Replica, ...] = ()
     """Stored copies of stored tensors, not part of any canonical tensor (``Replica``)."""
+    hf_named: HfNamedSource | None = None
+    """An HF model known by its names only (no family table): canonical tensors are its
+    tensors by hub name, written to HF safetensors as they are with the config carried."""
 
     def canonical_dtypes(self) -> dict[str, str]:
         return {t.canonical: t.dtype for f in self.files for t in f.tensors}
+
+
+def unmapped_model(view: CheckpointView, target: str) -> str:
+    """Why a source without a model description cannot become ``target`` (a Megatron layout,
+    a family-mapped HF model), and what it can become."""
+    if view.hf_named is not None:
+        why = next((n for n in view.notes if n.startswith("not convertible")), "")
+        return (
+            f"the source is an HF {view.hf_named.model.architecture} known by its tensor names "
+            f"only ({why or 'no family table'}): it cannot become {target}; consolidate it to "
+            "HF safetensors (--format hf) or one torch file (--format torch)"
+        )
+    return (
+        f"the source's model family is unknown (keys are not Megatron-Core's or HF's with a "
+        f"config.json): it cannot become {target}; consolidate it with --format torch"
+        + "".join(f" ({n})" for n in view.notes if "--hf-config" in n)
+    )
 
 
 def canonical_shapes(view: CheckpointView) -> dict[str, tuple[Shape, str]]:

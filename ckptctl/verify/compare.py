@@ -97,6 +97,8 @@ def named_alike(a: Checkpoint, b: Checkpoint) -> tuple[Checkpoint, Checkpoint, s
     if spec_a is not None and spec_b is not None:
         return a, b, "canonical"
     if spec_a is None and spec_b is None:
+        if a.view.hf_named is not None and b.view.hf_named is not None:
+            return a, b, "hub names"  # HF models known by name: their tensors as HF names them
         return _generic(a), _generic(b), "stored"
     known, other = (a, b) if spec_a is not None else (b, a)
     assert known.view.spec is not None

@@ -12,6 +12,7 @@ ranged GETs on object stores). What the chunks hold:
 
 from __future__ import annotations
 
+import json
 import threading
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -19,10 +20,10 @@ from math import prod
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ckptctl import json_input
-from ckptctl.errors import CheckpointError, LayoutError
+from ckptctl.errors import CheckpointError, LayoutError, UsageError
 from ckptctl.formats.base import Checkpoint, SavedTraining
 from ckptctl.formats.dcp.files import join, read_metadata
-from ckptctl.formats.dcp.hf_layout import key_table, prefixes
+from ckptctl.formats.dcp.hf_layout import key_table, packed_chunk, packed_table, prefixes
 from ckptctl.formats.dcp.metadata import (
     BytesEntry,
     DcpMetadata,
@@ -45,9 +46,11 @@ from ckptctl.formats.torchsave.refs import stored_object, view_ref
 from ckptctl.io.runs import Span
 from ckptctl.io.storage import Storage
 from ckptctl.model.geometry import Piece, chunk_pieces
-from ckptctl.model.hf_config import spec_from_config
+from ckptctl.model.hf_config import has_family_table, spec_from_config
+from ckptctl.model.hf_families import choose_family
 from ckptctl.model.hf_layout import CONFIG
-from ckptctl.model.layout import ParallelLayout
+from ckptctl.model.hf_named import GENERATION_CONFIG, HfNamedModel, HfNamedSource
+from ckptctl.model.layout import ModelSpec, ParallelLayout
 from ckptctl.model.megatron_style import GroupOrder, MegatronStyle, OptimizerLayout
 from ckptctl.model.stored import (
     CheckpointView,
@@ -169,7 +172,7 @@ class DcpCheckpoint(Checkpoint):
 
     def as_generic(self) -> DcpCheckpoint:
         """The same checkpoint read key by key, whatever model it holds."""
-        if self.view.format == Format.DCP and self.view.spec is None:
+        if self.view.format == Format.DCP and self.view.spec is None and not self.view.hf_named:
             return self
         generic = _generic(self.storage, self.base, self.metadata, self.view.iteration)
         generic.view = replace(generic.view, layout=self.view.layout)  # as saved, for reports
@@ -257,11 +260,34 @@ def probe_dcp(
         )
     keys = [k for k, e in metadata.entries.items() if isinstance(e, TensorEntry)]
     found = prefixes(keys)
-    if found is None:
-        return _generic(storage, base, metadata, iteration)
     config = hf_config if hf_config is not None else _config_beside(storage, base)
     if config is not None:
-        return _hf_named(storage, base, metadata, iteration, config, found, trusted)
+        try:
+            spec = spec_from_config(config, trusted=trusted)
+        except LayoutError as err:
+            # No family table takes it (a VLM, a family ckptctl does not map to Megatron):
+            # transformers judges the names, which go to HF as they are.
+            why = f"not convertible to Megatron layouts: {err}"
+            from ckptctl.formats.transformers_model import build_names
+
+            refusal = LayoutError(f"the model's config.json: {err}")
+            try:
+                model = build_names(config, storage.describe(join(base, CONFIG)))
+                named = _any_hf_model(storage, base, metadata, iteration, config, model, why)
+            except (CheckpointError, UsageError):
+                if found is not None and has_family_table(config):
+                    raise refusal from None  # its table's refusal names the field
+                if found is not None:
+                    raise
+                named = None  # keys that are no HF model's: the config is not about them
+            if named is not None:
+                return named
+            if found is not None:
+                raise refusal from None
+        if found is not None:
+            return _hf_named(storage, base, metadata, iteration, spec, found)
+    if found is None:
+        return _generic(storage, base, metadata, iteration)
     ckpt = _generic(storage, base, metadata, iteration)
     ckpt.view = replace(
         ckpt.view,
@@ -298,29 +324,81 @@ def _config_beside(storage: Storage, base: str) -> dict[str, Any] | None:
     return None
 
 
-def _hf_named(
+def _any_hf_model(
     storage: Storage,
     base: str,
     metadata: DcpMetadata,
     iteration: int | None,
     config: dict[str, Any],
+    model: HfNamedModel,
+    why: str,
+) -> DcpCheckpoint | None:
+    """An HF model of any architecture transformers builds, its tensors by name (``None``:
+    the checkpoint holds none of the model's names)."""
+    from ckptctl.formats.dcp.hf_passthrough import model_prefix, named_tensors
+
+    keys = [k for k, e in metadata.entries.items() if isinstance(e, TensorEntry)]
+    if model_prefix(keys, model) is None:
+        return None
+    named = named_tensors(metadata, model, base)
+    if named.problems:
+        shown = "; ".join(named.problems[:5])
+        more = len(named.problems) - 5
+        raise CheckpointError(
+            f"{storage.describe(base)}: {shown}" + (f" and {more} more" if more > 0 else "")
+        )
+    generation = join(base, GENERATION_CONFIG)
+    carried = HfNamedSource(
+        model,
+        json.dumps(config, indent=2),
+        storage.read_text(generation) if storage.exists(generation) else None,
+    )
+    view = CheckpointView(
+        Format.DCP,
+        None,
+        ParallelLayout(),
+        files_of(base, named.placed),
+        iteration,
+        named.has_optimizer,
+        (*named.notes, why),
+        replicas=named.replicas,
+        hf_named=carried,
+    )
+    return DcpCheckpoint(storage, view, base, metadata)
+
+
+def _hf_named(
+    storage: Storage,
+    base: str,
+    metadata: DcpMetadata,
+    iteration: int | None,
+    spec: ModelSpec,
     found: tuple[str, str | None],
-    trusted: frozenset[str] = frozenset(),
 ) -> DcpCheckpoint:
-    """An HF Llama model's DCP checkpoint (FSDP2 / DTensor): chunks of HF tensors placed in
-    the canonical ones by the HF mapping."""
-    try:
-        spec = spec_from_config(config, trusted=trusted)
-    except LayoutError as err:
-        raise LayoutError(f"the model's config.json: {err}") from None
+    """An HF model's DCP checkpoint (FSDP2 / DTensor) of a family ckptctl maps: chunks of HF
+    tensors placed in the canonical ones by the HF mapping."""
     model_prefix, optim_prefix = found
     table = key_table(spec, model_prefix, optim_prefix)
+    held_under = (model_prefix,) if optim_prefix is None else (model_prefix, optim_prefix)
+    packed = packed_table(table, spec, held_under) if spec.num_experts else {}
     placed: list[tuple[StorageInfo, StoredTensor]] = []
     problems = []
     for fqn, entry in metadata.entries.items():
         if not isinstance(entry, TensorEntry):
             continue
         key = table.get(fqn)
+        if key is None and fqn in packed:  # transformers 5's in-memory experts
+            if entry.shape != packed[fqn].shape:
+                want = list(packed[fqn].shape)
+                problems.append(f"{fqn} has shape {list(entry.shape)}; config says {want}")
+                continue
+            for chunk in entry.chunks:
+                info = metadata.storage[(fqn, chunk.offsets)]
+                for tensor in packed_chunk(
+                    fqn, packed[fqn], chunk.offsets, chunk.sizes, entry.dtype
+                ):
+                    placed.append((info, tensor))
+            continue
         if key is None:
             problems.append(f"{fqn} is not a parameter (or Adam state) of the configured model")
             continue
@@ -345,7 +423,7 @@ def _hf_named(
         files_of(base, placed),
         iteration,
         optim_prefix is not None,
-        ("PyTorch DCP checkpoint of an HF Llama model",),
+        (f"PyTorch DCP checkpoint of an HF {choose_family(spec).architecture}",),
     )
     return DcpCheckpoint(storage, view, base, metadata)
 

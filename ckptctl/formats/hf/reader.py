@@ -19,7 +19,7 @@ from ckptctl import json_input
 from ckptctl.arrays import buffer, numpy_dtype, words
 from ckptctl.checksums import record_checks
 from ckptctl.checksums.manifest import recorded
-from ckptctl.errors import CheckpointError, CheckpointNotFoundError, LayoutError
+from ckptctl.errors import CheckpointError, CheckpointNotFoundError, LayoutError, UsageError
 from ckptctl.formats.base import Checkpoint
 from ckptctl.formats.hf.fp8 import (
     DEQUANTIZED,
@@ -34,7 +34,7 @@ from ckptctl.formats.safetensors_header import SafetensorsEntry, read_header
 from ckptctl.io.runs import Span
 from ckptctl.io.storage import Storage
 from ckptctl.model.dtypes import ITEMSIZE
-from ckptctl.model.hf_config import spec_from_config
+from ckptctl.model.hf_config import has_family_table, spec_from_config
 from ckptctl.model.hf_layout import (
     CONFIG,
     INDEX,
@@ -327,10 +327,23 @@ def probe_hf(
     config = json_input.parse_object(storage.read_text(CONFIG), storage.describe(CONFIG))
     try:
         fp8 = block_fp8(config)  # how the weights are stored, not what the model is
+    except LayoutError as err:
+        raise LayoutError(f"{storage.describe(CONFIG)}: {err}") from None
+    try:
         model = {k: v for k, v in config.items() if k != QUANTIZATION}
         spec = spec_from_config(model, make_vocab_size_divisible_by, trusted)
     except LayoutError as err:
-        raise LayoutError(f"{storage.describe(CONFIG)}: {err}") from None
+        # No family table takes it: transformers judges the names, which are kept.
+        from ckptctl.formats.hf.named_reader import probe_named
+
+        try:
+            view, held = probe_named(storage, config, f"not convertible to Megatron: {err}")
+        except (CheckpointError, UsageError):
+            if has_family_table(config):  # its table's refusal names the field
+                raise LayoutError(f"{storage.describe(CONFIG)}: {err}") from None
+            raise
+        known = recorded(storage)
+        return HFCheckpoint(storage, view, held, config, known.tensors if known else {})
     if storage.exists(INDEX):
         where = storage.describe(INDEX)
         index = json_input.parse_object(storage.read_text(INDEX), where)

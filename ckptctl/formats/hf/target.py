@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
+from ckptctl.errors import UsageError
 from ckptctl.formats.hf.fp8 import (
     FP8,
     SCALE_SUFFIX,
@@ -14,12 +15,14 @@ from ckptctl.formats.hf.fp8 import (
     quantization_config,
 )
 from ckptctl.formats.target import CONSOLIDATE, TargetFormat, known_model
-from ckptctl.model.geometry import nbytes
+from ckptctl.model.catalog import is_state
+from ckptctl.model.geometry import nbytes, whole
 from ckptctl.model.hf_families import hf_config
-from ckptctl.model.hf_layout import CONFIG, INDEX, hf_files, hf_tensors, index_text
+from ckptctl.model.hf_layout import CONFIG, INDEX, hf_files, hf_tensors, index_text, shard_files
+from ckptctl.model.hf_named import GENERATION_CONFIG, HfNamedSource, converts
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.plan import TextWrite
-from ckptctl.model.stored import CheckpointView, StoredFile, StoredTensor
+from ckptctl.model.stored import CheckpointView, StoredFile, StoredTensor, canonical_shapes
 from ckptctl.model.target import FP8_BLOCK, TargetFiles, TargetRequest
 
 SAFETENSORS = "safetensors"
@@ -60,6 +63,8 @@ class HfTarget(TargetFormat):
     block_quantized = True
 
     def target_files(self, source: CheckpointView, request: TargetRequest) -> TargetFiles:
+        if source.spec is None and source.hf_named is not None:
+            return named_files(source, source.hf_named, request)
         spec = known_model(source, self.name)
         dtypes = source.canonical_dtypes()
         fp8 = request.dtype == FP8_BLOCK
@@ -101,3 +106,44 @@ class HfTarget(TargetFormat):
             optimizer_carried=False,
             notes=notes,
         )
+
+
+def named_files(
+    source: CheckpointView, carried: HfNamedSource, request: TargetRequest
+) -> TargetFiles:
+    """An HF model known by its names: each tensor whole under its hub name, in the model's
+    order, the source's config files carried (their dtype set when ``--dtype`` converts)."""
+    if request.dtype == FP8_BLOCK:
+        raise UsageError(
+            f"--dtype {FP8_BLOCK} quantizes the linear weights of a model family ckptctl maps; "
+            f"{carried.model.architecture} is carried by name only"
+        )
+    held = {n: v for n, v in canonical_shapes(source).items() if not is_state(n)}
+    order = [carried.model.hub_name(n) for n, _ in carried.model.tensors]
+    names = [n for n in order if n in held] + sorted(set(held) - set(order))
+    tensors = []
+    for name in names:
+        shape, dtype = held[name]
+        if request.dtype is not None and converts(dtype):
+            dtype = request.dtype
+        tensors.append(StoredTensor((name,), name, shape, dtype, (whole(shape),)))
+    targets = shard_files(tensors, request.max_shard_bytes)
+    finalize = []
+    if len(targets) > 1:
+        finalize.append(TextWrite(path=INDEX, content=index_text(targets)))
+    finalize.append(TextWrite(path=CONFIG, content=carried.config_for(request.dtype)))
+    if carried.generation_config is not None:
+        finalize.append(TextWrite(path=GENERATION_CONFIG, content=carried.generation_config))
+    notes: tuple[str, ...] = ()
+    if source.has_optimizer:
+        notes = ("HF safetensors hold weights only: optimizer state is not written",)
+    return TargetFiles(
+        files=targets,
+        kind=SAFETENSORS,
+        layout=ParallelLayout(),
+        reason=f"HF safetensors of {carried.model.architecture}: every tensor by its hub name, "
+        "config.json carried",
+        finalize=tuple(finalize),
+        optimizer_carried=False,
+        notes=notes,
+    )

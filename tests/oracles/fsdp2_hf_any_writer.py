@@ -1,0 +1,186 @@
+"""Write a PyTorch DCP checkpoint of an HF model that ckptctl has no family table for (or
+holds in transformers 5's in-memory naming), trained with FSDP2.
+
+Test oracle for ``ckptctl``: 2 CPU processes (gloo) build a tiny seeded transformers model,
+``fully_shard`` every block transformers marks unsplittable (``_no_split_modules``) and the
+root, run ONE Adam step on a fixed batch of text, and save::
+
+    OUT_DIR/dcp/.metadata, __<rank>_0.distcp   dcp.save({"model": msd, "optim": osd})
+    OUT_DIR/dcp/config.json, generation_config.json   as save_pretrained writes them
+    OUT_DIR/truth.pt   {"model": full state dict after the step (in-memory names),
+                        "input_ids", "logits"} from the live run
+
+Models: ``qwen2_5_vl`` (a VLM: vision tower, ``model.language_model.*`` in memory, tied
+embeddings) and ``qwen3_moe`` (transformers 5 packs each layer's experts into
+``experts.gate_up_proj`` / ``experts.down_proj``). No CPU shims: transformers' eager attention
+runs as it is.
+
+Usage::
+
+    python tests/oracles/fsdp2_hf_any_writer.py MODEL OUT_DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+WORLD = 2
+SEED = 13
+VOCAB = 301  # odd: FSDP2's dim-0 shards of the embedding are uneven
+BATCH, SEQ = 2, 10
+
+
+def build_model(name: str) -> torch.nn.Module:
+    import transformers
+
+    if name == "qwen2_5_vl":
+        text = dict(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=VOCAB,
+            rope_scaling={"type": "mrope", "mrope_section": [2, 2, 4]},
+            tie_word_embeddings=True,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+        vision = dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=48,
+            num_heads=2,
+            out_hidden_size=64,
+            fullatt_block_indexes=[1],
+        )
+        config = transformers.Qwen2_5_VLConfig(
+            text_config=text,
+            vision_config=vision,
+            vocab_size=VOCAB,
+            tie_word_embeddings=True,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        )
+        cls = transformers.Qwen2_5_VLForConditionalGeneration
+    elif name == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(
+            hidden_size=64,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            vocab_size=VOCAB,
+            num_experts=4,
+            num_experts_per_tok=2,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+        cls = transformers.Qwen3MoeForCausalLM
+    else:
+        raise SystemExit(f"unknown model {name!r}")
+    config.architectures = [cls.__name__]  # as a hub model's config.json names it
+    config._attn_implementation = "eager"
+    torch.manual_seed(SEED)
+    model = cls(config).float()
+    with torch.no_grad():  # norms away from all-ones, so a swapped norm cannot pass unseen
+        for param_name, param in model.named_parameters():
+            if "norm" in param_name:
+                param.add_(0.1 * torch.randn_like(param))
+    return model
+
+
+def fixed_batch() -> torch.Tensor:
+    generator = torch.Generator().manual_seed(SEED + 1)
+    return torch.randint(3, VOCAB, (BATCH, SEQ), generator=generator)
+
+
+def worker(rank: int, port: int, name: str, out_dir: Path) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        run_rank(rank, name, out_dir)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_rank(rank: int, name: str, out_dir: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    model = build_model(name)
+    if rank == 0:
+        model.config.save_pretrained(out_dir / "dcp")
+        if model.generation_config is not None:
+            model.generation_config.save_pretrained(out_dir / "dcp")
+    blocks = set(model._no_split_modules or ())
+    for module in list(model.modules()):
+        if type(module).__name__ in blocks:
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    tokens = fixed_batch()
+    loss = model(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(out_dir / "dcp"))
+
+    full = {
+        key: value.full_tensor() if isinstance(value, DTensor) else value
+        for key, value in model_sd.items()
+    }
+    with torch.no_grad():
+        logits = model(input_ids=tokens).logits
+    if rank == 0:
+        torch.save({"model": full, "input_ids": tokens, "logits": logits}, out_dir / "truth.pt")
+    dist.barrier()
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Write an FSDP2 DCP checkpoint of an HF model.")
+    parser.add_argument("model", choices=("qwen2_5_vl", "qwen3_moe"))
+    parser.add_argument("out_dir", type=Path)
+    args = parser.parse_args(argv)
+    out_dir: Path = args.out_dir.resolve()
+    (out_dir / "dcp").mkdir(parents=True, exist_ok=True)
+    mp.start_processes(
+        worker,
+        args=(free_port(), args.model, out_dir),
+        nprocs=WORLD,
+        join=True,
+        start_method="fork",
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
