@@ -125,16 +125,25 @@ def _dtensor_box(fqn: str, t: DTensor) -> tuple[tuple[int, ...], bool, bool]:
     """Global offsets of a DTensor's local shard, whether every rank holds all of it, and
     whether this rank stores it."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     for p in t.placements:
-        if type(p) not in (Shard, Replicate):  # subclasses (_StridedShard) are not boxes
+        # FSDP2 over tensor parallelism shards a TP shard again (_StridedShard): each rank's
+        # piece is still one box of the global tensor, where torch's DCP places it too.
+        if type(p) not in (Shard, Replicate, _StridedShard):
             raise UsageError(
-                f"state dict: {fqn} is a DTensor with placement {p}; ckptctl stores Shard and "
-                "Replicate placements (redistribute it, e.g. full_tensor() or Replicate(), "
-                "before saving)"
+                f"state dict: {fqn} is a DTensor with placement {p}; ckptctl stores Shard, "
+                "FSDP's strided Shard and Replicate placements (redistribute it, e.g. "
+                "full_tensor() or Replicate(), before saving)"
             )
     coordinate = t.device_mesh.get_coordinate()
-    _, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    local, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    if tuple(local) != tuple(t.to_local().shape):
+        raise UsageError(
+            f"state dict: {fqn}'s local shard ({list(t.to_local().shape)}) under placements "
+            f"{t.placements} is not the box torch computes for it ({list(local)}); "
+            "redistribute it before saving"
+        )
     shared = all(isinstance(p, Replicate) for p in t.placements)
     writer = coordinate is not None and all(
         c == 0 for c, p in zip(coordinate, t.placements, strict=True) if isinstance(p, Replicate)

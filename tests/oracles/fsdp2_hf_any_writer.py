@@ -1,9 +1,10 @@
 """Write a PyTorch DCP checkpoint of an HF model that ckptctl has no family table for (or
 holds in transformers 5's in-memory naming), trained with FSDP2.
 
-Test oracle for ``ckptctl``: 2 CPU processes (gloo) build a tiny seeded transformers model,
-``fully_shard`` every block transformers marks unsplittable (``_no_split_modules``) and the
-root, run ONE Adam step on a fixed batch of text, and save::
+Test oracle for ``ckptctl``: 2 CPU processes (gloo; 4 with ``--tp 2``: each decoder layer's
+attention and dense MLP tensor-parallel first, as torchtitan does) build a tiny seeded
+transformers model, ``fully_shard`` every block transformers marks unsplittable
+(``_no_split_modules``) and the root, run ONE Adam step on a fixed batch of text, and save::
 
     OUT_DIR/dcp/.metadata, __<rank>_0.distcp   dcp.save({"model": msd, "optim": osd})
     OUT_DIR/dcp/config.json, generation_config.json   as save_pretrained writes them
@@ -13,11 +14,12 @@ root, run ONE Adam step on a fixed batch of text, and save::
 Models: ``qwen2_5_vl`` (a VLM: vision tower, ``model.language_model.*`` in memory, tied
 embeddings) and ``qwen3_moe`` (transformers 5 packs each layer's experts into
 ``experts.gate_up_proj`` / ``experts.down_proj``). No CPU shims: transformers' eager attention
-runs as it is.
+runs as it is. ``--tp`` suits models without per-head q/k norms (the VLM): this plain plan
+leaves Qwen3's norms as per-rank copies that drift apart, which a trainer's own TP plan avoids.
 
 Usage::
 
-    python tests/oracles/fsdp2_hf_any_writer.py MODEL OUT_DIR
+    python tests/oracles/fsdp2_hf_any_writer.py MODEL OUT_DIR [--tp 2]
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-WORLD = 2
 SEED = 13
+DP = 2
 VOCAB = 301  # odd: FSDP2's dim-0 shards of the embedding are uneven
 BATCH, SEQ = 2, 10
 
@@ -107,36 +109,60 @@ def fixed_batch() -> torch.Tensor:
     return torch.randint(3, VOCAB, (BATCH, SEQ), generator=generator)
 
 
-def worker(rank: int, port: int, name: str, out_dir: Path) -> None:
+def worker(rank: int, port: int, name: str, tp: int, out_dir: Path) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", rank=rank, world_size=DP * tp)
     try:
-        run_rank(rank, name, out_dir)
+        run_rank(rank, name, tp, out_dir)
     finally:
         dist.destroy_process_group()
 
 
-def run_rank(rank: int, name: str, out_dir: Path) -> None:
+def tensor_parallel(model: torch.nn.Module, mesh: object) -> None:
+    """Megatron-style TP of every decoder layer's attention and dense MLP, as torchtitan and
+    transformers' own TP plans cut them: q/k/v and gate/up by output rows, o/down by input
+    columns (experts and the vision tower stay whole)."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    plan = {
+        **{f"self_attn.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")},
+        "self_attn.o_proj": RowwiseParallel(),
+        **{f"mlp.{p}": ColwiseParallel() for p in ("gate_proj", "up_proj")},
+        "mlp.down_proj": RowwiseParallel(),
+    }
+    for module in model.modules():
+        if type(module).__name__.endswith("DecoderLayer"):
+            names = {n for n, _ in module.named_modules()}
+            parallelize_module(module, mesh, {k: v for k, v in plan.items() if k in names})
+
+
+def run_rank(rank: int, name: str, tp: int, out_dir: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    mesh = init_device_mesh("cpu", (WORLD,))
+    mesh = init_device_mesh("cpu", (DP, tp), mesh_dim_names=("dp", "tp"))
     model = build_model(name)
     if rank == 0:
         model.config.save_pretrained(out_dir / "dcp")
         if model.generation_config is not None:
             model.generation_config.save_pretrained(out_dir / "dcp")
+    if tp > 1:  # FSDP2 over TP: the TP-cut weights become _StridedShard DTensors
+        tensor_parallel(model, mesh["tp"])
     blocks = set(model._no_split_modules or ())
     for module in list(model.modules()):
         if type(module).__name__ in blocks:
-            fully_shard(module, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(module, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
 
     tokens = fixed_batch()
@@ -169,13 +195,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Write an FSDP2 DCP checkpoint of an HF model.")
     parser.add_argument("model", choices=("qwen2_5_vl", "qwen3_moe"))
     parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--tp", type=int, default=1, help="tensor parallelism (ranks: 2 x TP)")
     args = parser.parse_args(argv)
     out_dir: Path = args.out_dir.resolve()
     (out_dir / "dcp").mkdir(parents=True, exist_ok=True)
     mp.start_processes(
         worker,
-        args=(free_port(), args.model, out_dir),
-        nprocs=WORLD,
+        args=(free_port(), args.model, args.tp, out_dir),
+        nprocs=DP * args.tp,
         join=True,
         start_method="fork",
     )

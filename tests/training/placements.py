@@ -3,7 +3,8 @@
 ``python -m torch.distributed.run --standalone --nproc-per-node 4 placements.py OUT``
 
 Saves tensors under several placements on a 2x2 mesh (row and column shards, replicated on one
-mesh dimension, unevenly split, plain replicated tensors, values) with ``ckptctl.save``, then
+mesh dimension, unevenly split, FSDP2 over TP's strided shards, plain replicated tensors,
+values) with ``ckptctl.save``, then
 loads them into templates of other placements, once with ``ckptctl.load`` and once with torch's
 own ``dcp.load``; each rank checks its local shards against the slice torch's
 ``distribute_tensor`` cuts from the full tensor and writes what it found to ``OUT/rank<r>.json``.
@@ -19,6 +20,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 import ckptctl
 import ckptctl.training
@@ -28,18 +30,27 @@ FULL = {
     "cols": (torch.arange(4 * 10, dtype=torch.float32).reshape(4, 10), torch.bfloat16),
     "uneven": (torch.arange(5 * 3, dtype=torch.float32).reshape(5, 3), torch.float16),
     "cube": (torch.arange(4 * 4 * 2, dtype=torch.float32).reshape(4, 4, 2), torch.float32),
+    "fsdp_tp": (torch.arange(8 * 3, dtype=torch.float32).reshape(8, 3), torch.float32),
+    "to_fsdp_tp": (torch.arange(8 * 5, dtype=torch.float32).reshape(8, 5), torch.bfloat16),
 }
+# FSDP2 over tensor parallelism (a column-parallel weight): rows cut over TP (mesh dim 1),
+# each TP shard cut again over FSDP (mesh dim 0), as fully_shard leaves a TP-sharded parameter.
+FSDP_TP = (_StridedShard(0, split_factor=2), Shard(0))
 SAVED = {
     "rows": (Shard(0), Shard(1)),
     "cols": (Replicate(), Shard(1)),
     "uneven": (Shard(0), Replicate()),
     "cube": (Shard(2), Shard(0)),
+    "fsdp_tp": FSDP_TP,
+    "to_fsdp_tp": (Shard(1), Replicate()),
 }
 LOADED = {
     "rows": (Shard(1), Replicate()),
     "cols": (Shard(0), Shard(0)),
     "uneven": (Shard(1), Shard(0)),
     "cube": (Replicate(), Shard(1)),
+    "fsdp_tp": (Shard(0), Replicate()),
+    "to_fsdp_tp": FSDP_TP,
 }
 
 

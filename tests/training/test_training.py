@@ -347,7 +347,9 @@ def torchrun_losses(tmp_path: Path) -> list[float]:
 
 
 def test_dtensors_of_any_placement_load_into_any_other(tmp_path: Path) -> None:
-    """A 2x2 mesh: row, column and 3-D shards, replicated on one mesh dimension, uneven splits;
+    """A 2x2 mesh: row, column and 3-D shards, replicated on one mesh dimension, uneven splits,
+    FSDP2-over-TP strided shards (saved from and loaded into: the 2-D layout every torchtitan
+    run has);
     loaded into other placements, each rank's shards equal what torch's ``distribute_tensor``
     cuts, and what torch's own ``dcp.load`` fills from the same checkpoint."""
     torchrun(4, tmp_path, script=PLACEMENTS)

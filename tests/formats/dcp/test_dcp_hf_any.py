@@ -22,15 +22,21 @@ ORACLE = "fsdp2_hf_any_writer.py"
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 
-def _written(tmp_path_factory: pytest.TempPathFactory, model: str) -> Path:
-    out = tmp_path_factory.mktemp(model)
-    run_oracle(ORACLE, model, out, timeout=300)
+def _written(tmp_path_factory: pytest.TempPathFactory, model: str, tp: int = 1) -> Path:
+    out = tmp_path_factory.mktemp(f"{model}_tp{tp}")
+    run_oracle(ORACLE, model, out, "--tp", tp, timeout=300)
     return out
 
 
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _written(tmp_path_factory, "qwen2_5_vl")
+
+
+@pytest.fixture(scope="module")
+def vlm_tp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """FSDP2 over TP 2 (4 processes): the language model's weights are _StridedShard DTensors."""
+    return _written(tmp_path_factory, "qwen2_5_vl", tp=2)
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +104,24 @@ def test_a_vlm_under_fsdp2_becomes_the_checkpoint_save_pretrained_writes(
     assert report["ok"] and report["against"]["compared"] == len(theirs)
     info = cli.json("inspect", tmp_path / "hf")
     assert info["hf"]["architecture"] == "Qwen2_5_VLForConditionalGeneration"
+
+
+def test_a_vlm_under_fsdp2_over_tensor_parallelism_becomes_its_hf_checkpoint(
+    vlm_tp: Path, tmp_path: Path, cli
+) -> None:
+    """2-D FSDP + TP: DCP stores each rank's strided shard as a box of the global tensor; the
+    HF output is what save_pretrained writes of the trained weights, bit for bit."""
+    cli("consolidate", vlm_tp / "dcp", tmp_path / "hf")
+    _saved_by_transformers(vlm_tp, tmp_path / "reference")
+    ours, theirs = _tensors(tmp_path / "hf"), _tensors(tmp_path / "reference")
+    assert sorted(ours) == sorted(theirs)
+    for name, tensor in theirs.items():
+        assert torch.equal(ours[name], tensor), name
+    truth = _truth(vlm_tp)
+    logits = _logits(_loaded(tmp_path / "hf"), truth["input_ids"])
+    assert torch.equal(logits, _logits(_loaded(tmp_path / "reference"), truth["input_ids"]))
+    # The live model reduced its row-parallel outputs over TP ranks: the same to rounding.
+    torch.testing.assert_close(logits, truth["logits"], rtol=1e-5, atol=1e-6)
 
 
 def test_a_model_known_by_name_only_converts_to_hf_but_not_to_megatron(
