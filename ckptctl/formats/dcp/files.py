@@ -4,6 +4,8 @@ record files it names present and long enough."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError
 from ckptctl.formats.dcp.checks import check_metadata
 from ckptctl.formats.dcp.metadata import METADATA_FILE, DcpMetadata
@@ -12,6 +14,11 @@ from ckptctl.formats.megatron.format import recognised
 from ckptctl.formats.megatron.layout import TRACKER
 from ckptctl.formats.megatron.reader import find_iteration
 from ckptctl.io.storage import Storage
+
+ACCELERATE_MODEL = "pytorch_model_fsdp_0"
+ACCELERATE_OPTIMIZER = "optimizer_0"
+"""Where accelerate's ``save_state`` (and the HF Trainer's ``checkpoint-N``) put an FSDP
+model's sharded state dict and its optimizer's, each a DCP checkpoint of its own."""
 
 
 def join(base: str, rel: str) -> str:
@@ -69,3 +76,33 @@ def locate(
         if storage.exists(join(rel, METADATA_FILE)):
             return rel, number
     return None
+
+
+def accelerate_parts(storage: Storage, names: frozenset[str]) -> tuple[str, ...]:
+    """The DCP directories of an accelerate ``save_state`` (model first), or none."""
+    if ACCELERATE_MODEL not in names or not storage.exists(join(ACCELERATE_MODEL, METADATA_FILE)):
+        return ()
+    if storage.exists(join(ACCELERATE_OPTIMIZER, METADATA_FILE)):
+        return ACCELERATE_MODEL, ACCELERATE_OPTIMIZER
+    return (ACCELERATE_MODEL,)
+
+
+def read_merged_metadata(storage: Storage, parts: tuple[str, ...]) -> DcpMetadata:
+    """Several DCP checkpoints of one state dict (accelerate keeps the model's and the
+    optimizer's apart) as one, every record placed relative to the root."""
+    entries: dict = {}
+    records: dict = {}
+    planner: dict = {}
+    for part in parts:
+        metadata = read_metadata(storage, part)
+        clash = sorted(set(entries) & set(metadata.entries))
+        if clash:
+            raise CheckpointError(
+                f"{storage.describe(part)}: holds {clash[0]} too; the parts of one state dict "
+                "cannot share keys"
+            )
+        entries.update(metadata.entries)
+        for key, info in metadata.storage.items():
+            records[key] = replace(info, relative_path=join(part, info.relative_path))
+        planner.update(metadata.planner_data or {})
+    return DcpMetadata(entries=entries, storage=records, planner_data=planner or None)

@@ -17,13 +17,17 @@ from ckptctl.model.stored import CheckpointView
 def _probe(storage: Storage, names: frozenset[str], request: ProbeRequest) -> Any:
     if request.file is not None:
         return None
-    from ckptctl.formats.dcp.files import locate
+    from ckptctl.formats.dcp.files import accelerate_parts, locate, read_merged_metadata
     from ckptctl.formats.dcp.reader import probe_dcp
 
+    config = dict(request.hf_config) if request.hf_config is not None else None
+    parts = accelerate_parts(storage, names)
+    if parts:  # accelerate's save_state / the HF Trainer's checkpoint-N under FSDP
+        metadata = read_merged_metadata(storage, parts)
+        return probe_dcp(storage, "", None, config, request.trusted_fields, metadata)
     found = locate(storage, names, request.iteration)
     if found is None:
         return None
-    config = dict(request.hf_config) if request.hf_config is not None else None
     return probe_dcp(storage, found[0], found[1], config, request.trusted_fields)
 
 
@@ -73,11 +77,12 @@ FORMAT = CheckpointFormat(
     _probe,
     support=FormatSupport(
         "dcp",
-        "PyTorch Distributed Checkpoint (torchtitan, FSDP2, DTensor)",
-        ".metadata, __R_N.distcp",
+        "PyTorch Distributed Checkpoint (torchtitan, FSDP2, DTensor, accelerate save_state)",
+        ".metadata, __R_N.distcp (accelerate: pytorch_model_fsdp_0/ + optimizer_0/)",
         True,
         "",
-        "any DCP state dict to one torch file; HF Llama models (with config.json) to HF, "
+        "any DCP state dict to one torch file; HF models (config.json beside or --hf-config): "
+        "any architecture transformers builds to HF by name, the mapped families also to "
         "Megatron or torch_dist with their Adam state",
         "CRC-32 of every tensor record",
     ),

@@ -249,9 +249,12 @@ def probe_dcp(
     iteration: int | None,
     hf_config: dict[str, Any] | None = None,
     trusted: frozenset[str] = frozenset(),
+    metadata: DcpMetadata | None = None,
 ) -> DcpCheckpoint:
-    """Any DCP checkpoint but Megatron-Core's (``torch_dist`` has its own format)."""
-    metadata = read_metadata(storage, base)
+    """Any DCP checkpoint but Megatron-Core's (``torch_dist`` has its own format);
+    ``metadata``: already read (several DCP directories of one state dict)."""
+    if metadata is None:
+        metadata = read_metadata(storage, base)
     backend = mcore_backend(storage, base)
     if backend is not None:
         raise CheckpointError(
