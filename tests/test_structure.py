@@ -265,6 +265,7 @@ def test_the_registry_is_the_only_list_of_formats() -> None:
         "dcp",
         "deepspeed-universal",
         "deepspeed",
+        "verl",
         "megatron",
         "hf",
         "torch",

@@ -231,3 +231,13 @@ class CheckpointFormat:
 
     def metadata_files(self, storage: Storage, view: CheckpointView) -> list[str]:
         return self.description_files(storage, view) if self.description_files else []
+
+
+def templates_of(groups: list[dict[str, Any]]) -> dict[bool, dict[str, Any]]:
+    """Parameter groups' settings by kind (True: no weight decay), without their parameters
+    and Adam's step."""
+    out: dict[bool, dict[str, Any]] = {}
+    for group in groups:
+        no_decay = float(group.get("wd_mult", 1.0)) == 0.0 or group.get("weight_decay") == 0
+        out[no_decay] = {k: v for k, v in group.items() if k not in ("params", "step")}
+    return out

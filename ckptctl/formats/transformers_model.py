@@ -88,7 +88,16 @@ def describe(model: Any, architecture: str) -> HfNamedModel:
         held = [n for n in names if n in state]
         kept = _kept_of_tie(model, held)
         tied += [(alias, kept) for alias in held if alias != kept]
-    return HfNamedModel(architecture, tensors, hub, converted, tuple(tied), hub_converted)
+    parameters = tuple(name for name, _ in model.named_parameters())
+    return HfNamedModel(
+        architecture,
+        tensors,
+        hub,
+        converted,
+        tuple(tied),
+        parameters=parameters,
+        hub_converted=hub_converted,
+    )
 
 
 def _kept_of_tie(model: Any, names: list[str]) -> str:

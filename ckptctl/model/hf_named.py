@@ -37,6 +37,9 @@ class HfNamedModel:
     ckptctl does not repeat: written under their in-memory names, which transformers 5 loads."""
     tied: tuple[tuple[str, str], ...] = ()
     """(alias, kept): tensors that share one parameter; ``save_pretrained`` writes ``kept``."""
+    parameters: tuple[str, ...] = ()
+    """The model's parameters in ``named_parameters()`` order (tied ones once): the order an
+    optimizer built from ``model.parameters()`` numbers them."""
     hub_converted: tuple[tuple[str, Shape], ...] = ()
     """What ``save_pretrained`` writes for the ``converted`` tensors (names, shapes): an HF
     checkpoint holds either these or the in-memory tensors."""

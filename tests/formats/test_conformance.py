@@ -29,6 +29,7 @@ from ckptctl.formats import registry
 from ckptctl.pipeline.probe import open_checkpoint
 from tests.conftest import Cli
 from tests.deepspeed_runs import write_runs
+from tests.oracle_runner import run_oracle
 from tests.toyformat.format import FORMAT as TOY
 
 BOXES_PER_TENSOR = 2
@@ -71,6 +72,8 @@ def samples(tmp_path_factory: pytest.TempPathFactory, mcli: Cli) -> dict[str, Pa
     out["torch"] = root / "torch"
     mcli("consolidate", dcp, out["torch"], "--format", "torch")
     out["deepspeed"] = write_runs(tmp_path_factory)["stage2-dp2"]
+    run_oracle("verl_fsdp_writer.py", "qwen3", root / "verl", 3, timeout=300)
+    out["verl"] = root / "verl" / "global_step_1" / "actor"
     out[TOY.name] = root / "npy"
     mcli("consolidate", dcp, out[TOY.name], "--format", TOY.name)
     return out
@@ -109,8 +112,8 @@ def _torch_tensor(fmt: str, root: Path, path: str, key: tuple[Any, ...], cache: 
     if file not in cache:
         cache[file] = torch.load(file, weights_only=False, map_location="cpu")
     node = cache[file]
-    for part in key:
-        node = node[part]
+    for part in key:  # a DTensor's local shard (verl's rank files) is an attribute
+        node = node._local_tensor if part == "_local_tensor" else node[part]
     return node
 
 

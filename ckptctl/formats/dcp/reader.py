@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from ckptctl import json_input
 from ckptctl.errors import CheckpointError, LayoutError, UsageError
-from ckptctl.formats.base import Checkpoint, SavedTraining
+from ckptctl.formats.base import Checkpoint, SavedTraining, templates_of
 from ckptctl.formats.dcp.files import join, read_metadata
 from ckptctl.formats.dcp.hf_layout import key_table, packed_chunk, packed_table, prefixes
 from ckptctl.formats.dcp.metadata import (
@@ -465,13 +465,3 @@ def _generic(
         (f"PyTorch DCP checkpoint: {len(metadata.entries) - items} tensors, {items} other items",),
     )
     return DcpCheckpoint(storage, view, base, metadata)
-
-
-def templates_of(groups: list[dict[str, Any]]) -> dict[bool, dict[str, Any]]:
-    """Parameter groups' settings by kind (True: no weight decay), without their parameters
-    and Adam's step."""
-    out: dict[bool, dict[str, Any]] = {}
-    for group in groups:
-        no_decay = float(group.get("wd_mult", 1.0)) == 0.0 or group.get("weight_decay") == 0
-        out[no_decay] = {k: v for k, v in group.items() if k not in ("params", "step")}
-    return out

@@ -17,6 +17,7 @@ from math import prod
 from typing import Any
 
 from ckptctl.errors import CheckpointError, UnsafePickleError
+from ckptctl.formats.torchsave.dtensor import DTENSOR, dtensor_ref
 from ckptctl.model.dtypes import BY_STORAGE, DTYPES, DType
 
 Shape = tuple[int, ...]
@@ -116,7 +117,10 @@ class _PlainTensorType:
 def _rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any, *, where: str) -> Any:
     """A tensor pickled with Python attributes (Megatron's fp32 master copies carry
     ``tensor_model_parallel``, ``partition_dim``, ...): rebuilt by an allow-listed function as
-    a plain tensor, or a parameter; the attributes are dropped."""
+    a plain tensor, or a parameter; the attributes are dropped. A DTensor (a wrapper subclass
+    whose state holds its local tensor and spec) becomes a ``DTensorRef``."""
+    if func is _stub_type(*_WRAPPER) and new_type is _stub_type(*DTENSOR):
+        return dtensor_ref(state, where)
     if func not in (_rebuild_tensor, _rebuild_parameter) or not isinstance(
         new_type, _PlainTensorType
     ):
@@ -173,10 +177,15 @@ _STUB_PREFIXES = (
     "torch._C",
     "transformer_engine.",
     "deepspeed.",  # loss scaler, ZeRO stage enum, fragment addresses
+    "torch.distributed.",  # a DTensor's spec, device mesh and placements
 )
 # Standard-library values Megatron-LM keeps in ``args`` (``exit_signal = signal.SIGTERM``):
 # rebuilt as stubs too, since calling the real class is never needed to read them.
 _STUB_GLOBALS = frozenset({("signal", "Signals")})
+# A DTensor's pickle (verl's per-rank FSDP files): ``torch.distributed`` classes (spec, mesh,
+# placements) and the wrapper-subclass rebuild are kept as stubs, read by ``dtensor``.
+_WRAPPER = ("torch._utils", "_rebuild_wrapper_subclass")
+_STUB_GLOBALS |= {_WRAPPER, ("torch.serialization", "_get_layout")}
 
 
 class _RestrictedUnpickler(pickle.Unpickler):

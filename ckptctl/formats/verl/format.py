@@ -1,0 +1,36 @@
+"""verl's FSDP checkpoints' registry entry (read only: they become HF, Megatron, ...)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ckptctl.formats.base import CheckpointFormat, ProbeRequest
+from ckptctl.formats.support import FormatSupport
+from ckptctl.formats.verl.layout import recognised
+from ckptctl.io.storage import Storage
+
+
+def _probe(storage: Storage, names: frozenset[str], request: ProbeRequest) -> Any:
+    if request.file is not None or not recognised(names):
+        return None
+    from ckptctl.formats.verl.reader import probe_verl
+
+    return probe_verl(storage, names, request)
+
+
+FORMAT = CheckpointFormat(
+    "verl",
+    _probe,
+    support=FormatSupport(
+        "verl",
+        "verl FSDP2 actor / critic checkpoint (HF model)",
+        "model_world_size_W_rank_R.pt (+ optim_*, extra_state_*), fsdp_config.json, "
+        "huggingface/config.json",
+        True,
+        "",
+        "any world size; DTensor shards placed as their placements say; Adam state by "
+        "parameter; the model from huggingface/config.json or --hf-config (any architecture "
+        "transformers builds to HF, the mapped families also to Megatron)",
+        "CRC-32 of every zip entry",
+    ),
+)

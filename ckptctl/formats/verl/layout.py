@@ -1,0 +1,46 @@
+"""verl's FSDP checkpoints (``FSDPCheckpointManager.save_checkpoint``): per rank R of W,
+``model_world_size_W_rank_R.pt`` (``model.state_dict()`` of the FSDP model: DTensor shards),
+``optim_world_size_W_rank_R.pt`` (``optimizer.state_dict()``: state by parameter index) and
+``extra_state_world_size_W_rank_R.pt`` (scheduler, RNG); ``fsdp_config.json`` (FSDP version,
+world size) and ``huggingface/`` (the model's config.json, tokenizer) beside them, in
+``global_step_N/actor`` (or ``critic``). Pure."""
+
+from __future__ import annotations
+
+import re
+
+from ckptctl.errors import CheckpointError
+
+MODEL = re.compile(r"model_world_size_(\d+)_rank_(\d+)\.pt")
+FSDP_CONFIG = "fsdp_config.json"
+HF_DIR = "huggingface"
+STEP = re.compile(r"global_step_(\d+)")
+
+
+def recognised(names: frozenset[str]) -> bool:
+    return any(MODEL.fullmatch(n) for n in names)
+
+
+def world_size(names: frozenset[str], where: str) -> int:
+    """The one world size the model files are saved at."""
+    sizes = {int(m.group(1)) for n in names if (m := MODEL.fullmatch(n))}
+    if len(sizes) != 1:
+        raise CheckpointError(
+            f"{where}: model files of world sizes {sorted(sizes)} side by side; keep one "
+            "run's files per directory"
+        )
+    return sizes.pop()
+
+
+def model_file(world: int, rank: int) -> str:
+    return f"model_world_size_{world}_rank_{rank}.pt"
+
+
+def optim_file(world: int, rank: int) -> str:
+    return f"optim_world_size_{world}_rank_{rank}.pt"
+
+
+def step_of(url: str) -> int | None:
+    """The training step a ``global_step_N`` directory in the path names."""
+    found = STEP.findall(url)
+    return int(found[-1]) if found else None

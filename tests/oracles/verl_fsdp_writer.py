@@ -1,0 +1,148 @@
+"""Write a verl FSDP actor checkpoint of an HF model trained with FSDP2, file for file as verl
+0.9.1's ``FSDPCheckpointManager.save_checkpoint`` writes it.
+
+verl's own manager cannot run here: importing it imports Ray (and verl's trainer stack), which
+this CPU test machine does not install. So this oracle makes the same calls that manager makes,
+in the same places (``verl/utils/checkpoint/fsdp_checkpoint_manager.py``): under FSDP2 each
+rank ``torch.save``s ``model.state_dict()`` (DTensor shards) to
+``model_world_size_W_rank_R.pt``, ``optimizer.state_dict()`` to ``optim_world_size_W_rank_R.pt``
+and ``{"lr_scheduler": ..., "rng": ...}`` to ``extra_state_world_size_W_rank_R.pt``; rank 0 saves
+the model's config with ``save_pretrained`` in ``huggingface/`` and writes ``fsdp_config.json``
+(``{"FSDP_version": 2, "world_size": W}``). The model is built, sharded and trained by torch and
+transformers themselves: ``fully_shard`` on each decoder layer and the root, one AdamW step.
+
+Usage::
+
+    python tests/oracles/verl_fsdp_writer.py MODEL OUT_DIR [WORLD]
+
+MODEL: ``qwen3`` (a family ckptctl maps) or ``qwen2_5_vl`` (a VLM, by name). Writes
+``OUT_DIR/global_step_1/actor/`` and ``OUT_DIR/truth.pt`` (the full weights after the step, by
+in-memory name, the batch and the live model's logits).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+SEED = 19
+VOCAB = 133
+
+
+def build_model(name: str) -> torch.nn.Module:
+    import transformers
+
+    text = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    if name == "qwen3":
+        config = transformers.Qwen3Config(**text, head_dim=16, tie_word_embeddings=True)
+        cls = transformers.Qwen3ForCausalLM
+    else:
+        vision = dict(
+            depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64
+        )
+        rope = {"type": "mrope", "mrope_section": [2, 2, 4]}
+        config = transformers.Qwen2_5_VLConfig(
+            text_config={**text, "rope_scaling": rope},
+            vision_config=vision,
+            vocab_size=VOCAB,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+        cls = transformers.Qwen2_5_VLForConditionalGeneration
+    config.architectures = [cls.__name__]
+    config._attn_implementation = "eager"
+    torch.manual_seed(SEED)
+    model = cls(config).float()
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if "norm" in param_name:
+                param.add_(0.1 * torch.randn_like(param))
+    return model
+
+
+def worker(rank: int, port: int, name: str, world: int, out: Path) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        run_rank(rank, name, world, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_rank(rank: int, name: str, world: int, out: Path) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = build_model(name)
+    blocks = set(model._no_split_modules or ())
+    for module in list(model.modules()):
+        if type(module).__name__ in blocks:
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    tokens = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(SEED))
+    model(input_ids=tokens, labels=tokens).loss.backward()
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad()
+
+    actor = out / "global_step_1" / "actor"
+    actor.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    torch.save(model.state_dict(), actor / f"model_world_size_{world}_rank_{rank}.pt")
+    torch.save(optimizer.state_dict(), actor / f"optim_world_size_{world}_rank_{rank}.pt")
+    extra = {"lr_scheduler": scheduler.state_dict(), "rng": {"cpu": torch.get_rng_state()}}
+    torch.save(extra, actor / f"extra_state_world_size_{world}_rank_{rank}.pt")
+    if rank == 0:
+        model.config.save_pretrained(actor / "huggingface")
+        with open(actor / "fsdp_config.json", "w") as f:
+            json.dump({"FSDP_version": 2, "world_size": world}, f, indent=4)
+    full = {
+        key: value.full_tensor() if isinstance(value, DTensor) else value
+        for key, value in model.state_dict().items()
+    }
+    with torch.no_grad():
+        logits = model(input_ids=tokens).logits
+    if rank == 0:
+        torch.save({"model": full, "input_ids": tokens, "logits": logits}, out / "truth.pt")
+    dist.barrier()
+
+
+def main() -> int:
+    name, out = sys.argv[1], Path(sys.argv[2]).resolve()
+    world = int(sys.argv[3]) if len(sys.argv) > 3 else 2
+    out.mkdir(parents=True, exist_ok=True)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    mp.start_processes(
+        worker, args=(port, name, world, out), nprocs=world, join=True, start_method="fork"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
