@@ -13,11 +13,12 @@ transformers themselves: ``fully_shard`` on each decoder layer and the root, one
 
 Usage::
 
-    python tests/oracles/verl_fsdp_writer.py MODEL OUT_DIR [WORLD]
+    python tests/oracles/verl_fsdp_writer.py MODEL OUT_DIR [WORLD [hsdp]]
 
-MODEL: ``qwen3`` (a family ckptctl maps) or ``qwen2_5_vl`` (a VLM, by name). Writes
-``OUT_DIR/global_step_1/actor/`` and ``OUT_DIR/truth.pt`` (the full weights after the step, by
-in-memory name, the batch and the live model's logits).
+MODEL: ``qwen3`` (a family ckptctl maps) or ``qwen2_5_vl`` (a VLM, by name). ``hsdp``: a 2-D
+mesh (2 replicas x WORLD/2 shards, verl's hybrid sharding), shards ``(Replicate(), Shard(0))``.
+Writes ``OUT_DIR/global_step_1/actor/`` and ``OUT_DIR/truth.pt`` (the full weights after the
+step, by in-memory name, the batch and the live model's logits).
 """
 
 from __future__ import annotations
@@ -77,24 +78,27 @@ def build_model(name: str) -> torch.nn.Module:
     return model
 
 
-def worker(rank: int, port: int, name: str, world: int, out: Path) -> None:
+def worker(rank: int, port: int, name: str, world: int, hsdp: bool, out: Path) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        run_rank(rank, name, world, out)
+        run_rank(rank, name, world, hsdp, out)
     finally:
         dist.destroy_process_group()
 
 
-def run_rank(rank: int, name: str, world: int, out: Path) -> None:
+def run_rank(rank: int, name: str, world: int, hsdp: bool, out: Path) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    mesh = init_device_mesh("cpu", (world,))
+    if hsdp:
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,))
     model = build_model(name)
     blocks = set(model._no_split_modules or ())
     for module in list(model.modules()):
@@ -134,12 +138,13 @@ def run_rank(rank: int, name: str, world: int, out: Path) -> None:
 def main() -> int:
     name, out = sys.argv[1], Path(sys.argv[2]).resolve()
     world = int(sys.argv[3]) if len(sys.argv) > 3 else 2
+    hsdp = len(sys.argv) > 4 and sys.argv[4] == "hsdp"
     out.mkdir(parents=True, exist_ok=True)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         port = int(sock.getsockname()[1])
     mp.start_processes(
-        worker, args=(port, name, world, out), nprocs=world, join=True, start_method="fork"
+        worker, args=(port, name, world, hsdp, out), nprocs=world, join=True, start_method="fork"
     )
     return 0
 

@@ -91,6 +91,18 @@ def test_a_vlm_actor_checkpoint_becomes_its_hub_checkpoint(vlm: Path, tmp_path: 
     assert "visual.blocks.0.attn.qkv.weight" in names and "model.embed_tokens.weight" in names
 
 
+def test_a_hybrid_sharded_actor_checkpoint_reads_each_shard_once(tmp_path: Path, cli) -> None:
+    """HSDP (2 replicas x 2 shards: ``(Replicate(), Shard(0))``): every shard is on two ranks'
+    files; the output is the trained model, and Megatron holds the Adam state bit for bit."""
+    run = tmp_path / "hsdp"
+    run_oracle(ORACLE, "qwen3", run, 4, "hsdp", timeout=300)
+    cli("consolidate", _actor(run), tmp_path / "hf")
+    _check_against_truth(run, tmp_path / "hf")
+    cli("reshard", _actor(run), tmp_path / "meg", "--tp", "2")
+    report = cli.json("verify", tmp_path / "meg", "--against", _actor(run))
+    assert report["ok"] and any(t["name"].startswith("exp_avg/") for t in report["tensors"])
+
+
 def test_what_cannot_be_read_is_refused_by_name(qwen3: Path, tmp_path: Path, cli) -> None:
     lost = tmp_path / "lost"
     shutil.copytree(_actor(qwen3), lost)
