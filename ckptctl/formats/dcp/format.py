@@ -17,14 +17,20 @@ from ckptctl.model.stored import CheckpointView
 def _probe(storage: Storage, names: frozenset[str], request: ProbeRequest) -> Any:
     if request.file is not None:
         return None
-    from ckptctl.formats.dcp.files import accelerate_parts, locate, read_merged_metadata
+    from ckptctl.formats.dcp.files import (
+        accelerate_parts,
+        locate,
+        read_merged_metadata,
+        trainer_step,
+    )
     from ckptctl.formats.dcp.reader import probe_dcp
 
     config = dict(request.hf_config) if request.hf_config is not None else None
     parts = accelerate_parts(storage, names)
     if parts:  # accelerate's save_state / the HF Trainer's checkpoint-N under FSDP
         metadata = read_merged_metadata(storage, parts)
-        return probe_dcp(storage, "", None, config, request.trusted_fields, metadata)
+        step = trainer_step(storage)
+        return probe_dcp(storage, "", step, config, request.trusted_fields, metadata)
     found = locate(storage, names, request.iteration)
     if found is None:
         return None

@@ -59,11 +59,14 @@ def test_save_state_consolidates_to_the_trained_hf_model(saved: Path, tmp_path: 
 def test_save_state_reshards_to_megatron_with_its_adam_state(
     saved: Path, tmp_path: Path, cli
 ) -> None:
-    """A Trainer-style directory (config.json beside the parts) needs no flag; the optimizer's
-    moments, kept in their own DCP directory, move with the weights."""
+    """A Trainer-style directory (config.json beside the parts, trainer_state.json naming the
+    step) needs no flag; the optimizer's moments, kept in their own DCP directory, move with
+    the weights."""
     trainer = tmp_path / "checkpoint-1"
     shutil.copytree(saved / "state", trainer)
     shutil.copy(saved / "config.json", trainer)
+    (trainer / "trainer_state.json").write_text('{"global_step": 1, "epoch": 0.5}')
+    assert cli.json("inspect", trainer)["iteration"] == 1
     cli("reshard", trainer, tmp_path / "meg", "--tp", "2", "--pp", "2")
     report = cli.json("verify", tmp_path / "meg", "--against", trainer)
     assert report["ok"]
