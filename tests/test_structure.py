@@ -284,6 +284,7 @@ SHARED_FORMAT_MACHINERY = {
     "torchsave",
     "target",
     "transformers_model",  # transformers' own description of an HF model it builds
+    "hf_state_dict_files",  # HF-named torch.save state dicts (verl, accelerate)
 }
 """Modules and folders under ``ckptctl/formats`` that every format may import."""
 

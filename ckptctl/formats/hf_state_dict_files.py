@@ -1,0 +1,203 @@
+"""HF models trained under other frameworks, saved as ``torch.save`` state dicts by HF
+parameter name (verl's per-rank FSDP files, accelerate's full state dicts): their tensors as a
+generic view (each name its own tensor, a DTensor shard placed in its global tensor, optimizer
+state as ``optim.state.<name>.<state>``), then placed in a mapped family's canonical tensors,
+or, for any other architecture transformers builds, kept by hub name. Reading side only."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from typing import Any
+
+from ckptctl.errors import CheckpointError, LayoutError
+from ckptctl.formats.base import SavedTraining, templates_of
+from ckptctl.formats.torchsave.archive import TensorRef
+from ckptctl.formats.torchsave.dtensor import LOCAL, DTensorRef
+from ckptctl.formats.torchsave.refs import TorchFiles
+from ckptctl.model.catalog import state_name
+from ckptctl.model.dtypes import dtype_name
+from ckptctl.model.geometry import Piece
+from ckptctl.model.hf_config import spec_from_config
+from ckptctl.model.hf_named import HfNamedModel, HfNamedSource
+from ckptctl.model.megatron_style import GroupOrder, MegatronStyle, OptimizerLayout
+from ckptctl.model.stored import CheckpointView, KeyPath, StoredTensor
+
+OPTIM_PREFIX = "optim.state."
+"""How the generic view names optimizer state (``optim.state.<name>.<state>``, as torch's
+``get_optimizer_state_dict`` would), so the HF naming places it."""
+
+
+class HfStateDictFiles(TorchFiles):
+    """``torch.save`` files of an HF model's state dicts, read box by box; the model under
+    torch's Adam (per-parameter step and moments, the fp32 weights their own masters)."""
+
+    @property
+    def style(self) -> MegatronStyle:
+        if not self.view.has_optimizer or self.view.spec is None:
+            return MegatronStyle()
+        layout = OptimizerLayout(
+            states=("step", "exp_avg", "exp_avg_sq"),
+            master_weights=False,
+            wrapped=False,
+            group_order=GroupOrder.DECAY_FIRST,
+        )
+        return MegatronStyle(optimizer=layout)
+
+    def saved_training(self, path: str) -> SavedTraining:
+        """The optimizer's parameter-group settings (rank 0's file: every rank saves them)."""
+        first = next((p for p in self.readers if p.startswith("optim")), None)
+        tree = self.readers[first].tree if first is not None else {}
+        groups = tree.get("param_groups") if isinstance(tree, dict) else None
+        if not isinstance(groups, list) or not groups:
+            return SavedTraining()
+        if len(groups) == 1:  # one group for every parameter: both kinds share it
+            return SavedTraining(templates={k: dict(groups[0]) for k in (False, True)})
+        return SavedTraining(templates=templates_of(groups))
+
+
+def _piece(ref: Any) -> tuple[tuple[int, ...], tuple[int, ...], str, tuple[Piece, ...]]:
+    """A stored tensor's local shape, global offsets, dtype and its piece of the global one."""
+    local = ref.local if isinstance(ref, DTensorRef) else ref
+    offsets = ref.offsets if isinstance(ref, DTensorRef) else (0,) * len(local.shape)
+    shape = tuple(local.shape)
+    pieces = (Piece((0,) * len(shape), offsets, shape),) if all(shape) else ()
+    return shape, offsets, dtype_name(local.dtype), pieces
+
+
+def stored_tensor(key: KeyPath, name: str, ref: Any, rank: int) -> StoredTensor | None:
+    """A DTensor's local shard, or a plain tensor (every rank holds it whole: rank 0's)."""
+    if isinstance(ref, DTensorRef):
+        key = (*key, LOCAL)
+    elif not isinstance(ref, TensorRef) or rank != 0:
+        return None
+    shape, _, dtype, pieces = _piece(ref)
+    return StoredTensor(key, name, shape, dtype, pieces)
+
+
+def optimizer_tensors(
+    tree: Any, parameters: tuple[str, ...], where: str, rank: int
+) -> list[StoredTensor]:
+    state = tree.get("state") if isinstance(tree, dict) else None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{where}: not an optimizer state dict (no 'state')")
+    out = []
+    for index, per_param in state.items():
+        # torch numbers parameters; FSDP's full optimizer state dicts name them
+        if isinstance(index, str) and index in parameters:
+            param = index
+        elif isinstance(index, int) and 0 <= index < len(parameters):
+            param = parameters[index]
+        else:
+            raise CheckpointError(
+                f"{where}: state of parameter {index!r}, but the model has "
+                f"{len(parameters)} parameters and no such name; is the config.json this run's?"
+            )
+        for kind, ref in (per_param or {}).items():
+            name = f"{OPTIM_PREFIX}{param}.{kind}"
+            tensor = stored_tensor(("state", index, kind), name, ref, rank)
+            if tensor is not None:
+                out.append(tensor)
+    return out
+
+
+def check_names(held: set[str], model: HfNamedModel, url: str) -> None:
+    """The model files hold the model's tensors (in-memory names), no fewer and no more."""
+    wanted = set(model.shapes()) - set(dict(model.tied))
+    missing, extra = sorted(wanted - held), sorted(held - wanted)
+    if missing or extra:
+        said = [f"{', '.join(missing[:3])} missing"] if missing else []
+        said += [f"{', '.join(extra[:3])}: not in {model.architecture}"] if extra else []
+        raise CheckpointError(f"{url}: " + "; ".join(said) + " (is the config.json this run's?)")
+
+
+def tied_aliases(tree: dict[str, Any], model: HfNamedModel, where: str) -> set[str]:
+    """The tied names a state dict holds besides the tensor they share (the same stored
+    bytes: not read twice); a tied name holding other bytes is refused."""
+    out = set()
+    for alias, kept in model.tied:
+        if alias not in tree or kept not in tree:
+            continue
+        a, k = tree[alias], tree[kept]
+        a, k = (x.local if isinstance(x, DTensorRef) else x for x in (a, k))
+        if not (isinstance(a, TensorRef) and isinstance(k, TensorRef) and a == k):
+            raise CheckpointError(
+                f"{where}: {alias} should be {kept} (the model ties them) but holds other bytes"
+            )
+        out.add(alias)
+    return out
+
+
+def _generic_names(view: CheckpointView) -> set[str]:
+    return {t.canonical for f in view.files for t in f.tensors}
+
+
+def _by_hub_name(view: CheckpointView, model: HfNamedModel, url: str) -> CheckpointView:
+    """Each tensor under its hub name (optimizer state under its state name), checked against
+    the model: every tensor there, of its shape, nothing else."""
+    shapes = model.shapes()
+    tied = dict(model.tied)
+    held: dict[str, tuple[int, ...]] = {}
+    for file in view.files:
+        for t in file.tensors:
+            if not t.canonical.startswith(OPTIM_PREFIX) and t.pieces:
+                ends = tuple(c + n for c, n in zip(t.pieces[0].canonical, t.shape, strict=True))
+                held[t.canonical] = tuple(
+                    max(a, b) for a, b in zip(held.get(t.canonical, ends), ends, strict=True)
+                )
+    problems = [f"{n} missing" for n in shapes if n not in held and n not in tied]
+    problems += [
+        f"{n} is {list(held[n])}, the model's {list(s)}"
+        for n, s in shapes.items()
+        if n in held and held[n] != s
+    ]
+    problems += [f"{n}: no such tensor in {model.architecture}" for n in held if n not in shapes]
+    if problems:
+        raise CheckpointError(f"{url}: " + "; ".join(problems[:5]))
+
+    def renamed(t: StoredTensor) -> StoredTensor | None:
+        name = t.canonical
+        if name.startswith(OPTIM_PREFIX):
+            param, _, state = name[len(OPTIM_PREFIX) :].rpartition(".")
+            return replace(t, canonical=state_name(state, model.hub_name(param)))
+        if name in tied:
+            return None
+        return replace(t, canonical=model.hub_name(name))
+
+    files = tuple(
+        replace(f, tensors=tuple(r for t in f.tensors if (r := renamed(t)) is not None))
+        for f in view.files
+    )
+    return replace(view, files=files)
+
+
+def hf_model_view(
+    generic: CheckpointView,
+    model: HfNamedModel,
+    config: dict[str, Any],
+    generation: str | None,
+    trusted: frozenset[str],
+    url: str,
+) -> CheckpointView:
+    """A mapped family's canonical view of ``generic``, or (no family table takes the config)
+    the view by hub name that HF targets write, the config carried."""
+    try:
+        spec = spec_from_config(config, trusted=trusted)
+    except LayoutError as err:
+        view = _by_hub_name(generic, model, url)
+        carried = HfNamedSource(model, json.dumps(config, indent=2), generation)
+        why = f"not convertible to Megatron layouts: {err}"
+        return replace(view, notes=(*view.notes, why), hf_named=carried)
+    from ckptctl.formats.named import under_spec
+
+    view, _ = under_spec(generic, spec)
+    unplaced = sorted(
+        {t.canonical for f in view.files for t in f.tensors} & _generic_names(generic)
+    )
+    if unplaced:
+        raise CheckpointError(
+            f"{url}: {', '.join(unplaced[:3])} "
+            + (f"and {len(unplaced) - 3} more " if len(unplaced) > 3 else "")
+            + f"have no place in the {model.architecture} its config.json describes"
+        )
+    return view
