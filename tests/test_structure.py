@@ -266,6 +266,7 @@ def test_the_registry_is_the_only_list_of_formats() -> None:
         "deepspeed-universal",
         "deepspeed",
         "verl",
+        "accelerate",
         "megatron",
         "hf",
         "torch",

@@ -10,11 +10,13 @@ import json
 from dataclasses import replace
 from typing import Any
 
+from ckptctl import json_input
 from ckptctl.errors import CheckpointError, LayoutError
 from ckptctl.formats.base import SavedTraining, templates_of
 from ckptctl.formats.torchsave.archive import TensorRef
 from ckptctl.formats.torchsave.dtensor import LOCAL, DTensorRef
 from ckptctl.formats.torchsave.refs import TorchFiles
+from ckptctl.io.storage import Storage
 from ckptctl.model.catalog import state_name
 from ckptctl.model.dtypes import dtype_name
 from ckptctl.model.geometry import Piece
@@ -22,6 +24,21 @@ from ckptctl.model.hf_config import spec_from_config
 from ckptctl.model.hf_named import HfNamedModel, HfNamedSource
 from ckptctl.model.megatron_style import GroupOrder, MegatronStyle, OptimizerLayout
 from ckptctl.model.stored import CheckpointView, KeyPath, StoredTensor
+
+TRAINER_STATE = "trainer_state.json"
+"""The HF Trainer's record of a ``checkpoint-N/`` directory (``global_step``, ...)."""
+
+
+def trainer_step(storage: Storage) -> int | None:
+    """The HF Trainer's ``global_step``, when the directory is one of its checkpoints."""
+    if not storage.exists(TRAINER_STATE):
+        return None
+    where = storage.describe(TRAINER_STATE)
+    step = json_input.parse_object(storage.read_text(TRAINER_STATE), where).get("global_step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"{where}: global_step is {step!r}, not a step count")
+    return step
+
 
 OPTIM_PREFIX = "optim.state."
 """How the generic view names optimizer state (``optim.state.<name>.<state>``, as torch's

@@ -14,7 +14,7 @@ from ckptctl.errors import UsageError
 from ckptctl.formats.base import CheckpointFormat, Writer
 from ckptctl.formats.target import TargetFormat
 
-BUILTIN = ("torch_dist", "dcp", "deepspeed", "verl", "megatron", "hf", "torch_file")
+BUILTIN = ("torch_dist", "dcp", "deepspeed", "verl", "accelerate", "megatron", "hf", "torch_file")
 """Folders under ``ckptctl/formats`` whose ``format.py`` exports ``FORMAT`` (or ``FORMATS``), in
 probing order
 (``torch_dist`` before plain DCP and Megatron: it lives in a Megatron iteration directory as

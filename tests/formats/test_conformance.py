@@ -74,6 +74,9 @@ def samples(tmp_path_factory: pytest.TempPathFactory, mcli: Cli) -> dict[str, Pa
     out["deepspeed"] = write_runs(tmp_path_factory)["stage2-dp2"]
     run_oracle("verl_fsdp_writer.py", "qwen3", root / "verl", 3, timeout=300)
     out["verl"] = root / "verl" / "global_step_1" / "actor"
+    run_oracle("accelerate_fsdp_writer.py", root / "accelerate", "FULL_STATE_DICT", timeout=300)
+    shutil.copy(root / "accelerate" / "config.json", root / "accelerate" / "state")
+    out["accelerate"] = root / "accelerate" / "state"
     out[TOY.name] = root / "npy"
     mcli("consolidate", dcp, out[TOY.name], "--format", TOY.name)
     return out

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ckptctl import json_input
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError
 from ckptctl.formats.dcp.checks import check_metadata
 from ckptctl.formats.dcp.metadata import METADATA_FILE, DcpMetadata
@@ -86,21 +85,6 @@ def accelerate_parts(storage: Storage, names: frozenset[str]) -> tuple[str, ...]
     if storage.exists(join(ACCELERATE_OPTIMIZER, METADATA_FILE)):
         return ACCELERATE_MODEL, ACCELERATE_OPTIMIZER
     return (ACCELERATE_MODEL,)
-
-
-TRAINER_STATE = "trainer_state.json"
-"""The HF Trainer's record of a ``checkpoint-N/`` directory (``global_step``, ...)."""
-
-
-def trainer_step(storage: Storage) -> int | None:
-    """The HF Trainer's ``global_step``, when the directory is one of its checkpoints."""
-    if not storage.exists(TRAINER_STATE):
-        return None
-    where = storage.describe(TRAINER_STATE)
-    step = json_input.parse_object(storage.read_text(TRAINER_STATE), where).get("global_step")
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise CheckpointError(f"{where}: global_step is {step!r}, not a step count")
-    return step
 
 
 def read_merged_metadata(storage: Storage, parts: tuple[str, ...]) -> DcpMetadata:

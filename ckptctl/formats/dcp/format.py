@@ -17,13 +17,9 @@ from ckptctl.model.stored import CheckpointView
 def _probe(storage: Storage, names: frozenset[str], request: ProbeRequest) -> Any:
     if request.file is not None:
         return None
-    from ckptctl.formats.dcp.files import (
-        accelerate_parts,
-        locate,
-        read_merged_metadata,
-        trainer_step,
-    )
+    from ckptctl.formats.dcp.files import accelerate_parts, locate, read_merged_metadata
     from ckptctl.formats.dcp.reader import probe_dcp
+    from ckptctl.formats.hf_state_dict_files import trainer_step
 
     config = dict(request.hf_config) if request.hf_config is not None else None
     parts = accelerate_parts(storage, names)

@@ -1,5 +1,6 @@
 """accelerate's ``save_state`` under FSDP2 (``SHARDED_STATE_DICT``: the model's DCP in
-``pytorch_model_fsdp_0/``, the optimizer's in ``optimizer_0/``), judged by accelerate and
+``pytorch_model_fsdp_0/``, the optimizer's in ``optimizer_0/``; ``FULL_STATE_DICT``:
+``pytorch_model_fsdp.bin`` and ``optimizer.bin``), judged by accelerate and
 transformers: accelerate's own training step and ``save_state`` write the checkpoint
 (``oracles/accelerate_fsdp_writer``, 2 gloo processes, one CPU shim named there)."""
 
@@ -25,6 +26,13 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:Us
 def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("accelerate")
     run_oracle(ORACLE, out, timeout=300)
+    return out
+
+
+@pytest.fixture(scope="module")
+def full(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("accelerate_full")
+    run_oracle(ORACLE, out, "FULL_STATE_DICT", timeout=300)
     return out
 
 
@@ -87,3 +95,27 @@ def test_a_missing_optimizer_shard_is_named(saved: Path, tmp_path: Path, cli) ->
     )
     assert "optimizer_0/__1_0.distcp" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_full_state_dict_save_converts_with_its_adam_state(
+    full: Path, tmp_path: Path, cli
+) -> None:
+    """FULL_STATE_DICT: the whole model by HF name and FSDP's full optimizer state (by
+    parameter name): to HF bit for bit with the live logits, to Megatron with Adam state."""
+    state = full / "state"
+    shutil.copy(full / "config.json", tmp_path / "config.json")
+    info = cli.json("--hf-config", full / "config.json", "inspect", state)
+    assert info["format"] == "accelerate" and info["optimizer_bytes"] > 0
+    cli("--hf-config", full / "config.json", "consolidate", state, tmp_path / "hf")
+    truth = _truth(full)
+    assert torch.equal(_logits(tmp_path / "hf", truth["input_ids"]), truth["logits"])
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    for name, want in truth["model"].items():
+        assert torch.equal(model.state_dict()[name], want), name
+    cli("--hf-config", full / "config.json", "reshard", state, tmp_path / "meg", "--tp", "2")
+    report = cli.json(
+        "--hf-config", full / "config.json", "verify", tmp_path / "meg", "--against", state
+    )
+    assert report["ok"] and any(t["name"].startswith("exp_avg/") for t in report["tensors"])
+    result = cli("consolidate", state, tmp_path / "nocfg", code=3)
+    assert "--hf-config" in result.stderr

@@ -1,0 +1,71 @@
+"""Read accelerate's ``save_state`` of an FSDP model saved with ``FULL_STATE_DICT``:
+``pytorch_model_fsdp.bin`` (the whole model's state dict by HF name) and ``optimizer.bin``
+(FSDP's full optimizer state dict, by parameter name), with the model's ``config.json``
+beside them (the HF Trainer's ``checkpoint-N/``) or given by ``--hf-config``."""
+
+from __future__ import annotations
+
+from ckptctl import json_input
+from ckptctl.errors import CheckpointError
+from ckptctl.formats.accelerate.layout import MODEL, OPTIMIZER
+from ckptctl.formats.base import ProbeRequest
+from ckptctl.formats.hf_state_dict_files import (
+    HfStateDictFiles,
+    check_names,
+    hf_model_view,
+    optimizer_tensors,
+    stored_tensor,
+    tied_aliases,
+    trainer_step,
+)
+from ckptctl.formats.torchsave.refs import open_torch_file
+from ckptctl.formats.transformers_model import build_names
+from ckptctl.io.storage import Storage
+from ckptctl.model.hf_layout import CONFIG
+from ckptctl.model.hf_named import GENERATION_CONFIG
+from ckptctl.model.layout import ParallelLayout
+from ckptctl.model.stored import CheckpointView, StoredFile
+
+
+def probe_accelerate(
+    storage: Storage, names: frozenset[str], request: ProbeRequest
+) -> HfStateDictFiles:
+    if request.hf_config is not None:
+        config = dict(request.hf_config)
+    elif storage.exists(CONFIG):
+        config = json_input.parse_object(storage.read_text(CONFIG), storage.describe(CONFIG))
+    else:
+        raise CheckpointError(
+            f"{storage.describe(MODEL)}: accelerate keeps no model config with it",
+            hint="give the model's config.json with --hf-config",
+        )
+    generation = storage.read_text(GENERATION_CONFIG) if GENERATION_CONFIG in names else None
+    model = build_names(config, storage.describe(CONFIG))
+    readers = {MODEL: open_torch_file(storage, MODEL)}
+    tree = readers[MODEL].tree
+    if not isinstance(tree, dict):
+        raise CheckpointError(f"{storage.describe(MODEL)}: not a model state dict")
+    aliases = tied_aliases(tree, model, storage.describe(MODEL))
+    tensors = [
+        t
+        for fqn, ref in tree.items()
+        if fqn not in aliases and (t := stored_tensor((fqn,), fqn, ref, 0))
+    ]
+    check_names({t.canonical for t in tensors}, model, storage.url)
+    files = [StoredFile(MODEL, tuple(tensors))]
+    if OPTIMIZER in names:
+        readers[OPTIMIZER] = open_torch_file(storage, OPTIMIZER)
+        where = storage.describe(OPTIMIZER)
+        state = optimizer_tensors(readers[OPTIMIZER].tree, model.parameters, where, 0)
+        files.append(StoredFile(OPTIMIZER, tuple(state)))
+    generic = CheckpointView(
+        "accelerate",
+        None,
+        ParallelLayout(),
+        tuple(files),
+        trainer_step(storage),
+        OPTIMIZER in names,
+        (f"accelerate full state dict of {model.architecture}",),
+    )
+    view = hf_model_view(generic, model, config, generation, request.trusted_fields, storage.url)
+    return HfStateDictFiles(storage, view, readers)
