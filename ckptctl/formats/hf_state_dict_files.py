@@ -118,6 +118,18 @@ def optimizer_tensors(
     return out
 
 
+def model_tensors(tree: Any, model: HfNamedModel, where: str, rank: int) -> list[StoredTensor]:
+    """The tensors of one rank's (or the only) model state dict, each tied group once."""
+    if not isinstance(tree, dict):
+        raise CheckpointError(f"{where}: not a model state dict")
+    aliases = tied_aliases(tree, model, where)
+    return [
+        t
+        for fqn, ref in tree.items()
+        if fqn not in aliases and (t := stored_tensor((fqn,), fqn, ref, rank))
+    ]
+
+
 def check_names(held: set[str], model: HfNamedModel, url: str) -> None:
     """The model files hold the model's tensors (in-memory names), no fewer and no more."""
     wanted = set(model.shapes()) - set(dict(model.tied))

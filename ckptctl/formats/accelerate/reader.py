@@ -13,9 +13,8 @@ from ckptctl.formats.hf_state_dict_files import (
     HfStateDictFiles,
     check_names,
     hf_model_view,
+    model_tensors,
     optimizer_tensors,
-    stored_tensor,
-    tied_aliases,
     trainer_step,
 )
 from ckptctl.formats.torchsave.refs import open_torch_file
@@ -42,15 +41,7 @@ def probe_accelerate(
     generation = storage.read_text(GENERATION_CONFIG) if GENERATION_CONFIG in names else None
     model = build_names(config, storage.describe(CONFIG))
     readers = {MODEL: open_torch_file(storage, MODEL)}
-    tree = readers[MODEL].tree
-    if not isinstance(tree, dict):
-        raise CheckpointError(f"{storage.describe(MODEL)}: not a model state dict")
-    aliases = tied_aliases(tree, model, storage.describe(MODEL))
-    tensors = [
-        t
-        for fqn, ref in tree.items()
-        if fqn not in aliases and (t := stored_tensor((fqn,), fqn, ref, 0))
-    ]
+    tensors = model_tensors(readers[MODEL].tree, model, storage.describe(MODEL), 0)
     check_names({t.canonical for t in tensors}, model, storage.url)
     files = [StoredFile(MODEL, tuple(tensors))]
     if OPTIMIZER in names:

@@ -16,9 +16,8 @@ from ckptctl.formats.hf_state_dict_files import (
     HfStateDictFiles,
     check_names,
     hf_model_view,
+    model_tensors,
     optimizer_tensors,
-    stored_tensor,
-    tied_aliases,
 )
 from ckptctl.formats.torchsave.archive import TorchZipReader
 from ckptctl.formats.torchsave.refs import open_torch_file
@@ -83,15 +82,7 @@ def probe_verl(storage: Storage, names: frozenset[str], request: ProbeRequest) -
         if not storage.exists(rel):
             raise CheckpointNotFoundError(f"{storage.describe(rel)}: missing (world size {world})")
         readers[rel] = open_torch_file(storage, rel)
-        tree = readers[rel].tree
-        if not isinstance(tree, dict):
-            raise CheckpointError(f"{storage.describe(rel)}: not a model state dict")
-        aliases = tied_aliases(tree, model, storage.describe(rel))
-        tensors = [
-            t
-            for fqn, ref in tree.items()
-            if fqn not in aliases and (t := stored_tensor((fqn,), fqn, ref, rank))
-        ]
+        tensors = model_tensors(readers[rel].tree, model, storage.describe(rel), rank)
         files.append(StoredFile(rel, tuple(tensors)))
     check_names({t.canonical for f in files for t in f.tensors}, model, storage.url)
     for rank in range(world) if with_optimizer else ():
