@@ -51,6 +51,12 @@ def build_names(config: Mapping[str, Any], where: str) -> HfNamedModel:
             f"{architecture}; ckptctl never runs a checkpoint's own code",
             hint="install the transformers release that added this architecture",
         )
+    declared = getattr(cls.config_class, "model_type", "") or ""
+    if declared and config.get("model_type") != declared:
+        raise CheckpointError(
+            f"{where}: model_type is {config.get('model_type')!r}, but {architecture} is a "
+            f"{declared!r} model; the config is damaged or not this model's"
+        )
     quiet = logging.getLogger("transformers")
     level = quiet.level
     quiet.setLevel(logging.ERROR)
