@@ -412,10 +412,12 @@ HF_CASES: dict[str, tuple[Callable[[Path], None], str, int]] = {
         "config.json: not JSON",
         3,
     ),
+    # No family table takes gpt2, so transformers judges the config: its architecture
+    # (LlamaForCausalLM) is no gpt2 model.
     "not llama": (
         _json_edit("config.json", lambda c: c.update(model_type="gpt2")),
-        "model_type='gpt2': ckptctl reads llama, mistral, qwen2, qwen3",
-        2,
+        "model_type is 'gpt2', but LlamaForCausalLM is a 'llama' model",
+        3,
     ),
     "index without weight_map": (
         _both(

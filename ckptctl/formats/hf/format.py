@@ -5,20 +5,32 @@ from __future__ import annotations
 from typing import Any
 
 from ckptctl.checksums.integrity import Targets
+from ckptctl.errors import CheckpointError
 from ckptctl.formats.base import CheckpointFormat, ProbeRequest, lazy
 from ckptctl.formats.hf.target import SAFETENSORS, SAFETENSORS_FP8, HfTarget
 from ckptctl.formats.support import FormatSupport
 from ckptctl.io.storage import Storage
-from ckptctl.model.hf_layout import CONFIG
+from ckptctl.model.hf_layout import CONFIG, INDEX, SINGLE
 from ckptctl.model.stored import CheckpointView
 
 
 def _probe(storage: Storage, names: frozenset[str], request: ProbeRequest) -> Any:
-    if request.file is not None or CONFIG not in names:
+    if request.file is not None:
         return None
+    weights = INDEX in names or SINGLE in names
+    if CONFIG not in names:
+        if not weights:
+            return None
+        if request.hf_config is None:  # e.g. torchtitan's HF export: weights only
+            raise CheckpointError(
+                f"{storage.describe(CONFIG)}: missing beside the safetensors weights; the "
+                "model they hold is unknown without it",
+                hint="give the model's config.json with --hf-config",
+            )
     from ckptctl.formats.hf.reader import probe_hf
 
-    return probe_hf(storage, trusted=request.trusted_fields)
+    given = dict(request.hf_config) if CONFIG not in names and request.hf_config else None
+    return probe_hf(storage, trusted=request.trusted_fields, config=given)
 
 
 def _checksums(ckpt: Any) -> Targets:

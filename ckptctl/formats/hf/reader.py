@@ -320,11 +320,16 @@ def probe_hf(
     storage: Storage,
     make_vocab_size_divisible_by: int = 128,
     trusted: frozenset[str] = frozenset(),
+    config: dict[str, Any] | None = None,
 ) -> HFCheckpoint:
-    """Read config and safetensors headers; map every HF tensor onto canonical tensors."""
-    if not storage.exists(CONFIG):
-        raise CheckpointNotFoundError(f"{storage.describe(CONFIG)}: missing; not an HF checkpoint")
-    config = json_input.parse_object(storage.read_text(CONFIG), storage.describe(CONFIG))
+    """Read config (``config``: given, for weights saved without one) and safetensors
+    headers; map every HF tensor onto canonical tensors."""
+    if config is None:
+        if not storage.exists(CONFIG):
+            raise CheckpointNotFoundError(
+                f"{storage.describe(CONFIG)}: missing; not an HF checkpoint"
+            )
+        config = json_input.parse_object(storage.read_text(CONFIG), storage.describe(CONFIG))
     try:
         fp8 = block_fp8(config)  # how the weights are stored, not what the model is
     except LayoutError as err:
