@@ -77,6 +77,20 @@ def _logits(model: Any, tokens: torch.Tensor) -> torch.Tensor:
         return model(input_ids=tokens).logits
 
 
+def _as_save_pretrained_writes(run: Path, hf: Path, reference: Path) -> dict[str, Any]:
+    """``hf`` holds exactly the tensors ``save_pretrained`` writes of the run's trained weights
+    (saved to ``reference``), bit for bit, and gives the logits of that saved model; the
+    tensors, for further checks."""
+    _saved_by_transformers(run, reference)
+    ours, theirs = _tensors(hf), _tensors(reference)
+    assert sorted(ours) == sorted(theirs)
+    for name, tensor in theirs.items():
+        assert torch.equal(ours[name], tensor), name
+    tokens = _truth(run)["input_ids"]
+    assert torch.equal(_logits(_loaded(hf), tokens), _logits(_loaded(reference), tokens))
+    return ours
+
+
 def test_a_vlm_under_fsdp2_becomes_the_checkpoint_save_pretrained_writes(
     vlm: Path, tmp_path: Path, cli
 ) -> None:
@@ -84,12 +98,8 @@ def test_a_vlm_under_fsdp2_becomes_the_checkpoint_save_pretrained_writes(
     output holds exactly the tensors ``save_pretrained`` writes, bit for bit, its config files
     are the source's, and transformers' forward of it gives the trained model's logits."""
     cli("consolidate", vlm / "dcp", tmp_path / "hf", "--max-shard-size", "300KiB")
-    _saved_by_transformers(vlm, tmp_path / "reference")
-    ours, theirs = _tensors(tmp_path / "hf"), _tensors(tmp_path / "reference")
-    assert sorted(ours) == sorted(theirs)
+    ours = _as_save_pretrained_writes(vlm, tmp_path / "hf", tmp_path / "reference")
     assert any(name.startswith("visual.") for name in ours)
-    for name, tensor in theirs.items():
-        assert torch.equal(ours[name], tensor), name
     assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
     for name in ("config.json", "generation_config.json"):
         assert json.loads((tmp_path / "hf" / name).read_text()) == json.loads(
@@ -98,10 +108,9 @@ def test_a_vlm_under_fsdp2_becomes_the_checkpoint_save_pretrained_writes(
     truth = _truth(vlm)
     logits = _logits(_loaded(tmp_path / "hf"), truth["input_ids"])
     assert torch.equal(logits, truth["logits"])
-    assert torch.equal(logits, _logits(_loaded(tmp_path / "reference"), truth["input_ids"]))
     # The source holds Adam's state too, which HF does not: weights are what is compared.
     report = cli.json("verify", tmp_path / "hf", "--against", vlm / "dcp", "--weights-only")
-    assert report["ok"] and report["against"]["compared"] == len(theirs)
+    assert report["ok"] and report["against"]["compared"] == len(ours)
     info = cli.json("inspect", tmp_path / "hf")
     assert info["hf"]["architecture"] == "Qwen2_5_VLForConditionalGeneration"
 
@@ -112,14 +121,9 @@ def test_a_vlm_under_fsdp2_over_tensor_parallelism_becomes_its_hf_checkpoint(
     """2-D FSDP + TP: DCP stores each rank's strided shard as a box of the global tensor; the
     HF output is what save_pretrained writes of the trained weights, bit for bit."""
     cli("consolidate", vlm_tp / "dcp", tmp_path / "hf")
-    _saved_by_transformers(vlm_tp, tmp_path / "reference")
-    ours, theirs = _tensors(tmp_path / "hf"), _tensors(tmp_path / "reference")
-    assert sorted(ours) == sorted(theirs)
-    for name, tensor in theirs.items():
-        assert torch.equal(ours[name], tensor), name
+    _as_save_pretrained_writes(vlm_tp, tmp_path / "hf", tmp_path / "reference")
     truth = _truth(vlm_tp)
     logits = _logits(_loaded(tmp_path / "hf"), truth["input_ids"])
-    assert torch.equal(logits, _logits(_loaded(tmp_path / "reference"), truth["input_ids"]))
     # The live model reduced its row-parallel outputs over TP ranks: the same to rounding.
     torch.testing.assert_close(logits, truth["logits"], rtol=1e-5, atol=1e-6)
 
@@ -184,15 +188,10 @@ def test_transformers5_packed_experts_become_the_hubs_per_expert_tensors(
     (``experts.gate_up_proj`` ``[E, 2F, H]``, sharded over experts): the HF output holds the
     hub's per-expert tensors, as ``save_pretrained`` writes them, bit for bit."""
     cli("consolidate", moe / "dcp", tmp_path / "hf")
-    _saved_by_transformers(moe, tmp_path / "reference")
-    ours, theirs = _tensors(tmp_path / "hf"), _tensors(tmp_path / "reference")
-    assert sorted(ours) == sorted(theirs)
+    ours = _as_save_pretrained_writes(moe, tmp_path / "hf", tmp_path / "reference")
     assert "model.layers.1.mlp.experts.3.up_proj.weight" in ours
-    for name, tensor in theirs.items():
-        assert torch.equal(ours[name], tensor), name
     truth = _truth(moe)
     logits = _logits(_loaded(tmp_path / "hf"), truth["input_ids"])
-    assert torch.equal(logits, _logits(_loaded(tmp_path / "reference"), truth["input_ids"]))
     # The live FSDP2 model computed its experts over sharded DTensors: the same to rounding.
     torch.testing.assert_close(logits, truth["logits"], rtol=1e-5, atol=1e-6)
 
