@@ -51,6 +51,11 @@ def build_names(config: Mapping[str, Any], where: str) -> HfNamedModel:
             f"{architecture}; ckptctl never runs a checkpoint's own code",
             hint="install the transformers release that added this architecture",
         )
+    if "quantization_config" in config:  # the weights would be written as they are stored
+        raise CheckpointError(
+            f"{where}: quantization_config: quantized weights are read for the families "
+            f"ckptctl maps only, not {architecture}"
+        )
     declared = getattr(cls.config_class, "model_type", "") or ""
     if declared and config.get("model_type") != declared:
         raise CheckpointError(
@@ -63,11 +68,10 @@ def build_names(config: Mapping[str, Any], where: str) -> HfNamedModel:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            settings = {k: v for k, v in config.items() if k != "quantization_config"}
             config_class = cls.config_class
             if config_class is None:
                 raise CheckpointError(f"{where}: {architecture} declares no config class")
-            model_config = config_class.from_dict(settings)
+            model_config = config_class.from_dict(dict(config))
             with torch.device("meta"):
                 model = cls(model_config)
     except Exception as err:  # transformers raises anything on a config it cannot build

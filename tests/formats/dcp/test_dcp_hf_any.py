@@ -179,6 +179,13 @@ def test_an_architecture_transformers_lacks_is_refused_and_no_code_is_run(
     (source / "config.json").write_text(json.dumps(config))
     result = cli("consolidate", source, tmp_path / "out", code=3)
     assert "MyRemoteModel" in result.stderr and "never runs" in result.stderr
+    # A quantized config of a model ckptctl carries by name: its weights would be written as
+    # stored under a config that says otherwise.
+    config["architectures"] = ["Qwen2_5_VLForConditionalGeneration"]
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (source / "config.json").write_text(json.dumps(config))
+    result = cli("consolidate", source, tmp_path / "out", code=3)
+    assert "quantization_config" in result.stderr
 
 
 def test_transformers5_packed_experts_become_the_hubs_per_expert_tensors(
