@@ -23,7 +23,7 @@ from ckptctl.model.geometry import Piece
 from ckptctl.model.hf_config import spec_from_config
 from ckptctl.model.hf_named import HfNamedModel, HfNamedSource
 from ckptctl.model.megatron_style import GroupOrder, MegatronStyle, OptimizerLayout
-from ckptctl.model.stored import CheckpointView, KeyPath, StoredTensor
+from ckptctl.model.stored import CheckpointView, KeyPath, StoredTensor, canonical_shapes
 
 TRAINER_STATE = "trainer_state.json"
 """The HF Trainer's record of a ``checkpoint-N/`` directory (``global_step``, ...)."""
@@ -162,25 +162,20 @@ def _generic_names(view: CheckpointView) -> set[str]:
 
 
 def _by_hub_name(view: CheckpointView, model: HfNamedModel, url: str) -> CheckpointView:
-    """Each tensor under its hub name (optimizer state under its state name), checked against
-    the model: every tensor there, of its shape, nothing else."""
+    """Each tensor under its hub name (optimizer state under its state name), each of the
+    model's shape (``check_names`` has held the names to the model already)."""
     shapes = model.shapes()
     tied = dict(model.tied)
-    held: dict[str, tuple[int, ...]] = {}
-    for file in view.files:
-        for t in file.tensors:
-            if not t.canonical.startswith(OPTIM_PREFIX) and t.pieces:
-                ends = tuple(c + n for c, n in zip(t.pieces[0].canonical, t.shape, strict=True))
-                held[t.canonical] = tuple(
-                    max(a, b) for a, b in zip(held.get(t.canonical, ends), ends, strict=True)
-                )
-    problems = [f"{n} missing" for n in shapes if n not in held and n not in tied]
-    problems += [
+    held = {
+        name: shape
+        for name, (shape, _) in canonical_shapes(view).items()
+        if not name.startswith(OPTIM_PREFIX)
+    }
+    problems = [
         f"{n} is {list(held[n])}, the model's {list(s)}"
         for n, s in shapes.items()
         if n in held and held[n] != s
     ]
-    problems += [f"{n}: no such tensor in {model.architecture}" for n in held if n not in shapes]
     if problems:
         raise CheckpointError(f"{url}: " + "; ".join(problems[:5]))
 

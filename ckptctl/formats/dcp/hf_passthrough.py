@@ -65,6 +65,20 @@ def _optimizer_prefix(keys: list[str], model: HfNamedModel) -> str | None:
     return max(counts, key=lambda p: (counts[p], -len(p))) if counts else None
 
 
+def _chunks(
+    metadata: DcpMetadata, fqn: str, entry: TensorEntry, canonical: str
+) -> list[tuple[StorageInfo, StoredTensor]]:
+    """Each stored chunk of ``fqn``, placed where it lies in canonical tensor ``canonical``."""
+    out = []
+    for chunk in entry.chunks:
+        zero = (0,) * len(chunk.sizes)
+        pieces = (Piece(zero, chunk.offsets, chunk.sizes),) if all(chunk.sizes) else ()
+        key: KeyPath = (fqn, *chunk.offsets)
+        tensor = StoredTensor(key, canonical, chunk.sizes, entry.dtype, pieces)
+        out.append((metadata.storage[(fqn, chunk.offsets)], tensor))
+    return out
+
+
 def named_tensors(metadata: DcpMetadata, model: HfNamedModel, base: str) -> NamedTensors:
     """Every model tensor's chunks under its hub name, or the problems that stop it."""
     entries = {k: e for k, e in metadata.entries.items() if isinstance(e, TensorEntry)}
@@ -87,14 +101,7 @@ def named_tensors(metadata: DcpMetadata, model: HfNamedModel, base: str) -> Name
             continue
         if name in tied:
             continue
-        canonical = model.hub_name(name)
-        for chunk in entry.chunks:
-            zero = (0,) * len(chunk.sizes)
-            pieces = (Piece(zero, chunk.offsets, chunk.sizes),) if all(chunk.sizes) else ()
-            tensor = StoredTensor(
-                (fqn, *chunk.offsets), canonical, chunk.sizes, entry.dtype, pieces
-            )
-            placed.append((metadata.storage[(fqn, chunk.offsets)], tensor))
+        placed += _chunks(metadata, fqn, entry, model.hub_name(name))
     states, other_states = _adam_state(metadata, entries, optim, model)
     placed += states
     strays = sorted(k for k in keys if k.startswith(prefix) and k[len(prefix) :] not in shapes)
@@ -149,13 +156,7 @@ def _adam_state(
             if entry is None:
                 continue
             read.add(fqn)
-            canonical = state_name(state, model.hub_name(name))
-            for chunk in entry.chunks:
-                zero = (0,) * len(chunk.sizes)
-                pieces = (Piece(zero, chunk.offsets, chunk.sizes),) if all(chunk.sizes) else ()
-                key: KeyPath = (fqn, *chunk.offsets)
-                tensor = StoredTensor(key, canonical, chunk.sizes, entry.dtype, pieces)
-                out.append((metadata.storage[(fqn, chunk.offsets)], tensor))
+            out += _chunks(metadata, fqn, entry, state_name(state, model.hub_name(name)))
     others = sum(1 for k in entries if k.startswith(optim) and k not in read)
     return out, others
 
