@@ -10,7 +10,6 @@ The oracle script (``tests/oracles/megatron_lm.py``) runs it on the CPU.
 
 from __future__ import annotations
 
-import fcntl
 import glob
 import json
 import os
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.oracle_runner import OracleFailed
+from tests.oracle_venvs import ROOT, venv_python
 
 RELEASE = "0.19.2"
 PACKAGES = (
@@ -39,10 +39,7 @@ PACKAGES = (
     "einops",
 )
 ORACLE = Path(__file__).parent / "oracles" / "megatron_lm.py"
-ROOT = Path(os.environ.get("CKPTCTL_ORACLES", Path.home() / ".cache" / "ckptctl-oracles"))
 VENV = ROOT / f"mlm-{RELEASE}-py312"
-READY = VENV / "ckptctl-ready.json"
-"""Written last, naming what was installed: a half-built environment is built again."""
 
 
 def python312() -> str:
@@ -61,34 +58,8 @@ def python312() -> str:
 
 
 def megatron_python() -> Path:
-    """The environment's interpreter, built first if it is not there (under a lock: test
-    sessions side by side build it once)."""
-    python = VENV / "bin" / "python"
-    if _ready():
-        return python
-    ROOT.mkdir(parents=True, exist_ok=True)
-    with open(ROOT / f"mlm-{RELEASE}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if _ready():
-            return python
-        shutil.rmtree(VENV, ignore_errors=True)
-        _run([python312(), "-m", "venv", str(VENV)], "creating the venv")
-        _run([str(python), "-m", "pip", "install", "--quiet", *PACKAGES], "pip install")
-        READY.write_text(json.dumps({"packages": PACKAGES}))
-    return python
-
-
-def _ready() -> bool:
-    try:
-        return json.loads(READY.read_text()).get("packages") == list(PACKAGES)
-    except (OSError, ValueError):
-        return False
-
-
-def _run(command: list[str], what: str) -> None:
-    done = subprocess.run(command, capture_output=True, text=True, timeout=3600)
-    if done.returncode != 0:
-        raise OracleFailed(f"Megatron-LM environment, {what}:\n{done.stdout}\n{done.stderr}")
+    """The environment's interpreter, built first if it is not there."""
+    return venv_python(VENV.name, python312(), PACKAGES)
 
 
 def command(

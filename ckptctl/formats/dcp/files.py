@@ -1,6 +1,6 @@
-"""Where a DCP checkpoint's files are: the directory holding ``.metadata`` (the root, or a
-Megatron iteration directory), ``.metadata`` read through the allow-list and checked, and the
-record files it names present and long enough."""
+"""Where a DCP checkpoint's files are: the directory holding ``.metadata`` (the root, a
+Megatron iteration directory, or torchtitan's ``step-<n>``), ``.metadata`` read through the
+allow-list and checked, and the record files it names present and long enough."""
 
 from __future__ import annotations
 
@@ -8,12 +8,13 @@ from dataclasses import replace
 
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError
 from ckptctl.formats.dcp.checks import check_metadata
-from ckptctl.formats.dcp.metadata import METADATA_FILE, DcpMetadata
+from ckptctl.formats.dcp.metadata import METADATA_FILE, DcpMetadata, StorageInfo
 from ckptctl.formats.dcp.parse import parse_metadata
 from ckptctl.formats.megatron.format import recognised
 from ckptctl.formats.megatron.layout import TRACKER
 from ckptctl.formats.megatron.reader import find_iteration
 from ckptctl.io.storage import Storage
+from ckptctl.model.stored import StoredFile, StoredTensor
 
 ACCELERATE_MODEL = "pytorch_model_fsdp_0"
 ACCELERATE_OPTIMIZER = "optimizer_0"
@@ -75,6 +76,16 @@ def locate(
         rel, number = find_iteration(storage, iteration)
         if storage.exists(join(rel, METADATA_FILE)):
             return rel, number
+    steps = {int(n[5:]): n for n in names if n.startswith("step-") and n[5:].isdigit()}
+    if steps:  # torchtitan's checkpoint folder: step-<n>/ each; the newest unless asked
+        number = max(steps) if iteration is None else iteration
+        if number not in steps:
+            raise CheckpointNotFoundError(
+                f"{storage.describe(f'step-{number}')}: no such step; there are "
+                + ", ".join(steps[n] for n in sorted(steps))
+            )
+        if storage.exists(join(steps[number], METADATA_FILE)):
+            return steps[number], number
     return None
 
 
@@ -106,3 +117,11 @@ def read_merged_metadata(storage: Storage, parts: tuple[str, ...]) -> DcpMetadat
             records[key] = replace(info, relative_path=join(part, info.relative_path))
         planner.update(metadata.planner_data or {})
     return DcpMetadata(entries=entries, storage=records, planner_data=planner or None)
+
+
+def files_of(base: str, placed: list[tuple[StorageInfo, StoredTensor]]) -> tuple[StoredFile, ...]:
+    """Stored tensors grouped into the ``.distcp`` files their records lie in."""
+    by_file: dict[str, list[StoredTensor]] = {}
+    for info, tensor in placed:
+        by_file.setdefault(join(base, info.relative_path), []).append(tensor)
+    return tuple(StoredFile(path, tuple(ts)) for path, ts in sorted(by_file.items()))

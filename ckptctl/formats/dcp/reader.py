@@ -22,14 +22,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from ckptctl import json_input
 from ckptctl.errors import CheckpointError, LayoutError, UsageError
 from ckptctl.formats.base import Checkpoint, SavedTraining, templates_of
-from ckptctl.formats.dcp.files import join, read_metadata
+from ckptctl.formats.dcp.files import files_of, join, read_metadata
 from ckptctl.formats.dcp.hf_layout import key_table, packed_chunk, packed_table, prefixes
-from ckptctl.formats.dcp.metadata import (
-    BytesEntry,
-    DcpMetadata,
-    StorageInfo,
-    TensorEntry,
-)
+from ckptctl.formats.dcp.metadata import BytesEntry, DcpMetadata, StorageInfo, TensorEntry
 from ckptctl.formats.dcp.records import (
     Fetch,
     RecordWindow,
@@ -38,9 +33,9 @@ from ckptctl.formats.dcp.records import (
     pread,
     tensor_of,
 )
-from ckptctl.formats.torch_dist.layout import (
-    MCORE_METADATA,
-)
+from ckptctl.formats.dcp.titan_layout import TITAN_GROUPS, is_titan, titan_groups
+from ckptctl.formats.dcp.titan_reader import RowOrders, titan_view
+from ckptctl.formats.torch_dist.layout import MCORE_METADATA
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
 from ckptctl.formats.torchsave.refs import stored_object, view_ref
 from ckptctl.io.runs import Span
@@ -52,13 +47,13 @@ from ckptctl.model.hf_layout import CONFIG
 from ckptctl.model.hf_named import GENERATION_CONFIG, HfNamedModel, HfNamedSource
 from ckptctl.model.layout import ModelSpec, ParallelLayout
 from ckptctl.model.megatron_style import GroupOrder, MegatronStyle, OptimizerLayout
+from ckptctl.model.rotary_rows import stored_rows
 from ckptctl.model.stored import (
     CheckpointView,
     FlatView,
     Format,
     KeyPath,
     Shape,
-    StoredFile,
     StoredTensor,
 )
 
@@ -81,6 +76,8 @@ class DcpCheckpoint(Checkpoint):
         default_factory=dict
     )
     _files: dict[str, Any] = field(default_factory=dict)
+    row_orders: RowOrders = field(default_factory=dict)
+    """Chunks whose rows are read through a row map (torchtitan's rotary q/k rows)."""
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def _open(self, fqn: str, offsets: tuple[int, ...]) -> tuple[TorchZipReader, TensorRef]:
@@ -131,12 +128,21 @@ class DcpCheckpoint(Checkpoint):
         reader, ref = self._open(str(key[0]), tuple(int(k) for k in key[1:]))
         if view is not None:
             ref = view_ref(_flat(ref), *view)
+        if key in self.row_orders:  # gather the rows, in HF order, from their stored run
+            import numpy as np
+
+            at = np.asarray(stored_rows(*self.row_orders[key], offsets[0], sizes[0]))
+            lo = int(at.min())
+            box = reader.read(ref, (lo, *offsets[1:]), (int(at.max()) + 1 - lo, *sizes[1:]))
+            return np.ascontiguousarray(box[at - lo])
         return reader.read(ref, offsets, sizes)
 
     def where(
         self, path: str, key: KeyPath, offsets: Shape, sizes: Shape, view: FlatView = None
     ) -> Span | None:
         """Where the box lies in its ``.distcp`` file, when it lies there contiguously."""
+        if key in self.row_orders:
+            return None
         reader, ref = self._open(str(key[0]), tuple(int(k) for k in key[1:]))
         if view is not None:
             ref = view_ref(_flat(ref), *view)
@@ -191,6 +197,9 @@ class DcpCheckpoint(Checkpoint):
             in_group = len(path) >= 3 and path[-3] == "param_groups"
             if in_group and isinstance(path[-2], int) and path[-1] != "params":
                 groups.setdefault(path[-2], {})[str(path[-1])] = self.byte_item(fqn)[0]
+        if not groups:  # torchtitan's flattened optimizer: each parameter's options
+            flat = [f for f in self.byte_items() if f.startswith(TITAN_GROUPS)]
+            return titan_groups({f: self.byte_item(f)[0] for f in flat})
         return [groups[i] for i in sorted(groups)]
 
     def byte_items(self) -> list[str]:
@@ -264,6 +273,8 @@ def probe_dcp(
     keys = [k for k, e in metadata.entries.items() if isinstance(e, TensorEntry)]
     found = prefixes(keys)
     config = hf_config if hf_config is not None else _config_beside(storage, base)
+    if is_titan(keys):
+        return _titan(storage, base, metadata, iteration, config, trusted)
     if config is not None:
         try:
             spec = spec_from_config(config, trusted=trusted)
@@ -309,14 +320,6 @@ def mcore_backend(storage: Storage, base: str) -> str | None:
         return None
     doc = json_input.parse_object(storage.read_text(rel), storage.describe(rel))
     return str(doc.get("sharded_backend"))
-
-
-def files_of(base: str, placed: list[tuple[StorageInfo, StoredTensor]]) -> tuple[StoredFile, ...]:
-    """Stored tensors grouped into the ``.distcp`` files their records lie in."""
-    by_file: dict[str, list[StoredTensor]] = {}
-    for info, tensor in placed:
-        by_file.setdefault(join(base, info.relative_path), []).append(tensor)
-    return tuple(StoredFile(path, tuple(ts)) for path, ts in sorted(by_file.items()))
 
 
 def _config_beside(storage: Storage, base: str) -> dict[str, Any] | None:
@@ -429,6 +432,29 @@ def _hf_named(
         (f"PyTorch DCP checkpoint of an HF {choose_family(spec).architecture}",),
     )
     return DcpCheckpoint(storage, view, base, metadata)
+
+
+def _titan(
+    storage: Storage,
+    base: str,
+    metadata: DcpMetadata,
+    iteration: int | None,
+    config: dict[str, Any] | None,
+    trusted: frozenset[str],
+) -> DcpCheckpoint:
+    """torchtitan's Llama 3 checkpoint: with the model's HF config, its tensors placed in the
+    canonical ones; without, key by key. Its ``train_state.step`` is the iteration."""
+    ckpt = _generic(storage, base, metadata, iteration)
+    if "train_state.step" in metadata.entries:
+        step = ckpt.byte_item("train_state.step")[0]
+        ckpt.view = replace(ckpt.view, iteration=step if isinstance(step, int) else iteration)
+    if config is None:
+        hint = "torchtitan Llama checkpoint: give the model's HF config.json with --hf-config"
+        ckpt.view = replace(ckpt.view, notes=(*ckpt.view.notes, f"{hint} to convert it to HF"))
+        return ckpt
+    spec = spec_from_config(config, trusted=trusted)
+    view, rows = titan_view(storage.describe(base), base, metadata, ckpt.view.iteration, spec)
+    return DcpCheckpoint(storage, view, base, metadata, row_orders=rows)
 
 
 def open_dcp(storage: Storage, base: str, metadata: DcpMetadata) -> DcpCheckpoint:

@@ -9,9 +9,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError
-from ckptctl.formats.dcp.files import join, read_metadata
+from ckptctl.formats.dcp.files import files_of, join, read_metadata
 from ckptctl.formats.dcp.metadata import BytesEntry, DcpMetadata, StorageInfo, TensorEntry
-from ckptctl.formats.dcp.reader import files_of
 from ckptctl.formats.dcp.records import RecordWindow, open_record
 from ckptctl.formats.megatron.args import (
     check_saved_layout,

@@ -1,0 +1,125 @@
+"""torchtitan's DCP checkpoints of Llama 3 as geometry over canonical tensors. Pure.
+
+torchtitan's ``CheckpointManager`` saves the model's state dict at the top level
+(``tok_embeddings.weight``, ``layers.<i>.attention.qkv_linear.wq.weight`` -- or
+``attention.wq`` without the fused-QKV module -- ``feed_forward.w1/w2/w3``, ``norm``,
+``lm_head`` or ``output``) and the optimizer's state under ``optimizer.state.<parameter>``,
+keyed by *parameter*: a fused-QKV model's Adam state is ``qkv_linear.wqkv.weight``'s,
+group-major like Megatron's fused QKV, while its weights are saved split into ``wq/wk/wv``.
+Its complex-number RoPE keeps q and k rows in Meta's interleaved order, which its HF adapter
+permutes into HF's (``rotary_rows``); v rows and every other tensor are HF's as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ckptctl.model.catalog import state_name
+from ckptctl.model.geometry import Piece, Shape, whole
+from ckptctl.model.hf_layout import hf_tensors
+from ckptctl.model.layout import ModelSpec
+from ckptctl.model.rotary_rows import RotaryRows
+
+ANCHOR = "tok_embeddings.weight"
+OPTIMIZER_PREFIX = "optimizer.state."
+TITAN_GROUPS = "optimizer.param_groups."
+"""Where each parameter's optimizer options sit: ``<this><parameter>.<option>``."""
+STATES = ("exp_avg", "exp_avg_sq", "step")
+
+_RENAMES = {
+    "model.embed_tokens.weight": ("tok_embeddings.weight",),
+    "self_attn.q_proj.weight": ("attention.qkv_linear.wq.weight", "attention.wq.weight"),
+    "self_attn.k_proj.weight": ("attention.qkv_linear.wk.weight", "attention.wk.weight"),
+    "self_attn.v_proj.weight": ("attention.qkv_linear.wv.weight", "attention.wv.weight"),
+    "self_attn.o_proj.weight": ("attention.wo.weight",),
+    "mlp.gate_proj.weight": ("feed_forward.w1.weight",),
+    "mlp.up_proj.weight": ("feed_forward.w3.weight",),
+    "mlp.down_proj.weight": ("feed_forward.w2.weight",),
+    "input_layernorm.weight": ("attention_norm.weight",),
+    "post_attention_layernorm.weight": ("ffn_norm.weight",),
+    "model.norm.weight": ("norm.weight",),
+    "lm_head.weight": ("lm_head.weight", "output.weight"),
+}
+_ROTARY = ("self_attn.q_proj.weight", "self_attn.k_proj.weight")
+FUSED_QKV = "attention.qkv_linear.wqkv.weight"
+
+
+@dataclass(frozen=True, slots=True)
+class TitanKey:
+    canonical: str
+    shape: Shape
+    """The stored tensor's shape (``()`` for Adam's step)."""
+    pieces: tuple[Piece, ...]
+    """Pieces of the whole tensor in HF row order (its coordinates -> canonical ones)."""
+    rows: RotaryRows | None = None
+    """Set when the stored rows are in Meta's interleaved rotary order."""
+
+
+def is_titan(keys: list[str]) -> bool:
+    """Whether ``keys`` are a torchtitan Llama model's (at the top level, as it saves them)."""
+    return ANCHOR in keys and any(k.endswith(".attention_norm.weight") for k in keys)
+
+
+def unsupported(spec: ModelSpec) -> str | None:
+    """What of the configured model torchtitan's Llama 3 naming does not cover, if anything."""
+    for field, value in (
+        ("attention_bias / mlp_bias", spec.add_bias_linear or spec.add_qkv_bias),
+        ("q/k norms (qk_layernorm)", spec.qk_layernorm),
+        ("experts (num_experts)", bool(spec.num_experts)),
+        ("multi-latent attention", spec.mla is not None),
+        ("multi-token prediction layers", bool(spec.mtp_num_layers)),
+        ("tie_word_embeddings", spec.tie_embeddings),
+    ):
+        if value:
+            return field
+    return None
+
+
+def titan_groups(items: dict[str, Any]) -> list[dict[str, Any]]:
+    """torch's parameter groups from torchtitan's flattened ones (every parameter's options,
+    keyed ``optimizer.param_groups.<parameter>.<option>``): each distinct set of options."""
+    by_param: dict[str, dict[str, Any]] = {}
+    for key, value in items.items():
+        param, _, option = key[len(TITAN_GROUPS) :].rpartition(".")
+        by_param.setdefault(param, {})[option] = value
+    groups: list[dict[str, Any]] = []
+    for options in by_param.values():
+        if options not in groups:
+            groups.append(options)
+    return groups
+
+
+def key_table(spec: ModelSpec) -> dict[str, TitanKey]:
+    """Every key a torchtitan Llama 3 checkpoint of ``spec`` may hold (model and Adam state)."""
+    d = spec.kv_channels
+    heads = RotaryRows(d, d, d)
+    params: dict[str, TitanKey] = {}
+    for name, canonical, shape, pieces in hf_tensors(spec):
+        _, _, local = name.partition(".layers.")
+        prefix, suffix = ("", name)
+        if local:
+            number, _, suffix = local.partition(".")
+            prefix = f"layers.{number}."
+        rows = heads if suffix in _ROTARY else None
+        for titan in _RENAMES[suffix]:
+            params[prefix + titan] = TitanKey(canonical, shape, pieces, rows)
+    qkv_rows = (spec.heads_per_group + 2) * d
+    fused = RotaryRows(d, qkv_rows, qkv_rows - d)
+    qkv_shape = (spec.num_query_groups * qkv_rows, spec.hidden_size)
+    for i in range(spec.num_layers):
+        canonical = params[f"layers.{i}.attention.wq.weight"].canonical
+        params[f"layers.{i}.{FUSED_QKV}"] = TitanKey(
+            canonical, qkv_shape, (whole(qkv_shape),), fused
+        )
+    table = dict(params)
+    for name, key in params.items():
+        for state in STATES:
+            if state == "step":  # Adam's count, one 0-d tensor per parameter
+                step = TitanKey(state_name("step", key.canonical), (), (Piece((), (), ()),))
+                table[f"{OPTIMIZER_PREFIX}{name}.step"] = step
+            else:
+                table[f"{OPTIMIZER_PREFIX}{name}.{state}"] = TitanKey(
+                    state_name(state, key.canonical), key.shape, key.pieces, key.rows
+                )
+    return table

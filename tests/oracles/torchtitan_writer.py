@@ -1,0 +1,277 @@
+"""Write a torchtitan 0.3.0 checkpoint with torchtitan's own code: its Llama 3 model, FSDP2
+applied by its ``parallelize_llama``, its AdamW ``OptimizersContainer`` and LR schedulers,
+saved by its ``CheckpointManager`` -- on CPU processes over gloo.
+
+Test oracle for ``ckptctl`` (run in torchtitan's own environment, ``tests/torchtitan_env.py``).
+Writes under OUT_DIR::
+
+    checkpoint/step-1/          CheckpointManager.save(curr_step=1) after one AdamW step
+    config.json                 the HF LlamaConfig of the same model (what a user passes as
+                                --hf-config: torchtitan's hf_assets_path holds one)
+    hf_dcp/                     the same trained state in HF names, made by torchtitan's own
+                                Llama3StateDictAdapter.to_hf (weights, and each Adam moment
+                                put through it like a weight), saved by torch's dcp.save as
+                                an FSDP2 run of the HF model saves {"model", "optim"}
+    truth.pt                    {"hf": to_hf(full state dict), "input_ids", "logits"}:
+                                torchtitan's forward after the step, in float32
+
+CPU shims, none touching what is saved: ``torch._utils._get_available_device_type`` answers
+"cpu" (torchtitan assumes "cuda" when it finds no accelerator); the module of GPU kernels of
+``minimal_async_ep`` (it imports triton) is replaced by one whose kernels raise if ever
+called (none is: no expert parallelism here); FlexAttention has no backward on CPU, so the
+step's gradients are seeded random tensors, not backpropagated ones (the optimizer, its state
+and the checkpoint are torchtitan's all the same); FSDP keeps float32 parameters
+(``mixed_precision_param``) so the forward compares with transformers' to rounding.
+
+Usage::
+
+    python tests/oracles/torchtitan_writer.py OUT_DIR [--world N] [--unfused]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+DIM, HEADS, KV_HEADS, LAYERS, FFN, VOCAB = 64, 4, 2, 2, 96, 301
+ROPE_THETA, NORM_EPS = 500000.0, 1e-5
+BATCH, SEQ = 2, 12
+
+
+def cpu_shims() -> None:
+    name = "torchtitan.distributed.minimal_async_ep.kernels"
+    kernels = types.ModuleType(name)
+
+    def never(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("a GPU kernel of minimal_async_ep was called on the CPU")
+
+    for kernel in [
+        "copy_full_counts_to_peers_kernel",
+        "copy_rows_to_peers_kernel",
+        "expand_topk_grad_kernel",
+        "fill_combine_metadata_kernel",
+        "fill_dispatch_metadata_kernel",
+        "invert_flat_indices_kernel",
+        "reduce_topk_slots_kernel",
+        "topk_scores_grad_kernel",
+    ]:
+        setattr(kernels, kernel, never)
+    sys.modules[name] = kernels
+    import torch._utils
+
+    torch._utils._get_available_device_type = lambda: "cpu"
+
+
+def model_config(fused: bool) -> Any:
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers
+
+    return Llama3Model.Config(
+        dim=DIM,
+        vocab_size=VOCAB,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM),
+        norm=RMSNorm.Config(normalized_shape=DIM, eps=NORM_EPS),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB),
+        layers=_build_llama3_layers(
+            n_layers=LAYERS,
+            dim=DIM,
+            n_heads=HEADS,
+            n_kv_heads=KV_HEADS,
+            hidden_dim=FFN,
+            rope=ComplexRoPE.Config(dim=DIM // HEADS, max_seq_len=64, theta=ROPE_THETA),
+            attn_backend="flex",
+            fuse_qkv=fused,
+        ),
+    )
+
+
+def hf_config() -> dict[str, Any]:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": DIM,
+        "intermediate_size": FFN,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 64,
+        "rope_theta": ROPE_THETA,
+        "rms_norm_eps": NORM_EPS,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": "float32",
+    }
+
+
+def worker(rank: int, world: int, port: int, out: Path, fused: bool) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+    )
+    cpu_shims()
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        run(rank, world, out, fused)
+    finally:
+        dist.destroy_process_group()
+
+
+def run(rank: int, world: int, out: Path, fused: bool) -> None:
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed.parallel_dims import ParallelDims
+    from torchtitan.models.llama3.parallelize import parallelize_llama
+
+    torch.manual_seed(0)
+    config = model_config(fused)
+    with torch.device("meta"):
+        model = config.build()
+    dims = ParallelDims(
+        dp_replicate=1,
+        dp_shard=world,
+        cp=1,
+        tp=1,
+        pp=1,
+        ep=1,
+        world_size=world,
+        spmd_backend="partial_dtensor",
+    )
+    dims.build_mesh()
+    model = parallelize_llama(
+        model,
+        parallel_dims=dims,
+        training=TrainingConfig(mixed_precision_param="float32"),
+        parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
+        compile_config=CompileConfig(),
+        ac_config=None,
+        dump_folder=str(out),
+    )
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    model.train()
+    optimizers = default_adamw(lr=1e-3).build(model_parts=[model])
+    schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(
+        optimizers=optimizers, training_steps=10
+    )
+    seeded = torch.Generator().manual_seed(5)
+    for param in model.parameters():
+        grad = torch.randn(param.shape, generator=seeded) * 1e-2
+        param.grad = distribute_tensor(grad, param.device_mesh, param.placements)
+    optimizers.step()
+    schedulers.step()
+    optimizers.zero_grad()
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=seeded)
+    positions = torch.arange(SEQ).repeat(BATCH, 1)
+    with torch.no_grad():
+        logits = model(tokens, positions, model.get_attention_masks(positions))
+
+    class TrainState:  # the Trainer's own state_dict: {"step", "ntokens_seen"}
+        def state_dict(self) -> dict[str, Any]:
+            return {"step": 1, "ntokens_seen": BATCH * SEQ}
+
+        def load_state_dict(self, state: dict[str, Any]) -> None:
+            pass
+
+    manager = CheckpointManager.Config(
+        enable=True, folder="checkpoint", interval=1, last_save_model_only=False
+    ).build(
+        dataloader=None,
+        model_parts=[model],
+        optimizers=optimizers,
+        lr_schedulers=schedulers,
+        states={"train_state": TrainState()},
+        sd_adapter=None,
+        base_folder=str(out),
+    )
+    manager.save(curr_step=1)
+    manager.close()
+
+    def full(value: Any) -> Any:
+        return value.full_tensor() if isinstance(value, DTensor) else value
+
+    weights = {k: full(v) for k, v in model.state_dict().items()}
+    hf = hf_state(config, model, weights)
+    moments = {k: full(v) for k, v in optimizers.state_dict().items()}
+    optim = hf_optimizer(config, model, optimizers, moments)
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"model": hf, "optim": optim}, checkpoint_id=str(out / "hf_dcp"))
+    if rank == 0:
+        (out / "config.json").write_text(json.dumps(hf_config(), indent=2))
+        (out / "hf_dcp" / "config.json").write_text(json.dumps(hf_config(), indent=2))
+        torch.save({"hf": hf, "input_ids": tokens, "logits": logits}, out / "truth.pt")
+
+
+def hf_state(config: Any, model: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
+
+    return Llama3StateDictAdapter(config, None).to_hf(state)
+
+
+def hf_optimizer(config: Any, model: Any, optimizers: Any, flat: dict[str, Any]) -> dict[str, Any]:
+    """Adam's moments in HF names: each moment laid out like its parameter, so put through
+    the model's own state-dict hooks (the fused QKV's split) and the adapter like weights."""
+    from torchtitan.models.common.attention import FusedQKVLinear
+
+    per_state: dict[str, dict[str, torch.Tensor]] = {}
+    steps: dict[str, torch.Tensor] = {}
+    for key, value in flat.items():
+        if not key.startswith("state."):
+            continue
+        name, _, state = key[len("state.") :].rpartition(".")
+        if state == "step":
+            steps[name] = value
+        else:
+            per_state.setdefault(state, {})[name] = value
+    out: dict[str, dict[str, Any]] = {}
+    for state, moments in per_state.items():
+        for module_name, module in model.named_modules():
+            if isinstance(module, FusedQKVLinear):
+                FusedQKVLinear._split_qkv_on_save(module, moments, f"{module_name}.", None)
+        for name, value in hf_state(config, model, moments).items():
+            out.setdefault(name, {})[state] = value
+    step = next(iter(steps.values()))
+    for entry in out.values():
+        entry["step"] = step.clone()
+    group = {k: v for k, v in optimizers.optimizers[0].param_groups[0].items() if k != "params"}
+    return {"state": out, "param_groups": [{**group, "params": sorted(out)}]}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--unfused", action="store_true", help="separate wq/wk/wv modules")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    mp.spawn(worker, args=(args.world, free_port(), args.out, not args.unfused), nprocs=args.world)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
