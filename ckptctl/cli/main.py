@@ -23,6 +23,7 @@ from ckptctl.cli import (
     demo,
     formats,
     inspect,
+    merge_lora,
     plan,
     reshard,
     verify,
@@ -134,6 +135,7 @@ def _root(
 for name, command in (
     ("inspect", inspect.inspect_cmd),
     ("consolidate", consolidate.consolidate_cmd),
+    ("merge-lora", merge_lora.merge_lora_cmd),
     ("reshard", reshard.reshard_cmd),
     ("plan", plan.plan_cmd),
     ("calibrate", calibrate.calibrate_cmd),

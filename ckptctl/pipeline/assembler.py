@@ -192,6 +192,8 @@ class Assembler:
         many small pieces that a band is cheaper); ``None`` otherwise."""
         if write.padding or write.transposed or not write.copies:
             return None
+        if self.source.adjust is not None and self.source.adjust.covers(write):
+            return None
         strides = [prod(write.shape[i + 1 :]) for i in range(len(write.shape))]
         placed = []
         for copy in write.copies:
@@ -255,6 +257,8 @@ class Assembler:
 
         lo, hi, dim = band
         data = self._band(write, lo, hi, dim, parallel)
+        if self.source.adjust is not None and self.source.adjust.covers(write):
+            data = self.source.adjust.apply(write, lo, hi, dim, data)
         # A transposed band is reordered as words: numpy copies those at memory speed.
         return np.ascontiguousarray(arrays.words(data).T) if write.transposed else data
 

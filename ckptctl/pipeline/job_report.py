@@ -71,6 +71,10 @@ class Sources:
         self.server_copy_to: Any = None
         """The object store written to, when it is one: runs of its objects become server-side
         copies (``locate``)."""
+        self.adjust: Any = None
+        """A change made to the bands of some tensors as they are built (``merge-lora``'s
+        ``LoraMerge``: ``covers(write)``, ``apply(write, lo, hi, dim, band)``); those tensors
+        are always built in bands, never moved as runs of the source's bytes."""
         self._recorded: dict[int, Any] = {}
         """Each source's ckptctl manifest, read once (``check_copy``)."""
         self._recorded_lock = threading.Lock()

@@ -1,0 +1,1 @@
+"""Merging LoRA adapters into a base checkpoint (``ckptctl merge-lora``)."""

@@ -1,0 +1,85 @@
+"""A PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``), local
+or at any URL, read-only: its config checked, its tensors' header parsed strictly, the A and B
+matrices read on demand (an adapter is small next to its base)."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import xxhash
+
+from ckptctl import arrays, json_input
+from ckptctl.errors import CheckpointError, CheckpointNotFoundError
+from ckptctl.formats.safetensors_header import SafetensorsHeader, read_header
+from ckptctl.io.storage import Storage
+from ckptctl.model.lora import LoraPair, check_config, pairs
+from ckptctl.settings import StorageConfig
+
+if TYPE_CHECKING:
+    import torch
+
+CONFIG = "adapter_config.json"
+WEIGHTS = "adapter_model.safetensors"
+PICKLED = "adapter_model.bin"
+
+
+@dataclass
+class Adapter:
+    storage: Storage
+    header: SafetensorsHeader
+    pairs: dict[str, LoraPair]
+    """By base weight name."""
+    fingerprint: str
+    """xxh3-64 of the config and the weights: a merge's plan names the adapter by it."""
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def url(self) -> str:
+        return self.storage.url
+
+    def matrix(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` of the adapter, in float32."""
+        entry = self.header.tensors[name]
+        with self._lock:  # bands of several tensors are built on several threads
+            data = self.storage.read_range(WEIGHTS, entry.begin, entry.end - entry.begin)
+        flat = np.frombuffer(data, arrays.numpy_dtype(entry.dtype))
+        return arrays.to_torch(flat.reshape(entry.shape)).float()
+
+
+def open_adapter(url: str, config: StorageConfig, trusted: frozenset[str]) -> Adapter:
+    storage = Storage(url, config, read_only=True)
+    if not storage.exists(CONFIG):
+        raise CheckpointNotFoundError(
+            f"{storage.describe(CONFIG)}: no such file; give the directory PEFT's "
+            "save_pretrained wrote (adapter_config.json, adapter_model.safetensors)"
+        )
+    if not storage.exists(WEIGHTS):
+        pickled = storage.exists(PICKLED)
+        raise CheckpointNotFoundError(
+            f"{storage.describe(WEIGHTS)}: no such file"
+            + (
+                f"; {PICKLED} is a pickle, which ckptctl does not load: save the adapter "
+                "with safe_serialization=True"
+                if pickled
+                else ""
+            )
+        )
+    text = storage.read_text(CONFIG)
+    where = storage.describe(CONFIG)
+    settings = json_input.parse_object(text, where)
+    check_config(settings, where, trusted)
+    size = storage.size(WEIGHTS)
+    with storage.open_read(WEIGHTS) as f:
+        header = read_header(f, storage.describe(WEIGHTS), size)
+    shapes = {name: entry.shape for name, entry in header.tensors.items()}
+    if not shapes:
+        raise CheckpointError(f"{storage.describe(WEIGHTS)}: the adapter holds no tensors")
+    found = pairs(settings, shapes, storage.describe(WEIGHTS))
+    digest = xxhash.xxh3_64(text.encode())
+    with storage.open_read(WEIGHTS) as f:
+        for block in iter(lambda: f.read(8 << 20), b""):
+            digest.update(block)
+    return Adapter(storage, header, found, digest.hexdigest())

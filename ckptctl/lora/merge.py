@@ -1,0 +1,63 @@
+"""The merge, band by band: each band of rows ``[lo, hi)`` of an adapted weight, as the
+assembler builds it from the base, becomes ``W + scaling * B[lo:hi] @ A``, computed in float32
+(torch's matmul and PEFT's order of operations) and rounded once to the weight's dtype. Memory
+stays a band's and a few adapters' matrices, whatever the model's size."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+from ckptctl import arrays
+from ckptctl.errors import CheckpointError
+from ckptctl.lora.adapter import Adapter
+from ckptctl.model.lora import LoraPair
+from ckptctl.model.plan import TensorWrite
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+KEPT_PAIRS = 8
+"""Adapters' matrices kept between bands (a tensor's bands come one after another; a few
+files may be written at once)."""
+
+
+class LoraMerge:
+    """The band adjustment the assembler applies to the tensors ``covers`` says it changes."""
+
+    def __init__(self, adapter: Adapter) -> None:
+        self.adapter = adapter
+        self._kept: OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.merged: set[str] = set()
+        """The weights merged so far (each one once)."""
+
+    def covers(self, write: TensorWrite) -> bool:
+        return len(write.key) == 1 and str(write.key[0]) in self.adapter.pairs
+
+    def apply(self, write: TensorWrite, lo: int, hi: int, dim: int, band: np.ndarray) -> np.ndarray:
+        pair = self.adapter.pairs[str(write.key[0])]
+        if dim != 0 or band.ndim != 2 or write.transposed:
+            raise CheckpointError(f"{pair.weight}: a LoRA merge needs bands of whole rows")
+        a, b = self._matrices(pair)
+        base = arrays.to_torch(band)
+        delta = (b[lo:hi] @ a) * pair.scaling
+        merged = (base.float() + delta).to(base.dtype)
+        with self._lock:
+            self.merged.add(pair.weight)
+        return arrays.from_torch(merged)
+
+    def _matrices(self, pair: LoraPair) -> tuple[torch.Tensor, torch.Tensor]:
+        with self._lock:
+            kept = self._kept.get(pair.weight)
+            if kept is not None:
+                self._kept.move_to_end(pair.weight)
+                return kept
+        kept = self.adapter.matrix(pair.a), self.adapter.matrix(pair.b)
+        with self._lock:
+            self._kept[pair.weight] = kept
+            while len(self._kept) > KEPT_PAIRS:
+                self._kept.popitem(last=False)
+        return kept

@@ -1,0 +1,35 @@
+"""A consolidation plan made a merge: every weight the adapter changes checked present in the
+HF output with the shape the adapter implies, and the adapter named in the plan (so an output
+of another adapter, or of none, is never taken for this one's)."""
+
+from __future__ import annotations
+
+from ckptctl.errors import LayoutError
+from ckptctl.lora.adapter import Adapter
+from ckptctl.model.plan import Plan
+
+
+def with_adapter(plan: Plan, adapter: Adapter) -> Plan:
+    written = {str(t.key[0]): t for f in plan.files for t in f.tensors if len(t.key) == 1}
+    missing = sorted(set(adapter.pairs) - set(written))
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise LayoutError(
+            f"{adapter.url}: the base has no weight {', '.join(missing[:3])}{more}; "
+            "the adapter was trained on another model"
+        )
+    for name, pair in adapter.pairs.items():
+        shape = tuple(written[name].shape)
+        if shape != pair.shape:
+            raise LayoutError(
+                f"{adapter.url}: {name} is {list(shape)} in the base, but its adapter's "
+                f"B @ A is {list(pair.shape)}; the adapter was trained on another model"
+            )
+    ranks = sorted({p.rank for p in adapter.pairs.values()})
+    scalings = sorted({p.scaling for p in adapter.pairs.values()})
+    note = (
+        f"LoRA adapter {adapter.url} (xxh3 {adapter.fingerprint}) merged into "
+        f"{len(adapter.pairs)} weights: rank {'/'.join(map(str, ranks))}, scaling "
+        f"{'/'.join(f'{s:g}' for s in scalings)}, in float32, rounded once to each weight's dtype"
+    )
+    return plan.model_copy(update={"operation": "merge-lora", "notes": (*plan.notes, note)})

@@ -1,0 +1,172 @@
+"""A PEFT LoRA adapter as the merge sees it: which base weights it changes and by how much.
+Pure: the adapter's ``adapter_config.json`` (parsed) and its tensors' names and shapes in,
+the merge's terms out.
+
+PEFT's LoRA adds ``scaling * B @ A`` to a linear layer's weight ``W [out, in]`` (``A [r, in]``,
+``B [out, r]``), with ``scaling = lora_alpha / r`` (``/ sqrt(r)`` under ``use_rslora``), the rank
+and alpha of a module taken from ``rank_pattern`` / ``alpha_pattern`` when a key matches its
+name. Any field that changes the merged weights in another way (DoRA, LoRA biases, modules
+saved whole, initialisations that change the base, ...) is refused by name unless at its
+default: a merge that ignored it would write wrong weights.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from ckptctl.errors import LayoutError
+from ckptctl.model.geometry import Shape
+
+PREFIX = "base_model.model."
+"""Where PEFT's saved adapter names start (the wrapped model's own names follow)."""
+_LORA = re.compile(r"(?P<module>.+)\.lora_(?P<part>A|B)(?:\.(?P<adapter>[^.]+))?\.weight")
+
+HARMLESS = frozenset(
+    {
+        "task_type",
+        "peft_type",
+        "auto_mapping",
+        "peft_version",
+        "base_model_name_or_path",
+        "revision",
+        "inference_mode",
+        "r",
+        "lora_alpha",
+        "use_rslora",
+        "rank_pattern",
+        "alpha_pattern",
+        "target_modules",
+        "exclude_modules",
+        "layers_to_transform",
+        "layers_pattern",
+        "lora_dropout",
+        "init_lora_weights",
+        "runtime_config",
+        "megatron_core",
+        "qalora_group_size",
+        "ensure_weight_tying",
+        "eva_config",  # EVA initialises A and B only: the saved adapter is what it is
+    }
+)
+"""Fields that do not change what merging the saved tensors means."""
+CHANGES_THE_MERGE = {
+    "fan_in_fan_out": "a Conv1D model's transposed weights",
+    "bias": "LoRA biases",
+    "lora_bias": "LoRA biases",
+    "use_dora": "DoRA's magnitude vectors",
+    "modules_to_save": "modules trained whole beside the adapter",
+    "trainable_token_indices": "trained token embeddings",
+    "layer_replication": "replicated layers",
+    "megatron_config": "Megatron-parallel LoRA layers",
+    "loftq_config": "LoftQ, which changes the base weights",
+    "corda_config": "CorDA, which changes the base weights",
+    "lora_ga_config": "LoRA-GA, which changes the base weights",
+    "use_qalora": "QA-LoRA's pooled inputs",
+    "alora_invocation_tokens": "activated LoRA (applies after its invocation tokens only)",
+    "target_parameters": "LoRA on parameters (grouped experts)",
+    "use_bdlora": "block-diagonal LoRA",
+    "arrow_config": "Arrow routing among adapters",
+    "kasa_config": "KaSA's singular-value adapters",
+    "velora_config": "VeLoRA",
+    "monteclora_config": "MonteCLoRA's sampled adapters",
+}
+"""Fields that change the merge when not at their default, and what they are."""
+_BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq")
+"""``init_lora_weights`` values that move part of the base into the adapter at training
+start: the saved adapter then belongs to a changed base (PEFT converts it only when asked)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoraPair:
+    """One adapted linear layer: ``weight += scaling * B @ A``."""
+
+    weight: str
+    """The base weight's name (HF), e.g. ``model.layers.0.self_attn.q_proj.weight``."""
+    a: str
+    b: str
+    """The adapter's tensor names."""
+    rank: int
+    scaling: float
+    shape: Shape
+    """The base weight's shape the adapter implies: ``(B's rows, A's columns)``."""
+
+
+def _is_default(value: Any) -> bool:
+    return value in (None, False, "none", {}, [], 0)
+
+
+def check_config(config: dict[str, Any], where: str, trusted: frozenset[str]) -> None:
+    """Refuse, by name, a config whose merge ckptctl would not do exactly as PEFT does."""
+    kind = config.get("peft_type")
+    if kind != "LORA":
+        raise LayoutError(f"{where}: peft_type is {kind!r}; only LoRA adapters are merged")
+    for field, value in config.items():
+        if field in HARMLESS or field in trusted or _is_default(value):
+            continue
+        what = CHANGES_THE_MERGE.get(field)
+        if what is not None:
+            raise LayoutError(
+                f"{where}: {field} = {value!r} ({what}) is not supported by merge-lora; "
+                "merge with PEFT's merge_and_unload instead"
+            )
+        raise LayoutError(
+            f"{where}: unknown field {field} = {value!r}; if it does not change the merged "
+            f"weights, pass --trust-field {field}"
+        )
+    init = str(config.get("init_lora_weights", True)).lower()
+    if init.startswith(_BASE_CHANGING_INITS):
+        raise LayoutError(
+            f"{where}: init_lora_weights = {config['init_lora_weights']!r} changed the base "
+            "weights when training began; convert the adapter with PEFT "
+            "(path_initial_model_for_weight_conversion) before merging it"
+        )
+
+
+def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
+    """PEFT's rule: the first pattern key that matches the module name's tail."""
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def pairs(config: dict[str, Any], shapes: dict[str, Shape], where: str) -> dict[str, LoraPair]:
+    """Each adapted base weight (by name) and its merge terms, from the adapter's tensor
+    names and shapes; anything else in the adapter is refused by name."""
+    found: dict[str, dict[str, tuple[str, Shape]]] = {}
+    for name, shape in shapes.items():
+        match = _LORA.fullmatch(name[len(PREFIX) :]) if name.startswith(PREFIX) else None
+        if match is None:
+            raise LayoutError(
+                f"{where}: tensor {name} is not a LoRA A or B matrix of a linear layer "
+                "(embedding and convolution adapters are not merged)"
+            )
+        found.setdefault(match["module"], {})[match["part"]] = (name, shape)
+    out: dict[str, LoraPair] = {}
+    use_rslora = bool(config.get("use_rslora"))
+    for module, parts in sorted(found.items()):
+        if set(parts) != {"A", "B"}:
+            missing = ({"A", "B"} - set(parts)).pop()
+            raise LayoutError(f"{where}: {module} has no lora_{missing} matrix")
+        (a, a_shape), (b, b_shape) = parts["A"], parts["B"]
+        if len(a_shape) != 2 or len(b_shape) != 2 or a_shape[0] != b_shape[1]:
+            raise LayoutError(
+                f"{where}: {module}'s lora_A {list(a_shape)} and lora_B {list(b_shape)} are "
+                "not the matrices of one rank"
+            )
+        rank = a_shape[0]
+        stated = _pattern_value(config.get("rank_pattern") or {}, module, config.get("r", 8))
+        if stated != rank:
+            raise LayoutError(
+                f"{where}: {module}'s matrices have rank {rank}, the config says {stated}"
+            )
+        alpha = _pattern_value(
+            config.get("alpha_pattern") or {}, module, config.get("lora_alpha", 8)
+        )
+        scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
+        weight = f"{module}.weight"
+        out[weight] = LoraPair(weight, a, b, rank, scaling, (b_shape[0], a_shape[1]))
+    return out

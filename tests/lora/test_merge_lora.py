@@ -1,0 +1,158 @@
+"""``ckptctl merge-lora``, judged by PEFT: PEFT wraps a tiny seeded transformers Llama, its LoRA
+matrices are set to seeded random values (B starts at zero), ``save_pretrained`` writes the
+adapter, and ``merge_and_unload`` says what the merged model holds. A float32 base must come
+out bit-equal; a bfloat16 base equal to PEFT's merge done in float32 and rounded once."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors import safe_open
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _base_model(dtype: torch.dtype) -> Any:
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=301,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(3)
+    return transformers.LlamaForCausalLM(config).to(dtype).eval()
+
+
+def _adapter(model: Any, **options: Any) -> Any:
+    """The model wrapped by PEFT, every LoRA matrix seeded random."""
+    config = peft.LoraConfig(target_modules=TARGETS, **{"r": 4, "lora_alpha": 8, **options})
+    wrapped = peft.get_peft_model(model, config)
+    seeded = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, param in wrapped.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=seeded) * 0.1)
+    return wrapped
+
+
+def _tensors(directory: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            out.update({name: f.get_tensor(name) for name in f.keys()})  # noqa: SIM118
+    return out
+
+
+def _made(tmp: Path, dtype: torch.dtype, **options: Any) -> tuple[Path, Path, dict[str, Any]]:
+    """(base directory, adapter directory, the merged state dict PEFT makes, in float32 then
+    rounded once to ``dtype``)."""
+    base, adapter = tmp / "base", tmp / "adapter"
+    _base_model(dtype).save_pretrained(str(base))
+    wrapped = _adapter(_base_model(dtype), **options)
+    wrapped.save_pretrained(str(adapter))
+    # PEFT's own merge, in float32 (the base's weights and the adapter's, upcast exactly)
+    reference = peft.PeftModel.from_pretrained(_base_model(dtype).float(), str(adapter))
+    reference = reference.float()
+    merged = reference.merge_and_unload().state_dict()
+    return base, adapter, {k: v.to(dtype) for k, v in merged.items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_merge_equals_peft_merge_and_unload(tmp_path: Path, cli, dtype: torch.dtype) -> None:
+    base, adapter, merged = _made(
+        tmp_path, dtype, rank_pattern={"o_proj": 2}, alpha_pattern={"down_proj": 3}
+    )
+    result = cli("merge-lora", base, adapter, tmp_path / "out")
+    assert "14 weights" in result.stdout + result.stderr
+    ours = _tensors(tmp_path / "out")
+    assert sorted(ours) == sorted(merged)
+    changed = 0
+    for name, want in merged.items():
+        assert ours[name].dtype == dtype, name
+        assert torch.equal(ours[name], want), name
+        changed += not torch.equal(ours[name], _tensors(base)[name])
+    assert changed == 14  # every adapted weight moved, nothing else
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    assert model.dtype == dtype
+
+
+def test_rslora_scaling(tmp_path: Path, cli) -> None:
+    base, adapter, merged = _made(tmp_path, torch.float32, use_rslora=True, lora_alpha=6)
+    cli("merge-lora", base, adapter, tmp_path / "out")
+    ours = _tensors(tmp_path / "out")
+    for name, want in merged.items():
+        assert torch.equal(ours[name], want), name
+
+
+def test_a_megatron_base_merges_as_its_hf_form_does(tmp_path: Path, cli) -> None:
+    """Any base ckptctl reads: the base resharded to Megatron TP2 PP2 merges to the same
+    bytes as the HF base."""
+    base, adapter, merged = _made(tmp_path, torch.bfloat16)
+    cli("reshard", base, tmp_path / "meg", "--tp", "2", "--pp", "2")
+    cli("merge-lora", tmp_path / "meg", adapter, tmp_path / "out", "--max-shard-size", "100KB")
+    ours = _tensors(tmp_path / "out")
+    assert len(list((tmp_path / "out").glob("*.safetensors"))) > 1
+    for name, want in merged.items():
+        assert torch.equal(ours[name], want), name
+
+
+def test_sources_are_not_touched_and_a_rerun_of_another_adapter_is_not_reused(
+    tmp_path: Path, cli
+) -> None:
+    base, adapter, _ = _made(tmp_path, torch.float32)
+    before = {p: p.read_bytes() for d in (base, adapter) for p in d.rglob("*") if p.is_file()}
+    cli("merge-lora", base, adapter, tmp_path / "out")
+    after = {p: p.read_bytes() for d in (base, adapter) for p in d.rglob("*") if p.is_file()}
+    assert after == before
+    other = tmp_path / "other"
+    shutil.copytree(adapter, other)
+    config = json.loads((other / "adapter_config.json").read_text())
+    (other / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": 16}))
+    result = cli("merge-lora", base, other, tmp_path / "out", code=2)
+    assert "--overwrite" in result.stderr  # another plan's output: not taken as this one's
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"use_dora": True}, "use_dora"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"init_lora_weights": "pissa"}, "init_lora_weights"),
+        ({"peft_type": "IA3"}, "peft_type"),
+        ({"r": 8}, "rank 4, the config says 8"),
+        ({"some_new_field": 3}, "--trust-field some_new_field"),
+    ],
+)
+def test_an_adapter_that_would_merge_otherwise_is_refused_by_name(
+    tmp_path: Path, cli, change: dict[str, Any], named: str
+) -> None:
+    base, adapter, _ = _made(tmp_path, torch.float32)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, **change}))
+    result = cli("merge-lora", base, adapter, tmp_path / "out", code=2)
+    assert named in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_adapter_of_another_model_is_refused(tmp_path: Path, cli) -> None:
+    base, _, _ = _made(tmp_path, torch.float32)
+    model = _base_model(torch.float32)
+    model.config.intermediate_size = 128
+    bigger = transformers.LlamaForCausalLM(model.config)
+    _adapter(bigger).save_pretrained(str(tmp_path / "bigger"))
+    result = cli("merge-lora", base, tmp_path / "bigger", tmp_path / "out", code=2)
+    assert "mlp.down_proj.weight is [64, 96] in the base" in result.stderr
+    result = cli("merge-lora", base, tmp_path / "nothing", tmp_path / "out2", code=3)
+    assert "adapter_config.json" in result.stderr
