@@ -144,8 +144,11 @@ def describe_side(plan: Plan, *, source: bool) -> str:
     """One side of a job in full: format, layout, and what it holds; the target also says
     what changed (what the user did not give keeps the source's value, ``planners.target``)."""
     fmt = plan.source_format if source else plan.target_format
-    if fmt == Format.HF:
-        return "hf safetensors, weights only"
+    if fmt == Format.HF:  # an HF Trainer's checkpoint-N/ keeps its optimizer's state beside
+        moved = source and _holds_optimizer(plan)
+        return "hf safetensors" + (
+            " and the trainer's optimizer state" if moved else ", weights only"
+        )
     layout = plan.source_layout if source else plan.target_layout
     text = f"{fmt} {layout.describe()}"
     if not source:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from ckptctl.checksums.integrity import Targets
@@ -30,7 +31,20 @@ def _probe(storage: Storage, names: frozenset[str], request: ProbeRequest) -> An
     from ckptctl.formats.hf.reader import probe_hf
 
     given = dict(request.hf_config) if CONFIG not in names and request.hf_config else None
-    return probe_hf(storage, trusted=request.trusted_fields, config=given)
+    ckpt = probe_hf(storage, trusted=request.trusted_fields, config=given)
+    return _as_trainer_checkpoint(ckpt, storage, names)
+
+
+def _as_trainer_checkpoint(ckpt: Any, storage: Storage, names: frozenset[str]) -> Any:
+    """An HF Trainer ``checkpoint-N/`` (or accelerate ``save_state``) directory: its
+    ``global_step`` is the iteration, its optimizer file read where it can be."""
+    from ckptctl.formats.hf.trainer import with_trainer_optimizer
+    from ckptctl.formats.hf_state_dict_files import trainer_step
+
+    step = trainer_step(storage)
+    if step is not None:
+        ckpt.view = replace(ckpt.view, iteration=step)
+    return with_trainer_optimizer(ckpt, storage, names)
 
 
 def _checksums(ckpt: Any) -> Targets:
