@@ -98,6 +98,7 @@ def optimizer_tensors(
     state = tree.get("state") if isinstance(tree, dict) else None
     if not isinstance(state, dict):
         raise CheckpointError(f"{where}: not an optimizer state dict (no 'state')")
+    _check_numbering(tree.get("param_groups"), parameters, where)
     out = []
     for index, per_param in state.items():
         # torch numbers parameters; FSDP's full optimizer state dicts name them
@@ -110,12 +111,38 @@ def optimizer_tensors(
                 f"{where}: state of parameter {index!r}, but the model has "
                 f"{len(parameters)} parameters and no such name; is the config.json this run's?"
             )
+        unknown = sorted(set(per_param or {}) - ADAM_STATES, key=str)
+        if unknown:
+            raise CheckpointError(
+                f"{where}: {param}'s optimizer state holds {unknown}: not torch's Adam, whose "
+                "state ckptctl carries; convert the weights from the model files alone"
+            )
         for kind, ref in (per_param or {}).items():
             name = f"{OPTIM_PREFIX}{param}.{kind}"
             tensor = stored_tensor(("state", index, kind), name, ref, rank)
             if tensor is not None:
                 out.append(tensor)
     return out
+
+
+ADAM_STATES = frozenset({"step", "exp_avg", "exp_avg_sq"})
+
+
+def _check_numbering(groups: Any, parameters: tuple[str, ...], where: str) -> None:
+    """Parameters numbered by index name the model's in ``named_parameters`` order only when
+    one group holds them all in that order (as verl's and accelerate's single optimizer
+    over ``model.parameters()`` does); other numberings are refused, not guessed."""
+    if not isinstance(groups, list):
+        return
+    numbered = [p for g in groups if isinstance(g, dict) for p in g.get("params", [])]
+    if not any(isinstance(p, int) for p in numbered):
+        return  # by name (FSDP's full optimizer state dicts)
+    if len(groups) != 1 or numbered != list(range(len(parameters))):
+        raise CheckpointError(
+            f"{where}: the optimizer numbers {len(numbered)} parameters in {len(groups)} "
+            f"group(s), not the model's {len(parameters)} in one group in order; which "
+            "index is which parameter cannot be told"
+        )
 
 
 def model_tensors(tree: Any, model: HfNamedModel, where: str, rank: int) -> list[StoredTensor]:
