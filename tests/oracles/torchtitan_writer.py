@@ -26,6 +26,11 @@ and the checkpoint are torchtitan's all the same); FSDP keeps float32 parameters
 Usage::
 
     python tests/oracles/torchtitan_writer.py OUT_DIR [--world N] [--unfused]
+        [--model llama3|qwen3|qwen3_moe] [--balanced]
+
+Models: Llama 3 (complex-number RoPE: q/k rows interleaved), Qwen3 (cos/sin RoPE, q/k norms)
+and Qwen3-MoE (grouped experts), small, untied. ``--balanced``: the MoE layers' load-balancing
+expert biases are moved by torchtitan's own hook (counts from a forward before the step).
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ import torch.multiprocessing as mp
 
 DIM, HEADS, KV_HEADS, LAYERS, FFN, VOCAB = 64, 4, 2, 2, 96, 301
 ROPE_THETA, NORM_EPS = 500000.0, 1e-5
+HEAD_DIM, QWEN_THETA = 16, 1000000.0
+EXPERTS, TOP_K, EXPERT_FFN = 4, 2, 32
 BATCH, SEQ = 2, 12
 
 
@@ -72,7 +79,9 @@ def cpu_shims() -> None:
     torch._utils._get_available_device_type = lambda: "cpu"
 
 
-def model_config(fused: bool) -> Any:
+def model_config(model: str, fused: bool) -> Any:
+    if model != "llama3":
+        return qwen3_config(model, fused)
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
     from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers
 
@@ -95,7 +104,52 @@ def model_config(fused: bool) -> Any:
     )
 
 
-def hf_config() -> dict[str, Any]:
+def qwen3_config(model: str, fused: bool) -> Any:
+    """Qwen3 (cos/sin RoPE, q/k norms) or Qwen3-MoE (every layer routed: grouped experts),
+    untied, built by torchtitan's own layer builders."""
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+    from torchtitan.models.qwen3 import (
+        Qwen3Model,
+        _build_qwen3_layers,
+        _build_qwen3_moe_layers,
+        _qwen3_norm,
+    )
+
+    rope = CosSinRoPE.Config(dim=HEAD_DIM, max_seq_len=64, theta=QWEN_THETA)
+    shared = dict(
+        n_layers=LAYERS,
+        dim=DIM,
+        n_heads=HEADS,
+        n_kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        fuse_qkv=fused,
+        attn_backend="flex",
+        rope=rope,
+    )
+    if model == "qwen3_moe":
+        layers = _build_qwen3_moe_layers(
+            **shared,
+            moe_hidden_dim=EXPERT_FFN,
+            num_experts=EXPERTS,
+            top_k=TOP_K,
+            moe_comm_backend="standard",
+        )
+    else:
+        layers = _build_qwen3_layers(**shared, hidden_dim=FFN)
+    return Qwen3Model.Config(
+        vocab_size=VOCAB,
+        dim=DIM,
+        norm=_qwen3_norm(DIM),
+        enable_weight_tying=False,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB),
+        layers=layers,
+    )
+
+
+def hf_config(model: str) -> dict[str, Any]:
+    if model != "llama3":
+        return qwen3_hf_config(model)
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -116,7 +170,42 @@ def hf_config() -> dict[str, Any]:
     }
 
 
-def worker(rank: int, world: int, port: int, out: Path, fused: bool) -> None:
+def qwen3_hf_config(model: str) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": DIM,
+        "intermediate_size": FFN,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 64,
+        "rope_theta": QWEN_THETA,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "torch_dtype": "float32",
+    }
+    if model == "qwen3_moe":
+        config.update(
+            architectures=["Qwen3MoeForCausalLM"],
+            model_type="qwen3_moe",
+            num_experts=EXPERTS,
+            num_experts_per_tok=TOP_K,
+            moe_intermediate_size=EXPERT_FFN,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
+    return config
+
+
+def worker(
+    rank: int, world: int, port: int, out: Path, model: str, fused: bool, balanced: bool
+) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -127,21 +216,24 @@ def worker(rank: int, world: int, port: int, out: Path, fused: bool) -> None:
     cpu_shims()
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        run(rank, world, out, fused)
+        run(rank, world, out, model, fused, balanced)
     finally:
         dist.destroy_process_group()
 
 
-def run(rank: int, world: int, out: Path, fused: bool) -> None:
+def run(rank: int, world: int, out: Path, model_name: str, fused: bool, balanced: bool) -> None:
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor, distribute_tensor
     from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed.parallel_dims import ParallelDims
     from torchtitan.models.llama3.parallelize import parallelize_llama
+    from torchtitan.models.qwen3.parallelize import parallelize_qwen3
 
     torch.manual_seed(0)
-    config = model_config(fused)
+    config = model_config(model_name, fused)
+    parallelize = parallelize_llama if model_name == "llama3" else parallelize_qwen3
     with torch.device("meta"):
         model = config.build()
     dims = ParallelDims(
@@ -155,7 +247,7 @@ def run(rank: int, world: int, out: Path, fused: bool) -> None:
         spmd_backend="partial_dtensor",
     )
     dims.build_mesh()
-    model = parallelize_llama(
+    model = parallelize(
         model,
         parallel_dims=dims,
         training=TrainingConfig(mixed_precision_param="float32"),
@@ -173,14 +265,23 @@ def run(rank: int, world: int, out: Path, fused: bool) -> None:
         optimizers=optimizers, training_steps=10
     )
     seeded = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=seeded)
+    positions = torch.arange(SEQ).repeat(BATCH, 1)
+    if balanced:  # torchtitan's aux-loss-free balancing: counts from a forward move the biases
+        from torchtitan.components.optimizer import register_moe_load_balancing_hook
+
+        register_moe_load_balancing_hook(optimizers, [model], dims)
+        with torch.no_grad():
+            model(tokens, positions, model.get_attention_masks(positions))
+        for module in model.modules():  # a forward without backward leaves some unsharded
+            if isinstance(module, FSDPModule):
+                module.reshard()
     for param in model.parameters():
         grad = torch.randn(param.shape, generator=seeded) * 1e-2
         param.grad = distribute_tensor(grad, param.device_mesh, param.placements)
     optimizers.step()
     schedulers.step()
     optimizers.zero_grad()
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=seeded)
-    positions = torch.arange(SEQ).repeat(BATCH, 1)
     with torch.no_grad():
         logits = model(tokens, positions, model.get_attention_masks(positions))
 
@@ -209,25 +310,30 @@ def run(rank: int, world: int, out: Path, fused: bool) -> None:
         return value.full_tensor() if isinstance(value, DTensor) else value
 
     weights = {k: full(v) for k, v in model.state_dict().items()}
-    hf = hf_state(config, model, weights)
+    hf = hf_state(model_name, config, weights)
     moments = {k: full(v) for k, v in optimizers.state_dict().items()}
-    optim = hf_optimizer(config, model, optimizers, moments)
+    optim = hf_optimizer(model_name, config, model, optimizers, moments)
     import torch.distributed.checkpoint as dcp
 
     dcp.save({"model": hf, "optim": optim}, checkpoint_id=str(out / "hf_dcp"))
     if rank == 0:
-        (out / "config.json").write_text(json.dumps(hf_config(), indent=2))
-        (out / "hf_dcp" / "config.json").write_text(json.dumps(hf_config(), indent=2))
+        (out / "config.json").write_text(json.dumps(hf_config(model_name), indent=2))
+        (out / "hf_dcp" / "config.json").write_text(json.dumps(hf_config(model_name), indent=2))
         torch.save({"hf": hf, "input_ids": tokens, "logits": logits}, out / "truth.pt")
 
 
-def hf_state(config: Any, model: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def hf_state(model: str, config: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """torchtitan's own adapter of the model (full tensors: its offline path)."""
     from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
+    from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 
-    return Llama3StateDictAdapter(config, None).to_hf(state)
+    adapter = Llama3StateDictAdapter if model == "llama3" else Qwen3StateDictAdapter
+    return adapter(config, None).to_hf(state)
 
 
-def hf_optimizer(config: Any, model: Any, optimizers: Any, flat: dict[str, Any]) -> dict[str, Any]:
+def hf_optimizer(
+    model_name: str, config: Any, model: Any, optimizers: Any, flat: dict[str, Any]
+) -> dict[str, Any]:
     """Adam's moments in HF names: each moment laid out like its parameter, so put through
     the model's own state-dict hooks (the fused QKV's split) and the adapter like weights."""
     from torchtitan.models.common.attention import FusedQKVLinear
@@ -247,8 +353,8 @@ def hf_optimizer(config: Any, model: Any, optimizers: Any, flat: dict[str, Any])
         for module_name, module in model.named_modules():
             if isinstance(module, FusedQKVLinear):
                 FusedQKVLinear._split_qkv_on_save(module, moments, f"{module_name}.", None)
-        for name, value in hf_state(config, model, moments).items():
-            out.setdefault(name, {})[state] = value
+        for hub, value in hf_state(model_name, config, moments).items():
+            out.setdefault(hub, {})[state] = value
     step = next(iter(steps.values()))
     for entry in out.values():
         entry["step"] = step.clone()
@@ -267,9 +373,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", type=Path)
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--unfused", action="store_true", help="separate wq/wk/wv modules")
+    parser.add_argument("--model", choices=("llama3", "qwen3", "qwen3_moe"), default="llama3")
+    parser.add_argument(
+        "--balanced", action="store_true", help="MoE: torchtitan's load-balancing bias updates"
+    )
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    mp.spawn(worker, args=(args.world, free_port(), args.out, not args.unfused), nprocs=args.world)
+    spawned = (args.world, free_port(), args.out, args.model, not args.unfused, args.balanced)
+    mp.spawn(worker, args=spawned, nprocs=args.world)
     return 0
 
 

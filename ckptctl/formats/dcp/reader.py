@@ -453,7 +453,9 @@ def _titan(
         ckpt.view = replace(ckpt.view, notes=(*ckpt.view.notes, f"{hint} to convert it to HF"))
         return ckpt
     spec = spec_from_config(config, trusted=trusted)
-    view, rows = titan_view(storage.describe(base), base, metadata, ckpt.view.iteration, spec)
+
+    where = storage.describe(base)
+    view, rows = titan_view(where, base, metadata, ckpt.view.iteration, spec, ckpt.read)
     return DcpCheckpoint(storage, view, base, metadata, row_orders=rows)
 
 

@@ -1,4 +1,5 @@
-"""torchtitan's DCP checkpoints of Llama 3 as geometry over canonical tensors. Pure.
+"""torchtitan's DCP checkpoints of Llama 3, Qwen3 and Qwen3-MoE as geometry over canonical
+tensors. Pure.
 
 torchtitan's ``CheckpointManager`` saves the model's state dict at the top level
 (``tok_embeddings.weight``, ``layers.<i>.attention.qkv_linear.wq.weight`` -- or
@@ -6,17 +7,21 @@ torchtitan's ``CheckpointManager`` saves the model's state dict at the top level
 ``lm_head`` or ``output``) and the optimizer's state under ``optimizer.state.<parameter>``,
 keyed by *parameter*: a fused-QKV model's Adam state is ``qkv_linear.wqkv.weight``'s,
 group-major like Megatron's fused QKV, while its weights are saved split into ``wq/wk/wv``.
-Its complex-number RoPE keeps q and k rows in Meta's interleaved order, which its HF adapter
-permutes into HF's (``rotary_rows``); v rows and every other tensor are HF's as they are.
+Llama 3's complex-number RoPE keeps q and k rows in Meta's interleaved order, which its HF
+adapter permutes into HF's (``rotary_rows``); Qwen3's cos/sin RoPE keeps HF's order. Qwen3's
+MoE layers keep each layer's experts in grouped tensors (``moe.routed_experts.inner_experts.
+w1_EFD`` ``[E, F, D]``, ``w3_EFD``, ``w2_EDF`` ``[E, D, F]``), each expert's matrix HF's.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ckptctl.model.catalog import state_name
 from ckptctl.model.geometry import Piece, Shape, whole
+from ckptctl.model.hf_families import choose_family
 from ckptctl.model.hf_layout import hf_tensors
 from ckptctl.model.layout import ModelSpec
 from ckptctl.model.rotary_rows import RotaryRows
@@ -40,9 +45,23 @@ _RENAMES = {
     "post_attention_layernorm.weight": ("ffn_norm.weight",),
     "model.norm.weight": ("norm.weight",),
     "lm_head.weight": ("lm_head.weight", "output.weight"),
+    "self_attn.q_norm.weight": ("attention.q_norm.weight",),
+    "self_attn.k_norm.weight": ("attention.k_norm.weight",),
+    "mlp.gate.weight": ("moe.router.gate.weight",),
 }
 _ROTARY = ("self_attn.q_proj.weight", "self_attn.k_proj.weight")
 FUSED_QKV = "attention.qkv_linear.wqkv.weight"
+EXPERT_BIAS = ".moe.expert_bias_E"
+"""torchtitan's load-balancing bias added to router scores to choose experts (a buffer)."""
+_GROUPED = {
+    "gate_proj": "moe.routed_experts.inner_experts.w1_EFD",
+    "up_proj": "moe.routed_experts.inner_experts.w3_EFD",
+    "down_proj": "moe.routed_experts.inner_experts.w2_EDF",
+}
+_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+INTERLEAVED = {"llama": True, "qwen3": False, "qwen3_moe": False}
+"""The torchtitan models mapped, by HF ``model_type``, and whether their q/k rows are in
+Meta's interleaved order (torchtitan's adapters permute them for Llama 3 only)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +73,9 @@ class TitanKey:
     """Pieces of the whole tensor in HF row order (its coordinates -> canonical ones)."""
     rows: RotaryRows | None = None
     """Set when the stored rows are in Meta's interleaved rotary order."""
+    experts: tuple[tuple[str, tuple[Piece, ...]], ...] = ()
+    """For a grouped experts tensor ``[E, ...]``: each expert's canonical tensor and the
+    pieces of its matrix (``shape[1:]``)."""
 
 
 def is_titan(keys: list[str]) -> bool:
@@ -62,11 +84,17 @@ def is_titan(keys: list[str]) -> bool:
 
 
 def unsupported(spec: ModelSpec) -> str | None:
-    """What of the configured model torchtitan's Llama 3 naming does not cover, if anything."""
+    """What of the configured model torchtitan's mapped names do not cover, if anything."""
+    family = choose_family(spec).name
+    if family not in INTERLEAVED:
+        return f"model_type {family!r} (mapped: {', '.join(INTERLEAVED)})"
     for field, value in (
         ("attention_bias / mlp_bias", spec.add_bias_linear or spec.add_qkv_bias),
-        ("q/k norms (qk_layernorm)", spec.qk_layernorm),
-        ("experts (num_experts)", bool(spec.num_experts)),
+        ("shared experts", bool(spec.moe_shared_expert_intermediate_size)),
+        (
+            "dense layers among the MoE ones",
+            spec.is_moe and not all(spec.is_moe_layer(i) for i in range(spec.num_layers)),
+        ),
         ("multi-latent attention", spec.mla is not None),
         ("multi-token prediction layers", bool(spec.mtp_num_layers)),
         ("tie_word_embeddings", spec.tie_embeddings),
@@ -93,19 +121,28 @@ def titan_groups(items: dict[str, Any]) -> list[dict[str, Any]]:
 def key_table(spec: ModelSpec) -> dict[str, TitanKey]:
     """Every key a torchtitan Llama 3 checkpoint of ``spec`` may hold (model and Adam state)."""
     d = spec.kv_channels
-    heads = RotaryRows(d, d, d)
+    heads = RotaryRows(d, d, d) if INTERLEAVED[choose_family(spec).name] else None
     params: dict[str, TitanKey] = {}
+    grouped: dict[str, list[tuple[str, Shape, tuple[Piece, ...]]]] = {}
     for name, canonical, shape, pieces in hf_tensors(spec):
         _, _, local = name.partition(".layers.")
         prefix, suffix = ("", name)
         if local:
             number, _, suffix = local.partition(".")
             prefix = f"layers.{number}."
+        expert = _EXPERT.fullmatch(suffix)
+        if expert is not None:  # experts in HF order: expert 0's three, then expert 1's, ...
+            grouped.setdefault(prefix + _GROUPED[expert[2]], []).append((canonical, shape, pieces))
+            continue
         rows = heads if suffix in _ROTARY else None
         for titan in _RENAMES[suffix]:
             params[prefix + titan] = TitanKey(canonical, shape, pieces, rows)
+    for name, matrices in grouped.items():
+        shape = (len(matrices), *matrices[0][1])
+        each = tuple((canonical, pieces) for canonical, _, pieces in matrices)
+        params[name] = TitanKey("", shape, (), experts=each)
     qkv_rows = (spec.heads_per_group + 2) * d
-    fused = RotaryRows(d, qkv_rows, qkv_rows - d)
+    fused = RotaryRows(d, qkv_rows, qkv_rows - d) if heads is not None else None
     qkv_shape = (spec.num_query_groups * qkv_rows, spec.hidden_size)
     for i in range(spec.num_layers):
         canonical = params[f"layers.{i}.attention.wq.weight"].canonical
@@ -115,11 +152,14 @@ def key_table(spec: ModelSpec) -> dict[str, TitanKey]:
     table = dict(params)
     for name, key in params.items():
         for state in STATES:
+            experts = tuple((state_name(state, c), p) for c, p in key.experts)
             if state == "step":  # Adam's count, one 0-d tensor per parameter
                 step = TitanKey(state_name("step", key.canonical), (), (Piece((), (), ()),))
+                if experts:  # a grouped parameter's one count: each expert's
+                    step = replace(step, canonical="", experts=experts)
                 table[f"{OPTIMIZER_PREFIX}{name}.step"] = step
             else:
                 table[f"{OPTIMIZER_PREFIX}{name}.{state}"] = TitanKey(
-                    state_name(state, key.canonical), key.shape, key.pieces, key.rows
+                    state_name(state, key.canonical), key.shape, key.pieces, key.rows, experts
                 )
     return table

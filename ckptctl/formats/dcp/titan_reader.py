@@ -7,13 +7,23 @@ pieces are cut from the chunk's runs of HF rows.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from math import prod
+from typing import Any
 
 from ckptctl.errors import CheckpointError, LayoutError
 from ckptctl.formats.dcp.files import files_of
 from ckptctl.formats.dcp.metadata import DcpMetadata, StorageInfo, TensorEntry
-from ckptctl.formats.dcp.titan_layout import OPTIMIZER_PREFIX, TitanKey, key_table, unsupported
+from ckptctl.formats.dcp.titan_layout import (
+    EXPERT_BIAS,
+    OPTIMIZER_PREFIX,
+    TitanKey,
+    key_table,
+    unsupported,
+)
 from ckptctl.model.geometry import Piece, chunk_pieces
+from ckptctl.model.hf_families import choose_family
 from ckptctl.model.layout import ModelSpec, ParallelLayout
 from ckptctl.model.rotary_rows import RotaryRows, hf_runs
 from ckptctl.model.stored import CheckpointView, Format, KeyPath, Shape, StoredTensor
@@ -27,20 +37,38 @@ class TitanTensors:
     placed: list[tuple[StorageInfo, StoredTensor]] = field(default_factory=list)
     rows: RowOrders = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    biases: list[str] = field(default_factory=list)
+    """torchtitan's load-balancing expert biases (routing only, no HF counterpart)."""
     has_optimizer: bool = False
 
 
 def titan_view(
-    where: str, base: str, metadata: DcpMetadata, iteration: int | None, spec: ModelSpec
+    where: str,
+    base: str,
+    metadata: DcpMetadata,
+    iteration: int | None,
+    spec: ModelSpec,
+    read: Callable[..., Any],
 ) -> tuple[CheckpointView, RowOrders]:
-    """The checkpoint's view under the configured model, and the chunks read row-mapped."""
+    """The checkpoint's view under the configured model, and the chunks read row-mapped;
+    ``read``: the checkpoint's reader of boxes (torchtitan's expert biases are checked zero)."""
     missing = unsupported(spec)
     if missing is not None:
         raise LayoutError(
-            f"{where}: ckptctl maps torchtitan's Llama 3 names, but the given config has "
-            f"{missing}; convert with --format torch (names kept) instead"
+            f"{where}: ckptctl maps torchtitan's Llama 3, Qwen3 and Qwen3-MoE names, but the "
+            f"given config has {missing}; convert with --format torch (names kept) instead"
         )
     found = titan_tensors(metadata, spec)
+    for fqn in found.biases:  # HF's Qwen3-MoE routes without one: only zeros may be left out
+        entry = metadata.entries[fqn]
+        assert isinstance(entry, TensorEntry) and len(entry.chunks) == 1
+        zero = (0,) * len(entry.shape)
+        if any(float(v) != 0.0 for v in read("", (fqn, *zero), zero, entry.shape).reshape(-1)):
+            found.problems.append(
+                f"{fqn} (torchtitan's load-balancing expert bias) is not zero, and "
+                f"{choose_family(spec).architecture} routes without one: converting would "
+                "change which experts each token takes"
+            )
     if found.problems:
         more = len(found.problems) - 5
         shown = "; ".join(found.problems[:5]) + (f" and {more} more" if more > 0 else "")
@@ -52,7 +80,10 @@ def titan_view(
         files_of(base, found.placed),
         iteration,
         found.has_optimizer,
-        ("torchtitan DCP checkpoint of a Llama model (q/k rows in Meta's rotary order)",),
+        (
+            f"torchtitan DCP checkpoint of a {choose_family(spec).architecture}"
+            + (f" ({len(found.biases)} expert biases, all zero, left out)" if found.biases else ""),
+        ),
     )
     return view, found.rows
 
@@ -64,6 +95,9 @@ def titan_tensors(metadata: DcpMetadata, spec: ModelSpec) -> TitanTensors:
         if not isinstance(entry, TensorEntry):
             continue
         key = table.get(fqn)
+        if key is None and fqn.endswith(EXPERT_BIAS) and spec.is_moe:
+            out.biases.append(fqn)
+            continue
         if key is None:
             out.problems.append(f"{fqn} is not a parameter (or Adam state) of the configured model")
             continue
@@ -74,11 +108,33 @@ def titan_tensors(metadata: DcpMetadata, spec: ModelSpec) -> TitanTensors:
         out.has_optimizer |= fqn.startswith(OPTIMIZER_PREFIX)
         for chunk in entry.chunks:
             where: KeyPath = (fqn, *chunk.offsets)
+            info = metadata.storage[(fqn, chunk.offsets)]
+            if key.experts:
+                out.placed.extend((info, t) for t in _expert_views(key, where, chunk, entry.dtype))
+                continue
             pieces = _chunk_pieces(key, chunk.offsets, chunk.sizes)
             tensor = StoredTensor(where, key.canonical, chunk.sizes, entry.dtype, pieces)
             if key.rows is not None:
                 out.rows[where] = (key.rows, chunk.offsets[0], chunk.sizes[0])
-            out.placed.append((metadata.storage[(fqn, chunk.offsets)], tensor))
+            out.placed.append((info, tensor))
+    return out
+
+
+def _expert_views(key: TitanKey, where: KeyPath, chunk: Any, dtype: str) -> list[StoredTensor]:
+    """A chunk of a grouped experts tensor as each expert's part of it: a contiguous run of
+    the chunk's elements (a view), placed in that expert's canonical tensor. A grouped
+    parameter's Adam step (0-d) counts for every expert."""
+    if not key.shape:
+        return [StoredTensor(where, c, (), dtype, pieces) for c, pieces in key.experts]
+    first, *inner_offsets = chunk.offsets
+    count, *inner = chunk.sizes
+    size = prod(inner)
+    out = []
+    for k in range(count):
+        canonical, pieces = key.experts[first + k]
+        kept = chunk_pieces(pieces, tuple(inner_offsets), tuple(inner))
+        view = StoredTensor(where, canonical, tuple(inner), dtype, kept, view_offset=k * size)
+        out.append(view)
     return out
 
 

@@ -40,6 +40,15 @@ def cut(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3-MoE: cos/sin RoPE (no permutation), q/k norms, each layer's experts grouped in
+    ``[E, F, D]`` tensors that FSDP shards by expert."""
+    out = tmp_path_factory.mktemp("torchtitan_moe")
+    torchtitan_env.write(out, "--model", "qwen3_moe")
+    return out
+
+
 def _truth(run: Path) -> dict[str, Any]:
     return torch.load(run / "truth.pt", weights_only=False)
 
@@ -52,7 +61,7 @@ def _tensors(directory: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("run", ["fused", "cut"])
+@pytest.mark.parametrize("run", ["fused", "cut", "moe"])
 def test_torchtitan_dcp_becomes_what_its_own_hf_adapter_makes(
     run: str, request: pytest.FixtureRequest, tmp_path: Path, cli
 ) -> None:
@@ -75,9 +84,16 @@ def test_torchtitan_dcp_becomes_what_its_own_hf_adapter_makes(
     torch.testing.assert_close(logits, truth["logits"], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("run", ["fused", "cut"])
+@pytest.mark.parametrize(
+    ("run", "layout"),
+    [
+        ("fused", ("--tp", "2", "--pp", "2")),
+        ("cut", ("--tp", "2", "--pp", "2")),
+        ("moe", ("--ep", "2", "--pp", "2", "--dp", "2")),
+    ],
+)
 def test_torchtitan_dcp_reshards_to_megatron_with_its_adam_state(
-    run: str, request: pytest.FixtureRequest, tmp_path: Path, cli
+    run: str, layout: tuple[str, ...], request: pytest.FixtureRequest, tmp_path: Path, cli
 ) -> None:
     """Megatron TP2 PP2 from the torchtitan checkpoint holds, bit for bit, the weights and Adam
     moments torchtitan's adapter maps to HF (read through ckptctl's HF path, proven against
@@ -89,10 +105,7 @@ def test_torchtitan_dcp_reshards_to_megatron_with_its_adam_state(
         "reshard",
         titan / "checkpoint",
         tmp_path / "meg",
-        "--tp",
-        "2",
-        "--pp",
-        "2",
+        *layout,
     )
     report = cli.json("verify", tmp_path / "meg", "--against", titan / "hf_dcp")
     assert report["ok"]
@@ -145,3 +158,23 @@ def test_the_source_is_not_touched(fused: Path, tmp_path: Path, cli) -> None:
     before = {p: p.read_bytes() for p in source.rglob("*") if p.is_file()}
     cli("--hf-config", fused / "config.json", "consolidate", source, tmp_path / "hf")
     assert {p: p.read_bytes() for p in source.rglob("*") if p.is_file()} == before
+
+
+def test_a_moe_whose_load_balancing_biases_moved_is_refused(
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path, cli
+) -> None:
+    """torchtitan's aux-loss-free balancing moves a bias that changes which experts a token
+    takes; HF's Qwen3-MoE has none, so dropping it would change the model."""
+    out = tmp_path_factory.mktemp("torchtitan_balanced")
+    torchtitan_env.write(out, "--model", "qwen3_moe", "--balanced")
+    result = cli(
+        "--hf-config",
+        out / "config.json",
+        "consolidate",
+        out / "checkpoint",
+        tmp_path / "hf",
+        code=3,
+    )
+    assert "layers.0.moe.expert_bias_E" in result.stderr and "not zero" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "hf").exists()
