@@ -26,10 +26,11 @@ and the checkpoint are torchtitan's all the same); FSDP keeps float32 parameters
 Usage::
 
     python tests/oracles/torchtitan_writer.py OUT_DIR [--world N] [--unfused]
-        [--model llama3|qwen3|qwen3_moe] [--balanced]
+        [--model llama3|qwen3|qwen3_tied|qwen3_moe] [--balanced]
 
 Models: Llama 3 (complex-number RoPE: q/k rows interleaved), Qwen3 (cos/sin RoPE, q/k norms)
-and Qwen3-MoE (grouped experts), small, untied. ``--balanced``: the MoE layers' load-balancing
+and Qwen3-MoE (grouped experts), small, untied but for ``qwen3_tied`` (the output layer is
+the embedding, as in Qwen3's small releases). ``--balanced``: the MoE layers' load-balancing
 expert biases are moved by torchtitan's own hook (counts from a forward before the step).
 """
 
@@ -140,7 +141,7 @@ def qwen3_config(model: str, fused: bool) -> Any:
         vocab_size=VOCAB,
         dim=DIM,
         norm=_qwen3_norm(DIM),
-        enable_weight_tying=False,
+        enable_weight_tying=model == "qwen3_tied",
         tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM),
         lm_head=Linear.Config(in_features=DIM, out_features=VOCAB),
         layers=layers,
@@ -184,7 +185,7 @@ def qwen3_hf_config(model: str) -> dict[str, Any]:
         "max_position_embeddings": 64,
         "rope_theta": QWEN_THETA,
         "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": model == "qwen3_tied",
         "hidden_act": "silu",
         "attention_bias": False,
         "torch_dtype": "float32",
@@ -373,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", type=Path)
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--unfused", action="store_true", help="separate wq/wk/wv modules")
-    parser.add_argument("--model", choices=("llama3", "qwen3", "qwen3_moe"), default="llama3")
+    models = ("llama3", "qwen3", "qwen3_tied", "qwen3_moe")
+    parser.add_argument("--model", choices=models, default="llama3")
     parser.add_argument(
         "--balanced", action="store_true", help="MoE: torchtitan's load-balancing bias updates"
     )

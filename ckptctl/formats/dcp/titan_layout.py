@@ -51,6 +51,7 @@ _RENAMES = {
 }
 _ROTARY = ("self_attn.q_proj.weight", "self_attn.k_proj.weight")
 FUSED_QKV = "attention.qkv_linear.wqkv.weight"
+OUTPUT_NAMES = ("lm_head.weight", "output.weight")
 EXPERT_BIAS = ".moe.expert_bias_E"
 """torchtitan's load-balancing bias added to router scores to choose experts (a buffer)."""
 _GROUPED = {
@@ -76,6 +77,8 @@ class TitanKey:
     experts: tuple[tuple[str, tuple[Piece, ...]], ...] = ()
     """For a grouped experts tensor ``[E, ...]``: each expert's canonical tensor and the
     pieces of its matrix (``shape[1:]``)."""
+    hf: tuple[str, ...] = ()
+    """The HF tensors a model (not optimizer) key holds."""
 
 
 def is_titan(keys: list[str]) -> bool:
@@ -97,7 +100,6 @@ def unsupported(spec: ModelSpec) -> str | None:
         ),
         ("multi-latent attention", spec.mla is not None),
         ("multi-token prediction layers", bool(spec.mtp_num_layers)),
-        ("tie_word_embeddings", spec.tie_embeddings),
     ):
         if value:
             return field
@@ -123,7 +125,7 @@ def key_table(spec: ModelSpec) -> dict[str, TitanKey]:
     d = spec.kv_channels
     heads = RotaryRows(d, d, d) if INTERLEAVED[choose_family(spec).name] else None
     params: dict[str, TitanKey] = {}
-    grouped: dict[str, list[tuple[str, Shape, tuple[Piece, ...]]]] = {}
+    grouped: dict[str, list[tuple[str, Shape, tuple[Piece, ...], str]]] = {}
     for name, canonical, shape, pieces in hf_tensors(spec):
         _, _, local = name.partition(".layers.")
         prefix, suffix = ("", name)
@@ -132,15 +134,17 @@ def key_table(spec: ModelSpec) -> dict[str, TitanKey]:
             prefix = f"layers.{number}."
         expert = _EXPERT.fullmatch(suffix)
         if expert is not None:  # experts in HF order: expert 0's three, then expert 1's, ...
-            grouped.setdefault(prefix + _GROUPED[expert[2]], []).append((canonical, shape, pieces))
+            matrix = (canonical, shape, pieces, name)
+            grouped.setdefault(prefix + _GROUPED[expert[2]], []).append(matrix)
             continue
         rows = heads if suffix in _ROTARY else None
         for titan in _RENAMES[suffix]:
-            params[prefix + titan] = TitanKey(canonical, shape, pieces, rows)
+            params[prefix + titan] = TitanKey(canonical, shape, pieces, rows, hf=(name,))
     for name, matrices in grouped.items():
         shape = (len(matrices), *matrices[0][1])
-        each = tuple((canonical, pieces) for canonical, _, pieces in matrices)
-        params[name] = TitanKey("", shape, (), experts=each)
+        each = tuple((canonical, pieces) for canonical, _, pieces, _ in matrices)
+        names = tuple(hf for *_, hf in matrices)
+        params[name] = TitanKey("", shape, (), experts=each, hf=names)
     qkv_rows = (spec.heads_per_group + 2) * d
     fused = RotaryRows(d, qkv_rows, qkv_rows - d) if heads is not None else None
     qkv_shape = (spec.num_query_groups * qkv_rows, spec.hidden_size)

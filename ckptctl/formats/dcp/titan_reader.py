@@ -13,20 +13,23 @@ from math import prod
 from typing import Any
 
 from ckptctl.errors import CheckpointError, LayoutError
-from ckptctl.formats.dcp.files import files_of
+from ckptctl.formats.dcp.files import files_of, join
 from ckptctl.formats.dcp.metadata import DcpMetadata, StorageInfo, TensorEntry
 from ckptctl.formats.dcp.titan_layout import (
+    ANCHOR,
     EXPERT_BIAS,
     OPTIMIZER_PREFIX,
+    OUTPUT_NAMES,
     TitanKey,
     key_table,
     unsupported,
 )
 from ckptctl.model.geometry import Piece, chunk_pieces
 from ckptctl.model.hf_families import choose_family
+from ckptctl.model.hf_layout import hf_tensors
 from ckptctl.model.layout import ModelSpec, ParallelLayout
 from ckptctl.model.rotary_rows import RotaryRows, hf_runs
-from ckptctl.model.stored import CheckpointView, Format, KeyPath, Shape, StoredTensor
+from ckptctl.model.stored import CheckpointView, Format, KeyPath, Replica, Shape, StoredTensor
 
 RowOrders = dict[KeyPath, tuple[RotaryRows, int, int]]
 """Chunks read through a row map: ``(order, first stored row, rows)`` by key."""
@@ -39,6 +42,10 @@ class TitanTensors:
     problems: list[str] = field(default_factory=list)
     biases: list[str] = field(default_factory=list)
     """torchtitan's load-balancing expert biases (routing only, no HF counterpart)."""
+    held: set[str] = field(default_factory=set)
+    """The HF weights the model's keys hold."""
+    replicas: list[Replica] = field(default_factory=list)
+    """A tied model's output layer: the embedding again, checked equal, not read."""
     has_optimizer: bool = False
 
 
@@ -58,7 +65,7 @@ def titan_view(
             f"{where}: ckptctl maps torchtitan's Llama 3, Qwen3 and Qwen3-MoE names, but the "
             f"given config has {missing}; convert with --format torch (names kept) instead"
         )
-    found = titan_tensors(metadata, spec)
+    found = titan_tensors(metadata, spec, base)
     for fqn in found.biases:  # HF's Qwen3-MoE routes without one: only zeros may be left out
         entry = metadata.entries[fqn]
         assert isinstance(entry, TensorEntry) and len(entry.chunks) == 1
@@ -84,11 +91,12 @@ def titan_view(
             f"torchtitan DCP checkpoint of a {choose_family(spec).architecture}"
             + (f" ({len(found.biases)} expert biases, all zero, left out)" if found.biases else ""),
         ),
+        replicas=tuple(found.replicas),
     )
     return view, found.rows
 
 
-def titan_tensors(metadata: DcpMetadata, spec: ModelSpec) -> TitanTensors:
+def titan_tensors(metadata: DcpMetadata, spec: ModelSpec, base: str = "") -> TitanTensors:
     table = key_table(spec)
     out = TitanTensors()
     for fqn, entry in metadata.entries.items():
@@ -98,6 +106,9 @@ def titan_tensors(metadata: DcpMetadata, spec: ModelSpec) -> TitanTensors:
         if key is None and fqn.endswith(EXPERT_BIAS) and spec.is_moe:
             out.biases.append(fqn)
             continue
+        if key is None and fqn in OUTPUT_NAMES and spec.tie_embeddings:
+            out.replicas.extend(_tied_copies(metadata, base, fqn, out.problems))
+            continue
         if key is None:
             out.problems.append(f"{fqn} is not a parameter (or Adam state) of the configured model")
             continue
@@ -106,6 +117,7 @@ def titan_tensors(metadata: DcpMetadata, spec: ModelSpec) -> TitanTensors:
             out.problems.append(f"{fqn} has shape {list(entry.shape)}; config says {want}")
             continue
         out.has_optimizer |= fqn.startswith(OPTIMIZER_PREFIX)
+        out.held.update(key.hf)
         for chunk in entry.chunks:
             where: KeyPath = (fqn, *chunk.offsets)
             info = metadata.storage[(fqn, chunk.offsets)]
@@ -117,6 +129,44 @@ def titan_tensors(metadata: DcpMetadata, spec: ModelSpec) -> TitanTensors:
             if key.rows is not None:
                 out.rows[where] = (key.rows, chunk.offsets[0], chunk.sizes[0])
             out.placed.append((info, tensor))
+    _check_held(out, spec)
+    return out
+
+
+def _check_held(out: TitanTensors, spec: ModelSpec) -> None:
+    """Every weight of the configured model held (a config of another model may name
+    tensors the checkpoint lacks: say which, as HF names them)."""
+    missing = [hf for hf, *_ in hf_tensors(spec) if hf not in out.held]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        out.problems.append(
+            f"no tensor holds the configured model's {', '.join(missing[:3])}{more} (HF "
+            "names): is the config this run's?"
+        )
+
+
+def _tied_copies(metadata: DcpMetadata, base: str, fqn: str, problems: list[str]) -> list[Replica]:
+    """The output layer a tied model saves beside its embedding (the same tensor, sharded
+    alike), chunk by chunk."""
+    kept, copy = metadata.entries.get(ANCHOR), metadata.entries[fqn]
+    assert isinstance(copy, TensorEntry)
+    boxes = [(c.offsets, c.sizes) for c in copy.chunks]
+    if not isinstance(kept, TensorEntry) or [(c.offsets, c.sizes) for c in kept.chunks] != boxes:
+        problems.append(f"{fqn} should be {ANCHOR} (the config ties them) but is stored apart")
+        return []
+    out = []
+    for offsets, sizes in boxes:
+        original = metadata.storage[(ANCHOR, offsets)]
+        duplicate = metadata.storage[(fqn, offsets)]
+        out.append(
+            Replica(
+                join(base, original.relative_path),
+                (ANCHOR, *offsets),
+                sizes,
+                join(base, duplicate.relative_path),
+                (fqn, *offsets),
+            )
+        )
     return out
 
 

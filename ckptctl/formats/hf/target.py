@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
-from ckptctl.errors import UsageError
+from ckptctl.errors import CheckpointError, UsageError
 from ckptctl.formats.hf.fp8 import (
     FP8,
     SCALE_SUFFIX,
@@ -67,6 +67,10 @@ class HfTarget(TargetFormat):
             return named_files(source, source.hf_named, request)
         spec = known_model(source, self.name)
         dtypes = source.canonical_dtypes()
+        absent = sorted({c for _, c, _, _ in hf_tensors(spec) if c not in dtypes})
+        if absent:  # a config of another model than the checkpoint's
+            more = f" and {len(absent) - 5} more" if len(absent) > 5 else ""
+            raise CheckpointError(f"the source holds no data for {', '.join(absent[:5])}{more}")
         fp8 = request.dtype == FP8_BLOCK
         kept = None if fp8 else request.dtype
         weight_dtypes = {hf: kept or dtypes[canonical] for hf, canonical, _, _ in hf_tensors(spec)}

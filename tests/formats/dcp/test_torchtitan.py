@@ -21,6 +21,13 @@ from tests import torchtitan_env
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+QWEN3 = {
+    "model_type": "qwen3",
+    "architectures": ["Qwen3ForCausalLM"],
+    "head_dim": 16,
+    "mlp_bias": None,  # Llama's field: dropped
+}
+"""What turns the Llama's config into a Qwen3's of the same sizes (which has q/k norms)."""
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +56,15 @@ def moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3 with its output layer tied to the embedding (its small releases): the checkpoint
+    holds both, the optimizer the one parameter."""
+    out = tmp_path_factory.mktemp("torchtitan_tied")
+    torchtitan_env.write(out, "--model", "qwen3_tied")
+    return out
+
+
 def _truth(run: Path) -> dict[str, Any]:
     return torch.load(run / "truth.pt", weights_only=False)
 
@@ -61,7 +77,7 @@ def _tensors(directory: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("run", ["fused", "cut", "moe"])
+@pytest.mark.parametrize("run", ["fused", "cut", "moe", "tied"])
 def test_torchtitan_dcp_becomes_what_its_own_hf_adapter_makes(
     run: str, request: pytest.FixtureRequest, tmp_path: Path, cli
 ) -> None:
@@ -90,6 +106,7 @@ def test_torchtitan_dcp_becomes_what_its_own_hf_adapter_makes(
         ("fused", ("--tp", "2", "--pp", "2")),
         ("cut", ("--tp", "2", "--pp", "2")),
         ("moe", ("--ep", "2", "--pp", "2", "--dp", "2")),
+        ("tied", ("--tp", "2", "--pp", "2")),
     ],
 )
 def test_torchtitan_dcp_reshards_to_megatron_with_its_adam_state(
@@ -131,14 +148,16 @@ def test_inspect_shows_the_train_state_step_and_asks_for_the_config(fused: Path,
 @pytest.mark.parametrize(
     ("change", "named", "code"),
     [
-        ({"tie_word_embeddings": True}, "tie_word_embeddings", 2),
+        ({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}, "'mistral'", 2),
+        (QWEN3, "no tensor holds the configured model's model.layers.0.self_attn.q_norm", 3),
         ({"num_key_value_heads": 4}, "layers.0.attention.qkv_linear.wk.weight has shape", 3),
     ],
 )
 def test_a_config_that_is_not_the_checkpoints_is_refused_by_name(
     fused: Path, tmp_path: Path, cli, change: dict[str, Any], named: str, code: int
 ) -> None:
-    config = {**json.loads((fused / "config.json").read_text()), **change}
+    base = json.loads((fused / "config.json").read_text())
+    config = {k: v for k, v in {**base, **change}.items() if v is not None}
     (tmp_path / "config.json").write_text(json.dumps(config))
     result = cli(
         "--hf-config",
@@ -150,6 +169,25 @@ def test_a_config_that_is_not_the_checkpoints_is_refused_by_name(
     )
     assert named in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "hf").exists()
+
+
+def test_an_hf_named_dcp_under_another_models_config_is_refused(
+    fused: Path, tmp_path: Path, cli
+) -> None:
+    """The reference DCP (HF names) of the Llama under a Qwen3 config: the q/k norms the
+    config asks for are nowhere, which is said, not an internal error."""
+    base = json.loads((fused / "config.json").read_text())
+    config = {k: v for k, v in {**base, **QWEN3}.items() if v is not None}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    result = cli(
+        "--hf-config",
+        tmp_path / "config.json",
+        "consolidate",
+        fused / "hf_dcp",
+        tmp_path / "hf",
+        code=3,
+    )
+    assert "holds no data for" in result.stderr and "q_layernorm" in result.stderr
 
 
 def test_the_source_is_not_touched(fused: Path, tmp_path: Path, cli) -> None:
