@@ -14,8 +14,8 @@ transformers model, ``fully_shard`` every block transformers marks unsplittable
 Models: ``qwen2_5_vl`` (a VLM: vision tower, ``model.language_model.*`` in memory, tied
 embeddings) and ``qwen3_moe`` (transformers 5 packs each layer's experts into
 ``experts.gate_up_proj`` / ``experts.down_proj``). No CPU shims: transformers' eager attention
-runs as it is. ``--tp`` suits models without per-head q/k norms (the VLM): this plain plan
-leaves Qwen3's norms as per-rank copies that drift apart, which a trainer's own TP plan avoids.
+runs as it is. Under ``--tp``, Qwen3's per-head q/k norms see only each rank's heads: their
+gradients are summed over the TP group before the step, as a trainer's own TP plan does.
 
 Usage::
 
@@ -143,6 +143,17 @@ def tensor_parallel(model: torch.nn.Module, mesh: object) -> None:
             parallelize_module(module, mesh, {k: v for k, v in plan.items() if k in names})
 
 
+def sum_head_norm_grads(model: torch.nn.Module, tp_mesh: object) -> None:
+    """Per-head q/k norms (Qwen3) act on each TP rank's own heads, so each rank holds part of
+    their gradient: summed over the TP group, as a trainer's TP plan does (torchtitan keeps
+    them replicated DTensors whose partial gradients it reduces)."""
+    group = tp_mesh.get_group()  # type: ignore[attr-defined]
+    for name, param in model.named_parameters():
+        if name.endswith(("q_norm.weight", "k_norm.weight")) and param.grad is not None:
+            local = getattr(param.grad, "_local_tensor", param.grad)
+            dist.all_reduce(local, group=group)
+
+
 def run_rank(rank: int, name: str, tp: int, out_dir: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -168,6 +179,8 @@ def run_rank(rank: int, name: str, tp: int, out_dir: Path) -> None:
     tokens = fixed_batch()
     loss = model(input_ids=tokens, labels=tokens).loss
     loss.backward()
+    if tp > 1:
+        sum_head_norm_grads(model, mesh["tp"])
     optimizer.step()
     optimizer.zero_grad()
 

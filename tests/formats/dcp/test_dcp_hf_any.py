@@ -44,6 +44,13 @@ def moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _written(tmp_path_factory, "qwen3_moe")
 
 
+@pytest.fixture(scope="module")
+def moe_tp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3-MoE under FSDP2 over TP 2 (4 processes): attention and dense MLP strided shards,
+    experts packed and sharded over DP."""
+    return _written(tmp_path_factory, "qwen3_moe", tp=2)
+
+
 def _truth(run: Path) -> dict[str, Any]:
     return torch.load(run / "truth.pt", weights_only=False)
 
@@ -125,6 +132,19 @@ def test_a_vlm_under_fsdp2_over_tensor_parallelism_becomes_its_hf_checkpoint(
     truth = _truth(vlm_tp)
     logits = _logits(_loaded(tmp_path / "hf"), truth["input_ids"])
     # The live model reduced its row-parallel outputs over TP ranks: the same to rounding.
+    torch.testing.assert_close(logits, truth["logits"], rtol=1e-5, atol=1e-6)
+
+
+def test_a_moe_under_fsdp2_over_tensor_parallelism_becomes_its_hf_checkpoint(
+    moe_tp: Path, tmp_path: Path, cli
+) -> None:
+    """transformers 5's Qwen3-MoE trained a step under FSDP2 + TP on 4 gloo processes: the
+    HF output is what save_pretrained writes (hub per-expert tensors), bit for bit, and its
+    logits are the trained model's."""
+    cli("consolidate", moe_tp / "dcp", tmp_path / "hf")
+    _as_save_pretrained_writes(moe_tp, tmp_path / "hf", tmp_path / "reference")
+    truth = _truth(moe_tp)
+    logits = _logits(_loaded(tmp_path / "hf"), truth["input_ids"])
     torch.testing.assert_close(logits, truth["logits"], rtol=1e-5, atol=1e-6)
 
 
