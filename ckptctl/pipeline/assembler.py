@@ -92,6 +92,8 @@ class Assembler:
         band, instead of finishing files the job will not keep)."""
         self.source_files = plan.source_files if isinstance(plan, Plan) else tuple(plan)
         self.source, self.report, self.progress = source, report, progress
+        self.adjust = getattr(source, "adjust", None)
+        """What changes some tensors' bands as they are built (``Sources.adjust``)."""
         self.pool = pool
         self.counting = counting or threading.Lock()
         """Held to update the report's counters and the progress: bands are counted on read
@@ -192,7 +194,7 @@ class Assembler:
         many small pieces that a band is cheaper); ``None`` otherwise."""
         if write.padding or write.transposed or not write.copies:
             return None
-        if self.source.adjust is not None and self.source.adjust.covers(write):
+        if self.adjust is not None and self.adjust.covers(write):
             return None
         strides = [prod(write.shape[i + 1 :]) for i in range(len(write.shape))]
         placed = []
@@ -257,8 +259,8 @@ class Assembler:
 
         lo, hi, dim = band
         data = self._band(write, lo, hi, dim, parallel)
-        if self.source.adjust is not None and self.source.adjust.covers(write):
-            data = self.source.adjust.apply(write, lo, hi, dim, data)
+        if self.adjust is not None and self.adjust.covers(write):
+            data = self.adjust.apply(write, lo, hi, dim, data)
         # A transposed band is reordered as words: numpy copies those at memory speed.
         return np.ascontiguousarray(arrays.words(data).T) if write.transposed else data
 
