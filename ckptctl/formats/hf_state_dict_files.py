@@ -22,7 +22,7 @@ from ckptctl.model.dtypes import dtype_name
 from ckptctl.model.geometry import Piece
 from ckptctl.model.hf_config import spec_from_config
 from ckptctl.model.hf_named import HfNamedModel, HfNamedSource
-from ckptctl.model.megatron_style import GroupOrder, MegatronStyle, OptimizerLayout
+from ckptctl.model.megatron_style import TORCH_ADAM, MegatronStyle
 from ckptctl.model.stored import CheckpointView, KeyPath, StoredTensor, canonical_shapes
 
 TRAINER_STATE = "trainer_state.json"
@@ -53,13 +53,7 @@ class HfStateDictFiles(TorchFiles):
     def style(self) -> MegatronStyle:
         if not self.view.has_optimizer or self.view.spec is None:
             return MegatronStyle()
-        layout = OptimizerLayout(
-            states=("step", "exp_avg", "exp_avg_sq"),
-            master_weights=False,
-            wrapped=False,
-            group_order=GroupOrder.DECAY_FIRST,
-        )
-        return MegatronStyle(optimizer=layout)
+        return MegatronStyle(optimizer=TORCH_ADAM)
 
     def saved_training(self, path: str) -> SavedTraining:
         """The optimizer's parameter-group settings (rank 0's file: every rank saves them)."""

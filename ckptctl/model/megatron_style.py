@@ -64,6 +64,16 @@ class OptimizerLayout:
         return (*self.sub(index), "optimizer") if self.wrapped else self.sub(index)
 
 
+TORCH_ADAM = OptimizerLayout(
+    states=("step", "exp_avg", "exp_avg_sq"),
+    master_weights=False,
+    wrapped=False,
+    group_order=GroupOrder.DECAY_FIRST,
+)
+"""An HF model under torch's Adam (FSDP, verl, the HF Trainer): per-parameter step and
+moments, the fp32 weights their own masters, as Megatron's ``FP32Optimizer`` stores them."""
+
+
 @dataclass(frozen=True, slots=True)
 class MegatronStyle:
     """How a Megatron checkpoint spells and orders things, kept when writing a new layout."""

@@ -46,7 +46,7 @@ from ckptctl.model.hf_families import choose_family
 from ckptctl.model.hf_layout import CONFIG
 from ckptctl.model.hf_named import GENERATION_CONFIG, HfNamedModel, HfNamedSource
 from ckptctl.model.layout import ModelSpec, ParallelLayout
-from ckptctl.model.megatron_style import GroupOrder, MegatronStyle, OptimizerLayout
+from ckptctl.model.megatron_style import TORCH_ADAM, MegatronStyle, OptimizerLayout
 from ckptctl.model.rotary_rows import stored_rows
 from ckptctl.model.stored import (
     CheckpointView,
@@ -211,12 +211,7 @@ class DcpCheckpoint(Checkpoint):
         weights their own masters, as Megatron's FP32Optimizer stores them."""
         if not self.view.has_optimizer or self.view.spec is None:
             return None
-        return OptimizerLayout(
-            states=("step", "exp_avg", "exp_avg_sq"),
-            master_weights=False,
-            wrapped=False,
-            group_order=GroupOrder.DECAY_FIRST,
-        )
+        return TORCH_ADAM
 
     @property
     def style(self) -> MegatronStyle:

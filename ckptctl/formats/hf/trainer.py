@@ -27,7 +27,7 @@ from ckptctl.model.catalog import state_name
 from ckptctl.model.dtypes import dtype_name
 from ckptctl.model.geometry import Piece, Shape
 from ckptctl.model.hf_layout import hf_tensors
-from ckptctl.model.megatron_style import GroupOrder, MegatronStyle, OptimizerLayout
+from ckptctl.model.megatron_style import TORCH_ADAM, MegatronStyle
 from ckptctl.model.stored import FlatView, KeyPath, StoredFile, StoredTensor
 
 OPTIMIZER_FILES = ("optimizer.pt", "optimizer.bin")
@@ -67,13 +67,7 @@ class TrainerCheckpoint(HFCheckpoint):
     @property
     def style(self) -> MegatronStyle:
         """torch's Adam: per-parameter step and moments, the weights their own masters."""
-        layout = OptimizerLayout(
-            states=("step", "exp_avg", "exp_avg_sq"),
-            master_weights=False,
-            wrapped=False,
-            group_order=GroupOrder.DECAY_FIRST,
-        )
-        return MegatronStyle(optimizer=layout)
+        return MegatronStyle(optimizer=TORCH_ADAM)
 
     def saved_training(self, path: str) -> SavedTraining:
         """Each group's settings by kind: the Trainer's first group decays, its second not

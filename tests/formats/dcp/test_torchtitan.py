@@ -156,19 +156,21 @@ def test_inspect_shows_the_train_state_step_and_asks_for_the_config(fused: Path,
 def test_a_config_that_is_not_the_checkpoints_is_refused_by_name(
     fused: Path, tmp_path: Path, cli, change: dict[str, Any], named: str, code: int
 ) -> None:
-    base = json.loads((fused / "config.json").read_text())
-    config = {k: v for k, v in {**base, **change}.items() if v is not None}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    result = cli(
-        "--hf-config",
-        tmp_path / "config.json",
-        "consolidate",
-        fused / "checkpoint",
-        tmp_path / "hf",
-        code=code,
-    )
+    result = _consolidated_under(fused, fused / "checkpoint", change, tmp_path, cli, code)
     assert named in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "hf").exists()
+
+
+def _consolidated_under(
+    run: Path, source: Path, change: dict[str, Any], tmp_path: Path, cli, code: int
+) -> Any:
+    """``consolidate SOURCE`` under the run's config changed by ``change`` (``None`` drops a
+    field), expecting exit ``code``."""
+    base = json.loads((run / "config.json").read_text())
+    config = {k: v for k, v in {**base, **change}.items() if v is not None}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    given = ("--hf-config", tmp_path / "config.json")
+    return cli(*given, "consolidate", source, tmp_path / "hf", code=code)
 
 
 def test_an_hf_named_dcp_under_another_models_config_is_refused(
@@ -176,17 +178,7 @@ def test_an_hf_named_dcp_under_another_models_config_is_refused(
 ) -> None:
     """The reference DCP (HF names) of the Llama under a Qwen3 config: the q/k norms the
     config asks for are nowhere, which is said, not an internal error."""
-    base = json.loads((fused / "config.json").read_text())
-    config = {k: v for k, v in {**base, **QWEN3}.items() if v is not None}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    result = cli(
-        "--hf-config",
-        tmp_path / "config.json",
-        "consolidate",
-        fused / "hf_dcp",
-        tmp_path / "hf",
-        code=3,
-    )
+    result = _consolidated_under(fused, fused / "hf_dcp", QWEN3, tmp_path, cli, 3)
     assert "holds no data for" in result.stderr and "q_layernorm" in result.stderr
 
 
