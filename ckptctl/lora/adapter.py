@@ -15,7 +15,7 @@ from ckptctl import arrays, json_input
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError
 from ckptctl.formats.safetensors_header import SafetensorsHeader, read_header
 from ckptctl.io.storage import Storage
-from ckptctl.model.lora import LoraPair, check_config, pairs
+from ckptctl.model.lora import LoraPair, Replacement, check_config, pairs, replacements
 from ckptctl.settings import StorageConfig
 
 if TYPE_CHECKING:
@@ -32,6 +32,8 @@ class Adapter:
     header: SafetensorsHeader
     pairs: dict[str, LoraPair]
     """By base weight name."""
+    whole: dict[str, Replacement]
+    """``modules_to_save``'s tensors, by the base tensor they replace."""
     fingerprint: str
     """xxh3-64 of the config and the weights: a merge's plan names the adapter by it."""
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -78,8 +80,9 @@ def open_adapter(url: str, config: StorageConfig, trusted: frozenset[str]) -> Ad
     if not shapes:
         raise CheckpointError(f"{storage.describe(WEIGHTS)}: the adapter holds no tensors")
     found = pairs(settings, shapes, storage.describe(WEIGHTS))
+    whole = replacements(settings, shapes)
     digest = xxhash.xxh3_64(text.encode())
     with storage.open_read(WEIGHTS) as f:
         for block in iter(lambda: f.read(8 << 20), b""):
             digest.update(block)
-    return Adapter(storage, header, found, digest.hexdigest())
+    return Adapter(storage, header, found, whole, digest.hexdigest())

@@ -31,14 +31,25 @@ class LoraMerge:
         self.adapter = adapter
         self._kept: OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
         self._lock = threading.Lock()
+        self._kept_whole: dict[str, torch.Tensor] = {}
         self.merged: set[str] = set()
         """The weights merged so far (each one once)."""
 
     def covers(self, write: TensorWrite) -> bool:
-        return len(write.key) == 1 and str(write.key[0]) in self.adapter.pairs
+        name = str(write.key[0]) if len(write.key) == 1 else None
+        return name in self.adapter.pairs or name in self.adapter.whole
 
     def apply(self, write: TensorWrite, lo: int, hi: int, dim: int, band: np.ndarray) -> np.ndarray:
-        pair = self.adapter.pairs[str(write.key[0])]
+        name = str(write.key[0])
+        if name in self.adapter.whole:  # modules_to_save: the trained tensor, in the base's dtype
+            base = arrays.to_torch(band)
+            trained = self._whole(name)
+            with self._lock:
+                self.merged.add(name)
+            return arrays.from_torch(
+                trained[lo:hi].to(base.dtype) if dim == 0 else trained.to(base.dtype)
+            )
+        pair = self.adapter.pairs[name]
         if dim != 0 or band.ndim != 2 or write.transposed:
             raise CheckpointError(f"{pair.weight}: a LoRA merge needs bands of whole rows")
         a, b = self._matrices(pair)
@@ -48,6 +59,15 @@ class LoraMerge:
         with self._lock:
             self.merged.add(pair.weight)
         return arrays.from_torch(merged)
+
+    def _whole(self, name: str) -> torch.Tensor:
+        with self._lock:
+            kept = self._kept_whole.get(name)
+        if kept is None:
+            kept = self.adapter.matrix(self.adapter.whole[name].tensor)
+            with self._lock:
+                self._kept_whole = {name: kept}  # one at a time: they are whole tensors
+        return kept
 
     def _matrices(self, pair: LoraPair) -> tuple[torch.Tensor, torch.Tensor]:
         with self._lock:

@@ -11,7 +11,7 @@ from ckptctl.model.plan import Plan
 
 def with_adapter(plan: Plan, adapter: Adapter) -> Plan:
     written = {str(t.key[0]): t for f in plan.files for t in f.tensors if len(t.key) == 1}
-    missing = sorted(set(adapter.pairs) - set(written))
+    missing = sorted((set(adapter.pairs) | set(adapter.whole)) - set(written))
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise LayoutError(
@@ -25,11 +25,24 @@ def with_adapter(plan: Plan, adapter: Adapter) -> Plan:
                 f"{adapter.url}: {name} is {list(shape)} in the base, but its adapter's "
                 f"B @ A is {list(pair.shape)}; the adapter was trained on another model"
             )
+    for name, replaced in adapter.whole.items():
+        shape = tuple(written[name].shape)
+        if shape != replaced.shape:
+            raise LayoutError(
+                f"{adapter.url}: {name} is {list(shape)} in the base, but the adapter's trained "
+                f"copy (modules_to_save) is {list(replaced.shape)}; resize the base's "
+                "vocabulary first, as the training did"
+            )
     ranks = sorted({p.rank for p in adapter.pairs.values()})
     scalings = sorted({p.scaling for p in adapter.pairs.values()})
     note = (
         f"LoRA adapter {adapter.url} (xxh3 {adapter.fingerprint}) merged into "
         f"{len(adapter.pairs)} weights: rank {'/'.join(map(str, ranks))}, scaling "
         f"{'/'.join(f'{s:g}' for s in scalings)}, in float32, rounded once to each weight's dtype"
+        + (
+            f"; {len(adapter.whole)} tensors of modules_to_save taken whole from it"
+            if adapter.whole
+            else ""
+        )
     )
     return plan.model_copy(update={"operation": "merge-lora", "notes": (*plan.notes, note)})

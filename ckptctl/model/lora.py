@@ -49,6 +49,7 @@ HARMLESS = frozenset(
         "qalora_group_size",
         "ensure_weight_tying",
         "eva_config",  # EVA initialises A and B only: the saved adapter is what it is
+        "modules_to_save",  # their trained tensors replace the base's (``Replacement``)
     }
 )
 """Fields that do not change what merging the saved tensors means."""
@@ -57,7 +58,6 @@ CHANGES_THE_MERGE = {
     "bias": "LoRA biases",
     "lora_bias": "LoRA biases",
     "use_dora": "DoRA's magnitude vectors",
-    "modules_to_save": "modules trained whole beside the adapter",
     "trainable_token_indices": "trained token embeddings",
     "layer_replication": "replicated layers",
     "megatron_config": "Megatron-parallel LoRA layers",
@@ -92,6 +92,17 @@ class LoraPair:
     scaling: float
     shape: Shape
     """The base weight's shape the adapter implies: ``(B's rows, A's columns)``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Replacement:
+    """A tensor of a module trained whole beside the adapter (``modules_to_save``): the
+    merged model holds it instead of the base's."""
+
+    weight: str
+    tensor: str
+    """The adapter's tensor name."""
+    shape: Shape
 
 
 def _is_default(value: Any) -> bool:
@@ -133,11 +144,28 @@ def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
     return default
 
 
+def replacements(config: dict[str, Any], shapes: dict[str, Shape]) -> dict[str, Replacement]:
+    """The tensors of ``modules_to_save`` the adapter holds whole (PEFT saves them under the
+    module's own name), by the base tensor they replace."""
+    saved = config.get("modules_to_save") or []
+    out: dict[str, Replacement] = {}
+    for name, shape in shapes.items():
+        local = name[len(PREFIX) :] if name.startswith(PREFIX) else ""
+        module = local.rpartition(".")[0]
+        if any(module == m or module.endswith("." + m) for m in saved):
+            out[local] = Replacement(local, name, shape)
+    return out
+
+
 def pairs(config: dict[str, Any], shapes: dict[str, Shape], where: str) -> dict[str, LoraPair]:
     """Each adapted base weight (by name) and its merge terms, from the adapter's tensor
-    names and shapes; anything else in the adapter is refused by name."""
+    names and shapes; anything else in the adapter (but ``modules_to_save``'s tensors) is
+    refused by name."""
     found: dict[str, dict[str, tuple[str, Shape]]] = {}
+    whole = {r.tensor for r in replacements(config, shapes).values()}
     for name, shape in shapes.items():
+        if name in whole:
+            continue
         match = _LORA.fullmatch(name[len(PREFIX) :]) if name.startswith(PREFIX) else None
         if match is None:
             raise LayoutError(

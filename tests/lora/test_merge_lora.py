@@ -36,13 +36,13 @@ def _base_model(dtype: torch.dtype) -> Any:
 
 
 def _adapter(model: Any, **options: Any) -> Any:
-    """The model wrapped by PEFT, every LoRA matrix seeded random."""
+    """The model wrapped by PEFT, every LoRA matrix (and module trained whole) seeded random."""
     config = peft.LoraConfig(target_modules=TARGETS, **{"r": 4, "lora_alpha": 8, **options})
     wrapped = peft.get_peft_model(model, config)
     seeded = torch.Generator().manual_seed(11)
     with torch.no_grad():
         for name, param in wrapped.named_parameters():
-            if "lora_" in name:
+            if "lora_" in name or "modules_to_save" in name:
                 param.copy_(torch.randn(param.shape, generator=seeded) * 0.1)
     return wrapped
 
@@ -88,6 +88,20 @@ def test_the_merge_equals_peft_merge_and_unload(tmp_path: Path, cli, dtype: torc
     assert model.dtype == dtype
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_modules_trained_whole_replace_the_bases(tmp_path: Path, cli, dtype: torch.dtype) -> None:
+    """``modules_to_save``: PEFT keeps a trained copy of the module; the merged model holds
+    it (in the base's dtype) instead of the base's."""
+    base, adapter, merged = _made(tmp_path, dtype, modules_to_save=["lm_head", "embed_tokens"])
+    cli("merge-lora", base, adapter, tmp_path / "out")
+    ours = _tensors(tmp_path / "out")
+    for name, want in merged.items():
+        assert torch.equal(ours[name], want), name
+    before = _tensors(base)
+    assert not torch.equal(ours["lm_head.weight"], before["lm_head.weight"])
+    assert not torch.equal(ours["model.embed_tokens.weight"], before["model.embed_tokens.weight"])
+
+
 def test_rslora_scaling(tmp_path: Path, cli) -> None:
     base, adapter, merged = _made(tmp_path, torch.float32, use_rslora=True, lora_alpha=6)
     cli("merge-lora", base, adapter, tmp_path / "out")
@@ -128,7 +142,6 @@ def test_sources_are_not_touched_and_a_rerun_of_another_adapter_is_not_reused(
     ("change", "named"),
     [
         ({"use_dora": True}, "use_dora"),
-        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
         ({"init_lora_weights": "pissa"}, "init_lora_weights"),
         ({"peft_type": "IA3"}, "peft_type"),
         ({"r": 8}, "rank 4, the config says 8"),
