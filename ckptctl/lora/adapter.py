@@ -15,7 +15,15 @@ from ckptctl import arrays, json_input
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError
 from ckptctl.formats.safetensors_header import SafetensorsHeader, read_header
 from ckptctl.io.storage import Storage
-from ckptctl.model.lora import LoraPair, Replacement, check_config, pairs, replacements
+from ckptctl.model.lora import (
+    LoraPair,
+    Replacement,
+    TokenRows,
+    check_config,
+    pairs,
+    replacements,
+    token_rows,
+)
 from ckptctl.settings import StorageConfig
 
 if TYPE_CHECKING:
@@ -34,6 +42,8 @@ class Adapter:
     """By base weight name."""
     whole: dict[str, Replacement]
     """``modules_to_save``'s tensors, by the base tensor they replace."""
+    tokens: dict[str, TokenRows]
+    """Embedding rows trained beside the adapter, by the embedding's name."""
     fingerprint: str
     """xxh3-64 of the config and the weights: a merge's plan names the adapter by it."""
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -81,8 +91,9 @@ def open_adapter(url: str, config: StorageConfig, trusted: frozenset[str]) -> Ad
         raise CheckpointError(f"{storage.describe(WEIGHTS)}: the adapter holds no tensors")
     found = pairs(settings, shapes, storage.describe(WEIGHTS))
     whole = replacements(settings, shapes)
+    tokens = token_rows(settings, shapes, storage.describe(WEIGHTS))
     digest = xxhash.xxh3_64(text.encode())
     with storage.open_read(WEIGHTS) as f:
         for block in iter(lambda: f.read(8 << 20), b""):
             digest.update(block)
-    return Adapter(storage, header, found, whole, digest.hexdigest())
+    return Adapter(storage, header, found, whole, tokens, digest.hexdigest())

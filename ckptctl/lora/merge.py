@@ -37,7 +37,8 @@ class LoraMerge:
 
     def covers(self, write: TensorWrite) -> bool:
         name = str(write.key[0]) if len(write.key) == 1 else None
-        return name in self.adapter.pairs or name in self.adapter.whole
+        adapter = self.adapter
+        return name in adapter.pairs or name in adapter.whole or name in adapter.tokens
 
     def apply(self, write: TensorWrite, lo: int, hi: int, dim: int, band: np.ndarray) -> np.ndarray:
         name = str(write.key[0])
@@ -49,6 +50,8 @@ class LoraMerge:
             return arrays.from_torch(
                 trained[lo:hi].to(base.dtype) if dim == 0 else trained.to(base.dtype)
             )
+        if name in self.adapter.tokens:  # trained rows: PEFT's index_copy
+            return self._rows(name, lo, hi, dim, band)
         pair = self.adapter.pairs[name]
         if dim != 0 or band.ndim != 2 or write.transposed:
             raise CheckpointError(f"{pair.weight}: a LoRA merge needs bands of whole rows")
@@ -60,13 +63,29 @@ class LoraMerge:
             self.merged.add(pair.weight)
         return arrays.from_torch(merged)
 
-    def _whole(self, name: str) -> torch.Tensor:
+    def _rows(self, name: str, lo: int, hi: int, dim: int, band: np.ndarray) -> np.ndarray:
+        rows = self.adapter.tokens[name]
+        if dim != 0:
+            raise CheckpointError(f"{name}: trained token rows need bands of whole rows")
+        base = arrays.to_torch(band).clone()  # the band may be the source's own bytes
+        trained = self._whole_tensor(rows.tensor)
+        for position, index in enumerate(rows.indices):
+            if lo <= index < hi:
+                base[index - lo] = trained[position].to(base.dtype)
         with self._lock:
-            kept = self._kept_whole.get(name)
+            self.merged.add(name)
+        return arrays.from_torch(base)
+
+    def _whole(self, name: str) -> torch.Tensor:
+        return self._whole_tensor(self.adapter.whole[name].tensor)
+
+    def _whole_tensor(self, tensor: str) -> torch.Tensor:
+        with self._lock:
+            kept = self._kept_whole.get(tensor)
         if kept is None:
-            kept = self.adapter.matrix(self.adapter.whole[name].tensor)
+            kept = self.adapter.matrix(tensor)
             with self._lock:
-                self._kept_whole = {name: kept}  # one at a time: they are whole tensors
+                self._kept_whole = {tensor: kept}  # one at a time: they are whole tensors
         return kept
 
     def _matrices(self, pair: LoraPair) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,7 +11,7 @@ from ckptctl.model.plan import Plan
 
 def with_adapter(plan: Plan, adapter: Adapter) -> Plan:
     written = {str(t.key[0]): t for f in plan.files for t in f.tensors if len(t.key) == 1}
-    missing = sorted((set(adapter.pairs) | set(adapter.whole)) - set(written))
+    missing = sorted((set(adapter.pairs) | set(adapter.whole) | set(adapter.tokens)) - set(written))
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise LayoutError(
@@ -33,6 +33,13 @@ def with_adapter(plan: Plan, adapter: Adapter) -> Plan:
                 f"copy (modules_to_save) is {list(replaced.shape)}; resize the base's "
                 "vocabulary first, as the training did"
             )
+    for name, rows in adapter.tokens.items():
+        shape = tuple(written[name].shape)
+        if max(rows.indices) >= shape[0]:
+            raise LayoutError(
+                f"{adapter.url}: trainable_token_indices reach row {max(rows.indices)}, but "
+                f"{name} has {shape[0]} rows in the base; resize its vocabulary first"
+            )
     ranks = sorted({p.rank for p in adapter.pairs.values()})
     scalings = sorted({p.scaling for p in adapter.pairs.values()})
     note = (
@@ -43,6 +50,9 @@ def with_adapter(plan: Plan, adapter: Adapter) -> Plan:
             f"; {len(adapter.whole)} tensors of modules_to_save taken whole from it"
             if adapter.whole
             else ""
+        )
+        + "".join(
+            f"; {len(r.indices)} trained rows of {name}" for name, r in adapter.tokens.items()
         )
     )
     return plan.model_copy(update={"operation": "merge-lora", "notes": (*plan.notes, note)})

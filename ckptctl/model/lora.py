@@ -22,6 +22,7 @@ from ckptctl.model.geometry import Shape
 
 PREFIX = "base_model.model."
 """Where PEFT's saved adapter names start (the wrapped model's own names follow)."""
+_TOKENS = re.compile(r"(?P<module>.+)\.token_adapter\.trainable_tokens_delta")
 _LORA = re.compile(r"(?P<module>.+)\.lora_(?P<part>A|B)(?:\.(?P<adapter>[^.]+))?\.weight")
 
 HARMLESS = frozenset(
@@ -50,6 +51,7 @@ HARMLESS = frozenset(
         "ensure_weight_tying",
         "eva_config",  # EVA initialises A and B only: the saved adapter is what it is
         "modules_to_save",  # their trained tensors replace the base's (``Replacement``)
+        "trainable_token_indices",  # those rows replaced (``TokenRows``)
     }
 )
 """Fields that do not change what merging the saved tensors means."""
@@ -58,7 +60,6 @@ CHANGES_THE_MERGE = {
     "bias": "LoRA biases",
     "lora_bias": "LoRA biases",
     "use_dora": "DoRA's magnitude vectors",
-    "trainable_token_indices": "trained token embeddings",
     "layer_replication": "replicated layers",
     "megatron_config": "Megatron-parallel LoRA layers",
     "loftq_config": "LoftQ, which changes the base weights",
@@ -103,6 +104,43 @@ class Replacement:
     tensor: str
     """The adapter's tensor name."""
     shape: Shape
+
+
+@dataclass(frozen=True, slots=True)
+class TokenRows:
+    """Rows of an embedding trained beside the adapter (``trainable_token_indices``): the
+    merged model holds the trained rows at ``indices`` (PEFT's ``index_copy``)."""
+
+    weight: str
+    tensor: str
+    indices: tuple[int, ...]
+
+
+def token_rows(
+    config: dict[str, Any], shapes: dict[str, Shape], where: str
+) -> dict[str, TokenRows]:
+    """Each embedding whose rows the adapter trained, by its weight's name."""
+    asked = config.get("trainable_token_indices")
+    out: dict[str, TokenRows] = {}
+    for name, shape in shapes.items():
+        match = _TOKENS.fullmatch(name[len(PREFIX) :]) if name.startswith(PREFIX) else None
+        if match is None:
+            continue
+        module = match["module"]
+        if isinstance(asked, dict):
+            key = next((k for k in asked if module == k or module.endswith("." + k)), None)
+            indices = asked.get(key) if key is not None else None
+        else:
+            indices = asked
+        if not isinstance(indices, list) or not all(isinstance(i, int) for i in indices):
+            raise LayoutError(f"{where}: {name}: trainable_token_indices names no rows for it")
+        if len(set(indices)) != len(indices) or len(shape) != 2 or shape[0] != len(indices):
+            raise LayoutError(
+                f"{where}: {name} holds {list(shape)} rows for the indices {indices[:8]}: "
+                "one row per distinct index is needed"
+            )
+        out[f"{module}.weight"] = TokenRows(f"{module}.weight", name, tuple(indices))
+    return out
 
 
 def _is_default(value: Any) -> bool:
@@ -163,6 +201,7 @@ def pairs(config: dict[str, Any], shapes: dict[str, Shape], where: str) -> dict[
     refused by name."""
     found: dict[str, dict[str, tuple[str, Shape]]] = {}
     whole = {r.tensor for r in replacements(config, shapes).values()}
+    whole |= {name for name in shapes if _TOKENS.fullmatch(name[len(PREFIX) :])}
     for name, shape in shapes.items():
         if name in whole:
             continue

@@ -20,7 +20,7 @@ peft = pytest.importorskip("peft")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def _base_model(dtype: torch.dtype) -> Any:
+def _base_model(dtype: torch.dtype, tied: bool = False) -> Any:
     config = transformers.LlamaConfig(
         hidden_size=64,
         intermediate_size=96,
@@ -29,7 +29,7 @@ def _base_model(dtype: torch.dtype) -> Any:
         num_key_value_heads=2,
         vocab_size=301,
         max_position_embeddings=64,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
     )
     torch.manual_seed(3)
     return transformers.LlamaForCausalLM(config).to(dtype).eval()
@@ -42,7 +42,7 @@ def _adapter(model: Any, **options: Any) -> Any:
     seeded = torch.Generator().manual_seed(11)
     with torch.no_grad():
         for name, param in wrapped.named_parameters():
-            if "lora_" in name or "modules_to_save" in name:
+            if any(k in name for k in ("lora_", "modules_to_save", "trainable_tokens")):
                 param.copy_(torch.randn(param.shape, generator=seeded) * 0.1)
     return wrapped
 
@@ -55,15 +55,18 @@ def _tensors(directory: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def _made(tmp: Path, dtype: torch.dtype, **options: Any) -> tuple[Path, Path, dict[str, Any]]:
+def _made(
+    tmp: Path, dtype: torch.dtype, tied: bool = False, **options: Any
+) -> tuple[Path, Path, dict[str, Any]]:
     """(base directory, adapter directory, the merged state dict PEFT makes, in float32 then
     rounded once to ``dtype``)."""
     base, adapter = tmp / "base", tmp / "adapter"
-    _base_model(dtype).save_pretrained(str(base))
-    wrapped = _adapter(_base_model(dtype), **options)
+    _base_model(dtype, tied).save_pretrained(str(base))
+    wrapped = _adapter(_base_model(dtype, tied), **options)
     wrapped.save_pretrained(str(adapter))
     # PEFT's own merge, in float32 (the base's weights and the adapter's, upcast exactly)
-    reference = peft.PeftModel.from_pretrained(_base_model(dtype).float(), str(adapter))
+    model = _base_model(dtype, tied).float()
+    reference = peft.PeftModel.from_pretrained(model, str(adapter))
     reference = reference.float()
     merged = reference.merge_and_unload().state_dict()
     return base, adapter, {k: v.to(dtype) for k, v in merged.items()}
@@ -100,6 +103,23 @@ def test_modules_trained_whole_replace_the_bases(tmp_path: Path, cli, dtype: tor
     before = _tensors(base)
     assert not torch.equal(ours["lm_head.weight"], before["lm_head.weight"])
     assert not torch.equal(ours["model.embed_tokens.weight"], before["model.embed_tokens.weight"])
+
+
+@pytest.mark.parametrize(("dtype", "tied"), [(torch.float32, False), (torch.bfloat16, True)])
+def test_trained_token_rows_replace_the_embeddings(
+    tmp_path: Path, cli, dtype: torch.dtype, tied: bool
+) -> None:
+    """``trainable_token_indices``: the trained rows replace those of the embedding (and,
+    tied, of the output layer it is), as PEFT's merge copies them in."""
+    base, adapter, merged = _made(tmp_path, dtype, tied, trainable_token_indices=[3, 7, 250])
+    result = cli("merge-lora", base, adapter, tmp_path / "out")
+    assert "3 trained rows of model.embed_tokens.weight" in result.stdout + result.stderr
+    ours = _tensors(tmp_path / "out")
+    assert sorted(ours) == sorted(k for k in merged if not (tied and k == "lm_head.weight"))
+    for name in ours:
+        assert torch.equal(ours[name], merged[name]), name
+    changed = ours["model.embed_tokens.weight"] != _tensors(base)["model.embed_tokens.weight"]
+    assert changed.any(dim=1).nonzero().flatten().tolist() == [3, 7, 250]
 
 
 def test_rslora_scaling(tmp_path: Path, cli) -> None:
