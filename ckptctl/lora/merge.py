@@ -41,40 +41,38 @@ class LoraMerge:
         return name in adapter.pairs or name in adapter.whole or name in adapter.tokens
 
     def apply(self, write: TensorWrite, lo: int, hi: int, dim: int, band: np.ndarray) -> np.ndarray:
+        """The band of rows ``[lo, hi)`` as the merged model holds it: a tensor saved beside
+        the adapter first (it replaces the base's), then the LoRA delta, then trained rows."""
         name = str(write.key[0])
-        if name in self.adapter.whole:  # modules_to_save: the trained tensor, in the base's dtype
-            base = arrays.to_torch(band)
-            trained = self._whole(name)
-            with self._lock:
-                self.merged.add(name)
-            return arrays.from_torch(
-                trained[lo:hi].to(base.dtype) if dim == 0 else trained.to(base.dtype)
-            )
-        if name in self.adapter.tokens:  # trained rows: PEFT's index_copy
-            return self._rows(name, lo, hi, dim, band)
-        pair = self.adapter.pairs[name]
-        if dim != 0 or band.ndim != 2 or write.transposed:
-            raise CheckpointError(f"{pair.weight}: a LoRA merge needs bands of whole rows")
-        a, b = self._matrices(pair)
+        if dim != 0 or write.transposed:
+            raise CheckpointError(f"{name}: a LoRA merge needs bands of whole rows")
         base = arrays.to_torch(band)
-        delta = (b[lo:hi] @ a) * pair.scaling
-        merged = (base.float() + delta).to(base.dtype)
+        if name in self.adapter.whole:  # in the base's dtype, as PEFT loads it over the base's
+            trained = self._whole(name)
+            base = (trained[lo:hi] if trained.ndim else trained).to(base.dtype)
+        if name in self.adapter.pairs:
+            base = self._delta_added(self.adapter.pairs[name], lo, hi, base)
+        if name in self.adapter.tokens:  # trained rows: PEFT's index_copy
+            base = self._rows(name, lo, hi, base)
         with self._lock:
-            self.merged.add(pair.weight)
-        return arrays.from_torch(merged)
+            self.merged.add(name)
+        return arrays.from_torch(base)
 
-    def _rows(self, name: str, lo: int, hi: int, dim: int, band: np.ndarray) -> np.ndarray:
+    def _delta_added(self, pair: LoraPair, lo: int, hi: int, base: torch.Tensor) -> torch.Tensor:
+        """``W + scaling * B @ A`` for rows ``[lo, hi)``, in float32, rounded once (an
+        embedding's delta is ``(B @ A)`` transposed: its rows are A's columns)."""
+        a, b = self._matrices(pair)
+        product = (b @ a[:, lo:hi]).T if pair.embedding else b[lo:hi] @ a
+        return (base.float() + product * pair.scaling).to(base.dtype)
+
+    def _rows(self, name: str, lo: int, hi: int, base: torch.Tensor) -> torch.Tensor:
         rows = self.adapter.tokens[name]
-        if dim != 0:
-            raise CheckpointError(f"{name}: trained token rows need bands of whole rows")
-        base = arrays.to_torch(band).clone()  # the band may be the source's own bytes
+        base = base.clone()  # the band may be the source's own bytes
         trained = self._whole_tensor(rows.tensor)
         for position, index in enumerate(rows.indices):
             if lo <= index < hi:
                 base[index - lo] = trained[position].to(base.dtype)
-        with self._lock:
-            self.merged.add(name)
-        return arrays.from_torch(base)
+        return base
 
     def _whole(self, name: str) -> torch.Tensor:
         return self._whole_tensor(self.adapter.whole[name].tensor)

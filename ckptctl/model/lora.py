@@ -24,6 +24,10 @@ PREFIX = "base_model.model."
 """Where PEFT's saved adapter names start (the wrapped model's own names follow)."""
 _TOKENS = re.compile(r"(?P<module>.+)\.token_adapter\.trainable_tokens_delta")
 _LORA = re.compile(r"(?P<module>.+)\.lora_(?P<part>A|B)(?:\.(?P<adapter>[^.]+))?\.weight")
+_EMBEDDING_LORA = re.compile(
+    r"(?P<module>.+)\.lora_embedding_(?P<part>A|B)(?:\.(?P<adapter>[^.]+))?"
+)
+_BASE_LAYER = re.compile(r"(?P<module>.+)\.base_layer\.(?P<param>weight|bias)")
 
 HARMLESS = frozenset(
     {
@@ -93,6 +97,9 @@ class LoraPair:
     scaling: float
     shape: Shape
     """The base weight's shape the adapter implies: ``(B's rows, A's columns)``."""
+    embedding: bool = False
+    """An embedding's LoRA (``lora_embedding_A [r, vocab]``, ``_B [dim, r]``): the delta is
+    ``(B @ A)`` transposed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +199,11 @@ def replacements(config: dict[str, Any], shapes: dict[str, Shape]) -> dict[str, 
         module = local.rpartition(".")[0]
         if any(module == m or module.endswith("." + m) for m in saved):
             out[local] = Replacement(local, name, shape)
+        elif (layer := _BASE_LAYER.fullmatch(local)) is not None:
+            # PEFT saves an adapted embedding's base layer beside the adapter (a resized
+            # vocabulary's rows) and loads it over the base's: the merge starts from it.
+            weight = f"{layer['module']}.{layer['param']}"
+            out[weight] = Replacement(weight, name, shape)
     return out
 
 
@@ -202,15 +214,20 @@ def pairs(config: dict[str, Any], shapes: dict[str, Shape], where: str) -> dict[
     found: dict[str, dict[str, tuple[str, Shape]]] = {}
     whole = {r.tensor for r in replacements(config, shapes).values()}
     whole |= {name for name in shapes if _TOKENS.fullmatch(name[len(PREFIX) :])}
+    embeddings: set[str] = set()
     for name, shape in shapes.items():
         if name in whole:
             continue
-        match = _LORA.fullmatch(name[len(PREFIX) :]) if name.startswith(PREFIX) else None
+        local = name[len(PREFIX) :] if name.startswith(PREFIX) else ""
+        match = _LORA.fullmatch(local) or _EMBEDDING_LORA.fullmatch(local)
         if match is None:
             raise LayoutError(
-                f"{where}: tensor {name} is not a LoRA A or B matrix of a linear layer "
-                "(embedding and convolution adapters are not merged)"
+                f"{where}: tensor {name} is not a LoRA A or B matrix of a linear or embedding "
+                "layer (convolution adapters are not merged)"
             )
+        if match.re is _EMBEDDING_LORA:
+            embeddings.add(match["module"])
+            shape = shape[::-1]  # A [r, vocab], B [dim, r]: as a linear layer's, transposed
         found.setdefault(match["module"], {})[match["part"]] = (name, shape)
     out: dict[str, LoraPair] = {}
     use_rslora = bool(config.get("use_rslora"))
@@ -219,6 +236,9 @@ def pairs(config: dict[str, Any], shapes: dict[str, Shape], where: str) -> dict[
             missing = ({"A", "B"} - set(parts)).pop()
             raise LayoutError(f"{where}: {module} has no lora_{missing} matrix")
         (a, a_shape), (b, b_shape) = parts["A"], parts["B"]
+        embedding = module in embeddings
+        if embedding:  # back to A [r, vocab], B [dim, r]
+            a_shape, b_shape = a_shape[::-1], b_shape[::-1]
         if len(a_shape) != 2 or len(b_shape) != 2 or a_shape[0] != b_shape[1]:
             raise LayoutError(
                 f"{where}: {module}'s lora_A {list(a_shape)} and lora_B {list(b_shape)} are "
@@ -235,5 +255,6 @@ def pairs(config: dict[str, Any], shapes: dict[str, Shape], where: str) -> dict[
         )
         scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
         weight = f"{module}.weight"
-        out[weight] = LoraPair(weight, a, b, rank, scaling, (b_shape[0], a_shape[1]))
+        shape = (a_shape[1], b_shape[0]) if embedding else (b_shape[0], a_shape[1])
+        out[weight] = LoraPair(weight, a, b, rank, scaling, shape, embedding)
     return out

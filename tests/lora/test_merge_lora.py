@@ -37,7 +37,7 @@ def _base_model(dtype: torch.dtype, tied: bool = False) -> Any:
 
 def _adapter(model: Any, **options: Any) -> Any:
     """The model wrapped by PEFT, every LoRA matrix (and module trained whole) seeded random."""
-    config = peft.LoraConfig(target_modules=TARGETS, **{"r": 4, "lora_alpha": 8, **options})
+    config = peft.LoraConfig(**{"target_modules": TARGETS, "r": 4, "lora_alpha": 8, **options})
     wrapped = peft.get_peft_model(model, config)
     seeded = torch.Generator().manual_seed(11)
     with torch.no_grad():
@@ -120,6 +120,22 @@ def test_trained_token_rows_replace_the_embeddings(
         assert torch.equal(ours[name], merged[name]), name
     changed = ours["model.embed_tokens.weight"] != _tensors(base)["model.embed_tokens.weight"]
     assert changed.any(dim=1).nonzero().flatten().tolist() == [3, 7, 250]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_embedding_and_output_layer_adapters(tmp_path: Path, cli, dtype: torch.dtype) -> None:
+    """LoRA on ``embed_tokens`` (``lora_embedding_A``/``_B``: the delta transposed) and on
+    ``lm_head``; PEFT saves both layers' base weights beside the adapter and loads them over
+    the base's, so the merge starts from those."""
+    targets = [*TARGETS, "embed_tokens", "lm_head"]
+    base, adapter, merged = _made(tmp_path, dtype, target_modules=targets)
+    cli("merge-lora", base, adapter, tmp_path / "out")
+    ours = _tensors(tmp_path / "out")
+    for name, want in merged.items():
+        assert torch.equal(ours[name], want), name
+    before = _tensors(base)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        assert not torch.equal(ours[name], before[name]), name
 
 
 def test_rslora_scaling(tmp_path: Path, cli) -> None:
