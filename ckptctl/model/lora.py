@@ -181,11 +181,25 @@ def check_config(config: dict[str, Any], where: str, trusted: frozenset[str]) ->
         )
 
 
-def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
-    """PEFT's rule: the first pattern key that matches the module name's tail."""
+_REPEATED_GROUP = re.compile(r"\)[*+{?]")
+"""A repeated group in a pattern: what catastrophic backtracking needs (``(a+)+``)."""
+
+
+def _pattern_value(patterns: dict[str, Any], module: str, default: Any, where: str) -> Any:
+    """PEFT's rule: the first pattern key that matches the module name's tail. The keys come
+    from an untrusted file: a key that repeats a group is refused, not run, since such a
+    regular expression can take exponential time on a module's name."""
     for key, value in patterns.items():
-        if re.match(rf"(.*\.)?({key})$", module):
-            return value
+        if not isinstance(key, str) or len(key) > 500 or _REPEATED_GROUP.search(key):
+            raise LayoutError(
+                f"{where}: rank_pattern / alpha_pattern key {str(key)[:60]!r} repeats a group "
+                "(or is over 500 characters): ckptctl does not evaluate such patterns"
+            )
+        try:
+            if re.match(rf"(.*\.)?({key})$", module):
+                return value
+        except re.error as err:
+            raise LayoutError(f"{where}: rank_pattern / alpha_pattern key {key!r}: {err}") from None
     return default
 
 
@@ -245,14 +259,14 @@ def pairs(config: dict[str, Any], shapes: dict[str, Shape], where: str) -> dict[
                 "not the matrices of one rank"
             )
         rank = a_shape[0]
-        stated = _pattern_value(config.get("rank_pattern") or {}, module, config.get("r", 8))
+        ranks = config.get("rank_pattern") or {}
+        stated = _pattern_value(ranks, module, config.get("r", 8), where)
         if stated != rank:
             raise LayoutError(
                 f"{where}: {module}'s matrices have rank {rank}, the config says {stated}"
             )
-        alpha = _pattern_value(
-            config.get("alpha_pattern") or {}, module, config.get("lora_alpha", 8)
-        )
+        alphas = config.get("alpha_pattern") or {}
+        alpha = _pattern_value(alphas, module, config.get("lora_alpha", 8), where)
         scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
         weight = f"{module}.weight"
         shape = (a_shape[1], b_shape[0]) if embedding else (b_shape[0], a_shape[1])

@@ -182,6 +182,7 @@ def test_sources_are_not_touched_and_a_rerun_of_another_adapter_is_not_reused(
         ({"peft_type": "IA3"}, "peft_type"),
         ({"r": 8}, "rank 4, the config says 8"),
         ({"some_new_field": 3}, "--trust-field some_new_field"),
+        ({"rank_pattern": {"(o+)+_proj": 2}}, "repeats a group"),
     ],
 )
 def test_an_adapter_that_would_merge_otherwise_is_refused_by_name(
