@@ -13,14 +13,16 @@ Usage::
     python tests/oracles/hf_trainer_writer.py OUT_DIR [llama|qwen2] [OPTIM]
 
 ``OPTIM``: the Trainer's ``optim`` (default ``adamw_torch``; ``adafactor`` for another
-optimizer's state, then without ``reference/``). No CPU shims: the Trainer runs on the CPU as
-it is (``use_cpu``).
+optimizer's state, then without ``reference/``), or ``accelerate``: no Trainer, accelerate's
+own ``save_state`` after one AdamW step (``OUT/state/``, its config in ``OUT/config/``). No
+CPU shims: the Trainer and accelerate run on the CPU as they are (``use_cpu``, ``cpu=True``).
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -56,6 +58,9 @@ def main(argv: list[str]) -> int:
     for _ in range(8):
         ids = torch.randint(0, VOCAB, (SEQ,), generator=seeded)
         data.append({"input_ids": ids, "labels": ids.clone()})
+    if optim == "accelerate":
+        write_reference(out, model, accelerate_state(out, model, data))
+        return 0
     args = transformers.TrainingArguments(
         output_dir=str(out),
         max_steps=2,
@@ -71,19 +76,42 @@ def main(argv: list[str]) -> int:
     )
     trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
     trainer.train()
-    if not optim.startswith("adamw"):
-        return 0  # the by-name reference is of Adam's state
+    if optim.startswith("adamw"):  # the by-name reference is of Adam's state
+        write_reference(out, model, trainer.optimizer)
+    return 0
+
+
+def accelerate_state(out: Path, model: Any, data: list[dict[str, Any]]) -> Any:
+    """accelerate's own loop without FSDP: one AdamW step, ``save_state`` to ``OUT/state``
+    (``model.safetensors``, ``optimizer.bin``: no config), the model's config in
+    ``OUT/config``. The optimizer, unwrapped."""
+    import accelerate
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    runner = accelerate.Accelerator(cpu=True)
+    model, optimizer = runner.prepare(model, optimizer)
+    batch = torch.stack([d["input_ids"] for d in data[:2]])
+    runner.backward(model(input_ids=batch, labels=batch).loss)
+    optimizer.step()
+    optimizer.zero_grad()
+    runner.save_state(str(out / "state"))
+    model.config.save_pretrained(str(out / "config"))
+    return optimizer.optimizer
+
+
+def write_reference(out: Path, model: Any, optimizer: Any) -> None:
+    """The trained state by name (``OUT/reference``, torch's DCP of ``{"model", "optim"}``)."""
     names = {id(p): n for n, p in model.named_parameters()}
     state = {
         names[id(p)]: {k: v.detach().clone() for k, v in s.items()}
-        for p, s in trainer.optimizer.state.items()
+        for p, s in optimizer.state.items()
     }
     groups = [
         {
             **{k: v for k, v in g.items() if k != "params"},
             "params": [names[id(p)] for p in g["params"]],
         }
-        for g in trainer.optimizer.param_groups
+        for g in optimizer.param_groups
     ]
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     reference = out / "reference"
@@ -93,7 +121,6 @@ def main(argv: list[str]) -> int:
         no_dist=True,
     )
     model.config.save_pretrained(str(reference))
-    return 0
 
 
 if __name__ == "__main__":

@@ -58,3 +58,17 @@ def test_another_optimizers_state_is_left_out_and_said(
     assert any("not torch's Adam" in n for n in shown["notes"])
     result = cli("reshard", trained / "checkpoint-2", tmp_path / "meg", "--tp", "2")
     assert "weights only" in result.stdout + result.stderr
+
+
+def test_accelerates_save_state_without_fsdp_reshards_with_its_adam_state(
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path, cli
+) -> None:
+    """accelerate's ``save_state`` of a plain model: ``model.safetensors`` (no config: given
+    with --hf-config) and ``optimizer.bin``, one group over ``model.parameters()``."""
+    trained = _trained(tmp_path_factory, "llama", "accelerate")
+    given = ("--hf-config", trained / "config" / "config.json")
+    cli(*given, "reshard", trained / "state", tmp_path / "meg", "--tp", "2")
+    report = cli.json("verify", tmp_path / "meg", "--against", trained / "reference")
+    assert report["ok"] and report["against"]["compared"] == report["against"]["held"][1]
+    assert any(t["name"].startswith("exp_avg_sq/") for t in report["tensors"])
+    assert all(t["max_abs_diff"] == 0.0 for t in report["tensors"])
