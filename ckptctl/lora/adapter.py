@@ -54,11 +54,21 @@ class Adapter:
 
     def matrix(self, name: str) -> torch.Tensor:
         """Tensor ``name`` of the adapter, in float32."""
+        return self.rows(
+            name, 0, self.header.tensors[name].shape[0] if self.header.tensors[name].shape else 1
+        )
+
+    def rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        """Rows ``[lo, hi)`` of tensor ``name`` (the whole of a 0-d one), in float32: a
+        module trained whole may be as large as the base's, so it is read a band at a time."""
         entry = self.header.tensors[name]
+        shape = entry.shape
+        row = (entry.end - entry.begin) // max(shape[0], 1) if shape else entry.end - entry.begin
+        start, count = (entry.begin + lo * row, (hi - lo) * row) if shape else (entry.begin, row)
         with self._lock:  # bands of several tensors are built on several threads
-            data = self.storage.read_range(WEIGHTS, entry.begin, entry.end - entry.begin)
+            data = self.storage.read_range(WEIGHTS, start, count)
         flat = np.frombuffer(data, arrays.numpy_dtype(entry.dtype))
-        return arrays.to_torch(flat.reshape(entry.shape)).float()
+        return arrays.to_torch(flat.reshape((hi - lo, *shape[1:]) if shape else ())).float()
 
 
 def open_adapter(url: str, config: StorageConfig, trusted: frozenset[str]) -> Adapter:

@@ -32,8 +32,6 @@ class LoraMerge:
         self._kept: OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
         self._lock = threading.Lock()
         self._kept_whole: dict[str, torch.Tensor] = {}
-        self.merged: set[str] = set()
-        """The weights merged so far (each one once)."""
 
     def covers(self, write: TensorWrite) -> bool:
         name = str(write.key[0]) if len(write.key) == 1 else None
@@ -48,14 +46,13 @@ class LoraMerge:
             raise CheckpointError(f"{name}: a LoRA merge needs bands of whole rows")
         base = arrays.to_torch(band)
         if name in self.adapter.whole:  # in the base's dtype, as PEFT loads it over the base's
-            trained = self._whole(name)
-            base = (trained[lo:hi] if trained.ndim else trained).to(base.dtype)
+            whole = self.adapter.whole[name]
+            trained = self.adapter.rows(whole.tensor, lo, hi if whole.shape else lo)
+            base = trained.to(base.dtype)
         if name in self.adapter.pairs:
             base = self._delta_added(self.adapter.pairs[name], lo, hi, base)
         if name in self.adapter.tokens:  # trained rows: PEFT's index_copy
             base = self._rows(name, lo, hi, base)
-        with self._lock:
-            self.merged.add(name)
         return arrays.from_torch(base)
 
     def _delta_added(self, pair: LoraPair, lo: int, hi: int, base: torch.Tensor) -> torch.Tensor:
@@ -74,16 +71,13 @@ class LoraMerge:
                 base[index - lo] = trained[position].to(base.dtype)
         return base
 
-    def _whole(self, name: str) -> torch.Tensor:
-        return self._whole_tensor(self.adapter.whole[name].tensor)
-
     def _whole_tensor(self, tensor: str) -> torch.Tensor:
         with self._lock:
             kept = self._kept_whole.get(tensor)
         if kept is None:
             kept = self.adapter.matrix(tensor)
             with self._lock:
-                self._kept_whole = {tensor: kept}  # one at a time: they are whole tensors
+                self._kept_whole = {tensor: kept}  # one at a time (trained token rows: small)
         return kept
 
     def _matrices(self, pair: LoraPair) -> tuple[torch.Tensor, torch.Tensor]:
