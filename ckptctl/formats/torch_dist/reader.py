@@ -62,7 +62,11 @@ def _common_state(
             f"{storage.describe(rel)}: missing; a torch_dist checkpoint keeps its args there"
         )
     if not isinstance(tree, dict) or not isinstance(tree.get("args"), argparse.Namespace):
-        raise CheckpointError(f"{storage.describe(rel)}: no 'args' namespace")
+        raise CheckpointError(
+            f"{storage.describe(rel)}: no 'args' namespace, which Megatron-LM saves and ckptctl "
+            "reads the model from (megatron-core checkpoints saved by other code, such as "
+            "verl's Megatron actor, are not read yet)"
+        )
     return tree, step, tensors
 
 
