@@ -68,9 +68,10 @@ def titan_view(
     found = titan_tensors(metadata, spec, base)
     for fqn in found.biases:  # HF's Qwen3-MoE routes without one: only zeros may be left out
         entry = metadata.entries[fqn]
-        assert isinstance(entry, TensorEntry) and len(entry.chunks) == 1
+        assert isinstance(entry, TensorEntry)  # titan_tensors found it among the tensors
         zero = (0,) * len(entry.shape)
-        if any(float(v) != 0.0 for v in read("", (fqn, *zero), zero, entry.shape).reshape(-1)):
+        values = [read("", (fqn, *c.offsets), zero, c.sizes).reshape(-1) for c in entry.chunks]
+        if any(float(v) != 0.0 for chunk in values for v in chunk):
             found.problems.append(
                 f"{fqn} (torchtitan's load-balancing expert bias) is not zero, and "
                 f"{choose_family(spec).architecture} routes without one: converting would "
