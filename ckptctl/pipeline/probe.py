@@ -79,6 +79,11 @@ def open_checkpoint(
                     + "; beside other checkpoints, give the DeepSpeed tag's directory (CKPT/TAG)"
                 )
             return ckpt
+    if "adapter_config.json" in names:  # a PEFT adapter (an HF Trainer's checkpoint-N too)
+        raise CheckpointNotFoundError(
+            f"{url}: a PEFT adapter (adapter_config.json), not a whole model",
+            hint=f"merge it into its base with: ckptctl merge-lora BASE {url} DST",
+        )
     known = "; ".join(
         f"{f.name} ({f.support.recognised_by})" for f in registry.formats() if f.support
     )

@@ -206,3 +206,11 @@ def test_an_adapter_of_another_model_is_refused(tmp_path: Path, cli) -> None:
     assert "mlp.down_proj.weight is [64, 96] in the base" in result.stderr
     result = cli("merge-lora", base, tmp_path / "nothing", tmp_path / "out2", code=3)
     assert "adapter_config.json" in result.stderr
+
+
+def test_an_adapter_given_as_a_checkpoint_points_to_merge_lora(tmp_path: Path, cli) -> None:
+    """An HF Trainer's checkpoint of a PEFT model holds the adapter only: what to do next."""
+    _, adapter, _ = _made(tmp_path, torch.float32)
+    result = cli("inspect", adapter, code=3)
+    assert "a PEFT adapter" in result.stderr and "ckptctl merge-lora BASE" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
