@@ -119,7 +119,8 @@ def optimizer_tensors(
     return out
 
 
-ADAM_STATES = frozenset({"step", "exp_avg", "exp_avg_sq"})
+ADAM_STATES = frozenset(TORCH_ADAM.states)
+"""The state torch's Adam keeps per parameter (what ckptctl carries)."""
 
 
 def _check_numbering(groups: Any, parameters: tuple[str, ...], where: str) -> None:

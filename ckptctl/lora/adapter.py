@@ -16,6 +16,7 @@ from ckptctl.errors import CheckpointError, CheckpointNotFoundError
 from ckptctl.formats.safetensors_header import SafetensorsHeader, read_header
 from ckptctl.io.storage import Storage
 from ckptctl.model.lora import (
+    ADAPTER_CONFIG,
     LoraPair,
     Replacement,
     TokenRows,
@@ -29,7 +30,7 @@ from ckptctl.settings import StorageConfig
 if TYPE_CHECKING:
     import torch
 
-CONFIG = "adapter_config.json"
+CONFIG = ADAPTER_CONFIG
 WEIGHTS = "adapter_model.safetensors"
 PICKLED = "adapter_model.bin"
 
@@ -54,9 +55,8 @@ class Adapter:
 
     def matrix(self, name: str) -> torch.Tensor:
         """Tensor ``name`` of the adapter, in float32."""
-        return self.rows(
-            name, 0, self.header.tensors[name].shape[0] if self.header.tensors[name].shape else 1
-        )
+        shape = self.header.tensors[name].shape
+        return self.rows(name, 0, shape[0] if shape else 0)
 
     def rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
         """Rows ``[lo, hi)`` of tensor ``name`` (the whole of a 0-d one), in float32: a

@@ -42,10 +42,15 @@ def with_adapter(plan: Plan, adapter: Adapter) -> Plan:
             )
     ranks = sorted({p.rank for p in adapter.pairs.values()})
     scalings = sorted({p.scaling for p in adapter.pairs.values()})
+    terms = (
+        f": rank {'/'.join(map(str, ranks))}, scaling {'/'.join(f'{s:g}' for s in scalings)}, "
+        "in float32, rounded once to each weight's dtype"
+        if adapter.pairs
+        else ""
+    )
     note = (
         f"LoRA adapter {adapter.url} (xxh3 {adapter.fingerprint}) merged into "
-        f"{len(adapter.pairs)} weights: rank {'/'.join(map(str, ranks))}, scaling "
-        f"{'/'.join(f'{s:g}' for s in scalings)}, in float32, rounded once to each weight's dtype"
+        f"{len(adapter.pairs)} weights{terms}"
         + (
             f"; {len(adapter.whole)} tensors of modules_to_save taken whole from it"
             if adapter.whole

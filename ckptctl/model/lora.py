@@ -20,6 +20,8 @@ from typing import Any
 from ckptctl.errors import LayoutError
 from ckptctl.model.geometry import Shape
 
+ADAPTER_CONFIG = "adapter_config.json"
+"""What marks a PEFT adapter directory (``save_pretrained`` of a PEFT model)."""
 PREFIX = "base_model.model."
 """Where PEFT's saved adapter names start (the wrapped model's own names follow)."""
 _TOKENS = re.compile(r"(?P<module>.+)\.token_adapter\.trainable_tokens_delta")
@@ -130,12 +132,12 @@ def token_rows(
     asked = config.get("trainable_token_indices")
     out: dict[str, TokenRows] = {}
     for name, shape in shapes.items():
-        match = _TOKENS.fullmatch(name[len(PREFIX) :]) if name.startswith(PREFIX) else None
+        match = _TOKENS.fullmatch(_local(name))
         if match is None:
             continue
         module = match["module"]
         if isinstance(asked, dict):
-            key = next((k for k in asked if module == k or module.endswith("." + k)), None)
+            key = next((k for k in asked if _is_module(module, k)), None)
             indices = asked.get(key) if key is not None else None
         else:
             indices = asked
@@ -148,6 +150,16 @@ def token_rows(
             )
         out[f"{module}.weight"] = TokenRows(f"{module}.weight", name, tuple(indices))
     return out
+
+
+def _local(name: str) -> str:
+    """An adapter tensor's name in the wrapped model (``""`` for one PEFT did not save)."""
+    return name[len(PREFIX) :] if name.startswith(PREFIX) else ""
+
+
+def _is_module(module: str, key: str) -> bool:
+    """PEFT's rule for a config's module list: the name, or its dotted tail."""
+    return module == key or module.endswith("." + key)
 
 
 def _is_default(value: Any) -> bool:
@@ -209,9 +221,9 @@ def replacements(config: dict[str, Any], shapes: dict[str, Shape]) -> dict[str, 
     saved = config.get("modules_to_save") or []
     out: dict[str, Replacement] = {}
     for name, shape in shapes.items():
-        local = name[len(PREFIX) :] if name.startswith(PREFIX) else ""
+        local = _local(name)
         module = local.rpartition(".")[0]
-        if any(module == m or module.endswith("." + m) for m in saved):
+        if any(_is_module(module, m) for m in saved):
             out[local] = Replacement(local, name, shape)
         elif (layer := _BASE_LAYER.fullmatch(local)) is not None:
             # PEFT saves an adapted embedding's base layer beside the adapter (a resized
@@ -227,12 +239,12 @@ def pairs(config: dict[str, Any], shapes: dict[str, Shape], where: str) -> dict[
     refused by name."""
     found: dict[str, dict[str, tuple[str, Shape]]] = {}
     whole = {r.tensor for r in replacements(config, shapes).values()}
-    whole |= {name for name in shapes if _TOKENS.fullmatch(name[len(PREFIX) :])}
+    whole |= {name for name in shapes if _TOKENS.fullmatch(_local(name))}
     embeddings: set[str] = set()
     for name, shape in shapes.items():
         if name in whole:
             continue
-        local = name[len(PREFIX) :] if name.startswith(PREFIX) else ""
+        local = _local(name)
         match = _LORA.fullmatch(local) or _EMBEDDING_LORA.fullmatch(local)
         if match is None:
             raise LayoutError(

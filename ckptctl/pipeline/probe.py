@@ -15,6 +15,7 @@ from ckptctl.errors import CheckpointError, CheckpointNotFoundError, CkptctlErro
 from ckptctl.formats import registry
 from ckptctl.formats.base import Checkpoint, CheckpointFormat, ProbeRequest
 from ckptctl.io.storage import Storage
+from ckptctl.model.lora import ADAPTER_CONFIG
 from ckptctl.model.plan import Plan
 from ckptctl.model.stored import CheckpointView
 from ckptctl.settings import Settings
@@ -79,9 +80,9 @@ def open_checkpoint(
                     + "; beside other checkpoints, give the DeepSpeed tag's directory (CKPT/TAG)"
                 )
             return ckpt
-    if "adapter_config.json" in names:  # a PEFT adapter (an HF Trainer's checkpoint-N too)
+    if ADAPTER_CONFIG in names:  # a PEFT adapter (an HF Trainer's checkpoint-N too)
         raise CheckpointNotFoundError(
-            f"{url}: a PEFT adapter (adapter_config.json), not a whole model",
+            f"{url}: a PEFT adapter ({ADAPTER_CONFIG}), not a whole model",
             hint=f"merge it into its base with: ckptctl merge-lora BASE {url} DST",
         )
     known = "; ".join(

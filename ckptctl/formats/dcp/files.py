@@ -8,13 +8,14 @@ from dataclasses import replace
 
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError
 from ckptctl.formats.dcp.checks import check_metadata
-from ckptctl.formats.dcp.metadata import METADATA_FILE, DcpMetadata, StorageInfo
+from ckptctl.formats.dcp.metadata import METADATA_FILE, DcpMetadata, StorageInfo, TensorEntry
 from ckptctl.formats.dcp.parse import parse_metadata
 from ckptctl.formats.megatron.format import recognised
 from ckptctl.formats.megatron.layout import TRACKER
 from ckptctl.formats.megatron.reader import find_iteration
 from ckptctl.io.storage import Storage
-from ckptctl.model.stored import StoredFile, StoredTensor
+from ckptctl.model.geometry import Piece
+from ckptctl.model.stored import KeyPath, StoredFile, StoredTensor
 
 ACCELERATE_MODEL = "pytorch_model_fsdp_0"
 ACCELERATE_OPTIMIZER = "optimizer_0"
@@ -125,3 +126,18 @@ def files_of(base: str, placed: list[tuple[StorageInfo, StoredTensor]]) -> tuple
     for info, tensor in placed:
         by_file.setdefault(join(base, info.relative_path), []).append(tensor)
     return tuple(StoredFile(path, tuple(ts)) for path, ts in sorted(by_file.items()))
+
+
+def chunks_placed(
+    metadata: DcpMetadata, fqn: str, entry: TensorEntry, canonical: str
+) -> list[tuple[StorageInfo, StoredTensor]]:
+    """Each stored chunk of ``fqn``, placed where it lies in canonical tensor ``canonical``
+    (the key's own global tensor)."""
+    out = []
+    for chunk in entry.chunks:
+        zero = (0,) * len(chunk.sizes)
+        pieces = (Piece(zero, chunk.offsets, chunk.sizes),) if all(chunk.sizes) else ()
+        key: KeyPath = (fqn, *chunk.offsets)
+        tensor = StoredTensor(key, canonical, chunk.sizes, entry.dtype, pieces)
+        out.append((metadata.storage[(fqn, chunk.offsets)], tensor))
+    return out

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ckptctl.formats.dcp.files import join
+from ckptctl.formats.dcp.files import chunks_placed, join
 from ckptctl.formats.dcp.metadata import DcpMetadata, StorageInfo, TensorEntry
 from ckptctl.model.catalog import state_name
-from ckptctl.model.geometry import Piece
 from ckptctl.model.hf_named import HfNamedModel
-from ckptctl.model.stored import KeyPath, Replica, StoredTensor
+from ckptctl.model.stored import Replica, StoredTensor
 
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
 
@@ -65,20 +64,6 @@ def _optimizer_prefix(keys: list[str], model: HfNamedModel) -> str | None:
     return max(counts, key=lambda p: (counts[p], -len(p))) if counts else None
 
 
-def _chunks(
-    metadata: DcpMetadata, fqn: str, entry: TensorEntry, canonical: str
-) -> list[tuple[StorageInfo, StoredTensor]]:
-    """Each stored chunk of ``fqn``, placed where it lies in canonical tensor ``canonical``."""
-    out = []
-    for chunk in entry.chunks:
-        zero = (0,) * len(chunk.sizes)
-        pieces = (Piece(zero, chunk.offsets, chunk.sizes),) if all(chunk.sizes) else ()
-        key: KeyPath = (fqn, *chunk.offsets)
-        tensor = StoredTensor(key, canonical, chunk.sizes, entry.dtype, pieces)
-        out.append((metadata.storage[(fqn, chunk.offsets)], tensor))
-    return out
-
-
 def named_tensors(metadata: DcpMetadata, model: HfNamedModel, base: str) -> NamedTensors:
     """Every model tensor's chunks under its hub name, or the problems that stop it."""
     entries = {k: e for k, e in metadata.entries.items() if isinstance(e, TensorEntry)}
@@ -101,7 +86,7 @@ def named_tensors(metadata: DcpMetadata, model: HfNamedModel, base: str) -> Name
             continue
         if name in tied:
             continue
-        placed += _chunks(metadata, fqn, entry, model.hub_name(name))
+        placed += chunks_placed(metadata, fqn, entry, model.hub_name(name))
     states, other_states = _adam_state(metadata, entries, optim, model)
     placed += states
     strays = sorted(k for k in keys if k.startswith(prefix) and k[len(prefix) :] not in shapes)
@@ -156,7 +141,8 @@ def _adam_state(
             if entry is None:
                 continue
             read.add(fqn)
-            out += _chunks(metadata, fqn, entry, state_name(state, model.hub_name(name)))
+            canonical = state_name(state, model.hub_name(name))
+            out += chunks_placed(metadata, fqn, entry, canonical)
     others = sum(1 for k in entries if k.startswith(optim) and k not in read)
     return out, others
 

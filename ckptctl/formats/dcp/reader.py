@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from ckptctl import json_input
 from ckptctl.errors import CheckpointError, LayoutError, UsageError
 from ckptctl.formats.base import Checkpoint, SavedTraining, templates_of
-from ckptctl.formats.dcp.files import files_of, join, read_metadata
+from ckptctl.formats.dcp.files import chunks_placed, files_of, join, read_metadata
 from ckptctl.formats.dcp.hf_layout import key_table, packed_chunk, packed_table, prefixes
 from ckptctl.formats.dcp.metadata import BytesEntry, DcpMetadata, StorageInfo, TensorEntry
 from ckptctl.formats.dcp.records import (
@@ -40,7 +40,7 @@ from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
 from ckptctl.formats.torchsave.refs import stored_object, view_ref
 from ckptctl.io.runs import Span
 from ckptctl.io.storage import Storage
-from ckptctl.model.geometry import Piece, chunk_pieces
+from ckptctl.model.geometry import chunk_pieces
 from ckptctl.model.hf_config import has_family_table, spec_from_config
 from ckptctl.model.hf_families import choose_family
 from ckptctl.model.hf_layout import CONFIG
@@ -437,18 +437,17 @@ def _titan(
     config: dict[str, Any] | None,
     trusted: frozenset[str],
 ) -> DcpCheckpoint:
-    """torchtitan's Llama 3 checkpoint: with the model's HF config, its tensors placed in the
+    """torchtitan's checkpoint: with the model's HF config, its tensors placed in the
     canonical ones; without, key by key. Its ``train_state.step`` is the iteration."""
     ckpt = _generic(storage, base, metadata, iteration)
     if "train_state.step" in metadata.entries:
         step = ckpt.byte_item("train_state.step")[0]
         ckpt.view = replace(ckpt.view, iteration=step if isinstance(step, int) else iteration)
     if config is None:
-        hint = "torchtitan Llama checkpoint: give the model's HF config.json with --hf-config"
+        hint = "torchtitan checkpoint: give the model's HF config.json with --hf-config"
         ckpt.view = replace(ckpt.view, notes=(*ckpt.view.notes, f"{hint} to convert it to HF"))
         return ckpt
     spec = spec_from_config(config, trusted=trusted)
-
     where = storage.describe(base)
     view, rows = titan_view(where, base, metadata, ckpt.view.iteration, spec, ckpt.read)
     return DcpCheckpoint(storage, view, base, metadata, row_orders=rows)
@@ -465,18 +464,8 @@ def _generic(
     """Each key its own canonical tensor, chunk by chunk."""
     placed: list[tuple[StorageInfo, StoredTensor]] = []
     for fqn, entry in metadata.entries.items():
-        if not isinstance(entry, TensorEntry):
-            continue
-        for chunk in entry.chunks:
-            zero = (0,) * len(chunk.sizes)
-            tensor = StoredTensor(
-                (fqn, *chunk.offsets),
-                fqn,
-                chunk.sizes,
-                entry.dtype,
-                (Piece(zero, chunk.offsets, chunk.sizes),) if prod(chunk.sizes) else (),
-            )
-            placed.append((metadata.storage[(fqn, chunk.offsets)], tensor))
+        if isinstance(entry, TensorEntry):
+            placed += chunks_placed(metadata, fqn, entry, fqn)
     items = sum(isinstance(e, BytesEntry) for e in metadata.entries.values())
     view = CheckpointView(
         Format.DCP,

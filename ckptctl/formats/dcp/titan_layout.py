@@ -82,7 +82,7 @@ class TitanKey:
 
 
 def is_titan(keys: list[str]) -> bool:
-    """Whether ``keys`` are a torchtitan Llama model's (at the top level, as it saves them)."""
+    """Whether ``keys`` are a torchtitan model's (at the top level, as it saves them)."""
     return ANCHOR in keys and any(k.endswith(".attention_norm.weight") for k in keys)
 
 
@@ -121,7 +121,7 @@ def titan_groups(items: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def key_table(spec: ModelSpec) -> dict[str, TitanKey]:
-    """Every key a torchtitan Llama 3 checkpoint of ``spec`` may hold (model and Adam state)."""
+    """Every key a torchtitan checkpoint of ``spec`` may hold (model and Adam state)."""
     d = spec.kv_channels
     heads = RotaryRows(d, d, d) if INTERLEAVED[choose_family(spec).name] else None
     params: dict[str, TitanKey] = {}

@@ -97,7 +97,7 @@ def titan_view(
     return view, found.rows
 
 
-def titan_tensors(metadata: DcpMetadata, spec: ModelSpec, base: str = "") -> TitanTensors:
+def titan_tensors(metadata: DcpMetadata, spec: ModelSpec, base: str) -> TitanTensors:
     table = key_table(spec)
     out = TitanTensors()
     for fqn, entry in metadata.entries.items():

@@ -19,6 +19,7 @@ from typing import Any
 
 from ckptctl.formats.base import SavedTraining
 from ckptctl.formats.hf.reader import HFCheckpoint
+from ckptctl.formats.hf_state_dict_files import ADAM_STATES
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
 from ckptctl.formats.torchsave.refs import open_torch_file, read_box, span_of_box
 from ckptctl.io.runs import Span
@@ -31,7 +32,6 @@ from ckptctl.model.megatron_style import TORCH_ADAM, MegatronStyle
 from ckptctl.model.stored import FlatView, KeyPath, StoredFile, StoredTensor
 
 OPTIMIZER_FILES = ("optimizer.pt", "optimizer.bin")
-ADAM = frozenset({"step", "exp_avg", "exp_avg_sq"})
 
 
 @dataclass
@@ -137,7 +137,7 @@ def _placed(tree: Any, ckpt: HFCheckpoint) -> tuple[list[StoredTensor], list[dic
     for index, per_param in state.items():
         if index not in by_index or not isinstance(per_param, dict):
             return f"state of parameter {index!r}, which no group holds"
-        if set(per_param) != ADAM:
+        if set(per_param) != ADAM_STATES:
             return f"its state is {sorted(map(str, per_param))}, not torch's Adam"
         hf, canonical, shape, pieces = by_index[index]
         for kind, ref in per_param.items():
