@@ -1,9 +1,10 @@
 """``ckptctl merge-lora``: merge a PEFT LoRA adapter into a base checkpoint, written as HF
-safetensors in the base's dtype."""
+safetensors in the base's dtype; or, for a checkpoint trained with its adapter in it (verl's
+LoRA actor), merge that one, or write it out as a PEFT adapter directory (``--adapter-only``)."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -11,19 +12,53 @@ from ckptctl.cli.job_options import JobRequest, job_request
 from ckptctl.cli.options import Json, parse_size, state, with_options
 from ckptctl.cli.output import Output, boundary
 from ckptctl.cli.running import carry_out, finish, launch_workers
-from ckptctl.errors import UsageError
+from ckptctl.errors import OutputExistsError, UsageError
 from ckptctl.io.locations import refuse_overlap
 from ckptctl.pipeline.jobs import plan_consolidate
+
+if TYPE_CHECKING:
+    from ckptctl.formats.base import Checkpoint
+    from ckptctl.lora.adapter import LoraSource
+    from ckptctl.lora.embedded import EmbeddedAdapter
+    from ckptctl.settings import Settings
 
 
 @with_options(job_request, "job")
 def merge_lora_cmd(
     ctx: typer.Context,
-    base: Annotated[str, typer.Argument(help="Base checkpoint (any format ckptctl reads).")],
-    adapter: Annotated[
-        str, typer.Argument(help="PEFT adapter directory (adapter_config.json + safetensors).")
+    base: Annotated[
+        str,
+        typer.Argument(
+            help="Base checkpoint (any format ckptctl reads), or a checkpoint trained with "
+            "its LoRA adapter in it (then give no ADAPTER)."
+        ),
     ],
-    dst: Annotated[str, typer.Argument(help="Destination directory or URL (HF safetensors).")],
+    adapter: Annotated[
+        str,
+        typer.Argument(
+            help="PEFT adapter directory (adapter_config.json + safetensors); DST when BASE "
+            "holds its adapter."
+        ),
+    ],
+    dst: Annotated[
+        str | None,
+        typer.Argument(help="Destination directory or URL (HF safetensors)."),
+    ] = None,
+    lora_alpha: Annotated[
+        float | None,
+        typer.Option(
+            "--lora-alpha",
+            help="The alpha an adapter trained inside BASE was trained with (its state dict "
+            "does not hold it; verl: actor_rollout_ref.model.lora_alpha).",
+        ),
+    ] = None,
+    adapter_only: Annotated[
+        bool,
+        typer.Option(
+            "--adapter-only",
+            help="Write only the adapter trained inside BASE, as a PEFT adapter directory.",
+        ),
+    ] = False,
     job: JobRequest | None = None,
     max_shard_size: Annotated[
         str, typer.Option("--max-shard-size", help="Largest HF safetensors file.")
@@ -31,11 +66,9 @@ def merge_lora_cmd(
     as_json: Json = False,
 ) -> None:
     """Merge a LoRA adapter into its base model: W + scaling * B @ A in float32, rounded once
-    to the base's dtype, streamed a band of rows at a time."""
-    from ckptctl.lora.adapter import open_adapter  # torch and numpy: only when merging
-    from ckptctl.lora.merge import LoraMerge
-    from ckptctl.lora.plan import with_adapter
-
+    to the base's dtype, streamed a band of rows at a time. BASE ADAPTER DST merges an adapter
+    directory; BASE DST merges the adapter BASE was trained with (or, with --adapter-only,
+    exports it)."""
     assert job is not None
     out = Output(as_json)
     with boundary(out, state(ctx).debug):
@@ -43,17 +76,124 @@ def merge_lora_cmd(
         if job.plan_file is not None:
             raise UsageError("--plan: merge-lora plans its job from the adapter each time")
         settings = job.settings(ctx)
+        if dst is None:
+            _inside(out, base, adapter, settings, job, lora_alpha, adapter_only, max_shard_size)
+            return
+        if lora_alpha is not None or adapter_only:
+            flag = "--lora-alpha" if lora_alpha is not None else "--adapter-only"
+            raise UsageError(
+                f"{flag}: for an adapter trained inside BASE (merge-lora BASE DST); "
+                f"{adapter}'s adapter_config.json says how it was trained"
+            )
+        from ckptctl.lora.adapter import open_adapter  # torch and numpy: only when merging
+
         refuse_overlap("destination", dst, {"adapter": adapter})
         lora = open_adapter(adapter, settings.storage, settings.trusted_fields)
-        planned = plan_consolidate(
-            base,
-            dst,
-            "hf",
-            settings,
-            max_shard_bytes=parse_size(max_shard_size),
-            **job.source_options(),
+        _merge(out, base, dst, lora, settings, job, max_shard_size, as_json)
+
+
+def _inside(
+    out: Output,
+    base: str,
+    dst: str,
+    settings: Settings,
+    job: JobRequest,
+    alpha: float | None,
+    adapter_only: bool,
+    max_shard_size: str,
+) -> None:
+    """The adapter a checkpoint was trained with, merged into its base or exported."""
+    from ckptctl.lora.embedded import EmbeddedAdapter
+    from ckptctl.pipeline.probe import open_checkpoint
+
+    refuse_overlap("destination", dst, {"source": base})
+    ckpt = open_checkpoint(base, settings, with_adapter=True, **job.source_options())
+    if ckpt.adapter is None:
+        raise UsageError(
+            f"{base}: holds no LoRA adapter; give the adapter's directory: ckptctl merge-lora "
+            f"{base} ADAPTER DST"
         )
-        planned.plan = with_adapter(planned.plan, lora)
-        planned.sources.adjust = LoraMerge(lora)
-        report = carry_out(out, planned, overwrite=job.overwrite, dry_run=job.dry_run)
-        finish(out, planned.plan, report, as_json)
+    if alpha is None:
+        raise UsageError(
+            f"--lora-alpha: {base} holds a LoRA adapter on {len(ckpt.adapter.modules)} modules "
+            "but not the alpha it was trained with (its update's scale); give it (verl: "
+            "actor_rollout_ref.model.lora_alpha)"
+        )
+    lora = EmbeddedAdapter(ckpt, base, alpha)
+    if adapter_only:
+        _export(out, lora, dst, settings, job)
+    else:
+        _merge(out, base, dst, lora, settings, job, max_shard_size, out.as_json, ckpt)
+
+
+def _merge(
+    out: Output,
+    base: str,
+    dst: str,
+    lora: LoraSource,
+    settings: Settings,
+    job: JobRequest,
+    max_shard_size: str,
+    as_json: bool,
+    opened: Checkpoint | None = None,
+) -> None:
+    from ckptctl.lora.merge import LoraMerge
+    from ckptctl.lora.plan import with_adapter
+
+    planned = plan_consolidate(
+        base,
+        dst,
+        "hf",
+        settings,
+        max_shard_bytes=parse_size(max_shard_size),
+        opened=opened,
+        **job.source_options(),
+    )
+    planned.plan = with_adapter(planned.plan, lora)
+    planned.sources.adjust = LoraMerge(lora)
+    report = carry_out(out, planned, overwrite=job.overwrite, dry_run=job.dry_run)
+    finish(out, planned.plan, report, as_json)
+
+
+def _export(
+    out: Output, lora: EmbeddedAdapter, dst: str, settings: Settings, job: JobRequest
+) -> None:
+    """The adapter as PEFT's ``save_pretrained`` writes one; a destination that holds anything
+    but a previous export is refused, that one replaced only with ``--overwrite``."""
+    from ckptctl.io.storage import Storage
+    from ckptctl.lora.adapter import CONFIG, WEIGHTS
+    from ckptctl.lora.embedded import write_adapter
+
+    target = Storage(dst, settings.storage)
+    held = set(target.find_files()) if target.exists() and target.isdir() else set()
+    if target.exists() and not target.isdir():
+        raise OutputExistsError(f"{dst} is a file, not a directory")
+    if held and not (job.overwrite and held <= {CONFIG, WEIGHTS}):
+        raise OutputExistsError(
+            f"{dst} exists and is not empty",
+            hint="choose another destination"
+            + ("" if held - {CONFIG, WEIGHTS} else ", or pass --overwrite to replace the adapter"),
+        )
+    summary = {
+        "operation": "export-adapter",
+        "source_url": lora.url,
+        "target_url": dst,
+        "modules": len(lora.pairs),
+        "r": lora.settings["r"],
+        "lora_alpha": lora.settings["lora_alpha"],
+        "tensors": len(lora.names()),
+        "dry_run": job.dry_run,
+    }
+    if not job.dry_run:
+        if held:
+            target.remove(CONFIG)  # the config first: a half-replaced directory is no adapter
+        summary["bytes_written"] = write_adapter(lora, target)
+    if out.as_json:
+        out.json(summary)
+    else:
+        verb = "would write" if job.dry_run else "wrote"
+        out.show(
+            f"export-adapter: {lora.url} -> {dst}: {verb} the LoRA adapter on "
+            f"{summary['modules']} modules (r {summary['r']}, alpha {summary['lora_alpha']:g}) "
+            "as a PEFT adapter directory"
+        )

@@ -18,6 +18,7 @@ from ckptctl.checksums.integrity import Targets, whole_file_entries
 from ckptctl.formats.support import FormatSupport
 from ckptctl.io.byte_streams import ByteStream
 from ckptctl.io.storage import Storage
+from ckptctl.model.peft_wrapped import EmbeddedLora
 from ckptctl.model.plan import FileWrite, Plan
 from ckptctl.model.stored import CheckpointView, FlatView, KeyPath, Shape
 
@@ -45,6 +46,10 @@ class Checkpoint:
     """``where`` answers for this format's boxes (byte ranges of its files)."""
     lost: frozenset[str] = frozenset()
     """Files absent from storage, opened with ``allow_missing`` (recovered from copies)."""
+    adapter: EmbeddedLora | None = None
+    """A LoRA adapter trained inside the checkpoint (a PEFT model's state dict: ``view`` is
+    then its base model): ``merge-lora`` merges or exports it; other jobs refuse such a
+    checkpoint rather than drop it."""
 
     def read(
         self,

@@ -7,7 +7,8 @@ or, for any other architecture transformers builds, kept by hub name. Reading si
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ckptctl import json_input
@@ -23,7 +24,13 @@ from ckptctl.model.geometry import Piece
 from ckptctl.model.hf_config import spec_from_config
 from ckptctl.model.hf_named import HfNamedModel, HfNamedSource
 from ckptctl.model.megatron_style import TORCH_ADAM, MegatronStyle
-from ckptctl.model.stored import CheckpointView, KeyPath, StoredTensor, canonical_shapes
+from ckptctl.model.peft_wrapped import EmbeddedLora, PeftNames
+from ckptctl.model.stored import (
+    CheckpointView,
+    KeyPath,
+    StoredTensor,
+    canonical_shapes,
+)
 
 TRAINER_STATE = "trainer_state.json"
 """The HF Trainer's record of a ``checkpoint-N/`` directory (``global_step``, ...)."""
@@ -45,9 +52,12 @@ OPTIM_PREFIX = "optim.state."
 ``get_optimizer_state_dict`` would), so the HF naming places it."""
 
 
+@dataclass
 class HfStateDictFiles(TorchFiles):
     """``torch.save`` files of an HF model's state dicts, read box by box; the model under
     torch's Adam (per-parameter step and moments, the fp32 weights their own masters)."""
+
+    adapter: EmbeddedLora | None = None
 
     @property
     def style(self) -> MegatronStyle:
@@ -140,15 +150,36 @@ def _check_numbering(groups: Any, parameters: tuple[str, ...], where: str) -> No
         )
 
 
-def model_tensors(tree: Any, model: HfNamedModel, where: str, rank: int) -> list[StoredTensor]:
-    """The tensors of one rank's (or the only) model state dict, each tied group once."""
+def model_tensors(
+    tree: Any,
+    model: HfNamedModel,
+    where: str,
+    rank: int,
+    renamed: Mapping[str, str] | None = None,
+) -> list[StoredTensor]:
+    """The tensors of one rank's (or the only) model state dict, each tied group once;
+    ``renamed`` (a PEFT model's stored names -> the base model's) reads the base model out of
+    a wrapped state dict."""
     if not isinstance(tree, dict):
         raise CheckpointError(f"{where}: not a model state dict")
-    aliases = tied_aliases(tree, model, where)
+    stored = {fqn: fqn for fqn in tree} if renamed is None else {v: k for k, v in renamed.items()}
+    named = {name: tree[fqn] for name, fqn in stored.items()}
+    aliases = tied_aliases(named, model, where)
     return [
         t
-        for fqn, ref in tree.items()
-        if fqn not in aliases and (t := stored_tensor((fqn,), fqn, ref, rank))
+        for name, ref in named.items()
+        if name not in aliases and (t := stored_tensor((stored[name],), name, ref, rank))
+    ]
+
+
+def adapter_tensors(tree: Any, peft: PeftNames, where: str, rank: int) -> list[StoredTensor]:
+    """The LoRA matrices a PEFT model's state dict holds, by PEFT's saved names."""
+    if not isinstance(tree, dict) or set(tree) != set(peft.base) | set(peft.adapter):
+        raise CheckpointError(f"{where}: not the state dict of the same PEFT model as rank 0's")
+    return [
+        t
+        for fqn, name in peft.adapter.items()
+        if (t := stored_tensor((fqn,), name, tree[fqn], rank)) is not None
     ]
 
 

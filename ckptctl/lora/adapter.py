@@ -35,10 +35,11 @@ WEIGHTS = "adapter_model.safetensors"
 PICKLED = "adapter_model.bin"
 
 
-@dataclass
-class Adapter:
-    storage: Storage
-    header: SafetensorsHeader
+class LoraSource:
+    """An adapter as the merge reads it: the weights it changes and its matrices, whether
+    from a PEFT adapter directory (``Adapter``) or trained inside a checkpoint
+    (``ckptctl.lora.embedded``)."""
+
     pairs: dict[str, LoraPair]
     """By base weight name."""
     whole: dict[str, Replacement]
@@ -47,20 +48,44 @@ class Adapter:
     """Embedding rows trained beside the adapter, by the embedding's name."""
     fingerprint: str
     """xxh3-64 of the config and the weights: a merge's plan names the adapter by it."""
+
+    @property
+    def url(self) -> str:
+        raise NotImplementedError
+
+    def matrix(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` of the adapter, in float32."""
+        shape = self.shape(name)
+        return self.rows(name, 0, shape[0] if shape else 0)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        """Rows ``[lo, hi)`` of tensor ``name`` (the whole of a 0-d one), in float32."""
+        raise NotImplementedError
+
+
+@dataclass
+class Adapter(LoraSource):
+    storage: Storage
+    header: SafetensorsHeader
+    pairs: dict[str, LoraPair]
+    whole: dict[str, Replacement]
+    tokens: dict[str, TokenRows]
+    fingerprint: str
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def url(self) -> str:
         return self.storage.url
 
-    def matrix(self, name: str) -> torch.Tensor:
-        """Tensor ``name`` of the adapter, in float32."""
-        shape = self.header.tensors[name].shape
-        return self.rows(name, 0, shape[0] if shape else 0)
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.header.tensors[name].shape)
 
     def rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
-        """Rows ``[lo, hi)`` of tensor ``name`` (the whole of a 0-d one), in float32: a
-        module trained whole may be as large as the base's, so it is read a band at a time."""
+        """A module trained whole may be as large as the base's, so it is read a band at a
+        time."""
         entry = self.header.tensors[name]
         shape = entry.shape
         row = (entry.end - entry.begin) // max(shape[0], 1) if shape else entry.end - entry.begin

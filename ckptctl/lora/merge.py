@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from ckptctl import arrays
 from ckptctl.errors import CheckpointError
-from ckptctl.lora.adapter import Adapter
+from ckptctl.lora.adapter import LoraSource
 from ckptctl.model.lora import LoraPair
 from ckptctl.model.plan import TensorWrite
 
@@ -27,7 +27,7 @@ files may be written at once)."""
 class LoraMerge:
     """The band adjustment the assembler applies to the tensors ``covers`` says it changes."""
 
-    def __init__(self, adapter: Adapter) -> None:
+    def __init__(self, adapter: LoraSource) -> None:
         self.adapter = adapter
         self._kept: OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
         self._lock = threading.Lock()

@@ -5,11 +5,11 @@ of another adapter, or of none, is never taken for this one's)."""
 from __future__ import annotations
 
 from ckptctl.errors import LayoutError
-from ckptctl.lora.adapter import Adapter
+from ckptctl.lora.adapter import LoraSource
 from ckptctl.model.plan import Plan
 
 
-def with_adapter(plan: Plan, adapter: Adapter) -> Plan:
+def with_adapter(plan: Plan, adapter: LoraSource) -> Plan:
     written = {str(t.key[0]): t for f in plan.files for t in f.tensors if len(t.key) == 1}
     missing = sorted((set(adapter.pairs) | set(adapter.whole) | set(adapter.tokens)) - set(written))
     if missing:

@@ -106,14 +106,18 @@ def plan_consolidate(
     max_shard_bytes: int = 5 << 30,
     iteration: int | None = None,
     true_vocab_size: int | None = None,
+    opened: Checkpoint | None = None,
 ) -> Job:
     """One full checkpoint from ``src`` in the registered target format ``fmt`` (``hf``,
-    ``megatron`` TP1 PP1, ``torch``, ``deepspeed-universal``, ...)."""
+    ``megatron`` TP1 PP1, ``torch``, ``deepspeed-universal``, ...); ``opened``: ``src``
+    opened already (``merge-lora`` opens a checkpoint that holds its adapter)."""
     settings = settings or Settings()
     target = registry.target(fmt, CONSOLIDATE)
     refuse_unwritable_dtype(dtype, target)
     refuse_overlap("destination", dst, {"source": src})
-    ckpt = open_checkpoint(src, settings, iteration=iteration, true_vocab_size=true_vocab_size)
+    ckpt = opened or open_checkpoint(
+        src, settings, iteration=iteration, true_vocab_size=true_vocab_size
+    )
     if target.moves_optimizer_state:
         refuse_dp_reshardable(ckpt)
     read, planner = target.planner_for(ckpt)

@@ -36,9 +36,12 @@ def open_checkpoint(
     true_vocab_size: int | None = None,
     allow_missing: bool = False,
     allow_incomplete: bool | None = None,
+    with_adapter: bool = False,
 ) -> Checkpoint:
     """Probe ``url`` read-only and open it (its view for planners, lazy readers): each
-    registered format is asked in turn whether it recognises what is stored."""
+    registered format is asked in turn whether it recognises what is stored. A checkpoint
+    that holds a LoRA adapter trained in it opens only ``with_adapter`` (``merge-lora``):
+    any other job would drop the adapter."""
     settings = settings or Settings()
     request = ProbeRequest(
         iteration=iteration,
@@ -79,6 +82,8 @@ def open_checkpoint(
                     + (" (use --iteration)" if fmt.name == "megatron" else "")
                     + "; beside other checkpoints, give the DeepSpeed tag's directory (CKPT/TAG)"
                 )
+            if ckpt.adapter and not with_adapter:
+                refuse_adapter(url, ckpt)
             return ckpt
     if ADAPTER_CONFIG in names:  # a PEFT adapter (an HF Trainer's checkpoint-N too)
         raise CheckpointNotFoundError(
@@ -91,6 +96,18 @@ def open_checkpoint(
     raise CheckpointNotFoundError(
         f"{url}: neither a Megatron checkpoint nor any other checkpoint ckptctl reads",
         hint=f"it recognises {known}",
+    )
+
+
+def refuse_adapter(url: str, ckpt: Checkpoint) -> None:
+    """A checkpoint trained with a LoRA adapter in it: its base alone is not the trained
+    model, so only merging or exporting the adapter is offered."""
+    modules = ckpt.adapter.modules if ckpt.adapter is not None else frozenset()
+    raise CheckpointError(
+        f"{url}: holds a LoRA adapter trained on {len(modules)} modules beside its base "
+        "weights; converting the base alone would drop it",
+        hint=f"merge it: ckptctl merge-lora {url} DST --lora-alpha ALPHA; or export it: "
+        f"ckptctl merge-lora {url} DST --adapter-only --lora-alpha ALPHA",
     )
 
 

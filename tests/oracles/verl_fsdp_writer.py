@@ -15,10 +15,15 @@ Usage::
 
     python tests/oracles/verl_fsdp_writer.py MODEL OUT_DIR [WORLD [hsdp]]
 
-MODEL: ``qwen3`` (a family ckptctl maps) or ``qwen2_5_vl`` (a VLM, by name). ``hsdp``: a 2-D
-mesh (2 replicas x WORLD/2 shards, verl's hybrid sharding), shards ``(Replicate(), Shard(0))``.
-Writes ``OUT_DIR/global_step_1/actor/`` and ``OUT_DIR/truth.pt`` (the full weights after the
-step, by in-memory name, the batch and the live model's logits).
+MODEL: ``qwen3`` (a family ckptctl maps), ``qwen2_5_vl`` (a VLM, by name) or ``qwen3_lora``
+(``qwen3`` wrapped in a PEFT LoRA before sharding, as verl's ``_build_model_optimizer`` does when
+``lora_rank > 0``: ``LoraConfig(task_type=CAUSAL_LM, r, lora_alpha, target_modules, bias="none")``,
+``target_modules="all-linear"`` (verl's default); the optimizer over every parameter, the frozen
+base ones left without state). ``hsdp``: a 2-D mesh (2 replicas x WORLD/2 shards, verl's hybrid
+sharding), shards ``(Replicate(), Shard(0))``. Writes ``OUT_DIR/global_step_1/actor/`` and
+``OUT_DIR/truth.pt`` (the full weights after the step, by in-memory name, the batch and the live
+model's logits; for ``qwen3_lora`` also PEFT's own adapter state dict, adapter config and the
+``merge_and_unload`` weights of the trained model).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import torch.multiprocessing as mp
 
 SEED = 19
 VOCAB = 133
+LORA = {"task_type": "CAUSAL_LM", "r": 8, "lora_alpha": 16, "target_modules": "all-linear"}
 
 
 def build_model(name: str) -> torch.nn.Module:
@@ -51,7 +57,7 @@ def build_model(name: str) -> torch.nn.Module:
         bos_token_id=1,
         eos_token_id=2,
     )
-    if name == "qwen3":
+    if name in ("qwen3", "qwen3_lora"):
         config = transformers.Qwen3Config(**text, head_dim=16, tie_word_embeddings=True)
         cls = transformers.Qwen3ForCausalLM
     else:
@@ -75,7 +81,34 @@ def build_model(name: str) -> torch.nn.Module:
         for param_name, param in model.named_parameters():
             if "norm" in param_name:
                 param.add_(0.1 * torch.randn_like(param))
+    if name.endswith("_lora"):
+        import peft
+
+        model.enable_input_require_grads()
+        model = peft.get_peft_model(model, peft.LoraConfig(**LORA, bias="none"))
     return model
+
+
+def lora_truth(name: str, full: dict[str, torch.Tensor], tokens: torch.Tensor) -> dict:
+    """PEFT's own view of the trained LoRA model: its adapter state dict and config (what
+    ``save_pretrained`` writes) and the weights of ``merge_and_unload``, from an unsharded copy
+    loaded with the trained state."""
+    import peft
+
+    copy = build_model(name)
+    copy.load_state_dict(full)
+    adapter = peft.get_peft_model_state_dict(copy)
+    config = copy.peft_config["default"].to_dict()
+    config = {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.items()}
+    with torch.no_grad():
+        logits = copy(input_ids=tokens).logits
+    merged = copy.merge_and_unload()
+    return {
+        "adapter": {k: v.clone() for k, v in adapter.items()},
+        "adapter_config": config,
+        "merged": {k: v.clone() for k, v in merged.state_dict().items()},
+        "unsharded_logits": logits,
+    }
 
 
 def worker(rank: int, port: int, name: str, world: int, hsdp: bool, out: Path) -> None:
@@ -100,7 +133,8 @@ def run_rank(rank: int, name: str, world: int, hsdp: bool, out: Path) -> None:
     else:
         mesh = init_device_mesh("cpu", (world,))
     model = build_model(name)
-    blocks = set(model._no_split_modules or ())
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    blocks = set(base._no_split_modules or ())
     for module in list(model.modules()):
         if type(module).__name__ in blocks:
             fully_shard(module, mesh=mesh)
@@ -121,7 +155,7 @@ def run_rank(rank: int, name: str, world: int, hsdp: bool, out: Path) -> None:
     extra = {"lr_scheduler": scheduler.state_dict(), "rng": {"cpu": torch.get_rng_state()}}
     torch.save(extra, actor / f"extra_state_world_size_{world}_rank_{rank}.pt")
     if rank == 0:
-        model.config.save_pretrained(actor / "huggingface")
+        base.config.save_pretrained(actor / "huggingface")
         with open(actor / "fsdp_config.json", "w") as f:
             json.dump({"FSDP_version": 2, "world_size": world}, f, indent=4)
     full = {
@@ -131,7 +165,10 @@ def run_rank(rank: int, name: str, world: int, hsdp: bool, out: Path) -> None:
     with torch.no_grad():
         logits = model(input_ids=tokens).logits
     if rank == 0:
-        torch.save({"model": full, "input_ids": tokens, "logits": logits}, out / "truth.pt")
+        truth = {"model": full, "input_ids": tokens, "logits": logits}
+        if name.endswith("_lora"):
+            truth.update(lora_truth(name, full, tokens))
+        torch.save(truth, out / "truth.pt")
     dist.barrier()
 
 

@@ -14,6 +14,7 @@ from ckptctl.errors import CheckpointError, CheckpointNotFoundError
 from ckptctl.formats.base import ProbeRequest
 from ckptctl.formats.hf_state_dict_files import (
     HfStateDictFiles,
+    adapter_tensors,
     check_names,
     hf_model_view,
     model_tensors,
@@ -34,6 +35,7 @@ from ckptctl.io.storage import Storage
 from ckptctl.model.hf_layout import CONFIG
 from ckptctl.model.hf_named import GENERATION_CONFIG
 from ckptctl.model.layout import ParallelLayout
+from ckptctl.model.peft_wrapped import EmbeddedLora, PeftNames, split, wrapped
 from ckptctl.model.stored import CheckpointView, StoredFile
 
 VERL = "verl"
@@ -75,22 +77,38 @@ def probe_verl(storage: Storage, names: frozenset[str], request: ProbeRequest) -
     config, generation = _config(storage, request)
     model = build_names(config, storage.describe(f"{HF_DIR}/{CONFIG}"))
     readers: dict[str, TorchZipReader] = {}
-    files = []
-    with_optimizer = all(storage.exists(optim_file(world, r)) for r in range(world))
+    files, adapter_files = [], []
+    peft: PeftNames | None = None
     for rank in range(world):
         rel = model_file(world, rank)
         if not storage.exists(rel):
             raise CheckpointNotFoundError(f"{storage.describe(rel)}: missing (world size {world})")
         readers[rel] = open_torch_file(storage, rel)
-        tensors = model_tensors(readers[rel].tree, model, storage.describe(rel), rank)
+        tree, where = readers[rel].tree, storage.describe(rel)
+        if rank == 0 and isinstance(tree, dict) and wrapped(tree):
+            peft = split(tree, where)
+        if peft is not None:
+            adapter_files.append(StoredFile(rel, tuple(adapter_tensors(tree, peft, where, rank))))
+        tensors = model_tensors(tree, model, where, rank, peft.base if peft else None)
         files.append(StoredFile(rel, tuple(tensors)))
     check_names({t.canonical for f in files for t in f.tensors}, model, storage.url)
+    # A LoRA run's optimizer numbers the wrapped model's parameters (base and adapter): its
+    # state belongs to the adapter, which merge-lora writes without it.
+    with_optimizer = peft is None and all(
+        storage.exists(optim_file(world, r)) for r in range(world)
+    )
     for rank in range(world) if with_optimizer else ():
         rel = optim_file(world, rank)
         readers[rel] = open_torch_file(storage, rel)
         where = storage.describe(rel)
         optimizer = optimizer_tensors(readers[rel].tree, model.parameters, where, rank)
         files.append(StoredFile(rel, tuple(optimizer)))
+    notes = [f"verl FSDP checkpoint of {model.architecture}: {world} ranks"]
+    if peft is not None:
+        notes.append(
+            f"trained with LoRA adapter {peft.adapter_name!r} on {len(peft.modules)} modules "
+            "(its optimizer state not read)"
+        )
     generic = CheckpointView(
         VERL,
         None,
@@ -98,7 +116,16 @@ def probe_verl(storage: Storage, names: frozenset[str], request: ProbeRequest) -
         tuple(files),
         step_of(storage.url),
         with_optimizer,
-        (f"verl FSDP checkpoint of {model.architecture}: {world} ranks",),
+        tuple(notes),
     )
     view = hf_model_view(generic, model, config, generation, request.trusted_fields, storage.url)
-    return HfStateDictFiles(storage, view, readers)
+    adapter = None
+    if peft is not None:
+        base_model = config.get("_name_or_path")
+        adapter = EmbeddedLora(
+            tuple(adapter_files),
+            model.architecture,
+            base_model if isinstance(base_model, str) and base_model else None,
+            peft.adapter_name,
+        )
+    return HfStateDictFiles(storage, view, readers, adapter=adapter)

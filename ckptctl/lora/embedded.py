@@ -1,0 +1,121 @@
+"""A LoRA adapter trained inside a checkpoint (a PEFT model's state dict, as verl saves its
+actor when trained with LoRA): its matrices gathered from the checkpoint's shards (an adapter is
+small next to its base), its ``adapter_config.json`` rebuilt from their names and shapes and
+the alpha the user gives (a state dict does not hold it). ``merge-lora`` merges it like an
+adapter directory, or writes it out as one (``--adapter-only``)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import xxhash
+
+from ckptctl import arrays
+from ckptctl.errors import LayoutError
+from ckptctl.formats.base import Checkpoint
+from ckptctl.formats.hf.writer import write_safetensors
+from ckptctl.io.storage import Storage
+from ckptctl.lora.adapter import CONFIG, WEIGHTS, LoraSource
+from ckptctl.model.lora import check_config, pairs
+from ckptctl.model.peft_wrapped import adapter_config
+from ckptctl.model.stored import StoredTensor
+
+if TYPE_CHECKING:
+    import torch
+
+
+class EmbeddedAdapter(LoraSource):
+    """The adapter ``ckpt.adapter`` holds, trained at ``alpha`` (``settings``: the config
+    PEFT would save for it)."""
+
+    def __init__(self, ckpt: Checkpoint, url: str, alpha: float) -> None:
+        if ckpt.adapter is None:
+            raise LayoutError(f"{url}: holds no LoRA adapter")
+        self.ckpt, self._url = ckpt, url
+        self._parts: dict[str, list[tuple[str, StoredTensor]]] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        self.dtypes: dict[str, str] = {}
+        for file in ckpt.adapter.files:
+            for t in file.tensors:
+                self._parts.setdefault(t.canonical, []).append((file.path, t))
+                self.dtypes[t.canonical] = t.dtype
+        for name, parts in self._parts.items():
+            self._shapes[name] = _global_shape(parts)
+        self.settings: dict[str, Any] = adapter_config(
+            self._shapes, alpha, ckpt.adapter.architecture, ckpt.adapter.base_model
+        )
+        settings = self.settings
+        where = f"{url} (its LoRA adapter)"
+        check_config(settings, where, frozenset())
+        self.pairs = pairs(settings, self._shapes, where)
+        self.whole, self.tokens = {}, {}
+        self._lock = threading.Lock()
+        self._stored: dict[str, np.ndarray] = {}
+        digest = xxhash.xxh3_64(json.dumps(settings, sort_keys=True).encode())
+        for name in sorted(self._shapes):
+            digest.update(name.encode())
+            digest.update(self.stored(name).tobytes())
+        self.fingerprint = digest.hexdigest()
+
+    @property
+    def url(self) -> str:
+        return self._url
+
+    def names(self) -> list[str]:
+        return sorted(self._shapes)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shapes[name]
+
+    def rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        return arrays.to_torch(self.stored(name)[lo:hi]).float()
+
+    def stored(self, name: str) -> np.ndarray:
+        """Tensor ``name`` as the checkpoint stores it (its dtype), gathered from its shards."""
+        with self._lock:
+            kept = self._stored.get(name)
+        if kept is not None:
+            return kept
+        out = np.zeros(self._shapes[name], arrays.numpy_dtype(self.dtypes[name]))
+        filled = 0
+        for path, t in self._parts[name]:
+            data = self.ckpt.read(path, t.key, (0,) * len(t.shape), t.shape)
+            for piece in t.pieces:
+                source = tuple(
+                    slice(a, a + n) for a, n in zip(piece.local, piece.sizes, strict=True)
+                )
+                target = tuple(
+                    slice(a, a + n) for a, n in zip(piece.canonical, piece.sizes, strict=True)
+                )
+                out[target] = data[source]
+                filled += piece.numel
+        if filled != out.size:  # every element once: the shards tile the tensor
+            raise LayoutError(f"{self._url}: {name}'s shards hold {filled} of {out.size} values")
+        with self._lock:
+            self._stored[name] = out
+        return out
+
+
+def _global_shape(parts: list[tuple[str, StoredTensor]]) -> tuple[int, ...]:
+    """The tensor's shape: where its pieces end, furthest."""
+    ends = [
+        tuple(a + n for a, n in zip(p.canonical, p.sizes, strict=True))
+        for _, t in parts
+        for p in t.pieces
+    ]
+    return tuple(max(e[d] for e in ends) for d in range(len(ends[0]))) if ends else ()
+
+
+def write_adapter(adapter: EmbeddedAdapter, out: Storage) -> int:
+    """PEFT's adapter directory: the matrices as stored (their dtype, PEFT's saved names),
+    then ``adapter_config.json`` last (what marks the directory an adapter). Bytes written."""
+    names = adapter.names()
+    entries = [(n, adapter.dtypes[n], adapter.shape(n)) for n in names]
+    with out.open_write(WEIGHTS) as f:
+        write_safetensors(f, entries, lambda i: [adapter.stored(names[i]).tobytes()])
+    text = json.dumps(adapter.settings, indent=2, sort_keys=True) + "\n"
+    out.write_text(CONFIG, text)
+    return sum(adapter.stored(n).nbytes for n in names) + len(text)
