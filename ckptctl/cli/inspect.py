@@ -14,6 +14,7 @@ from ckptctl.model.catalog import expert_of, is_state
 from ckptctl.model.geometry import nbytes
 from ckptctl.model.hf_families import choose_family
 from ckptctl.model.layout import ModelSpec
+from ckptctl.model.peft_wrapped import EmbeddedLora
 from ckptctl.model.stored import CheckpointView
 from ckptctl.pipeline.probe import Checkpoint, open_checkpoint
 
@@ -30,7 +31,11 @@ def inspect_cmd(
     cli = state(ctx)
     with boundary(out, cli.debug):
         ckpt = open_checkpoint(
-            src, cli.settings, iteration=iteration, true_vocab_size=true_vocab_size
+            src,
+            cli.settings,
+            iteration=iteration,
+            true_vocab_size=true_vocab_size,
+            with_adapter=True,
         )
         info = describe(ckpt)
         out.json(info) if as_json else _show_inspect(out, info)
@@ -77,6 +82,29 @@ def describe(ckpt: Checkpoint) -> dict[str, Any]:
         "files": files,
         "notes": list(view.notes),
         "warnings": list(view.warnings),
+        "adapter": _adapter(ckpt.adapter),
+    }
+
+
+def _adapter(adapter: EmbeddedLora | None) -> dict[str, Any] | None:
+    """A LoRA adapter trained inside the checkpoint: its modules and ranks."""
+    if adapter is None:
+        return None
+    ranks: dict[str, int] = {}
+    count = size = 0
+    for f in adapter.files:
+        for t in f.tensors:
+            count += 1
+            size += nbytes(t.shape, t.dtype)
+            if t.canonical.endswith(("lora_A.weight", "lora_embedding_A")):
+                rows = max((p.canonical[0] + p.sizes[0] for p in t.pieces), default=0)
+                ranks[t.canonical] = max(ranks.get(t.canonical, 0), rows)
+    return {
+        "name": adapter.name,
+        "modules": len(adapter.modules),
+        "ranks": sorted(set(ranks.values())),
+        "tensor_bytes": size,
+        "tensors": count,
     }
 
 
@@ -125,6 +153,13 @@ def _show_inspect(out: Output, info: dict[str, Any]) -> None:
             f"HF: {hf['architecture']}"
             if hf["architecture"]
             else f"HF: none ({'; '.join(hf['refused'])})"
+        )
+    if info["adapter"] is not None:
+        lora = info["adapter"]
+        out.show(
+            f"LoRA adapter {lora['name']!r} trained in: {lora['modules']} modules, rank "
+            f"{'/'.join(map(str, lora['ranks']))} (merge-lora SRC DST --lora-alpha A merges it; "
+            "--adapter-only exports it)"
         )
     out.show("layout: " + " ".join(f"{k}={v}" for k, v in layout.items() if v not in (None, False)))
     moe = spec is not None and spec.get("num_experts")

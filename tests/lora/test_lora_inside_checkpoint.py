@@ -100,6 +100,9 @@ def test_the_adapter_exports_as_peft_saves_it(run: Path, tmp_path: Path, cli) ->
 
 
 def test_the_base_alone_is_not_taken_for_the_trained_model(run: Path, tmp_path: Path, cli) -> None:
+    info = cli.json("inspect", _actor(run))
+    assert info["adapter"]["modules"] == 14 and info["adapter"]["ranks"] == [8]
+    assert not info["has_optimizer"]  # a LoRA run's optimizer numbers the wrapped model's
     result = cli("consolidate", _actor(run), tmp_path / "base", code=3)
     assert "LoRA adapter trained on 14 modules" in result.stderr
     assert "merge-lora" in result.stderr and len(result.stderr.strip().splitlines()) == 1
