@@ -29,9 +29,10 @@ def plan_reshard(
     target_url: str,
 ) -> Plan:
     spec = source.spec
-    if spec is None:
+    if spec is None and not target.cuts_by_name:
         raise UsageError(unmapped_model(source, "a resharded checkpoint"))
-    target_layout.check_against(spec)
+    if spec is not None:
+        target_layout.check_against(spec)
     with collector_paused():
         planned = target.target_files(source, replace(request, layout=target_layout))
         files, estimates = plan_target(source, target, planned)

@@ -58,6 +58,9 @@ class HfStateDictFiles(TorchFiles):
     torch's Adam (per-parameter step and moments, the fp32 weights their own masters)."""
 
     adapter: EmbeddedLora | None = None
+    by_name: CheckpointView | None = None
+    """Every stored tensor by its stored name (a verl target is cut from it), when the format
+    keeps one."""
 
     @property
     def style(self) -> MegatronStyle:
@@ -208,6 +211,19 @@ def tied_aliases(tree: dict[str, Any], model: HfNamedModel, where: str) -> set[s
             )
         out.add(alias)
     return out
+
+
+def with_state_names(view: CheckpointView) -> CheckpointView:
+    """``view`` with its optimizer state named as everywhere else (``exp_avg/<param>``)."""
+
+    def renamed(t: StoredTensor) -> StoredTensor:
+        if not t.canonical.startswith(OPTIM_PREFIX):
+            return t
+        param, _, state = t.canonical[len(OPTIM_PREFIX) :].rpartition(".")
+        return replace(t, canonical=state_name(state, param))
+
+    files = tuple(replace(f, tensors=tuple(map(renamed, f.tensors))) for f in view.files)
+    return replace(view, files=files)
 
 
 def _generic_names(view: CheckpointView) -> set[str]:

@@ -33,6 +33,8 @@ class TargetFormat:
     """One phrase for ``--format``'s help: what the target holds."""
     block_quantized: ClassVar[bool] = False
     """It writes linear weights in block-scaled FP8 when asked (``--dtype fp8-block``)."""
+    cuts_by_name: ClassVar[bool] = False
+    """It cuts the source's tensors by stored name, needing no model description."""
     moves_optimizer_state: ClassVar[bool] = True
     """It places optimizer state on the model's parameters, so a source whose state could not
     be placed (``Checkpoint.dp_reshardable``) is refused rather than written without it."""

@@ -68,6 +68,12 @@ class TargetPlanner(Protocol):
         """The format's name (``--format``, ``Plan.target_format``)."""
         ...
 
+    @property
+    def cuts_by_name(self) -> bool:
+        """It cuts the source's tensors by stored name, needing no model description (verl
+        at another world size), rather than by a model's layout rules."""
+        ...
+
     def target_files(self, source: CheckpointView, request: TargetRequest) -> TargetFiles:
         """The files this format writes for ``source``; raises ``UsageError`` for a request it
         cannot serve and ``LayoutError`` for a layout it cannot hold."""

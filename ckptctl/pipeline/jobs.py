@@ -253,6 +253,12 @@ def plan_reshard(
         open_checkpoint(u, settings, iteration=iteration, true_vocab_size=true_vocab_size)
         for u in others
     ]
+    reshardable = {t.name for t in registry.targets(RESHARD)}
+    if target_format is None:  # the source's format where it holds layouts, else Megatron's
+        kept = ckpt.view.format in reshardable
+        target_format = str(ckpt.view.format) if kept else DEFAULT_RESHARD_FORMAT
+    writes = registry.target(target_format, RESHARD)
+    ckpt, _ = writes.planner_for(ckpt)  # the view this target is cut from
     choice = choose_target(ckpt.view.layout, ckpt.view.spec, target)
     layout = choice.layout
     style = megatron_style(ckpt)
@@ -261,11 +267,6 @@ def plan_reshard(
         model_space = optim_sharding == "fully_sharded_model_space"
         optimizer = replace(style.optimizer, buckets=buckets, model_space=model_space)
         style = replace(style, optimizer=optimizer)
-    reshardable = {t.name for t in registry.targets(RESHARD)}
-    if target_format is None:  # the source's format where it holds layouts, else Megatron's
-        kept = ckpt.view.format in reshardable
-        target_format = str(ckpt.view.format) if kept else DEFAULT_RESHARD_FORMAT
-    writes = registry.target(target_format, RESHARD)
     refuse_unwritable_dtype(dtype, writes)
     lost = lost_files(ckpt, parse_ranks(lost_ranks), parse_ranks(lost_nodes), ranks_per_node)
     primary = _stored(ckpt, src, lost)

@@ -33,8 +33,8 @@ def _help(cli, *command: str) -> str:
     ("command", "formats"),
     [
         ("consolidate", "<hf|deepspeed-universal|megatron|torch>"),
-        ("reshard", "<megatron|torch_dist>"),
-        ("plan", "<megatron|torch_dist>"),
+        ("reshard", "<megatron|torch_dist|verl>"),
+        ("plan", "<megatron|torch_dist|verl>"),
     ],
 )
 def test_help_lists_the_formats_each_command_writes(cli, command: str, formats: str) -> None:

@@ -162,14 +162,30 @@ def run_rank(rank: int, name: str, world: int, hsdp: bool, out: Path) -> None:
         key: value.full_tensor() if isinstance(value, DTensor) else value
         for key, value in model.state_dict().items()
     }
+    optim = full_optimizer_state(model, optimizer)
     with torch.no_grad():
         logits = model(input_ids=tokens).logits
     if rank == 0:
-        truth = {"model": full, "input_ids": tokens, "logits": logits}
+        truth = {"model": full, "input_ids": tokens, "logits": logits, "optim": optim}
         if name.endswith("_lora"):
             truth.update(lora_truth(name, full, tokens))
         torch.save(truth, out / "truth.pt")
     dist.barrier()
+
+
+def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Adam's state of every trained parameter by name, each DTensor gathered whole."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, param in model.named_parameters():
+        state = optimizer.state.get(param)
+        if state:
+            out[name] = {
+                k: (v.full_tensor() if isinstance(v, DTensor) else v.clone())
+                for k, v in state.items()
+            }
+    return out
 
 
 def main() -> int:

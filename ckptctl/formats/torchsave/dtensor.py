@@ -6,7 +6,7 @@ coordinate). Nothing of ``torch.distributed`` is imported or run: its classes ar
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from math import prod
 from typing import Any
 
@@ -28,6 +28,13 @@ class DTensorRef:
     shape: Shape
     offsets: Shape
     placements: tuple[str, ...]
+    spec: Any = field(default=None, compare=False)
+    """The pickled spec (a ``Stub``: mesh, placements, tensor meta), kept so a writer of the
+    same torch release's files can mirror it (``ckptctl.formats.verl.dtensors``)."""
+    args: Any = field(default=None, compare=False)
+    """The pickled arguments of ``_rebuild_wrapper_subclass`` (global size, dtype, ...)."""
+    slotted: bool = field(default=True, compare=False)
+    """Its state was pickled as ``(dict, slots)`` (a DTensor with ``__slots__``)."""
 
     def __getitem__(self, key: str) -> Any:
         if key != LOCAL:
@@ -54,9 +61,10 @@ def _chunk(size: int, parts: int, index: int) -> tuple[int, int]:
     return start, min(size, start + step) - start
 
 
-def dtensor_ref(state: Any, where: str) -> DTensorRef:
+def dtensor_ref(state: Any, where: str, args: Any = None) -> DTensorRef:
     """The ``DTensorRef`` a pickled DTensor's state describes; anything unexpected is refused
     (a box placed wrong would put weights in the wrong rows)."""
+    slotted = isinstance(state, tuple)
     if isinstance(state, tuple) and len(state) == 2:  # (dict, slots) of a slotted class
         state = {**(state[0] or {}), **(state[1] or {})}
     if not isinstance(state, dict) or LOCAL not in state or "_spec" not in state:
@@ -101,7 +109,7 @@ def dtensor_ref(state: Any, where: str) -> DTensorRef:
             f"{where}: a DTensor's local tensor is {list(local_shape)}, but its placements "
             f"{names} give this rank {lengths}"
         )
-    return DTensorRef(local, shape, tuple(offsets), tuple(names))
+    return DTensorRef(local, shape, tuple(offsets), tuple(names), state["_spec"], args, slotted)
 
 
 def _mesh_shape(layout: dict[str, Any], where: str) -> Shape:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import copyreg
 import functools
 import io
 import pathlib
@@ -64,20 +65,27 @@ class Stub:
     _global: tuple[str, str] = ("", "")
     _args: tuple[Any, ...]
     _state: Any
+    _newobj: bool
+    """Built as pickle's ``NEWOBJ`` builds it (``cls.__new__(cls, *args)``, no ``__init__``):
+    pickled back the same way, since calling the real class may need other arguments."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Stub:
         obj = super().__new__(cls)
         obj._args = args
         obj._state = None
+        obj._newobj = True  # until ``__init__`` says the class was called
         return obj
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
+        self._newobj = False
 
     def __setstate__(self, state: Any) -> None:
         self._state = state
 
     def __reduce__(self) -> tuple[Any, ...]:
+        if self._newobj:
+            newobj = copyreg.__newobj__  # type: ignore[attr-defined]
+            return (newobj, (type(self), *self._args), self._state)
         return (type(self), self._args, self._state)
 
     def __repr__(self) -> str:
@@ -120,7 +128,7 @@ def _rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any, *, where
     a plain tensor, or a parameter; the attributes are dropped. A DTensor (a wrapper subclass
     whose state holds its local tensor and spec) becomes a ``DTensorRef``."""
     if func is _stub_type(*_WRAPPER) and new_type is _stub_type(*DTENSOR):
-        return dtensor_ref(state, where)
+        return dtensor_ref(state, where, args)
     if func not in (_rebuild_tensor, _rebuild_parameter) or not isinstance(
         new_type, _PlainTensorType
     ):

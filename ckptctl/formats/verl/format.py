@@ -1,12 +1,14 @@
-"""verl's FSDP checkpoints' registry entry (read only: they become HF, Megatron, ...)."""
+"""verl's FSDP checkpoints' registry entry: read (they become HF, Megatron, ...), and written
+at another world size by ``reshard`` (a resume on more or fewer GPUs)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from ckptctl.formats.base import CheckpointFormat, ProbeRequest
+from ckptctl.formats.base import CheckpointFormat, ProbeRequest, lazy
 from ckptctl.formats.support import FormatSupport
 from ckptctl.formats.verl.layout import recognised
+from ckptctl.formats.verl.target import VERL_FILE, VerlTarget
 from ckptctl.io.storage import Storage
 
 
@@ -27,10 +29,12 @@ FORMAT = CheckpointFormat(
         "model_world_size_W_rank_R.pt (+ optim_*, extra_state_*), fsdp_config.json, "
         "huggingface/config.json",
         True,
-        "",
+        "reshard (--dp: another world size)",
         "any world size; DTensor shards placed as their placements say; Adam state by "
         "parameter; the model from huggingface/config.json or --hf-config (any architecture "
         "transformers builds to HF, the mapped families also to Megatron)",
         "CRC-32 of every zip entry",
     ),
+    target=VerlTarget(),
+    writers={VERL_FILE: lazy("ckptctl.formats.verl.writer", "write_verl_file")},
 )

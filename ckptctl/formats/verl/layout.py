@@ -7,11 +7,14 @@ world size) and ``huggingface/`` (the model's config.json, tokenizer) beside the
 
 from __future__ import annotations
 
+import json
 import re
 
 from ckptctl.errors import CheckpointError
 
 MODEL = re.compile(r"model_world_size_(\d+)_rank_(\d+)\.pt")
+OPTIM = re.compile(r"optim_world_size_(\d+)_rank_(\d+)\.pt")
+EXTRA = re.compile(r"extra_state_world_size_(\d+)_rank_(\d+)\.pt")
 FSDP_CONFIG = "fsdp_config.json"
 HF_DIR = "huggingface"
 STEP = re.compile(r"global_step_(\d+)")
@@ -38,6 +41,15 @@ def model_file(world: int, rank: int) -> str:
 
 def optim_file(world: int, rank: int) -> str:
     return f"optim_world_size_{world}_rank_{rank}.pt"
+
+
+def extra_file(world: int, rank: int) -> str:
+    return f"extra_state_world_size_{world}_rank_{rank}.pt"
+
+
+def fsdp_config_text(world: int) -> str:
+    """``fsdp_config.json`` as verl's ``FSDPCheckpointManager`` writes it."""
+    return json.dumps({"FSDP_version": 2, "world_size": world}, indent=4)
 
 
 def step_of(url: str) -> int | None:

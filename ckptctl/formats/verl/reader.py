@@ -7,6 +7,7 @@ transformers builds, by its HF names (to HF)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from ckptctl import json_input
@@ -19,11 +20,13 @@ from ckptctl.formats.hf_state_dict_files import (
     hf_model_view,
     model_tensors,
     optimizer_tensors,
+    with_state_names,
 )
 from ckptctl.formats.torchsave.archive import TorchZipReader
 from ckptctl.formats.torchsave.refs import open_torch_file
 from ckptctl.formats.transformers_model import build_names
 from ckptctl.formats.verl.layout import (
+    EXTRA,
     FSDP_CONFIG,
     HF_DIR,
     model_file,
@@ -119,6 +122,15 @@ def probe_verl(storage: Storage, names: frozenset[str], request: ProbeRequest) -
         tuple(notes),
     )
     view = hf_model_view(generic, model, config, generation, request.trusted_fields, storage.url)
+    # By stored name, the world size as its layout, the files held beside the tensors: what
+    # a verl target at another world size is cut from (``ckptctl.formats.verl.target``).
+    beside = [rel for rel in storage.find_files() if _carried(rel, world)]
+    named = with_state_names(generic)
+    by_name = replace(
+        named,
+        layout=ParallelLayout(dp=world),
+        files=(*named.files, *(StoredFile(rel, ()) for rel in sorted(beside))),
+    )
     adapter = None
     if peft is not None:
         base_model = config.get("_name_or_path")
@@ -128,4 +140,11 @@ def probe_verl(storage: Storage, names: frozenset[str], request: ProbeRequest) -
             base_model if isinstance(base_model, str) and base_model else None,
             peft.adapter_name,
         )
-    return HfStateDictFiles(storage, view, readers, adapter=adapter)
+    return HfStateDictFiles(storage, view, readers, adapter=adapter, by_name=by_name)
+
+
+def _carried(rel: str, world: int) -> bool:
+    """A file a resumed run reads beside the tensors: RNG and scheduler state, the model's
+    config and tokenizer."""
+    extra = EXTRA.fullmatch(rel)
+    return rel.startswith(f"{HF_DIR}/") or (extra is not None and int(extra[1]) == world)

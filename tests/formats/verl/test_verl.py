@@ -73,7 +73,10 @@ def test_an_actor_checkpoint_becomes_the_trained_hf_model(qwen3: Path, tmp_path:
 def test_an_actor_checkpoint_reshards_to_megatron_with_its_adam_state(
     qwen3: Path, tmp_path: Path, cli
 ) -> None:
-    cli("reshard", _actor(qwen3), tmp_path / "meg", "--tp", "2", "--pp", "2")
+    args = ("--tp", "2", "--pp", "2")
+    result = cli("reshard", _actor(qwen3), tmp_path / "meg", *args, code=2)  # verl's own format
+    assert "--format megatron" in result.stderr
+    cli("reshard", _actor(qwen3), tmp_path / "meg", *args, "--format", "megatron")
     report = cli.json("verify", tmp_path / "meg", "--against", _actor(qwen3))
     assert report["ok"]
     names = {t["name"] for t in report["tensors"]}
@@ -98,9 +101,82 @@ def test_a_hybrid_sharded_actor_checkpoint_reads_each_shard_once(tmp_path: Path,
     run_oracle(ORACLE, "qwen3", run, 4, "hsdp", timeout=300)
     cli("consolidate", _actor(run), tmp_path / "hf")
     _check_against_truth(run, tmp_path / "hf")
-    cli("reshard", _actor(run), tmp_path / "meg", "--tp", "2")
+    cli("reshard", _actor(run), tmp_path / "meg", "--tp", "2", "--format", "megatron")
+    result = cli("reshard", _actor(run), tmp_path / "w2", "--dp", "2", code=2)
+    assert "Replicate" in result.stderr and "HSDP" in result.stderr
     report = cli.json("verify", tmp_path / "meg", "--against", _actor(run))
     assert report["ok"] and any(t["name"].startswith("exp_avg/") for t in report["tensors"])
+
+
+def _resumed(run: Path, actor: Path, world: int, tmp_path: Path) -> dict[str, Any]:
+    """What FSDP2 at ``world`` ranks holds after loading ``actor`` as verl loads it."""
+    loaded = tmp_path / f"loaded{world}.pt"
+    run_oracle("verl_fsdp_loader.py", "qwen3", actor, world, loaded, timeout=300)
+    return torch.load(loaded, weights_only=False)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_an_actor_checkpoint_resumes_at_another_world_size(
+    qwen3: Path, tmp_path: Path, cli, world: int
+) -> None:
+    """3 ranks -> 2 and 4: torch loads each rank's files into FSDP2 at the new world size
+    (model, optimizer, scheduler, RNG, as verl's ``load_checkpoint`` does) and takes a step;
+    the weights and Adam state it holds are the trained ones bit for bit."""
+    out = tmp_path / f"world{world}"
+    summary = cli.json("reshard", _actor(qwen3), out, "--dp", str(world))
+    assert summary["target_format"] == "verl"
+    config = json.loads((out / "fsdp_config.json").read_text())
+    assert config == {"FSDP_version": 2, "world_size": world}
+    source_config = _actor(qwen3) / "huggingface" / "config.json"
+    assert (out / "huggingface" / "config.json").read_bytes() == source_config.read_bytes()
+    truth, got = _truth(qwen3), _resumed(qwen3, out, world, tmp_path)
+    for name, want in truth["model"].items():
+        assert torch.equal(got["model"][name], want), name
+    assert got["optim"].keys() == truth["optim"].keys()
+    for name, states in truth["optim"].items():
+        assert states.keys() == got["optim"][name].keys()
+        for kind, want in states.items():
+            assert torch.equal(got["optim"][name][kind], want), (name, kind)
+    assert got["scheduler"]["last_epoch"] == 1 and got["loss"] > 0
+    assert cli.json("verify", out, "--against", _actor(qwen3))["ok"]
+
+
+def _values(directory: Path) -> dict[tuple[str, ...], Any]:
+    """Every value of every rank file, a DTensor as its local tensor and placements."""
+    out: dict[tuple[str, ...], Any] = {}
+
+    def walk(node: Any, path: tuple[str, ...]) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                walk(value, (*path, str(key)))
+        elif hasattr(node, "to_local"):
+            out[path] = (node.to_local(), tuple(node.placements), tuple(node.shape))
+        else:
+            out[path] = node
+
+    for file in sorted(directory.glob("*_world_size_*.pt")):
+        walk(torch.load(file, weights_only=False), (file.name,))
+    return out
+
+
+def test_a_round_trip_restores_every_value(qwen3: Path, tmp_path: Path, cli) -> None:
+    """3 -> 2 -> 3 ranks: every tensor, placement and other value as the source's; the files
+    beside the tensors byte for byte (the pickles' cached hashes are not kept: torch
+    recomputes them, and a saved one is stale in any other process anyway)."""
+    cli("reshard", _actor(qwen3), tmp_path / "two", "--dp", "2")
+    cli("reshard", tmp_path / "two", tmp_path / "three", "--dp", "3")
+    before, after = _values(_actor(qwen3)), _values(tmp_path / "three")
+    assert before.keys() == after.keys()
+    for path, value in before.items():
+        other = after[path]
+        if isinstance(value, tuple) and value and isinstance(value[0], torch.Tensor):
+            assert torch.equal(value[0], other[0]) and value[1:] == other[1:], path
+        elif isinstance(value, torch.Tensor):
+            assert torch.equal(value, other), path
+        else:
+            assert value == other, path
+    for name in ("extra_state_world_size_3_rank_1.pt", "huggingface/config.json"):
+        assert (tmp_path / "three" / name).read_bytes() == (_actor(qwen3) / name).read_bytes()
 
 
 def test_what_cannot_be_read_is_refused_by_name(qwen3: Path, tmp_path: Path, cli) -> None:

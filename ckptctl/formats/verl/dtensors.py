@@ -1,0 +1,142 @@
+"""DTensors written as the source's torch release pickled them, on a device mesh of another
+world size: each object a source DTensor's pickle holds (its spec, placements, tensor meta,
+the wrapper-subclass arguments) is written back as it was read, only the mesh's size and
+the rank's place in it changed and the cached hashes dropped (torch recomputes them). A mesh
+field this code does not know how to change for another world size is refused by name, never
+copied: a mesh that says the wrong world would place shards wrong on load.
+
+Nothing of torch is imported: the objects are the unpickler's inert stubs, pickled back under
+their original global names (``torchsave.zip_writer``)."""
+
+from __future__ import annotations
+
+from typing import Any, SupportsIndex
+
+from ckptctl.errors import CheckpointError
+from ckptctl.formats.torchsave.dtensor import DTENSOR, LOCAL, DTensorRef
+from ckptctl.formats.torchsave.unpickle import Stub, _stub_type
+from ckptctl.formats.torchsave.zip_writer import TensorSlot
+
+_REBUILD_FROM_TYPE = _stub_type("torch._tensor", "_rebuild_from_type_v2")
+_WRAPPER = _stub_type("torch._utils", "_rebuild_wrapper_subclass")
+_SIZE = _stub_type("torch", "Size")
+
+MESH_FIELDS = frozenset(
+    {
+        "_device_type",
+        "_layout",
+        "_rank_map",
+        "_mesh_dim_names",
+        "_root_mesh",
+        "_flatten_rank_map",
+        "_thread_id",
+        "_flatten_mapping",
+        "_dim_group_names",
+        "_rank",
+        "_coordinate_on_dim",
+        "_hash",
+    }
+)
+"""A one-dimensional ``DeviceMesh``'s pickled fields (torch 2.9 - 2.13) that are known: what
+each means for another world size is rewritten below, or kept."""
+
+
+def _copy(stub: Stub, state: Any) -> Stub:
+    """A stub of the same class, built the same way, with ``state``."""
+    out = type(stub).__new__(type(stub), *stub._args)
+    out._newobj = stub._newobj
+    out._state = state
+    return out
+
+
+def _fields(stub: Any, what: str, where: str) -> dict[str, Any]:
+    state = getattr(stub, "_state", None)
+    if not isinstance(state, dict):
+        raise CheckpointError(
+            f"{where}: a DTensor's {what} pickled as {type(state).__name__}, not the fields "
+            "ckptctl rewrites for another world size (a torch release it does not know)"
+        )
+    return state
+
+
+def _axes_for(layout: Stub, world: int, where: str) -> Stub:
+    """The mesh's layout (one flat axis of ``world`` ranks, stride 1)."""
+    state = _fields(layout, "mesh layout", where)
+    axes = state.get("axes")
+    if not isinstance(axes, tuple) or len(axes) != 1:
+        raise CheckpointError(f"{where}: a DTensor on a mesh of more than one dimension (HSDP)")
+    flat = _fields(axes[0], "mesh axis", where)
+    if flat.get("stride") not in ((1,), 1) or set(flat) != {"shape", "stride"}:
+        raise CheckpointError(f"{where}: a DTensor's mesh axis {flat}: not one flat range")
+    shape = (world,) if isinstance(flat["shape"], tuple) else world
+    axis = _copy(axes[0], {**flat, "shape": shape})
+    return _copy(layout, {**state, "axes": (axis,)})
+
+
+def mesh_for(template: Any, world: int, rank: int, rank_map: TensorSlot, where: str) -> Stub:
+    """Rank ``rank``'s view of a one-dimensional mesh of ``world`` ranks, as ``template``
+    (a source rank's mesh) would be had the run had ``world`` ranks."""
+    state = _fields(template, "device mesh", where)
+    unknown = sorted(set(state) - MESH_FIELDS)
+    if unknown:
+        raise CheckpointError(
+            f"{where}: the device mesh holds {', '.join(unknown)}, which ckptctl does not know "
+            "how to set for another world size (a newer torch release)"
+        )
+    names = state.get("_mesh_dim_names")
+    if (
+        state.get("_root_mesh") is not None
+        or state.get("_flatten_mapping")
+        or (names is not None and len(names) != 1)
+    ):
+        raise CheckpointError(f"{where}: a DTensor on a sub-mesh or a mesh of several dimensions")
+    new = dict(state)
+    new["_layout"] = _axes_for(state["_layout"], world, where)
+    if "_rank_map" in new:
+        new["_rank_map"] = rank_map
+    if "_flatten_rank_map" in new:
+        new["_flatten_rank_map"] = tuple(range(world))
+    new["_rank"] = rank
+    new["_coordinate_on_dim"] = (rank,)
+    new["_hash"] = None  # recomputed by torch from the fields above
+    return _copy(template, new)
+
+
+def check_placement(ref: DTensorRef, where: str) -> None:
+    """Only ``Shard(0)`` on one mesh dimension is recut (FSDP2's placement)."""
+    if ref.placements != ("Shard",) or ref.offsets[1:] != (0,) * (len(ref.shape) - 1):
+        raise CheckpointError(
+            f"{where}: a DTensor placed {list(ref.placements)}; verl files are written at "
+            "another world size from FSDP2's Shard(0) on one mesh dimension"
+        )
+
+
+def _spec_for(spec: Any, mesh: Stub, where: str) -> Stub:
+    state = _fields(spec, "spec", where)
+    meta = state.get("tensor_meta")
+    args: tuple[Any, ...] = getattr(meta, "_args", ())
+    if not isinstance(meta, Stub) or len(args) != 3:
+        raise CheckpointError(f"{where}: a DTensor spec without its tensor meta")
+    shape, stride, dtype = args
+    new_meta = _copy(meta, None)
+    new_meta._args = (_SIZE(tuple(shape)), stride, dtype)  # torch.Size, as torch pickles it
+    new = {**state, "mesh": mesh, "tensor_meta": new_meta}
+    if "_hash" in new:
+        new["_hash"] = None
+    return _copy(spec, new)
+
+
+class RebuiltDTensor:
+    """A DTensor to pickle: ``_rebuild_from_type_v2`` of the wrapper subclass with the
+    source's arguments (global size, stride, dtype), this rank's local tensor and spec."""
+
+    def __init__(self, ref: DTensorRef, local: TensorSlot, mesh: Stub, where: str) -> None:
+        self.args = ref.args
+        fields = {LOCAL: local, "_spec": _spec_for(ref.spec, mesh, where)}
+        self.state: Any = (None, fields) if ref.slotted else fields
+        if not isinstance(ref.args, tuple) or not ref.args:
+            raise CheckpointError(f"{where}: a DTensor pickled without its rebuild arguments")
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
+        dtensor = _stub_type(*DTENSOR)
+        return (_REBUILD_FROM_TYPE, (_WRAPPER, dtensor, self.args, self.state))

@@ -1,0 +1,169 @@
+"""verl's FSDP2 actor / critic files as a target: the same run at another world size, for a
+resume on more or fewer GPUs. Each rank's model and optimizer files hold its ``Shard(0)``
+chunk of every parameter and Adam moment (``torch.chunk``'s cut, as FSDP2 cuts them), the
+plain tensors whole, Adam's step and the parameter groups as the source's; each new rank's
+``extra_state`` (scheduler, RNG) is the source rank's of the same index modulo the source's
+world size; ``huggingface/`` and ``fsdp_config.json`` beside them. Cut from the source's tensors
+by stored name (``HfStateDictFiles.by_name``). Pure."""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+from ckptctl.errors import UsageError
+from ckptctl.formats.target import RESHARD, TargetFormat
+from ckptctl.formats.torchsave.dtensor import LOCAL
+from ckptctl.formats.verl.layout import (
+    EXTRA,
+    FSDP_CONFIG,
+    HF_DIR,
+    MODEL,
+    OPTIM,
+    extra_file,
+    fsdp_config_text,
+    model_file,
+    optim_file,
+)
+from ckptctl.model.geometry import chunk_pieces, whole
+from ckptctl.model.layout import ParallelLayout
+from ckptctl.model.plan import FileWrite, TextWrite
+from ckptctl.model.stored import CheckpointView, StoredFile, StoredTensor, canonical_shapes
+from ckptctl.model.target import TargetFiles, TargetPlanner, TargetRequest
+
+if TYPE_CHECKING:
+    from ckptctl.formats.base import Checkpoint
+    from ckptctl.formats.hf_state_dict_files import HfStateDictFiles
+
+VERL_FILE = "verl"
+"""``FileWrite.kind`` of a verl target file: a rank's model or optimizer file, or a file
+carried from the source as it is."""
+
+
+def torch_chunk(size: int, parts: int, index: int) -> tuple[int, int]:
+    """Start and length of part ``index`` of ``parts`` of a dimension of ``size``, as
+    ``torch.chunk`` (and so FSDP2's ``Shard(0)``) cuts it: ceil-sized parts, the last ones
+    short or empty."""
+    step = -(-size // parts)
+    start = min(size, index * step)
+    return start, min(size, start + step) - start
+
+
+def _cut(tensor: StoredTensor, shape: tuple[int, ...], world: int, rank: int) -> StoredTensor:
+    """Rank ``rank``'s part of a stored tensor: a DTensor's ``Shard(0)`` chunk, or (a plain
+    tensor) the whole of it."""
+    if not tensor.key or tensor.key[-1] != LOCAL or not shape:
+        return StoredTensor(tensor.key, tensor.canonical, shape, tensor.dtype, (whole(shape),))
+    start, length = torch_chunk(shape[0], world, rank)
+    local = (length, *shape[1:])
+    offsets = (start,) + (0,) * (len(shape) - 1)
+    pieces = chunk_pieces((whole(shape),), offsets, local) if length else ()
+    return StoredTensor(tensor.key, tensor.canonical, local, tensor.dtype, pieces)
+
+
+def _rank0(source: CheckpointView, pattern: re.Pattern[str]) -> StoredFile | None:
+    for file in source.files:
+        match = pattern.fullmatch(file.path)
+        if match is not None and int(match[2]) == 0:
+            return file
+    return None
+
+
+def _refuse_other_placements(ckpt: HfStateDictFiles) -> None:
+    """Only FSDP2's ``Shard(0)`` on one mesh dimension is recut (not HSDP's 2-D meshes)."""
+    from ckptctl.formats.torchsave.dtensor import DTensorRef
+
+    for path, reader in ckpt.readers.items():
+        if MODEL.fullmatch(path) is None or not isinstance(reader.tree, dict):
+            continue
+        for name, value in reader.tree.items():
+            if isinstance(value, DTensorRef) and value.placements != ("Shard",):
+                raise UsageError(
+                    f"--format verl: {ckpt.storage.describe(path)}: {name} is placed "
+                    f"{list(value.placements)}; verl files are written at another world size "
+                    "from FSDP2's Shard(0) on one mesh dimension (not HSDP's two)"
+                )
+        return
+
+
+class VerlTarget(TargetFormat):
+    name = "verl"
+    operations = (RESHARD,)
+    help = "verl FSDP2 actor / critic files at another world size (--dp), to resume from"
+    cuts_by_name = True
+
+    def planner_for(self, ckpt: Checkpoint) -> tuple[Checkpoint, TargetPlanner]:
+        from dataclasses import replace
+
+        from ckptctl.formats.hf_state_dict_files import HfStateDictFiles
+
+        if not isinstance(ckpt, HfStateDictFiles) or ckpt.by_name is None:
+            raise UsageError(
+                f"--format verl: writes a verl FSDP checkpoint at another world size from a "
+                f"verl one; {ckpt.storage.url} is {ckpt.view.format}"
+            )
+        _refuse_other_placements(ckpt)
+        return replace(ckpt, view=ckpt.by_name), self
+
+    def target_files(self, source: CheckpointView, request: TargetRequest) -> TargetFiles:
+        layout = request.layout or source.layout
+        if layout.tp > 1 or layout.pp > 1 or layout.ep > 1 or layout.vpp > 1:
+            raise UsageError(
+                "--format verl: verl's FSDP files have no tensor, pipeline or expert "
+                "parallelism; --dp sets their world size (--format megatron for Megatron "
+                "layouts)"
+            )
+        world = layout.dp
+        model, optim = _rank0(source, MODEL), _rank0(source, OPTIM)
+        if model is None:
+            raise UsageError(f"--format verl: {source.format} source without verl's model files")
+        shapes = {name: shape for name, (shape, _) in canonical_shapes(source).items()}
+        files = []
+        extra = any(EXTRA.fullmatch(f.path) for f in source.files)
+        for rank in range(world):
+            cut = tuple(_cut(t, shapes[t.canonical], world, rank) for t in model.tensors)
+            files.append(StoredFile(model_file(world, rank), cut))
+            if optim is not None:
+                cut = tuple(_cut(t, shapes[t.canonical], world, rank) for t in optim.tensors)
+                files.append(StoredFile(optim_file(world, rank), cut))
+            if extra:
+                files.append(StoredFile(extra_file(world, rank), ()))
+        files += [StoredFile(f.path, ()) for f in source.files if f.path.startswith(f"{HF_DIR}/")]
+        return TargetFiles(
+            files=tuple(files),
+            kind=VERL_FILE,
+            layout=ParallelLayout(dp=world),
+            reason=f"verl FSDP2 files of {world} ranks: each parameter and Adam moment cut "
+            "on its first dimension as FSDP2 cuts it",
+            finalize=(TextWrite(path=FSDP_CONFIG, content=fsdp_config_text(world)),),
+            optimizer_carried=optim is not None,
+            notes=(
+                (
+                    f"extra_state of each new rank: the source rank's of the same index modulo "
+                    f"{source.layout.dp} (scheduler and RNG state)",
+                )
+                if extra and world != source.layout.dp
+                else ()
+            ),
+        )
+
+    def with_source_state(
+        self, source: CheckpointView, files: tuple[FileWrite, ...], layout: ParallelLayout
+    ) -> tuple[tuple[FileWrite, ...], int]:
+        """Each file names the source file it is made from: rank 0's model or optimizer file
+        (its DTensors' spec, the parameter groups), the extra state of the rank it carries,
+        or the same file beside the tensors."""
+        index = {f.path: i for i, f in enumerate(source.files)}
+        world = source.layout.dp
+        out = []
+        for file in files:
+            if MODEL.fullmatch(file.path):
+                origin = model_file(world, 0)
+            elif OPTIM.fullmatch(file.path):
+                origin = optim_file(world, 0)
+            elif (extra := EXTRA.fullmatch(file.path)) is not None:
+                origin = extra_file(world, int(extra[2]) % world)
+            else:
+                origin = file.path
+            out.append(file.model_copy(update={"carry_from": index[origin]}))
+        return tuple(out), 0
