@@ -308,6 +308,9 @@ CROSS_FORMAT_IMPORTS = {
     # The distributed optimizer's keys, and what every Megatron-family target keeps and says.
     *(("torch_dist", f"ckptctl.formats.megatron.{m}") for m in ("distopt_layout", "rank_state")),
     ("torch_dist", "ckptctl.formats.megatron.target"),
+    # verl's Megatron actor is a torch_dist directory described by an HF config, not args.
+    ("verl", "ckptctl.formats.torch_dist.reader"),
+    ("verl", "ckptctl.formats.megatron.args"),
 }
 """What one format folder still imports of another (to shrink: shared model rules belong in
 modules of their own, as the HF family tables are in ``ckptctl.model``)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError
@@ -41,7 +42,7 @@ from ckptctl.model.stored import CheckpointView, Format, StoredTensor
 
 
 def _common_state(
-    storage: Storage, base: str, metadata: DcpMetadata
+    storage: Storage, base: str, metadata: DcpMetadata, described: bool = False
 ) -> tuple[dict[str, Any], float | None, dict[int, Any]]:
     """``common.pt`` (or its byte item), the torch optimizer's ``common_step``, if any, and the
     values of the small tensors the optimizer's entry holds (a grad scaler's loss scale), read
@@ -61,11 +62,13 @@ def _common_state(
         raise CheckpointNotFoundError(
             f"{storage.describe(rel)}: missing; a torch_dist checkpoint keeps its args there"
         )
+    if described and isinstance(tree, dict):
+        return tree, step, tensors  # the model described beside it (verl's Megatron actor)
     if not isinstance(tree, dict) or not isinstance(tree.get("args"), argparse.Namespace):
         raise CheckpointError(
             f"{storage.describe(rel)}: no 'args' namespace, which Megatron-LM saves and ckptctl "
-            "reads the model from (megatron-core checkpoints saved by other code, such as "
-            "verl's Megatron actor, are not read yet)"
+            "reads the model from; a verl Megatron actor's dist_ckpt is read from its actor "
+            "directory (beside huggingface/config.json): give that directory"
         )
     return tree, step, tensors
 
@@ -88,6 +91,16 @@ def _object_record(storage: Storage, base: str, info: StorageInfo) -> Iterator[t
         record = open_record(window, info, storage.describe(item), checks=storage.checks)
         tree = record.tree
         yield (tree[0] if isinstance(tree, list) and tree else tree), record
+
+
+@dataclass(frozen=True)
+class Described:
+    """A ``torch_dist`` checkpoint's model and run, described by files saved beside it rather
+    than by ``args`` inside it: ``args`` built from them, the iteration, what was read."""
+
+    args: argparse.Namespace
+    iteration: int | None
+    notes: tuple[str, ...]
 
 
 DEPRECATED_FORMS = ("dp_zero_gather_scatter", "fully_sharded_bucket_space")
@@ -146,17 +159,26 @@ def probe_torch_dist(
     iteration: int | None,
     true_vocab_size: int | None,
     trusted: frozenset[str] = frozenset(),
+    described: Described | None = None,
 ) -> TorchDistCheckpoint:
+    """``described``: the model and the run as saved beside a checkpoint whose common state
+    holds no Megatron-LM ``args`` (verl's Megatron actor), in ``args``' terms."""
     metadata = read_metadata(storage, base)
-    common, common_step, common_tensors = _common_state(storage, base, metadata)
-    args = common["args"]
+    common, common_step, common_tensors = _common_state(
+        storage, base, metadata, described is not None
+    )
+    args = common["args"] if described is None else _with_optimizer(described.args, common)
     spec = spec_from_args(args, true_vocab_size, trusted)
     layout = layout_from_args(args)
     where = storage.describe(join(base, COMMON))
     check_saved_layout(args, spec, layout, where)
-    saved_iteration = checked_iteration(common.get("iteration"), where, _directory_number(base))
+    if described is not None:
+        saved_iteration = described.iteration
+    else:
+        number = _directory_number(base)
+        saved_iteration = checked_iteration(common.get("iteration"), where, number)
     catalog = model_catalog(spec)
-    notes: list[str] = []
+    notes: list[str] = list(described.notes) if described is not None else []
     warnings: list[str] = []
     placed: list[tuple[StorageInfo, StoredTensor]] = []
     unknown: list[str] = []
@@ -218,7 +240,12 @@ def probe_torch_dist(
             "optimizer state is fully_sharded_model_space (megatron-core <= 0.14): its N-D "
             "flattened boxes are read as the parameters they flatten"
         )
-    if buckets:
+    if buckets and described is not None:
+        warnings.append(
+            "optimizer state is dp_reshardable, whose buckets follow the run's DDP settings, "
+            "which this checkpoint does not record: only the weights can be taken from it"
+        )
+    elif buckets:
         weight_dtype = next(t.dtype for _, t in placed if "/" not in t.canonical)
         try:
             mapped = place_buckets(buckets, spec, layout, args, weight_dtype)
@@ -265,6 +292,13 @@ def probe_torch_dist(
     return TorchDistCheckpoint(
         storage, view, base, metadata, args=args, common=common, common_tensors=common_tensors
     )
+
+
+def _with_optimizer(args: argparse.Namespace, common: dict[str, Any]) -> argparse.Namespace:
+    """Described ``args`` saying whether the distributed optimizer ran: its saved state
+    names its sharding."""
+    sharding = dense_optimizer(common.get("optimizer")).get("param_state_sharding_type")
+    return argparse.Namespace(**{**vars(args), "use_distributed_optimizer": sharding is not None})
 
 
 def _directory_number(base: str) -> int | None:

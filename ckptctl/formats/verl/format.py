@@ -25,9 +25,9 @@ FORMAT = CheckpointFormat(
     _probe,
     support=FormatSupport(
         "verl",
-        "verl FSDP2 actor / critic checkpoint (HF model)",
+        "verl FSDP2 actor / critic checkpoint (HF model), or verl's Megatron actor",
         "model_world_size_W_rank_R.pt (+ optim_*, extra_state_*), fsdp_config.json, "
-        "huggingface/config.json",
+        "huggingface/config.json; Megatron: dist_ckpt/ (torch_dist) + huggingface/",
         True,
         "reshard (--dp: another world size)",
         "any world size; DTensor shards placed as their placements say; Adam state by "

@@ -16,12 +16,21 @@ MODEL = re.compile(r"model_world_size_(\d+)_rank_(\d+)\.pt")
 OPTIM = re.compile(r"optim_world_size_(\d+)_rank_(\d+)\.pt")
 EXTRA = re.compile(r"extra_state_world_size_(\d+)_rank_(\d+)\.pt")
 FSDP_CONFIG = "fsdp_config.json"
+DIST_CKPT = "dist_ckpt"
+"""A Megatron actor's ``torch_dist`` directory (``MegatronCheckpointManager``)."""
+TRANSFORMER_CONFIG = "transformer_config.json"
+"""The Megatron actor's ``asdict(TransformerConfig)``, beside ``dist_ckpt``."""
 HF_DIR = "huggingface"
 STEP = re.compile(r"global_step_(\d+)")
 
 
 def recognised(names: frozenset[str]) -> bool:
-    return any(MODEL.fullmatch(n) for n in names)
+    return any(MODEL.fullmatch(n) for n in names) or megatron_actor(names)
+
+
+def megatron_actor(names: frozenset[str]) -> bool:
+    """A Megatron actor's directory: ``dist_ckpt/`` with ``huggingface/`` beside it."""
+    return DIST_CKPT in names and HF_DIR in names
 
 
 def world_size(names: frozenset[str], where: str) -> int:

@@ -12,7 +12,7 @@ from typing import Any
 
 from ckptctl import json_input
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError
-from ckptctl.formats.base import ProbeRequest
+from ckptctl.formats.base import Checkpoint, ProbeRequest
 from ckptctl.formats.hf_state_dict_files import (
     HfStateDictFiles,
     adapter_tensors,
@@ -29,6 +29,8 @@ from ckptctl.formats.verl.layout import (
     EXTRA,
     FSDP_CONFIG,
     HF_DIR,
+    MODEL,
+    megatron_actor,
     model_file,
     optim_file,
     step_of,
@@ -74,7 +76,12 @@ def _check_fsdp_config(storage: Storage, world: int) -> None:
         )
 
 
-def probe_verl(storage: Storage, names: frozenset[str], request: ProbeRequest) -> HfStateDictFiles:
+def probe_verl(storage: Storage, names: frozenset[str], request: ProbeRequest) -> Checkpoint:
+    if megatron_actor(names) and not any(MODEL.fullmatch(n) for n in names):
+        from ckptctl.formats.verl.megatron import probe_verl_megatron
+
+        config, _ = _config(storage, request)
+        return probe_verl_megatron(storage, config, request)
     world = world_size(names, storage.url)
     _check_fsdp_config(storage, world)
     config, generation = _config(storage, request)

@@ -1,0 +1,124 @@
+"""verl's Megatron actor / critic checkpoints (``MegatronCheckpointManager`` with
+``use_dist_checkpointing``): ``dist_ckpt/`` is megatron-core's ``torch_dist`` directory of
+``{"model", "optimizer", "lr_scheduler", "rng_state"}``, without Megatron-LM's ``args``; verl
+built the model from ``huggingface/config.json`` (saved beside it) and records the
+``TransformerConfig`` it used in ``transformer_config.json``. The model is read from the HF
+config (strictly, as any HF config), the config's vocabulary unpadded (verl pads none), the
+saved parallel sizes from ``transformer_config.json``, whose model fields must agree with the
+HF config (a config that is not the run's is refused by name); then ``dist_ckpt/`` is read as
+any ``torch_dist`` checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ckptctl import json_input
+from ckptctl.errors import CheckpointError, LayoutError
+from ckptctl.formats.base import ProbeRequest
+from ckptctl.formats.megatron.args import args_for, args_from_spec
+from ckptctl.formats.torch_dist.reader import Described, probe_torch_dist
+from ckptctl.formats.verl.layout import DIST_CKPT, TRANSFORMER_CONFIG, step_of
+from ckptctl.io.storage import Storage
+from ckptctl.model.hf_config import spec_from_config
+from ckptctl.model.layout import ModelSpec, ParallelLayout
+
+
+def _model_fields(spec: ModelSpec) -> dict[str, Any]:
+    """``TransformerConfig`` fields verl derives from the HF config, as the model has them."""
+    fields: dict[str, Any] = {
+        "num_layers": spec.num_layers,
+        "hidden_size": spec.hidden_size,
+        "ffn_hidden_size": spec.ffn_hidden_size,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_query_groups": spec.num_query_groups,
+        "kv_channels": spec.kv_channels,
+        "normalization": spec.normalization.value,
+        "layernorm_epsilon": spec.norm_epsilon,
+        "gated_linear_unit": spec.gated_linear_unit,
+        "add_bias_linear": spec.add_bias_linear,
+        "add_qkv_bias": spec.add_qkv_bias,
+        "qk_layernorm": spec.qk_layernorm,
+        "num_moe_experts": spec.num_experts if spec.is_moe else None,
+        "multi_latent_attention": spec.mla is not None,
+        "rotary_interleaved": False,
+        "mtp_num_layers": spec.mtp_num_layers or None,
+    }
+    if spec.is_moe:
+        fields["moe_router_topk"] = spec.moe_router_topk
+        fields["moe_ffn_hidden_size"] = spec.expert_ffn_size
+    return fields
+
+
+def _same(saved: Any, wanted: Any) -> bool:
+    if isinstance(wanted, float) and isinstance(saved, int | float):
+        return abs(saved - wanted) <= 1e-12 * max(1.0, abs(wanted))
+    if wanted is None:
+        return saved in (None, 0)
+    return bool(saved == wanted)
+
+
+def _layout(saved: dict[str, Any], where: str) -> ParallelLayout:
+    def size(name: str, default: int | None = 1) -> Any:
+        value = saved.get(name, default)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise CheckpointError(f"{where}: {name} is {value!r}, not a size")
+        return value
+
+    tp = size("tensor_model_parallel_size")
+    etp = size("expert_tensor_parallel_size", None)
+    return ParallelLayout(
+        tp=tp,
+        pp=size("pipeline_model_parallel_size"),
+        vpp=size("virtual_pipeline_model_parallel_size", None) or 1,
+        ep=size("expert_model_parallel_size"),
+        etp=None if etp in (None, tp) else etp,
+        first_stage_layers=size("num_layers_in_first_pipeline_stage", None),
+        last_stage_layers=size("num_layers_in_last_pipeline_stage", None),
+    )
+
+
+def described(storage: Storage, config: dict[str, Any], request: ProbeRequest) -> Described:
+    """The run as ``args`` would say it: the model from the HF config, the layout from
+    ``transformer_config.json``, checked against each other."""
+    where = storage.describe(TRANSFORMER_CONFIG)
+    try:
+        spec = spec_from_config(
+            config, make_vocab_size_divisible_by=1, trusted=request.trusted_fields
+        )
+    except LayoutError as err:
+        raise CheckpointError(
+            f"{storage.url}: a verl Megatron checkpoint of a model ckptctl has no Megatron "
+            f"mapping for: {err}"
+        ) from None
+    notes = ["verl Megatron checkpoint: the model from huggingface/config.json"]
+    if storage.exists(TRANSFORMER_CONFIG):
+        saved = json_input.parse_object(storage.read_text(TRANSFORMER_CONFIG), where)
+        wrong = [
+            f"{name} is {saved[name]!r} there, {wanted!r} by the HF config"
+            for name, wanted in _model_fields(spec).items()
+            if name in saved and not _same(saved[name], wanted)
+        ]
+        if wrong:
+            raise CheckpointError(
+                f"{where}: " + "; ".join(wrong[:4]) + " (is huggingface/config.json this run's?)"
+            )
+        layout = _layout(saved, where)
+    else:
+        layout = ParallelLayout()
+        notes.append(f"{TRANSFORMER_CONFIG} missing: the saved parallel layout is unknown")
+    args: argparse.Namespace = args_for(args_from_spec(spec), spec, layout)
+    args.data_parallel_size = 1  # not saved by verl; no form ckptctl reads depends on it
+    # (whether the distributed optimizer ran: ``probe_torch_dist`` sees its saved state)
+    return Described(args, step_of(storage.url), tuple(notes))
+
+
+def probe_verl_megatron(storage: Storage, config: dict[str, Any], request: ProbeRequest) -> Any:
+    return probe_torch_dist(
+        storage,
+        DIST_CKPT,
+        request.iteration,
+        request.true_vocab_size,
+        request.trusted_fields,
+        described(storage, config, request),
+    )

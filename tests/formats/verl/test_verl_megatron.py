@@ -1,0 +1,68 @@
+"""verl Megatron actor checkpoints (``dist_ckpt/`` of megatron-core's ``torch_dist`` without
+Megatron-LM's args, ``huggingface/config.json`` and ``transformer_config.json`` beside it),
+judged by megatron-core and transformers: ``oracles/verl_megatron_writer`` trains a step at
+TP 2 on megatron-core 0.13.1 (the release verl's Megatron images pin) and saves as verl's
+``MegatronCheckpointManager`` does; the HF model ckptctl writes gives megatron-core's logits."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests import megatron_core_013
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("verl_megatron")
+    megatron_core_013.run(out, script="verl_megatron_writer.py")
+    return out
+
+
+def _actor(run: Path) -> Path:
+    return run / "global_step_1" / "actor"
+
+
+def test_an_actor_checkpoint_becomes_the_trained_hf_model(run: Path, tmp_path: Path, cli) -> None:
+    info = cli.json("inspect", _actor(run))
+    assert info["format"] == "torch_dist" and info["iteration"] == 1
+    assert info["layout"]["tp"] == 2 and info["has_optimizer"]
+    assert info["hf"]["architecture"] == "LlamaForCausalLM"
+    cli("consolidate", _actor(run), tmp_path / "hf")
+    reference = torch.load(run / "logits.pt", weights_only=False)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "hf"), dtype=torch.float32, attn_implementation="eager"
+    )
+    with torch.no_grad():
+        logits = model(input_ids=reference["input_ids"]).logits
+    # megatron-core's TP forward and transformers' differ by fp32 rounding only
+    torch.testing.assert_close(logits, reference["logits"], rtol=1e-5, atol=1e-5)
+
+
+def test_an_actor_checkpoint_reshards_with_its_adam_state(run: Path, tmp_path: Path, cli) -> None:
+    cli("reshard", _actor(run), tmp_path / "tp1", "--tp", "1", "--format", "megatron")
+    report = cli.json("verify", tmp_path / "tp1", "--against", _actor(run))
+    assert report["ok"]
+    names = {t["name"] for t in report["tensors"]}
+    assert any(n.startswith("exp_avg_sq/") for n in names), "Adam state was not carried"
+
+
+def test_what_does_not_describe_the_run_is_refused_by_name(run: Path, tmp_path: Path, cli) -> None:
+    other = tmp_path / "other"
+    shutil.copytree(_actor(run), other)
+    saved = json.loads((other / "transformer_config.json").read_text())
+    saved["num_query_groups"] = 4
+    (other / "transformer_config.json").write_text(json.dumps(saved))
+    result = cli("consolidate", other, tmp_path / "o1", code=3)
+    assert "num_query_groups" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    result = cli("consolidate", _actor(run) / "dist_ckpt", tmp_path / "o2", code=3)
+    assert "actor directory" in result.stderr
+    (other / "huggingface" / "config.json").unlink()
+    result = cli("consolidate", other, tmp_path / "o3", code=3)
+    assert "huggingface/config.json" in result.stderr and "--hf-config" in result.stderr

@@ -1,0 +1,204 @@
+"""Write a verl Megatron actor checkpoint of a megatron-core GPT model trained one step, file for
+file as verl 0.9.1's ``MegatronCheckpointManager.save_checkpoint`` writes it
+(``verl/utils/checkpoint/megatron_checkpoint_manager.py`` with ``use_dist_checkpointing``).
+
+verl itself cannot run here (it imports Ray and needs CUDA for its Megatron workers), so this
+oracle makes the calls that manager makes, on megatron-core 0.13.1 (the release verl's Megatron
+images pin; ``tests/megatron_core_013.py`` installs it: 0.15 and later refuse to save the
+optimizer form verl's call without metadata asks for) and gloo (TP = 2 CPU
+processes): the model is megatron-core's own ``GPTModel`` built from the HF config the way
+verl's ``hf_to_mcore_config`` builds a Llama (vocabulary as the config says, not padded),
+wrapped in ``DistributedDataParallel`` and the ``DistributedOptimizer``, trained one step
+(``mcore_cpu``), then each rank saves, through ``dist_checkpointing.save`` with the default
+``torch_dist`` strategy wrapped in ``FullyParallelSaveStrategyWrapper`` (verl's
+``save_dist_checkpointing``), the state dict verl's ``generate_state_dict`` builds::
+
+    {"model": model.sharded_state_dict(),
+     "optimizer": optimizer.sharded_state_dict(state_dict, is_loading=False),  # no metadata
+     "lr_scheduler": scheduler.state_dict(),
+     "rng_state": ShardedObject("rng_state", [rng], (PP, TP), (pp, tp), replica_id=dp)}
+
+to ``OUT/global_step_1/actor/dist_ckpt``; rank 0 saves the HF config to ``actor/huggingface``
+and ``asdict(TransformerConfig)`` (callables dropped, dtypes as strings) to
+``actor/transformer_config.json``, and writes ``OUT/latest_checkpointed_iteration.txt``.
+
+CPU shims (none touching what is saved): megatron-core's CUDA calls run on CPU
+(``mcore_cpu.patch_megatron_for_cpu``, ``CpuAsCudaMode``); numpy 2's ``np.prod`` under the
+name 0.13.1 calls (``np.product``); the local layer spec instead of
+TransformerEngine's (its tensors are saved under TransformerEngine's names all the same); the
+RNG state has no CUDA generator (a Philox-shaped stand-in, as ``megatron_core_torch_dist_writer``).
+
+Usage::
+
+    python tests/oracles/verl_megatron_writer.py OUT_DIR
+
+Writes ``OUT_DIR/logits.pt``: ``{"input_ids", "logits"}`` of megatron-core's own TP forward of
+the trained model, the whole vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from mcore_cpu import (
+    FFN_HIDDEN,
+    HIDDEN,
+    KV_CHANNELS,
+    MAX_POSITIONS,
+    MODEL_SEED,
+    NORM_EPS,
+    NUM_HEADS,
+    NUM_QUERY_GROUPS,
+    ROTARY_BASE,
+    TRUE_VOCAB,
+    mean_loss,
+    model_parallel,
+    patch_megatron_for_cpu,
+    randomise_norms,
+    reference_input_ids,
+    spawn,
+    train_step,
+    transformer_config,
+    wrap_for_training,
+)
+from megatron_core_torch_dist_writer import (
+    BATCH,
+    SEQ,
+    patch_numpy_product,
+    reference_logits,
+    rng_state_object,
+    training_batch,
+)
+
+TP = 2
+NUM_LAYERS = 2
+STEP = 1
+
+
+def hf_config() -> dict[str, Any]:
+    """The HF config the run started from (verl builds the Megatron model from it)."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=TRUE_VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=FFN_HIDDEN,
+        num_hidden_layers=NUM_LAYERS,
+        num_attention_heads=NUM_HEADS,
+        num_key_value_heads=NUM_QUERY_GROUPS,
+        head_dim=KV_CHANNELS,
+        max_position_embeddings=MAX_POSITIONS,
+        rms_norm_eps=NORM_EPS,
+        rope_theta=ROTARY_BASE,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+        torch_dtype="float32",
+        architectures=["LlamaForCausalLM"],
+    )
+    return config.to_dict()
+
+
+def build_model() -> tuple[Any, torch.nn.Module]:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    config = transformer_config(tp=TP, num_layers=NUM_LAYERS, pipeline_dtype=torch.float32)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=TRUE_VOCAB,  # verl: hf_config.vocab_size, unpadded
+        max_sequence_length=MAX_POSITIONS,
+        parallel_output=True,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+        rotary_base=ROTARY_BASE,
+    )
+    return config, model
+
+
+def transformer_config_json(config: Any) -> dict[str, Any]:
+    """``asdict(TransformerConfig)`` as verl writes it: callables dropped, dtypes as strings."""
+    out = {}
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if callable(value) or field.name.endswith("_func"):
+            continue
+        if isinstance(value, torch.dtype):
+            value = str(value)
+        try:
+            json.dumps(value)
+        except TypeError:
+            value = str(value)
+        out[field.name] = value
+    return out
+
+
+def worker(rank: int, port: int, out_dir: Path) -> None:
+    patch_megatron_for_cpu(noop_cuda_synchronize=True)
+    patch_numpy_product()
+    with model_parallel(rank, port, TP, tp=TP, cpu_as_cuda=True):
+        run_rank(out_dir)
+
+
+def run_rank(out_dir: Path) -> None:
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelSaveStrategyWrapper,
+    )
+
+    torch.manual_seed(MODEL_SEED)
+    config, gpt = build_model()
+    randomise_norms(gpt, seed_per_name=True)
+    ddp, optimizer, scheduler = wrap_for_training(config, gpt, global_batch=BATCH)
+    losses, _ = train_step(ddp, optimizer, scheduler, [training_batch()], global_batch=BATCH)
+    if dist.get_rank() == 0:
+        print(f"loss {mean_loss(losses):.4f}", flush=True)
+    logits = reference_logits(gpt)
+
+    actor = out_dir / f"global_step_{STEP}" / "actor"
+    dist_ckpt = actor / "dist_ckpt"
+    if dist.get_rank() == 0:
+        dist_ckpt.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    state_dict: dict[str, Any] = {"model": gpt.sharded_state_dict()}
+    state_dict["optimizer"] = optimizer.sharded_state_dict(state_dict, is_loading=False)
+    state_dict["lr_scheduler"] = scheduler.state_dict()
+    state_dict["rng_state"] = rng_state_object()
+    strategy = FullyParallelSaveStrategyWrapper(
+        get_default_save_sharded_strategy("torch_dist"),
+        parallel_state.get_data_parallel_group(with_context_parallel=True),
+    )
+    dist_checkpointing.save(
+        state_dict, str(dist_ckpt), sharded_strategy=strategy, validate_access_integrity=True
+    )
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (actor / "huggingface").mkdir(exist_ok=True)
+        (actor / "huggingface" / "config.json").write_text(json.dumps(hf_config(), indent=2))
+        (actor / "transformer_config.json").write_text(
+            json.dumps(transformer_config_json(config), indent=2)
+        )
+        (out_dir / "latest_checkpointed_iteration.txt").write_text(str(STEP))
+        torch.save(
+            {"input_ids": reference_input_ids(BATCH, SEQ), "logits": logits}, out_dir / "logits.pt"
+        )
+    dist.barrier()
+
+
+def main() -> int:
+    out_dir = Path(sys.argv[1]).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spawn(worker, TP, out_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
