@@ -34,7 +34,9 @@ class EmbeddedAdapter(LoraSource):
     def __init__(self, ckpt: Checkpoint, url: str, alpha: float) -> None:
         if ckpt.adapter is None:
             raise LayoutError(f"{url}: holds no LoRA adapter")
-        self.ckpt, self._url = ckpt, url
+        reader = ckpt.adapter.reader
+        self.ckpt: Checkpoint = reader if isinstance(reader, Checkpoint) else ckpt
+        self._url = url
         self._parts: dict[str, list[tuple[str, StoredTensor]]] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
         self.dtypes: dict[str, str] = {}

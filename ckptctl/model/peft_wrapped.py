@@ -57,6 +57,9 @@ class EmbeddedLora:
     """The model's hub name or path as its config records it (``_name_or_path``)."""
     name: str
     """The adapter's name in the trained model (PEFT's ``default``)."""
+    reader: object = None
+    """What reads the matrices' boxes, when not the checkpoint holding the adapter (a DCP
+    checkpoint whose metadata was unwrapped to the base model's names)."""
 
     @property
     def modules(self) -> frozenset[str]:

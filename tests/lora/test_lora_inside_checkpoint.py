@@ -132,3 +132,48 @@ def test_a_second_adapter_or_a_dora_run_is_refused_by_name(run: Path, tmp_path: 
     second = [n.replace(".default.", ".other.") for n in names if ".lora_" in n]
     with pytest.raises(CheckpointError, match="'default', 'other'"):
         split([*names, *second], "x")
+
+
+@pytest.fixture(scope="module", params=["SHARDED_STATE_DICT", "FULL_STATE_DICT"])
+def accelerate_run(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """accelerate's ``save_state`` of a PEFT-wrapped Qwen3 under FSDP2 (DCP directories, or
+    one full state dict file), from ``oracles/accelerate_fsdp_writer``."""
+    out = tmp_path_factory.mktemp(f"accelerate_lora_{request.param}")
+    run_oracle("accelerate_fsdp_writer.py", out, request.param, "lora", timeout=300)
+    return out
+
+
+def test_an_accelerate_lora_run_merges_and_exports_as_peft(
+    accelerate_run: Path, tmp_path: Path, cli
+) -> None:
+    state, config = accelerate_run / "state", accelerate_run / "config.json"
+    truth = torch.load(accelerate_run / "truth.pt", weights_only=False)
+    result = cli("--hf-config", config, "consolidate", state, tmp_path / "base", code=3)
+    assert "merge-lora" in result.stderr
+    cli("--hf-config", config, "merge-lora", state, tmp_path / "hf", "--lora-alpha", "8")
+    written = load_file(tmp_path / "hf" / "model.safetensors")
+    assert set(written) == set(truth["merged"])
+    for name, tensor in written.items():
+        assert torch.equal(tensor, truth["merged"][name]), name
+    args = ("--hf-config", config, "merge-lora", state, tmp_path / "adapter")
+    cli(*args, "--adapter-only", "--lora-alpha", "8")
+    saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert set(saved) == set(truth["adapter"])
+    for name, tensor in saved.items():
+        assert torch.equal(tensor, truth["adapter"][name]), name
+    base = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "hf"), dtype=torch.float32, attn_implementation="eager"
+    )
+    base.load_state_dict(
+        {
+            name.removeprefix("base_model.model.").replace(".base_layer.", "."): tensor
+            for name, tensor in truth["model"].items()
+            if ".lora_" not in name
+        }
+    )
+    model = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter"))
+    with torch.no_grad():
+        logits = model(input_ids=truth["input_ids"]).logits
+    assert torch.equal(logits, truth["unsharded_logits"])

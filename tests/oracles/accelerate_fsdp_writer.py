@@ -4,12 +4,17 @@ Test oracle for ``ckptctl``: accelerate's own ``Accelerator(fsdp_plugin=...)``, 
 ``backward`` and ``save_state`` on a tiny seeded Qwen3 (transformers), one AdamW step on a
 fixed batch, 2 gloo processes (forked here with torchrun's environment variables)::
 
-    python accelerate_fsdp_writer.py OUT_DIR [SHARDED_STATE_DICT|FULL_STATE_DICT]
+    python accelerate_fsdp_writer.py OUT_DIR [SHARDED_STATE_DICT|FULL_STATE_DICT] [lora]
 
     OUT_DIR/state/                 what save_state writes (pytorch_model_fsdp_0/ and optimizer_0/
                                    DCP directories, or pytorch_model_fsdp_0.bin; random states)
     OUT_DIR/config.json            the model's config (save_state keeps none)
     OUT_DIR/truth.pt               {"model": full weights after the step, "input_ids", "logits"}
+
+``lora``: the model is wrapped in a PEFT LoRA (``get_peft_model``, r 4, alpha 8, all linear
+layers) before ``prepare``, as TRL / the HF Trainer do for a LoRA fine-tune under FSDP;
+``truth.pt`` also holds PEFT's own adapter state dict and config and ``merge_and_unload``'s
+weights, from an unsharded copy loaded with the trained state.
 
 CPU shim (no effect on what is stored): accelerate takes its FSDP path only on accelerators
 (on CPU it picks ``MULTI_CPU``, plain DDP), so the oracle sets the state's distributed type to
@@ -32,6 +37,7 @@ import torch.multiprocessing as mp
 WORLD = 2
 SEED = 17
 VOCAB = 131
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}
 
 
 def build_model() -> torch.nn.Module:
@@ -58,7 +64,30 @@ def build_model() -> torch.nn.Module:
     return model
 
 
-def worker(rank: int, port: int, out: Path, state_dict_type: str) -> None:
+def wrapped(model: torch.nn.Module) -> torch.nn.Module:
+    import peft
+
+    return peft.get_peft_model(model, peft.LoraConfig(**LORA))
+
+
+def lora_truth(full: dict[str, torch.Tensor], tokens: torch.Tensor) -> dict:
+    """PEFT's own view of the trained model, from an unsharded copy."""
+    import peft
+
+    copy = wrapped(build_model())
+    copy.load_state_dict(full)
+    adapter = peft.get_peft_model_state_dict(copy)
+    with torch.no_grad():
+        logits = copy(input_ids=tokens).logits
+    merged = copy.merge_and_unload()
+    return {
+        "adapter": {k: v.clone() for k, v in adapter.items()},
+        "merged": {k: v.clone() for k, v in merged.state_dict().items()},
+        "unsharded_logits": logits,
+    }
+
+
+def worker(rank: int, port: int, out: Path, state_dict_type: str, lora: bool) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -67,10 +96,10 @@ def worker(rank: int, port: int, out: Path, state_dict_type: str) -> None:
         WORLD_SIZE=str(WORLD),
         LOCAL_WORLD_SIZE=str(WORLD),
     )
-    run_rank(out, state_dict_type)
+    run_rank(out, state_dict_type, lora)
 
 
-def run_rank(out: Path, state_dict_type: str) -> None:
+def run_rank(out: Path, state_dict_type: str, lora: bool) -> None:
     from accelerate import Accelerator
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
     from torch.distributed.tensor import DTensor
@@ -89,6 +118,8 @@ def run_rank(out: Path, state_dict_type: str) -> None:
     model = build_model()
     if accelerator.is_main_process:
         model.config.save_pretrained(out)
+    if lora:
+        model = wrapped(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, optimizer = accelerator.prepare(model, optimizer)
     tokens = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(SEED))
@@ -105,7 +136,10 @@ def run_rank(out: Path, state_dict_type: str) -> None:
     with torch.no_grad():
         logits = model(input_ids=tokens).logits
     if accelerator.is_main_process:
-        torch.save({"model": full, "input_ids": tokens, "logits": logits}, out / "truth.pt")
+        truth = {"model": full, "input_ids": tokens, "logits": logits}
+        if lora:
+            truth.update(lora_truth(full, tokens))
+        torch.save(truth, out / "truth.pt")
     accelerator.wait_for_everyone()
     dist.destroy_process_group()
 
@@ -114,10 +148,11 @@ def main() -> int:
     out = Path(sys.argv[1]).resolve()
     out.mkdir(parents=True, exist_ok=True)
     kind = sys.argv[2] if len(sys.argv) > 2 else "SHARDED_STATE_DICT"
+    lora = len(sys.argv) > 3 and sys.argv[3] == "lora"
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         port = int(sock.getsockname()[1])
-    mp.start_processes(worker, args=(port, out, kind), nprocs=WORLD, start_method="fork")
+    mp.start_processes(worker, args=(port, out, kind, lora), nprocs=WORLD, start_method="fork")
     return 0
 
 

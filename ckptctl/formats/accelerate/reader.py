@@ -11,6 +11,7 @@ from ckptctl.formats.accelerate.layout import MODEL, OPTIMIZER
 from ckptctl.formats.base import ProbeRequest
 from ckptctl.formats.hf_state_dict_files import (
     HfStateDictFiles,
+    adapter_tensors,
     check_names,
     hf_model_view,
     model_tensors,
@@ -23,6 +24,7 @@ from ckptctl.io.storage import Storage
 from ckptctl.model.hf_layout import CONFIG
 from ckptctl.model.hf_named import GENERATION_CONFIG
 from ckptctl.model.layout import ParallelLayout
+from ckptctl.model.peft_wrapped import EmbeddedLora, split, wrapped
 from ckptctl.model.stored import CheckpointView, StoredFile
 
 
@@ -41,9 +43,21 @@ def probe_accelerate(
     generation = storage.read_text(GENERATION_CONFIG) if GENERATION_CONFIG in names else None
     model = build_names(config, storage.describe(CONFIG))
     readers = {MODEL: open_torch_file(storage, MODEL)}
-    tensors = model_tensors(readers[MODEL].tree, model, storage.describe(MODEL), 0)
+    tree, where = readers[MODEL].tree, storage.describe(MODEL)
+    peft = split(tree, where) if isinstance(tree, dict) and wrapped(tree) else None
+    tensors = model_tensors(tree, model, where, 0, peft.base if peft else None)
     check_names({t.canonical for t in tensors}, model, storage.url)
     files = [StoredFile(MODEL, tuple(tensors))]
+    adapter = None
+    if peft is not None:  # the optimizer's state is the adapter's: not read
+        names = names - {OPTIMIZER}
+        base_model = config.get("_name_or_path")
+        adapter = EmbeddedLora(
+            (StoredFile(MODEL, tuple(adapter_tensors(tree, peft, where, 0))),),
+            model.architecture,
+            base_model if isinstance(base_model, str) and base_model else None,
+            peft.adapter_name,
+        )
     if OPTIMIZER in names:
         readers[OPTIMIZER] = open_torch_file(storage, OPTIMIZER)
         where = storage.describe(OPTIMIZER)
@@ -59,4 +73,4 @@ def probe_accelerate(
         (f"accelerate full state dict of {model.architecture}",),
     )
     view = hf_model_view(generic, model, config, generation, request.trusted_fields, storage.url)
-    return HfStateDictFiles(storage, view, readers)
+    return HfStateDictFiles(storage, view, readers, adapter=adapter)

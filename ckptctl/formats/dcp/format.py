@@ -3,6 +3,7 @@ Megatron-Core's ``torch_dist``, which has its own)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from ckptctl.checksums.integrity import ZIP_MAGIC, Targets, whole_file_entries, zip_entries
@@ -17,20 +18,52 @@ from ckptctl.model.stored import CheckpointView
 def _probe(storage: Storage, names: frozenset[str], request: ProbeRequest) -> Any:
     if request.file is not None:
         return None
-    from ckptctl.formats.dcp.files import accelerate_parts, locate, read_merged_metadata
-    from ckptctl.formats.dcp.reader import probe_dcp
+    from ckptctl.formats.dcp.files import (
+        accelerate_parts,
+        locate,
+        read_merged_metadata,
+        read_metadata,
+    )
     from ckptctl.formats.hf_state_dict_files import trainer_step
 
     config = dict(request.hf_config) if request.hf_config is not None else None
     parts = accelerate_parts(storage, names)
     if parts:  # accelerate's save_state / the HF Trainer's checkpoint-N under FSDP
         metadata = read_merged_metadata(storage, parts)
-        step = trainer_step(storage)
-        return probe_dcp(storage, "", step, config, request.trusted_fields, metadata)
-    found = locate(storage, names, request.iteration)
+        base, step = "", trainer_step(storage)
+    else:
+        found = locate(storage, names, request.iteration)
+        if found is None:
+            return None
+        (base, step), metadata = found, read_metadata(storage, found[0])
+    return _with_adapter(storage, base, step, config, request, metadata)
+
+
+def _with_adapter(
+    storage: Storage,
+    base: str,
+    step: int | None,
+    config: dict[str, Any] | None,
+    request: ProbeRequest,
+    metadata: Any,
+) -> Any:
+    """The checkpoint, and a LoRA adapter trained in it (a PEFT model's names: the base
+    model is read from the unwrapped names, the adapter beside it)."""
+    from ckptctl.formats.dcp.peft import embedded, unwrap
+    from ckptctl.formats.dcp.reader import _config_beside, open_dcp, probe_dcp
+
+    found = unwrap(metadata, storage.describe(base or "."))
     if found is None:
-        return None
-    return probe_dcp(storage, found[0], found[1], config, request.trusted_fields)
+        return probe_dcp(storage, base, step, config, request.trusted_fields, metadata)
+    ckpt = probe_dcp(storage, base, step, config, request.trusted_fields, found.metadata)
+    config = config if config is not None else _config_beside(storage, base)
+    ckpt.adapter = embedded(found, base, config, open_dcp(storage, base, metadata))
+    modules = len(found.names.modules)
+    note = f"trained with LoRA adapter {found.names.adapter_name!r} on {modules} modules"
+    if found.dropped_state:
+        note += f" (its optimizer state, {found.dropped_state} tensors, not read)"
+    ckpt.view = replace(ckpt.view, notes=(*ckpt.view.notes, note))
+    return ckpt
 
 
 def description_files(storage: Storage, view: CheckpointView) -> list[str]:
