@@ -26,10 +26,12 @@ and the checkpoint are torchtitan's all the same); FSDP keeps float32 parameters
 Usage::
 
     python tests/oracles/torchtitan_writer.py OUT_DIR [--world N] [--unfused]
-        [--model llama3|qwen3|qwen3_tied|qwen3_moe] [--balanced]
+        [--model llama3|qwen3|qwen3_tied|qwen3_moe|deepseek_v3] [--balanced]
 
-Models: Llama 3 (complex-number RoPE: q/k rows interleaved), Qwen3 (cos/sin RoPE, q/k norms)
-and Qwen3-MoE (grouped experts), small, untied but for ``qwen3_tied`` (the output layer is
+Models: Llama 3 (complex-number RoPE: q/k rows interleaved), Qwen3 (cos/sin RoPE, q/k norms),
+Qwen3-MoE (grouped experts) and DeepSeek-V3 (MLA, a dense first layer, MoE with a shared
+expert and sigmoid routing; its norms at DeepSeek's eps 1e-6), small, untied but for
+``qwen3_tied`` (the output layer is
 the embedding, as in Qwen3's small releases). ``--balanced``: the MoE layers' load-balancing
 expert biases are moved by torchtitan's own hook (counts from a forward before the step).
 """
@@ -81,6 +83,8 @@ def cpu_shims() -> None:
 
 
 def model_config(model: str, fused: bool) -> Any:
+    if model == "deepseek_v3":
+        return deepseek_config()
     if model != "llama3":
         return qwen3_config(model, fused)
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
@@ -148,7 +152,106 @@ def qwen3_config(model: str, fused: bool) -> Any:
     )
 
 
+DSV3 = dict(q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8)
+DSV3_V_HEAD, DSV3_LAYERS, DSV3_DENSE, DSV3_THETA, DSV3_EPS = 16, 3, 1, 10000.0, 1e-6
+
+
+def deepseek_config() -> Any:
+    """A small DeepSeek-V3 built by torchtitan's own layer builder: multi-latent attention
+    (q through its low-rank path), one dense first layer, then MoE layers with a shared
+    expert and sigmoid routing over grouped experts (with load-balancing biases)."""
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.deepseek_v3 import DeepSeekV3Model, _build_dsv3_layers
+
+    layers = _build_dsv3_layers(
+        n_layers=DSV3_LAYERS,
+        n_dense_layers=DSV3_DENSE,
+        dim=DIM,
+        n_heads=HEADS,
+        **DSV3,
+        v_head_dim=DSV3_V_HEAD,
+        mscale=1.0,
+        dense_hidden_dim=FFN,
+        moe_hidden_dim=EXPERT_FFN,
+        num_experts=EXPERTS,
+        num_shared_experts=1,
+        router_top_k=TOP_K,
+        router_score_func="sigmoid",
+        router_route_norm=True,
+        attn_backend="flex",
+        moe_comm_backend="standard",
+        non_blocking_capacity_factor=None,
+        rope=ComplexRoPE.Config(dim=DSV3["qk_rope_head_dim"], max_seq_len=64, theta=DSV3_THETA),
+    )
+    config = DeepSeekV3Model.Config(
+        vocab_size=VOCAB,
+        dim=DIM,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM),
+        norm=RMSNorm.Config(normalized_shape=DIM),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB),
+        layers=layers,
+        mtp_layers=[],
+    )
+    return with_norm_eps(config, RMSNorm.Config, DSV3_EPS)
+
+
+def with_norm_eps(node: Any, norm: type, eps: float) -> Any:
+    """Every RMSNorm of the config at ``eps`` (DeepSeek-V3's 1e-6; torchtitan's builders
+    leave its 1e-5 default)."""
+    import dataclasses
+
+    if isinstance(node, norm):
+        return dataclasses.replace(node, eps=eps)
+    if isinstance(node, list):
+        return [with_norm_eps(item, norm, eps) for item in node]
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        changes = {}
+        for field in dataclasses.fields(node):
+            value = getattr(node, field.name)
+            new = with_norm_eps(value, norm, eps)
+            if new is not value:
+                changes[field.name] = new
+        return dataclasses.replace(node, **changes) if changes else node
+    return node
+
+
+def deepseek_hf_config() -> dict[str, Any]:
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "hidden_size": DIM,
+        "intermediate_size": FFN,
+        "moe_intermediate_size": EXPERT_FFN,
+        "num_hidden_layers": DSV3_LAYERS,
+        "first_k_dense_replace": DSV3_DENSE,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": HEADS,
+        **DSV3,
+        "v_head_dim": DSV3_V_HEAD,
+        "n_routed_experts": EXPERTS,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": TOP_K,
+        "n_group": 1,
+        "topk_group": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 1.0,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 64,
+        "rope_theta": DSV3_THETA,
+        "rope_scaling": None,
+        "rope_interleave": True,
+        "rms_norm_eps": DSV3_EPS,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "num_nextn_predict_layers": 0,
+        "torch_dtype": "float32",
+    }
+
+
 def hf_config(model: str) -> dict[str, Any]:
+    if model == "deepseek_v3":
+        return deepseek_hf_config()
     if model != "llama3":
         return qwen3_hf_config(model)
     return {
@@ -184,7 +287,7 @@ def qwen3_hf_config(model: str) -> dict[str, Any]:
         "vocab_size": VOCAB,
         "max_position_embeddings": 64,
         "rope_theta": QWEN_THETA,
-        "rms_norm_eps": 1e-6,
+        "rms_norm_eps": DSV3_EPS,
         "tie_word_embeddings": model == "qwen3_tied",
         "hidden_act": "silu",
         "attention_bias": False,
@@ -229,12 +332,15 @@ def run(rank: int, world: int, out: Path, model_name: str, fused: bool, balanced
     from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed.parallel_dims import ParallelDims
+    from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseekv3
     from torchtitan.models.llama3.parallelize import parallelize_llama
     from torchtitan.models.qwen3.parallelize import parallelize_qwen3
 
     torch.manual_seed(0)
     config = model_config(model_name, fused)
-    parallelize = parallelize_llama if model_name == "llama3" else parallelize_qwen3
+    parallelize = {"llama3": parallelize_llama, "deepseek_v3": parallelize_deepseekv3}.get(
+        model_name, parallelize_qwen3
+    )
     with torch.device("meta"):
         model = config.build()
     dims = ParallelDims(
@@ -325,10 +431,12 @@ def run(rank: int, world: int, out: Path, model_name: str, fused: bool, balanced
 
 def hf_state(model: str, config: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """torchtitan's own adapter of the model (full tensors: its offline path)."""
+    from torchtitan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
     from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
     from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 
-    adapter = Llama3StateDictAdapter if model == "llama3" else Qwen3StateDictAdapter
+    adapters = {"llama3": Llama3StateDictAdapter, "deepseek_v3": DeepSeekV3StateDictAdapter}
+    adapter = adapters.get(model, Qwen3StateDictAdapter)
     return adapter(config, None).to_hf(state)
 
 
@@ -374,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", type=Path)
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--unfused", action="store_true", help="separate wq/wk/wv modules")
-    models = ("llama3", "qwen3", "qwen3_tied", "qwen3_moe")
+    models = ("llama3", "qwen3", "qwen3_tied", "qwen3_moe", "deepseek_v3")
     parser.add_argument("--model", choices=models, default="llama3")
     parser.add_argument(
         "--balanced", action="store_true", help="MoE: torchtitan's load-balancing bias updates"

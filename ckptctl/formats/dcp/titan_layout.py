@@ -1,5 +1,5 @@
-"""torchtitan's DCP checkpoints of Llama 3, Qwen3 and Qwen3-MoE as geometry over canonical
-tensors. Pure.
+"""torchtitan's DCP checkpoints of Llama 3, Qwen3, Qwen3-MoE and DeepSeek-V3 as geometry over
+canonical tensors. Pure.
 
 torchtitan's ``CheckpointManager`` saves the model's state dict at the top level
 (``tok_embeddings.weight``, ``layers.<i>.attention.qkv_linear.wq.weight`` -- or
@@ -48,6 +48,17 @@ _RENAMES = {
     "self_attn.q_norm.weight": ("attention.q_norm.weight",),
     "self_attn.k_norm.weight": ("attention.k_norm.weight",),
     "mlp.gate.weight": ("moe.router.gate.weight",),
+    # DeepSeek-V3: multi-latent attention, shared experts, the routing bias HF keeps
+    "self_attn.q_a_proj.weight": ("attention.wq_a.weight",),
+    "self_attn.q_a_layernorm.weight": ("attention.q_norm.weight",),
+    "self_attn.q_b_proj.weight": ("attention.wq_b.weight",),
+    "self_attn.kv_a_proj_with_mqa.weight": ("attention.wkv_a.weight",),
+    "self_attn.kv_a_layernorm.weight": ("attention.kv_norm.weight",),
+    "self_attn.kv_b_proj.weight": ("attention.wkv_b.weight",),
+    "mlp.shared_experts.gate_proj.weight": ("moe.shared_experts.w1.weight",),
+    "mlp.shared_experts.up_proj.weight": ("moe.shared_experts.w3.weight",),
+    "mlp.shared_experts.down_proj.weight": ("moe.shared_experts.w2.weight",),
+    "mlp.gate.e_score_correction_bias": ("moe.expert_bias_E",),
 }
 _ROTARY = ("self_attn.q_proj.weight", "self_attn.k_proj.weight")
 FUSED_QKV = "attention.qkv_linear.wqkv.weight"
@@ -60,9 +71,11 @@ _GROUPED = {
     "down_proj": "moe.routed_experts.inner_experts.w2_EDF",
 }
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
-INTERLEAVED = {"llama": True, "qwen3": False, "qwen3_moe": False}
+INTERLEAVED = {"llama": True, "qwen3": False, "qwen3_moe": False, "deepseek_v3": False}
 """The torchtitan models mapped, by HF ``model_type``, and whether their q/k rows are in
-Meta's interleaved order (torchtitan's adapters permute them for Llama 3 only)."""
+Meta's interleaved order (torchtitan's adapters permute them for Llama 3 only: DeepSeek-V3's
+HF checkpoints keep its rotary dimensions interleaved, as torchtitan does)."""
+DEEPSEEK = "deepseek_v3"
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +104,8 @@ def unsupported(spec: ModelSpec) -> str | None:
     family = choose_family(spec).name
     if family not in INTERLEAVED:
         return f"model_type {family!r} (mapped: {', '.join(INTERLEAVED)})"
+    if family == DEEPSEEK:  # MLA, shared experts and dense first layers are its own
+        return "multi-token prediction layers" if spec.mtp_num_layers else None
     for field, value in (
         ("attention_bias / mlp_bias", spec.add_bias_linear or spec.add_qkv_bias),
         ("shared experts", bool(spec.moe_shared_expert_intermediate_size)),
@@ -148,7 +163,7 @@ def key_table(spec: ModelSpec) -> dict[str, TitanKey]:
     qkv_rows = (spec.heads_per_group + 2) * d
     fused = RotaryRows(d, qkv_rows, qkv_rows - d) if heads is not None else None
     qkv_shape = (spec.num_query_groups * qkv_rows, spec.hidden_size)
-    for i in range(spec.num_layers):
+    for i in range(spec.num_layers if spec.mla is None else 0):
         canonical = params[f"layers.{i}.attention.wq.weight"].canonical
         params[f"layers.{i}.{FUSED_QKV}"] = TitanKey(
             canonical, qkv_shape, (whole(qkv_shape),), fused

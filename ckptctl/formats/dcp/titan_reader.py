@@ -62,7 +62,8 @@ def titan_view(
     missing = unsupported(spec)
     if missing is not None:
         raise LayoutError(
-            f"{where}: ckptctl maps torchtitan's Llama 3, Qwen3 and Qwen3-MoE names, but the "
+            f"{where}: ckptctl maps torchtitan's Llama 3, Qwen3, Qwen3-MoE and DeepSeek-V3 "
+            "names, but the "
             f"given config has {missing}; convert with --format torch (names kept) instead"
         )
     found = titan_tensors(metadata, spec, base)

@@ -57,6 +57,16 @@ def moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def deepseek(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """DeepSeek-V3: multi-latent attention (q through its low-rank path), a dense first layer,
+    MoE layers with a shared expert and sigmoid routing whose load-balancing biases torchtitan
+    moved (HF keeps them: ``e_score_correction_bias``)."""
+    out = tmp_path_factory.mktemp("torchtitan_deepseek")
+    torchtitan_env.write(out, "--model", "deepseek_v3", "--balanced")
+    return out
+
+
+@pytest.fixture(scope="module")
 def tied(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Qwen3 with its output layer tied to the embedding (its small releases): the checkpoint
     holds both, the optimizer the one parameter."""
@@ -77,7 +87,7 @@ def _tensors(directory: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("run", ["fused", "cut", "moe", "tied"])
+@pytest.mark.parametrize("run", ["fused", "cut", "moe", "tied", "deepseek"])
 def test_torchtitan_dcp_becomes_what_its_own_hf_adapter_makes(
     run: str, request: pytest.FixtureRequest, tmp_path: Path, cli
 ) -> None:
@@ -107,6 +117,7 @@ def test_torchtitan_dcp_becomes_what_its_own_hf_adapter_makes(
         ("cut", ("--tp", "2", "--pp", "2")),
         ("moe", ("--ep", "2", "--pp", "2", "--dp", "2")),
         ("tied", ("--tp", "2", "--pp", "2")),
+        ("deepseek", ("--tp", "2", "--ep", "2", "--dp", "2")),
     ],
 )
 def test_torchtitan_dcp_reshards_to_megatron_with_its_adam_state(
@@ -128,9 +139,10 @@ def test_torchtitan_dcp_reshards_to_megatron_with_its_adam_state(
     assert report["ok"]
     assert report["against"]["compared"] == report["against"]["held"][1]
     names = {t["name"] for t in report["tensors"]}
+    attention = "linear_kv_up_proj" if run == "deepseek" else "linear_qkv"
     assert {
-        "exp_avg/decoder.layers.0.self_attention.linear_qkv.weight",
-        "exp_avg_sq/decoder.layers.1.self_attention.linear_qkv.weight",
+        f"exp_avg/decoder.layers.0.self_attention.{attention}.weight",
+        f"exp_avg_sq/decoder.layers.1.self_attention.{attention}.weight",
     } <= names
     assert all(t["max_abs_diff"] == 0.0 for t in report["tensors"])
 
