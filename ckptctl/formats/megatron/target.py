@@ -80,6 +80,28 @@ def not_carried(source: CheckpointView, target: str) -> str:
     )
 
 
+def refuse_stages_without_experts(spec: ModelSpec, layout: ParallelLayout) -> None:
+    """Under expert parallelism Megatron-Core chains a dense and an expert optimizer, but a
+    pipeline stage that holds no MoE layer (a dense-first model's first stage) gets the dense
+    one alone, saved unchained; ckptctl writes every stage chained, which Megatron (and
+    ckptctl) cannot read back: refused rather than written."""
+    if layout.ep <= 1 or not spec.is_moe:
+        return
+    stages: dict[int, bool] = {}
+    for (stage, _), layers in layout.chunk_layers(spec.num_layers).items():
+        stages[stage] = stages.get(stage, False) or any(spec.is_moe_layer(i) for i in layers)
+    if spec.mtp_num_layers:
+        stages[layout.pp - 1] = True  # the MTP block rides on the last stage
+    bare = sorted(s for s, has in stages.items() if not has)
+    if bare:
+        raise UsageError(
+            f"EP{layout.ep} with optimizer state: pipeline stage(s) {bare} hold no MoE layer, "
+            "and Megatron keeps such a stage's optimizer unchained, which ckptctl does not write "
+            "yet; give a stage split that puts a MoE layer on every stage "
+            "(--pp-first-stage-layers), or --format torch_dist"
+        )
+
+
 class MegatronTarget(TargetFormat):
     name = "megatron"
     operations = (CONSOLIDATE, RESHARD)
@@ -98,6 +120,8 @@ class MegatronTarget(TargetFormat):
         refuse_frozen(source, kept is not None)
         dtype = weight_dtype(source, request)
         optimizer = target_optimizer(kept, layout, dtype)
+        if optimizer is not None:
+            refuse_stages_without_experts(spec, layout)
         targets = megatron_files(
             spec,
             layout,

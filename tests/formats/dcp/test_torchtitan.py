@@ -220,3 +220,18 @@ def test_a_moe_whose_load_balancing_biases_moved_is_refused(
     assert "layers.0.moe.expert_bias_E" in result.stderr and "not zero" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "hf").exists()
+
+
+def test_an_expert_parallel_stage_without_moe_layers_is_refused_with_optimizer_state(
+    deepseek: Path, tmp_path: Path, cli
+) -> None:
+    """Megatron-Core saves the optimizer of a pipeline stage without MoE layers (a dense first
+    layer alone on stage 0) unchained under EP; ckptctl does not write that form yet, so the
+    Megatron target refuses it by name (torch_dist writes it)."""
+    args = ("--hf-config", deepseek / "config.json", "reshard", deepseek / "checkpoint")
+    layout = ("--ep", "2", "--dp", "2", "--pp", "2", "--pp-first-stage-layers", "1")
+    result = cli(*args, tmp_path / "meg", *layout, "--format", "megatron", code=2)
+    assert "stage(s) [0] hold no MoE layer" in result.stderr
+    assert not (tmp_path / "meg").exists()
+    cli(*args, tmp_path / "dist", *layout, "--format", "torch_dist")
+    assert cli.json("verify", tmp_path / "dist", "--against", deepseek / "hf_dcp")["ok"]
