@@ -17,10 +17,8 @@ state; the loss of the step taken after loading.
 
 from __future__ import annotations
 
-import os
 import socket
 import sys
-import warnings
 from pathlib import Path
 
 import torch
@@ -28,33 +26,19 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from verl_fsdp_writer import SEED, VOCAB, build_model, full_optimizer_state
+from verl_fsdp_writer import SEED, VOCAB, build_model, full_optimizer_state, gloo, sharded
 
 
 def worker(rank: int, port: int, name: str, actor: Path, world: int, out: Path) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore")
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        run_rank(rank, name, actor, world, out)
-    finally:
-        dist.destroy_process_group()
+    gloo(rank, port, world, run_rank, rank, name, actor, world, out)
 
 
 def run_rank(rank: int, name: str, actor: Path, world: int, out: Path) -> None:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
     mesh = init_device_mesh("cpu", (world,))
-    model = build_model(name)
-    blocks = set(model._no_split_modules or ())
-    for module in list(model.modules()):
-        if type(module).__name__ in blocks:
-            fully_shard(module, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = sharded(build_model(name), mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     suffix = f"world_size_{world}_rank_{rank}.pt"

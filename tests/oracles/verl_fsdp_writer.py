@@ -34,6 +34,7 @@ import socket
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -111,21 +112,38 @@ def lora_truth(name: str, full: dict[str, torch.Tensor], tokens: torch.Tensor) -
     }
 
 
-def worker(rank: int, port: int, name: str, world: int, hsdp: bool, out: Path) -> None:
+def gloo(rank: int, port: int, world: int, body: Any, *args: Any) -> None:
+    """``body(*args)`` on this rank of a gloo process group of ``world`` CPU processes."""
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        run_rank(rank, name, world, hsdp, out)
+        body(*args)
     finally:
         dist.destroy_process_group()
 
 
+def sharded(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
+    """FSDP2 as verl applies it: each decoder block of the (base) model, then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    blocks = set(base._no_split_modules or ())
+    for module in list(model.modules()):
+        if type(module).__name__ in blocks:
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def worker(rank: int, port: int, name: str, world: int, hsdp: bool, out: Path) -> None:
+    gloo(rank, port, world, run_rank, rank, name, world, hsdp, out)
+
+
 def run_rank(rank: int, name: str, world: int, hsdp: bool, out: Path) -> None:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
     if hsdp:
@@ -134,11 +152,7 @@ def run_rank(rank: int, name: str, world: int, hsdp: bool, out: Path) -> None:
         mesh = init_device_mesh("cpu", (world,))
     model = build_model(name)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    blocks = set(base._no_split_modules or ())
-    for module in list(model.modules()):
-        if type(module).__name__ in blocks:
-            fully_shard(module, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    sharded(model, mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     tokens = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(SEED))
