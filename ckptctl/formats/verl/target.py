@@ -119,7 +119,14 @@ class VerlTarget(TargetFormat):
             raise UsageError(f"--format verl: {source.format} source without verl's model files")
         shapes = {name: shape for name, (shape, _) in canonical_shapes(source).items()}
         files = []
-        extra = any(EXTRA.fullmatch(f.path) for f in source.files)
+        extras = {int(m[2]) for f in source.files if (m := EXTRA.fullmatch(f.path))}
+        missing = sorted(set(range(source.layout.dp)) - extras)
+        if extras and missing:
+            raise UsageError(
+                f"--format verl: the source has no extra_state of rank(s) {missing} (scheduler "
+                "and RNG state): its files are not one run's"
+            )
+        extra = bool(extras)
         for rank in range(world):
             cut = tuple(_cut(t, shapes[t.canonical], world, rank) for t in model.tensors)
             files.append(StoredFile(model_file(world, rank), cut))

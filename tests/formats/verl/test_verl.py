@@ -198,3 +198,8 @@ def test_what_cannot_be_read_is_refused_by_name(qwen3: Path, tmp_path: Path, cli
     (other / "huggingface" / "config.json").write_text(json.dumps(config))
     result = cli("consolidate", other, tmp_path / "o3", code=3)
     assert "layers.1" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    partial = tmp_path / "partial"
+    shutil.copytree(_actor(qwen3), partial)
+    (partial / "extra_state_world_size_3_rank_1.pt").unlink()
+    result = cli("reshard", partial, tmp_path / "o4", "--dp", "2", code=2)
+    assert "extra_state of rank(s) [1]" in result.stderr
