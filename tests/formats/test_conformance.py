@@ -170,7 +170,7 @@ def test_a_box_read_is_torchs_own_slice(fmt: str, samples: dict[str, Path], tmp_
 
 # --- what ckptctl writes reads back; damage is caught -----------------------------------------
 
-WRITTEN = ("megatron", "torch_dist", "hf", "deepspeed-universal", "torch", TOY.name)
+WRITTEN = ("megatron", "torch_dist", "hf", "deepspeed-universal", "torch", "verl", TOY.name)
 """Formats ckptctl writes (their samples above are its own outputs, with manifests)."""
 
 
@@ -185,8 +185,10 @@ def test_written_then_read_again_is_bit_for_bit(
     """The sample rewritten by ckptctl in its own format (the same layout) holds the same
     tensors bit for bit, each compared (``verify --against``)."""
     again = tmp_path / "again"
-    command = "reshard" if fmt in ("megatron", "torch_dist") else "consolidate"
-    extra = ("--format", fmt) if command == "consolidate" else ("--strategy", "shard-to-shard")
+    command = "reshard" if fmt in ("megatron", "torch_dist", "verl") else "consolidate"
+    # verl's files are sharded over data parallelism alone: a "full" source cut again
+    strategy = "full-then-split" if fmt == "verl" else "shard-to-shard"
+    extra = ("--format", fmt) if command == "consolidate" else ("--strategy", strategy)
     mcli(command, samples[fmt], again, *extra)
     report = mcli.json("verify", again, "--against", samples[fmt])
     against = next(c for c in report["checks"] if c["name"] == "against")
