@@ -26,6 +26,7 @@ from ckptctl.formats.torchsave.archive import TorchZipReader
 from ckptctl.formats.torchsave.refs import open_torch_file
 from ckptctl.formats.transformers_model import build_names
 from ckptctl.formats.verl.layout import (
+    CONTENTS,
     EXTRA,
     FSDP_CONFIG,
     HF_DIR,
@@ -77,6 +78,14 @@ def _check_fsdp_config(storage: Storage, world: int) -> None:
 
 
 def probe_verl(storage: Storage, names: frozenset[str], request: ProbeRequest) -> Checkpoint:
+    if CONTENTS in names and not megatron_actor(names):
+        weights = f"{storage.url.rstrip('/')}/model/huggingface"
+        raise CheckpointError(
+            f"{storage.describe(CONTENTS)}: verl's second Megatron checkpoint layout (model/, "
+            "optimizer/, extra/ apart) is not read yet",
+            hint=f"its weights in HF form are in {weights} when verl saved them there "
+            "(convert that directory; the optimizer state is not carried)",
+        )
     if megatron_actor(names) and not any(MODEL.fullmatch(n) for n in names):
         from ckptctl.formats.verl.megatron import probe_verl_megatron
 

@@ -66,3 +66,17 @@ def test_what_does_not_describe_the_run_is_refused_by_name(run: Path, tmp_path: 
     (other / "huggingface" / "config.json").unlink()
     result = cli("consolidate", other, tmp_path / "o3", code=3)
     assert "huggingface/config.json" in result.stderr and "--hf-config" in result.stderr
+
+
+def test_the_second_layout_is_named_and_not_misread(run: Path, tmp_path: Path, cli) -> None:
+    """verl's newer Megatron layout keeps model/, optimizer/ and extra/ apart, with a manifest
+    (``ckpt_contents.json``): refused by name, pointing to its HF weights."""
+    v2 = tmp_path / "v2"
+    (v2 / "model").mkdir(parents=True)
+    shutil.copytree(_actor(run) / "dist_ckpt", v2 / "model" / "dist_ckpt")
+    shutil.copytree(_actor(run) / "huggingface", v2 / "model" / "huggingface")
+    shutil.copy(_actor(run) / "transformer_config.json", v2)
+    (v2 / "ckpt_contents.json").write_text("{}")
+    result = cli("consolidate", v2, tmp_path / "out", code=3)
+    assert "second Megatron checkpoint layout" in result.stderr
+    assert "model/huggingface" in result.stderr
