@@ -29,7 +29,9 @@ MOE = ModelSpec.model_validate(
 )
 """The planner tests' model with experts in every layer but the first."""
 SOURCE = ParallelLayout(pp=2, dp=4, ep=4)
-TARGET = ParallelLayout(pp=4, dp=2, ep=2)
+TARGET = ParallelLayout(pp=2, dp=2, ep=2)
+"""(Every stage keeps a MoE layer: a stage of the dense layer alone is refused with optimizer
+state, ``formats.megatron.target.refuse_stages_without_experts``.)"""
 OPT = OptimizerLayout()
 
 
