@@ -213,13 +213,19 @@ def tied_aliases(tree: dict[str, Any], model: HfNamedModel, where: str) -> set[s
     return out
 
 
+def _optimizer_state(name: str) -> tuple[str, str]:
+    """``optim.state.<param>.<state>`` -> (param, state)."""
+    param, _, state = name[len(OPTIM_PREFIX) :].rpartition(".")
+    return param, state
+
+
 def with_state_names(view: CheckpointView) -> CheckpointView:
     """``view`` with its optimizer state named as everywhere else (``exp_avg/<param>``)."""
 
     def renamed(t: StoredTensor) -> StoredTensor:
         if not t.canonical.startswith(OPTIM_PREFIX):
             return t
-        param, _, state = t.canonical[len(OPTIM_PREFIX) :].rpartition(".")
+        param, state = _optimizer_state(t.canonical)
         return replace(t, canonical=state_name(state, param))
 
     files = tuple(replace(f, tensors=tuple(map(renamed, f.tensors))) for f in view.files)
@@ -251,7 +257,7 @@ def _by_hub_name(view: CheckpointView, model: HfNamedModel, url: str) -> Checkpo
     def renamed(t: StoredTensor) -> StoredTensor | None:
         name = t.canonical
         if name.startswith(OPTIM_PREFIX):
-            param, _, state = name[len(OPTIM_PREFIX) :].rpartition(".")
+            param, state = _optimizer_state(name)
             return replace(t, canonical=state_name(state, model.hub_name(param)))
         if name in tied:
             return None

@@ -53,7 +53,7 @@ def _name(stub: Any) -> str:
     return getattr(stub, "_global", ("", ""))[1]
 
 
-def _chunk(size: int, parts: int, index: int) -> tuple[int, int]:
+def torch_chunk(size: int, parts: int, index: int) -> tuple[int, int]:
     """``torch.chunk``'s cut (what ``Shard`` placements use): start and length of part
     ``index`` of ``parts``."""
     step = -(-size // parts) if parts else 0
@@ -100,7 +100,7 @@ def dtensor_ref(state: Any, where: str, args: Any = None) -> DTensorRef:
         dim = int(_state(placement).get("dim", -1))
         if not 0 <= dim < len(shape):
             raise UnsafePickleError(f"{where}: a DTensor sharded on dimension {dim}")
-        start, length = _chunk(lengths[dim], parts, int(index))
+        start, length = torch_chunk(lengths[dim], parts, int(index))
         offsets[dim] += start
         lengths[dim] = length
     local_shape = tuple(getattr(local, "shape", ()))

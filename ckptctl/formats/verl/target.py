@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from ckptctl.errors import UsageError
 from ckptctl.formats.target import RESHARD, TargetFormat
-from ckptctl.formats.torchsave.dtensor import LOCAL
+from ckptctl.formats.torchsave.dtensor import LOCAL, torch_chunk
 from ckptctl.formats.verl.layout import (
     EXTRA,
     FSDP_CONFIG,
@@ -27,7 +27,7 @@ from ckptctl.formats.verl.layout import (
 )
 from ckptctl.model.geometry import chunk_pieces, whole
 from ckptctl.model.layout import ParallelLayout
-from ckptctl.model.plan import FileWrite, TextWrite
+from ckptctl.model.plan import COPY, FileWrite, TextWrite
 from ckptctl.model.stored import CheckpointView, StoredFile, StoredTensor, canonical_shapes
 from ckptctl.model.target import TargetFiles, TargetPlanner, TargetRequest
 
@@ -38,15 +38,6 @@ if TYPE_CHECKING:
 VERL_FILE = "verl"
 """``FileWrite.kind`` of a verl target file: a rank's model or optimizer file, or a file
 carried from the source as it is."""
-
-
-def torch_chunk(size: int, parts: int, index: int) -> tuple[int, int]:
-    """Start and length of part ``index`` of ``parts`` of a dimension of ``size``, as
-    ``torch.chunk`` (and so FSDP2's ``Shard(0)``) cuts it: ceil-sized parts, the last ones
-    short or empty."""
-    step = -(-size // parts)
-    start = min(size, index * step)
-    return start, min(size, start + step) - start
 
 
 def _cut(tensor: StoredTensor, shape: tuple[int, ...], world: int, rank: int) -> StoredTensor:
@@ -158,8 +149,8 @@ class VerlTarget(TargetFormat):
         self, source: CheckpointView, files: tuple[FileWrite, ...], layout: ParallelLayout
     ) -> tuple[tuple[FileWrite, ...], int]:
         """Each file names the source file it is made from: rank 0's model or optimizer file
-        (its DTensors' spec, the parameter groups), the extra state of the rank it carries,
-        or the same file beside the tensors."""
+        (its DTensors' spec, the parameter groups); or it is a copy of the extra state of the
+        rank it carries, or of the same file beside the tensors."""
         index = {f.path: i for i, f in enumerate(source.files)}
         world = source.layout.dp
         out = []
@@ -168,9 +159,10 @@ class VerlTarget(TargetFormat):
                 origin = model_file(world, 0)
             elif OPTIM.fullmatch(file.path):
                 origin = optim_file(world, 0)
-            elif (extra := EXTRA.fullmatch(file.path)) is not None:
-                origin = extra_file(world, int(extra[2]) % world)
-            else:
-                origin = file.path
+            else:  # carried as it is (the executor's byte copy): extra state, huggingface/
+                extra = EXTRA.fullmatch(file.path)
+                origin = extra_file(world, int(extra[2]) % world) if extra else file.path
+                out.append(file.model_copy(update={"kind": COPY, "copy_of": index[origin]}))
+                continue
             out.append(file.model_copy(update={"carry_from": index[origin]}))
         return tuple(out), 0

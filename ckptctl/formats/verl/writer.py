@@ -21,19 +21,14 @@ from ckptctl.io.byte_streams import ByteStream
 from ckptctl.io.runs import Run
 from ckptctl.model.plan import FileWrite, TensorWrite
 
-COPY_BLOCK = 8 << 20
-
 
 def write_verl_file(job: WriteJob, file: FileWrite, out: ByteStream) -> None:
     owner, origin = job.source.owner(job.plan.source_files[file.carry_from or 0])
     if not isinstance(owner, HfStateDictFiles):
         raise CheckpointError(f"{file.path}: verl files are written from a verl checkpoint")
     name = MODEL.fullmatch(file.path) or OPTIM.fullmatch(file.path)
-    if name is None:  # carried as it is: scheduler and RNG state, the model's config
-        with owner.storage.open_read(origin) as f:
-            for block in iter(lambda: f.read(COPY_BLOCK), b""):
-                out.write(block)
-        return
+    if name is None:
+        raise CheckpointError(f"{file.path}: not a verl rank file (others are copied whole)")
     _RankFile(job, file, owner, origin, int(name[1]), int(name[2])).write(out)
 
 
