@@ -18,8 +18,7 @@ from ckptctl.pipeline.jobs import plan_consolidate
 
 if TYPE_CHECKING:
     from ckptctl.formats.base import Checkpoint
-    from ckptctl.lora.adapter import LoraSource
-    from ckptctl.lora.embedded import EmbeddedAdapter
+    from ckptctl.lora.adapter import HeldAdapter, LoraSource
     from ckptctl.settings import Settings
 
 
@@ -36,8 +35,9 @@ def merge_lora_cmd(
     adapter: Annotated[
         str,
         typer.Argument(
-            help="PEFT adapter directory (adapter_config.json + safetensors); DST when BASE "
-            "holds its adapter."
+            help="PEFT adapter directory (adapter_config.json + safetensors), or verl's "
+            "Megatron actor directory with adapter_checkpoint/ (Megatron-Bridge's LoRA); DST "
+            "when BASE holds its adapter."
         ),
     ],
     dst: Annotated[
@@ -48,15 +48,17 @@ def merge_lora_cmd(
         float | None,
         typer.Option(
             "--lora-alpha",
-            help="The alpha an adapter trained inside BASE was trained with (its state dict "
-            "does not hold it; verl: actor_rollout_ref.model.lora_alpha).",
+            help="The alpha an adapter trained inside BASE, or verl's Megatron adapter, was "
+            "trained with (their files do not hold it; verl: actor_rollout_ref.model.lora_alpha, "
+            "Megatron: actor_rollout_ref.model.lora.alpha).",
         ),
     ] = None,
     adapter_only: Annotated[
         bool,
         typer.Option(
             "--adapter-only",
-            help="Write only the adapter trained inside BASE, as a PEFT adapter directory.",
+            help="Write only the adapter (trained inside BASE, or verl's Megatron adapter "
+            "of BASE's model), as a PEFT adapter directory.",
         ),
     ] = False,
     job: JobRequest | None = None,
@@ -78,6 +80,13 @@ def merge_lora_cmd(
         settings = job.settings(ctx)
         if dst is None:
             _inside(out, base, adapter, settings, job, lora_alpha, adapter_only, max_shard_size)
+            return
+        from ckptctl.lora.megatron import holds_megatron_adapter
+
+        if holds_megatron_adapter(adapter, settings.storage):
+            _megatron(
+                out, base, adapter, dst, settings, job, lora_alpha, adapter_only, max_shard_size
+            )
             return
         if lora_alpha is not None or adapter_only:
             flag = "--lora-alpha" if lora_alpha is not None else "--adapter-only"
@@ -126,6 +135,44 @@ def _inside(
         _merge(out, base, dst, lora, settings, job, max_shard_size, out.as_json, ckpt)
 
 
+def _megatron(
+    out: Output,
+    base: str,
+    adapter: str,
+    dst: str,
+    settings: Settings,
+    job: JobRequest,
+    alpha: float | None,
+    adapter_only: bool,
+    max_shard_size: str,
+) -> None:
+    """Megatron-Bridge's adapter as verl saves it, made the PEFT adapter of BASE's HF model:
+    merged into BASE, or exported."""
+    from ckptctl.errors import LayoutError
+    from ckptctl.lora.megatron import MegatronAdapter
+    from ckptctl.pipeline.probe import open_checkpoint
+
+    refuse_overlap("destination", dst, {"source": base, "adapter": adapter})
+    if alpha is None:
+        raise UsageError(
+            f"--lora-alpha: {adapter} is Megatron-Bridge's LoRA adapter as verl saves it, "
+            "which does not hold the alpha it was trained with (its update's scale); give it "
+            "(verl: actor_rollout_ref.model.lora.alpha)"
+        )
+    ckpt = open_checkpoint(base, settings, **job.source_options())
+    spec = ckpt.view.spec
+    if spec is None:
+        raise LayoutError(
+            f"{base}: a base of a model ckptctl has no Megatron mapping for; the adapter's "
+            "Megatron layers cannot be placed in it"
+        )
+    lora = MegatronAdapter(adapter, settings.storage, spec, alpha, base)
+    if adapter_only:
+        _export(out, lora, dst, settings, job)
+    else:
+        _merge(out, base, dst, lora, settings, job, max_shard_size, out.as_json, ckpt)
+
+
 def _merge(
     out: Output,
     base: str,
@@ -155,9 +202,7 @@ def _merge(
     finish(out, planned.plan, report, as_json)
 
 
-def _export(
-    out: Output, lora: EmbeddedAdapter, dst: str, settings: Settings, job: JobRequest
-) -> None:
+def _export(out: Output, lora: HeldAdapter, dst: str, settings: Settings, job: JobRequest) -> None:
     """The adapter as PEFT's ``save_pretrained`` writes one; a destination that holds anything
     but a previous export is refused, that one replaced only with ``--overwrite``."""
     from ckptctl.io.storage import Storage

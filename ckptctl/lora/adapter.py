@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import xxhash
@@ -63,6 +63,25 @@ class LoraSource:
 
     def rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
         """Rows ``[lo, hi)`` of tensor ``name`` (the whole of a 0-d one), in float32."""
+        raise NotImplementedError
+
+
+class HeldAdapter(LoraSource):
+    """An adapter whose matrices ckptctl gathers itself from a training run's files (trained
+    inside a checkpoint, or Megatron-Bridge's), held as PEFT would save them: ``--adapter-only``
+    writes it out as an adapter directory."""
+
+    settings: dict[str, Any]
+    """The ``adapter_config.json`` PEFT would save for it."""
+    dtypes: dict[str, str]
+    """Each matrix's stored dtype, by its PEFT name."""
+
+    def names(self) -> list[str]:
+        """The matrices' PEFT names, sorted."""
+        raise NotImplementedError
+
+    def stored(self, name: str) -> np.ndarray:
+        """Matrix ``name`` as the run stored it (its dtype)."""
         raise NotImplementedError
 
 

@@ -18,7 +18,7 @@ from ckptctl.errors import LayoutError
 from ckptctl.formats.base import Checkpoint
 from ckptctl.formats.hf.writer import write_safetensors
 from ckptctl.io.storage import Storage
-from ckptctl.lora.adapter import CONFIG, WEIGHTS, LoraSource
+from ckptctl.lora.adapter import CONFIG, WEIGHTS, HeldAdapter
 from ckptctl.model.lora import check_config, pairs
 from ckptctl.model.peft_wrapped import adapter_config
 from ckptctl.model.stored import StoredTensor
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     import torch
 
 
-class EmbeddedAdapter(LoraSource):
+class EmbeddedAdapter(HeldAdapter):
     """The adapter ``ckpt.adapter`` holds, trained at ``alpha`` (``settings``: the config
     PEFT would save for it)."""
 
@@ -111,7 +111,7 @@ def _global_shape(parts: list[tuple[str, StoredTensor]]) -> tuple[int, ...]:
     return tuple(max(e[d] for e in ends) for d in range(len(ends[0]))) if ends else ()
 
 
-def write_adapter(adapter: EmbeddedAdapter, out: Storage) -> int:
+def write_adapter(adapter: HeldAdapter, out: Storage) -> int:
     """PEFT's adapter directory: the matrices as stored (their dtype, PEFT's saved names),
     then ``adapter_config.json`` last (what marks the directory an adapter). Bytes written."""
     names = adapter.names()

@@ -21,6 +21,9 @@ DIST_CKPT = "dist_ckpt"
 TRANSFORMER_CONFIG = "transformer_config.json"
 """The Megatron actor's ``asdict(TransformerConfig)``, beside ``dist_ckpt``."""
 HF_DIR = "huggingface"
+ADAPTER_DIR = "adapter_checkpoint"
+"""A Megatron actor trained with LoRA: Megatron-Bridge's adapter, per rank (the base is not
+saved; ``ckptctl.lora.megatron`` reads it)."""
 STEP = re.compile(r"global_step_(\d+)")
 
 
@@ -29,7 +32,12 @@ CONTENTS = "ckpt_contents.json"
 
 
 def recognised(names: frozenset[str]) -> bool:
-    return any(MODEL.fullmatch(n) for n in names) or megatron_actor(names) or CONTENTS in names
+    return (
+        any(MODEL.fullmatch(n) for n in names)
+        or megatron_actor(names)
+        or CONTENTS in names
+        or ADAPTER_DIR in names
+    )
 
 
 def megatron_actor(names: frozenset[str]) -> bool:

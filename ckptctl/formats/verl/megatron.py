@@ -58,7 +58,10 @@ def _same(saved: Any, wanted: Any) -> bool:
     return bool(saved == wanted)
 
 
-def _layout(saved: dict[str, Any], where: str) -> ParallelLayout:
+def layout_of(saved: dict[str, Any], where: str) -> ParallelLayout:
+    """The parallel layout a run's saved ``TransformerConfig`` (verl's
+    ``transformer_config.json``) says."""
+
     def size(name: str, default: int | None = 1) -> Any:
         value = saved.get(name, default)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
@@ -103,7 +106,7 @@ def described(storage: Storage, config: dict[str, Any], request: ProbeRequest) -
             raise CheckpointError(
                 f"{where}: " + "; ".join(wrong[:4]) + " (is huggingface/config.json this run's?)"
             )
-        layout = _layout(saved, where)
+        layout = layout_of(saved, where)
     else:
         layout = ParallelLayout()
         notes.append(f"{TRANSFORMER_CONFIG} missing: the saved parallel layout is unknown")

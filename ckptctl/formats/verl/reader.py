@@ -26,6 +26,7 @@ from ckptctl.formats.torchsave.archive import TorchZipReader
 from ckptctl.formats.torchsave.refs import open_torch_file
 from ckptctl.formats.transformers_model import build_names
 from ckptctl.formats.verl.layout import (
+    ADAPTER_DIR,
     CONTENTS,
     EXTRA,
     FSDP_CONFIG,
@@ -85,6 +86,13 @@ def probe_verl(storage: Storage, names: frozenset[str], request: ProbeRequest) -
             "optimizer/, extra/ apart) is not read yet",
             hint=f"its weights in HF form are in {weights} when verl saved them there "
             "(convert that directory; the optimizer state is not carried)",
+        )
+    if ADAPTER_DIR in names and not any(MODEL.fullmatch(n) for n in names):
+        raise CheckpointError(
+            f"{storage.url}: verl's Megatron actor trained with LoRA: {ADAPTER_DIR}/ holds the "
+            "adapter only, not the model",
+            hint=f"merge it into the model it was trained from: ckptctl merge-lora BASE "
+            f"{storage.url} DST --lora-alpha A (or --adapter-only for a PEFT adapter)",
         )
     if megatron_actor(names) and not any(MODEL.fullmatch(n) for n in names):
         from ckptctl.formats.verl.megatron import probe_verl_megatron

@@ -1,0 +1,62 @@
+"""Megatron-Bridge's LoRA (``megatron.bridge.peft``), the adapter verl's Megatron workers train,
+for the oracle that writes verl's Megatron LoRA checkpoints
+(``tests/oracles/megatron_bridge_lora_writer.py``).
+
+Megatron-Bridge's wheel is pure Python, but its dependencies (TransformerEngine built for CUDA,
+transformers < 5, mamba-ssm, ...) cannot all be installed here, and only its ``peft`` package is
+needed: the wheel is installed without dependencies into a directory of its own under
+``~/.cache/ckptctl-oracles`` (``$CKPTCTL_ORACLES``), built on first use and kept, and the oracle
+imports ``megatron.bridge.peft`` from it over the venv's megatron-core 0.16.1 (see the oracle's
+``import_bridge_lora`` for the two import shims that needs).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.oracle_runner import OracleFailed
+
+RELEASE = "0.3.1"
+"""The newest Megatron-Bridge; it asks for megatron-core >= 0.15, < 0.17 (0.16.1 here)."""
+ROOT = Path(os.environ.get("CKPTCTL_ORACLES", Path.home() / ".cache" / "ckptctl-oracles"))
+SITE = ROOT / f"megatron-bridge-{RELEASE}"
+READY = SITE / "ckptctl-ready"
+ORACLE = Path(__file__).parent / "oracles" / "megatron_bridge_lora_writer.py"
+
+
+def site() -> Path:
+    """The directory holding Megatron-Bridge, installed first if it is not there (under a lock:
+    test sessions side by side install it once)."""
+    if READY.exists():
+        return SITE
+    ROOT.mkdir(parents=True, exist_ok=True)
+    with open(ROOT / f"megatron-bridge-{RELEASE}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if READY.exists():
+            return SITE
+        shutil.rmtree(SITE, ignore_errors=True)
+        command = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps"]
+        command += ["--target", str(SITE), f"megatron-bridge=={RELEASE}"]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+        if done.returncode != 0:
+            raise OracleFailed(f"installing megatron-bridge {RELEASE} failed:\n{done.stderr}")
+        READY.write_text(RELEASE)
+    return SITE
+
+
+def run(*args: object, timeout: float = 900) -> str:
+    """``tests/oracles/megatron_bridge_lora_writer.py ARGS`` with Megatron-Bridge's site."""
+    env = {**os.environ, "CKPTCTL_MEGATRON_BRIDGE": str(site())}
+    command = [sys.executable, str(ORACLE), *map(str, args)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    if done.returncode != 0:
+        raise OracleFailed(
+            f"{ORACLE.name} {' '.join(map(str, args))} failed (exit {done.returncode}):\n"
+            f"{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+        )
+    return done.stdout
