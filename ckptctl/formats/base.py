@@ -178,6 +178,23 @@ class SavedTraining:
     the same rank of an unchanged grid (``FileWrite.carry_rng``)."""
 
 
+def adam_step(owner: Checkpoint) -> float | None:
+    """Adam's step count of ``owner``'s optimizer state: as its format records it for the
+    parameter groups, else its first per-parameter ``step`` tensor (torch's Adam keeps one per
+    parameter, all equal: FSDP's, torchtitan's and the HF Trainer's state)."""
+    if owner.view.optimizer_step is not None:
+        return float(owner.view.optimizer_step)
+    for file in owner.view.files:
+        for t in file.tensors:
+            if t.canonical.startswith("step/"):
+                view = None if t.view_offset is None else (t.view_offset, t.shape)
+                zero = (0,) * len(t.shape)
+                from ckptctl.arrays import first_value  # numpy: only when bytes are handled
+
+                return float(first_value(owner.read(file.path, t.key, zero, t.shape, view)))
+    return None
+
+
 @dataclass(frozen=True)
 class WriteJob:
     """What a writer is handed for each target file."""

@@ -423,6 +423,11 @@ def args_for(
     out.virtual_pipeline_model_parallel_size = layout.vpp if layout.vpp > 1 else None
     out.num_layers_in_first_pipeline_stage = layout.first_stage_layers
     out.num_layers_in_last_pipeline_stage = layout.last_stage_layers
+    # Megatron-LM's own names for them, when the source's args have those (read first by both)
+    if hasattr(out, "decoder_first_pipeline_num_layers"):
+        out.decoder_first_pipeline_num_layers = layout.first_stage_layers
+    if hasattr(out, "decoder_last_pipeline_num_layers"):
+        out.decoder_last_pipeline_num_layers = layout.last_stage_layers
     out.padded_vocab_size = spec.padded_vocab_size(layout.tp)
     out.use_distributed_optimizer = layout.distributed_optimizer
     if spec.is_moe:

@@ -31,6 +31,7 @@ from ckptctl.model.catalog import (
     mtp_head_suffixes,
     mtp_layer_prefix,
     mtp_tail_suffixes,
+    parameters,
     parameters_by_name,
     stage_parameters,
     state_name,
@@ -207,6 +208,16 @@ def rank_params(
     return out
 
 
+def group_kinds(spec: ModelSpec, experts: bool) -> frozenset[bool]:
+    """The parameter-group kinds (no weight decay?) the dense optimizer, or the experts',
+    has anywhere in the model."""
+    return frozenset(
+        p.no_weight_decay
+        for p in parameters(spec)
+        if not p.buffer and (p.expert is not None) is experts
+    )
+
+
 def sub_optimizers(params: list[RankParam], chained: bool) -> list[list[int]]:
     """Positions (in ``params``) of the parameters each sub-optimizer holds: all of them, or
     under a chained optimizer the dense ones then the routed experts'. Buffers hold none; a
@@ -222,16 +233,21 @@ def param_groups(
     params: list[RankParam],
     order: GroupOrder = GroupOrder.APPEARANCE,
     members: list[int] | None = None,
+    aligned: frozenset[bool] = frozenset(),
 ) -> list[tuple[bool, list[int]]]:
     """Megatron's default grouping of one optimizer's parameters (``members``, positions in
     ``params``; default: all but buffers): per group, its kind (no weight decay?) and the
     positions of its parameters in model order. The torch optimizer numbers parameters group
-    after group."""
+    after group. Megatron-Core (0.15 on) gives every rank the groups of every rank: an
+    optimizer without parameters here (the expert optimizer of a stage without MoE layers)
+    has the groups of ``aligned``, the kinds it has anywhere in the model, empty."""
     groups: dict[bool, list[int]] = {}
     if members is None:
         members = sub_optimizers(params, chained=False)[0]
     for pos in members:
         groups.setdefault(params[pos].param.no_weight_decay, []).append(pos)
+    if not members:
+        groups = {kind: [] for kind in sorted(aligned)}
     kinds = list(groups)
     if order is GroupOrder.DECAY_FIRST:
         kinds.sort()

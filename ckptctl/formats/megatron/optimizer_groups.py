@@ -10,7 +10,12 @@ from typing import Any
 
 from ckptctl.errors import CheckpointError
 from ckptctl.formats.megatron.args import grad_reduce_dtype
-from ckptctl.formats.megatron.layout import param_groups, rank_params, sub_optimizers
+from ckptctl.formats.megatron.layout import (
+    group_kinds,
+    param_groups,
+    rank_params,
+    sub_optimizers,
+)
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
 from ckptctl.formats.torchsave.refs import resolve
 from ckptctl.model.catalog import ExpertNaming, Naming
@@ -91,7 +96,7 @@ def match_groups(
     one whose group sizes and ``wd_mult`` agree with every file.
     """
     naming, layer_order, expert_naming, mtp_inner = style
-    for order in GroupOrder:
+    for order in _orders(trees, optimizer):
         templates: dict[bool, dict[str, Any]] = {}
         fits = True
         for (tp_rank, pp_rank, ep_rank), tree in trees.items():
@@ -108,7 +113,8 @@ def match_groups(
                         f"{ep_rank}) is not the {form} layout its args announce "
                         "(use_distributed_optimizer, expert parallelism); cannot map it"
                     ) from None
-                expected = param_groups(params, order, members)
+                aligned = group_kinds(spec, experts=sub == 1)
+                expected = param_groups(params, order, members, aligned)
                 fits = len(stored) == len(expected) and all(
                     len(group.get("params", group_members)) == len(group_members)
                     and _group_kind(group) in (None, kind)
@@ -126,6 +132,24 @@ def match_groups(
         "the optimizer's parameter groups match neither of Megatron's orders (weight decay / no "
         "weight decay by first appearance, or weight decay first); cannot map its state"
     )
+
+
+def _orders(
+    trees: dict[tuple[int, int, int], dict[str, Any]], optimizer: OptimizerLayout
+) -> list[GroupOrder]:
+    """The orders to try, the likelier first: where both fit (a stage whose first parameter
+    takes weight decay, as every one-stage model's embedding does) the first one is kept and
+    decides how other stage splits are written. Megatron-Core 0.16 sorts the groups (weight
+    decay first) and marks each ``default_config``; earlier releases neither."""
+    for tree in trees.values():
+        try:
+            groups = resolve(tree, optimizer.sub_state(0))["param_groups"]
+        except (KeyError, IndexError, TypeError):
+            continue
+        if any(isinstance(g, dict) and "default_config" in g for g in groups):
+            return [GroupOrder.DECAY_FIRST, GroupOrder.APPEARANCE]
+        break
+    return [GroupOrder.APPEARANCE, GroupOrder.DECAY_FIRST]
 
 
 def carried_state(tree: dict[str, Any]) -> dict[str, Any]:

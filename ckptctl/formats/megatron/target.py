@@ -16,6 +16,7 @@ from ckptctl.formats.megatron.target_style import target_optimizer
 from ckptctl.formats.target import CONSOLIDATE, RESHARD, TargetFormat, known_model
 from ckptctl.model.catalog import is_state
 from ckptctl.model.layout import ModelSpec, ParallelLayout
+from ckptctl.model.megatron_style import OptimizerLayout
 from ckptctl.model.plan import FileWrite, TextWrite
 from ckptctl.model.stored import CheckpointView, Format
 from ckptctl.model.target import TargetFiles, TargetRequest
@@ -80,12 +81,16 @@ def not_carried(source: CheckpointView, target: str) -> str:
     )
 
 
-def refuse_stages_without_experts(spec: ModelSpec, layout: ParallelLayout) -> None:
-    """Under expert parallelism Megatron-Core chains a dense and an expert optimizer, but a
-    pipeline stage that holds no MoE layer (a dense-first model's first stage) gets the dense
-    one alone, saved unchained; ckptctl writes every stage chained, which Megatron (and
-    ckptctl) cannot read back: refused rather than written."""
-    if layout.ep <= 1 or not spec.is_moe:
+def refuse_stages_without_experts(
+    spec: ModelSpec, layout: ParallelLayout, optimizer: OptimizerLayout
+) -> None:
+    """Under expert parallelism megatron-core chains a dense and an expert optimizer and (from
+    0.15) gives every rank the parameter groups of every rank, so a pipeline stage without MoE
+    layers (a dense-first model's first stage) keeps an expert optimizer of empty groups:
+    written so with per-parameter state. Its ``DistributedOptimizer`` cannot save that stage
+    in the legacy format (``state_dict`` finds no step in the empty expert optimizer): no such
+    checkpoint exists to resume from, so none is written."""
+    if layout.ep <= 1 or not spec.is_moe or not optimizer.distributed:
         return
     stages: dict[int, bool] = {}
     for (stage, _), layers in layout.chunk_layers(spec.num_layers).items():
@@ -95,9 +100,10 @@ def refuse_stages_without_experts(spec: ModelSpec, layout: ParallelLayout) -> No
     bare = sorted(s for s, has in stages.items() if not has)
     if bare:
         raise UsageError(
-            f"EP{layout.ep} with optimizer state: pipeline stage(s) {bare} hold no MoE layer, "
-            "and Megatron keeps such a stage's optimizer unchained, which ckptctl does not write "
-            "yet; give a stage split that puts a MoE layer on every stage "
+            f"EP{layout.ep} with the distributed optimizer: pipeline stage(s) {bare} hold no MoE "
+            "layer, and megatron-core's DistributedOptimizer cannot save such a stage in the "
+            "legacy format (its empty expert optimizer has no step); give "
+            "--no-distributed-optimizer, a stage split that puts a MoE layer on every stage "
             "(--pp-first-stage-layers), or --format torch_dist"
         )
 
@@ -121,7 +127,7 @@ class MegatronTarget(TargetFormat):
         dtype = weight_dtype(source, request)
         optimizer = target_optimizer(kept, layout, dtype)
         if optimizer is not None:
-            refuse_stages_without_experts(spec, layout)
+            refuse_stages_without_experts(spec, layout, optimizer)
         targets = megatron_files(
             spec,
             layout,

@@ -10,8 +10,9 @@ from dataclasses import dataclass
 from math import prod
 from typing import Any
 
-from ckptctl.formats.base import SavedTraining, WriteJob
+from ckptctl.formats.base import Checkpoint, SavedTraining, WriteJob, adam_step
 from ckptctl.formats.megatron.args import args_for, args_from_spec
+from ckptctl.formats.megatron.layout import group_kinds
 from ckptctl.formats.torchsave.archive import TensorRef
 from ckptctl.formats.torchsave.zip_writer import TensorSlot, write_torch_zip
 from ckptctl.io.byte_streams import ByteStream
@@ -52,12 +53,14 @@ def rank_tree(
     group_templates: dict[bool, dict[str, Any]],
     no_weight_decay: dict[str, bool],
     optimizer_entry: Any = None,
+    expert_kinds: frozenset[bool] = frozenset(),
 ) -> tuple[dict[str | int, Any], list[TensorSlot]]:
     """The object tree of one rank file; its stored tensors are slots, in ``file.tensors``
     order (a tensor that several blocks share, as ``GroupedMLP``'s, is one slot).
 
     ``carried`` is ``carried_state`` of a source file; ``no_weight_decay`` maps canonical
-    parameter names to their parameter-group kind.
+    parameter names to their parameter-group kind; ``expert_kinds``: the groups of an expert
+    optimizer on a stage without experts (chained, empty, as megatron-core 0.16 keeps it).
     """
     tree: dict[str | int, Any] = {
         "args": args,
@@ -90,6 +93,11 @@ def rank_tree(
                 _optimizer_dict(subs[i], index_kind.get((i,), {}), group_templates, carried, i > 0)
                 for i in sorted(subs)
             ]
+            if len(subs) == 1 and expert_kinds:
+                first = tree["optimizer"][0]
+                tree["optimizer"].append(
+                    _empty_optimizer(first, expert_kinds, group_templates, carried)
+                )
         else:
             _optimizer_dict(tree["optimizer"], index_kind.get((), {}), group_templates, carried)
     if optimizer_entry is not None:
@@ -125,6 +133,29 @@ def _optimizer_dict(
         opt["fp32_from_fp16_params"] = [
             [masters[g][i] for i in sorted(masters[g])] for g in sorted(masters)
         ]
+    opt.update(carried.get("optimizer_extra", {}))
+    return opt
+
+
+def _empty_optimizer(
+    like: dict[str, Any],
+    kinds: frozenset[bool],
+    group_templates: dict[bool, dict[str, Any]],
+    carried: dict[str, Any],
+) -> dict[str, Any]:
+    """The expert optimizer of a stage without experts: its groups, empty, in ``like``'s form
+    (the dense optimizer's: bare, or wrapped with its fp32 masters)."""
+    groups = [
+        {**_without_step(group_template(group_templates, kind, True)), "params": []}
+        for kind in sorted(kinds)
+        if kind in group_templates
+    ]
+    torch_state = {"state": {}, "param_groups": groups}
+    if "state" in like:  # bare
+        return {**torch_state, **carried.get("optimizer_extra", {})}
+    opt: dict[str, Any] = {"optimizer": torch_state}
+    if "fp32_from_fp16_params" in like:
+        opt["fp32_from_fp16_params"] = [[] for _ in groups]
     opt.update(carried.get("optimizer_extra", {}))
     return opt
 
@@ -232,9 +263,15 @@ def training_state(job: WriteJob, file: FileWrite) -> TrainingState:
         carried,
         args,
         {kind: dict(group) for kind, group in saved.templates.items()},
-        saved.optimizer_step,
+        saved.optimizer_step if saved.optimizer_step is not None else _step(owner),
         refs,
     )
+
+
+def _step(owner: Checkpoint) -> float | None:
+    """Adam's step of a source without Megatron's training state (an HF model's DCP keeps it
+    per parameter): the distributed optimizer keeps it per parameter group."""
+    return adam_step(owner) if owner.view.has_optimizer else None
 
 
 def write_rank_file(job: WriteJob, file: FileWrite, out: ByteStream) -> None:
@@ -261,6 +298,7 @@ def write_rank_file(job: WriteJob, file: FileWrite, out: ByteStream) -> None:
         else:
             kinds = [p.no_weight_decay for p in trained]
             entry = distributed_optimizer_entry(kinds, state.templates, step, carried)
+    spec = plan.model()
     tree, slots = rank_tree(
         file,
         args=state.args,
@@ -268,6 +306,7 @@ def write_rank_file(job: WriteJob, file: FileWrite, out: ByteStream) -> None:
         group_templates=state.templates,
         no_weight_decay=no_wd,
         optimizer_entry=entry,
+        expert_kinds=group_kinds(spec, experts=True) if plan.target_layout.ep > 1 else frozenset(),
     )
     # A slot is named after the position of its first tensor; its blocks in offset order.
     by_key: dict[tuple[str | int, ...], list[TensorWrite]] = {}

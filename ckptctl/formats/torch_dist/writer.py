@@ -16,7 +16,7 @@ from functools import cache
 from math import prod
 from typing import Any
 
-from ckptctl.formats.base import WriteJob
+from ckptctl.formats.base import WriteJob, adam_step
 from ckptctl.formats.dcp.metadata import (
     METADATA_FILE,
     BytesEntry,
@@ -111,7 +111,7 @@ def bucket_objects(job: WriteJob, file: FileWrite) -> list[tuple[str, bytes]]:
         return []
     plan = job.plan
     state = training_state(job, plan.files[0])
-    step = _group_step(state)
+    step = adam_step(state.owner)
     out = []
     for group in bucket_groups(sizes, plan.target_layout):
         kinds, experts = _sub_optimizer_kinds(plan, group.sub)
@@ -251,23 +251,6 @@ def dcp_metadata(plan: Plan, records: dict[str, list[Record]]) -> DcpMetadata:
     return DcpMetadata(entries=entries, storage=storage, mcore_data=mcore)
 
 
-def _group_step(state: Any) -> float | None:
-    """Adam's step for the parameter groups: kept per group by the distributed optimizer,
-    per parameter (all equal) by the torch optimizer."""
-    owner = state.owner
-    if owner.view.optimizer_step is not None:
-        return float(owner.view.optimizer_step)
-    for file in owner.view.files:
-        for t in file.tensors:
-            if t.canonical.startswith("step/"):
-                view = None if t.view_offset is None else (t.view_offset, t.shape)
-                zero = (0,) * len(t.shape)
-                from ckptctl.arrays import first_value  # numpy: only when bytes are handled
-
-                return float(first_value(owner.read(file.path, t.key, zero, t.shape, view)))
-    return None
-
-
 def _optimizer_entry(
     state: Any,
     kinds: tuple[bool, ...],
@@ -325,7 +308,7 @@ def common_state(plan: Plan, state: Any) -> dict[str, Any]:
     has_optimizer = any(t.canonical.startswith("exp_avg/") for f in plan.files for t in f.tensors)
     content: dict[str, Any] = {"singleton_local_shards": False}
     if has_optimizer:
-        step = _group_step(state)
+        step = adam_step(state.owner)
         form: dict[str, Any] = {
             "distributed": plan.target_layout.distributed_optimizer,
             "fp32_weights": fp32_weights(plan),
@@ -377,7 +360,7 @@ def torch_dist_directory_files(job: WriteJob) -> list[tuple[str, bytes]]:
     common = io.BytesIO()
     tree = common_state(plan, state)
     slots = _carried_in(tree, state)
-    step = _group_step(state)
+    step = adam_step(state.owner)
     if step is not None and _holds(tree, COMMON_STEP):
         slots.append(COMMON_STEP)
     write_torch_zip(common, tree, slots, _carried(state, step))
