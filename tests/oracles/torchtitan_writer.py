@@ -30,7 +30,8 @@ Usage::
 
 Models: Llama 3 (complex-number RoPE: q/k rows interleaved), Qwen3 (cos/sin RoPE, q/k norms),
 Qwen3-MoE (grouped experts) and DeepSeek-V3 (MLA, a dense first layer, MoE with a shared
-expert and sigmoid routing; its norms at DeepSeek's eps 1e-6), small, untied but for
+expert and sigmoid routing, one multi-token prediction layer; its norms at DeepSeek's eps
+1e-6), small, untied but for
 ``qwen3_tied`` (the output layer is
 the embedding, as in Qwen3's small releases). ``--balanced``: the MoE layers' load-balancing
 expert biases are moved by torchtitan's own hook (counts from a forward before the step).
@@ -154,14 +155,20 @@ def qwen3_config(model: str, fused: bool) -> Any:
 
 DSV3 = dict(q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8)
 DSV3_V_HEAD, DSV3_LAYERS, DSV3_DENSE, DSV3_THETA, DSV3_EPS = 16, 3, 1, 10000.0, 1e-6
+DSV3_MTP = 1
 
 
 def deepseek_config() -> Any:
     """A small DeepSeek-V3 built by torchtitan's own layer builder: multi-latent attention
     (q through its low-rank path), one dense first layer, then MoE layers with a shared
-    expert and sigmoid routing over grouped experts (with load-balancing biases)."""
+    expert and sigmoid routing over grouped experts (with load-balancing biases), and a
+    multi-token prediction layer (a copy of the last layer's block, as torchtitan builds it)."""
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
-    from torchtitan.models.deepseek_v3 import DeepSeekV3Model, _build_dsv3_layers
+    from torchtitan.models.deepseek_v3 import (
+        DeepSeekV3Model,
+        _build_dsv3_layers,
+        _build_mtp_layers,
+    )
 
     layers = _build_dsv3_layers(
         n_layers=DSV3_LAYERS,
@@ -190,7 +197,7 @@ def deepseek_config() -> Any:
         norm=RMSNorm.Config(normalized_shape=DIM),
         lm_head=Linear.Config(in_features=DIM, out_features=VOCAB),
         layers=layers,
-        mtp_layers=[],
+        mtp_layers=_build_mtp_layers(layers[-1], dim=DIM, num_mtp_layers=DSV3_MTP),
     )
     return with_norm_eps(config, RMSNorm.Config, DSV3_EPS)
 
@@ -244,7 +251,7 @@ def deepseek_hf_config() -> dict[str, Any]:
         "tie_word_embeddings": False,
         "hidden_act": "silu",
         "attention_bias": False,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": DSV3_MTP,
         "torch_dtype": "float32",
     }
 
@@ -391,6 +398,8 @@ def run(rank: int, world: int, out: Path, model_name: str, fused: bool, balanced
     optimizers.zero_grad()
     with torch.no_grad():
         logits = model(tokens, positions, model.get_attention_masks(positions))
+    if isinstance(logits, list):  # with MTP layers: the model's, then each MTP depth's
+        logits = logits[0]
 
     class TrainState:  # the Trainer's own state_dict: {"step", "ntokens_seen"}
         def state_dict(self) -> dict[str, Any]:

@@ -1,5 +1,5 @@
-"""torchtitan's DCP checkpoints of Llama 3, Qwen3, Qwen3-MoE and DeepSeek-V3 as geometry over
-canonical tensors. Pure.
+"""torchtitan's DCP checkpoints of Llama 3, Qwen3, Qwen3-MoE and DeepSeek-V3 (its multi-token
+prediction layers too) as geometry over canonical tensors. Pure.
 
 torchtitan's ``CheckpointManager`` saves the model's state dict at the top level
 (``tok_embeddings.weight``, ``layers.<i>.attention.qkv_linear.wq.weight`` -- or
@@ -22,7 +22,7 @@ from typing import Any
 from ckptctl.model.catalog import state_name
 from ckptctl.model.geometry import Piece, Shape, whole
 from ckptctl.model.hf_families import choose_family
-from ckptctl.model.hf_layout import hf_tensors
+from ckptctl.model.hf_layout import hf_tensors, shared_original
 from ckptctl.model.layout import ModelSpec
 from ckptctl.model.rotary_rows import RotaryRows
 
@@ -60,6 +60,17 @@ _RENAMES = {
     "mlp.shared_experts.down_proj.weight": ("moe.shared_experts.w2.weight",),
     "mlp.gate.e_score_correction_bias": ("moe.expert_bias_E",),
 }
+_MTP_RENAMES = {
+    "enorm.weight": ("enorm.weight",),
+    "hnorm.weight": ("hnorm.weight",),
+    "eh_proj.weight": ("eh_proj.weight",),
+    "shared_head.norm.weight": ("mtp_norm.weight",),
+}
+"""DeepSeek-V3's multi-token prediction layer ``k`` (HF ``model.layers.<N + k>``) is
+torchtitan's ``mtp_layers.<k>``: these of its own, the rest a decoder layer's names."""
+_MTP_SHARED = ("embed_tokens.weight", "shared_head.head.weight")
+"""HF's copies of the embedding and output layer in an MTP layer: torchtitan's MTP layers use
+the model's own (no tensors of theirs)."""
 _ROTARY = ("self_attn.q_proj.weight", "self_attn.k_proj.weight")
 FUSED_QKV = "attention.qkv_linear.wqkv.weight"
 OUTPUT_NAMES = ("lm_head.weight", "output.weight")
@@ -104,8 +115,8 @@ def unsupported(spec: ModelSpec) -> str | None:
     family = choose_family(spec).name
     if family not in INTERLEAVED:
         return f"model_type {family!r} (mapped: {', '.join(INTERLEAVED)})"
-    if family == DEEPSEEK:  # MLA, shared experts and dense first layers are its own
-        return "multi-token prediction layers" if spec.mtp_num_layers else None
+    if family == DEEPSEEK:  # MLA, shared experts, dense first layers and MTP are its own
+        return None
     for field, value in (
         ("attention_bias / mlp_bias", spec.add_bias_linear or spec.add_qkv_bias),
         ("shared experts", bool(spec.moe_shared_expert_intermediate_size)),
@@ -141,20 +152,32 @@ def key_table(spec: ModelSpec) -> dict[str, TitanKey]:
     heads = RotaryRows(d, d, d) if INTERLEAVED[choose_family(spec).name] else None
     params: dict[str, TitanKey] = {}
     grouped: dict[str, list[tuple[str, Shape, tuple[Piece, ...], str]]] = {}
+    by_hf: dict[str, list[str]] = {}
     for name, canonical, shape, pieces in hf_tensors(spec):
         _, _, local = name.partition(".layers.")
         prefix, suffix = ("", name)
+        renames = _RENAMES
         if local:
             number, _, suffix = local.partition(".")
             prefix = f"layers.{number}."
+            if int(number) >= spec.num_layers:  # a multi-token prediction layer
+                if suffix in _MTP_SHARED:  # held by the model's own tensor
+                    for original in by_hf[shared_original(spec, name) or ""]:
+                        params[original] = replace(
+                            params[original], hf=(*params[original].hf, name)
+                        )
+                    continue
+                prefix = f"mtp_layers.{int(number) - spec.num_layers}."
+                renames = {**_RENAMES, **_MTP_RENAMES}
         expert = _EXPERT.fullmatch(suffix)
         if expert is not None:  # experts in HF order: expert 0's three, then expert 1's, ...
             matrix = (canonical, shape, pieces, name)
             grouped.setdefault(prefix + _GROUPED[expert[2]], []).append(matrix)
             continue
         rows = heads if suffix in _ROTARY else None
-        for titan in _RENAMES[suffix]:
+        for titan in renames[suffix]:
             params[prefix + titan] = TitanKey(canonical, shape, pieces, rows, hf=(name,))
+            by_hf.setdefault(name, []).append(prefix + titan)
     for name, matrices in grouped.items():
         shape = (len(matrices), *matrices[0][1])
         each = tuple((canonical, pieces) for canonical, _, pieces, _ in matrices)
