@@ -49,6 +49,8 @@ _FILE = re.compile(r"mp_rank_(?P<tp>\d{2})(?:_(?P<a>\d{3}))?(?:_(?P<b>\d{3}))?_a
 _NAME = re.compile(
     r"decoder\.layers\.(?P<layer>\d+)\.(?P<module>.+)\.adapter\.linear_(?P<part>in|out)\.weight"
 )
+_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(?P<local>\d+)\.(?P<linear>linear_fc[12])")
+"""A ``SequentialMLP`` expert's linear: each local expert has an adapter of its own."""
 _SPLIT_OF_A = {Split.COLUMN: Split.COLUMN, Split.GATED: Split.COLUMN, Split.ROW: Split.ROW}
 """How ``linear_in`` (A, ``[rank, in]``) is cut, by the base weight's cut."""
 _SPLIT_OF_B = {Split.COLUMN: Split.COLUMN, Split.GATED: Split.GATED, Split.ROW: Split.COLUMN}
@@ -123,9 +125,8 @@ class MegatronAdapter(HeldAdapter):
         global, and cut into the HF weights of the base weight."""
         stages = layout.chunk_layers(spec.num_layers)
         shards: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+        per_rank = (spec.num_experts or 0) // layout.ep
         for rank_file in found:
-            if rank_file.ep:  # dense adapters, the same on every EP rank (experts refused)
-                continue
             reader = open_torch_file(storage, rank_file.path)
             where = storage.describe(rank_file.path)
             tree = reader.tree
@@ -134,19 +135,32 @@ class MegatronAdapter(HeldAdapter):
             held = stages[(rank_file.pp, 0)]
             for name, ref in tree[STATE_KEY].items():
                 match = _NAME.fullmatch(str(name))
-                if match is None or ".experts." in f".{match['module']}.":
-                    what = "LoRA on experts" if match else "not a LoRA A or B of a decoder layer"
+                module = match["module"] if match else ""
+                expert = _EXPERT.fullmatch(module)
+                if match is None or (".experts." in f".{module}." and expert is None):
+                    what = "LoRA on grouped experts" if match else "not a LoRA A or B"
                     raise CheckpointError(
                         f"{where}: {name}: {what} (Megatron-Bridge's LoRA on a decoder "
-                        "layer's linear_qkv, linear_proj, linear_fc1, linear_fc2 is read)"
+                        "layer's linear_qkv, linear_proj, linear_fc1, linear_fc2, each "
+                        "SequentialMLP expert's too, is read)"
                     )
+                if expert is None and rank_file.ep:  # dense: the same on every EP rank
+                    continue
+                if expert is not None:  # local expert j of EP rank e: global e * n + j
+                    if layout.expert_tp != layout.tp:
+                        raise CheckpointError(
+                            f"{where}: LoRA on experts with expert TP {layout.expert_tp} other "
+                            f"than TP {layout.tp}: the files do not say the expert TP rank"
+                        )
+                    number = rank_file.ep * per_rank + int(expert["local"])
+                    module = f"mlp.experts.local_experts.{number}.{expert['linear']}"
                 local = int(match["layer"])
                 if local >= len(held):
                     raise CheckpointError(
                         f"{where}: {name}: pipeline stage {rank_file.pp} holds {len(held)} "
                         "layers; is transformer_config.json this run's?"
                     )
-                base = f"{LAYER_PREFIX}{held[local]}.{match['module']}.weight"
+                base = f"{LAYER_PREFIX}{held[local]}.{module}.weight"
                 data = reader.read(ref, (0,) * len(ref.shape), tuple(ref.shape))
                 shards.setdefault((base, match["part"]), {})[rank_file.tp] = data
         if not shards:

@@ -114,6 +114,25 @@ def test_pipeline_stages_number_their_layers_from_zero(tmp_path: Path, cli) -> N
     torch.testing.assert_close(logits, truth["logits"], rtol=1e-5, atol=1e-5)
 
 
+def test_each_experts_adapter_lands_on_that_expert(tmp_path: Path, cli) -> None:
+    """A Qwen3-MoE-like model at EP 2 (SequentialMLP): Megatron-Bridge gives every expert's
+    linear_fc1 / linear_fc2 an adapter of its own, saved in its EP rank's file under its local
+    number; merged, transformers' logits equal megatron-core's forward with them on."""
+    out = tmp_path / "moe"
+    megatron_bridge_peft.run(out, "--tp", 1, "--ep", 2, "--mode", "train")
+    cli("merge-lora", out / "base", out, tmp_path / "merged", "--lora-alpha", ALPHA)
+    merged = _tensors(tmp_path / "merged")
+    experts = [n for n in merged if ".mlp.experts." in n]
+    assert len(experts) == 2 * 4 * 3  # 2 layers x 4 experts x gate / up / down
+    truth = torch.load(out / "logits.pt")
+    logits = _logits(tmp_path / "merged", truth["input_ids"])
+    torch.testing.assert_close(logits, truth["logits"], rtol=1e-5, atol=1e-5)
+    cli("consolidate", out / "base", tmp_path / "base", "--format", "hf")
+    base = _tensors(tmp_path / "base")
+    changed = [n for n in experts if not torch.equal(merged[n], base[n])]
+    assert len(changed) == len(experts)  # every expert got its own (trained) update
+
+
 def test_what_the_adapter_does_not_say_is_refused_by_name(
     trained: Path, tmp_path: Path, cli
 ) -> None:

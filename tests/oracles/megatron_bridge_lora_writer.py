@@ -51,6 +51,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+import megatron_core_moe as moe
 import torch
 import torch.distributed as dist
 from mcore_cpu import (
@@ -79,6 +80,7 @@ BATCH, SEQ = 2, 17
 STEPS = 3
 LR = 1e-2
 ADAPTER_SEED = 2468
+MOE_VARIANT = "qwen3_moe"
 
 
 def import_bridge_lora(site: Path) -> Any:
@@ -151,24 +153,37 @@ def global_name(name: str, offset: int) -> str:
     return ".".join(parts)
 
 
-def worker(rank: int, port: int, tp: int, pp: int, out: Path, mode: str, base: Path | None) -> None:
-    patch_megatron_for_cpu(noop_cuda_synchronize=False)
-    with model_parallel(rank, port, tp * pp, tp=tp, pp=pp, cpu_as_cuda=False):
+def worker(
+    rank: int, port: int, tp: int, pp: int, ep: int, out: Path, mode: str, base: Path | None
+) -> None:
+    if ep > 1:  # megatron_core_moe's model, processes and CPU shims
+        moe.cpu_patches()
+        parallel = moe.expert_parallel(rank, port, tp, ep, tp)
+    else:
+        patch_megatron_for_cpu(noop_cuda_synchronize=False)
+        parallel = model_parallel(rank, port, tp * pp, tp=tp, pp=pp, cpu_as_cuda=False)
+    with parallel:
         from megatron.core import parallel_state as ps
 
         tp_rank, pp_rank = (
             ps.get_tensor_model_parallel_rank(),
             ps.get_pipeline_model_parallel_rank(),
         )
+        ep_rank = ps.get_expert_model_parallel_rank()
         first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
         torch.manual_seed(MODEL_SEED)
-        config = transformer_config(
-            tp=tp, num_layers=NUM_LAYERS, pp=pp, pipeline_dtype=torch.float32
-        )
-        model = gpt_model(config, parallel_output=False, pre_process=first, post_process=last)
+        if ep > 1:  # Qwen3-MoE-like: q/k norms, SequentialMLP experts (each its own adapter)
+            model = moe.build(MOE_VARIANT, tp, ep)
+            config, args = model.config, moe.megatron_args(MOE_VARIANT, tp, ep, tp)
+        else:
+            config = transformer_config(
+                tp=tp, num_layers=NUM_LAYERS, pp=pp, pipeline_dtype=torch.float32
+            )
+            model = gpt_model(config, parallel_output=False, pre_process=first, post_process=last)
+            args = megatron_args(tp, pp)
         offset = model.decoder.layers[0].layer_number - 1  # megatron-core numbers layers globally
         randomise_norms(model, seed_per_name=True, layer_offset=offset)
-        where = rank_dir(tp_rank, pp_rank, pp)
+        where = rank_dir(tp_rank, pp_rank, pp) + (f"_{ep_rank:03d}" if ep > 1 else "")
         if base is not None:
             saved = torch.load(
                 base / f"iter_{ITERATION:07d}" / where / "model_optim_rng.pt", weights_only=False
@@ -181,7 +196,7 @@ def worker(rank: int, port: int, tp: int, pp: int, out: Path, mode: str, base: P
             shard.mkdir(parents=True, exist_ok=True)
             torch.save(
                 {
-                    "args": megatron_args(tp, pp),
+                    "args": args,
                     "checkpoint_version": CHECKPOINT_VERSION,
                     "iteration": ITERATION,
                     "model": model.state_dict_for_save_checkpoint(),
@@ -217,13 +232,23 @@ def worker(rank: int, port: int, tp: int, pp: int, out: Path, mode: str, base: P
             model.eval()
             ids = reference_input_ids(BATCH, SEQ)
             with torch.no_grad():
-                logits = model(ids, position_ids(BATCH, SEQ), causal_mask(SEQ))
+                logits = gathered(model(ids, position_ids(BATCH, SEQ), causal_mask(SEQ)))
             if rank == 0:
                 torch.save(
                     {"input_ids": ids, "logits": logits[..., :TRUE_VOCAB].float().contiguous()},
                     out / "logits.pt",
                 )
         dist.barrier()
+
+
+def gathered(logits: torch.Tensor) -> torch.Tensor:
+    """The whole vocabulary's logits (the MoE model's are vocab-parallel)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return logits
+    return gather_from_tensor_model_parallel_region(logits)
 
 
 def train(model: torch.nn.Module, params: list[torch.nn.Parameter]) -> None:
@@ -234,7 +259,7 @@ def train(model: torch.nn.Module, params: list[torch.nn.Parameter]) -> None:
     tokens = torch.randint(0, TRUE_VOCAB, (BATCH, SEQ + 1), generator=generator)
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     for _ in range(STEPS):
-        logits = model(inputs, position_ids(BATCH, SEQ), causal_mask(SEQ))
+        logits = gathered(model(inputs, position_ids(BATCH, SEQ), causal_mask(SEQ)))
         loss = torch.nn.functional.cross_entropy(
             logits[..., :TRUE_VOCAB].reshape(-1, TRUE_VOCAB).float(), labels.reshape(-1)
         )
@@ -248,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", type=Path)
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1, help="> 1: the MoE model, at PP 1")
     parser.add_argument("--mode", choices=("train", "seeded"), default="train")
     parser.add_argument("--base", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -255,7 +281,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--mode train computes its loss on one stage: --pp 1")
     args.out.mkdir(parents=True, exist_ok=True)
     base = args.base.resolve() if args.base else None
-    spawn(worker, args.tp * args.pp, args.tp, args.pp, args.out.resolve(), args.mode, base)
+    if args.ep > 1 and args.pp != 1:
+        parser.error("--ep: the MoE model at --pp 1")
+    world = moe.world_size(args.tp, args.ep, args.tp) if args.ep > 1 else args.tp * args.pp
+    spawn(worker, world, args.tp, args.pp, args.ep, args.out.resolve(), args.mode, base)
     return 0
 
 

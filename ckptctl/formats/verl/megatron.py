@@ -11,6 +11,7 @@ any ``torch_dist`` checkpoint."""
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any
 
 from ckptctl import json_input
@@ -70,11 +71,16 @@ def layout_of(saved: dict[str, Any], where: str) -> ParallelLayout:
 
     tp = size("tensor_model_parallel_size")
     etp = size("expert_tensor_parallel_size", None)
+    ep = size("expert_model_parallel_size")
+    # The run's DP size is not saved: the fewest DP ranks that hold the experts (no form read
+    # here depends on it).
+    dp = math.lcm(tp, ep * (etp or tp)) // tp
     return ParallelLayout(
         tp=tp,
+        dp=dp,
         pp=size("pipeline_model_parallel_size"),
         vpp=size("virtual_pipeline_model_parallel_size", None) or 1,
-        ep=size("expert_model_parallel_size"),
+        ep=ep,
         etp=None if etp in (None, tp) else etp,
         first_stage_layers=size("num_layers_in_first_pipeline_stage", None),
         last_stage_layers=size("num_layers_in_last_pipeline_stage", None),
