@@ -12,41 +12,22 @@ imports ``megatron.bridge.peft`` from it over the venv's megatron-core 0.16.1 (s
 
 from __future__ import annotations
 
-import fcntl
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 from tests.oracle_runner import OracleFailed
+from tests.oracle_venvs import pip_target
 
 RELEASE = "0.3.1"
 """The newest Megatron-Bridge; it asks for megatron-core >= 0.15, < 0.17 (0.16.1 here)."""
-ROOT = Path(os.environ.get("CKPTCTL_ORACLES", Path.home() / ".cache" / "ckptctl-oracles"))
-SITE = ROOT / f"megatron-bridge-{RELEASE}"
-READY = SITE / "ckptctl-ready"
 ORACLE = Path(__file__).parent / "oracles" / "megatron_bridge_lora_writer.py"
 
 
 def site() -> Path:
-    """The directory holding Megatron-Bridge, installed first if it is not there (under a lock:
-    test sessions side by side install it once)."""
-    if READY.exists():
-        return SITE
-    ROOT.mkdir(parents=True, exist_ok=True)
-    with open(ROOT / f"megatron-bridge-{RELEASE}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if READY.exists():
-            return SITE
-        shutil.rmtree(SITE, ignore_errors=True)
-        command = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps"]
-        command += ["--target", str(SITE), f"megatron-bridge=={RELEASE}"]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=900)
-        if done.returncode != 0:
-            raise OracleFailed(f"installing megatron-bridge {RELEASE} failed:\n{done.stderr}")
-        READY.write_text(RELEASE)
-    return SITE
+    """The directory holding Megatron-Bridge, installed first if it is not there."""
+    return pip_target(f"megatron-bridge-{RELEASE}", f"megatron-bridge=={RELEASE}")
 
 
 def run(*args: object, timeout: float = 900) -> str:

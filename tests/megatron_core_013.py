@@ -9,40 +9,21 @@ megatron-core 0.16.1 on ``PYTHONPATH`` for the oracle script only.
 
 from __future__ import annotations
 
-import fcntl
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 from tests.oracle_runner import OracleFailed
+from tests.oracle_venvs import pip_target
 
 RELEASE = "0.13.1"
-ROOT = Path(os.environ.get("CKPTCTL_ORACLES", Path.home() / ".cache" / "ckptctl-oracles"))
-SITE = ROOT / f"megatron-core-{RELEASE}"
-READY = SITE / "ckptctl-ready"
 ORACLE = Path(__file__).parent / "oracles" / "megatron_core_torch_dist_writer.py"
 
 
 def site() -> Path:
-    """The directory holding megatron-core 0.13.1, installed first if it is not there (under a
-    lock: test sessions side by side install it once)."""
-    if READY.exists():
-        return SITE
-    ROOT.mkdir(parents=True, exist_ok=True)
-    with open(ROOT / f"megatron-core-{RELEASE}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if READY.exists():
-            return SITE
-        shutil.rmtree(SITE, ignore_errors=True)
-        command = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps"]
-        command += ["--target", str(SITE), f"megatron-core=={RELEASE}"]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=900)
-        if done.returncode != 0:
-            raise OracleFailed(f"installing megatron-core {RELEASE} failed:\n{done.stderr}")
-        READY.write_text(RELEASE)
-    return SITE
+    """The directory holding megatron-core 0.13.1, installed first if it is not there."""
+    return pip_target(f"megatron-core-{RELEASE}", f"megatron-core=={RELEASE}")
 
 
 def run(*args: object, script: str = ORACLE.name, timeout: float = 900) -> str:

@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 from tests.oracle_runner import OracleFailed
@@ -52,3 +53,24 @@ def _run(command: list[str], name: str, what: str) -> None:
     done = subprocess.run(command, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
         raise OracleFailed(f"oracle environment {name}, {what}:\n{done.stdout}\n{done.stderr}")
+
+
+def pip_target(name: str, requirement: str) -> Path:
+    """A directory of its own under ``ROOT`` holding ``requirement`` installed without its
+    dependencies (``pip --target``: a pure-Python wheel run on this project's own torch),
+    installed first if it is not there (under a lock: test sessions side by side install it
+    once; a ``ckptctl-ready`` file written last marks it complete)."""
+    site = ROOT / name
+    ready = site / "ckptctl-ready"
+    if ready.exists():
+        return site
+    ROOT.mkdir(parents=True, exist_ok=True)
+    with open(ROOT / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if ready.exists():
+            return site
+        shutil.rmtree(site, ignore_errors=True)
+        command = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps"]
+        _run([*command, "--target", str(site), requirement], name, "pip install")
+        ready.write_text(requirement)
+    return site
