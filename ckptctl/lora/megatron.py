@@ -262,6 +262,14 @@ def _layout(
         raise CheckpointNotFoundError(f"{url}: no mp_rank_*_adapter.pt; not verl's adapter")
     saved = _saved_config(storage, url, inner)
     if saved is not None:
+        # The files number each stage's layers from 0: what else splits the layers over the
+        # stages would put the adapters on other layers.
+        for field in _STAGE_SPLITS:
+            if saved.get(field) not in (None, False):
+                raise CheckpointError(
+                    f"{url}: {TRANSFORMER_CONFIG}: {field}={saved[field]!r} splits the layers "
+                    "over the pipeline stages in a way ckptctl does not place adapters by yet"
+                )
         layout = layout_of(saved, f"{url}: {TRANSFORMER_CONFIG}")
     elif any(m["a"] for _, m in named):
         raise CheckpointNotFoundError(
@@ -293,6 +301,15 @@ def _layout(
             f"ranks are there (saved at {layout.describe()})"
         )
     return layout, found
+
+
+_STAGE_SPLITS = (
+    "pipeline_model_parallel_layout",
+    "account_for_embedding_in_pipeline_split",
+    "account_for_loss_in_pipeline_split",
+)
+"""``TransformerConfig`` fields that move layers between pipeline stages beyond the uneven
+first / last stage counts ``layout_of`` reads."""
 
 
 def _saved_config(storage: Storage, url: str, inner: str) -> dict[str, Any] | None:

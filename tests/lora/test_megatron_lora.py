@@ -150,6 +150,10 @@ def test_what_the_adapter_does_not_say_is_refused_by_name(
     (other / "transformer_config.json").write_text(json.dumps(saved))
     result = cli("merge-lora", base, other, tmp_path / "o2", "--lora-alpha", ALPHA, code=3)
     assert "first model chunk" in result.stderr
+    saved.update(virtual_pipeline_model_parallel_size=None, account_for_loss_in_pipeline_split=True)
+    (other / "transformer_config.json").write_text(json.dumps(saved))
+    result = cli("merge-lora", base, other, tmp_path / "o2", "--lora-alpha", ALPHA, code=3)
+    assert "account_for_loss_in_pipeline_split" in result.stderr
 
     dora = tmp_path / "dora"
     shutil.copytree(trained, dora, ignore=shutil.ignore_patterns("base"))
