@@ -229,10 +229,19 @@ def probe_torch_dist(
                 for part in parts
             )
     if unknown:
+        adapters = any(".adapter.linear_" in fqn for fqn in unknown)
         raise CheckpointError(
             f"{storage.describe(base)}: tensors {', '.join(sorted(set(unknown))[:5])} are not "
             f"parameters of the model its args describe ({spec.num_layers} layers, hidden "
-            f"{spec.hidden_size}); MoE and heterogeneous layers are not supported yet"
+            f"{spec.hidden_size})",
+            hint=(
+                "they are Megatron-Bridge's LoRA adapters (verl's Megatron LoRA saved with "
+                "dist checkpointing), not read from here: merge the actor's adapter_checkpoint/ "
+                "into the model the run started from with ckptctl merge-lora BASE ACTOR DST "
+                "--lora-alpha A"
+                if adapters
+                else "is this the checkpoint the args (or config) describe?"
+            ),
         )
     optimizer = dense_optimizer(common.get("optimizer"))
     if model_space:
