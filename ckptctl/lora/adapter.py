@@ -4,6 +4,7 @@ matrices read on demand (an adapter is small next to its base)."""
 
 from __future__ import annotations
 
+import json
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,7 @@ from ckptctl.model.lora import (
     replacements,
     token_rows,
 )
+from ckptctl.model.peft_wrapped import adapter_config
 from ckptctl.settings import StorageConfig
 
 if TYPE_CHECKING:
@@ -83,6 +85,26 @@ class HeldAdapter(LoraSource):
     def stored(self, name: str) -> np.ndarray:
         """Matrix ``name`` as the run stored it (its dtype)."""
         raise NotImplementedError
+
+    def _describe(
+        self,
+        shapes: dict[str, tuple[int, ...]],
+        alpha: float,
+        architecture: str,
+        base_model: str | None,
+        where: str,
+    ) -> None:
+        """The config PEFT would save for matrices of ``shapes`` trained at ``alpha``, checked;
+        the merge's terms; a fingerprint of the config and every stored matrix."""
+        self.settings = adapter_config(shapes, alpha, architecture, base_model)
+        check_config(self.settings, where, frozenset())
+        self.pairs = pairs(self.settings, shapes, where)
+        self.whole, self.tokens = {}, {}
+        digest = xxhash.xxh3_64(json.dumps(self.settings, sort_keys=True).encode())
+        for name in sorted(shapes):
+            digest.update(name.encode())
+            digest.update(self.stored(name).tobytes())
+        self.fingerprint = digest.hexdigest()
 
 
 @dataclass

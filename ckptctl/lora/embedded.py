@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
-import xxhash
 
 from ckptctl import arrays
 from ckptctl.errors import LayoutError
@@ -19,8 +18,6 @@ from ckptctl.formats.base import Checkpoint
 from ckptctl.formats.hf.writer import write_safetensors
 from ckptctl.io.storage import Storage
 from ckptctl.lora.adapter import CONFIG, WEIGHTS, HeldAdapter
-from ckptctl.model.lora import check_config, pairs
-from ckptctl.model.peft_wrapped import adapter_config
 from ckptctl.model.stored import StoredTensor
 
 if TYPE_CHECKING:
@@ -46,21 +43,15 @@ class EmbeddedAdapter(HeldAdapter):
                 self.dtypes[t.canonical] = t.dtype
         for name, parts in self._parts.items():
             self._shapes[name] = _global_shape(parts)
-        self.settings: dict[str, Any] = adapter_config(
-            self._shapes, alpha, ckpt.adapter.architecture, ckpt.adapter.base_model
-        )
-        settings = self.settings
-        where = f"{url} (its LoRA adapter)"
-        check_config(settings, where, frozenset())
-        self.pairs = pairs(settings, self._shapes, where)
-        self.whole, self.tokens = {}, {}
         self._lock = threading.Lock()
         self._stored: dict[str, np.ndarray] = {}
-        digest = xxhash.xxh3_64(json.dumps(settings, sort_keys=True).encode())
-        for name in sorted(self._shapes):
-            digest.update(name.encode())
-            digest.update(self.stored(name).tobytes())
-        self.fingerprint = digest.hexdigest()
+        self._describe(
+            self._shapes,
+            alpha,
+            ckpt.adapter.architecture,
+            ckpt.adapter.base_model,
+            f"{url} (its LoRA adapter)",
+        )
 
     @property
     def url(self) -> str:

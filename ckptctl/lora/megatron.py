@@ -17,13 +17,11 @@ config, not in the files: it is given.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import xxhash
 
 from ckptctl import arrays, json_input
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError, LayoutError
@@ -37,8 +35,7 @@ from ckptctl.model.geometry import Split, shard_shape_and_pieces
 from ckptctl.model.hf_families import choose_family
 from ckptctl.model.hf_layout import hf_tensors
 from ckptctl.model.layout import ModelSpec, ParallelLayout
-from ckptctl.model.lora import PREFIX, check_config, pairs
-from ckptctl.model.peft_wrapped import adapter_config
+from ckptctl.model.lora import PREFIX
 from ckptctl.settings import StorageConfig
 
 if TYPE_CHECKING:
@@ -89,18 +86,9 @@ class MegatronAdapter(HeldAdapter):
         self._gather(storage, spec, layout, found)
         shapes = {name: tuple(a.shape) for name, a in self._held.items()}
         self.dtypes = {name: arrays.dtype_of(a) for name, a in self._held.items()}
-        self.settings: dict[str, Any] = adapter_config(
-            shapes, alpha, choose_family(spec).architecture, base
-        )
+        architecture = choose_family(spec).architecture
         where = f"{url} (Megatron-Bridge's LoRA adapter)"
-        check_config(self.settings, where, frozenset())
-        self.pairs = pairs(self.settings, shapes, where)
-        self.whole, self.tokens = {}, {}
-        digest = xxhash.xxh3_64(json.dumps(self.settings, sort_keys=True).encode())
-        for name in sorted(self._held):
-            digest.update(name.encode())
-            digest.update(self._held[name].tobytes())
-        self.fingerprint = digest.hexdigest()
+        self._describe(shapes, alpha, architecture, base, where)
 
     @property
     def url(self) -> str:

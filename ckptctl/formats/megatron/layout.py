@@ -8,6 +8,7 @@ optimizer, the torch optimizer state keyed by parameter index in Megatron's para
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from math import prod
 
 from ckptctl.errors import LayoutError
@@ -208,6 +209,7 @@ def rank_params(
     return out
 
 
+@lru_cache(maxsize=32)
 def group_kinds(spec: ModelSpec, experts: bool) -> frozenset[bool]:
     """The parameter-group kinds (no weight decay?) the dense optimizer, or the experts',
     has anywhere in the model."""
