@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ckptctl.errors import CheckpointError, LayoutError
+from ckptctl.model import hf_windows
 from ckptctl.model.fields import refuse_fields
 from ckptctl.model.hf_families import FAMILIES, Family
 from ckptctl.model.layout import Activation, ModelSpec
@@ -71,7 +72,10 @@ def spec_from_config(
         raise LayoutError("attention_bias and mlp_bias differ: Megatron has one add_bias_linear")
     if family.name in ("qwen3", "qwen3_moe") and bias:
         raise LayoutError("attention_bias=true: Megatron cannot hold biases on attention only")
-    fields = family.rules.spec_fields(config) if family.rules else _moe_spec(config, family)
+    if family.rules:
+        fields = family.rules.spec_fields(config)
+    else:
+        fields = _moe_spec(config, family) | hf_windows.spec_fields(config, family.name)
     return ModelSpec(**(_common_fields(config, family, make_vocab_size_divisible_by) | fields))
 
 
@@ -172,14 +176,6 @@ def _plain_problem(key: str, value: Any, config: Mapping[str, Any]) -> str | Non
         extra = {k: v for k, v in value.items() if k != "rope_theta"}
         if extra.get("rope_type", "default") != "default" or set(extra) - {"rope_type"}:
             return f"{key}={dict(value)!r}"
-    if key == "sliding_window" and value is not None and config.get("use_sliding_window", True):
-        return f"sliding_window={value!r}"
-    if key == "use_sliding_window" and value:
-        return f"use_sliding_window={value!r}"
-    if key == "layer_types" and (
-        not isinstance(value, list | None) or any(kind != "full_attention" for kind in value or ())
-    ):
-        return f"layer_types={value!r}"
     if key == "decoder_sparse_step" and value != 1:
         return f"decoder_sparse_step={value!r} (dense layers between MoE layers)"
     if key == "mlp_only_layers" and value:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptctl.errors import LayoutError
-from ckptctl.model import hf_deepseek, hf_glm
+from ckptctl.model import hf_deepseek, hf_glm, hf_windows
 from ckptctl.model.hf_routed import FamilyRules
 from ckptctl.model.layout import Activation, ModelSpec, NormKind, PositionEmbedding, RouterScore
 
@@ -198,6 +198,10 @@ def family_summary(family: Family) -> dict[str, str]:
         holds = family.rules.holds
     else:
         holds = f"{mlp}, RMSNorm, RoPE, GQA or MHA, tied or untied embeddings, {bias}{norms}"
+        if family.name in hf_windows.EVERY_LAYER:
+            holds += ", a sliding window on every layer or none"
+        elif family.name in hf_windows.BY_LAYER_TYPE:
+            holds += ", a sliding window on any layers (layer_types)"
     return {"model_type": family.name, "architecture": family.architecture, "holds": holds}
 
 
@@ -221,7 +225,8 @@ def choose_family(spec: ModelSpec) -> Family:
     elif spec.add_qkv_bias and not spec.add_bias_linear:
         name = "qwen2"
     else:
-        name = "llama"
+        # Llama has no window; Mistral is Llama with one on every layer
+        name = "llama" if spec.window_size is None else "mistral"
     if name not in FAMILIES:
         raise LayoutError(
             f"HF family {name!r}: ckptctl writes {', '.join(FAMILIES)} (ckptctl formats)"
@@ -244,6 +249,7 @@ def check_family(spec: ModelSpec, family: Family) -> None:
         problems.append(f"{cls} needs RMSNorm, this model uses {spec.normalization}")
     if spec.position_embedding is not PositionEmbedding.ROPE:
         problems.append(f"{cls} needs RoPE, this model uses {spec.position_embedding}")
+    problems.extend(hf_windows.problems(spec, family.name, cls))
     if family.rules is not None:
         problems.extend(family.rules.problems(spec, cls))
         if problems:
@@ -333,10 +339,7 @@ def hf_config(spec: ModelSpec, dtype: str) -> dict[str, Any]:
         config["attention_bias"] = False
     if family.name == "qwen3_moe":
         config["attention_bias"] = False
-    if "sliding_window" in family.config_keys:
-        config["sliding_window"] = None
-    if "use_sliding_window" in family.config_keys:
-        config["use_sliding_window"] = False
+    config.update(hf_windows.config_fields(spec, family.name, family.config_keys))
     if family.rules is not None:
         config.update(family.rules.config(spec))
     elif family.moe is not None:

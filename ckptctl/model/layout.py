@@ -14,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt, model_valida
 from ckptctl.errors import LayoutError
 from ckptctl.model.mla import MlaSpec
 from ckptctl.model.moe_spec import moe_description, moe_problems
+from ckptctl.model.windows import describe as describe_window
+from ckptctl.model.windows import window_problems
 
 
 class NormKind(StrEnum):
@@ -131,6 +133,12 @@ class ModelSpec(_Frozen):
     """Multi-token prediction layers after the decoder (DeepSeek-V3's one): each an embedding
     norm, a hidden-state norm, a ``[h, 2h]`` projection, a transformer layer of the last
     layer's kind and a final norm; they share the embedding and output layer."""
+    window_size: tuple[StrictInt, StrictInt] | None = None
+    """Sliding-window attention, megatron-core's ``(left, right)``: a query attends to keys
+    ``left`` before to ``right`` after it (-1: unbounded); unset: full causal attention."""
+    full_attention_layers: tuple[StrictInt, ...] = ()
+    """Layers exempt from the window (megatron-core's ``window_attn_skip_freq``; Gemma 3's,
+    GPT-OSS's and Qwen2's ``layer_types`` ``full_attention`` entries)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -160,6 +168,7 @@ class ModelSpec(_Frozen):
             if value is not None and value > most:
                 problems.append(f"{field}={value} is implausible (at most {most})")
         problems.extend(moe_problems(self))
+        problems.extend(window_problems(self))
         if self.mla is not None and self.num_query_groups != self.num_attention_heads:
             problems.append(
                 f"multi-latent attention has a key/value per head: num_query_groups="
@@ -227,6 +236,7 @@ class ModelSpec(_Frozen):
             *(["q/k layernorm"] if self.qk_layernorm else []),
             bias,
             position,
+            *([describe_window(self)] if self.window_size is not None else []),
             f"{'tied' if self.tie_embeddings else 'untied'} embeddings",
             *([self._mtp_description()] if self.mtp_num_layers else []),
             *([f"from HF {self.hf_family}"] if self.hf_family else []),

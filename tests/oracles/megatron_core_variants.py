@@ -17,7 +17,8 @@ Two modes, both on CPU with gloo:
 
 Variants: ``mha`` (group_query_attention off, num_query_groups stored as 1), ``partial_rope``
 (rotary_percent 0.5), ``qkv_bias`` (Qwen2-style), ``qk_layernorm`` (Qwen3-style), ``gelu``
-(non-gated GELU MLP), ``tied`` (shared embedding and output weights).
+(non-gated GELU MLP), ``tied`` (shared embedding and output weights), ``sliding_window`` and
+``window_pattern`` (sliding-window attention on every layer / on every other layer).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from mcore_cpu import (
 TP = 2
 NUM_LAYERS = 2
 BATCH, SEQ = 2, 17
+WINDOW = (3, 0)
 
 # variant -> (args overrides as Megatron-LM stores them, TransformerConfig overrides, GPTModel
 # keywords)
@@ -69,6 +71,15 @@ VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {
         {},
     ),
     "tied": ({"untie_embeddings_and_output_weights": False}, {}, {"tie_embeddings": True}),
+    # Sliding-window attention (issue 56): a window of 4 keys on every layer (Mistral), and on
+    # layer 1 only with q/k norms (window_attn_skip_freq=2: every 2nd layer attends fully;
+    # Qwen3 with layer_types). SEQ is longer than the window.
+    "sliding_window": ({"window_size": WINDOW}, {"window_size": WINDOW}, {}),
+    "window_pattern": (
+        {"window_size": WINDOW, "window_attn_skip_freq": 2, "qk_layernorm": True},
+        {"window_size": WINDOW, "window_attn_skip_freq": 2, "qk_layernorm": True},
+        {},
+    ),
 }
 
 
@@ -98,6 +109,14 @@ def build(variant: str, tp: int, pp_stage: int | None = None) -> torch.nn.Module
     """The variant's GPTModel: the whole model, or one of two pipeline stages (one layer each)."""
     _, config_overrides, model_kwargs = VARIANTS[variant]
     layers = NUM_LAYERS if pp_stage is None else NUM_LAYERS // 2
+    freq = config_overrides.get("window_attn_skip_freq")
+    if pp_stage is not None and freq is not None:
+        # A stage built alone numbers its layers from 1 (no pipeline group here): give it its
+        # part of the whole model's window pattern (1: windowed), as megatron-core's offsets
+        # would in a PP2 run.
+        pattern = [int(n % freq != 0) for n in range(1, NUM_LAYERS + 1)]
+        stage_pattern = pattern[pp_stage * layers : (pp_stage + 1) * layers]
+        config_overrides = {**config_overrides, "window_attn_skip_freq": stage_pattern}
     config = transformer_config(tp=tp, num_layers=layers, **config_overrides)
     stages = (
         {} if pp_stage is None else {"pre_process": pp_stage == 0, "post_process": pp_stage == 1}
@@ -129,7 +148,8 @@ def logits_of(model: torch.nn.Module) -> torch.Tensor:
 
 def write_worker(rank: int, port: int, out_dir: Path, ckpt_format: str) -> None:
     patch_megatron_for_cpu(noop_cuda_synchronize=True)
-    with model_parallel(rank, port, TP, tp=TP, cpu_as_cuda=ckpt_format == "torch_dist"):
+    # CpuAsCudaMode: dist_checkpointing, and the sliding-window mask (made on "cuda")
+    with model_parallel(rank, port, TP, tp=TP, cpu_as_cuda=True):
         for variant in VARIANTS:
             torch.manual_seed(MODEL_SEED)  # the same full model on every rank (see gpt_model)
             model = build(variant, TP)
@@ -177,7 +197,7 @@ def save_torch_dist(root: Path, model: torch.nn.Module, args: argparse.Namespace
 
 def forward_worker(rank: int, port: int, ckpt: Path, out: Path, variant: str) -> None:
     patch_megatron_for_cpu(noop_cuda_synchronize=False)
-    with model_parallel(rank, port, 1, tp=1, cpu_as_cuda=False):
+    with model_parallel(rank, port, 1, tp=1, cpu_as_cuda=True):  # the window's mask
         stages = []
         for stage in range(2):
             model = build(variant, 1, pp_stage=stage)

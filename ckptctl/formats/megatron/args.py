@@ -42,6 +42,7 @@ from ckptctl.model.layout import (
     PositionEmbedding,
     RouterScore,
 )
+from ckptctl.model.windows import from_megatron, megatron_fields
 
 
 def _arg(args: argparse.Namespace, *names: str, default: Any = None) -> Any:
@@ -237,6 +238,9 @@ def spec_from_args(
         mla=mla_spec(args),
         mtp_num_layers=int(_arg(args, "mtp_num_layers", default=0)),
         **_moe_spec(args),
+        **from_megatron(
+            _arg(args, "window_size"), _arg(args, "window_attn_skip_freq"), args.num_layers
+        ),
     )
 
 
@@ -384,6 +388,7 @@ def args_from_spec(spec: ModelSpec) -> argparse.Namespace:
         **_moe_args(spec),
         **mla_args(spec.mla),
         mtp_num_layers=spec.mtp_num_layers or None,
+        **megatron_fields(spec),
         transformer_impl="transformer_engine",
         ckptctl_hf_family=spec.hf_family,
         data_parallel_size=1,

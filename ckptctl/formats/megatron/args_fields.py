@@ -40,7 +40,8 @@ MAPPED = frozenset(
     pipeline_model_parallel_layout pipeline_model_parallel_size position_embedding_type
     qk_layernorm rotary_base rotary_percent squared_relu swiglu tensor_model_parallel_size
     transformer_impl untie_embeddings_and_output_weights use_distributed_optimizer
-    use_rotary_position_embeddings virtual_pipeline_model_parallel_size vocab_size world_size
+    use_rotary_position_embeddings virtual_pipeline_model_parallel_size vocab_size
+    window_attn_skip_freq window_size world_size
     """.split()
 )
 
@@ -92,8 +93,6 @@ PLAIN_VALUES: dict[str, tuple[object, ...]] = {
     "use_rope_scaling": (False,),
     "use_torch_fsdp2": (False,),
     "use_transformer_engine_op_fuser": (False,),
-    "window_attn_skip_freq": (None,),
-    "window_size": (None,),
     "yaml_cfg": (None,),
     "yarn_beta_fast": (None,),
     "yarn_beta_slow": (None,),

@@ -23,6 +23,7 @@ from ckptctl.formats.verl.layout import DIST_CKPT, TRANSFORMER_CONFIG, step_of
 from ckptctl.io.storage import Storage
 from ckptctl.model.hf_config import spec_from_config
 from ckptctl.model.layout import ModelSpec, ParallelLayout
+from ckptctl.model.windows import from_megatron
 
 
 def _model_fields(spec: ModelSpec) -> dict[str, Any]:
@@ -108,6 +109,17 @@ def described(storage: Storage, config: dict[str, Any], request: ProbeRequest) -
             for name, wanted in _model_fields(spec).items()
             if name in saved and not _same(saved[name], wanted)
         ]
+        windows = from_megatron(
+            saved.get("window_size"), saved.get("window_attn_skip_freq"), spec.num_layers, where
+        )
+        if (
+            windows.get("window_size") != spec.window_size
+            or windows.get("full_attention_layers", ()) != spec.full_attention_layers
+        ):
+            wrong.append(
+                f"window_size/window_attn_skip_freq are {saved.get('window_size')!r}/"
+                f"{saved.get('window_attn_skip_freq')!r} there, not the HF config's window"
+            )
         if wrong:
             raise CheckpointError(
                 f"{where}: " + "; ".join(wrong[:4]) + " (is huggingface/config.json this run's?)"

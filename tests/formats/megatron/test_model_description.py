@@ -83,7 +83,7 @@ def test_partial_rotary_is_carried_through_reshards_and_refused_for_hf(
     [
         ("apply_layernorm_1p", True),
         ("use_rope_scaling", True),
-        ("window_size", (4096, 0)),
+        ("softmax_type", "learnable"),
         ("openai_gelu", True),
         ("apply_residual_connection_post_layernorm", True),
         ("spec", ["my_specs", "custom_layer_spec"]),

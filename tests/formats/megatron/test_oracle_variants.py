@@ -28,6 +28,8 @@ HF_CLASS = {
     "qkv_bias": "Qwen2ForCausalLM",
     "qk_layernorm": "Qwen3ForCausalLM",
     "tied": "LlamaForCausalLM",
+    "sliding_window": "MistralForCausalLM",
+    "window_pattern": "Qwen3ForCausalLM",
 }
 HF_REFUSAL = {
     "partial_rope": "rotary_percent=0.5: LlamaForCausalLM rotates every head dimension",
@@ -40,6 +42,8 @@ SPEC = {
     "qk_layernorm": {"qk_layernorm": True},
     "gelu": {"gated_linear_unit": False, "activation": "gelu"},
     "tied": {"tie_embeddings": True},
+    "sliding_window": {"window_size": [3, 0], "full_attention_layers": []},
+    "window_pattern": {"window_size": [3, 0], "full_attention_layers": [1]},
 }
 
 
@@ -93,6 +97,11 @@ def test_variant_converts_right_or_is_refused(
         with torch.no_grad():
             logits = model(reference["input_ids"]).logits
         assert _relative(logits, reference["logits"]) < 1e-5
+        if "window_size" in SPEC[variant]:  # the window matters on these inputs
+            model.config.sliding_window = 1 << 20
+            with torch.no_grad():
+                unwindowed = model(reference["input_ids"]).logits
+            assert _relative(unwindowed, reference["logits"]) > 1e-3
     else:
         result = cli("consolidate", src, hf, "--format", "hf", code=2)
         assert HF_REFUSAL[variant] in result.stderr and "Traceback" not in result.stderr
