@@ -70,7 +70,11 @@ def block_fp8(config: Mapping[str, Any]) -> BlockFp8 | None:
         problems.append(f"{QUANTIZATION}.weight_block_size={block!r} (two block sizes expected)")
     if problems:
         raise LayoutError(
-            [*problems, "ckptctl dequantizes block-scaled FP8 (e4m3, dynamic activations) only"]
+            [
+                *problems,
+                "ckptctl dequantizes block-scaled FP8 (e4m3, dynamic activations), and "
+                "GPT-OSS's MXFP4 experts, only",
+            ]
         )
     return BlockFp8((block[0], block[1]))
 

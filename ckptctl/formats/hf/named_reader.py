@@ -11,6 +11,7 @@ from typing import Any
 
 from ckptctl import json_input
 from ckptctl.errors import CheckpointError
+from ckptctl.formats.hf import mxfp4
 from ckptctl.formats.hf.fp8 import QUANTIZATION
 from ckptctl.formats.safetensors_header import SafetensorsEntry, read_header
 from ckptctl.formats.transformers_model import build_names
@@ -43,13 +44,25 @@ def _headers(storage: Storage) -> dict[str, dict[str, SafetensorsEntry]]:
     return headers
 
 
-def probe_named(storage: Storage, config: dict[str, Any], why: str) -> tuple[CheckpointView, Any]:
-    """The view of an HF checkpoint of any architecture transformers builds, and its headers."""
+Packed = dict[tuple[str, str], tuple[tuple[str, str], tuple[str, str]]]
+"""MXFP4 tensors by (file, in-memory name): (file, name) of their blocks and of their scales."""
+
+
+def probe_named(
+    storage: Storage, config: dict[str, Any], why: str
+) -> tuple[CheckpointView, Any, Packed]:
+    """The view of an HF checkpoint of any architecture transformers builds, its headers, and
+    its MXFP4 tensors (read dequantized)."""
     where = storage.describe(CONFIG)
-    if QUANTIZATION in config:
+    dequantized = mxfp4.is_mxfp4(config)
+    if dequantized:
+        mxfp4.check_config(config, where)
+        # what the model is, and what is written: the weights as they are read
+        config = {k: v for k, v in config.items() if k != QUANTIZATION}
+    elif QUANTIZATION in config:
         raise CheckpointError(
             f"{where}: quantized weights ({QUANTIZATION}) are read for the families ckptctl "
-            "maps only"
+            "maps, and MXFP4 experts (GPT-OSS), only"
         )
     model = build_names(config, where)
     headers = _headers(storage)
@@ -63,7 +76,8 @@ def probe_named(storage: Storage, config: dict[str, Any], why: str) -> tuple[Che
         expected = {n: s for n, s in expected.items() if n not in converted}
         expected.update(model.hub_converted)
     tied = {model.hub_name(alias) for alias, _ in model.tied}
-    problems = []
+    problems: list[str] = []
+    packed = _mxfp4_tensors(expected, held, storage, problems) if dequantized else {}
     for name, shape in expected.items():
         if name not in held:
             if name not in tied:
@@ -75,7 +89,8 @@ def probe_named(storage: Storage, config: dict[str, Any], why: str) -> tuple[Che
                 f"{storage.describe(path)}: tensor {name} has shape {list(entry.shape)}, "
                 f"{model.architecture} has {list(shape)}"
             )
-    strays = sorted(set(held) - set(expected))
+    parts = {part for pair in packed.values() for _, part in pair}
+    strays = sorted(set(held) - set(expected) - parts)
     if strays:
         problems.append(
             f"the checkpoint holds {', '.join(strays[:3])}"
@@ -95,7 +110,12 @@ def probe_named(storage: Storage, config: dict[str, Any], why: str) -> tuple[Che
         stored = tuple(
             StoredTensor((name,), name, entry.shape, entry.dtype, (whole(entry.shape),))
             for name, entry in tensors.items()
-            if name not in tied
+            if name not in tied and name not in parts
+        )
+        stored += tuple(
+            StoredTensor((name,), name, expected[name], mxfp4.DEQUANTIZED, (whole(expected[name]),))
+            for at, name in packed
+            if at == path
         )
         files.append(StoredFile(path, stored))
     generation = storage.read_text(GENERATION_CONFIG) if storage.exists(GENERATION_CONFIG) else None
@@ -109,8 +129,48 @@ def probe_named(storage: Storage, config: dict[str, Any], why: str) -> tuple[Che
         (
             f"HF {model.architecture} (checked by transformers; no family table: tensors by name)",
             why,
+            *(
+                [f"{len(packed)} expert weights stored in MXFP4, read as {mxfp4.DEQUANTIZED}"]
+                if packed
+                else []
+            ),
         ),
         replicas=replicas,
         hf_named=HfNamedSource(model, json.dumps(config, indent=2), generation),
     )
-    return view, headers
+    return view, headers, packed
+
+
+def _mxfp4_tensors(
+    expected: dict[str, tuple[int, ...]],
+    held: dict[str, tuple[str, SafetensorsEntry]],
+    storage: Storage,
+    problems: list[str],
+) -> Packed:
+    """The model's tensors stored as MXFP4 blocks and scales in place of themselves; each one
+    entered in ``held`` as the in-memory tensor (in its blocks' file)."""
+    packed: Packed = {}
+    for name, shape in expected.items():
+        blocks, scales = name + mxfp4.BLOCKS, name + mxfp4.SCALES
+        if name in held or blocks not in held:
+            continue
+        wanted = mxfp4.stored_shapes(shape)
+        got = (held[blocks][1], held[scales][1] if scales in held else None)
+        if scales not in held:
+            problems.append(f"tensor {blocks} is without its scales {scales}")
+        elif (
+            wanted is None
+            or (got[0].shape, got[1].shape) != wanted  # type: ignore[union-attr]
+            or {got[0].dtype, got[1].dtype} != {"uint8"}  # type: ignore[union-attr]
+        ):
+            problems.append(
+                f"{storage.describe(held[blocks][0])}: {blocks} / {scales} are "
+                f"{got[0].dtype} {list(got[0].shape)} / {got[1].dtype} "  # type: ignore[union-attr]
+                f"{list(got[1].shape)}; MXFP4 of {list(shape)} is uint8 "  # type: ignore[union-attr]
+                f"{list(wanted[0]) if wanted else '?'} / {list(wanted[1]) if wanted else '?'}"
+            )
+        else:
+            path = held[blocks][0]
+            packed[(path, name)] = ((path, blocks), (held[scales][0], scales))
+            held[name] = (path, SafetensorsEntry(mxfp4.DEQUANTIZED, shape, 0, 0))
+    return packed

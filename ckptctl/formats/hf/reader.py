@@ -10,17 +10,18 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 from math import prod
-from typing import Any, BinaryIO, ClassVar, Protocol
+from typing import Any, BinaryIO, ClassVar
 
 import numpy as np
 import xxhash
 
 from ckptctl import json_input
-from ckptctl.arrays import buffer, numpy_dtype, words
+from ckptctl.arrays import buffer, words
 from ckptctl.checksums import record_checks
 from ckptctl.checksums.manifest import recorded
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError, LayoutError, UsageError
 from ckptctl.formats.base import Checkpoint
+from ckptctl.formats.hf.box_reads import RangeFile, read_box
 from ckptctl.formats.hf.fp8 import (
     DEQUANTIZED,
     FP8,
@@ -30,6 +31,7 @@ from ckptctl.formats.hf.fp8 import (
     block_fp8,
 )
 from ckptctl.formats.hf.fp8_math import dequantize, scale_rows_and_columns
+from ckptctl.formats.hf.mxfp4 import is_mxfp4
 from ckptctl.formats.safetensors_header import SafetensorsEntry, read_header
 from ckptctl.io.runs import Span
 from ckptctl.io.storage import Storage
@@ -56,73 +58,6 @@ from ckptctl.model.stored import (
 )
 
 
-class SeekAndRead(Protocol):
-    """What ``read_box`` needs of a file: a file, or ranged GETs of an object (``_RangeFile``)."""
-
-    def seek(self, pos: int, /) -> object: ...
-
-    def read(self, size: int, /) -> bytes | None: ...
-
-
-def read_box(
-    f: SeekAndRead,
-    entry: SafetensorsEntry,
-    offsets: tuple[int, ...],
-    sizes: tuple[int, ...],
-    into: np.ndarray | None = None,
-    where: str = "safetensors file",
-) -> np.ndarray:
-    """Read box ``[offsets, offsets + sizes)``: only the rows spanning it are fetched, straight
-    into array memory (into ``into`` itself when the box is whole rows of the same dtype);
-    ``where`` names the file in errors."""
-    dtype = numpy_dtype(entry.dtype)
-    if not entry.shape:
-        rows, row_elems, lo = 1, 1, 0
-    else:
-        row_elems = prod(entry.shape[1:])
-        lo = offsets[0]
-        rows = sizes[0]
-    if rows == 0 or prod(sizes) == 0:
-        return np.empty(sizes, dtype)
-    whole_rows = tuple(sizes[1:]) == tuple(entry.shape[1:])
-    direct = (
-        into is not None
-        and whole_rows
-        and into.dtype == dtype
-        and into.flags.c_contiguous
-        and tuple(into.shape) == tuple(sizes)
-    )
-    flat = into.reshape(-1) if into is not None and direct else np.empty(rows * row_elems, dtype)
-    f.seek(entry.begin + lo * row_elems * dtype.itemsize)
-    _read_exactly(f, buffer(words(flat)).cast("B"), where)
-    if into is not None and direct:
-        return into
-    block = flat.reshape((rows, *entry.shape[1:]) if entry.shape else ())
-    if entry.shape and not whole_rows:
-        inner = zip(offsets[1:], sizes[1:], strict=True)
-        block = np.ascontiguousarray(block[(slice(None), *(slice(o, o + s) for o, s in inner))])
-    return block
-
-
-def _read_exactly(f: Any, view: memoryview, where: str) -> None:
-    """Fill ``view`` from ``f``: by ``readinto`` on files, else one exact read (ranged GET)."""
-    truncated = CheckpointError(
-        f"{where}: ends before the tensor bytes its header promises; the file is truncated"
-    )
-    if not hasattr(f, "readinto"):
-        data = f.read(len(view))
-        if len(data) != len(view):
-            raise truncated
-        view[:] = data
-        return
-    got = 0
-    while got < len(view):
-        n = f.readinto(view[got:])
-        if not n:
-            raise truncated
-        got += n
-
-
 @dataclass
 class HFCheckpoint(Checkpoint):
     reads_into: ClassVar[bool] = True
@@ -141,6 +76,11 @@ class HFCheckpoint(Checkpoint):
     written_errors: dict[str, float] = field(default_factory=dict)
     """The largest error each canonical tensor was quantized with, where ckptctl wrote the FP8
     (its manifest says): ``verify --against`` holds the tensor to it."""
+    mxfp4: dict[tuple[str, str], tuple[tuple[str, str], tuple[str, str]]] = field(
+        default_factory=dict
+    )
+    """MXFP4 weights by (file, in-memory name): where their blocks and scales are (read
+    dequantized, ``mxfp4``)."""
     _open: dict[str, BinaryIO] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -158,6 +98,8 @@ class HFCheckpoint(Checkpoint):
         if transposed:
             raise ValueError("safetensors files of this reader hold no tensor transposed")
         name = str(key[0])
+        if (path, name) in self.mxfp4:
+            return self._read_mxfp4(path, name, offsets, sizes)
         scales = self.quantized.get((path, name))
         data = self._read_box(path, name, offsets, sizes, None if scales else into, view)
         if scales is None or self.fp8 is None:
@@ -166,6 +108,18 @@ class HFCheckpoint(Checkpoint):
         first, count = scale_rows_and_columns(block, offsets, sizes)
         grid = self._read_box(*scales, first, count, None)
         return dequantize(data, grid, block, (offsets[0], offsets[1]))
+
+    def _read_mxfp4(self, path: str, name: str, offsets: Shape, sizes: Shape) -> np.ndarray:
+        from ckptctl.formats.hf.mxfp4_math import read_in_memory_box
+
+        blocks, scales = self.mxfp4[(path, name)]
+        return read_in_memory_box(
+            lambda where, at, size: self._read_box(*where, at, size, None),
+            blocks,
+            scales,
+            offsets,
+            sizes,
+        )
 
     def quantization_errors(self) -> dict[str, float]:
         return self.written_errors
@@ -188,7 +142,7 @@ class HFCheckpoint(Checkpoint):
             )
         where = self.storage.describe(path)
         if not self.storage.is_local:  # exact ranged GETs, several in flight
-            data = read_box(_RangeFile(self.storage, path), entry, offsets, sizes, into, where)
+            data = read_box(RangeFile(self.storage, path), entry, offsets, sizes, into, where)
         else:
             with self._lock:  # one handle per file: seek + read must not interleave
                 if path not in self._open:
@@ -244,6 +198,8 @@ class HFCheckpoint(Checkpoint):
     ) -> Span | None:
         """Where the box lies in the file, when it is whole rows of the tensor (and its bytes
         are the values: not FP8 read dequantized)."""
+        if (path, str(key[0])) in self.mxfp4:  # read dequantized, not as stored
+            return None
         entry = self.headers[path][str(key[0])]
         if view is not None or prod(sizes) == 0 or (path, str(key[0])) in self.quantized:
             return None
@@ -253,19 +209,6 @@ class HFCheckpoint(Checkpoint):
         start = entry.begin + (offsets[0] * row if entry.shape else 0)
         record = self._record(path, str(key[0]), entry)
         return Span(path, start, prod(sizes) * ITEMSIZE[entry.dtype], entry.dtype, record=record)
-
-
-class _RangeFile:
-    """Just enough of a file for ``read_box``: a seek and one exact ranged read."""
-
-    def __init__(self, storage: Storage, path: str) -> None:
-        self.storage, self.path, self.pos = storage, path, 0
-
-    def seek(self, pos: int) -> None:
-        self.pos = pos
-
-    def read(self, nbytes: int) -> bytes:
-        return self.storage.read_range(self.path, self.pos, nbytes)
 
 
 LM_HEAD = "lm_head.weight"
@@ -331,7 +274,8 @@ def probe_hf(
             )
         config = json_input.parse_object(storage.read_text(CONFIG), storage.describe(CONFIG))
     try:
-        fp8 = block_fp8(config)  # how the weights are stored, not what the model is
+        # how the weights are stored, not what the model is (MXFP4: GPT-OSS's experts, below)
+        fp8 = None if is_mxfp4(config) else block_fp8(config)
     except LayoutError as err:
         raise LayoutError(f"{storage.describe(CONFIG)}: {err}") from None
     try:
@@ -342,13 +286,16 @@ def probe_hf(
         from ckptctl.formats.hf.named_reader import probe_named
 
         try:
-            view, held = probe_named(storage, config, f"not convertible to Megatron: {err}")
+            view, held, experts = probe_named(
+                storage, config, f"not convertible to Megatron: {err}"
+            )
         except (CheckpointError, UsageError):
             if has_family_table(config):  # its table's refusal names the field
                 raise LayoutError(f"{storage.describe(CONFIG)}: {err}") from None
             raise
         known = recorded(storage)
-        return HFCheckpoint(storage, view, held, config, known.tensors if known else {})
+        digests = known.tensors if known else {}
+        return HFCheckpoint(storage, view, held, config, digests, mxfp4=experts)
     if storage.exists(INDEX):
         where = storage.describe(INDEX)
         index = json_input.parse_object(storage.read_text(INDEX), where)
