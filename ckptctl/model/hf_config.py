@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ckptctl.errors import CheckpointError, LayoutError
-from ckptctl.model import hf_windows
+from ckptctl.model import hf_windows, rope_scaling
 from ckptctl.model.fields import refuse_fields
 from ckptctl.model.hf_families import FAMILIES, Family
 from ckptctl.model.layout import Activation, ModelSpec
@@ -76,6 +76,10 @@ def spec_from_config(
         fields = family.rules.spec_fields(config)
     else:
         fields = _moe_spec(config, family) | hf_windows.spec_fields(config, family.name)
+        # transformers reads an older config's rope_scaling over rope_parameters
+        parameters = {**_mapping(config, "rope_parameters"), **_mapping(config, "rope_scaling")}
+        positions = config.get("max_position_embeddings", 4096)
+        fields["rope_scaling"] = rope_scaling.from_hf(parameters, positions)
     return ModelSpec(**(_common_fields(config, family, make_vocab_size_divisible_by) | fields))
 
 
@@ -105,6 +109,13 @@ def _common_fields(
         rotary_base=_rope_theta(config),
         hf_family=None if family.name in ("llama", "mixtral") else family.name,
     )
+
+
+def _mapping(config: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    value = config.get(key) or {}
+    if not isinstance(value, Mapping):
+        raise CheckpointError(f"config.json: {key}={value!r} is not an object")
+    return value
 
 
 def _positive_count(config: Mapping[str, Any], key: str) -> None:
@@ -167,15 +178,8 @@ def _plain_problem(key: str, value: Any, config: Mapping[str, Any]) -> str | Non
     """The key=value that makes the model more than its family's plain form, if it does."""
     if key == "hidden_act" and value != "silu":
         return f"hidden_act={value!r}"
-    family = FAMILIES.get(str(config.get("model_type")))
-    if key in ("rope_scaling", "rope_parameters") and family and family.rules:
-        return None  # read whole by the family's own rules
-    if key in ("rope_scaling", "rope_parameters") and value:
-        if not isinstance(value, Mapping):
-            return f"{key}={value!r}"
-        extra = {k: v for k, v in value.items() if k != "rope_theta"}
-        if extra.get("rope_type", "default") != "default" or set(extra) - {"rope_type"}:
-            return f"{key}={dict(value)!r}"
+    if key in ("rope_scaling", "rope_parameters"):
+        return None  # read whole: by a family's own rules, else ``rope_scaling.from_hf``
     if key == "decoder_sparse_step" and value != 1:
         return f"decoder_sparse_step={value!r} (dense layers between MoE layers)"
     if key == "mlp_only_layers" and value:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptctl.errors import LayoutError
-from ckptctl.model import hf_deepseek, hf_glm, hf_windows
+from ckptctl.model import hf_deepseek, hf_glm, hf_windows, rope_scaling
 from ckptctl.model.hf_routed import FamilyRules
 from ckptctl.model.layout import Activation, ModelSpec, NormKind, PositionEmbedding, RouterScore
 
@@ -250,6 +250,10 @@ def check_family(spec: ModelSpec, family: Family) -> None:
     if spec.position_embedding is not PositionEmbedding.ROPE:
         problems.append(f"{cls} needs RoPE, this model uses {spec.position_embedding}")
     problems.extend(hf_windows.problems(spec, family.name, cls))
+    if spec.rope_scaling is not None:
+        if family.rules is not None:
+            problems.append(f"{cls} has no {spec.rope_scaling.kind} RoPE scaling")
+        problems.extend(rope_scaling.hf_problems(spec.rope_scaling, cls))
     if family.rules is not None:
         problems.extend(family.rules.problems(spec, cls))
         if problems:
@@ -340,6 +344,8 @@ def hf_config(spec: ModelSpec, dtype: str) -> dict[str, Any]:
     if family.name == "qwen3_moe":
         config["attention_bias"] = False
     config.update(hf_windows.config_fields(spec, family.name, family.config_keys))
+    if spec.rope_scaling is not None:
+        config["rope_parameters"] = rope_scaling.hf_parameters(spec.rope_scaling, spec.rotary_base)
     if family.rules is not None:
         config.update(family.rules.config(spec))
     elif family.moe is not None:

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt, model_valida
 from ckptctl.errors import LayoutError
 from ckptctl.model.mla import MlaSpec
 from ckptctl.model.moe_spec import moe_description, moe_problems
+from ckptctl.model.rope_scaling import RopeScaling
 from ckptctl.model.windows import describe as describe_window
 from ckptctl.model.windows import window_problems
 
@@ -133,6 +134,9 @@ class ModelSpec(_Frozen):
     """Multi-token prediction layers after the decoder (DeepSeek-V3's one): each an embedding
     norm, a hidden-state norm, a ``[h, 2h]`` projection, a transformer layer of the last
     layer's kind and a final norm; they share the embedding and output layer."""
+    rope_scaling: RopeScaling | None = None
+    """RoPE stretched past the pretraining context (llama3 or YaRN) for attention that is not
+    multi-latent (whose YaRN is ``mla``'s); unset: plain RoPE."""
     window_size: tuple[StrictInt, StrictInt] | None = None
     """Sliding-window attention, megatron-core's ``(left, right)``: a query attends to keys
     ``left`` before to ``right`` after it (-1: unbounded); unset: full causal attention."""
@@ -169,6 +173,12 @@ class ModelSpec(_Frozen):
                 problems.append(f"{field}={value} is implausible (at most {most})")
         problems.extend(moe_problems(self))
         problems.extend(window_problems(self))
+        if self.rope_scaling is not None and (
+            self.mla is not None or self.position_embedding is not PositionEmbedding.ROPE
+        ):
+            problems.append(
+                "rope_scaling needs RoPE position embeddings without multi-latent attention"
+            )
         if self.mla is not None and self.num_query_groups != self.num_attention_heads:
             problems.append(
                 f"multi-latent attention has a key/value per head: num_query_groups="
@@ -219,7 +229,8 @@ class ModelSpec(_Frozen):
         position = str(self.position_embedding)
         if self.position_embedding is PositionEmbedding.ROPE:
             share = "" if self.rotary_percent == 1.0 else f", {self.rotary_percent:g} of head dims"
-            position = f"RoPE (base {self.rotary_base:g}{share})"
+            scaled = f", {self.rope_scaling.describe()}" if self.rope_scaling else ""
+            position = f"RoPE (base {self.rotary_base:g}{share}{scaled})"
         heads = (
             f"heads {self.num_attention_heads}, {self.mla.describe()}"
             if self.mla is not None

@@ -335,6 +335,8 @@ def gpt_model(
     pre_process: bool = True,
     post_process: bool = True,
     rotary_percent: float = 1.0,
+    rotary_base: int = ROTARY_BASE,
+    **position: Any,
 ) -> torch.nn.Module:
     """megatron-core's own GPTModel (local layer spec, no TransformerEngine), Llama-style.
 
@@ -357,9 +359,10 @@ def gpt_model(
         post_process=post_process,
         parallel_output=parallel_output,
         share_embeddings_and_output_weights=tie_embeddings,
-        position_embedding_type="rope",
         rotary_percent=rotary_percent,
-        rotary_base=ROTARY_BASE,
+        rotary_base=rotary_base,
+        # (a variant's RoPE scaling: rope_scaling / rope_scaling_factor, or "yarn")
+        **{"position_embedding_type": "rope", **position},
     )
 
 

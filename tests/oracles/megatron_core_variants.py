@@ -18,7 +18,8 @@ Two modes, both on CPU with gloo:
 Variants: ``mha`` (group_query_attention off, num_query_groups stored as 1), ``partial_rope``
 (rotary_percent 0.5), ``qkv_bias`` (Qwen2-style), ``qk_layernorm`` (Qwen3-style), ``gelu``
 (non-gated GELU MLP), ``tied`` (shared embedding and output weights), ``sliding_window`` and
-``window_pattern`` (sliding-window attention on every layer / on every other layer).
+``window_pattern`` (sliding-window attention on every layer / on every other layer),
+``llama3_rope`` and ``yarn_rope`` (RoPE scaling).
 """
 
 from __future__ import annotations
@@ -80,7 +81,40 @@ VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {
         {"window_size": WINDOW, "window_attn_skip_freq": 2, "qk_layernorm": True},
         {},
     ),
+    # RoPE scaling (issue 56): Llama 3.1's (megatron-core fixes its other numbers at 1, 4 and
+    # 8192; a base of 500000 puts half the frequencies past its wavelengths), and YaRN x4 from
+    # a context of 16 (MAX_POSITIONS is 64), as Megatron-LM's args and GPTModel say them.
+    "llama3_rope": (
+        {"use_rope_scaling": True, "rope_scaling_factor": 8.0, "rotary_base": 500000},
+        {},
+        {"rope_scaling": True, "rope_scaling_factor": 8.0, "rotary_base": 500000},
+    ),
+    "yarn_rope": (
+        {
+            "position_embedding_type": "yarn",
+            "rotary_scaling_factor": 4.0,
+            "yarn_original_max_position_embeddings": 16,
+            "yarn_beta_fast": 32.0,
+            "yarn_beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.0,
+            "yarn_correction_range_round_to_int": True,
+        },
+        {},
+        {"position_embedding_type": "yarn"},
+    ),
 }
+YARN_CONFIG = {
+    "yarn_rotary_scaling_factor": 4.0,
+    "yarn_original_max_position_embeddings": 16,
+    "yarn_beta_fast": 32.0,
+    "yarn_beta_slow": 1.0,
+    "yarn_mscale": 1.0,
+    "yarn_mscale_all_dim": 0.0,
+    "yarn_correction_range_round_to_int": True,
+}
+"""What Megatron-LM 0.19's ``_apply_yarn_config_from_args`` sets on the TransformerConfig for
+``yarn_rope``'s args (megatron-core 0.16.1 declares no such fields; GPTModel reads them)."""
 
 
 def megatron_args(variant: str, tp: int, pp: int, ckpt_format: str) -> argparse.Namespace:
@@ -121,6 +155,9 @@ def build(variant: str, tp: int, pp_stage: int | None = None) -> torch.nn.Module
     stages = (
         {} if pp_stage is None else {"pre_process": pp_stage == 0, "post_process": pp_stage == 1}
     )
+    if model_kwargs.get("position_embedding_type") == "yarn":
+        for name, value in YARN_CONFIG.items():
+            setattr(config, name, value)
     return gpt_model(config, parallel_output=False, **stages, **model_kwargs)
 
 

@@ -42,6 +42,9 @@ from ckptctl.model.layout import (
     PositionEmbedding,
     RouterScore,
 )
+from ckptctl.model.rope_scaling import RopeScaling, position_type
+from ckptctl.model.rope_scaling import from_megatron as rope_from_megatron
+from ckptctl.model.rope_scaling import megatron_args as rope_megatron_args
 from ckptctl.model.windows import from_megatron, megatron_fields
 
 
@@ -166,6 +169,8 @@ def _activation(args: argparse.Namespace) -> tuple[bool, Activation]:
 
 def _position_embedding(args: argparse.Namespace) -> PositionEmbedding:
     value = _arg(args, "position_embedding_type", default="learned_absolute")
+    if value == "yarn" and not getattr(args, "multi_latent_attention", False):
+        value = "rope"  # stretched by YaRN: the spec's rope_scaling
     if getattr(args, "use_rotary_position_embeddings", False):
         value = "rope"  # the flag that predates position_embedding_type
     if value == "learned_absolute" and getattr(args, "add_position_embedding", True) is False:
@@ -237,11 +242,19 @@ def spec_from_args(
         hf_family=_arg(args, "ckptctl_hf_family"),
         mla=mla_spec(args),
         mtp_num_layers=int(_arg(args, "mtp_num_layers", default=0)),
+        rope_scaling=_rope_scaling(args),
         **_moe_spec(args),
         **from_megatron(
             _arg(args, "window_size"), _arg(args, "window_attn_skip_freq"), args.num_layers
         ),
     )
+
+
+def _rope_scaling(args: argparse.Namespace) -> RopeScaling | None:
+    if getattr(args, "multi_latent_attention", False):
+        return None  # its YaRN is the MLA spec's
+    position = str(_arg(args, "position_embedding_type", default="learned_absolute"))
+    return rope_from_megatron(lambda name, default: _arg(args, name, default=default), position)
 
 
 def _moe_spec(args: argparse.Namespace) -> dict[str, Any]:
@@ -380,7 +393,7 @@ def args_from_spec(spec: ModelSpec) -> argparse.Namespace:
         add_qkv_bias=spec.add_qkv_bias,
         untie_embeddings_and_output_weights=not spec.tie_embeddings,
         normalization=spec.normalization.value,
-        position_embedding_type=spec.position_embedding.value,
+        position_embedding_type=position_type(spec.rope_scaling, spec.position_embedding.value),
         max_position_embeddings=spec.max_position_embeddings,
         norm_epsilon=spec.norm_epsilon,
         rotary_base=spec.rotary_base,
@@ -389,6 +402,7 @@ def args_from_spec(spec: ModelSpec) -> argparse.Namespace:
         **mla_args(spec.mla),
         mtp_num_layers=spec.mtp_num_layers or None,
         **megatron_fields(spec),
+        **rope_megatron_args(spec.rope_scaling),
         transformer_impl="transformer_engine",
         ckptctl_hf_family=spec.hf_family,
         data_parallel_size=1,

@@ -41,7 +41,9 @@ MAPPED = frozenset(
     qk_layernorm rotary_base rotary_percent squared_relu swiglu tensor_model_parallel_size
     transformer_impl untie_embeddings_and_output_weights use_distributed_optimizer
     use_rotary_position_embeddings virtual_pipeline_model_parallel_size vocab_size
-    window_attn_skip_freq window_size world_size
+    window_attn_skip_freq window_size world_size use_rope_scaling rope_scaling_factor
+    yarn_beta_fast yarn_beta_slow yarn_correction_range_round_to_int
+    yarn_original_max_position_embeddings
     """.split()
 )
 
@@ -90,14 +92,9 @@ PLAIN_VALUES: dict[str, tuple[object, ...]] = {
     "use_megatron_fsdp": (False,),
     "use_mup": (False,),
     "use_precision_aware_optimizer": (False,),
-    "use_rope_scaling": (False,),
     "use_torch_fsdp2": (False,),
     "use_transformer_engine_op_fuser": (False,),
     "yaml_cfg": (None,),
-    "yarn_beta_fast": (None,),
-    "yarn_beta_slow": (None,),
-    "yarn_correction_range_round_to_int": (None,),
-    "yarn_original_max_position_embeddings": (None,),
 }
 
 # Fields validate_args copies from another: plain while unset or equal to it.
@@ -375,7 +372,7 @@ HARMLESS = frozenset(
     rl_remove_kv_cache_during_training rl_reset_cuda_graphs rl_sequence_packing_algo
     rl_sequence_packing_bin_size rl_sequence_packing_max_sequences_per_bin rl_skip_bos_token
     rl_submission_granularity rl_training_cuda_graphs rl_use_sequence_packing
-    rl_verify_model_weights_swap rope_scaling_factor run_workload_inspector_server s3_cache_path
+    rl_verify_model_weights_swap run_workload_inspector_server s3_cache_path
     sample_rate save save_activations_interval save_dgrads_interval save_interval
     save_params_interval save_retain_interval save_tokens_per_expert_interval
     save_wgrads_interval scatter_gather_tensors_in_pipeline seed seq_length sequence_parallel

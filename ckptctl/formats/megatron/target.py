@@ -18,6 +18,7 @@ from ckptctl.model.catalog import is_state
 from ckptctl.model.layout import ModelSpec, ParallelLayout
 from ckptctl.model.megatron_style import OptimizerLayout
 from ckptctl.model.plan import FileWrite, TextWrite
+from ckptctl.model.rope_scaling import megatron_args as rope_megatron_args
 from ckptctl.model.stored import CheckpointView, Format
 from ckptctl.model.target import TargetFiles, TargetRequest
 
@@ -32,6 +33,7 @@ def writable(source: CheckpointView) -> ModelSpec:
     cannot build it."""
     spec = known_model(source, "megatron")
     mla_args(spec.mla)
+    rope_megatron_args(spec.rope_scaling)
     return spec
 
 

@@ -81,8 +81,8 @@ def test_hf_family_goes_to_megatron_and_back_bit_exactly(family: str, tmp_path: 
         ("llama", {"partial_rotary_factor": 0.5}, "partial_rotary_factor: unknown to ckptctl"),
         (
             "llama",
-            {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
-            "rope_scaling={'rope_type': 'llama3'",
+            {"rope_scaling": {"rope_type": "dynamic", "factor": 8.0}},
+            "rope_parameters.rope_type='dynamic'",
         ),
         ("llama", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
         ("mistral", {"layer_types": ["full_attention"] * 4}, "layer_types: unknown to ckptctl"),

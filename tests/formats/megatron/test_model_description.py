@@ -82,7 +82,7 @@ def test_partial_rotary_is_carried_through_reshards_and_refused_for_hf(
     ("field", "value"),
     [
         ("apply_layernorm_1p", True),
-        ("use_rope_scaling", True),
+        ("rotary_interleaved", True),
         ("softmax_type", "learnable"),
         ("openai_gelu", True),
         ("apply_residual_connection_post_layernorm", True),

@@ -30,6 +30,8 @@ HF_CLASS = {
     "tied": "LlamaForCausalLM",
     "sliding_window": "MistralForCausalLM",
     "window_pattern": "Qwen3ForCausalLM",
+    "llama3_rope": "LlamaForCausalLM",
+    "yarn_rope": "LlamaForCausalLM",
 }
 HF_REFUSAL = {
     "partial_rope": "rotary_percent=0.5: LlamaForCausalLM rotates every head dimension",
@@ -44,7 +46,10 @@ SPEC = {
     "tied": {"tie_embeddings": True},
     "sliding_window": {"window_size": [3, 0], "full_attention_layers": []},
     "window_pattern": {"window_size": [3, 0], "full_attention_layers": [1]},
+    "llama3_rope": {"rotary_base": 500000.0},
+    "yarn_rope": {"position_embedding": "rope"},
 }
+ROPE_SCALING = {"llama3_rope": ("llama3", 8.0), "yarn_rope": ("yarn", 4.0)}
 
 
 def _oracle(*args: object) -> None:
@@ -102,6 +107,18 @@ def test_variant_converts_right_or_is_refused(
             with torch.no_grad():
                 unwindowed = model(reference["input_ids"]).logits
             assert _relative(unwindowed, reference["logits"]) > 1e-3
+        if variant in ROPE_SCALING:  # ... and so does the scaling
+            kind, factor = ROPE_SCALING[variant]
+            assert (spec["rope_scaling"]["kind"], spec["rope_scaling"]["factor"]) == (kind, factor)
+            model.config.rope_parameters = {
+                "rope_type": "default",
+                "rope_theta": spec["rotary_base"],
+            }
+            unscaled = transformers.AutoModelForCausalLM.from_config(model.config)
+            unscaled.load_state_dict(model.state_dict())
+            with torch.no_grad():
+                plain = unscaled.eval()(reference["input_ids"]).logits
+            assert _relative(plain, reference["logits"]) > 1e-4
     else:
         result = cli("consolidate", src, hf, "--format", "hf", code=2)
         assert HF_REFUSAL[variant] in result.stderr and "Traceback" not in result.stderr
