@@ -74,6 +74,23 @@ def words(array: np.ndarray) -> np.ndarray:
     return array.view(_WORDS[size]) if size in _WORDS else array.view(np.uint8)
 
 
+def interleave_halves(array: np.ndarray) -> np.ndarray:
+    """Dim 0's two halves interleaved: row 2j is the first half's row j, 2j + 1 the
+    second's (a gated tensor as GPT-OSS stores it)."""
+    half = array.shape[0] // 2
+    out = np.empty_like(array)
+    out[0::2], out[1::2] = array[:half], array[half:]
+    return out
+
+
+def interleaved_rows(first: int, count: int, rows: int) -> np.ndarray:
+    """Where canonical rows ``[first, first + count)`` of a gated tensor of ``rows`` rows lie
+    when its halves are interleaved (``interleave_halves``)."""
+    half = rows // 2
+    canonical = np.arange(first, first + count)
+    return np.where(canonical < half, 2 * canonical, 2 * (canonical - half) + 1)
+
+
 def empty(shape: tuple[int, ...], dtype: str) -> np.ndarray:
     return np.empty(shape, NUMPY_DTYPES[dtype])
 

@@ -219,6 +219,7 @@ class _Planner:
             tensor.transposed,
             tensor.base_shape,
             tensor.padded_origin,
+            tensor.interleaved,
         )
         return done, read, written, len(copies)
 

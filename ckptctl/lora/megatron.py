@@ -33,7 +33,7 @@ from ckptctl.lora.adapter import HeldAdapter
 from ckptctl.model.catalog import LAYER_PREFIX, parameters_by_name
 from ckptctl.model.geometry import Split, shard_shape_and_pieces
 from ckptctl.model.hf_families import choose_family
-from ckptctl.model.hf_layout import hf_tensors
+from ckptctl.model.hf_layout import per_name_tensors
 from ckptctl.model.layout import ModelSpec, ParallelLayout
 from ckptctl.model.lora import PREFIX
 from ckptctl.settings import StorageConfig
@@ -155,7 +155,7 @@ class MegatronAdapter(HeldAdapter):
             raise CheckpointError(f"{self._url}: the adapter checkpoint holds no adapter")
         params = parameters_by_name(spec)
         by_canonical: dict[str, list[tuple[str, tuple[int, ...], tuple[Any, ...]]]] = {}
-        for hf, canonical, shape, pieces in hf_tensors(spec):
+        for hf, canonical, shape, pieces in per_name_tensors(spec, "merge-lora"):
             by_canonical.setdefault(canonical, []).append((hf, shape, pieces))
         for base in sorted({b for b, _ in shards}):
             if base not in params or base not in by_canonical:

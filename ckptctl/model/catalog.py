@@ -268,9 +268,11 @@ def layer_suffixes(spec: ModelSpec, moe: bool | None = None) -> list[tuple[str, 
     layernorm = spec.normalization is NormKind.LAYERNORM
     if spec.mla is not None:
         return _mla_attention(spec, layernorm) + _mlp(spec, layernorm, moe)
-    out: list[tuple[str, Shape, Split]] = [
-        ("self_attention.linear_proj.weight", (h, spec.num_attention_heads * d), Split.ROW)
-    ]
+    out: list[tuple[str, Shape, Split]] = []
+    if spec.attention_sinks:  # the core attention module is registered before linear_proj
+        heads = (spec.num_attention_heads,)
+        out.append(("self_attention.core_attention.softmax_offset", heads, Split.COLUMN))
+    out.append(("self_attention.linear_proj.weight", (h, spec.num_attention_heads * d), Split.ROW))
     if bias:
         out.append(("self_attention.linear_proj.bias", (h,), Split.REPLICATED))
     out.append(("self_attention.linear_qkv.layer_norm_weight", (h,), Split.REPLICATED))

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptctl.errors import LayoutError
-from ckptctl.model import hf_deepseek, hf_glm, hf_windows, rope_scaling
+from ckptctl.model import hf_deepseek, hf_glm, hf_gpt_oss, hf_windows, rope_scaling
 from ckptctl.model.hf_routed import FamilyRules
 from ckptctl.model.layout import Activation, ModelSpec, NormKind, PositionEmbedding, RouterScore
 
@@ -168,6 +168,14 @@ FAMILIES = {
             rules=hf_glm.RULES,
         ),
         Family(
+            hf_gpt_oss.MODEL_TYPE,
+            "GptOssForCausalLM",
+            "all",
+            False,
+            hf_gpt_oss.CONFIG_KEYS,
+            rules=hf_gpt_oss.RULES,
+        ),
+        Family(
             "qwen3_moe",
             "Qwen3MoeForCausalLM",
             "never",
@@ -209,6 +217,8 @@ def choose_family(spec: ModelSpec) -> Family:
     """The family recorded in the spec, else the one the spec's features call for."""
     if spec.hf_family is not None:
         name = spec.hf_family
+    elif spec.attention_sinks:
+        name = hf_gpt_oss.MODEL_TYPE
     elif spec.mla is not None:
         name = hf_deepseek.MODEL_TYPE
     elif spec.is_moe and spec.moe_router_score_function is RouterScore.SIGMOID:
@@ -240,7 +250,8 @@ def check_family(spec: ModelSpec, family: Family) -> None:
     """Raise ``LayoutError`` listing everything in ``spec`` that ``family`` cannot hold."""
     cls = family.architecture
     problems = []
-    if not spec.gated_linear_unit or spec.activation is not Activation.SILU:
+    own = family.rules is not None and family.rules.own_activation
+    if not own and (not spec.gated_linear_unit or spec.activation is not Activation.SILU):
         problems.append(
             f"{cls} needs a gated SiLU MLP (SwiGLU); this model has a {spec.mlp_name} "
             "(no transformers class ckptctl writes holds it; keep it as Megatron)"
@@ -249,9 +260,11 @@ def check_family(spec: ModelSpec, family: Family) -> None:
         problems.append(f"{cls} needs RMSNorm, this model uses {spec.normalization}")
     if spec.position_embedding is not PositionEmbedding.ROPE:
         problems.append(f"{cls} needs RoPE, this model uses {spec.position_embedding}")
+    if not own and (spec.attention_sinks or spec.activation_clamp or spec.glu_linear_offset):
+        problems.append(f"{cls} has no attention sinks or clamped GLU (GptOssForCausalLM has)")
     problems.extend(hf_windows.problems(spec, family.name, cls))
     if spec.rope_scaling is not None:
-        if family.rules is not None:
+        if family.rules is not None and not own:
             problems.append(f"{cls} has no {spec.rope_scaling.kind} RoPE scaling")
         problems.extend(rope_scaling.hf_problems(spec.rope_scaling, cls))
     if family.rules is not None:

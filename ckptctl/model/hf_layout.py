@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import re
 
-from ckptctl.model import hf_deepseek
+from ckptctl.errors import LayoutError
+from ckptctl.model import hf_deepseek, hf_gpt_oss
 from ckptctl.model.catalog import (
     LAYER_PREFIX,
     MTP_PREFIX,
@@ -63,15 +64,27 @@ def hf_tensors(spec: ModelSpec) -> list[Entry]:
     h = spec.hidden_size
     out: list[Entry] = []
     out.append(_whole("model.embed_tokens.weight", EMBEDDING, (spec.vocab_size, h)))
+    packed = family.name == hf_gpt_oss.MODEL_TYPE
     for i in range(spec.num_layers):
         src, dst = f"{LAYER_PREFIX}{i}.", f"model.layers.{i}."
-        out.extend(_layer_tensors(spec, family.moe, src, dst, spec.is_moe_layer(i)))
+        out.extend(_layer_tensors(spec, family.moe, src, dst, spec.is_moe_layer(i), packed))
     out.append(_whole("model.norm.weight", "decoder.final_layernorm.weight", (h,)))
     if not spec.tie_embeddings:
         out.append(_whole("lm_head.weight", OUTPUT, (spec.vocab_size, h)))
     for k in range(spec.mtp_num_layers):
         out.extend(_mtp_tensors(spec, family.moe, k))
     return out
+
+
+def per_name_tensors(spec: ModelSpec, where: str) -> list[Entry]:
+    """``hf_tensors`` for readers and writers that take each HF name as one tensor: refused
+    for a model whose HF tensors pack several canonical ones (GPT-OSS's experts), which only
+    the safetensors reader and writer place block by block."""
+    if choose_family(spec).name == hf_gpt_oss.MODEL_TYPE:
+        raise LayoutError(
+            f"{where}: GPT-OSS's packed experts are read and written in HF safetensors only for now"
+        )
+    return hf_tensors(spec)
 
 
 EMBEDDING, OUTPUT = "embedding.word_embeddings.weight", "output_layer.weight"
@@ -121,9 +134,15 @@ def shared_original(spec: ModelSpec, name: str) -> str | None:
 
 
 def _layer_tensors(
-    spec: ModelSpec, moe: MoeNaming | None, src: str, dst: str, routed: bool
+    spec: ModelSpec,
+    moe: MoeNaming | None,
+    src: str,
+    dst: str,
+    routed: bool,
+    packed: bool = False,
 ) -> list[Entry]:
-    """One decoder layer: canonical prefix ``src`` (a decoder or MTP layer's), HF ``dst``."""
+    """One decoder layer: canonical prefix ``src`` (a decoder or MTP layer's), HF ``dst``;
+    ``packed``: GPT-OSS's (sinks, packed experts)."""
     h, f, d = spec.hidden_size, spec.ffn_hidden_size, spec.kv_channels
     bias = spec.add_bias_linear
     qkv_bias = bias or spec.add_qkv_bias
@@ -152,7 +171,11 @@ def _layer_tensors(
     if spec.qk_layernorm and spec.mla is None:
         whole(f"{dst}self_attn.q_norm.weight", f"{src}self_attention.q_layernorm.weight", (d,))
         whole(f"{dst}self_attn.k_norm.weight", f"{src}self_attention.k_layernorm.weight", (d,))
-    if moe is not None and routed:
+    if packed:
+        out.append(hf_gpt_oss.attention_sinks(src, dst, spec.num_attention_heads))
+        out.extend(hf_gpt_oss.moe_tensors(spec, src, dst))
+        pre_mlp_norm = f"{src}pre_mlp_layernorm.weight"
+    elif moe is not None and routed:
         out.extend(_moe_tensors(spec, moe, src, dst))
         pre_mlp_norm = f"{src}pre_mlp_layernorm.weight"
     else:
@@ -253,10 +276,30 @@ def hf_files(
     ``model-0000i-of-0000N.safetensors``, as ``save_pretrained`` does.
     """
     tensors = [
-        StoredTensor((hf,), canonical, shape, dtypes[hf], pieces)
+        stored_tensor(spec, hf, canonical, shape, dtypes[hf], pieces)
         for hf, canonical, shape, pieces in hf_tensors(spec)
     ]
     return shard_files(tensors, max_shard_bytes)
+
+
+def stored_tensor(
+    spec: ModelSpec, hf: str, canonical: str, shape: Shape, dtype: str, pieces: tuple[Piece, ...]
+) -> StoredTensor:
+    """HF tensor ``hf`` (or, packed, its block that is ``canonical``) as stored."""
+    block = hf_gpt_oss.block(spec, hf, canonical, shape) if spec.attention_sinks else None
+    if block is None:
+        return StoredTensor((hf,), canonical, shape, dtype, pieces)
+    return StoredTensor(
+        (hf,),
+        canonical,
+        shape,
+        dtype,
+        pieces,
+        block.offset,
+        transposed=block.transposed,
+        base_shape=block.base_shape,
+        interleaved=block.interleaved,
+    )
 
 
 def shard_files(
@@ -267,7 +310,9 @@ def shard_files(
     size = 0
     for tensor in tensors:
         tensor_bytes = nbytes(tensor.shape, tensor.dtype)
-        if shards[-1] and size + tensor_bytes > max_shard_bytes:
+        # the blocks of one packed tensor stay in one file
+        same = shards[-1] and tensor.base_shape and shards[-1][-1].key == tensor.key
+        if shards[-1] and not same and size + tensor_bytes > max_shard_bytes:
             shards.append([])
             size = 0
         shards[-1].append(tensor)
@@ -294,7 +339,7 @@ def named_weights(source: CheckpointView) -> list[tuple[str, str, Shape, tuple[P
     tensors, or, for a model ckptctl does not know (a DeepSpeed run without ``config.json``),
     the canonical tensors themselves, whole, under the names the source gives them."""
     if source.spec is not None:
-        return hf_tensors(source.spec)
+        return per_name_tensors(source.spec, "this target")
     out: list[tuple[str, str, Shape, tuple[Piece, ...]]] = []
     for name, (shape, _) in canonical_shapes(source).items():
         if not is_state(name):

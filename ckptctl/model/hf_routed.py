@@ -24,6 +24,9 @@ class FamilyRules:
     problems: Callable[[ModelSpec, str], list[str]]
     config: Callable[[ModelSpec], dict[str, Any]]
     spec_fields: Callable[[Mapping[str, Any]], dict[str, Any]]
+    own_activation: bool = False
+    """The family's MLP is not SwiGLU: ``problems`` judges the activation (and RoPE scaling,
+    sliding windows), not the common checks."""
 
 
 ROUTED_KEYS = frozenset(

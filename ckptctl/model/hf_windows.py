@@ -10,6 +10,8 @@ Each family says it its own way (transformers 5's configuration classes):
   ``max_window_layers`` on are windowed.
 * ``qwen2_moe``: likewise, but its default windows every other layer below
   ``max_window_layers`` (layers 0, 2, 4, ...).
+* ``gpt_oss``: ``sliding_window`` on the layers ``layer_types`` names; by default every other
+  layer, from layer 0.
 
 A window of W keys is megatron-core's ``(W - 1, 0)`` (``ckptctl.model.windows``).
 """
@@ -27,7 +29,7 @@ if TYPE_CHECKING:
 EVERY_LAYER = frozenset({"mistral", "mixtral", "qwen3_moe"})
 SWITCHED = frozenset({"qwen2", "qwen3", "qwen2_moe", "qwen3_moe"})
 """Families whose window counts only with ``use_sliding_window`` on."""
-BY_LAYER_TYPE = frozenset({"qwen2", "qwen3", "qwen2_moe"})
+BY_LAYER_TYPE = frozenset({"qwen2", "qwen3", "qwen2_moe", "gpt_oss"})
 KEYS = frozenset({"sliding_window", "use_sliding_window", "max_window_layers", "layer_types"})
 """The keys this module reads; the families' other modules leave them to it."""
 LAYER_KINDS = ("full_attention", "sliding_attention")
@@ -78,6 +80,8 @@ def _layer_kinds(
                 f"({layers} layers)"
             )
         return list(kinds)
+    if family == "gpt_oss":
+        return [LAYER_KINDS[width is not None and i % 2 == 0] for i in range(layers)]
     start = config.get("max_window_layers", MAX_WINDOW_LAYERS_DEFAULT)
     if isinstance(start, bool) or not isinstance(start, int):
         raise LayoutError(f"max_window_layers={start!r}: not a layer count")
@@ -126,5 +130,6 @@ def config_fields(spec: ModelSpec, family: str, keys: frozenset[str]) -> dict[st
         full = set(spec.full_attention_layers)
         kinds = [LAYER_KINDS[i not in full] for i in range(spec.num_layers)]
         out["layer_types"] = kinds
-        out["max_window_layers"] = kinds.index("sliding_attention")
+        if "max_window_layers" in keys:
+            out["max_window_layers"] = kinds.index("sliding_attention")
     return out

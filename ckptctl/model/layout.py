@@ -36,6 +36,8 @@ class Activation(StrEnum):
     SILU = "silu"
     GELU = "gelu"
     SQUARED_RELU = "squared_relu"
+    QUICK_GELU = "quick_gelu"
+    """``x * sigmoid(1.702 x)`` (Megatron's ``--quick-geglu`` gates it; GPT-OSS's experts)."""
 
 
 class RouterScore(StrEnum):
@@ -134,6 +136,14 @@ class ModelSpec(_Frozen):
     """Multi-token prediction layers after the decoder (DeepSeek-V3's one): each an embedding
     norm, a hidden-state norm, a ``[h, 2h]`` projection, a transformer layer of the last
     layer's kind and a final norm; they share the embedding and output layer."""
+    glu_linear_offset: StrictFloat = 0.0
+    """Added to the gated MLP's linear half before the product (GPT-OSS: 1)."""
+    activation_clamp: StrictFloat | None = None
+    """The gated MLP's halves clamped first: the activated one from above, the linear one both
+    ways (Megatron's ``activation_func_clamp_value``; GPT-OSS's ``swiglu_limit``)."""
+    attention_sinks: bool = False
+    """A learned logit per head in every softmax's denominator (megatron-core's
+    ``softmax_type="learnable"``: ``core_attention.softmax_offset``; GPT-OSS's sinks)."""
     rope_scaling: RopeScaling | None = None
     """RoPE stretched past the pretraining context (llama3 or YaRN) for attention that is not
     multi-latent (whose YaRN is ``mla``'s); unset: plain RoPE."""
@@ -173,6 +183,10 @@ class ModelSpec(_Frozen):
                 problems.append(f"{field}={value} is implausible (at most {most})")
         problems.extend(moe_problems(self))
         problems.extend(window_problems(self))
+        if not self.gated_linear_unit and (self.glu_linear_offset or self.activation_clamp):
+            problems.append("glu_linear_offset / activation_clamp need a gated MLP")
+        if self.attention_sinks and self.mla is not None:
+            problems.append("attention sinks with multi-latent attention: not supported")
         if self.rope_scaling is not None and (
             self.mla is not None or self.position_embedding is not PositionEmbedding.ROPE
         ):
@@ -245,6 +259,7 @@ class ModelSpec(_Frozen):
             *([moe_description(self)] if self.is_moe else []),
             f"{self.normalization} (eps {self.norm_epsilon:g})",
             *(["q/k layernorm"] if self.qk_layernorm else []),
+            *(["attention sinks"] if self.attention_sinks else []),
             bias,
             position,
             *([describe_window(self)] if self.window_size is not None else []),
@@ -262,9 +277,13 @@ class ModelSpec(_Frozen):
     def mlp_name(self) -> str:
         """How people call the MLP: SwiGLU, GEGLU, GELU MLP, ..."""
         act = self.activation or Activation.SILU
-        if self.gated_linear_unit:
-            return {Activation.SILU: "SwiGLU", Activation.GELU: "GEGLU"}.get(act, f"gated {act}")
-        return f"{act.value} MLP"
+        if not self.gated_linear_unit:
+            return f"{act.value} MLP"
+        name = {Activation.SILU: "SwiGLU", Activation.GELU: "GEGLU"}.get(act, f"gated {act}")
+        if self.activation_clamp is not None or self.glu_linear_offset:
+            clamp, offset = self.activation_clamp, self.glu_linear_offset
+            name += f" (clamped at {clamp}, linear half + {offset:g})"
+        return name
 
     @property
     def heads_per_group(self) -> int:
@@ -377,6 +396,11 @@ class ParallelLayout(_Frozen):
         if spec.expert_ffn_size % self.expert_tp:
             problems.append(
                 f"etp={self.expert_tp} does not divide the expert ffn size {spec.expert_ffn_size}"
+            )
+        if spec.add_bias_linear and self.expert_tp > 1:
+            problems.append(
+                f"etp={self.expert_tp}: megatron-core holds expert biases (add_bias_linear) "
+                "only with expert TP 1 (pass --etp 1)"
             )
         shared = spec.moe_shared_expert_intermediate_size
         if shared and shared % self.tp:

@@ -72,6 +72,8 @@ class TensorWrite:
     """Shape of the stored tensor this one is a block of (``StoredTensor.base_shape``)."""
     padded_origin: tuple[int, ...] | None = None
     """Where a box holding padding rows lies (``StoredTensor.padded_origin``)."""
+    interleaved: bool = False
+    """Written with dim 0's gated halves interleaved (``StoredTensor.interleaved``)."""
 
 
 class FileWrite(_Frozen):

@@ -60,6 +60,11 @@ class StoredTensor:
     padded tensor (global rows and columns), when its key cannot say (a flat buffer's cut of
     it): its pieces leave the padding out, and a plan's writes keep no pieces."""
 
+    interleaved: bool = False
+    """Dim 0 (in ``shape``'s orientation) holds the two halves of a gated tensor interleaved:
+    stored row 2j is the canonical first half's row j, 2j + 1 the second half's (GPT-OSS's
+    ``gate_up_proj``)."""
+
     @property
     def numel(self) -> int:
         n = 1

@@ -32,6 +32,8 @@ def band_ranges(write: TensorWrite, band_bytes: int) -> list[Band]:
         return [(0, 1, 0)]
     dim = 1 if write.transposed else 0  # stored rows are the tensor's columns
     step = max(band_bytes // max(band_nbytes(write, (0, 1, dim)), 1), 1)
+    if write.interleaved and dim == 0:  # its rows are reordered over the whole of dim 0
+        step = shape[0]
     return [(lo, min(lo + step, shape[dim]), dim) for lo in range(0, shape[dim], step)]
 
 

@@ -21,7 +21,9 @@ decompositions (lcm(T, E * X); data parallelism fills the rest):
 
 Variants (each maps onto one transformers class): ``mixtral`` (top-2 of 4, renormalised),
 ``qwen2_moe`` (softmax before top-k, q/k/v biases, a shared expert with a sigmoid gate),
-``qwen3_moe`` (q/k layernorm, renormalised top-k); ``--variants`` picks some.
+``qwen3_moe`` (q/k layernorm, renormalised top-k), ``gpt_oss`` (biases everywhere, attention
+sinks, clamped quick-GEGLU experts, a sliding window on every other layer, YaRN);
+``--variants`` picks some.
 
 ``--grouped`` builds the experts as megatron-core's legacy ``GroupedMLP`` (``--moe-grouped-gemm``
 without TransformerEngine: ``mlp.experts.weight1/weight2``), which trains only in bf16, so
@@ -88,7 +90,49 @@ VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
         },
     ),
     "qwen3_moe": ({"qk_layernorm": True}, {"qk_layernorm": True}),
+    # GPT-OSS (issue 56): biases on every linear (router and experts too), learned attention
+    # sinks, GPT-OSS's clamped quick-GEGLU (up + 1), a window of 4 on layer 1 of 2, YaRN x4.
+    "gpt_oss": (
+        {
+            "swiglu": False,
+            "quick_geglu": True,
+            "glu_linear_offset": 1.0,
+            "activation_func_clamp_value": 7.0,
+            "add_bias_linear": True,
+            "softmax_type": "learnable",
+            "window_size": (3, 0),
+            "window_attn_skip_freq": 2,
+            "position_embedding_type": "yarn",
+            "rotary_scaling_factor": 4.0,
+            "yarn_original_max_position_embeddings": 16,
+            "yarn_beta_fast": 32.0,
+            "yarn_beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.0,
+            "yarn_correction_range_round_to_int": False,
+        },
+        {
+            "activation_func": "quick_gelu",
+            "glu_linear_offset": 1.0,
+            "activation_func_clamp_value": 7.0,
+            "add_bias_linear": True,
+            "softmax_type": "learnable",
+            "window_size": (3, 0),
+            "window_attn_skip_freq": 2,
+        },
+    ),
 }
+YARN = {
+    "yarn_rotary_scaling_factor": 4.0,
+    "yarn_original_max_position_embeddings": 16,
+    "yarn_beta_fast": 32.0,
+    "yarn_beta_slow": 1.0,
+    "yarn_mscale": 1.0,
+    "yarn_mscale_all_dim": 0.0,
+    "yarn_correction_range_round_to_int": False,
+}
+"""GPT-OSS's YaRN on the TransformerConfig, as Megatron-LM 0.19's ``_apply_yarn_config_from_args``
+sets it from the args above (megatron-core 0.16.1 declares no such fields; GPTModel reads them)."""
 
 
 def moe_fields(tp: int, ep: int) -> dict[str, Any]:
@@ -151,10 +195,17 @@ def build(
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     fields = {**moe_fields(tp, ep), **VARIANTS[variant][1]}
+    if fields.get("activation_func") == "quick_gelu":
+        from megatron.core.activations import quick_gelu
+
+        fields["activation_func"] = quick_gelu
     fields["expert_tensor_parallel_size"] = tp if etp is None else etp
     fields["moe_grouped_gemm"] = grouped
     dtype = torch.bfloat16 if bf16 else torch.float32
     config = transformer_config(tp=tp, num_layers=NUM_LAYERS, dtype=dtype, **fields)
+    yarn = VARIANTS[variant][0].get("position_embedding_type") == "yarn"
+    for name, value in YARN.items() if yarn else ():
+        setattr(config, name, value)
     spec = get_gpt_layer_local_spec(
         num_experts=NUM_EXPERTS,
         moe_grouped_gemm=grouped,
@@ -167,7 +218,7 @@ def build(
         vocab_size=padded_vocab_size(tp),
         max_sequence_length=MAX_POSITIONS,
         parallel_output=True,  # the training loss is vocab-parallel; logits_of gathers
-        position_embedding_type="rope",
+        position_embedding_type="yarn" if yarn else "rope",
         rotary_base=ROTARY_BASE,
     )
     # GroupedMLP asserts the bf16 flag, which nothing else in it reads: an fp32 forward keeps

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ckptctl.model.catalog import state_name
 from ckptctl.model.geometry import Piece, Shape, chunk_pieces
-from ckptctl.model.hf_layout import hf_tensors, packed_expert
+from ckptctl.model.hf_layout import packed_expert, per_name_tensors
 from ckptctl.model.layout import ModelSpec
 from ckptctl.model.stored import KeyPath, StoredTensor
 
@@ -46,7 +46,7 @@ def prefixes(keys: list[str]) -> tuple[str, str | None] | None:
 def key_table(spec: ModelSpec, model_prefix: str, optim_prefix: str | None) -> dict[str, HfKey]:
     """Every key such a checkpoint may hold, mapped onto canonical tensors."""
     table: dict[str, HfKey] = {}
-    for name, canonical, shape, pieces in hf_tensors(spec):
+    for name, canonical, shape, pieces in per_name_tensors(spec, "DCP"):
         table[model_prefix + name] = HfKey(canonical, shape, pieces)
         if optim_prefix is None:
             continue

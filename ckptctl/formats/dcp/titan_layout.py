@@ -22,7 +22,7 @@ from typing import Any
 from ckptctl.model.catalog import state_name
 from ckptctl.model.geometry import Piece, Shape, whole
 from ckptctl.model.hf_families import choose_family
-from ckptctl.model.hf_layout import hf_tensors, shared_original
+from ckptctl.model.hf_layout import per_name_tensors, shared_original
 from ckptctl.model.layout import ModelSpec
 from ckptctl.model.rotary_rows import RotaryRows
 
@@ -153,7 +153,7 @@ def key_table(spec: ModelSpec) -> dict[str, TitanKey]:
     params: dict[str, TitanKey] = {}
     grouped: dict[str, list[tuple[str, Shape, tuple[Piece, ...], str]]] = {}
     by_hf: dict[str, list[str]] = {}
-    for name, canonical, shape, pieces in hf_tensors(spec):
+    for name, canonical, shape, pieces in per_name_tensors(spec, "torchtitan"):
         _, _, local = name.partition(".layers.")
         prefix, suffix = ("", name)
         renames = _RENAMES

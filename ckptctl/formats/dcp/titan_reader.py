@@ -26,7 +26,7 @@ from ckptctl.formats.dcp.titan_layout import (
 )
 from ckptctl.model.geometry import Piece, chunk_pieces
 from ckptctl.model.hf_families import choose_family
-from ckptctl.model.hf_layout import hf_tensors
+from ckptctl.model.hf_layout import per_name_tensors
 from ckptctl.model.layout import ModelSpec, ParallelLayout
 from ckptctl.model.rotary_rows import RotaryRows, hf_runs
 from ckptctl.model.stored import CheckpointView, Format, KeyPath, Replica, Shape, StoredTensor
@@ -138,7 +138,7 @@ def titan_tensors(metadata: DcpMetadata, spec: ModelSpec, base: str) -> TitanTen
 def _check_held(out: TitanTensors, spec: ModelSpec) -> None:
     """Every weight of the configured model held (a config of another model may name
     tensors the checkpoint lacks: say which, as HF names them)."""
-    missing = [hf for hf, *_ in hf_tensors(spec) if hf not in out.held]
+    missing = [hf for hf, *_ in per_name_tensors(spec, "torchtitan") if hf not in out.held]
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         out.problems.append(

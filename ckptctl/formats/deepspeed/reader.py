@@ -41,7 +41,7 @@ from ckptctl.io.storage import Storage
 from ckptctl.model.dtypes import dtype_name
 from ckptctl.model.geometry import Piece, Shape, whole
 from ckptctl.model.hf_config import spec_from_config
-from ckptctl.model.hf_layout import CONFIG, MODEL_KEY, hf_tensors
+from ckptctl.model.hf_layout import CONFIG, MODEL_KEY, per_name_tensors
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.megatron_style import GroupOrder, MegatronStyle, OptimizerLayout
 from ckptctl.model.stored import (
@@ -197,7 +197,9 @@ def probe_deepspeed(storage: Storage, names: frozenset[str], request: ProbeReque
             spec = spec_from_config(config, 128, request.trusted_fields)
         except LayoutError as err:
             raise LayoutError(f"{storage.describe(CONFIG)}: {err}") from None
-        entries = {hf: (c, shape, pieces) for hf, c, shape, pieces in hf_tensors(spec)}
+        entries = {
+            hf: (c, shape, pieces) for hf, c, shape, pieces in per_name_tensors(spec, "DeepSpeed")
+        }
         check_names(entries, param_shapes, held_frozen, states, storage.describe(first))
 
     files: list[StoredFile] = []

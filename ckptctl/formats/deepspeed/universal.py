@@ -26,7 +26,7 @@ from ckptctl.io.storage import Storage
 from ckptctl.model.catalog import state_name
 from ckptctl.model.dtypes import dtype_name
 from ckptctl.model.hf_config import spec_from_config
-from ckptctl.model.hf_layout import CONFIG, hf_tensors
+from ckptctl.model.hf_layout import CONFIG, per_name_tensors
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.stored import (
     CheckpointView,
@@ -56,7 +56,10 @@ def probe_universal(storage: Storage, names: frozenset[str], request: ProbeReque
         spec = spec_from_config(config, 128, request.trusted_fields)
     except LayoutError as err:
         raise LayoutError(f"{storage.describe(CONFIG)}: {err}") from None
-    entries = {hf: (canonical, shape, pieces) for hf, canonical, shape, pieces in hf_tensors(spec)}
+    entries = {
+        hf: (canonical, shape, pieces)
+        for hf, canonical, shape, pieces in per_name_tensors(spec, "DeepSpeed universal")
+    }
     zero = join(UNIVERSAL_ZERO)
     listed = {n for n in storage.listdir(zero) if storage.isdir(f"{zero}/{n}")}
     tied = {"lm_head.weight"} if spec.tie_embeddings else set()  # ds_to_universal writes it

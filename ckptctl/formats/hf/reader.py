@@ -16,7 +16,7 @@ import numpy as np
 import xxhash
 
 from ckptctl import json_input
-from ckptctl.arrays import buffer, words
+from ckptctl.arrays import buffer, interleaved_rows, words
 from ckptctl.checksums import record_checks
 from ckptctl.checksums.manifest import recorded
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError, LayoutError, UsageError
@@ -31,7 +31,10 @@ from ckptctl.formats.hf.fp8 import (
     block_fp8,
 )
 from ckptctl.formats.hf.fp8_math import dequantize, scale_rows_and_columns
+from ckptctl.formats.hf.mxfp4 import check_config as check_mxfp4
 from ckptctl.formats.hf.mxfp4 import is_mxfp4
+from ckptctl.formats.hf.packed_experts import Parts, packed_block
+from ckptctl.formats.hf.probe_checks import refuse_unmapped, scale_problem
 from ckptctl.formats.safetensors_header import SafetensorsEntry, read_header
 from ckptctl.io.runs import Span
 from ckptctl.io.storage import Storage
@@ -45,7 +48,7 @@ from ckptctl.model.hf_layout import (
     packed_expert,
     shared_original,
 )
-from ckptctl.model.layout import ModelSpec, ParallelLayout
+from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.stored import (
     CheckpointView,
     FlatView,
@@ -81,6 +84,9 @@ class HFCheckpoint(Checkpoint):
     )
     """MXFP4 weights by (file, in-memory name): where their blocks and scales are (read
     dequantized, ``mxfp4``)."""
+    packed_gated: frozenset[tuple[str, str]] = frozenset()
+    """(file, name) of packed tensors whose gated halves are interleaved (GPT-OSS's
+    ``gate_up_proj``): each expert's block is read with its rows put in Megatron's order."""
     _open: dict[str, BinaryIO] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -95,9 +101,9 @@ class HFCheckpoint(Checkpoint):
         transposed: bool = False,
         into: np.ndarray | None = None,
     ) -> np.ndarray:
-        if transposed:
-            raise ValueError("safetensors files of this reader hold no tensor transposed")
         name = str(key[0])
+        if view is not None and (transposed or (path, name) in self.packed_gated):
+            return self._read_block(path, name, offsets, sizes, view, transposed)
         if (path, name) in self.mxfp4:
             return self._read_mxfp4(path, name, offsets, sizes)
         scales = self.quantized.get((path, name))
@@ -108,6 +114,44 @@ class HFCheckpoint(Checkpoint):
         first, count = scale_rows_and_columns(block, offsets, sizes)
         grid = self._read_box(*scales, first, count, None)
         return dequantize(data, grid, block, (offsets[0], offsets[1]))
+
+    def _read_block(
+        self,
+        path: str,
+        name: str,
+        offsets: Shape,
+        sizes: Shape,
+        view: tuple[int, Shape],
+        transposed: bool,
+    ) -> np.ndarray:
+        """Box ``(offsets, sizes)``, in Megatron's orientation and row order, of one expert's
+        block of a packed tensor (``view``: its offset and shape in that orientation), stored
+        transposed and/or with its gated halves interleaved: the stored rows that span the box
+        are read, then turned and put in order."""
+        at, shape = view
+        if (path, name) in self.packed_gated:
+            rows = interleaved_rows(offsets[0], sizes[0], shape[0])
+            lo, hi = int(rows.min()), int(rows.max()) + 1
+        else:
+            rows, lo, hi = None, offsets[0], offsets[0] + sizes[0]
+        stored = (at, shape[::-1] if transposed else shape)
+        if transposed:
+            box = self._stored_box(path, name, stored, (offsets[1], lo), (sizes[1], hi - lo)).T
+        else:
+            rest = (offsets[1:], sizes[1:])
+            box = self._stored_box(path, name, stored, (lo, *rest[0]), (hi - lo, *rest[1]))
+        return np.ascontiguousarray(box if rows is None else box[rows - lo])
+
+    def _stored_box(
+        self, path: str, name: str, view: tuple[int, Shape], offsets: Shape, sizes: Shape
+    ) -> np.ndarray:
+        """A box of a block of a packed tensor as stored (MXFP4: as transformers holds it)."""
+        if (path, name) in self.mxfp4:
+            at, shape = view
+            expert = at // prod(shape)
+            data = self._read_mxfp4(path, name, (expert, *offsets), (1, *sizes))
+            return data.reshape(sizes)
+        return self._read_box(path, name, offsets, sizes, None, view)
 
     def _read_mxfp4(self, path: str, name: str, offsets: Shape, sizes: Shape) -> np.ndarray:
         from ckptctl.formats.hf.mxfp4_math import read_in_memory_box
@@ -211,54 +255,6 @@ class HFCheckpoint(Checkpoint):
         return Span(path, start, prod(sizes) * ITEMSIZE[entry.dtype], entry.dtype, record=record)
 
 
-LM_HEAD = "lm_head.weight"
-_INERT = (".rotary_emb.inv_freq",)
-"""Buffers older transformers saved that the weights do not depend on (recomputed on load)."""
-
-
-def _scale_problem(
-    fp8: BlockFp8 | None,
-    name: str,
-    shape: Shape,
-    scale: tuple[str, SafetensorsEntry | None],
-    storage: Storage,
-) -> str | None:
-    """What keeps FP8 weight ``name`` from being dequantized, if anything."""
-    if fp8 is None:
-        return (
-            f"{storage.describe(CONFIG)}: tensor {name} is {FP8} but there is no "
-            f"{QUANTIZATION} to say how it is scaled; cannot read it"
-        )
-    path, entry = scale
-    if entry is None:
-        return f"tensor {name} is {FP8} without its scales {name}{SCALE_SUFFIX}"
-    expected = fp8.scale_shape(shape)
-    if entry.shape != expected or entry.dtype not in ("float32", "bfloat16"):
-        return (
-            f"{storage.describe(path)}: {name}{SCALE_SUFFIX} is {entry.dtype} "
-            f"{list(entry.shape)}; {fp8.describe()} needs float32 {list(expected)}"
-        )
-    return None
-
-
-def _refuse_unmapped(names: set[str], spec: ModelSpec, storage: Storage) -> None:
-    """Refuse a checkpoint holding tensors the model its ``config.json`` describes has no place
-    for: a conversion would drop them (an MTP layer the config does not announce, a bias, a
-    vision tower). A tied model's ``lm_head.weight`` is skipped as transformers skips it."""
-    dropped = sorted(
-        n for n in names if not n.endswith(_INERT) and not (spec.tie_embeddings and n == LM_HEAD)
-    )
-    if dropped:
-        shown = ", ".join(dropped[:3]) + (
-            f" and {len(dropped) - 3} more" if len(dropped) > 3 else ""
-        )
-        raise CheckpointError(
-            f"{storage.describe(CONFIG)}: the checkpoint holds {shown}, which the model this "
-            "config.json describes has no place for; a conversion would drop them (is the "
-            "config the checkpoint's own?)"
-        )
-
-
 def probe_hf(
     storage: Storage,
     make_vocab_size_divisible_by: int = 128,
@@ -276,6 +272,8 @@ def probe_hf(
     try:
         # how the weights are stored, not what the model is (MXFP4: GPT-OSS's experts, below)
         fp8 = None if is_mxfp4(config) else block_fp8(config)
+        if is_mxfp4(config):
+            check_mxfp4(config, storage.describe(CONFIG))
     except LayoutError as err:
         raise LayoutError(f"{storage.describe(CONFIG)}: {err}") from None
     try:
@@ -343,7 +341,22 @@ def probe_hf(
     copies: list[tuple[str, str, str]] = []
     files: dict[str, list[StoredTensor]] = {}
     problems = []
+    packed_gated: set[tuple[str, str]] = set()
+    dequantized: dict[tuple[str, str], Parts] = {}
     for name, canonical, shape, pieces in hf_tensors(spec):
+        found = packed_block(spec, name, canonical, shape, pieces, entry_of, is_mxfp4(config))
+        if isinstance(found, str):
+            problems.append(found)
+            continue
+        if found is not None:  # an expert's block of a packed tensor (GPT-OSS)
+            where, tensor, parts = found
+            files.setdefault(where, []).append(tensor)
+            if tensor.interleaved:
+                packed_gated.add((where, name))
+            if parts is not None:
+                dequantized[(where, name)] = parts
+                used.update(part for _, part in parts)
+            continue
         path, entry = entry_of(name)
         packed = packed_expert(spec, name) if entry is None else None
         if packed is not None and entry_of(packed[0])[1] is not None:
@@ -384,7 +397,7 @@ def probe_hf(
             continue
         dtype = entry.dtype
         if dtype == FP8:
-            problem = _scale_problem(fp8, name, shape, entry_of(name + SCALE_SUFFIX), storage)
+            problem = scale_problem(fp8, name, shape, entry_of(name + SCALE_SUFFIX), storage)
             if problem:
                 problems.append(problem)
                 continue
@@ -396,7 +409,7 @@ def probe_hf(
     held = held_names()
     mapped = {name for name, *_ in hf_tensors(spec)} | {name for _, name in quantized.values()}
     mapped |= used
-    _refuse_unmapped(held - mapped, spec, storage)
+    refuse_unmapped(held - mapped, spec, storage)
     replicas = tuple(
         Replica(entry_of(original)[0], (original,), headers[path][name].shape, path, (name,))
         for name, path, original in copies
@@ -415,6 +428,11 @@ def probe_hf(
                 if fp8 and quantized
                 else []
             ),
+            *(
+                [f"{len(set(dequantized))} expert weights stored in MXFP4, read as bfloat16"]
+                if dequantized
+                else []
+            ),
         ),
         replicas=replicas,
         warnings=warnings,
@@ -422,4 +440,15 @@ def probe_hf(
     known = recorded(storage)
     digests = known.tensors if known is not None else {}
     errors = known.quantized if known is not None and quantized else {}
-    return HFCheckpoint(storage, view, headers, config, digests, fp8, quantized, errors)
+    return HFCheckpoint(
+        storage,
+        view,
+        headers,
+        config,
+        digests,
+        fp8,
+        quantized,
+        errors,
+        mxfp4=dequantized,
+        packed_gated=frozenset(packed_gated),
+    )

@@ -27,7 +27,7 @@ from ckptctl.io.storage import Storage
 from ckptctl.model.catalog import state_name
 from ckptctl.model.dtypes import dtype_name
 from ckptctl.model.geometry import Piece, Shape
-from ckptctl.model.hf_layout import hf_tensors
+from ckptctl.model.hf_layout import per_name_tensors
 from ckptctl.model.megatron_style import TORCH_ADAM, MegatronStyle
 from ckptctl.model.stored import FlatView, KeyPath, StoredFile, StoredTensor
 
@@ -122,7 +122,9 @@ def _placed(tree: Any, ckpt: HFCheckpoint) -> tuple[list[StoredTensor], list[dic
     if not isinstance(state, dict) or not isinstance(groups, list) or not groups:
         return "not a torch optimizer state dict"
     assert ckpt.view.spec is not None
-    params = hf_tensors(ckpt.view.spec)  # named_parameters order of the mapped families
+    params = per_name_tensors(
+        ckpt.view.spec, "HF Trainer"
+    )  # named_parameters order of the mapped families
     split = [[p for p in params if len(p[2]) >= 2], [p for p in params if len(p[2]) < 2]]
     ordered = [params] if len(groups) == 1 else split if len(groups) == 2 else None
     if ordered is None:

@@ -54,9 +54,28 @@ def write_safetensors(
 
 
 def write_safetensors_file(job: WriteJob, file: FileWrite, out: ByteStream) -> None:
-    """One ``model*.safetensors`` of the plan, tensors assembled and streamed in order."""
-    entries = [(str(t.key[0]), t.dtype, t.shape) for t in file.tensors]
+    """One ``model*.safetensors`` of the plan, tensors assembled and streamed in order; the
+    blocks of a packed tensor (GPT-OSS's experts: writes of one key with a ``base_shape``)
+    one after the other as that tensor."""
+    groups: list[list[int]] = []
+    for i, t in enumerate(file.tensors):
+        if groups and t.base_shape and file.tensors[groups[-1][0]].key == t.key:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    entries = []
+    for members in groups:
+        first = file.tensors[members[0]]
+        shape = first.base_shape or first.shape
+        if sum(prod(file.tensors[i].shape) for i in members) != prod(shape):
+            raise AssertionError(f"tensor {first.key[0]}: its blocks do not fill it")
+        entries.append((str(first.key[0]), first.dtype, shape))
     produce = partial(job.assemble.chunks, file=file.path)
     job.assemble.expect(file.tensors)
     with ReadAhead(list(file.tensors), produce) as ahead:
-        write_safetensors(out, entries, lambda i: ahead(file.tensors[i]))
+
+        def chunks(i: int) -> Iterable[bytes | memoryview | Run]:
+            for member in groups[i]:
+                yield from ahead(file.tensors[member])
+
+        write_safetensors(out, entries, chunks)

@@ -162,6 +162,8 @@ def _activation(args: argparse.Namespace) -> tuple[bool, Activation]:
     """(gated, activation) as Megatron-LM's ``core_transformer_config_from_args`` sets them."""
     if getattr(args, "swiglu", False):
         return True, Activation.SILU
+    if getattr(args, "quick_geglu", False):
+        return True, Activation.QUICK_GELU
     if getattr(args, "squared_relu", False):
         return False, Activation.SQUARED_RELU
     return False, Activation.GELU
@@ -243,11 +245,27 @@ def spec_from_args(
         mla=mla_spec(args),
         mtp_num_layers=int(_arg(args, "mtp_num_layers", default=0)),
         rope_scaling=_rope_scaling(args),
+        glu_linear_offset=float(_arg(args, "glu_linear_offset", default=0.0)),
+        activation_clamp=_clamp(args),
+        attention_sinks=_sinks(args),
         **_moe_spec(args),
         **from_megatron(
             _arg(args, "window_size"), _arg(args, "window_attn_skip_freq"), args.num_layers
         ),
     )
+
+
+def _clamp(args: argparse.Namespace) -> float | None:
+    value = _arg(args, "activation_func_clamp_value")
+    return None if value is None else float(value)
+
+
+def _sinks(args: argparse.Namespace) -> bool:
+    """``softmax_type``: vanilla, or learnable (a learned logit per head in the denominator)."""
+    kind = _arg(args, "softmax_type", default="vanilla")
+    if kind not in ("vanilla", "learnable"):
+        raise LayoutError(f"args.softmax_type={kind!r}: not supported yet")
+    return kind == "learnable"
 
 
 def _rope_scaling(args: argparse.Namespace) -> RopeScaling | None:
@@ -372,9 +390,10 @@ def layout_from_args(args: argparse.Namespace) -> ParallelLayout:
 
 def args_from_spec(spec: ModelSpec) -> argparse.Namespace:
     """Megatron arguments describing ``spec``, for checkpoints cut from a full HF model."""
-    if spec.gated_linear_unit and spec.activation is not Activation.SILU:
+    if spec.gated_linear_unit and spec.activation not in (Activation.SILU, Activation.QUICK_GELU):
         raise LayoutError(
-            f"a gated {spec.activation} MLP: Megatron-LM's args can only express SwiGLU"
+            f"a gated {spec.activation} MLP: Megatron-LM's args can only express SwiGLU and "
+            "quick-GEGLU"
         )
     return argparse.Namespace(
         num_layers=spec.num_layers,
@@ -387,6 +406,10 @@ def args_from_spec(spec: ModelSpec) -> argparse.Namespace:
         vocab_size=spec.vocab_size,
         make_vocab_size_divisible_by=spec.make_vocab_size_divisible_by,
         swiglu=spec.gated_linear_unit and spec.activation is Activation.SILU,
+        quick_geglu=spec.gated_linear_unit and spec.activation is Activation.QUICK_GELU,
+        glu_linear_offset=spec.glu_linear_offset,
+        activation_func_clamp_value=spec.activation_clamp,
+        softmax_type="learnable" if spec.attention_sinks else "vanilla",
         squared_relu=spec.activation is Activation.SQUARED_RELU,
         qk_layernorm=spec.qk_layernorm,
         add_bias_linear=spec.add_bias_linear,

@@ -43,12 +43,12 @@ MAPPED = frozenset(
     use_rotary_position_embeddings virtual_pipeline_model_parallel_size vocab_size
     window_attn_skip_freq window_size world_size use_rope_scaling rope_scaling_factor
     yarn_beta_fast yarn_beta_slow yarn_correction_range_round_to_int
-    yarn_original_max_position_embeddings
+    yarn_original_max_position_embeddings activation_func_clamp_value glu_linear_offset
+    quick_geglu softmax_type
     """.split()
 )
 
 PLAIN_VALUES: dict[str, tuple[object, ...]] = {
-    "activation_func_clamp_value": (None,),
     "apply_layernorm_1p": (False,),
     "apply_residual_connection_post_layernorm": (False,),
     "attention_output_gate": (False,),
@@ -57,7 +57,6 @@ PLAIN_VALUES: dict[str, tuple[object, ...]] = {
     "encoder_tensor_model_parallel_size": (None, 0),
     "experimental_attention_variant": (None,),
     "fused_residual_rmsnorm": (False,),
-    "glu_linear_offset": (0.0,),
     "gtp_weight_remat_size": (1,),
     "heterogeneous_layers_config_encoded_json": (None, ""),
     "heterogeneous_layers_config_path": (None, ""),
@@ -76,12 +75,10 @@ PLAIN_VALUES: dict[str, tuple[object, ...]] = {
     "pad_vocab_size": (True,),
     "pipeline_model_parallel_split_rank": (None,),
     "qk_l2_norm": (False,),
-    "quick_geglu": (False,),
     "retro_add_retriever": (False,),
     "rope_type": (None, "rope"),
     "rotary_interleaved": (False,),
     "rotary_seq_len_interpolation_factor": (None,),
-    "softmax_type": ("vanilla",),
     "spec": (None,),
     "standalone_embedding_stage": (False,),
     "use_custom_fsdp": (False,),

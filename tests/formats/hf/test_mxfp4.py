@@ -117,8 +117,28 @@ def test_an_mxfp4_release_dequantizes_as_transformers_does(
     assert cli.json("verify", out, "--against", release)["ok"]
 
 
-def test_any_box_of_an_expert_tensor_reads_as_transformers_dequantizes_it(release: Path) -> None:
+def _boxes(shape: tuple[int, ...], generator: torch.Generator, count: int = 6):
+    """Random boxes of ``shape``, starting and ending anywhere (inside 32-element blocks)."""
+    for _ in range(count):
+        lo = [int(torch.randint(0, n, (1,), generator=generator)) for n in shape]
+        hi = [
+            int(torch.randint(a + 1, n + 1, (1,), generator=generator))
+            for a, n in zip(lo, shape, strict=True)
+        ]
+        yield tuple(lo), tuple(b - a for a, b in zip(lo, hi, strict=True))
+
+
+def _read(ckpt, stored, tensor, lo, sizes):
     from ckptctl.arrays import to_torch
+
+    view = None if tensor.view_offset is None else (tensor.view_offset, tensor.shape)
+    got = ckpt.read(stored.path, tensor.key, lo, sizes, view, transposed=tensor.transposed)
+    return to_torch(got)
+
+
+def test_any_box_of_an_expert_reads_as_transformers_dequantizes_it(release: Path) -> None:
+    """Read for Megatron (GPT-OSS's family table): each expert's ``linear_fc1`` /
+    ``linear_fc2`` out of the packed MXFP4 tensors, transposed, gate and up rows apart."""
     from ckptctl.formats.hf.reader import probe_hf
     from ckptctl.io.storage import Storage
 
@@ -128,21 +148,56 @@ def test_any_box_of_an_expert_tensor_reads_as_transformers_dequantizes_it(releas
     checked = 0
     for stored in ckpt.view.files:
         for tensor in stored.tensors:
-            if not tensor.canonical.endswith(PACKED):
+            name = str(tensor.key[0])
+            if not name.endswith(PACKED):
                 continue
-            full = state[tensor.canonical]
-            for _ in range(6):  # boxes starting and ending inside 32-element blocks
-                lo = [int(torch.randint(0, n, (1,), generator=generator)) for n in full.shape]
-                hi = [
-                    int(torch.randint(a + 1, n + 1, (1,), generator=generator))
-                    for a, n in zip(lo, full.shape, strict=True)
-                ]
-                sizes = tuple(b - a for a, b in zip(lo, hi, strict=True))
-                got = to_torch(ckpt.read(stored.path, tensor.key, tuple(lo), sizes))
-                want = full[lo[0] : hi[0], lo[1] : hi[1], lo[2] : hi[2]]
+            expert = tensor.view_offset // tensor.numel
+            megatron = state[name][expert].T  # [out, in]
+            if name.endswith("gate_up_proj"):  # gate columns are the even ones
+                megatron = torch.cat([megatron[0::2], megatron[1::2]])
+            for lo, sizes in _boxes(tensor.shape, generator):
+                want = megatron[tuple(slice(a, a + n) for a, n in zip(lo, sizes, strict=True))]
+                got = _read(ckpt, stored, tensor, lo, sizes)
                 assert torch.equal(got, want), (tensor.canonical, lo, sizes)
                 checked += 1
+    assert checked == 2 * 2 * 4 * 6  # layers x packed weights x experts x boxes
+
+
+def test_a_gpt_oss_variant_without_a_megatron_mapping_still_dequantizes_by_name(
+    release: Path, tmp_path: Path, cli
+) -> None:
+    """A GPT-OSS config ckptctl cannot map to Megatron (another sigmoid gain) is carried by
+    name: its packed MXFP4 tensors read, any box, as transformers dequantizes them."""
+    from ckptctl.formats.hf.reader import probe_hf
+    from ckptctl.io.storage import Storage
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for path in release.iterdir():
+        (src / path.name).symlink_to(path)
+    (src / "config.json").unlink()
+    config = json.loads((release / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "swiglu_alpha": 1.5}))
+    state = _dequantized_by_transformers(src).state_dict()
+    ckpt = probe_hf(Storage(str(src)))
+    assert ckpt.view.spec is None  # by name
+    generator = torch.Generator().manual_seed(9)
+    checked = 0
+    for stored in ckpt.view.files:
+        for tensor in stored.tensors:
+            if not tensor.canonical.endswith(PACKED):
+                continue
+            for lo, sizes in _boxes(tensor.shape, generator):
+                want = state[tensor.canonical][
+                    tuple(slice(a, a + n) for a, n in zip(lo, sizes, strict=True))
+                ]
+                assert torch.equal(_read(ckpt, stored, tensor, lo, sizes), want)
+                checked += 1
     assert checked == 4 * 6
+    out = tmp_path / "out"
+    cli("consolidate", src, out, "--format", "hf")
+    mine = _tensors(out)
+    assert all(torch.equal(mine[n], t) for n, t in state.items())
 
 
 @pytest.mark.parametrize(
@@ -193,3 +248,33 @@ def test_blocks_without_their_scales_are_refused_by_name(
     result = cli("consolidate", src, tmp_path / "out", "--format", "hf", code=3)
     assert "model.layers.1.mlp.experts.down_proj_blocks is without its scales" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_an_mxfp4_release_goes_to_megatron_and_back_as_its_bf16_model(
+    release: Path, tmp_path: Path, cli
+) -> None:
+    """MXFP4 -> Megatron (TP2 PP2 EP2): the experts dequantized on the way; back to HF, the
+    model transformers' dequantizing load builds, bit for bit."""
+    state = _dequantized_by_transformers(release).state_dict()
+    megatron = tmp_path / "megatron"
+    cli(
+        "reshard",
+        release,
+        megatron,
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        "--ep",
+        "2",
+        "--etp",
+        "1",
+        "--dp",
+        "2",
+    )
+    back = tmp_path / "back"
+    cli("consolidate", megatron, back, "--format", "hf")
+    mine = _tensors(back)
+    assert mine.keys() == state.keys()
+    for name, tensor in state.items():
+        assert torch.equal(mine[name], tensor), name

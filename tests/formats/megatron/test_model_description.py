@@ -83,7 +83,7 @@ def test_partial_rotary_is_carried_through_reshards_and_refused_for_hf(
     [
         ("apply_layernorm_1p", True),
         ("rotary_interleaved", True),
-        ("softmax_type", "learnable"),
+        ("softmax_type", "off-by-one"),
         ("openai_gelu", True),
         ("apply_residual_connection_post_layernorm", True),
         ("spec", ["my_specs", "custom_layer_spec"]),

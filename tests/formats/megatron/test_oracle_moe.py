@@ -35,6 +35,7 @@ HF_CLASS = {
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 # (written layout, the other layout) as reshard options and the oracle's --tp/--ep.
 LAYOUTS = {
@@ -51,7 +52,8 @@ def _oracle(*args: object) -> None:
 def written(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
     root = tmp_path_factory.mktemp(f"moe_{request.param}")
     own, _ = LAYOUTS[request.param]
-    _oracle("write", root, "--tp", own["tp"], "--ep", own["ep"])
+    variants = [v for v in HF_CLASS if own["ep"] > 1 or v != "gpt_oss"]
+    _oracle("write", root, "--tp", own["tp"], "--ep", own["ep"], "--variants", *variants)
     return request.param, root
 
 
@@ -101,11 +103,24 @@ def _assert_same_files(mine: Path, theirs: Path) -> None:
                 assert got == want, (rank, key)
 
 
+GPT_OSS_OTHER = {"tp": 2, "ep": 2, "etp": 1}
+"""GPT-OSS's other layout: megatron-core holds expert biases only with expert TP 1, and legacy
+files need etp x ep >= tp, so TP2 comes with EP2."""
+
+
+def _written(root: Path, variant: str) -> Path:
+    src = root / variant
+    if not src.exists():  # the TP2 EP1 run: GPT-OSS's expert biases need expert TP 1
+        pytest.skip(f"{variant} has no TP2 EP1 run (megatron-core: biases need expert TP 1)")
+    return src
+
+
 def _options(layout: dict[str, int]) -> list[str]:
     # Experts are carved out of data parallelism: EP=2 needs two DP replicas per TP rank. The
     # whole layout is given: a reshard keeps the source's value of what is not.
     tp, ep = str(layout["tp"]), str(layout["ep"])
-    return ["--tp", tp, "--pp", "1", "--ep", ep, "--etp", tp, "--dp", ep]
+    etp = str(layout.get("etp", tp))
+    return ["--tp", tp, "--pp", "1", "--ep", ep, "--etp", etp, "--dp", ep]
 
 
 @pytest.mark.parametrize("variant", list(HF_CLASS))
@@ -113,7 +128,7 @@ def test_moe_to_hf_gives_transformers_megatron_cores_logits(
     written: Any, variant: str, tmp_path: Path, cli
 ) -> None:
     _, root = written
-    src = root / variant
+    src = _written(root, variant)
     reference = torch.load(src / "reference.pt", weights_only=True)
     info = cli.json("inspect", src)
     assert info["hf"]["architecture"] == HF_CLASS[variant]
@@ -142,15 +157,17 @@ def test_moe_reshard_loads_in_megatron_core_and_returns_bit_exact(
     written: Any, variant: str, tmp_path: Path, cli
 ) -> None:
     name, root = written
-    src = root / variant
+    src = _written(root, variant)
     own, other = LAYOUTS[name]
+    if variant == "gpt_oss":
+        other = GPT_OSS_OTHER
     reference = torch.load(src / "reference.pt", weights_only=True)
 
     moved = tmp_path / "moved"
     cli("reshard", src, moved, *_options(other))
     _oracle(
         "forward", moved, tmp_path / "logits.pt", "--variant", variant,
-        "--tp", other["tp"], "--ep", other["ep"],
+        "--tp", other["tp"], "--ep", other["ep"], "--etp", other.get("etp", other["tp"]),
     )  # fmt: skip
     logits = torch.load(tmp_path / "logits.pt", weights_only=True)
     assert _relative(logits, reference["logits"]) < 1e-5
@@ -198,10 +215,17 @@ def test_moe_round_trips_through_any_layout_bit_exact(
 ) -> None:
     name, root = written
     src = root / variant
+    if not src.exists():
+        return  # no TP2 EP1 run of GPT-OSS (see _written)
     own, _ = LAYOUTS[name]
     tmp = tmp_path_factory.mktemp("moe_round_trip")
     options = [f"--{axis}={layout[axis]}" for axis in ("tp", "pp", "ep", "etp", "dp")]
     options += ["--distributed-optimizer"] * layout["distributed"]
+    if variant == "gpt_oss" and layout["etp"] > 1:  # refused, nothing written
+        result = cli("reshard", src, tmp / "there", *options, code=2)
+        assert "megatron-core holds expert biases" in result.stderr
+        assert not (tmp / "there").exists()
+        return
     result = cli("reshard", src, tmp / "there", *options)
     if not (tmp / "there").exists():  # the source's own layout: reshard writes nothing
         assert "nothing to change" in result.stdout + result.stderr, result.stderr
@@ -248,6 +272,8 @@ def test_moe_torch_dist_both_ways(
     # dist_checkpointing loads every key its MoE model asks for, with the same logits; and
     # back to legacy EP2, bit for bit.
     for name, layout in (("ep1", {"tp": 2, "ep": 1}), ("etp1", {"tp": 2, "ep": 2, "etp": 1})):
+        if variant == "gpt_oss" and name == "ep1":
+            continue  # expert biases need expert TP 1 (megatron-core)
         td = tmp_path / name
         sizes = [str(x) for axis, size in layout.items() for x in (f"--{axis}", size)]
         cli("reshard", legacy, td, *sizes, "--dp", "2", "--format", "torch_dist")
@@ -324,7 +350,9 @@ def test_moe_distributed_optimizer_expert_buffers(
     _assert_distopt_is_live_state(distopt)
     # Through TP2 EP1 (one buffer for all parameters) and back: the expert buffers are
     # megatron-core's bytes, the dense ones too apart from vocabulary padding rows.
-    cli("reshard", distopt, tmp_path / "tp2", "--tp", "2", "--ep", "1", "--dp", "2")
+    # (GPT-OSS through TP2 EP2 with expert TP 1: its expert biases need expert TP 1)
+    there = ["--ep", "2", "--etp", "1"] if variant == "gpt_oss" else ["--ep", "1"]
+    cli("reshard", distopt, tmp_path / "tp2", "--tp", "2", *there, "--dp", "2")
     back = tmp_path / "back"
     cli("reshard", tmp_path / "tp2", back, "--tp", "1", "--ep", "2", "--dp", "2")
     assert cli.json("verify", back, "--against", distopt)["ok"]
