@@ -19,7 +19,7 @@ from ckptctl.cli.global_options import CliState, state
 from ckptctl.cli.option_values import parse_size, read_hf_config, storage_config, with_options
 from ckptctl.formats import registry
 from ckptctl.formats.target import RESHARD
-from ckptctl.model.target import FP8_BLOCK
+from ckptctl.model.target import FP8_BLOCK, MXFP4
 from ckptctl.settings import Settings
 
 __all__ = [
@@ -42,6 +42,7 @@ class DType(StrEnum):
     fp16 = "fp16"
     fp32 = "fp32"
     fp8_block = "fp8-block"
+    mxfp4 = "mxfp4"
 
 
 WEIGHT_DTYPES = {
@@ -49,6 +50,7 @@ WEIGHT_DTYPES = {
     DType.fp16: "float16",
     DType.fp32: "float32",
     DType.fp8_block: FP8_BLOCK,
+    DType.mxfp4: MXFP4,
 }
 """``--dtype`` choices as torch dtype names."""
 
@@ -57,8 +59,9 @@ WeightDType = Annotated[
     typer.Option(
         "--dtype",
         help="Convert weights (optimizer stays fp32); fp8-block: linear weights in FP8 with "
-        "128x128 block scales, as DeepSeek-V3 releases them (--format hf only; lossy, each "
-        "weight's error recorded and held by verify --against).",
+        "128x128 block scales, as DeepSeek-V3 releases them; mxfp4: GPT-OSS's expert weights "
+        "in MXFP4, as OpenAI releases them (--format hf only; lossy, each weight's error "
+        "recorded and held by verify --against).",
     ),
 ]
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]

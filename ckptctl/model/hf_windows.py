@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ckptctl.errors import LayoutError
+from ckptctl.model.windows import MOST_LAYERS
 
 if TYPE_CHECKING:
     from ckptctl.model.layout import ModelSpec
@@ -40,6 +41,8 @@ MAX_WINDOW_LAYERS_DEFAULT = 28
 def spec_fields(config: Mapping[str, Any], family: str) -> dict[str, Any]:
     """``window_size`` and ``full_attention_layers`` of the model ``config`` describes."""
     layers = config["num_hidden_layers"]
+    if not isinstance(layers, int) or layers > MOST_LAYERS:
+        return {}  # implausible: the spec says so, before any per-layer list is built
     width = _width(config, family)
     kinds = _layer_kinds(config, family, layers, width)
     if width is None:

@@ -22,6 +22,11 @@ FP8_BLOCK = "fp8-block"
 form), which only a target that says ``block_quantized`` writes."""
 
 
+MXFP4 = "mxfp4"
+"""``TargetRequest.dtype`` asking for GPT-OSS's expert weights in MXFP4 (OpenAI's release
+form), which only a target that says ``block_quantized`` writes."""
+
+
 @dataclass(frozen=True, slots=True)
 class TargetRequest:
     """What the user asked of the target beyond its format."""

@@ -21,6 +21,9 @@ if TYPE_CHECKING:
 
 MOST_TOKENS = 1 << 30
 """Largest window a description may hold (as ``max_position_embeddings``)."""
+MOST_LAYERS = 1 << 12
+"""``layout.PLAUSIBLE["num_layers"]``: past it no per-layer pattern is built (the description
+is refused as implausible when the spec is made)."""
 
 
 def window_problems(spec: ModelSpec) -> list[str]:
@@ -83,6 +86,8 @@ def from_megatron(
     ``is_layer_window_attention`` reads them; anything it would not read is refused."""
     if window is None or (isinstance(window, Sequence) and not window):
         return {}
+    if not isinstance(num_layers, int) or num_layers > MOST_LAYERS:
+        return {}  # implausible: the spec says so
     if (
         not isinstance(window, Sequence)
         or isinstance(window, str)

@@ -32,7 +32,7 @@ from ckptctl.io.staging import StagedStorage
 from ckptctl.io.storage_errors import classify
 from ckptctl.model.megatron_style import MegatronStyle
 from ckptctl.model.plan import Plan, smallest_band
-from ckptctl.model.target import FP8_BLOCK, TargetRequest
+from ckptctl.model.target import FP8_BLOCK, MXFP4, TargetRequest
 from ckptctl.pipeline.destination import Destination, check_destination
 from ckptctl.pipeline.distributed import Group
 from ckptctl.pipeline.job_report import Report, Sources
@@ -139,9 +139,10 @@ def plan_consolidate(
 
 def refuse_unwritable_dtype(dtype: str | None, target: TargetFormat) -> None:
     """``--dtype fp8-block`` asks for a format that writes block-scaled FP8."""
-    if dtype == FP8_BLOCK and not target.block_quantized:
+    if dtype in (FP8_BLOCK, MXFP4) and not target.block_quantized:
+        what = "block-scaled FP8" if dtype == FP8_BLOCK else "MXFP4"
         raise UsageError(
-            f"--dtype fp8-block: --format {target.name} cannot hold block-scaled FP8; "
+            f"--dtype {dtype}: --format {target.name} cannot hold {what}; "
             "consolidate --format hf writes it"
         )
 

@@ -385,9 +385,12 @@ def against(
             f"; {len(within)} quantized tensors within the error recorded at compression "
             f"(largest max abs diff {worst.max_abs_diff:.3g} in {worst.name})"
         )
-    converted = sorted({d.dtypes for d in diffs if d.dtypes[0] != d.dtypes[1]})
+    # (a quantized tensor is within its error, not equal: counted above)
+    inside = {id(d) for d in within}
+    cast = [d for d in diffs if d.dtypes[0] != d.dtypes[1] and id(d) not in inside]
+    converted = sorted({d.dtypes for d in cast})
     if converted:
-        count = sum(d.dtypes[0] != d.dtypes[1] for d in diffs)
+        count = len(cast)
         kinds = ", ".join(f"{x} here, {y} there" for x, y in converted)
         detail += f"; {count} of them equal in value in another dtype ({kinds})"
     if result.steps[0] is not None and result.steps[1] is not None:

@@ -8,6 +8,7 @@ from typing import Any
 from ckptctl.checksums.integrity import Targets
 from ckptctl.errors import CheckpointError
 from ckptctl.formats.base import CheckpointFormat, ProbeRequest, lazy
+from ckptctl.formats.hf.mxfp4_target import SAFETENSORS_MXFP4
 from ckptctl.formats.hf.target import SAFETENSORS, SAFETENSORS_FP8, HfTarget
 from ckptctl.formats.support import FormatSupport
 from ckptctl.io.storage import Storage
@@ -71,6 +72,7 @@ FORMAT = CheckpointFormat(
     writers={
         SAFETENSORS: lazy("ckptctl.formats.hf.writer", "write_safetensors_file"),
         SAFETENSORS_FP8: lazy("ckptctl.formats.hf.fp8_writer", "write_fp8_safetensors_file"),
+        SAFETENSORS_MXFP4: lazy("ckptctl.formats.hf.mxfp4_writer", "write_mxfp4_safetensors_file"),
     },
     description_files=_description,
     integrity=_checksums,

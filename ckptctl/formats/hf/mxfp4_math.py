@@ -55,3 +55,36 @@ def read_in_memory_box(
     skip = offsets[1] - first * BLOCK
     values = dequantize(codes, powers)[:, :, skip : skip + sizes[1]]
     return np.ascontiguousarray(values.transpose(0, 2, 1))
+
+
+def quantize_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
+    """Rows of a weight (``[rows, in]``, any float dtype; ``in`` a multiple of 32) in MXFP4:
+    per 32 elements a power-of-two scale, the smallest at or above ``amax / 6`` (so no element
+    is clipped: OpenAI's ``downcast_to_mxfp`` with its round-up scale), each element rounded
+    to the nearest E2M1 value of its scaled self (ties to the even code). Returns the codes
+    (uint8 ``[rows, in / 32, 16]``, low nibble first), the biased scales (uint8
+    ``[rows, in / 32]``) and the largest error of what ``dequantize`` reads back."""
+    import torch
+
+    x = to_torch(np.ascontiguousarray(rows)).to(torch.float32)
+    count, columns = x.shape
+    groups = x.reshape(count, columns // 32, 32)
+    largest = groups.abs().amax(dim=-1)
+    # the smallest power of two >= amax / 6 (0 for an all-zero block: code 0, scale 2^-127)
+    exponent = torch.ceil(torch.log2(largest / 6.0)).clamp(min=-127, max=127)
+    exponent = torch.where(largest > 0, exponent, torch.full_like(exponent, -127))
+    scaled = groups / torch.exp2(exponent).unsqueeze(-1)
+    magnitudes = torch.tensor(E2M1[:8], dtype=torch.float32)
+    # nearest of the 8 magnitudes; ties go to the even index (mantissa bit 0)
+    distance = (scaled.abs().unsqueeze(-1) - magnitudes).abs()
+    best = distance.min(dim=-1, keepdim=True).values
+    ties = (distance == best).to(torch.int64)
+    index = torch.argmax(ties * (1 + (torch.arange(8) % 2 == 0).to(torch.int64)), dim=-1)
+    code = index + 8 * (torch.signbit(scaled) & (index > 0)).to(torch.int64)
+    pairs = code.reshape(count, columns // 32, 16, 2)
+    packed = (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8)
+    biased = (exponent + SCALE_BIAS).to(torch.uint8)
+    codes, powers = from_torch(packed), from_torch(biased)
+    back = to_torch(dequantize(codes, powers)).to(torch.float32)
+    error = float((back - x).abs().max()) if x.numel() else 0.0
+    return codes, powers, error

@@ -439,7 +439,7 @@ def probe_hf(
     )
     known = recorded(storage)
     digests = known.tensors if known is not None else {}
-    errors = known.quantized if known is not None and quantized else {}
+    errors = known.quantized if known is not None and (quantized or dequantized) else {}
     return HFCheckpoint(
         storage,
         view,

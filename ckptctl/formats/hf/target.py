@@ -14,6 +14,7 @@ from ckptctl.formats.hf.fp8 import (
     quantizable,
     quantization_config,
 )
+from ckptctl.formats.hf.mxfp4_target import mxfp4_files
 from ckptctl.formats.target import CONSOLIDATE, TargetFormat, known_model
 from ckptctl.model.catalog import is_state
 from ckptctl.model.geometry import nbytes, whole
@@ -23,7 +24,7 @@ from ckptctl.model.hf_named import GENERATION_CONFIG, HfNamedSource, converts
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.plan import TextWrite
 from ckptctl.model.stored import CheckpointView, StoredFile, StoredTensor, canonical_shapes
-from ckptctl.model.target import FP8_BLOCK, TargetFiles, TargetRequest
+from ckptctl.model.target import FP8_BLOCK, MXFP4, TargetFiles, TargetRequest
 
 SAFETENSORS = "safetensors"
 """``FileWrite.kind`` of a safetensors file."""
@@ -71,6 +72,8 @@ class HfTarget(TargetFormat):
         if absent:  # a config of another model than the checkpoint's
             more = f" and {len(absent) - 5} more" if len(absent) > 5 else ""
             raise CheckpointError(f"the source holds no data for {', '.join(absent[:5])}{more}")
+        if request.dtype == MXFP4:
+            return mxfp4_files(source, spec, request)
         fp8 = request.dtype == FP8_BLOCK
         kept = None if fp8 else request.dtype
         weight_dtypes = {hf: kept or dtypes[canonical] for hf, canonical, _, _ in hf_tensors(spec)}

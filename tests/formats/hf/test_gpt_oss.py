@@ -36,7 +36,7 @@ MEGATRON_ARGS = {
 
 
 def _make(root: Path, **extra: object) -> torch.nn.Module:
-    config = transformers.GptOssConfig(
+    fields: dict[str, object] = dict(
         hidden_size=64,
         intermediate_size=32,
         num_hidden_layers=4,
@@ -48,8 +48,8 @@ def _make(root: Path, **extra: object) -> torch.nn.Module:
         num_experts_per_tok=2,
         sliding_window=4,
         max_position_embeddings=131072,
-        **extra,
     )
+    config = transformers.GptOssConfig(**{**fields, **extra})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # biases, sinks and norms start at zero and one
@@ -151,4 +151,57 @@ def test_what_megatron_cannot_say_is_refused_by_name(
     (src / "config.json").write_text(json.dumps({**config, **extra}))
     result = cli("reshard", src, tmp_path / "out", "--tp", "2", code=2)
     assert named in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_megatron_gpt_oss_is_written_in_mxfp4_as_openai_releases_it(tmp_path: Path, cli) -> None:
+    """``--dtype mxfp4``: the experts as ``*_blocks`` / ``*_scales`` in the release's shapes
+    and ``quantization_config``; transformers' MXFP4 load reads the same values ckptctl does,
+    the rest of the model bit for bit; each expert's error is recorded, is the real one, and
+    ``verify --against`` holds the file to it."""
+    src = tmp_path / "hf"
+    _make(src, intermediate_size=64)
+    megatron = tmp_path / "megatron"
+    cli("reshard", src, megatron, "--tp", "2", "--ep", "2", "--etp", "1", "--dp", "2")
+    out = tmp_path / "mxfp4"
+    cli("consolidate", megatron, out, "--format", "hf", "--dtype", "mxfp4")
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "mxfp4"
+    stored = _tensors(out)
+    assert stored["model.layers.0.mlp.experts.gate_up_proj_blocks"].shape == (4, 128, 2, 16)
+    assert stored["model.layers.0.mlp.experts.down_proj_scales"].dtype == torch.uint8
+    assert "model.layers.0.mlp.experts.gate_up_proj" not in stored
+
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        out, quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.float32
+    ).state_dict()
+    again = tmp_path / "read"  # ckptctl's own reading of the MXFP4 file
+    cli("consolidate", out, again, "--format", "hf")
+    mine, source = _tensors(again), _tensors(src)
+    manifest = json.loads((out / "ckptctl.manifest.json").read_text())
+    recorded = manifest["quantized_max_abs_error"]
+    assert len(recorded) == 4 * 4 * 2  # layers x experts x (fc1, fc2)
+    for name, tensor in source.items():
+        assert torch.equal(mine[name].float(), theirs[name].float()), name
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            error = (mine[name].float() - tensor).abs().amax(dim=(1, 2))
+            fc = "linear_fc1" if "gate_up" in name else "linear_fc2"
+            layer = name.split(".")[2]
+            for expert, value in enumerate(error.tolist()):
+                key = f"decoder.layers.{layer}.mlp.experts.local_experts.{expert}.{fc}.weight"
+                assert 0 < value == pytest.approx(recorded[key], rel=1e-6), key
+        else:
+            assert torch.equal(mine[name], tensor), name
+    assert cli.json("verify", out, "--against", src)["ok"]
+
+
+def test_mxfp4_is_written_for_gpt_oss_only(tmp_path: Path, cli) -> None:
+    src = tmp_path / "hf"
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=300,
+    )  # fmt: skip
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(src)
+    result = cli("consolidate", src, tmp_path / "out", "--format", "hf", "--dtype", "mxfp4", code=2)
+    assert "writes GPT-OSS's expert weights" in result.stderr
     assert not (tmp_path / "out").exists()
