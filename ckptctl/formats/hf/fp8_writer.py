@@ -24,7 +24,7 @@ from ckptctl.model.dtypes import ITEMSIZE
 from ckptctl.model.plan import FileWrite, TensorWrite
 
 
-class _Collect:
+class Collect:
     """Where a ``Run``'s bytes land when they must be looked at (not a file: no kernel copy)."""
 
     def __init__(self, into: bytearray) -> None:
@@ -102,7 +102,7 @@ def _quantized(
 
     for chunk in source:
         if isinstance(chunk, Run):
-            chunk.write_to(_Collect(pending))
+            chunk.write_to(Collect(pending))
         else:
             pending += chunk
         at = 0

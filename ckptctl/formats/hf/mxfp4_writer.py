@@ -17,6 +17,7 @@ import xxhash
 from ckptctl.arrays import buffer, numpy_dtype, words
 from ckptctl.formats.base import WriteJob
 from ckptctl.formats.hf import mxfp4
+from ckptctl.formats.hf.fp8_writer import Collect
 from ckptctl.formats.hf.mxfp4_math import quantize_rows
 from ckptctl.formats.hf.mxfp4_target import quantized_name
 from ckptctl.formats.hf.writer import write_safetensors
@@ -116,7 +117,7 @@ def _rows(source: Iterable[memoryview | Run], row_bytes: int) -> Iterator[bytes]
     pending = bytearray()
     for chunk in source:
         if isinstance(chunk, Run):
-            chunk.write_to(_Collect(pending))
+            chunk.write_to(Collect(pending))
         else:
             pending += chunk
         whole = len(pending) // row_bytes * row_bytes
@@ -125,14 +126,3 @@ def _rows(source: Iterable[memoryview | Run], row_bytes: int) -> Iterator[bytes]
             del pending[:whole]
     if pending:
         raise AssertionError("a weight's bytes ended inside a row")
-
-
-class _Collect:
-    """Where a ``Run``'s bytes land when they must be looked at (not a file)."""
-
-    def __init__(self, into: bytearray) -> None:
-        self.into = into
-
-    def write(self, data: memoryview | bytes) -> int:
-        self.into += data
-        return len(data)

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.formats.hf.models import logits, saved_model, tensors
+
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
@@ -50,25 +52,7 @@ def _make(root: Path, **extra: object) -> torch.nn.Module:
         max_position_embeddings=131072,
     )
     config = transformers.GptOssConfig(**{**fields, **extra})
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # biases, sinks and norms start at zero and one
-        for param in model.parameters():
-            param.normal_(0.0, 0.2)
-    model.save_pretrained(root)
-    return model.eval()
-
-
-def _tensors(root: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for path in sorted(root.glob("*.safetensors")):
-        out.update(safetensors_torch.load_file(path))
-    return out
-
-
-def _logits(model: torch.nn.Module) -> torch.Tensor:
-    with torch.no_grad():
-        return model(IDS).logits
+    return saved_model(config, root, seed=0)
 
 
 def test_gpt_oss_goes_to_megatron_and_back_bit_exactly(tmp_path: Path, cli) -> None:
@@ -91,7 +75,7 @@ def test_gpt_oss_goes_to_megatron_and_back_bit_exactly(tmp_path: Path, cli) -> N
     back = tmp_path / "back"
     cli("consolidate", megatron, back, "--format", "hf", "--max-shard-size", "200KB")
     assert len(list(back.glob("*.safetensors"))) > 1  # packed experts kept whole in a file
-    mine, theirs = _tensors(back), _tensors(src)
+    mine, theirs = tensors(back), tensors(src)
     assert mine.keys() == theirs.keys()
     for name, tensor in theirs.items():
         assert torch.equal(mine[name], tensor), name
@@ -99,7 +83,7 @@ def test_gpt_oss_goes_to_megatron_and_back_bit_exactly(tmp_path: Path, cli) -> N
     assert loaded.config.layer_types == model.config.layer_types
     defaults = {"beta_fast": 32.0, "beta_slow": 1.0}  # YaRN's, left out when at them
     assert {**defaults, **loaded.config.rope_parameters} == model.config.rope_parameters
-    assert torch.equal(_logits(loaded), _logits(model))
+    assert torch.equal(logits(loaded, IDS), logits(model, IDS))
     assert cli.json("verify", back, "--against", megatron)["ok"]
 
 
@@ -111,7 +95,7 @@ def test_one_experts_megatron_tensors_are_hfs_deinterleaved(tmp_path: Path, cli)
     _make(src)
     megatron = tmp_path / "megatron"
     cli("reshard", src, megatron, "--tp", "2", "--ep", "2", "--etp", "1", "--dp", "2")
-    hf = _tensors(src)
+    hf = tensors(src)
     gate_up = hf["model.layers.2.mlp.experts.gate_up_proj"][3].T  # [2F, H]
     bias = hf["model.layers.2.mlp.experts.gate_up_proj_bias"][3]
     path = next(megatron.rglob("mp_rank_01_001/model_optim_rng.pt"))
@@ -167,7 +151,7 @@ def test_megatron_gpt_oss_is_written_in_mxfp4_as_openai_releases_it(tmp_path: Pa
     cli("consolidate", megatron, out, "--format", "hf", "--dtype", "mxfp4")
     config = json.loads((out / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "mxfp4"
-    stored = _tensors(out)
+    stored = tensors(out)
     assert stored["model.layers.0.mlp.experts.gate_up_proj_blocks"].shape == (4, 128, 2, 16)
     assert stored["model.layers.0.mlp.experts.down_proj_scales"].dtype == torch.uint8
     assert "model.layers.0.mlp.experts.gate_up_proj" not in stored
@@ -177,7 +161,7 @@ def test_megatron_gpt_oss_is_written_in_mxfp4_as_openai_releases_it(tmp_path: Pa
     ).state_dict()
     again = tmp_path / "read"  # ckptctl's own reading of the MXFP4 file
     cli("consolidate", out, again, "--format", "hf")
-    mine, source = _tensors(again), _tensors(src)
+    mine, source = tensors(again), tensors(src)
     manifest = json.loads((out / "ckptctl.manifest.json").read_text())
     recorded = manifest["quantized_max_abs_error"]
     assert len(recorded) == 4 * 4 * 2  # layers x experts x (fc1, fc2)

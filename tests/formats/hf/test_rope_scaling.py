@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.formats.hf.models import logits, saved_model, tensors
+
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
@@ -75,25 +77,7 @@ def _make(case: str, root: Path, rope: dict[str, object] | None = None) -> torch
         rope_parameters=rope or parameters,
         **({"sliding_window": None} if case.startswith("mistral") else {}),
     )
-    torch.manual_seed(6)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0.0, 0.2)
-    model.save_pretrained(root)
-    return model.eval()
-
-
-def _tensors(root: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for path in sorted(root.glob("*.safetensors")):
-        out.update(safetensors_torch.load_file(path))
-    return out
-
-
-def _logits(model: torch.nn.Module) -> torch.Tensor:
-    with torch.no_grad():
-        return model(IDS).logits
+    return saved_model(config, root, seed=6)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -105,7 +89,9 @@ def test_scaled_rope_goes_to_megatron_and_back(case: str, tmp_path: Path, cli) -
         tmp_path / "plain",
         {"rope_type": "default", "rope_theta": CASES[case][1]["rope_theta"]},
     )
-    assert not torch.allclose(_logits(plain), _logits(model), atol=1e-5)  # the scaling shows
+    assert not torch.allclose(
+        logits(plain, IDS), logits(model, IDS), atol=1e-5
+    )  # the scaling shows
 
     megatron = tmp_path / "megatron"
     cli("reshard", src, megatron, "--tp", "2", "--pp", "2")
@@ -118,13 +104,13 @@ def test_scaled_rope_goes_to_megatron_and_back(case: str, tmp_path: Path, cli) -
 
     back = tmp_path / "back"
     cli("consolidate", megatron, back, "--format", "hf")
-    mine, theirs = _tensors(back), _tensors(src)
+    mine, theirs = tensors(back), tensors(src)
     assert mine.keys() == theirs.keys()
     for name, tensor in theirs.items():
         assert torch.equal(mine[name], tensor), name
     loaded = transformers.AutoModelForCausalLM.from_pretrained(back, dtype=torch.float32).eval()
     assert loaded.config.rope_parameters == model.config.rope_parameters
-    assert torch.equal(_logits(loaded), _logits(model))
+    assert torch.equal(logits(loaded, IDS), logits(model, IDS))
 
 
 def test_llama3_numbers_megatron_core_fixes_otherwise_are_refused_for_megatron(

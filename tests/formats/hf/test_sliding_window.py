@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.formats.hf.models import logits, saved_model, tensors
+
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
@@ -84,25 +86,7 @@ def _make(case: str, root: Path, **extra: object) -> torch.nn.Module:
         max_position_embeddings=256,
         **{**fields, **extra},
     )
-    torch.manual_seed(5)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0.0, 0.2)
-    model.save_pretrained(root)
-    return model.eval()
-
-
-def _tensors(root: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for path in sorted(root.glob("*.safetensors")):
-        out.update(safetensors_torch.load_file(path))
-    return out
-
-
-def _logits(model: torch.nn.Module) -> torch.Tensor:
-    with torch.no_grad():
-        return model(IDS).logits
+    return saved_model(config, root, seed=5)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -116,7 +100,7 @@ def test_a_windowed_family_goes_to_megatron_and_back_with_its_windows(
     plain.sliding_window = 1 << 20  # wider than the inputs: no window at all
     unwindowed = transformers.AutoModelForCausalLM.from_config(plain, dtype=torch.float32)
     unwindowed.load_state_dict(model.state_dict())
-    assert not torch.allclose(_logits(unwindowed.eval()), _logits(model), atol=1e-3)
+    assert not torch.allclose(logits(unwindowed.eval(), IDS), logits(model, IDS), atol=1e-3)
 
     megatron = tmp_path / "megatron"
     experts = ["--ep", "2", "--dp", "2"]
@@ -128,13 +112,13 @@ def test_a_windowed_family_goes_to_megatron_and_back_with_its_windows(
 
     back = tmp_path / "back"
     cli("consolidate", megatron, back, "--format", "hf")
-    mine, theirs = _tensors(back), _tensors(src)
+    mine, theirs = tensors(back), tensors(src)
     assert mine.keys() == theirs.keys()
     for name, tensor in theirs.items():
         assert torch.equal(mine[name], tensor), name
     loaded = transformers.AutoModelForCausalLM.from_pretrained(back, dtype=torch.float32)
     assert type(loaded).__name__ == CASES[case][1]
-    assert torch.equal(_logits(loaded.eval()), _logits(model))
+    assert torch.equal(logits(loaded.eval(), IDS), logits(model, IDS))
 
 
 def test_a_window_of_some_layers_of_a_plain_model_has_no_hf_class(tmp_path: Path, cli) -> None:
