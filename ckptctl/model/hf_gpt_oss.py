@@ -112,7 +112,10 @@ def spec_fields(config: Mapping[str, Any]) -> dict[str, Any]:
         problems.append(f"swiglu_limit={limit!r} is not a positive number")
     if problems:
         raise LayoutError(problems)
-    parameters = {**(config.get("rope_parameters") or {}), **(config.get("rope_scaling") or {})}
+    parts = [config.get(key) or {} for key in ("rope_parameters", "rope_scaling")]
+    if not all(isinstance(part, Mapping) for part in parts):
+        raise LayoutError(f"rope_parameters / rope_scaling={parts!r}: not objects")
+    parameters = {**parts[0], **parts[1]}  # an older config's rope_scaling read over
     return {
         "num_experts": config.get("num_local_experts", 128),
         "moe_router_topk": topk,

@@ -104,6 +104,8 @@ def from_hf(parameters: Any, max_position_embeddings: int) -> RopeScaling | None
     if not isinstance(parameters, Mapping):
         raise LayoutError(f"rope_parameters={parameters!r} is not an object")
     kind = parameters.get("rope_type", parameters.get("type", "default"))
+    if not isinstance(kind, str):
+        raise LayoutError(f"rope_parameters.rope_type={kind!r} is not a name")
     if kind == "default":
         extra = sorted(set(parameters) - {"rope_type", "type", "rope_theta"})
         if extra:

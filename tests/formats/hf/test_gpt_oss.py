@@ -189,3 +189,18 @@ def test_mxfp4_is_written_for_gpt_oss_only(tmp_path: Path, cli) -> None:
     result = cli("consolidate", src, tmp_path / "out", "--format", "hf", "--dtype", "mxfp4", code=2)
     assert "writes GPT-OSS's expert weights" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_readers_and_writers_by_hf_name_refuse_gpt_oss_by_name(tmp_path: Path) -> None:
+    """Formats that take each HF name as one tensor (DCP, torchtitan, DeepSpeed, the HF
+    Trainer's optimizer, merge-lora) would misplace the packed experts: they ask for the
+    tensors through ``per_name_tensors``, which refuses GPT-OSS, saying why."""
+    from ckptctl.errors import LayoutError
+    from ckptctl.model.hf_config import spec_from_config
+    from ckptctl.model.hf_layout import per_name_tensors
+
+    src = tmp_path / "hf"
+    _make(src)
+    spec = spec_from_config(json.loads((src / "config.json").read_text()))
+    with pytest.raises(LayoutError, match="GPT-OSS's packed experts are read and written in HF"):
+        per_name_tensors(spec, "DCP")

@@ -135,6 +135,7 @@ def test_llama3_numbers_megatron_core_fixes_otherwise_are_refused_for_megatron(
             {**LLAMA31, "rope_theta": 5e5, "attention_factor": 1.5},
             "rope_parameters.attention_factor=1.5: unknown to ckptctl",
         ),
+        ({"rope_type": ["yarn"], "rope_theta": 1e4}, "rope_parameters.rope_type=['yarn']"),
     ],
 )
 def test_rope_scalings_not_read_are_refused_by_name(
