@@ -22,6 +22,7 @@ from ckptctl.model.catalog import state_name
 from ckptctl.model.dtypes import dtype_name
 from ckptctl.model.geometry import Piece
 from ckptctl.model.hf_config import spec_from_config
+from ckptctl.model.hf_layout import per_name_tensors
 from ckptctl.model.hf_named import HfNamedModel, HfNamedSource
 from ckptctl.model.megatron_style import TORCH_ADAM, MegatronStyle
 from ckptctl.model.peft_wrapped import EmbeddedLora, PeftNames
@@ -282,6 +283,7 @@ def hf_model_view(
     the view by hub name that HF targets write, the config carried."""
     try:
         spec = spec_from_config(config, trusted=trusted)
+        per_name_tensors(spec, url)  # GPT-OSS's packed experts: by name, as they are
     except LayoutError as err:
         view = _by_hub_name(generic, model, url)
         carried = HfNamedSource(model, json.dumps(config, indent=2), generation)

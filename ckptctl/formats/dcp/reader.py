@@ -43,7 +43,7 @@ from ckptctl.io.storage import Storage
 from ckptctl.model.geometry import chunk_pieces
 from ckptctl.model.hf_config import has_family_table, spec_from_config
 from ckptctl.model.hf_families import choose_family
-from ckptctl.model.hf_layout import CONFIG
+from ckptctl.model.hf_layout import CONFIG, per_name_tensors
 from ckptctl.model.hf_named import GENERATION_CONFIG, HfNamedModel, HfNamedSource
 from ckptctl.model.layout import ModelSpec, ParallelLayout
 from ckptctl.model.megatron_style import TORCH_ADAM, MegatronStyle, OptimizerLayout
@@ -273,6 +273,7 @@ def probe_dcp(
     if config is not None:
         try:
             spec = spec_from_config(config, trusted=trusted)
+            per_name_tensors(spec, "DCP")  # GPT-OSS's packed experts: by name, as they are
         except LayoutError as err:
             # No family table takes it (a VLM, a family ckptctl does not map to Megatron):
             # transformers judges the names, which go to HF as they are.

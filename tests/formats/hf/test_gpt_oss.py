@@ -204,3 +204,20 @@ def test_readers_and_writers_by_hf_name_refuse_gpt_oss_by_name(tmp_path: Path) -
     spec = spec_from_config(json.loads((src / "config.json").read_text()))
     with pytest.raises(LayoutError, match="GPT-OSS's packed experts are read and written in HF"):
         per_name_tensors(spec, "DCP")
+
+
+def test_a_gpt_oss_dcp_checkpoint_converts_to_hf_by_name(tmp_path: Path, cli) -> None:
+    """A GPT-OSS model's state dict saved with torch's own DCP (as FSDP trainers save it; one
+    process here), its config beside: to HF by name, every tensor as the model holds it."""
+    import torch.distributed.checkpoint as dcp
+
+    src = tmp_path / "hf"
+    model = _make(src)
+    run = tmp_path / "dcp"
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(run))
+    (run / "config.json").write_text((src / "config.json").read_text())
+    out = tmp_path / "out"
+    cli("consolidate", run, out, "--format", "hf")
+    mine, theirs = tensors(out), tensors(src)
+    assert mine.keys() == theirs.keys()
+    assert all(torch.equal(mine[n], t) for n, t in theirs.items())
