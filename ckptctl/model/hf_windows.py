@@ -31,8 +31,6 @@ EVERY_LAYER = frozenset({"mistral", "mixtral", "qwen3_moe"})
 SWITCHED = frozenset({"qwen2", "qwen3", "qwen2_moe", "qwen3_moe"})
 """Families whose window counts only with ``use_sliding_window`` on."""
 BY_LAYER_TYPE = frozenset({"qwen2", "qwen3", "qwen2_moe", "gpt_oss"})
-KEYS = frozenset({"sliding_window", "use_sliding_window", "max_window_layers", "layer_types"})
-"""The keys this module reads; the families' other modules leave them to it."""
 LAYER_KINDS = ("full_attention", "sliding_attention")
 MAX_WINDOW_LAYERS_DEFAULT = 28
 """``max_window_layers`` where a Qwen config leaves it out (transformers' class default)."""
@@ -77,7 +75,11 @@ def _layer_kinds(
         return ["sliding_attention" if width is not None else "full_attention"] * layers
     kinds = config.get("layer_types")
     if kinds is not None:
-        if not isinstance(kinds, list) or len(kinds) != layers or set(kinds) - set(LAYER_KINDS):
+        if (
+            not isinstance(kinds, list)
+            or len(kinds) != layers
+            or not all(isinstance(kind, str) and kind in LAYER_KINDS for kind in kinds)
+        ):
             raise LayoutError(
                 f"layer_types={kinds!r}: not one of {', '.join(LAYER_KINDS)} per layer "
                 f"({layers} layers)"

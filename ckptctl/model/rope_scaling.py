@@ -208,10 +208,17 @@ def from_megatron(value: Callable[[str, Any], Any], position_type: str) -> RopeS
         raise LayoutError(
             "args.use_rope_scaling with position_embedding_type='yarn': two RoPE scalings"
         )
+
+    def number(name: str, default: float) -> float:
+        got = value(name, default)
+        if isinstance(got, bool) or not isinstance(got, int | float):
+            raise LayoutError(f"args.{name}={got!r} is not a number")
+        return float(got)
+
     if llama3:
         return RopeScaling(
             kind=RopeScalingKind.LLAMA3,
-            factor=float(value("rope_scaling_factor", 8.0)),
+            factor=number("rope_scaling_factor", 8.0),
             **MEGATRON_LLAMA3,  # type: ignore[arg-type]
         )
     if position_type != "yarn":
@@ -219,12 +226,12 @@ def from_megatron(value: Callable[[str, Any], Any], position_type: str) -> RopeS
     truncate = value("yarn_correction_range_round_to_int", None)
     return RopeScaling(
         kind=RopeScalingKind.YARN,
-        factor=float(value("rotary_scaling_factor", 1.0)),
-        original_max_position_embeddings=int(value("yarn_original_max_position_embeddings", 4096)),
-        beta_fast=float(value("yarn_beta_fast", 32.0)),
-        beta_slow=float(value("yarn_beta_slow", 1.0)),
-        mscale=float(value("mscale", 1.0)),
-        mscale_all_dim=float(value("mscale_all_dim", 0.0)),
+        factor=number("rotary_scaling_factor", 1.0),
+        original_max_position_embeddings=int(number("yarn_original_max_position_embeddings", 4096)),
+        beta_fast=number("yarn_beta_fast", 32.0),
+        beta_slow=number("yarn_beta_slow", 1.0),
+        mscale=number("mscale", 1.0),
+        mscale_all_dim=number("mscale_all_dim", 0.0),
         truncate=True if truncate is None else bool(truncate),
     )
 

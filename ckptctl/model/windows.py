@@ -110,7 +110,12 @@ def _full_layers(freq: Any, num_layers: int, name: str) -> tuple[int, ...]:
         freq = int(freq)
     if isinstance(freq, int) and not isinstance(freq, bool) and freq >= 1:
         return tuple(i for i in range(num_layers) if (i + 1) % freq == 0)
-    if isinstance(freq, Sequence) and len(freq) == num_layers and set(freq) <= {0, 1}:
+    if (
+        isinstance(freq, Sequence)
+        and not isinstance(freq, str)
+        and len(freq) == num_layers
+        and all(isinstance(v, int) and v in (0, 1) for v in freq)
+    ):
         return tuple(i for i, windowed in enumerate(freq) if not windowed)
     raise LayoutError(
         f"{name}.window_attn_skip_freq={freq!r}: not a layer frequency or a 0/1 pattern of "

@@ -245,7 +245,7 @@ def spec_from_args(
         mla=mla_spec(args),
         mtp_num_layers=int(_arg(args, "mtp_num_layers", default=0)),
         rope_scaling=_rope_scaling(args),
-        glu_linear_offset=float(_arg(args, "glu_linear_offset", default=0.0)),
+        glu_linear_offset=_number(args, "glu_linear_offset"),
         activation_clamp=_clamp(args),
         attention_sinks=_sinks(args),
         **_moe_spec(args),
@@ -257,7 +257,14 @@ def spec_from_args(
 
 def _clamp(args: argparse.Namespace) -> float | None:
     value = _arg(args, "activation_func_clamp_value")
-    return None if value is None else float(value)
+    return None if value is None else _number(args, "activation_func_clamp_value")
+
+
+def _number(args: argparse.Namespace, name: str, default: float = 0.0) -> float:
+    value = _arg(args, name, default=default)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise CheckpointError(f"args.{name}={value!r} is not a number")
+    return float(value)
 
 
 def _sinks(args: argparse.Namespace) -> bool:
