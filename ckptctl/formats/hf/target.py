@@ -75,6 +75,11 @@ class HfTarget(TargetFormat):
         if request.dtype == MXFP4:
             return mxfp4_files(source, spec, request)
         fp8 = request.dtype == FP8_BLOCK
+        if fp8 and spec.attention_sinks:  # its experts are packed: blocks of one tensor
+            raise UsageError(
+                f"--dtype {FP8_BLOCK}: GPT-OSS's experts are packed, as OpenAI releases them "
+                "in MXFP4 (--dtype mxfp4)"
+            )
         kept = None if fp8 else request.dtype
         weight_dtypes = {hf: kept or dtypes[canonical] for hf, canonical, _, _ in hf_tensors(spec)}
         quantized = {hf for hf, _, shape, _ in hf_tensors(spec) if fp8 and quantizable(hf, shape)}
@@ -120,9 +125,9 @@ def named_files(
 ) -> TargetFiles:
     """An HF model known by its names: each tensor whole under its hub name, in the model's
     order, the source's config files carried (their dtype set when ``--dtype`` converts)."""
-    if request.dtype == FP8_BLOCK:
+    if request.dtype in (FP8_BLOCK, MXFP4):
         raise UsageError(
-            f"--dtype {FP8_BLOCK} quantizes the linear weights of a model family ckptctl maps; "
+            f"--dtype {request.dtype} quantizes the weights of a model family ckptctl maps; "
             f"{carried.model.architecture} is carried by name only"
         )
     held = {n: v for n, v in canonical_shapes(source).items() if not is_state(n)}

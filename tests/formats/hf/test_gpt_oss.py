@@ -179,6 +179,18 @@ def test_megatron_gpt_oss_is_written_in_mxfp4_as_openai_releases_it(tmp_path: Pa
     assert cli.json("verify", out, "--against", src)["ok"]
 
 
+def test_fp8_block_is_refused_for_gpt_oss(tmp_path: Path, cli) -> None:
+    """DeepSeek's FP8 form quantizes each linear weight as one tensor: GPT-OSS's experts are
+    blocks of packed tensors (and its release form is MXFP4), so it is refused, not written."""
+    src = tmp_path / "hf"
+    _make(src)
+    result = cli(
+        "consolidate", src, tmp_path / "out", "--format", "hf", "--dtype", "fp8-block", code=2
+    )
+    assert "GPT-OSS's experts are packed" in result.stderr and "--dtype mxfp4" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_mxfp4_is_written_for_gpt_oss_only(tmp_path: Path, cli) -> None:
     src = tmp_path / "hf"
     config = transformers.LlamaConfig(
@@ -221,3 +233,11 @@ def test_a_gpt_oss_dcp_checkpoint_converts_to_hf_by_name(tmp_path: Path, cli) ->
     mine, theirs = tensors(out), tensors(src)
     assert mine.keys() == theirs.keys()
     assert all(torch.equal(mine[n], t) for n, t in theirs.items())
+
+
+def test_mxfp4_is_refused_for_a_model_carried_by_name(tmp_path: Path, cli) -> None:
+    src = tmp_path / "hf"
+    _make(src, swiglu_alpha=1.5)  # no Megatron mapping: carried by name
+    result = cli("consolidate", src, tmp_path / "out", "--format", "hf", "--dtype", "mxfp4", code=2)
+    assert "GptOssForCausalLM is carried by name only" in result.stderr
+    assert not (tmp_path / "out").exists()
