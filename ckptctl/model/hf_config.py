@@ -76,8 +76,7 @@ def spec_from_config(
         fields = family.rules.spec_fields(config)
     else:
         fields = _moe_spec(config, family) | hf_windows.spec_fields(config, family.name)
-        # transformers reads an older config's rope_scaling over rope_parameters
-        parameters = {**_mapping(config, "rope_parameters"), **_mapping(config, "rope_scaling")}
+        parameters = rope_scaling.hf_parameters_of(config)
         positions = config.get("max_position_embeddings", 4096)
         fields["rope_scaling"] = rope_scaling.from_hf(parameters, positions)
     return ModelSpec(**(_common_fields(config, family, make_vocab_size_divisible_by) | fields))
@@ -109,13 +108,6 @@ def _common_fields(
         rotary_base=_rope_theta(config),
         hf_family=None if family.name in ("llama", "mixtral") else family.name,
     )
-
-
-def _mapping(config: Mapping[str, Any], key: str) -> Mapping[str, Any]:
-    value = config.get(key) or {}
-    if not isinstance(value, Mapping):
-        raise CheckpointError(f"config.json: {key}={value!r} is not an object")
-    return value
 
 
 def _positive_count(config: Mapping[str, Any], key: str) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from math import prod
 from typing import Any
 
 from ckptctl.errors import LayoutError
@@ -112,10 +113,7 @@ def spec_fields(config: Mapping[str, Any]) -> dict[str, Any]:
         problems.append(f"swiglu_limit={limit!r} is not a positive number")
     if problems:
         raise LayoutError(problems)
-    parts = [config.get(key) or {} for key in ("rope_parameters", "rope_scaling")]
-    if not all(isinstance(part, Mapping) for part in parts):
-        raise LayoutError(f"rope_parameters / rope_scaling={parts!r}: not objects")
-    parameters = {**parts[0], **parts[1]}  # an older config's rope_scaling read over
+    parameters = rope_scaling.hf_parameters_of(config)
     return {
         "num_experts": config.get("num_local_experts", 128),
         "moe_router_topk": topk,
@@ -208,9 +206,7 @@ def block(spec: ModelSpec, hf_name: str, canonical: str, shape: Shape) -> Block 
     expert = expert_of(canonical)
     if packed not in _SUFFIX or expert is None or ".mlp.experts." not in hf_name:
         return None
-    size = 1
-    for n in shape:
-        size *= n
+    size = prod(shape)
     transposed = len(shape) == 2
     stored = shape[::-1] if transposed else shape
     return Block(

@@ -27,7 +27,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt, model_validator
 
-from ckptctl.errors import LayoutError
+from ckptctl.errors import CheckpointError, LayoutError
 
 
 class RopeScalingKind(StrEnum):
@@ -94,6 +94,18 @@ _KEYS = {
     RopeScalingKind.YARN: _COMMON
     | {"beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"},
 }
+
+
+def hf_parameters_of(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``config.json``'s RoPE parameters: ``rope_parameters``, with an older config's
+    ``rope_scaling`` read over them, as transformers reads them."""
+    parts = []
+    for key in ("rope_parameters", "rope_scaling"):
+        value = config.get(key) or {}
+        if not isinstance(value, Mapping):
+            raise CheckpointError(f"config.json: {key}={value!r} is not an object")
+        parts.append(value)
+    return {**parts[0], **parts[1]}
 
 
 def from_hf(parameters: Any, max_position_embeddings: int) -> RopeScaling | None:

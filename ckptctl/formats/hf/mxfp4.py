@@ -51,6 +51,31 @@ def stored_shapes(shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, .
     return (experts, outputs, groups, BLOCK // 2), (experts, outputs, groups)
 
 
+def parts_problem(name: str, shape: tuple[int, ...], blocks: Any, scales: Any) -> str | None:
+    """What keeps in-memory tensor ``name`` of ``shape`` from being read from its MXFP4
+    ``blocks`` and ``scales`` (safetensors entries: ``shape``, ``dtype``; ``scales`` ``None``
+    when absent), if anything."""
+    blocks_name, scales_name = name + BLOCKS, name + SCALES
+    if scales is None:
+        return f"tensor {blocks_name} is without its scales {scales_name}"
+    wanted = stored_shapes(shape)
+    if (
+        wanted is None
+        or (blocks.shape, scales.shape) != wanted
+        or {
+            blocks.dtype,
+            scales.dtype,
+        }
+        != {"uint8"}
+    ):
+        return (
+            f"{blocks_name} / {scales_name} are {blocks.dtype} {list(blocks.shape)} / "
+            f"{scales.dtype} {list(scales.shape)}; MXFP4 of {list(shape)} is uint8 "
+            f"{list(wanted[0]) if wanted else '?'} / {list(wanted[1]) if wanted else '?'}"
+        )
+    return None
+
+
 def block_range(offset: int, size: int) -> tuple[int, int]:
     """The blocks (first, count) that hold elements ``[offset, offset + size)`` of ``in``."""
     first = offset // BLOCK

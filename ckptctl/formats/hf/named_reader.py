@@ -154,21 +154,11 @@ def _mxfp4_tensors(
         blocks, scales = name + mxfp4.BLOCKS, name + mxfp4.SCALES
         if name in held or blocks not in held:
             continue
-        wanted = mxfp4.stored_shapes(shape)
-        got = (held[blocks][1], held[scales][1] if scales in held else None)
-        if scales not in held:
-            problems.append(f"tensor {blocks} is without its scales {scales}")
-        elif (
-            wanted is None
-            or (got[0].shape, got[1].shape) != wanted  # type: ignore[union-attr]
-            or {got[0].dtype, got[1].dtype} != {"uint8"}  # type: ignore[union-attr]
-        ):
-            problems.append(
-                f"{storage.describe(held[blocks][0])}: {blocks} / {scales} are "
-                f"{got[0].dtype} {list(got[0].shape)} / {got[1].dtype} "  # type: ignore[union-attr]
-                f"{list(got[1].shape)}; MXFP4 of {list(shape)} is uint8 "  # type: ignore[union-attr]
-                f"{list(wanted[0]) if wanted else '?'} / {list(wanted[1]) if wanted else '?'}"
-            )
+        scales_entry = held[scales][1] if scales in held else None
+        problem = mxfp4.parts_problem(name, shape, held[blocks][1], scales_entry)
+        if problem is not None:
+            where = "" if scales_entry is None else f"{storage.describe(held[blocks][0])}: "
+            problems.append(where + problem)
         else:
             path = held[blocks][0]
             packed[(path, name)] = ((path, blocks), (held[scales][0], scales))

@@ -44,15 +44,8 @@ def packed_block(
     scales_path, scales_entry = entry_of(scales)
     if not dequantize or blocks_entry is None:
         return f"tensor {name} missing"
-    if scales_entry is None:
-        return f"tensor {blocks} is without its scales {scales}"
-    wanted = mxfp4.stored_shapes(block.base_shape)
-    got = (blocks_entry.shape, scales_entry.shape)
-    if wanted is None or got != wanted or {blocks_entry.dtype, scales_entry.dtype} != {"uint8"}:
-        return (
-            f"{blocks} / {scales} are {blocks_entry.dtype} {list(got[0])} / "
-            f"{scales_entry.dtype} {list(got[1])}; MXFP4 of {list(block.base_shape)} is uint8 "
-            f"{list(wanted[0]) if wanted else '?'} / {list(wanted[1]) if wanted else '?'}"
-        )
+    problem = mxfp4.parts_problem(name, block.base_shape, blocks_entry, scales_entry)
+    if problem is not None:
+        return problem
     tensor = stored_tensor(spec, name, canonical, shape, mxfp4.DEQUANTIZED, pieces)
     return blocks_path, tensor, ((blocks_path, blocks), (scales_path, scales))
