@@ -98,6 +98,9 @@ def layer_parts(name: str) -> tuple[str, str] | None:
 
 
 EXPERTS = "mlp.experts"
+POST_ATTENTION_NORM = "self_attention.linear_proj.post_layernorm.weight"
+POST_MLP_NORM = "mlp.linear_fc2.post_layernorm.weight"
+"""Gemma 3's norms after attention and after the MLP, as Megatron-Bridge names them."""
 """Where a layer's routed experts sit among its parameters. Layer orders hold this one marker
 for the whole expert block, because the block's own order depends on the expert module
 (``ExpertNaming``) and its members on the EP rank."""
@@ -281,6 +284,9 @@ def layer_suffixes(spec: ModelSpec, moe: bool | None = None) -> list[tuple[str, 
     out.append(("self_attention.linear_qkv.weight", (spec.qkv_rows, h), Split.COLUMN))
     if bias or spec.add_qkv_bias:
         out.append(("self_attention.linear_qkv.bias", (spec.qkv_rows,), Split.COLUMN))
+    if spec.post_sublayer_norms:  # Megatron-Bridge's: a submodule of linear_proj, after it
+        at = next(i for i, (s, _, _) in enumerate(out) if s.startswith("self_attention.linear_q"))
+        out.insert(at, (POST_ATTENTION_NORM, (h,), Split.REPLICATED))
     if spec.qk_layernorm:
         # One norm over a head's kv_channels, shared by every head (TP-replicated).
         for which in ("q", "k"):
@@ -306,6 +312,8 @@ def _mlp(spec: ModelSpec, layernorm: bool, moe: bool) -> list[tuple[str, Shape, 
     out.append(("mlp.linear_fc2.weight", (h, spec.ffn_hidden_size), Split.ROW))
     if bias:
         out.append(("mlp.linear_fc2.bias", (h,), Split.REPLICATED))
+    if spec.post_sublayer_norms:
+        out.append((POST_MLP_NORM, (h,), Split.REPLICATED))
     return out
 
 

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ckptctl.errors import CheckpointError, LayoutError
-from ckptctl.model import hf_windows, rope_scaling
+from ckptctl.model import hf_gemma, hf_windows, rope_scaling
 from ckptctl.model.fields import refuse_fields
 from ckptctl.model.hf_families import FAMILIES, Family
 from ckptctl.model.layout import Activation, ModelSpec
@@ -161,6 +161,8 @@ def _check_keys(config: Mapping[str, Any], family: Family, trusted: frozenset[st
             continue
         if key not in _MAPPED and key not in family.config_keys:
             unknown.append(key)
+        elif key == "hidden_act" and family.name == hf_gemma.MODEL_TYPE:
+            continue  # read with hidden_activation by hf_gemma
         elif (problem := _plain_problem(key, value, config)) is not None:
             changed.append(problem)
     refuse_fields(changed, unknown, f" for model_type {family.name!r}")

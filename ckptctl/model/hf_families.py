@@ -14,7 +14,11 @@ Each family is one transformers class whose tensors are a fixed function of the 
 * ``deepseek_v3`` (``DeepseekV3ForCausalLM``): multi-latent attention, dense layers first and
   routed ones with shared experts and a sigmoid router after (``hf_deepseek``);
 * ``glm4_moe`` (``Glm4MoeForCausalLM``): DeepSeek-V3's routed layers under grouped-query
-  attention with q/k/v biases, optional q/k norms and partial RoPE (``hf_glm``).
+  attention with q/k/v biases, optional q/k norms and partial RoPE (``hf_glm``);
+* ``gpt_oss`` (``GptOssForCausalLM``): sinks, biases and packed clamped-GEGLU experts
+  (``hf_gpt_oss``);
+* ``gemma3_text`` (``Gemma3ForCausalLM``): four norms per layer, GEGLU, local and global
+  layers with RoPE bases of their own (``hf_gemma``).
 
 All are gated SiLU MLPs, RMSNorm, RoPE (over every head dimension but in GLM-4.5). A model
 none of them can hold is refused for HF with the reason. ``hf_config`` reads a family's
@@ -27,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptctl.errors import LayoutError
-from ckptctl.model import hf_deepseek, hf_glm, hf_gpt_oss, hf_windows, rope_scaling
+from ckptctl.model import hf_deepseek, hf_gemma, hf_glm, hf_gpt_oss, hf_windows, rope_scaling
 from ckptctl.model.hf_routed import FamilyRules
 from ckptctl.model.layout import Activation, ModelSpec, NormKind, PositionEmbedding, RouterScore
 
@@ -176,6 +180,14 @@ FAMILIES = {
             rules=hf_gpt_oss.RULES,
         ),
         Family(
+            hf_gemma.MODEL_TYPE,
+            "Gemma3ForCausalLM",
+            "never",
+            True,
+            hf_gemma.CONFIG_KEYS,
+            rules=hf_gemma.RULES,
+        ),
+        Family(
             "qwen3_moe",
             "Qwen3MoeForCausalLM",
             "never",
@@ -219,6 +231,8 @@ def choose_family(spec: ModelSpec) -> Family:
         name = spec.hf_family
     elif spec.attention_sinks:
         name = hf_gpt_oss.MODEL_TYPE
+    elif spec.post_sublayer_norms:
+        name = hf_gemma.MODEL_TYPE
     elif spec.mla is not None:
         name = hf_deepseek.MODEL_TYPE
     elif spec.is_moe and spec.moe_router_score_function is RouterScore.SIGMOID:
@@ -263,6 +277,8 @@ def check_family(spec: ModelSpec, family: Family) -> None:
     if not own and (spec.attention_sinks or spec.activation_clamp or spec.glu_linear_offset):
         problems.append(f"{cls} has no attention sinks or clamped GLU (GptOssForCausalLM has)")
     problems.extend(hf_windows.problems(spec, family.name, cls))
+    if family.name != hf_gemma.MODEL_TYPE:
+        problems.extend(_gemma_feature_problems(spec, cls))
     if spec.rope_scaling is not None:
         if family.rules is not None and not own:
             problems.append(f"{cls} has no {spec.rope_scaling.kind} RoPE scaling")
@@ -302,6 +318,22 @@ def check_family(spec: ModelSpec, family: Family) -> None:
     problems.extend(_moe_problems(spec, family))
     if problems:
         raise LayoutError(problems)
+
+
+def _gemma_feature_problems(spec: ModelSpec, cls: str) -> list[str]:
+    """Gemma 3's features, which only ``Gemma3ForCausalLM`` holds."""
+    features = {
+        "layernorm_zero_centered_gamma": spec.layernorm_zero_centered_gamma,
+        "post_sublayer_norms": spec.post_sublayer_norms,
+        "scaled_embedding": spec.scaled_embedding,
+        "softmax_scale": spec.softmax_scale is not None,
+        "local_rotary_base": spec.local_rotary_base is not None,
+        "activation gelu_tanh": spec.activation is Activation.GELU_TANH,
+    }
+    held = [name for name, present in features.items() if present]
+    if not held:
+        return []
+    return [f"{cls} has no {', '.join(held)} (Gemma3ForCausalLM has)"]
 
 
 def _moe_problems(spec: ModelSpec, family: Family) -> list[str]:
@@ -363,6 +395,8 @@ def hf_config(spec: ModelSpec, dtype: str) -> dict[str, Any]:
         config.update(family.rules.config(spec))
     elif family.moe is not None:
         config.update(_moe_config(spec, family.moe))
+    if family.name == hf_gemma.MODEL_TYPE:  # says them its own way (hidden_activation, per kind)
+        del config["hidden_act"], config["rope_theta"]
     return config
 
 

@@ -16,6 +16,8 @@ from ckptctl.model import hf_deepseek, hf_gpt_oss
 from ckptctl.model.catalog import (
     LAYER_PREFIX,
     MTP_PREFIX,
+    POST_ATTENTION_NORM,
+    POST_MLP_NORM,
     ROUTER_EXPERT_BIAS,
     expert_name,
     is_state,
@@ -183,6 +185,11 @@ def _layer_tensors(
         pre_mlp_norm = f"{src}mlp.linear_fc1.layer_norm_weight"
     norm = f"{src}input_layernorm.weight" if spec.mla else qkv + "layer_norm_weight"
     whole(f"{dst}input_layernorm.weight", norm, (h,))
+    if spec.post_sublayer_norms:  # Gemma 3: a norm after each sublayer too
+        whole(f"{dst}post_attention_layernorm.weight", src + POST_ATTENTION_NORM, (h,))
+        whole(f"{dst}pre_feedforward_layernorm.weight", pre_mlp_norm, (h,))
+        whole(f"{dst}post_feedforward_layernorm.weight", src + POST_MLP_NORM, (h,))
+        return out
     whole(f"{dst}post_attention_layernorm.weight", pre_mlp_norm, (h,))
     return out
 

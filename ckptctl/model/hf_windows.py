@@ -12,6 +12,8 @@ Each family says it its own way (transformers 5's configuration classes):
   ``max_window_layers`` (layers 0, 2, 4, ...).
 * ``gpt_oss``: ``sliding_window`` on the layers ``layer_types`` names; by default every other
   layer, from layer 0.
+* ``gemma3_text``: ``sliding_window`` (4096 when left out) on the layers ``layer_types`` names;
+  by default all but every ``sliding_window_pattern``-th (6th) layer.
 
 A window of W keys is megatron-core's ``(W - 1, 0)`` (``ckptctl.model.windows``).
 """
@@ -30,7 +32,9 @@ if TYPE_CHECKING:
 EVERY_LAYER = frozenset({"mistral", "mixtral", "qwen3_moe"})
 SWITCHED = frozenset({"qwen2", "qwen3", "qwen2_moe", "qwen3_moe"})
 """Families whose window counts only with ``use_sliding_window`` on."""
-BY_LAYER_TYPE = frozenset({"qwen2", "qwen3", "qwen2_moe", "gpt_oss"})
+BY_LAYER_TYPE = frozenset({"qwen2", "qwen3", "qwen2_moe", "gpt_oss", "gemma3_text"})
+GEMMA_WINDOW, GEMMA_PATTERN = 4096, 6
+"""Gemma 3's window and pattern where its config leaves them out (transformers' defaults)."""
 LAYER_KINDS = ("full_attention", "sliding_attention")
 MAX_WINDOW_LAYERS_DEFAULT = 28
 """``max_window_layers`` where a Qwen config leaves it out (transformers' class default)."""
@@ -60,7 +64,7 @@ def spec_fields(config: Mapping[str, Any], family: str) -> dict[str, Any]:
 def _width(config: Mapping[str, Any], family: str) -> int | None:
     if family in SWITCHED and not config.get("use_sliding_window", False):
         return None
-    width = config.get("sliding_window")
+    width = config.get("sliding_window", GEMMA_WINDOW if family == "gemma3_text" else None)
     if width is None or (family == "qwen2_moe" and width == 0):
         return None
     if isinstance(width, bool) or not isinstance(width, int) or width < 1:
@@ -87,6 +91,9 @@ def _layer_kinds(
         return list(kinds)
     if family == "gpt_oss":
         return [LAYER_KINDS[width is not None and i % 2 == 0] for i in range(layers)]
+    if family == "gemma3_text":  # sliding_window_pattern checked by hf_gemma
+        pattern = config.get("sliding_window_pattern", GEMMA_PATTERN)
+        return [LAYER_KINDS[bool((i + 1) % pattern)] for i in range(layers)]
     start = config.get("max_window_layers", MAX_WINDOW_LAYERS_DEFAULT)
     if isinstance(start, bool) or not isinstance(start, int):
         raise LayoutError(f"max_window_layers={start!r}: not a layer count")

@@ -12,6 +12,7 @@ from math import ceil
 from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt, model_validator
 
 from ckptctl.errors import LayoutError
+from ckptctl.model.gemma_features import describe_features, feature_problems
 from ckptctl.model.mla import MlaSpec
 from ckptctl.model.moe_spec import moe_description, moe_problems
 from ckptctl.model.rope_scaling import RopeScaling
@@ -38,6 +39,8 @@ class Activation(StrEnum):
     SQUARED_RELU = "squared_relu"
     QUICK_GELU = "quick_gelu"
     """``x * sigmoid(1.702 x)`` (Megatron's ``--quick-geglu`` gates it; GPT-OSS's experts)."""
+    GELU_TANH = "gelu_tanh"
+    """GELU's tanh approximation (Megatron's ``--openai-gelu``; Gemma's ``gelu_pytorch_tanh``)."""
 
 
 class RouterScore(StrEnum):
@@ -153,6 +156,21 @@ class ModelSpec(_Frozen):
     full_attention_layers: tuple[StrictInt, ...] = ()
     """Layers exempt from the window (megatron-core's ``window_attn_skip_freq``; Gemma 3's,
     GPT-OSS's and Qwen2's ``layer_types`` ``full_attention`` entries)."""
+    layernorm_zero_centered_gamma: bool = False
+    """Norms scale by ``1 + weight`` (megatron-core's name; Megatron-LM's ``--apply-layernorm-1p``;
+    Gemma's RMSNorm): the stored weights are the same numbers either side."""
+    post_sublayer_norms: bool = False
+    """A norm on the output of attention and of the MLP too, before each residual add (Gemma 2/3;
+    Megatron-Bridge's ``linear_proj.post_layernorm`` and ``linear_fc2.post_layernorm``)."""
+    scaled_embedding: bool = False
+    """The embedding's output multiplied by ``sqrt(hidden_size)`` (Gemma)."""
+    softmax_scale: StrictFloat | None = None
+    """Attention scores scaled by this instead of ``kv_channels ** -0.5`` (megatron-core's
+    ``softmax_scale``; Gemma 3's ``query_pre_attn_scalar ** -0.5``)."""
+    local_rotary_base: StrictFloat | None = None
+    """RoPE base of the windowed layers, when it differs from the full-attention layers'
+    ``rotary_base`` (Gemma 3's ``rope_local_base_freq``); the windowed layers then take no
+    ``rope_scaling``."""
 
     @model_validator(mode="before")
     @classmethod
@@ -183,6 +201,7 @@ class ModelSpec(_Frozen):
                 problems.append(f"{field}={value} is implausible (at most {most})")
         problems.extend(moe_problems(self))
         problems.extend(window_problems(self))
+        problems.extend(feature_problems(self))
         if not self.gated_linear_unit and (self.glu_linear_offset or self.activation_clamp):
             problems.append("glu_linear_offset / activation_clamp need a gated MLP")
         if self.attention_sinks and self.mla is not None:
@@ -263,6 +282,7 @@ class ModelSpec(_Frozen):
             bias,
             position,
             *([describe_window(self)] if self.window_size is not None else []),
+            *describe_features(self),
             f"{'tied' if self.tie_embeddings else 'untied'} embeddings",
             *([self._mtp_description()] if self.mtp_num_layers else []),
             *([f"from HF {self.hf_family}"] if self.hf_family else []),
@@ -279,7 +299,11 @@ class ModelSpec(_Frozen):
         act = self.activation or Activation.SILU
         if not self.gated_linear_unit:
             return f"{act.value} MLP"
-        name = {Activation.SILU: "SwiGLU", Activation.GELU: "GEGLU"}.get(act, f"gated {act}")
+        name = {
+            Activation.SILU: "SwiGLU",
+            Activation.GELU: "GEGLU",
+            Activation.GELU_TANH: "GEGLU (tanh)",
+        }.get(act, f"gated {act}")
         if self.activation_clamp is not None or self.glu_linear_offset:
             clamp, offset = self.activation_clamp, self.glu_linear_offset
             name += f" (clamped at {clamp}, linear half + {offset:g})"

@@ -33,6 +33,8 @@ from ckptctl.errors import CheckpointError, LayoutError
 class RopeScalingKind(StrEnum):
     LLAMA3 = "llama3"
     YARN = "yarn"
+    LINEAR = "linear"
+    """Every frequency divided by ``factor`` (Gemma 3's full-attention layers only)."""
 
 
 MEGATRON_LLAMA3 = {
@@ -48,7 +50,8 @@ class RopeScaling(BaseModel):
 
     kind: RopeScalingKind
     factor: StrictFloat
-    original_max_position_embeddings: StrictInt
+    original_max_position_embeddings: StrictInt | None = None
+    """The pretraining context (llama3, YaRN); linear scaling has none."""
     low_freq_factor: StrictFloat = 1.0
     """llama3: wavelengths past ``original / low_freq_factor`` are divided by ``factor``."""
     high_freq_factor: StrictFloat = 4.0
@@ -66,7 +69,11 @@ class RopeScaling(BaseModel):
         problems = []
         if not self.factor > 0:
             problems.append(f"rope scaling factor={self.factor} must be positive")
-        if not 0 < self.original_max_position_embeddings <= 1 << 30:
+        original = self.original_max_position_embeddings
+        if self.kind is RopeScalingKind.LINEAR:
+            if original is not None:
+                problems.append("linear RoPE scaling has no original_max_position_embeddings")
+        elif original is None or not 0 < original <= 1 << 30:
             problems.append(
                 f"original_max_position_embeddings={self.original_max_position_embeddings} "
                 "must be a positive context length"
@@ -83,6 +90,8 @@ class RopeScaling(BaseModel):
         return self
 
     def describe(self) -> str:
+        if self.kind is RopeScalingKind.LINEAR:
+            return f"linear x{self.factor:g}"
         return f"{self.kind} x{self.factor:g} from {self.original_max_position_embeddings}"
 
 
@@ -172,6 +181,8 @@ def _number(value: Any, name: str) -> float:
 
 def hf_parameters(scaling: RopeScaling, base: float) -> dict[str, Any]:
     """``rope_parameters`` as transformers 5 saves them."""
+    if scaling.kind is RopeScalingKind.LINEAR:
+        return {"rope_type": "linear", "rope_theta": base, "factor": scaling.factor}
     out: dict[str, Any] = {
         "rope_type": scaling.kind.value,
         "rope_theta": base,
@@ -227,6 +238,12 @@ def from_megatron(value: Callable[[str, Any], Any], position_type: str) -> RopeS
             raise LayoutError(f"args.{name}={got!r} is not a number")
         return float(got)
 
+    linear = value("ckptctl_rope_linear_factor", None)
+    if linear is not None:
+        if llama3 or position_type == "yarn":
+            raise LayoutError("args.ckptctl_rope_linear_factor with another RoPE scaling")
+        factor = number("ckptctl_rope_linear_factor", 1.0)
+        return RopeScaling(kind=RopeScalingKind.LINEAR, factor=factor)
     if llama3:
         return RopeScaling(
             kind=RopeScalingKind.LLAMA3,
@@ -258,6 +275,10 @@ def megatron_args(scaling: RopeScaling | None) -> dict[str, Any]:
     ``"yarn"``, see ``position_type``)."""
     if scaling is None:
         return {}
+    if scaling.kind is RopeScalingKind.LINEAR:
+        # megatron-core's own linear scaling divides positions, not frequencies (the same
+        # numbers only up to rounding): ckptctl's own field keeps the exact one
+        return {"ckptctl_rope_linear_factor": scaling.factor}
     if scaling.kind is RopeScalingKind.LLAMA3:
         fixed = {name: getattr(scaling, name) for name in MEGATRON_LLAMA3}
         if fixed != MEGATRON_LLAMA3:

@@ -8,7 +8,7 @@ import copy
 from typing import Any
 
 from ckptctl.errors import CheckpointError, LayoutError
-from ckptctl.formats.megatron import release_args
+from ckptctl.formats.megatron import gemma_args, release_args
 from ckptctl.formats.megatron.args_fields import (
     HARMLESS,
     MAPPED,
@@ -32,6 +32,7 @@ from ckptctl.formats.megatron.mla_args import (
     mla_args,
     mla_spec,
 )
+from ckptctl.formats.megatron.moe_args import moe_args, moe_spec
 from ckptctl.model.catalog import Naming
 from ckptctl.model.fields import refuse_fields
 from ckptctl.model.layout import (
@@ -40,7 +41,6 @@ from ckptctl.model.layout import (
     NormKind,
     ParallelLayout,
     PositionEmbedding,
-    RouterScore,
 )
 from ckptctl.model.rope_scaling import RopeScaling, position_type
 from ckptctl.model.rope_scaling import from_megatron as rope_from_megatron
@@ -166,7 +166,8 @@ def _activation(args: argparse.Namespace) -> tuple[bool, Activation]:
         return True, Activation.QUICK_GELU
     if getattr(args, "squared_relu", False):
         return False, Activation.SQUARED_RELU
-    return False, Activation.GELU
+    tanh = gemma_args.activation(lambda name, default=None: _arg(args, name, default=default))
+    return tanh or (False, Activation.GELU)
 
 
 def _position_embedding(args: argparse.Namespace) -> PositionEmbedding:
@@ -248,7 +249,8 @@ def spec_from_args(
         glu_linear_offset=_number(args, "glu_linear_offset"),
         activation_clamp=_clamp(args),
         attention_sinks=_sinks(args),
-        **_moe_spec(args),
+        **gemma_args.spec_fields(lambda name, default=None: _arg(args, name, default=default)),
+        **moe_spec(lambda name, default=None: _arg(args, name, default=default), args.num_layers),
         **from_megatron(
             _arg(args, "window_size"), _arg(args, "window_attn_skip_freq"), args.num_layers
         ),
@@ -280,50 +282,6 @@ def _rope_scaling(args: argparse.Namespace) -> RopeScaling | None:
         return None  # its YaRN is the MLA spec's
     position = str(_arg(args, "position_embedding_type", default="learned_absolute"))
     return rope_from_megatron(lambda name, default: _arg(args, name, default=default), position)
-
-
-def _moe_spec(args: argparse.Namespace) -> dict[str, Any]:
-    """The MoE fields of the spec, with megatron-core's defaults, when ``num_experts`` is set."""
-    experts = _arg(args, "num_experts")
-    if not experts:
-        return {}
-    score = _arg(args, "moe_router_score_function", default="softmax")
-    if score not in {s.value for s in RouterScore}:
-        raise LayoutError(f"args.moe_router_score_function={score!r}: not supported yet")
-    return {
-        "num_experts": experts,
-        "moe_ffn_hidden_size": _arg(args, "moe_ffn_hidden_size"),
-        "moe_router_topk": int(_arg(args, "moe_router_topk", default=2)),
-        "moe_router_pre_softmax": bool(_arg(args, "moe_router_pre_softmax", default=False)),
-        "moe_router_score_function": RouterScore(score),
-        "moe_router_expert_bias": bool(_arg(args, "moe_router_enable_expert_bias", default=False)),
-        "moe_shared_expert_intermediate_size": _arg(args, "moe_shared_expert_intermediate_size"),
-        "moe_shared_expert_gate": bool(_arg(args, "moe_shared_expert_gate", default=False)),
-        "moe_router_num_groups": _arg(args, "moe_router_num_groups"),
-        "moe_router_group_topk": _arg(args, "moe_router_group_topk"),
-        "moe_router_topk_scaling_factor": _scaling(args),
-        "dense_layers": dense_layers(_arg(args, "moe_layer_freq", default=1), args.num_layers),
-    }
-
-
-def dense_layers(freq: Any, num_layers: int) -> tuple[int, ...]:
-    """The dense layers of ``--moe-layer-freq`` as megatron-core reads it: N (or "N") makes
-    every N-th layer an MoE layer, from layer 0; a list says it per layer (0: dense)."""
-    if isinstance(freq, str) and freq.strip().isdigit():
-        freq = int(freq)
-    if isinstance(freq, int) and not isinstance(freq, bool) and freq >= 1:
-        return tuple(i for i in range(num_layers) if i % freq)
-    if isinstance(freq, list | tuple) and len(freq) == num_layers and set(freq) <= {0, 1}:
-        return tuple(i for i, moe in enumerate(freq) if not moe)
-    raise LayoutError(
-        f"args.moe_layer_freq={freq!r}: not a layer frequency or a 0/1 pattern of "
-        f"{num_layers} layers"
-    )
-
-
-def _scaling(args: argparse.Namespace) -> float | None:
-    value = _arg(args, "moe_router_topk_scaling_factor")
-    return None if value is None else float(value)
 
 
 MOST_ITERATIONS = 1 << 48
@@ -397,10 +355,11 @@ def layout_from_args(args: argparse.Namespace) -> ParallelLayout:
 
 def args_from_spec(spec: ModelSpec) -> argparse.Namespace:
     """Megatron arguments describing ``spec``, for checkpoints cut from a full HF model."""
-    if spec.gated_linear_unit and spec.activation not in (Activation.SILU, Activation.QUICK_GELU):
+    gated = (Activation.SILU, Activation.QUICK_GELU, Activation.GELU_TANH)
+    if spec.gated_linear_unit and spec.activation not in gated:
         raise LayoutError(
-            f"a gated {spec.activation} MLP: Megatron-LM's args can only express SwiGLU and "
-            "quick-GEGLU"
+            f"a gated {spec.activation} MLP: Megatron's args can only express SwiGLU, "
+            "quick-GEGLU and Gemma's GEGLU (tanh)"
         )
     return argparse.Namespace(
         num_layers=spec.num_layers,
@@ -428,38 +387,17 @@ def args_from_spec(spec: ModelSpec) -> argparse.Namespace:
         norm_epsilon=spec.norm_epsilon,
         rotary_base=spec.rotary_base,
         rotary_percent=spec.rotary_percent,
-        **_moe_args(spec),
+        **moe_args(spec),
         **mla_args(spec.mla),
         mtp_num_layers=spec.mtp_num_layers or None,
         **megatron_fields(spec),
         **rope_megatron_args(spec.rope_scaling),
+        **gemma_args.args_fields(spec),
         transformer_impl="transformer_engine",
         ckptctl_hf_family=spec.hf_family,
         data_parallel_size=1,
         world_size=1,
     )
-
-
-def _moe_args(spec: ModelSpec) -> dict[str, Any]:
-    if not spec.is_moe:
-        return {"num_experts": None}
-    return {
-        "num_experts": spec.num_experts,
-        "moe_ffn_hidden_size": spec.expert_ffn_size,
-        "moe_router_topk": spec.moe_router_topk,
-        "moe_router_pre_softmax": spec.moe_router_pre_softmax,
-        "moe_router_score_function": spec.moe_router_score_function.value,
-        "moe_router_enable_expert_bias": spec.moe_router_expert_bias,
-        "moe_shared_expert_intermediate_size": spec.moe_shared_expert_intermediate_size,
-        "moe_shared_expert_gate": spec.moe_shared_expert_gate,
-        "moe_router_num_groups": spec.moe_router_num_groups,
-        "moe_router_group_topk": spec.moe_router_group_topk,
-        "moe_router_topk_scaling_factor": spec.moe_router_topk_scaling_factor,
-        "moe_layer_freq": (
-            [int(spec.is_moe_layer(i)) for i in range(spec.num_layers)] if spec.dense_layers else 1
-        ),
-        "moe_grouped_gemm": False,
-    }
 
 
 def args_for(

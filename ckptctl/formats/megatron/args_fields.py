@@ -44,12 +44,13 @@ MAPPED = frozenset(
     window_attn_skip_freq window_size world_size use_rope_scaling rope_scaling_factor
     yarn_beta_fast yarn_beta_slow yarn_correction_range_round_to_int
     yarn_original_max_position_embeddings activation_func_clamp_value glu_linear_offset
-    quick_geglu softmax_type
+    quick_geglu softmax_type apply_layernorm_1p layernorm_zero_centered_gamma
+    ckptctl_activation ckptctl_post_sublayer_norms ckptctl_scaled_embedding ckptctl_softmax_scale
+    ckptctl_local_rotary_base ckptctl_rope_linear_factor
     """.split()
 )
 
 PLAIN_VALUES: dict[str, tuple[object, ...]] = {
-    "apply_layernorm_1p": (False,),
     "apply_residual_connection_post_layernorm": (False,),
     "attention_output_gate": (False,),
     "decoder_num_layers": (None,),
@@ -65,13 +66,12 @@ PLAIN_VALUES: dict[str, tuple[object, ...]] = {
     "hybrid_mlp_ratio": (0.0,),
     "hybrid_override_pattern": (None,),
     "is_hybrid_model": (False,),
-    "layernorm_zero_centered_gamma": (False,),
     "linear_attention_freq": (None,),
     "mrope_section": (None,),
     "multi_latent_attention": (False,),
     "no_rope_freq": (None,),
     "num_distributed_optimizer_instances": (1,),
-    "openai_gelu": (False,),
+    "openai_gelu": (False,),  # megatron-core's models (0.12 on) ignore it: refused, not guessed
     "pad_vocab_size": (True,),
     "pipeline_model_parallel_split_rank": (None,),
     "qk_l2_norm": (False,),

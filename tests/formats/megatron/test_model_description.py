@@ -78,10 +78,26 @@ def test_partial_rotary_is_carried_through_reshards_and_refused_for_hf(
     assert resharded["args"].rotary_percent == 0.5
 
 
+@pytest.mark.parametrize("field", ["apply_layernorm_1p", "layernorm_zero_centered_gamma"])
+def test_zero_centred_norms_are_carried_and_refused_for_llama(
+    llama: Path, tmp_path: Path, field: str, cli
+) -> None:
+    """Megatron-LM's ``--apply-layernorm-1p`` (``--layernorm-zero-centered-gamma`` in 0.19):
+    norms scale by ``1 + weight``; kept through a reshard, refused by name for an HF class
+    whose norms scale by the weight."""
+    _edit_args(llama, **{field: True})
+    assert cli.json("inspect", llama)["spec"]["layernorm_zero_centered_gamma"]
+    result = cli("consolidate", llama, tmp_path / "hf", code=2)
+    assert "layernorm_zero_centered_gamma" in result.stderr, result.stderr
+    assert not (tmp_path / "hf").exists()
+    cli("reshard", llama, tmp_path / "tp1", "--tp", "1")
+    assert cli.json("inspect", tmp_path / "tp1")["spec"]["layernorm_zero_centered_gamma"]
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("apply_layernorm_1p", True),
+        ("qk_l2_norm", True),
         ("rotary_interleaved", True),
         ("softmax_type", "off-by-one"),
         ("openai_gelu", True),

@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckptctl.arrays import to_torch
+from tests.formats.megatron.rank_files import assert_same_rank_files
 from tests.oracle_runner import run_oracle
 
 pytest.importorskip("megatron.core", reason="megatron-core 0.16.1 is the oracle here")
@@ -59,48 +60,6 @@ def written(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
 
 def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / want.abs().max()).item()
-
-
-def _flat(obj: Any, path: str = "") -> dict[str, Any]:
-    """Every tensor and plain value under ``obj``, by key path."""
-    if isinstance(obj, dict):
-        return {
-            k: v for key, value in obj.items() for k, v in _flat(value, f"{path}/{key}").items()
-        }
-    if isinstance(obj, list | tuple):
-        return {k: v for i, value in enumerate(obj) for k, v in _flat(value, f"{path}/{i}").items()}
-    return {path: obj}
-
-
-def _rank_files(root: Path) -> dict[str, dict[str, Any]]:
-    """Per rank directory: model tensors (extra state aside), optimizer tensors and groups."""
-    out = {}
-    for path in sorted(root.rglob("model_optim_rng.pt")):
-        state = torch.load(path, weights_only=False)
-        model = {k: v for k, v in state["model"].items() if not k.endswith("_extra_state")}
-        out[path.parent.name] = _flat({"model": model, "optimizer": state["optimizer"]})
-    return out
-
-
-def _assert_same_files(mine: Path, theirs: Path) -> None:
-    """Same rank files, keys in the same order, every value equal; a tensor's padded
-    vocabulary rows aside (megatron-core fills them with initial values, ckptctl with zeros:
-    they are never a token)."""
-    a, b = _rank_files(mine), _rank_files(theirs)
-    assert a.keys() == b.keys()
-    for rank, values in b.items():
-        assert list(a[rank]) == list(values), rank
-        rows = values["/model/embedding.word_embeddings.weight"].shape[0]
-        tp_rank = int(rank.split("_")[2])
-        true_rows = max(0, min(rows, TRUE_VOCAB - tp_rank * rows))
-        for key, want in values.items():
-            got = a[rank][key]
-            if isinstance(want, torch.Tensor):
-                if want.dim() and want.shape[0] == rows:
-                    got, want = got[:true_rows], want[:true_rows]
-                assert got.dtype == want.dtype and torch.equal(got, want), (rank, key)
-            elif not key.endswith("/params"):
-                assert got == want, (rank, key)
 
 
 GPT_OSS_OTHER = {"tp": 2, "ep": 2, "etp": 1}
@@ -175,7 +134,7 @@ def test_moe_reshard_loads_in_megatron_core_and_returns_bit_exact(
     back = tmp_path / "back"
     cli("reshard", moved, back, *_options(own))
     assert cli.json("verify", back, "--against", src)["ok"]
-    _assert_same_files(back, src)
+    assert_same_rank_files(back, src)
 
 
 def _moe_layouts() -> st.SearchStrategy[dict[str, int]]:
@@ -234,7 +193,7 @@ def test_moe_round_trips_through_any_layout_bit_exact(
     per_rank = 4 // layout["ep"]
     assert all(len(f["experts"]) == per_rank for f in info["files"])
     cli("reshard", tmp / "there", tmp / "back", *_options(own), "--no-distributed-optimizer")
-    _assert_same_files(tmp / "back", src)
+    assert_same_rank_files(tmp / "back", src)
 
 
 @pytest.fixture(scope="module")
@@ -262,7 +221,7 @@ def test_moe_torch_dist_both_ways(
     # common step, to the legacy files megatron-core itself wrote for the same state.
     options = _options({"tp": 1, "ep": 2})
     cli("reshard", torch_dist, tmp_path / "legacy", *options, "--format", "megatron")
-    _assert_same_files(tmp_path / "legacy", legacy)
+    assert_same_rank_files(tmp_path / "legacy", legacy)
     cli("consolidate", torch_dist, tmp_path / "hf", "--format", "hf")
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
     with torch.no_grad():
@@ -282,7 +241,7 @@ def test_moe_torch_dist_both_ways(
         assert _relative(logits, reference["logits"]) < 1e-5
         options = _options({"tp": 1, "ep": 2})
         cli("reshard", td, tmp_path / f"{name}-back", *options, "--format", "megatron")
-        _assert_same_files(tmp_path / f"{name}-back", legacy)
+        assert_same_rank_files(tmp_path / f"{name}-back", legacy)
 
 
 def _local_name(canonical: str, ep_rank: int, per_rank: int = 2) -> str:
@@ -412,7 +371,7 @@ def test_moe_legacy_with_expert_tp_other_than_tp(tmp_path: Path, cli, distribute
         *["--distributed-optimizer"] * distributed,
     )
     assert cli.json("verify", back, "--against", src)["ok"]
-    _assert_same_files(back, src)
+    assert_same_rank_files(back, src)
     for rank in ("mp_rank_00_000", "mp_rank_01_001") if distributed else ():
         # The expert buffers byte for byte (the dense ones differ in vocabulary padding only).
         name = f"iter_0000001/{rank}/distrib_optim.pt"

@@ -1,0 +1,52 @@
+"""Legacy Megatron checkpoints compared rank file by rank file (the megatron-core oracles' tests):
+every model tensor and optimizer value, keys in order."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TRUE_VOCAB = 1000
+"""The oracles' true vocabulary (``tests/oracles/mcore_cpu.py``)."""
+
+
+def flat(obj: Any, path: str = "") -> dict[str, Any]:
+    """Every tensor and plain value under ``obj``, by key path."""
+    if isinstance(obj, dict):
+        return {k: v for key, value in obj.items() for k, v in flat(value, f"{path}/{key}").items()}
+    if isinstance(obj, list | tuple):
+        return {k: v for i, value in enumerate(obj) for k, v in flat(value, f"{path}/{i}").items()}
+    return {path: obj}
+
+
+def rank_files(root: Path) -> dict[str, dict[str, Any]]:
+    """Per rank directory: model tensors (extra state aside), optimizer tensors and groups."""
+    out = {}
+    for path in sorted(root.rglob("model_optim_rng.pt")):
+        state = torch.load(path, weights_only=False)
+        model = {k: v for k, v in state["model"].items() if not k.endswith("_extra_state")}
+        out[path.parent.name] = flat({"model": model, "optimizer": state["optimizer"]})
+    return out
+
+
+def assert_same_rank_files(mine: Path, theirs: Path) -> None:
+    """Same rank files, keys in the same order, every value equal; a tensor's padded
+    vocabulary rows aside (megatron-core fills them with initial values, ckptctl with zeros:
+    they are never a token)."""
+    a, b = rank_files(mine), rank_files(theirs)
+    assert a.keys() == b.keys()
+    for rank, values in b.items():
+        assert list(a[rank]) == list(values), rank
+        rows = values["/model/embedding.word_embeddings.weight"].shape[0]
+        tp_rank = int(rank.split("_")[2])
+        true_rows = max(0, min(rows, TRUE_VOCAB - tp_rank * rows))
+        for key, want in values.items():
+            got = a[rank][key]
+            if isinstance(want, torch.Tensor):
+                if want.dim() and want.shape[0] == rows:
+                    got, want = got[:true_rows], want[:true_rows]
+                assert got.dtype == want.dtype and torch.equal(got, want), (rank, key)
+            elif not key.endswith("/params"):
+                assert got == want, (rank, key)
