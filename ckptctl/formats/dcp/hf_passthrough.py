@@ -98,7 +98,7 @@ def named_tensors(metadata: DcpMetadata, model: HfNamedModel, base: str) -> Name
             f"holds {shown}, which {model.architecture} has no place for (is the config.json "
             "the checkpoint's own?)"
         )
-    replicas = _tied_copies(metadata, entries, prefix, tied, base, problems)
+    replicas = tied_copies(metadata, entries, prefix, tied, base, problems)
     notes = [f"PyTorch DCP checkpoint of an HF {model.architecture} (checked by transformers)"]
     renamed = sum(1 for n, _ in model.tensors if model.hub_name(n) != n)
     if renamed:
@@ -147,7 +147,7 @@ def _adam_state(
     return out, others
 
 
-def _tied_copies(
+def tied_copies(
     metadata: DcpMetadata,
     entries: dict[str, TensorEntry],
     prefix: str,

@@ -24,6 +24,7 @@ from ckptctl.errors import CheckpointError, LayoutError, UsageError
 from ckptctl.formats.base import Checkpoint, SavedTraining, templates_of
 from ckptctl.formats.dcp.files import chunks_placed, files_of, join, read_metadata
 from ckptctl.formats.dcp.hf_layout import key_table, packed_chunk, packed_table, prefixes
+from ckptctl.formats.dcp.hf_passthrough import tied_copies
 from ckptctl.formats.dcp.metadata import BytesEntry, DcpMetadata, StorageInfo, TensorEntry
 from ckptctl.formats.dcp.records import (
     Fetch,
@@ -384,10 +385,13 @@ def _hf_named(
     held_under = (model_prefix,) if optim_prefix is None else (model_prefix, optim_prefix)
     packed = packed_table(table, spec, held_under) if spec.num_experts else {}
     placed: list[tuple[StorageInfo, StoredTensor]] = []
-    problems = []
-    for fqn, entry in metadata.entries.items():
-        if not isinstance(entry, TensorEntry):
-            continue
+    problems: list[str] = []
+    # a tied model's state dict names its embedding twice: the output alias is a copy
+    tied = {"lm_head.weight": "model.embed_tokens.weight"} if spec.tie_embeddings else {}
+    entries = {k: e for k, e in metadata.entries.items() if isinstance(e, TensorEntry)}
+    for fqn, entry in entries.items():
+        if fqn[len(model_prefix) :] in tied and fqn.startswith(model_prefix):
+            continue  # checked equal to the embedding below, never written
         key = table.get(fqn)
         if key is None and fqn in packed:  # transformers 5's in-memory experts
             if entry.shape != packed[fqn].shape:
@@ -418,6 +422,9 @@ def _hf_named(
             placed.append((metadata.storage[(fqn, chunk.offsets)], tensor))
     if problems:
         raise CheckpointError(f"{storage.describe(base)}: " + "; ".join(problems[:5]))
+    replicas = tied_copies(metadata, entries, model_prefix, tied, base, problems)
+    if problems:
+        raise CheckpointError(f"{storage.describe(base)}: " + "; ".join(problems[:5]))
     view = CheckpointView(
         Format.DCP,
         spec,
@@ -426,6 +433,7 @@ def _hf_named(
         iteration,
         optim_prefix is not None,
         (f"PyTorch DCP checkpoint of an HF {choose_family(spec).architecture}",),
+        replicas=replicas,
     )
     return DcpCheckpoint(storage, view, base, metadata)
 
