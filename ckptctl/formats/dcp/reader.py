@@ -420,8 +420,6 @@ def _hf_named(
                 chunk_pieces(key.pieces, chunk.offsets, chunk.sizes),
             )
             placed.append((metadata.storage[(fqn, chunk.offsets)], tensor))
-    if problems:
-        raise CheckpointError(f"{storage.describe(base)}: " + "; ".join(problems[:5]))
     replicas = tied_copies(metadata, entries, model_prefix, tied, base, problems)
     if problems:
         raise CheckpointError(f"{storage.describe(base)}: " + "; ".join(problems[:5]))

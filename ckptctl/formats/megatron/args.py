@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+from collections.abc import Callable
 from typing import Any
 
 from ckptctl.errors import CheckpointError, LayoutError
@@ -54,6 +55,12 @@ def _arg(args: argparse.Namespace, *names: str, default: Any = None) -> Any:
         if value is not None:
             return value
     return default
+
+
+def _values(args: argparse.Namespace) -> Callable[..., Any]:
+    """``value(name, default=None)``: one field of ``args``, as ``_arg`` reads it (for the
+    feature modules that read their own fields)."""
+    return lambda name, default=None: _arg(args, name, default=default)
 
 
 def check_fields(args: argparse.Namespace, trusted: frozenset[str] = frozenset()) -> None:
@@ -166,7 +173,7 @@ def _activation(args: argparse.Namespace) -> tuple[bool, Activation]:
         return True, Activation.QUICK_GELU
     if getattr(args, "squared_relu", False):
         return False, Activation.SQUARED_RELU
-    tanh = gemma_args.activation(lambda name, default=None: _arg(args, name, default=default))
+    tanh = gemma_args.activation(_values(args))
     return tanh or (False, Activation.GELU)
 
 
@@ -249,8 +256,8 @@ def spec_from_args(
         glu_linear_offset=_number(args, "glu_linear_offset"),
         activation_clamp=_clamp(args),
         attention_sinks=_sinks(args),
-        **gemma_args.spec_fields(lambda name, default=None: _arg(args, name, default=default)),
-        **moe_spec(lambda name, default=None: _arg(args, name, default=default), args.num_layers),
+        **gemma_args.spec_fields(_values(args)),
+        **moe_spec(_values(args), args.num_layers),
         **from_megatron(
             _arg(args, "window_size"), _arg(args, "window_attn_skip_freq"), args.num_layers
         ),
@@ -281,7 +288,7 @@ def _rope_scaling(args: argparse.Namespace) -> RopeScaling | None:
     if getattr(args, "multi_latent_attention", False):
         return None  # its YaRN is the MLA spec's
     position = str(_arg(args, "position_embedding_type", default="learned_absolute"))
-    return rope_from_megatron(lambda name, default: _arg(args, name, default=default), position)
+    return rope_from_megatron(_values(args), position)
 
 
 MOST_ITERATIONS = 1 << 48
