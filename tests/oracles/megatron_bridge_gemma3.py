@@ -29,6 +29,9 @@ Megatron-LM does, and the TP forward's logits on a fixed batch go to ``OUT/refer
 
 ``forward CKPT OUT_PT --bridge SITE``: loads a legacy TP1 PP2 checkpoint stage by stage (strict, in
 megatron-core's order) and saves the logits.
+
+``load CKPT OUT_PT --bridge SITE``: two TP ranks load a ``torch_dist`` TP2 checkpoint with
+megatron-core's ``dist_checkpointing.load`` and save the logits.
 """
 
 from __future__ import annotations
@@ -330,6 +333,27 @@ def forward_worker(rank: int, port: int, site: Path, ckpt: Path, out: Path) -> N
         torch.save(logits[..., :TRUE_VOCAB].float().contiguous(), out)
 
 
+def load_worker(rank: int, port: int, site: Path, ckpt: Path, out: Path) -> None:
+    """The TP2 model loaded from a ``torch_dist`` checkpoint by megatron-core's own
+    ``dist_checkpointing.load`` (every key it asks for must be there), its logits saved."""
+    patch_megatron_for_cpu(noop_cuda_synchronize=True)
+    with model_parallel(rank, port, TP, tp=TP, cpu_as_cuda=True):
+        from megatron.core import dist_checkpointing
+
+        gemma3 = gemma3_module(site)
+        model = build(gemma3, TP)
+        checkpoint_dir = ckpt / f"iter_{ITERATION:07d}"
+        state, _, unexpected = dist_checkpointing.load(
+            {"model": model.sharded_state_dict()}, str(checkpoint_dir), strict="return_all"
+        )
+        assert not unexpected, sorted(map(str, unexpected))
+        model.load_state_dict(state["model"], strict=True)
+        logits = logits_of(model.eval())[..., :TRUE_VOCAB].float().contiguous()
+        if rank == 0:
+            torch.save(logits, out)
+        dist.barrier()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="mode", required=True)
@@ -339,12 +363,17 @@ def main(argv: list[str] | None = None) -> int:
     forward = sub.add_parser("forward")
     forward.add_argument("ckpt", type=Path)
     forward.add_argument("out", type=Path)
-    for mode in (write, forward):
+    load = sub.add_parser("load")
+    load.add_argument("ckpt", type=Path)
+    load.add_argument("out", type=Path)
+    for mode in (write, forward, load):
         mode.add_argument("--bridge", type=Path, required=True, help="Megatron-Bridge's site")
     args = parser.parse_args(argv)
     if args.mode == "write":
         args.out_dir.mkdir(parents=True, exist_ok=True)
         spawn(write_worker, TP, args.bridge, args.out_dir.resolve(), args.format)
+    elif args.mode == "load":
+        spawn(load_worker, TP, args.bridge, args.ckpt.resolve(), args.out.resolve())
     else:
         spawn(forward_worker, 1, args.bridge, args.ckpt.resolve(), args.out.resolve())
     return 0

@@ -106,3 +106,17 @@ def test_a_pp2_reshard_loads_into_megatron_bridges_model(
         cli("reshard", written, direct, "--tp", "2", "--pp", "1", "--format", "megatron")
         assert cli.json("inspect", direct)["has_optimizer"]
         assert_same_rank_files(back, direct)
+
+
+def test_a_torch_dist_written_by_ckptctl_loads_into_megatron_bridges_model(
+    written: Path, tmp_path: Path, cli
+) -> None:
+    """ckptctl's ``torch_dist`` of the model (its sharded keys for the post-sublayer norms
+    among them) is what megatron-core's ``dist_checkpointing.load`` asks for."""
+    pp2, out = tmp_path / "pp2", tmp_path / "torch_dist"
+    cli("reshard", written, pp2, "--tp", "1", "--pp", "2", "--format", "torch_dist")
+    cli("reshard", pp2, out, "--tp", "2", "--pp", "1", "--format", "torch_dist")
+    logits = tmp_path / "logits.pt"
+    run_oracle(ORACLE, "load", out, logits, "--bridge", megatron_bridge_peft.site())
+    want = torch.load(written / "reference.pt")["logits"]
+    assert _relative(torch.load(logits), want) < 1e-5
