@@ -27,12 +27,8 @@ import pytest
 import torch
 
 from ckptctl.arrays import to_torch
-from tests.formats.megatron.test_oracle_moe import (
-    _assert_same_files,
-    _flat_buffers,
-    _oracle,
-    _relative,
-)
+from tests.formats.megatron.rank_files import assert_same_rank_files
+from tests.formats.megatron.test_oracle_moe import _flat_buffers, _oracle, _relative
 
 pytest.importorskip("megatron.core", reason="megatron-core 0.16.1 is the oracle here")
 transformers = pytest.importorskip("transformers")
@@ -107,7 +103,7 @@ def test_grouped_mlp_read_written_and_converted(
     back = tmp_path / "back"
     cli("reshard", moved, back, "--tp", 1, "--ep", 2, "--dp", 2)
     assert cli.json("verify", back, "--against", src)["ok"]
-    _assert_same_files(back, src)
+    assert_same_rank_files(back, src)
 
 
 def _block(ckpt: Any, path: str, t: Any) -> torch.Tensor:
@@ -180,7 +176,7 @@ def test_grouped_mlp_torch_dist_both_ways(
     # legacy GroupedMLP files, bit for bit.
     legacy = tmp_path / "legacy"
     cli("reshard", grouped["torch_dist"], legacy, "--ep", 2, "--dp", 2, "--format", "megatron")
-    _assert_same_files(legacy, grouped["legacy"])
+    assert_same_rank_files(legacy, grouped["legacy"])
     # ckptctl's torch_dist at TP2 loads into megatron-core's GroupedMLP model, same logits.
     td = tmp_path / "td"
     cli("reshard", grouped["legacy"], td, "--tp", 2, "--ep", 1, "--dp", 1, "--format", "torch_dist")
