@@ -276,6 +276,8 @@ def check_family(spec: ModelSpec, family: Family) -> None:
         problems.append(f"{cls} needs RoPE, this model uses {spec.position_embedding}")
     if not own and (spec.attention_sinks or spec.activation_clamp or spec.glu_linear_offset):
         problems.append(f"{cls} has no attention sinks or clamped GLU (GptOssForCausalLM has)")
+    if spec.softmax_off_by_one:
+        problems.append(f"{cls} has no off-by-one softmax (softmax_type='off-by-one')")
     problems.extend(hf_windows.problems(spec, family.name, cls))
     if family.name != hf_gemma.MODEL_TYPE:
         problems.extend(_gemma_feature_problems(spec, cls))

@@ -154,8 +154,7 @@ class ModelSpec(_Frozen):
     """Sliding-window attention, megatron-core's ``(left, right)``: a query attends to keys
     ``left`` before to ``right`` after it (-1: unbounded); unset: full causal attention."""
     full_attention_layers: tuple[StrictInt, ...] = ()
-    """Layers exempt from the window (megatron-core's ``window_attn_skip_freq``; Gemma 3's,
-    GPT-OSS's and Qwen2's ``layer_types`` ``full_attention`` entries)."""
+    """Layers exempt from the window (``window_attn_skip_freq``; HF's ``full_attention``)."""
     layernorm_zero_centered_gamma: bool = False
     """Norms scale by ``1 + weight`` (megatron-core's name; Megatron-LM's ``--apply-layernorm-1p``;
     Gemma's RMSNorm): the stored weights are the same numbers either side."""
@@ -168,9 +167,10 @@ class ModelSpec(_Frozen):
     """Attention scores scaled by this instead of ``kv_channels ** -0.5`` (megatron-core's
     ``softmax_scale``; Gemma 3's ``query_pre_attn_scalar ** -0.5``)."""
     local_rotary_base: StrictFloat | None = None
-    """RoPE base of the windowed layers, when it differs from the full-attention layers'
-    ``rotary_base`` (Gemma 3's ``rope_local_base_freq``); the windowed layers then take no
-    ``rope_scaling``."""
+    """RoPE base of the windowed layers (Gemma 3's ``rope_local_base_freq``); they then take
+    no ``rope_scaling``."""
+    softmax_off_by_one: bool = False
+    """A 1 in each softmax's denominator (``softmax_type="off-by-one"``; no tensor, no HF)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -204,8 +204,8 @@ class ModelSpec(_Frozen):
         problems.extend(feature_problems(self))
         if not self.gated_linear_unit and (self.glu_linear_offset or self.activation_clamp):
             problems.append("glu_linear_offset / activation_clamp need a gated MLP")
-        if self.attention_sinks and self.mla is not None:
-            problems.append("attention sinks with multi-latent attention: not supported")
+        if self.attention_sinks and (self.mla is not None or self.softmax_off_by_one):
+            problems.append("attention sinks with MLA or an off-by-one softmax: not supported")
         if self.rope_scaling is not None and (
             self.mla is not None or self.position_embedding is not PositionEmbedding.ROPE
         ):
@@ -279,6 +279,7 @@ class ModelSpec(_Frozen):
             f"{self.normalization} (eps {self.norm_epsilon:g})",
             *(["q/k layernorm"] if self.qk_layernorm else []),
             *(["attention sinks"] if self.attention_sinks else []),
+            *(["off-by-one softmax"] if self.softmax_off_by_one else []),
             bias,
             position,
             *([describe_window(self)] if self.window_size is not None else []),

@@ -19,7 +19,7 @@ Variants: ``mha`` (group_query_attention off, num_query_groups stored as 1), ``p
 (rotary_percent 0.5), ``qkv_bias`` (Qwen2-style), ``qk_layernorm`` (Qwen3-style), ``gelu``
 (non-gated GELU MLP), ``tied`` (shared embedding and output weights), ``sliding_window`` and
 ``window_pattern`` (sliding-window attention on every layer / on every other layer),
-``llama3_rope`` and ``yarn_rope`` (RoPE scaling).
+``llama3_rope`` and ``yarn_rope`` (RoPE scaling), ``off_by_one`` (``softmax_type``).
 """
 
 from __future__ import annotations
@@ -81,6 +81,8 @@ VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {
         {"window_size": WINDOW, "window_attn_skip_freq": 2, "qk_layernorm": True},
         {},
     ),
+    # An off-by-one softmax (issue 56): a 1 in every denominator, no tensor; no HF class.
+    "off_by_one": ({"softmax_type": "off-by-one"}, {"softmax_type": "off-by-one"}, {}),
     # RoPE scaling (issue 56): Llama 3.1's (megatron-core fixes its other numbers at 1, 4 and
     # 8192; a base of 500000 puts half the frequencies past its wavelengths), and YaRN x4 from
     # a context of 16 (MAX_POSITIONS is 64), as Megatron-LM's args and GPTModel say them.

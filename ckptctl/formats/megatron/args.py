@@ -255,7 +255,8 @@ def spec_from_args(
         rope_scaling=_rope_scaling(args),
         glu_linear_offset=_number(args, "glu_linear_offset"),
         activation_clamp=_clamp(args),
-        attention_sinks=_sinks(args),
+        attention_sinks=_softmax_type(args) == "learnable",
+        softmax_off_by_one=_softmax_type(args) == "off-by-one",
         **gemma_args.spec_fields(_values(args)),
         **moe_spec(_values(args), args.num_layers),
         **from_megatron(
@@ -276,12 +277,13 @@ def _number(args: argparse.Namespace, name: str, default: float = 0.0) -> float:
     return float(value)
 
 
-def _sinks(args: argparse.Namespace) -> bool:
-    """``softmax_type``: vanilla, or learnable (a learned logit per head in the denominator)."""
+def _softmax_type(args: argparse.Namespace) -> str:
+    """``softmax_type``: vanilla, off-by-one (a 1 in the denominator) or learnable (a learned
+    logit per head there)."""
     kind = _arg(args, "softmax_type", default="vanilla")
-    if kind not in ("vanilla", "learnable"):
+    if kind not in ("vanilla", "off-by-one", "learnable"):
         raise LayoutError(f"args.softmax_type={kind!r}: not supported yet")
-    return kind == "learnable"
+    return str(kind)
 
 
 def _rope_scaling(args: argparse.Namespace) -> RopeScaling | None:
@@ -382,7 +384,13 @@ def args_from_spec(spec: ModelSpec) -> argparse.Namespace:
         quick_geglu=spec.gated_linear_unit and spec.activation is Activation.QUICK_GELU,
         glu_linear_offset=spec.glu_linear_offset,
         activation_func_clamp_value=spec.activation_clamp,
-        softmax_type="learnable" if spec.attention_sinks else "vanilla",
+        softmax_type=(
+            "learnable"
+            if spec.attention_sinks
+            else "off-by-one"
+            if spec.softmax_off_by_one
+            else "vanilla"
+        ),
         squared_relu=spec.activation is Activation.SQUARED_RELU,
         qk_layernorm=spec.qk_layernorm,
         add_bias_linear=spec.add_bias_linear,

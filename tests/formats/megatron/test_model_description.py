@@ -99,7 +99,7 @@ def test_zero_centred_norms_are_carried_and_refused_for_llama(
     [
         ("qk_l2_norm", True),
         ("rotary_interleaved", True),
-        ("softmax_type", "off-by-one"),
+        ("softmax_type", "sigmoid"),
         ("openai_gelu", True),
         ("apply_residual_connection_post_layernorm", True),
         ("spec", ["my_specs", "custom_layer_spec"]),

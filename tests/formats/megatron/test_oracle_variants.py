@@ -36,6 +36,7 @@ HF_CLASS = {
 HF_REFUSAL = {
     "partial_rope": "rotary_percent=0.5: LlamaForCausalLM rotates every head dimension",
     "gelu": "needs a gated SiLU MLP (SwiGLU); this model has a gelu MLP",
+    "off_by_one": "LlamaForCausalLM has no off-by-one softmax",
 }
 SPEC = {
     "mha": {"num_query_groups": 4},
@@ -48,6 +49,7 @@ SPEC = {
     "window_pattern": {"window_size": [3, 0], "full_attention_layers": [1]},
     "llama3_rope": {"rotary_base": 500000.0},
     "yarn_rope": {"position_embedding": "rope"},
+    "off_by_one": {"softmax_off_by_one": True},
 }
 ROPE_SCALING = {"llama3_rope": ("llama3", 8.0), "yarn_rope": ("yarn", 4.0)}
 
@@ -128,6 +130,8 @@ def test_variant_converts_right_or_is_refused(
     pp2 = tmp_path / "pp2"
     cli("reshard", src, pp2, "--tp", "1", "--pp", "2", "--format", "megatron")
     assert "decoder.layers.0.input_layernorm.weight" in _rank_models(pp2)["mp_rank_00_000"]
+    resharded = cli.json("inspect", pp2)["spec"]  # the args written say the same model
+    assert {k: resharded[k] for k in SPEC[variant]} == SPEC[variant]
     _oracle("forward", pp2, tmp_path / "logits.pt", "--variant", variant)
     logits = torch.load(tmp_path / "logits.pt", weights_only=True)
     assert _relative(logits, reference["logits"]) < 1e-5
