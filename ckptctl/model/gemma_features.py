@@ -13,14 +13,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ckptctl.model.rope_scaling import RopeScalingKind
+
 if TYPE_CHECKING:
     from ckptctl.model.layout import ModelSpec
 
 
 def feature_problems(spec: ModelSpec) -> list[str]:
     """What makes these fields of ``spec`` inconsistent or unsupported together."""
-    from ckptctl.model.rope_scaling import RopeScalingKind
-
     problems = []
     if spec.post_sublayer_norms and (spec.is_moe or spec.mla is not None):
         problems.append(

@@ -4,9 +4,9 @@ Megatron-LM's parser says one of them: ``--apply-layernorm-1p`` (norms scaling b
 weight``; ``--layernorm-zero-centered-gamma`` in 0.19). Its ``--openai-gelu`` is no help: the
 megatron-core models of 0.12 and later ignore it (it stays refused at ``True``). The rest only
 Megatron-Bridge's ``Gemma3ModelProvider`` says, in a config of its own, not in ``args``: ckptctl
-records them in fields of its own (``ckptctl_*``, as it records the true vocabulary), read back
-exactly. Megatron-LM cannot build such a model; loading one
-there fails on the post-sublayer norms it has no module for, never silently.
+records them in fields of its own (``ckptctl_*``, as it records the true vocabulary, all listed
+in ``args_fields.MAPPED``), read back exactly. Megatron-LM cannot build such a model; loading
+one there fails on the post-sublayer norms it has no module for, never silently.
 """
 
 from __future__ import annotations
@@ -16,13 +16,6 @@ from typing import Any
 
 from ckptctl.errors import LayoutError
 from ckptctl.model.layout import Activation, ModelSpec
-
-FIELDS = frozenset(
-    """apply_layernorm_1p layernorm_zero_centered_gamma ckptctl_activation
-    ckptctl_post_sublayer_norms ckptctl_scaled_embedding ckptctl_softmax_scale
-    ckptctl_local_rotary_base ckptctl_rope_linear_factor""".split()  # noqa: SIM905
-)
-"""The ``args`` fields read here (and the linear RoPE factor, read by ``rope_scaling``)."""
 
 
 def spec_fields(value: Callable[..., Any]) -> dict[str, Any]:
