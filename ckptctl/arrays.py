@@ -120,6 +120,35 @@ def cast(array: np.ndarray, dtype: str) -> np.ndarray:
     return from_torch(to_torch(array).to(getattr(torch, dtype)))
 
 
+def shifted(array: np.ndarray, by: float, name: str, hint: str | None = None) -> np.ndarray:
+    """``array + by`` rounded once to its dtype, as torch adds; refused (``CheckpointError``
+    naming ``name``, then ``hint`` or a word on a wider dtype) unless subtracting ``by`` gives
+    back every original bit: the shift between two spellings of one weight must lose
+    nothing."""
+    from ckptctl.errors import CheckpointError
+
+    original = to_torch(array)
+    out = original + by
+    back = words(from_torch(out - by))
+    bad = back != words(np.ascontiguousarray(array))
+    if bad.any():
+        where = int(np.flatnonzero(bad.reshape(-1))[0])
+        value = float(original.reshape(-1)[where].float())
+        dtype = dtype_of(array)
+        wider = hint or (
+            "pass --dtype fp32, which holds it exactly"
+            if array.dtype.itemsize < 4
+            else "no dtype ckptctl writes holds it; keep this model in a format that stores "
+            "the weight as it is (Megatron, torch_dist, DCP)"
+        )
+        raise CheckpointError(
+            f"{name}: element {where} ({value!r}) {'plus' if by > 0 else 'minus'} {abs(by):g} "
+            f"is not exact in {dtype}, and the target stores this weight shifted by {by:g}: "
+            f"{wider}",
+        )
+    return from_torch(out)
+
+
 def to_torch(array: np.ndarray) -> torch.Tensor:
     """A torch tensor sharing ``array``'s memory (read-only arrays come from fetched bytes that
     nothing writes into)."""

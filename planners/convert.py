@@ -220,6 +220,7 @@ class _Planner:
             tensor.base_shape,
             tensor.padded_origin,
             tensor.interleaved,
+            tensor.shift,
         )
         return done, read, written, len(copies)
 

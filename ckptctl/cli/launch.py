@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 
-from ckptctl.cli.interrupts import on_interrupt
+from ckptctl.cli.interrupts import INTERRUPTED, on_interrupt
 
 
 def main() -> None:
@@ -19,6 +19,16 @@ def main() -> None:
 
         run()
     except KeyboardInterrupt:  # before (or after) a command's own boundary
-        sys.stderr.write("error: interrupted\n")
-        sys.stderr.flush()
-        os._exit(130)
+        _interrupted()
+    except Exception:
+        # pydantic builds its models' validators at import and wraps what interrupts it
+        # (SchemaError): an interrupt noted is the interrupt whatever it became on the way out
+        if not INTERRUPTED.is_set():
+            raise
+        _interrupted()
+
+
+def _interrupted() -> None:
+    sys.stderr.write("error: interrupted\n")
+    sys.stderr.flush()
+    os._exit(130)

@@ -13,6 +13,8 @@ from functools import lru_cache
 
 from ckptctl.model.geometry import Shape, Split
 from ckptctl.model.layout import ModelSpec, NormKind, PositionEmbedding
+from ckptctl.model.linear_attention import gdn_attention, is_linear_layer, parts_of
+from ckptctl.model.mla import mla_attention
 
 
 class Stage(StrEnum):
@@ -174,6 +176,8 @@ class Param:
     """Global expert index of a routed expert's parameter (split over EP, then ETP)."""
     buffer: bool = False
     """A persistent buffer (the router's expert bias): stored, never optimised."""
+    parts: Shape = ()
+    """The part sizes of dim 0 of a ``Split.PARTS`` parameter."""
 
     @property
     def no_weight_decay(self) -> bool:
@@ -226,51 +230,21 @@ def _moe_mlp(spec: ModelSpec, layernorm: bool) -> list[tuple[str, Shape, Split]]
 ROUTER_EXPERT_BIAS = "mlp.router.expert_bias"
 
 
-def _mla_attention(spec: ModelSpec, layernorm: bool) -> list[tuple[str, Shape, Split]]:
-    """A multi-latent attention layer's attention part in the TE spec's registration order
-    (``MLASelfAttention``: the output projection first, then q and kv down / up projections,
-    each up projection with its fused norm)."""
-    mla = spec.mla
-    assert mla is not None
-    h, n = spec.hidden_size, spec.num_attention_heads
-    rep = Split.REPLICATED
-    out: list[tuple[str, Shape, Split]] = [("input_layernorm.weight", (h,), rep)]
-    if layernorm:
-        out.append(("input_layernorm.bias", (h,), rep))
-    out.append(("self_attention.linear_proj.weight", (h, n * mla.v_head_dim), Split.ROW))
-    if spec.add_bias_linear:
-        out.append(("self_attention.linear_proj.bias", (h,), rep))
-
-    def up(which: str, rank: int, rows: int) -> None:
-        prefix = f"self_attention.linear_{which}_up_proj."
-        if spec.qk_layernorm:
-            out.append((prefix + "layer_norm_weight", (rank,), rep))
-            if layernorm:
-                out.append((prefix + "layer_norm_bias", (rank,), rep))
-        out.append((prefix + "weight", (rows, rank), Split.COLUMN))
-
-    q_rows = n * mla.q_head_dim
-    if mla.q_lora_rank is None:
-        out.append(("self_attention.linear_q_proj.weight", (q_rows, h), Split.COLUMN))
-    else:
-        out.append(("self_attention.linear_q_down_proj.weight", (mla.q_lora_rank, h), rep))
-        up("q", mla.q_lora_rank, q_rows)
-    kv_down = mla.kv_lora_rank + mla.qk_pos_emb_head_dim
-    out.append(("self_attention.linear_kv_down_proj.weight", (kv_down, h), rep))
-    up("kv", mla.kv_lora_rank, n * (mla.qk_head_dim + mla.v_head_dim))
-    return out
-
-
-def layer_suffixes(spec: ModelSpec, moe: bool | None = None) -> list[tuple[str, Shape, Split]]:
+def layer_suffixes(
+    spec: ModelSpec, moe: bool | None = None, linear: bool = False
+) -> list[tuple[str, Shape, Split]]:
     """Parameters of one transformer layer in Megatron-Core's registration order; an MoE
     layer's routed experts are the one ``EXPERTS`` entry (see ``expert_suffixes``). ``moe``
-    says which kind of layer of a model with dense and MoE layers (default: the model's)."""
+    says which kind of layer of a model with dense and MoE layers (default: the model's),
+    ``linear`` whether a gated delta net layer."""
     moe = spec.is_moe if moe is None else moe
     h, d = spec.hidden_size, spec.kv_channels
     bias = spec.add_bias_linear
     layernorm = spec.normalization is NormKind.LAYERNORM
+    if linear:
+        return gdn_attention(spec) + _mlp(spec, layernorm, moe)
     if spec.mla is not None:
-        return _mla_attention(spec, layernorm) + _mlp(spec, layernorm, moe)
+        return mla_attention(spec, layernorm) + _mlp(spec, layernorm, moe)
     out: list[tuple[str, Shape, Split]] = []
     if spec.attention_sinks:  # the core attention module is registered before linear_proj
         heads = (spec.num_attention_heads,)
@@ -322,6 +296,9 @@ def suffix_order(spec: ModelSpec) -> list[str]:
     a dense layer's MLP suffixes where its MLP part starts; each layer takes the suffixes it
     has, in this order."""
     suffixes = [s for s, _, _ in layer_suffixes(spec)]
+    if spec.linear_attention is not None:  # its attention part first, then the layers' own
+        gdn = [s for s, _, _ in layer_suffixes(spec, linear=True)]
+        suffixes = [s for s in gdn if s not in suffixes] + suffixes
     if not spec.is_moe or not spec.dense_layers:
         return suffixes
     dense = [s for s, _, _ in layer_suffixes(spec, moe=False)]
@@ -376,10 +353,10 @@ def _parameters(spec: ModelSpec) -> tuple[Param, ...]:
                 Stage.FIRST,
             )
         )
-    kinds = {moe: layer_suffixes(spec, moe) for moe in (False, spec.is_moe)}
+    kinds = {kind: layer_suffixes(spec, *kind) for kind in layer_kinds(spec)}
     experts = expert_suffixes(spec) if spec.is_moe else []
     for layer in range(spec.num_layers):
-        suffixes = kinds[spec.is_moe_layer(layer)]
+        suffixes = kinds[layer_kind(spec, layer)]
         prefix = f"{LAYER_PREFIX}{layer}."
         params.extend(_layer_params(spec, prefix, suffixes, experts, Stage.LAYER, layer))
     params.extend(
@@ -387,7 +364,7 @@ def _parameters(spec: ModelSpec) -> tuple[Param, ...]:
         for s, shape, split in _norm("final_layernorm", spec)
     )
     for k in range(spec.mtp_num_layers):
-        params.extend(_mtp_layer(spec, k, kinds[spec.mtp_is_moe], experts))
+        params.extend(_mtp_layer(spec, k, kinds[(spec.mtp_is_moe, False)], experts))
     if not spec.tie_embeddings:
         params.append(Param("output_layer.weight", (spec.vocab_size, h), Split.VOCAB, Stage.LAST))
     return tuple(params)
@@ -412,9 +389,20 @@ def _layer_params(
                 for sub, sub_shape, sub_split in experts
             )
             continue
-        buffer = suffix == ROUTER_EXPERT_BIAS
-        out.append(Param(prefix + suffix, shape, split, stage, layer, buffer=buffer))
+        buffer, parts = suffix == ROUTER_EXPERT_BIAS, parts_of(spec, suffix)
+        out.append(Param(prefix + suffix, shape, split, stage, layer, buffer=buffer, parts=parts))
     return out
+
+
+def layer_kind(spec: ModelSpec, layer: int) -> tuple[bool, bool]:
+    """``(moe, linear)``: decoder layer ``layer``'s MLP and attention kinds."""
+    return spec.is_moe_layer(layer), is_linear_layer(spec, layer)
+
+
+def layer_kinds(spec: ModelSpec) -> set[tuple[bool, bool]]:
+    """Every ``layer_kind`` of the model's layers, and the MTP layers' (never linear)."""
+    kinds = {layer_kind(spec, layer) for layer in range(spec.num_layers)}
+    return kinds | {(spec.mtp_is_moe, False)} if spec.mtp_num_layers else kinds
 
 
 def _norm(prefix: str, spec: ModelSpec) -> list[tuple[str, Shape, Split]]:

@@ -36,6 +36,9 @@ class Split(StrEnum):
     """Embedding / output layer: dim 0 padded to the TP-dependent vocabulary, then chunked."""
     GATED = "gated"
     """SwiGLU ``linear_fc1``: gate and up halves chunked separately; shard = [gate_s; up_s]."""
+    PARTS = "parts"
+    """Dim 0 is consecutive parts of the given sizes (gated delta net's fused ``in_proj``:
+    q, k, v, z, beta, alpha), each chunked separately; shard = [part0_s; part1_s; ...]."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,15 +75,20 @@ def with_dim(values: Shape, dim: int, value: int) -> Shape:
 
 @lru_cache(maxsize=4096)
 def shard_shape_and_pieces(
-    split: Split, shape: Shape, tp: int, rank: int, padded_rows: int | None = None
+    split: Split,
+    shape: Shape,
+    tp: int,
+    rank: int,
+    padded_rows: int | None = None,
+    parts: Shape = (),
 ) -> tuple[Shape, tuple[Piece, ...]]:
     """Local shape of TP rank ``rank`` of ``tp`` and the pieces of the canonical tensor it holds.
 
     ``shape`` is the canonical shape (vocabulary unpadded); ``padded_rows`` is the padded
-    vocabulary for ``Split.VOCAB``.
+    vocabulary for ``Split.VOCAB``; ``parts`` the part sizes of ``Split.PARTS``.
     """
     zero = (0,) * len(shape)
-    if split is Split.REPLICATED or (tp == 1 and split is not Split.VOCAB):
+    if split is Split.REPLICATED or (tp == 1 and split not in (Split.VOCAB, Split.PARTS)):
         return shape, (Piece(zero, zero, shape),)
     if split in (Split.COLUMN, Split.ROW):
         dim = 0 if split is Split.COLUMN else 1
@@ -99,6 +107,8 @@ def shard_shape_and_pieces(
             Piece(zero, with_dim(zero, 0, rank * n), size),
             Piece(with_dim(zero, 0, n), with_dim(zero, 0, half + rank * n), size),
         )
+    if split is Split.PARTS:
+        return _parts_shard(shape, tp, rank, parts)
     if split is Split.VOCAB:
         padded = padded_rows if padded_rows is not None else shape[0]
         if padded % tp or padded < shape[0]:
@@ -110,6 +120,21 @@ def shard_shape_and_pieces(
             return local, ()
         return local, (Piece(zero, with_dim(zero, 0, start), with_dim(shape, 0, stop - start)),)
     raise AssertionError(split)
+
+
+def _parts_shard(shape: Shape, tp: int, rank: int, parts: Shape) -> tuple[Shape, tuple[Piece, ...]]:
+    """Each part of dim 0 chunked over TP, the rank's chunks one after the other."""
+    if sum(parts) != shape[0] or any(size % tp for size in parts):
+        raise ValueError(f"tp={tp} does not divide the parts {parts} of shape {shape}")
+    zero = (0,) * len(shape)
+    pieces, local_row, start = [], 0, 0
+    for size in parts:
+        n = size // tp
+        at, size_n = with_dim(zero, 0, start + rank * n), with_dim(shape, 0, n)
+        pieces.append(Piece(with_dim(zero, 0, local_row), at, size_n))
+        local_row += n
+        start += size
+    return with_dim(shape, 0, local_row), tuple(pieces)
 
 
 def whole(shape: Shape) -> Piece:

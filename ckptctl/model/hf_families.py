@@ -31,7 +31,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptctl.errors import LayoutError
-from ckptctl.model import hf_deepseek, hf_gemma, hf_glm, hf_gpt_oss, hf_windows, rope_scaling
+from ckptctl.model import (
+    hf_deepseek,
+    hf_gemma,
+    hf_glm,
+    hf_gpt_oss,
+    hf_qwen35,
+    hf_windows,
+    rope_scaling,
+)
 from ckptctl.model.hf_routed import FamilyRules
 from ckptctl.model.layout import Activation, ModelSpec, NormKind, PositionEmbedding, RouterScore
 
@@ -188,6 +196,14 @@ FAMILIES = {
             rules=hf_gemma.RULES,
         ),
         Family(
+            hf_qwen35.MODEL_TYPE,
+            "Qwen3_5ForCausalLM",
+            "never",
+            True,
+            hf_qwen35.CONFIG_KEYS,
+            rules=hf_qwen35.RULES,
+        ),
+        Family(
             "qwen3_moe",
             "Qwen3MoeForCausalLM",
             "never",
@@ -233,6 +249,8 @@ def choose_family(spec: ModelSpec) -> Family:
         name = hf_gpt_oss.MODEL_TYPE
     elif spec.post_sublayer_norms:
         name = hf_gemma.MODEL_TYPE
+    elif spec.linear_attention is not None or spec.attention_output_gate:
+        name = hf_qwen35.MODEL_TYPE
     elif spec.mla is not None:
         name = hf_deepseek.MODEL_TYPE
     elif spec.is_moe and spec.moe_router_score_function is RouterScore.SIGMOID:
@@ -278,9 +296,14 @@ def check_family(spec: ModelSpec, family: Family) -> None:
         problems.append(f"{cls} has no attention sinks or clamped GLU (GptOssForCausalLM has)")
     if spec.softmax_off_by_one:
         problems.append(f"{cls} has no off-by-one softmax (softmax_type='off-by-one')")
+    qwen35 = family.name == hf_qwen35.MODEL_TYPE
+    if not qwen35 and (spec.linear_attention is not None or spec.attention_output_gate):
+        problems.append(
+            f"{cls} has no gated delta net layers or gated attention (Qwen3_5ForCausalLM has)"
+        )
     problems.extend(hf_windows.problems(spec, family.name, cls))
     if family.name != hf_gemma.MODEL_TYPE:
-        problems.extend(_gemma_feature_problems(spec, cls))
+        problems.extend(_gemma_feature_problems(spec, cls, qwen35))
     if spec.rope_scaling is not None:
         if family.rules is not None and not own:
             problems.append(f"{cls} has no {spec.rope_scaling.kind} RoPE scaling")
@@ -322,10 +345,11 @@ def check_family(spec: ModelSpec, family: Family) -> None:
         raise LayoutError(problems)
 
 
-def _gemma_feature_problems(spec: ModelSpec, cls: str) -> list[str]:
-    """Gemma 3's features, which only ``Gemma3ForCausalLM`` holds."""
+def _gemma_feature_problems(spec: ModelSpec, cls: str, centred: bool = False) -> list[str]:
+    """Gemma 3's features, which only ``Gemma3ForCausalLM`` holds (``centred``: the family
+    has Gemma's norms scaling by 1 + weight too)."""
     features = {
-        "layernorm_zero_centered_gamma": spec.layernorm_zero_centered_gamma,
+        "layernorm_zero_centered_gamma": spec.layernorm_zero_centered_gamma and not centred,
         "post_sublayer_norms": spec.post_sublayer_norms,
         "scaled_embedding": spec.scaled_embedding,
         "softmax_scale": spec.softmax_scale is not None,
@@ -399,6 +423,8 @@ def hf_config(spec: ModelSpec, dtype: str) -> dict[str, Any]:
         config.update(_moe_config(spec, family.moe))
     if family.name == hf_gemma.MODEL_TYPE:  # says them its own way (hidden_activation, per kind)
         del config["hidden_act"], config["rope_theta"]
+    if family.name == hf_qwen35.MODEL_TYPE:  # in rope_parameters, with the rotated share
+        del config["rope_theta"]
     return config
 
 

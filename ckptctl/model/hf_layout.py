@@ -12,7 +12,7 @@ import json
 import re
 
 from ckptctl.errors import LayoutError
-from ckptctl.model import hf_deepseek, hf_gpt_oss
+from ckptctl.model import hf_deepseek, hf_gpt_oss, hf_qwen35
 from ckptctl.model.catalog import (
     LAYER_PREFIX,
     MTP_PREFIX,
@@ -26,6 +26,7 @@ from ckptctl.model.catalog import (
 from ckptctl.model.geometry import Piece, Shape, nbytes, whole
 from ckptctl.model.hf_families import MoeNaming, choose_family
 from ckptctl.model.layout import ModelSpec
+from ckptctl.model.linear_attention import is_linear_layer
 from ckptctl.model.stored import CheckpointView, StoredFile, StoredTensor, canonical_shapes
 
 INDEX = "model.safetensors.index.json"
@@ -48,11 +49,33 @@ def _full(shape: Shape) -> tuple[Piece, ...]:
 
 
 def _qkv_pieces(spec: ModelSpec, part: str, trailing: Shape) -> tuple[Shape, tuple[Piece, ...]]:
-    """Rows of q, k or v inside the fused QKV: group g holds r query heads, then k, then v."""
+    """Rows of q, k or v inside the fused QKV: group g holds r query heads, then k, then v.
+    With an output gate, group g holds r query heads, their r gates, k, v; HF's ``q_proj``
+    then holds each head's query followed by its gate."""
     d, r, groups = spec.kv_channels, spec.heads_per_group, spec.num_query_groups
+    zero = (0,) * len(trailing)
+    if spec.attention_output_gate:
+        stride = 2 * r + 2
+        if part == "q":
+            pieces = tuple(
+                Piece(
+                    ((2 * (g * r + j) + gate) * d, *zero),
+                    ((g * stride + gate * r + j) * d, *zero),
+                    (d, *trailing),
+                )
+                for g in range(groups)
+                for j in range(r)
+                for gate in (0, 1)
+            )
+            return (2 * groups * r * d, *trailing), pieces
+        slot = {"k": 2 * r, "v": 2 * r + 1}[part]
+        pieces = tuple(
+            Piece((g * d, *zero), ((g * stride + slot) * d, *zero), (d, *trailing))
+            for g in range(groups)
+        )
+        return (groups * d, *trailing), pieces
     rows = r * d if part == "q" else d
     slot = {"q": 0, "k": r, "v": r + 1}[part]
-    zero = (0,) * len(trailing)
     pieces = tuple(
         Piece((g * rows, *zero), ((g * (r + 2) + slot) * d, *zero), (rows, *trailing))
         for g in range(groups)
@@ -69,7 +92,8 @@ def hf_tensors(spec: ModelSpec) -> list[Entry]:
     packed = family.name == hf_gpt_oss.MODEL_TYPE
     for i in range(spec.num_layers):
         src, dst = f"{LAYER_PREFIX}{i}.", f"model.layers.{i}."
-        out.extend(_layer_tensors(spec, family.moe, src, dst, spec.is_moe_layer(i), packed))
+        linear = is_linear_layer(spec, i)
+        out.extend(_layer_tensors(spec, family.moe, src, dst, spec.is_moe_layer(i), packed, linear))
     out.append(_whole("model.norm.weight", "decoder.final_layernorm.weight", (h,)))
     if not spec.tie_embeddings:
         out.append(_whole("lm_head.weight", OUTPUT, (spec.vocab_size, h)))
@@ -81,12 +105,19 @@ def hf_tensors(spec: ModelSpec) -> list[Entry]:
 def per_name_tensors(spec: ModelSpec, where: str) -> list[Entry]:
     """``hf_tensors`` for readers and writers that take each HF name as one tensor: refused
     for a model whose HF tensors pack several canonical ones (GPT-OSS's experts), which only
-    the safetensors reader and writer place block by block."""
+    the safetensors reader and writer place block by block, or stores one shifted from its
+    canonical values (Qwen3.5's gated norm), which only they shift."""
     if choose_family(spec).name == hf_gpt_oss.MODEL_TYPE:
         raise LayoutError(
             f"{where}: GPT-OSS's packed experts are read and written in HF safetensors only for now"
         )
-    return hf_tensors(spec)
+    entries = hf_tensors(spec)
+    if any(hf_qwen35.value_shift(spec, name) for name, *_ in entries):
+        raise LayoutError(
+            f"{where}: Qwen3.5's gated norms (one plus Megatron's zero-centred weight) are read "
+            "and written in HF safetensors only for now"
+        )
+    return entries
 
 
 EMBEDDING, OUTPUT = "embedding.word_embeddings.weight", "output_layer.weight"
@@ -142,9 +173,10 @@ def _layer_tensors(
     dst: str,
     routed: bool,
     packed: bool = False,
+    linear: bool = False,
 ) -> list[Entry]:
     """One decoder layer: canonical prefix ``src`` (a decoder or MTP layer's), HF ``dst``;
-    ``packed``: GPT-OSS's (sinks, packed experts)."""
+    ``packed``: GPT-OSS's (sinks, packed experts); ``linear``: a gated delta net layer's."""
     h, f, d = spec.hidden_size, spec.ffn_hidden_size, spec.kv_channels
     bias = spec.add_bias_linear
     qkv_bias = bias or spec.add_qkv_bias
@@ -154,15 +186,17 @@ def _layer_tensors(
         out.append(_whole(hf, canonical, shape))
 
     qkv = f"{src}self_attention.linear_qkv."
-    if spec.mla is not None:
+    if linear:
+        out.extend(hf_qwen35.linear_tensors(spec, src, dst))
+    elif spec.mla is not None:
         out.extend(hf_deepseek.attention_tensors(spec, src, dst))
-    for part in ("q", "k", "v") if spec.mla is None else ():
+    for part in ("q", "k", "v") if spec.mla is None and not linear else ():
         shape, pieces = _qkv_pieces(spec, part, (h,))
         out.append((f"{dst}self_attn.{part}_proj.weight", qkv + "weight", shape, pieces))
         if qkv_bias:
             shape, pieces = _qkv_pieces(spec, part, ())
             out.append((f"{dst}self_attn.{part}_proj.bias", qkv + "bias", shape, pieces))
-    if spec.mla is None:
+    if spec.mla is None and not linear:
         whole(
             f"{dst}self_attn.o_proj.weight",
             f"{src}self_attention.linear_proj.weight",
@@ -170,7 +204,7 @@ def _layer_tensors(
         )
     if bias:
         whole(f"{dst}self_attn.o_proj.bias", f"{src}self_attention.linear_proj.bias", (h,))
-    if spec.qk_layernorm and spec.mla is None:
+    if spec.qk_layernorm and spec.mla is None and not linear:
         whole(f"{dst}self_attn.q_norm.weight", f"{src}self_attention.q_layernorm.weight", (d,))
         whole(f"{dst}self_attn.k_norm.weight", f"{src}self_attention.k_layernorm.weight", (d,))
     if packed:
@@ -184,6 +218,8 @@ def _layer_tensors(
         out.extend(_mlp_tensors(f"{dst}mlp.", f"{src}mlp.", _GATED_MLP, h, f, bias))
         pre_mlp_norm = f"{src}mlp.linear_fc1.layer_norm_weight"
     norm = f"{src}input_layernorm.weight" if spec.mla else qkv + "layer_norm_weight"
+    if linear:
+        norm = f"{src}self_attention.in_proj.layer_norm_weight"
     whole(f"{dst}input_layernorm.weight", norm, (h,))
     if spec.post_sublayer_norms:  # Gemma 3: a norm after each sublayer too
         whole(f"{dst}post_attention_layernorm.weight", src + POST_ATTENTION_NORM, (h,))
@@ -295,7 +331,8 @@ def stored_tensor(
     """HF tensor ``hf`` (or, packed, its block that is ``canonical``) as stored."""
     block = hf_gpt_oss.block(spec, hf, canonical, shape) if spec.attention_sinks else None
     if block is None:
-        return StoredTensor((hf,), canonical, shape, dtype, pieces)
+        shift = hf_qwen35.value_shift(spec, hf)
+        return StoredTensor((hf,), canonical, shape, dtype, pieces, shift=shift)
     return StoredTensor(
         (hf,),
         canonical,

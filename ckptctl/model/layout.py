@@ -12,8 +12,10 @@ from math import ceil
 from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt, model_validator
 
 from ckptctl.errors import LayoutError
+from ckptctl.model import linear_attention
 from ckptctl.model.gemma_features import describe_features, feature_problems
-from ckptctl.model.mla import MlaSpec
+from ckptctl.model.linear_attention import GatedDeltaNetSpec
+from ckptctl.model.mla import MlaSpec, mla_problems
 from ckptctl.model.moe_spec import moe_description, moe_problems
 from ckptctl.model.rope_scaling import RopeScaling
 from ckptctl.model.windows import describe as describe_window
@@ -171,6 +173,11 @@ class ModelSpec(_Frozen):
     no ``rope_scaling``."""
     softmax_off_by_one: bool = False
     """A 1 in each softmax's denominator (``softmax_type="off-by-one"``; no tensor, no HF)."""
+    attention_output_gate: bool = False
+    """A sigmoid gate per query head on attention's output (``linear_qkv`` holds it after each
+    group's queries; Qwen3-Next's gated attention)."""
+    linear_attention: GatedDeltaNetSpec | None = None
+    """Gated delta net layers (Qwen3-Next); unset: every layer is an attention layer."""
 
     @model_validator(mode="before")
     @classmethod
@@ -183,16 +190,8 @@ class ModelSpec(_Frozen):
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:
         problems = []
-        for field in (
-            "num_layers",
-            "hidden_size",
-            "ffn_hidden_size",
-            "num_attention_heads",
-            "num_query_groups",
-            "kv_channels",
-            "vocab_size",
-            "make_vocab_size_divisible_by",
-        ):
+        # the first seven PLAUSIBLE fields are the sizes that must be positive
+        for field in (*list(PLAUSIBLE)[:7], "make_vocab_size_divisible_by"):
             if getattr(self, field) <= 0:
                 problems.append(f"{field}={getattr(self, field)} must be positive")
         for field, most in PLAUSIBLE.items():
@@ -212,13 +211,8 @@ class ModelSpec(_Frozen):
             problems.append(
                 "rope_scaling needs RoPE position embeddings without multi-latent attention"
             )
-        if self.mla is not None and self.num_query_groups != self.num_attention_heads:
-            problems.append(
-                f"multi-latent attention has a key/value per head: num_query_groups="
-                f"{self.num_query_groups} must equal num_attention_heads={self.num_attention_heads}"
-            )
-        if self.mla is not None and self.position_embedding is not PositionEmbedding.ROPE:
-            problems.append("multi-latent attention needs rope position embeddings")
+        problems.extend(mla_problems(self))
+        problems.extend(linear_attention.linear_problems(self))
         if not 0 <= self.mtp_num_layers <= self.num_layers:
             problems.append(
                 f"mtp_num_layers={self.mtp_num_layers} must lie in 0..num_layers={self.num_layers}"
@@ -284,6 +278,7 @@ class ModelSpec(_Frozen):
             position,
             *([describe_window(self)] if self.window_size is not None else []),
             *describe_features(self),
+            *linear_attention.describe(self),
             f"{'tied' if self.tie_embeddings else 'untied'} embeddings",
             *([self._mtp_description()] if self.mtp_num_layers else []),
             *([f"from HF {self.hf_family}"] if self.hf_family else []),
@@ -316,7 +311,8 @@ class ModelSpec(_Frozen):
 
     @property
     def qkv_rows(self) -> int:
-        return (self.num_attention_heads + 2 * self.num_query_groups) * self.kv_channels
+        gates = self.num_attention_heads if self.attention_output_gate else 0
+        return (self.num_attention_heads + gates + 2 * self.num_query_groups) * self.kv_channels
 
     @property
     def fc1_rows(self) -> int:

@@ -12,10 +12,15 @@ projection to every head's ``qk_head_dim + v_head_dim``.
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt, model_validator
 
 from ckptctl.errors import LayoutError
+from ckptctl.model.geometry import Shape, Split
+
+if TYPE_CHECKING:
+    from ckptctl.model.layout import ModelSpec
 
 
 class RopeType(StrEnum):
@@ -79,3 +84,53 @@ class MlaSpec(BaseModel):
             f"multi-latent attention ({q}, kv rank {self.kv_lora_rank}, head dims "
             f"{self.qk_head_dim}+{self.qk_pos_emb_head_dim} / v {self.v_head_dim}, {rope})"
         )
+
+
+def mla_problems(spec: ModelSpec) -> list[str]:
+    """What the rest of ``spec`` must be for multi-latent attention."""
+    if spec.mla is None:
+        return []
+    problems = []
+    if spec.num_query_groups != spec.num_attention_heads:
+        problems.append(
+            f"multi-latent attention has a key/value per head: num_query_groups="
+            f"{spec.num_query_groups} must equal num_attention_heads={spec.num_attention_heads}"
+        )
+    if spec.position_embedding.value != "rope":
+        problems.append("multi-latent attention needs rope position embeddings")
+    return problems
+
+
+def mla_attention(spec: ModelSpec, layernorm: bool) -> list[tuple[str, Shape, Split]]:
+    """A multi-latent attention layer's attention part in the TE spec's registration order
+    (``MLASelfAttention``: the output projection first, then q and kv down / up projections,
+    each up projection with its fused norm)."""
+    mla = spec.mla
+    assert mla is not None
+    h, n = spec.hidden_size, spec.num_attention_heads
+    rep = Split.REPLICATED
+    out: list[tuple[str, Shape, Split]] = [("input_layernorm.weight", (h,), rep)]
+    if layernorm:
+        out.append(("input_layernorm.bias", (h,), rep))
+    out.append(("self_attention.linear_proj.weight", (h, n * mla.v_head_dim), Split.ROW))
+    if spec.add_bias_linear:
+        out.append(("self_attention.linear_proj.bias", (h,), rep))
+
+    def up(which: str, rank: int, rows: int) -> None:
+        prefix = f"self_attention.linear_{which}_up_proj."
+        if spec.qk_layernorm:
+            out.append((prefix + "layer_norm_weight", (rank,), rep))
+            if layernorm:
+                out.append((prefix + "layer_norm_bias", (rank,), rep))
+        out.append((prefix + "weight", (rows, rank), Split.COLUMN))
+
+    q_rows = n * mla.q_head_dim
+    if mla.q_lora_rank is None:
+        out.append(("self_attention.linear_q_proj.weight", (q_rows, h), Split.COLUMN))
+    else:
+        out.append(("self_attention.linear_q_down_proj.weight", (mla.q_lora_rank, h), rep))
+        up("q", mla.q_lora_rank, q_rows)
+    kv_down = mla.kv_lora_rank + mla.qk_pos_emb_head_dim
+    out.append(("self_attention.linear_kv_down_proj.weight", (kv_down, h), rep))
+    up("kv", mla.kv_lora_rank, n * (mla.qk_head_dim + mla.v_head_dim))
+    return out

@@ -74,6 +74,8 @@ class TensorWrite:
     """Where a box holding padding rows lies (``StoredTensor.padded_origin``)."""
     interleaved: bool = False
     """Written with dim 0's gated halves interleaved (``StoredTensor.interleaved``)."""
+    shift: float = 0.0
+    """Written as the canonical values plus this (``StoredTensor.shift``)."""
 
 
 class FileWrite(_Frozen):

@@ -64,6 +64,9 @@ class StoredTensor:
     """Dim 0 (in ``shape``'s orientation) holds the two halves of a gated tensor interleaved:
     stored row 2j is the canonical first half's row j, 2j + 1 the second half's (GPT-OSS's
     ``gate_up_proj``)."""
+    shift: float = 0.0
+    """Stored as the canonical values plus ``shift`` (Qwen3.5's gated norm holds ``1 + w``
+    where Megatron's zero-centred norm holds ``w``): applied exactly both ways, or refused."""
 
     @property
     def numel(self) -> int:
@@ -110,6 +113,9 @@ class Replica:
     shape: Shape
     copy_path: str
     copy_key: KeyPath
+    why: str = ""
+    """What makes the copy differ when it does, and what to do (the default says the model
+    shares one tensor there)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -192,7 +192,13 @@ class Assembler:
         """The tensor as runs of local source files, in order, when its copies tile it with
         contiguous boxes that lie contiguously in their files in its dtype (and are not so
         many small pieces that a band is cheaper); ``None`` otherwise."""
-        if write.padding or write.transposed or write.interleaved or not write.copies:
+        if (
+            write.padding
+            or write.transposed
+            or write.interleaved
+            or write.shift
+            or not write.copies
+        ):
             return None
         if self.adjust is not None and self.adjust.covers(write):
             return None
@@ -261,6 +267,8 @@ class Assembler:
         data = self._band(write, lo, hi, dim, parallel)
         if self.adjust is not None and self.adjust.covers(write):
             data = self.adjust.apply(write, lo, hi, dim, data)
+        if write.shift:
+            data = arrays.shifted(data, write.shift, ".".join(map(str, write.key)))
         if write.interleaved:  # a band holds every row of dim 0 (``band_ranges``)
             data = arrays.interleave_halves(data)
         # A transposed band is reordered as words: numpy copies those at memory speed.

@@ -45,8 +45,12 @@ def check_replicas(ckpt: Any) -> int:
 
 def _differ(ckpt: Any, replica: Replica, first: int, last: int) -> str:
     copy = ckpt.storage.describe(replica.copy_path)
+    why = replica.why or (
+        "the model shares one tensor there; a conversion keeps only the original: fix or "
+        "drop the copy"
+    )
     return (
-        f"{copy}: {replica.copy_key[0]} should copy {replica.key[0]} (the model shares one "
-        f"tensor there) but differs from it in rows {first}-{last}; a conversion keeps only "
-        "the original: fix or drop the copy"
+        f"{copy}: {replica.copy_key[-1]} should copy {replica.key[-1]} of "
+        f"{ckpt.storage.describe(replica.path)} but differs from it in rows {first}-{last} "
+        f"({why})"
     )

@@ -126,9 +126,11 @@ def test_shards_tile_the_canonical_tensor_exactly_once(
     """Every canonical element is held by exactly one TP rank (all ranks, if replicated)."""
     shape = (rows * 2 * tp, cols * tp)
     padded = shape[0] + 2 * tp if split is Split.VOCAB else None
+    # PARTS: unequal parts, each a multiple of tp (gated delta net's q, k, v, z, beta, alpha)
+    parts = (tp, shape[0] - 2 * tp, tp) if split is Split.PARTS and rows > 1 else (shape[0],)
     counts = [[0] * shape[1] for _ in range(shape[0])]
     for rank in range(tp):
-        local, pieces = shard_shape_and_pieces(split, shape, tp, rank, padded)
+        local, pieces = shard_shape_and_pieces(split, shape, tp, rank, padded, parts)
         for p in pieces:
             assert all(lo + n <= m for lo, n, m in zip(p.local, p.sizes, local, strict=True))
             for i in range(p.sizes[0]):

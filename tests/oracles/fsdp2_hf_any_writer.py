@@ -14,7 +14,8 @@ transformers model, ``fully_shard`` every block transformers marks unsplittable
 Models: ``qwen2_5_vl`` (a VLM: vision tower, ``model.language_model.*`` in memory, tied
 embeddings), ``qwen3_moe`` (transformers 5 packs each layer's experts into
 ``experts.gate_up_proj`` / ``experts.down_proj``) and ``gemma3`` (Gemma 3 text: four norms
-per layer, local and global layers). No CPU shims: transformers' eager attention
+per layer, local and global layers) and ``qwen3_5`` (Qwen3.5 text: gated delta net layers,
+transformers' torch kernels). No CPU shims: transformers' eager attention
 runs as it is. Under ``--tp``, Qwen3's per-head q/k norms see only each rank's heads: their
 gradients are summed over the TP group before the step, as a trainer's own TP plan does.
 
@@ -108,6 +109,23 @@ def build_model(name: str) -> torch.nn.Module:
             eos_token_id=2,
         )
         cls = transformers.Gemma3ForCausalLM
+    elif name == "qwen3_5":
+        config = transformers.Qwen3_5TextConfig(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            vocab_size=VOCAB,
+            linear_key_head_dim=16,
+            linear_value_head_dim=8,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+        cls = transformers.Qwen3_5ForCausalLM
     else:
         raise SystemExit(f"unknown model {name!r}")
     config.architectures = [cls.__name__]  # as a hub model's config.json names it
@@ -223,7 +241,7 @@ def free_port() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Write an FSDP2 DCP checkpoint of an HF model.")
-    parser.add_argument("model", choices=("qwen2_5_vl", "qwen3_moe", "gemma3"))
+    parser.add_argument("model", choices=("qwen2_5_vl", "qwen3_moe", "gemma3", "qwen3_5"))
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--tp", type=int, default=1, help="tensor parallelism (ranks: 2 x TP)")
     args = parser.parse_args(argv)

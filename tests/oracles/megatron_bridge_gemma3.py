@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from mcore_checkpoints import pp2_logits, save_trained
 from mcore_cpu import (
     CHECKPOINT_VERSION,
     DATA_SEED,
@@ -282,22 +283,7 @@ def write_worker(rank: int, port: int, site: Path, out_dir: Path, ckpt_format: s
             "iteration": ITERATION,
             "opt_param_scheduler": scheduler.state_dict(),
         }
-        if ckpt_format == "legacy":
-            rank_dir = out_dir / f"iter_{ITERATION:07d}" / f"mp_rank_{rank:02d}"
-            rank_dir.mkdir(parents=True, exist_ok=True)
-            state["model"] = model.state_dict_for_save_checkpoint()
-            state["optimizer"] = optimizer.state_dict()
-            torch.save(state, rank_dir / "model_optim_rng.pt")
-        else:
-            from megatron.core import dist_checkpointing
-
-            checkpoint_dir = out_dir / f"iter_{ITERATION:07d}"
-            if rank == 0:
-                checkpoint_dir.mkdir(parents=True, exist_ok=True)
-            dist.barrier()
-            state["model"] = model.sharded_state_dict()
-            state["optimizer"] = optimizer.sharded_state_dict(state["model"])
-            dist_checkpointing.save(state, str(checkpoint_dir))
+        save_trained(out_dir, rank, ckpt_format, state, model, optimizer)
         logits = logits_of(model)[..., :TRUE_VOCAB].float().contiguous()
         if rank == 0:
             reference = {"input_ids": reference_input_ids(BATCH, SEQ), "logits": logits}
@@ -310,27 +296,8 @@ def forward_worker(rank: int, port: int, site: Path, ckpt: Path, out: Path) -> N
     patch_megatron_for_cpu(noop_cuda_synchronize=False)
     with model_parallel(rank, port, 1, tp=1, cpu_as_cuda=True):  # the window's mask
         gemma3 = gemma3_module(site)
-        stages = []
-        for stage in range(2):
-            model = build(gemma3, 1, stage)
-            path = ckpt / f"iter_{ITERATION:07d}" / f"mp_rank_00_{stage:03d}" / "model_optim_rng.pt"
-            state = torch.load(path, weights_only=False)
-            assert state["args"].pipeline_model_parallel_size == 2
-            model.load_state_dict(state["model"], strict=True)
-            ours = [k for k in state["model"] if not k.endswith("_extra_state")]
-            theirs = [k for k in model.state_dict() if not k.endswith("_extra_state")]
-            assert ours == theirs, (ours, theirs)
-            stages.append(model.eval())
-        ids, positions, mask = (
-            reference_input_ids(BATCH, SEQ),
-            position_ids(BATCH, SEQ),
-            causal_mask(SEQ),
-        )
-        with torch.no_grad():
-            hidden = stages[0](ids, positions, mask)
-            stages[1].set_input_tensor(hidden)
-            logits = stages[1](ids, positions, mask)
-        torch.save(logits[..., :TRUE_VOCAB].float().contiguous(), out)
+        inputs = (reference_input_ids(BATCH, SEQ), position_ids(BATCH, SEQ), causal_mask(SEQ))
+        torch.save(pp2_logits(ckpt, lambda stage: build(gemma3, 1, stage), inputs), out)
 
 
 def load_worker(rank: int, port: int, site: Path, ckpt: Path, out: Path) -> None:

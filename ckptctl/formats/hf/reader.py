@@ -16,7 +16,7 @@ import numpy as np
 import xxhash
 
 from ckptctl import json_input
-from ckptctl.arrays import buffer, interleaved_rows, words
+from ckptctl.arrays import buffer, interleaved_rows, shifted, words
 from ckptctl.checksums import record_checks
 from ckptctl.checksums.manifest import recorded
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError, LayoutError, UsageError
@@ -48,6 +48,7 @@ from ckptctl.model.hf_layout import (
     packed_expert,
     shared_original,
 )
+from ckptctl.model.hf_qwen35 import value_shift
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.stored import (
     CheckpointView,
@@ -59,6 +60,12 @@ from ckptctl.model.stored import (
     StoredFile,
     StoredTensor,
 )
+
+_UNSHIFTED = (
+    "the model's zero-centred norm (Megatron's) cannot hold this weight exactly; a weight this "
+    "far from one is no trained gated norm: check the checkpoint"
+)
+"""Why a shifted HF weight (``StoredTensor.shift``) cannot be read as the canonical one."""
 
 
 @dataclass
@@ -87,6 +94,9 @@ class HFCheckpoint(Checkpoint):
     packed_gated: frozenset[tuple[str, str]] = frozenset()
     """(file, name) of packed tensors whose gated halves are interleaved (GPT-OSS's
     ``gate_up_proj``): each expert's block is read with its rows put in Megatron's order."""
+    shifted: dict[tuple[str, str], float] = field(default_factory=dict)
+    """(file, name) of tensors stored shifted from the canonical values
+    (``StoredTensor.shift``): read with the shift taken off, exactly."""
     _open: dict[str, BinaryIO] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -106,6 +116,9 @@ class HFCheckpoint(Checkpoint):
             return self._read_block(path, name, offsets, sizes, view, transposed)
         if (path, name) in self.mxfp4:
             return self._read_mxfp4(path, name, offsets, sizes)
+        if (path, name) in self.shifted:
+            data = self._read_box(path, name, offsets, sizes, None, view)
+            return shifted(data, -self.shifted[(path, name)], f"{path}: {name}", _UNSHIFTED)
         scales = self.quantized.get((path, name))
         data = self._read_box(path, name, offsets, sizes, None if scales else into, view)
         if scales is None or self.fp8 is None:
@@ -242,8 +255,8 @@ class HFCheckpoint(Checkpoint):
     ) -> Span | None:
         """Where the box lies in the file, when it is whole rows of the tensor (and its bytes
         are the values: not FP8 read dequantized)."""
-        if (path, str(key[0])) in self.mxfp4:  # read dequantized, not as stored
-            return None
+        if (path, str(key[0])) in self.mxfp4 or (path, str(key[0])) in self.shifted:
+            return None  # read dequantized or shifted: not the bytes as stored
         entry = self.headers[path][str(key[0])]
         if view is not None or prod(sizes) == 0 or (path, str(key[0])) in self.quantized:
             return None
@@ -342,6 +355,7 @@ def probe_hf(
     files: dict[str, list[StoredTensor]] = {}
     problems = []
     packed_gated: set[tuple[str, str]] = set()
+    shifted_names: dict[tuple[str, str], float] = {}
     dequantized: dict[tuple[str, str], Parts] = {}
     for name, canonical, shape, pieces in hf_tensors(spec):
         found = packed_block(spec, name, canonical, shape, pieces, entry_of, is_mxfp4(config))
@@ -403,7 +417,11 @@ def probe_hf(
                 continue
             quantized[(path, name)] = (entry_of(name + SCALE_SUFFIX)[0], name + SCALE_SUFFIX)
             dtype = DEQUANTIZED
-        files.setdefault(path, []).append(StoredTensor((name,), canonical, shape, dtype, pieces))
+        shift = value_shift(spec, name)
+        if shift:
+            shifted_names[(path, name)] = shift
+        tensor = StoredTensor((name,), canonical, shape, dtype, pieces, shift=shift)
+        files.setdefault(path, []).append(tensor)
     if problems:
         raise CheckpointError("; ".join(problems[:5]))
     held = held_names()
@@ -451,4 +469,5 @@ def probe_hf(
         errors,
         mxfp4=dequantized,
         packed_gated=frozenset(packed_gated),
+        shifted=shifted_names,
     )

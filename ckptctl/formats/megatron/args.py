@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptctl.errors import CheckpointError, LayoutError
-from ckptctl.formats.megatron import gemma_args, release_args
+from ckptctl.formats.megatron import gemma_args, linear_args, release_args
 from ckptctl.formats.megatron.args_fields import (
     HARMLESS,
     MAPPED,
@@ -258,6 +258,7 @@ def spec_from_args(
         attention_sinks=_softmax_type(args) == "learnable",
         softmax_off_by_one=_softmax_type(args) == "off-by-one",
         **gemma_args.spec_fields(_values(args)),
+        **linear_args.spec_fields(_values(args), args.num_layers),
         **moe_spec(_values(args), args.num_layers),
         **from_megatron(
             _arg(args, "window_size"), _arg(args, "window_attn_skip_freq"), args.num_layers
@@ -408,6 +409,7 @@ def args_from_spec(spec: ModelSpec) -> argparse.Namespace:
         **megatron_fields(spec),
         **rope_megatron_args(spec.rope_scaling),
         **gemma_args.args_fields(spec),
+        **linear_args.args_fields(spec),
         transformer_impl="transformer_engine",
         ckptctl_hf_family=spec.hf_family,
         data_parallel_size=1,

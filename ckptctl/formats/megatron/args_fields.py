@@ -47,16 +47,17 @@ MAPPED = frozenset(
     quick_geglu softmax_type apply_layernorm_1p layernorm_zero_centered_gamma
     ckptctl_activation ckptctl_post_sublayer_norms ckptctl_scaled_embedding ckptctl_softmax_scale
     ckptctl_local_rotary_base ckptctl_rope_linear_factor
+    attention_output_gate experimental_attention_variant linear_attention_freq
+    linear_conv_kernel_dim linear_key_head_dim linear_num_key_heads linear_num_value_heads
+    linear_value_head_dim
     """.split()
 )
 
 PLAIN_VALUES: dict[str, tuple[object, ...]] = {
     "apply_residual_connection_post_layernorm": (False,),
-    "attention_output_gate": (False,),
     "decoder_num_layers": (None,),
     "encoder_pipeline_model_parallel_size": (None, 0),
     "encoder_tensor_model_parallel_size": (None, 0),
-    "experimental_attention_variant": (None,),
     "fused_residual_rmsnorm": (False,),
     "gtp_weight_remat_size": (1,),
     "heterogeneous_layers_config_encoded_json": (None, ""),
@@ -66,7 +67,6 @@ PLAIN_VALUES: dict[str, tuple[object, ...]] = {
     "hybrid_mlp_ratio": (0.0,),
     "hybrid_override_pattern": (None,),
     "is_hybrid_model": (False,),
-    "linear_attention_freq": (None,),
     "mrope_section": (None,),
     "multi_latent_attention": (False,),
     "no_rope_freq": (None,),
@@ -410,8 +410,6 @@ VARIANT_FIELDS = frozenset(
     dsa_indexer_loss_coeff dsa_indexer_n_heads dsa_indexer_rope_interleaved
     dsa_indexer_rotate_activation dsa_indexer_scoring_relu dsa_indexer_skip_topk_offset
     dsa_indexer_topk dsa_indexer_topk_freq dsa_indexer_use_sparse_loss dsa_kernel_backend
-    linear_conv_kernel_dim linear_key_head_dim linear_num_key_heads linear_num_value_heads
-    linear_value_head_dim
     """.split()
 )
 

@@ -26,6 +26,8 @@ from ckptctl.model.catalog import (
     expert_block,
     expert_name,
     expert_suffixes,
+    layer_kind,
+    layer_kinds,
     layer_suffixes,
     local_layer_name,
     local_spec_order,
@@ -130,12 +132,14 @@ def rank_params(
     last_stage, last_chunk = layout.pp - 1, layout.vpp - 1
     mla = spec.mla is not None
     # A model of dense and MoE layers: each layer takes the suffixes of its kind from the order.
-    kinds = {moe: {s for s, _, _ in layer_suffixes(spec, moe)} for moe in (False, spec.is_moe)}
+    kinds = {kind: {s for s, _, _ in layer_suffixes(spec, *kind)} for kind in layer_kinds(spec)}
 
-    def layer(prefix: str, local_prefix: str, moe: bool, model_key: str) -> list[RankParam]:
+    def layer(
+        prefix: str, local_prefix: str, kind: tuple[bool, bool], model_key: str
+    ) -> list[RankParam]:
         out: list[RankParam] = []
         for suffix in order:
-            if suffix not in kinds[moe]:
+            if suffix not in kinds[kind]:
                 continue
             if suffix == EXPERTS:
                 grouped = expert_naming is ExpertNaming.GROUPED
@@ -172,7 +176,10 @@ def rank_params(
             )
             out.extend(
                 layer(
-                    mtp_layer_prefix(k), mtp_layer_prefix(k, mtp_inner), spec.mtp_is_moe, model_key
+                    mtp_layer_prefix(k),
+                    mtp_layer_prefix(k, mtp_inner),
+                    (spec.mtp_is_moe, False),
+                    model_key,
                 )
             )
             out.extend(
@@ -195,7 +202,7 @@ def rank_params(
             out.append(RankParam(embedding, model_key, EMBEDDING, tied_copy=True))
         for local, number in enumerate(chunks[(pp_rank, chunk)]):
             prefix, local_prefix = f"{LAYER_PREFIX}{number}.", f"{LAYER_PREFIX}{local}."
-            out.extend(layer(prefix, local_prefix, spec.is_moe_layer(number), model_key))
+            out.extend(layer(prefix, local_prefix, layer_kind(spec, number), model_key))
         if last:
             tail = stage_parameters(spec, Stage.LAST)
             decoder = [p for p in tail if p.name.startswith("decoder.")]
@@ -312,7 +319,10 @@ def megatron_files(
             tp, rank = (
                 (layout.tp, tp_rank) if rp.param.expert is None else (layout.expert_tp, saver.etp)
             )
-            shape, pieces = shard_shape_and_pieces(rp.param.split, rp.param.shape, tp, rank, padded)
+            param = rp.param
+            shape, pieces = shard_shape_and_pieces(
+                param.split, param.shape, tp, rank, padded, param.parts
+            )
             geometry.append((shape, pieces))
             # megatron-core keeps the router's expert bias in fp32 whatever the weights' dtype.
             dtype = "float32" if rp.param.buffer else weight_dtype

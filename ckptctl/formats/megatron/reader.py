@@ -36,6 +36,7 @@ from ckptctl.formats.megatron.optimizer_groups import (
 )
 from ckptctl.formats.megatron.ranks import saving_ranks
 from ckptctl.formats.megatron.target_style import style_for_args
+from ckptctl.formats.megatron.tp_replicas import tp_replicas
 from ckptctl.formats.torchsave.archive import TensorRef
 from ckptctl.formats.torchsave.refs import TorchFiles, open_torch_file, resolve
 from ckptctl.io.storage import Storage
@@ -148,9 +149,9 @@ def find_iteration(storage: Storage, iteration: int | None) -> tuple[str, int | 
 
 def _layer_order(models: list[dict[str, Any]], mla: bool) -> tuple[str, ...]:
     """Layer-relative parameter names in stored order, TE spelling, over every layer the files
-    hold (a model of dense and MoE layers has two kinds: each layer's own suffixes keep their
-    order, those of the kind seen later follow); an MoE layer's experts collapse into the one
-    ``EXPERTS`` marker where their block starts."""
+    hold (a model of dense and MoE layers, or of gated delta net and attention layers, has
+    several kinds: every layer's own suffixes keep their order in the merged one); an MoE
+    layer's experts collapse into the one ``EXPERTS`` marker where their block starts."""
     layers: dict[tuple[int, str], list[str]] = {}
     for n, model in enumerate(models):
         for key in model:
@@ -162,10 +163,16 @@ def _layer_order(models: list[dict[str, Any]], mla: bool) -> tuple[str, ...]:
     expert_prefix = f"{EXPERTS}."
     for suffixes in layers.values():
         moe = any(s.startswith("mlp.router.") for s in suffixes)
+        at = 0  # a suffix not seen yet goes after the one before it in its own layer
         for suffix in suffixes:
             te = te_layer_suffix(suffix, moe, mla)
-            out.append(EXPERTS if te.startswith(expert_prefix) else te)
-    return tuple(dict.fromkeys(out))
+            te = EXPERTS if te.startswith(expert_prefix) else te
+            if te in out:
+                at = out.index(te) + 1
+            else:
+                out.insert(at, te)
+                at += 1
+    return tuple(out)
 
 
 def _mtp_inner(names: list[str]) -> str:
@@ -367,6 +374,7 @@ def probe_megatron(
         tuple(notes),
         optimizer_step(readers[first_rel], optimizer),
         warnings=tuple(warnings),
+        replicas=tp_replicas(spec, files, lost),
     )
     return MegatronCheckpoint(
         storage,

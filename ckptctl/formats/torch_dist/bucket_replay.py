@@ -81,6 +81,7 @@ def replay(
                     else (layout.expert_tp, rank.etp)
                 ),
                 padded,
+                rp.param.parts,
             )
             for rp in params
         ]

@@ -23,8 +23,6 @@ from ckptctl.model.catalog import (
     EXPERTS,
     LAYER_PREFIX,
     MLA_DOWN_PROJECTIONS,
-    MTP_INNER,
-    MTP_PREFIX,
     Naming,
     Param,
     expert_name,
@@ -36,6 +34,7 @@ from ckptctl.model.catalog import (
 )
 from ckptctl.model.geometry import Piece, Shape, Split, shard_shape_and_pieces
 from ckptctl.model.layout import ModelSpec, ParallelLayout
+from ckptctl.model.linear_attention import PART_NAMES
 from ckptctl.model.stored import StoredFile, StoredTensor
 
 OPTIMIZER_PREFIX = "optimizer.state."
@@ -133,14 +132,16 @@ def chunk_parts(
     parts = []
     per_layer = prod(inner_sizes)
     for name, index in names:
-        param = _param_of(name, catalog)
+        param, start, rows = _part_of(name, catalog)
         if param is None or len(param.shape) != len(inner_sizes):
             return None
+        limits = (rows, *param.shape[1:])
         clipped = tuple(
             max(0, min(o + n, limit) - o)
-            for o, n, limit in zip(inner_offsets, inner_sizes, param.shape, strict=True)
+            for o, n, limit in zip(inner_offsets, inner_sizes, limits, strict=True)
         )
-        pieces = (Piece((0,) * len(clipped), inner_offsets, clipped),) if all(clipped) else ()
+        at = (start + inner_offsets[0], *inner_offsets[1:])
+        pieces = (Piece((0,) * len(clipped), at, clipped),) if all(clipped) else ()
         parts.append(
             ChunkPart(
                 canonical=state_name(state, param.name) if state else param.name,
@@ -160,6 +161,22 @@ _FUSED_PRE_MLP, _PRE_MLP = "mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm."
 @lru_cache(maxsize=8)
 def model_catalog(spec: ModelSpec) -> dict[str, Param]:
     return {p.name: p for p in parameters(spec)}
+
+
+def _part_of(name: str, catalog: dict[str, Param]) -> tuple[Param | None, int, int]:
+    """``(parameter, first row, rows)`` of the tensor a stored key names: a whole parameter,
+    or one part of a parameter megatron-core saves in parts (``in_proj.weight.query``)."""
+    param = _param_of(name, catalog)
+    if param is not None:
+        return param, 0, param.shape[0] if param.shape else 0
+    base, _, part = name.rpartition(".")
+    param = catalog.get(base)
+    layer = layer_parts(base)
+    names = PART_NAMES.get(layer[1], ()) if layer is not None else ()
+    if param is None or not param.parts or part not in names:
+        return None, 0, 0
+    at = names.index(part)
+    return param, sum(param.parts[:at]), param.parts[at]
 
 
 def _param_of(name: str, catalog: dict[str, Param]) -> Param | None:
@@ -223,9 +240,15 @@ def torch_dist_key(
     return f"{prefix}{suffix}"
 
 
+def numbered_layers(spec: ModelSpec) -> bool:
+    """Whether megatron-core keys each decoder layer by its number: layers of more than one
+    kind (dense and MoE, gated delta net and attention)."""
+    return bool(spec.dense_layers) or spec.linear_attention is not None
+
+
 def _stacked(param: Param, spec: ModelSpec) -> bool:
     """Whether ``param``'s key has a leading layer dimension (homogeneous decoder layers)."""
-    return param.layer is not None and not spec.dense_layers
+    return param.layer is not None and not numbered_layers(spec)
 
 
 def global_shape(param: Param, spec: ModelSpec, tp: int) -> Shape:
@@ -304,8 +327,10 @@ def _chunks(
 ) -> list[TargetChunk]:
     """The boxes of one TP (or expert TP) shard of ``param`` (or of its optimizer state)."""
     size, shard_rank = shard
-    local, pieces = shard_shape_and_pieces(param.split, param.shape, size, shard_rank, padded)
-    key = torch_dist_key(param, naming, spec.mla is not None, bool(spec.dense_layers))
+    local, pieces = shard_shape_and_pieces(
+        param.split, param.shape, size, shard_rank, padded, param.parts
+    )
+    key = torch_dist_key(param, naming, spec.mla is not None, numbered_layers(spec))
     if prefix_state is not None:
         key = optimizer_key(prefix_state, key, param, layout)
     canonical = state_name(prefix_state, param.name) if prefix_state else param.name
@@ -320,9 +345,9 @@ def _chunks(
     lead = _leading(param, spec)
     return [
         TargetChunk(
-            fqn=key,
-            global_shape=global_shape(param, spec, layout.tp),
-            offsets=(*lead, *offsets),
+            fqn=_part_key(key, param, offsets),
+            global_shape=_part_shape(global_shape(param, spec, layout.tp), param, offsets),
+            offsets=(*lead, *_part_offsets(param, offsets)),
             sizes=(*(1,) * len(lead), *sizes),
             canonical=canonical,
             local_shape=tuple(sizes),
@@ -330,6 +355,40 @@ def _chunks(
         )
         for offsets, sizes, box_pieces in boxes
     ]
+
+
+def _part_index(param: Param, row: int) -> int:
+    """The part of a ``Split.PARTS`` parameter that canonical row ``row`` lies in."""
+    start = 0
+    for index, size in enumerate(param.parts):
+        if row < start + size:
+            return index
+        start += size
+    raise AssertionError((param.name, row))
+
+
+def _part_key(key: str, param: Param, offsets: Shape) -> str:
+    """A box of a parameter saved in parts lies in one part, which has a key of its own."""
+    if not param.parts:
+        return key
+    layer = layer_parts(param.name)
+    assert layer is not None
+    return f"{key}.{PART_NAMES[layer[1]][_part_index(param, offsets[0])]}"
+
+
+def _part_shape(shape: Shape, param: Param, offsets: Shape) -> Shape:
+    if not param.parts:
+        return shape
+    rows = param.parts[_part_index(param, offsets[0])]
+    lead = len(shape) - len(param.shape)
+    return (*shape[:lead], rows, *shape[lead + 1 :])
+
+
+def _part_offsets(param: Param, offsets: Shape) -> Shape:
+    if not param.parts:
+        return offsets
+    index = _part_index(param, offsets[0])
+    return (offsets[0] - sum(param.parts[:index]), *offsets[1:])
 
 
 def _leading(param: Param, spec: ModelSpec) -> tuple[int, ...]:
@@ -393,95 +452,8 @@ def record_geometry(
     param = model_catalog(spec)[name]
     stacked = is_stacked(key) or _numbered_experts(key) is not None
     lead = (1,) * len(_leading(param, spec)) if stacked else ()
-    return global_shape(param, spec, tp), (*lead, *local_shape)
-
-
-EXTRA_STATE_MODULES = (
-    "self_attention.linear_qkv",
-    "self_attention.linear_proj",
-    "self_attention.core_attention",
-    "mlp.linear_fc1",
-    "mlp.linear_fc2",
-)
-"""Layer modules whose ``_extra_state`` (TransformerEngine FP8 metadata) Megatron-Core asks for
-when loading: written empty, as Megatron-Core itself writes it without FP8, so strict loads find
-every key (``core_attention`` only TE layers ask for; others ignore it as unexpected). An MoE
-layer has shared experts' linears instead of ``mlp.linear_fc*``, and per-expert linears whose
-extra state is an ``(L, E)`` grid."""
-
-
-_MLA_QUERIES = ("linear_q_down_proj", "linear_q_up_proj")
-"""Multi-latent attention's linears in place of ``linear_qkv`` (``linear_q_proj`` when queries
-are not compressed)."""
-
-
-def _extra_state_modules(spec: ModelSpec, moe: bool) -> tuple[str, ...]:
-    modules: tuple[str, ...] = EXTRA_STATE_MODULES
-    if spec.mla is not None:
-        queries = ("linear_q_proj",) if spec.mla.q_lora_rank is None else _MLA_QUERIES
-        attention = (*queries, "linear_kv_down_proj", "linear_kv_up_proj")
-        modules = (*(f"self_attention.{m}" for m in attention), *modules[1:])
-    if moe:
-        modules = modules[: len(modules) - 2]
-        if spec.moe_shared_expert_intermediate_size:
-            modules += ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
-    return modules
-
-
-def mtp_extra_state_keys(
-    spec: ModelSpec, experts: range = range(0), dense: bool = True
-) -> list[str]:
-    """Empty ``_extra_state`` items of the MTP layers (their projection, their transformer
-    layer's modules and its ``experts``), keyed like a numbered layer's."""
-    keys: list[str] = []
-    total = spec.num_experts or 0
-    modules = _extra_state_modules(spec, spec.mtp_is_moe)
-    for k in range(spec.mtp_num_layers):
-        head, inner = f"{MTP_PREFIX}{k}.", f"{MTP_PREFIX}{k}.{MTP_INNER}."
-        if dense:
-            keys.append(f"{head}eh_proj._extra_state/shard_0_1")
-            keys.extend(f"{inner}{module}._extra_state/shard_0_1" for module in modules)
-        if spec.mtp_is_moe:
-            keys.extend(
-                f"{inner}{EXPERTS_KEY}{linear}._extra_state/shard_{expert}_{total}"
-                for expert in experts
-                for linear in ("linear_fc1", "linear_fc2")
-            )
-    return keys
-
-
-def extra_state_keys(
-    spec: ModelSpec, layers: list[int], experts: range = range(0), dense: bool = True
-) -> list[str]:
-    """Empty ``_extra_state`` items of ``layers``: the dense modules' (``dense``) and the
-    ``experts``' own."""
-    kinds = {moe: _extra_state_modules(spec, moe) for moe in (False, spec.is_moe)}
-    keys: list[str] = []
-    total_experts = spec.num_experts or 0
-    linears = ("linear_fc1", "linear_fc2")
-    for layer in layers:
-        moe = spec.is_moe_layer(layer)
-        if spec.dense_layers:  # dense and MoE layers mixed: each layer keyed by its number
-            prefix = f"{LAYER_PREFIX}{layer}."
-            if dense:
-                keys.extend(f"{prefix}{module}._extra_state/shard_0_1" for module in kinds[moe])
-            if moe:
-                keys.extend(
-                    f"{prefix}{EXPERTS_KEY}{linear}._extra_state/shard_{expert}_{total_experts}"
-                    for expert in experts
-                    for linear in linears
-                )
-            continue
-        if dense:
-            keys.extend(
-                f"{LAYER_PREFIX}{module}._extra_state/shard_{layer}_{spec.num_layers}"
-                for module in kinds[moe]
-            )
-        if moe:
-            keys.extend(
-                f"{LAYER_PREFIX}{EXPERTS_KEY}{linear}._extra_state/"
-                f"shard_{layer}.{expert}_{spec.num_layers}.{total_experts}"
-                for expert in experts
-                for linear in linears
-            )
-    return keys
+    shape = global_shape(param, spec, tp)
+    if param.parts:  # the part the key names
+        start = _part_of(key, model_catalog(spec))[1]
+        shape = _part_shape(shape, param, (start,))
+    return shape, (*lead, *local_shape)

@@ -29,14 +29,8 @@ from ckptctl.formats.dcp.write import metadata_bytes, write_bytes_record, write_
 from ckptctl.formats.megatron.distopt_layout import is_bucket_key
 from ckptctl.formats.megatron.writer import group_template, training_state
 from ckptctl.formats.torch_dist.dp_reshardable_targets import bucket_groups
-from ckptctl.formats.torch_dist.layout import (
-    COMMON,
-    extra_state_keys,
-    model_catalog,
-    mtp_extra_state_keys,
-    record_geometry,
-    split_key,
-)
+from ckptctl.formats.torch_dist.extra_state import extra_state_keys, mtp_extra_state_keys
+from ckptctl.formats.torch_dist.layout import COMMON, model_catalog, record_geometry, split_key
 from ckptctl.formats.torch_dist.model_space import is_model_space_key
 from ckptctl.formats.torchsave.zip_writer import TensorSlot, write_torch_zip
 from ckptctl.io.byte_streams import ByteStream

@@ -56,6 +56,11 @@ def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _written(tmp_path_factory, "gemma3")
 
 
+@pytest.fixture(scope="module")
+def qwen35(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _written(tmp_path_factory, "qwen3_5")
+
+
 def _truth(run: Path) -> dict[str, Any]:
     return torch.load(run / "truth.pt", weights_only=False)
 
@@ -263,3 +268,20 @@ def test_gemma3_under_fsdp2_reshards_to_megatron_with_adam_state(
     truth = _truth(gemma3)
     logits = _logits(_loaded(tmp_path / "hf"), truth["input_ids"])
     torch.testing.assert_close(logits, truth["logits"], rtol=1e-5, atol=1e-6)
+
+
+def test_qwen35_under_fsdp2_becomes_hf_by_name_and_says_why_not_megatron(
+    qwen35: Path, tmp_path: Path, cli
+) -> None:
+    """Qwen3.5 (issue 56) under FSDP2: its gated norms are shifted from Megatron's only in HF
+    safetensors, so its DCP converts to HF by name, exactly, and to Megatron not (one line)."""
+    cli("consolidate", qwen35 / "dcp", tmp_path / "hf")
+    truth = _truth(qwen35)
+    tensors = _tensors(tmp_path / "hf")
+    for name, tensor in truth["model"].items():
+        assert torch.equal(tensors[name], tensor), name
+    logits = _logits(_loaded(tmp_path / "hf"), truth["input_ids"])
+    torch.testing.assert_close(logits, truth["logits"], rtol=1e-5, atol=1e-6)
+    result = cli("reshard", qwen35 / "dcp", tmp_path / "meg", "--tp", "2", code=2)
+    assert "Qwen3.5's gated norms" in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1

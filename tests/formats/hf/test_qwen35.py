@@ -1,0 +1,186 @@
+"""Qwen3.5 (issue 56): ``Qwen3_5ForCausalLM`` models transformers builds go to Megatron (TP2 PP2,
+legacy and ``torch_dist``) and back bit for bit, with transformers' logits unchanged: gated
+delta net layers (their fused ``in_proj`` cut into HF's four projections, ``conv1d``,
+``A_log``, ``dt_bias``, the gated norm stored as one plus Megatron's zero-centred weight),
+gated attention (each head's query and gate in ``q_proj``), partial RoPE, norms scaling by
+``1 + weight``. What Megatron cannot say is refused by name; a shift that would round is
+refused, never rounded.
+
+The Megatron side is judged by megatron-core's own ``GatedDeltaNet`` in
+``tests/formats/megatron/test_oracle_gdn.py`` (its checkpoint becomes this class with
+megatron-core's logits).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.formats.hf.models import logits, saved_model, tensors
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+VOCAB = 300
+IDS = torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(3))
+SMALL = dict(
+    hidden_size=64,
+    intermediate_size=48,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=VOCAB,
+    linear_key_head_dim=16,
+    linear_value_head_dim=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+)
+
+
+def _make(root: Path, dtype: torch.dtype = torch.float32, **extra: object) -> torch.nn.Module:
+    """The model, its gated norms near one as a trained model's are (``1 + N(0, 0.1)``: HF
+    stores one plus Megatron's zero-centred weight)."""
+    config = transformers.Qwen3_5TextConfig(**{**SMALL, **extra})
+    model = saved_model(config, root, seed=1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("linear_attn.norm.weight"):
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape))
+    model = model.to(dtype)
+    model.save_pretrained(root)
+    return model
+
+
+def _same_model(back: Path, src: Path, model: torch.nn.Module) -> None:
+    mine, theirs = tensors(back), tensors(src)
+    assert mine.keys() == theirs.keys()
+    for name, tensor in theirs.items():
+        assert tensor.dtype == mine[name].dtype and torch.equal(mine[name], tensor), name
+    # both loaded alike (a model cast with .to() keeps its RoPE frequencies in its dtype)
+    loaded, original = (
+        transformers.AutoModelForCausalLM.from_pretrained(root, dtype=model.dtype).eval()
+        for root in (back, src)
+    )
+    assert type(loaded).__name__ == "Qwen3_5ForCausalLM"
+    for key in ("layer_types", "rope_parameters", "linear_num_value_heads", "head_dim"):
+        assert getattr(loaded.config, key) == getattr(model.config, key), key
+    assert torch.equal(logits(loaded, IDS), logits(original, IDS))
+
+
+@pytest.mark.parametrize(
+    ("form", "dtype"), [("megatron", torch.float32), ("torch_dist", torch.bfloat16)]
+)
+def test_qwen35_goes_to_megatron_and_back_bit_exactly(
+    tmp_path: Path, cli, form: str, dtype: torch.dtype
+) -> None:
+    src = tmp_path / "hf"
+    kinds = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+    model = _make(src, dtype, layer_types=kinds)
+    megatron = tmp_path / "megatron"
+    cli("reshard", src, megatron, "--tp", "2", "--pp", "2", "--format", form)
+    info = cli.json("inspect", megatron)
+    assert info["hf"]["architecture"] == "Qwen3_5ForCausalLM"
+    spec = info["spec"]
+    assert spec["attention_output_gate"] and spec["layernorm_zero_centered_gamma"]
+    assert spec["rotary_percent"] == 0.25
+    assert spec["linear_attention"]["attention_layers"] == [1, 3]
+    back = tmp_path / "back"
+    cli("consolidate", megatron, back, "--format", "hf")
+    _same_model(back, src, model)
+    # Megatron holds the gated norm zero-centred: HF's weight minus one
+    hf_norm = tensors(src)["model.layers.0.linear_attn.norm.weight"]
+    mine = _megatron_tensor(megatron, "decoder.layers.0.self_attention.out_norm.weight")
+    assert mine is None or torch.equal(mine, hf_norm - 1)
+
+
+def _megatron_tensor(root: Path, name: str) -> torch.Tensor | None:
+    """``name`` of a legacy checkpoint's first rank file (``None`` for ``torch_dist``)."""
+    files = sorted(root.rglob("mp_rank_00_000/model_optim_rng.pt"))
+    if not files:
+        return None
+    return torch.load(files[0], weights_only=False)["model"][name]
+
+
+def test_hub_defaults_are_read_as_transformers_reads_them(tmp_path: Path, cli) -> None:
+    """No ``layer_types`` (every 4th layer attends fully: ``full_attention_interval``), the
+    rotated share at the top level as older configs hold it."""
+    src = tmp_path / "hf"
+    model = _make(src, num_hidden_layers=8)
+    config = json.loads((src / "config.json").read_text())
+    del config["layer_types"]
+    config["rope_parameters"].pop("partial_rotary_factor")
+    config["partial_rotary_factor"] = 0.25
+    (src / "config.json").write_text(json.dumps(config))
+    spec = cli.json("inspect", src)["spec"]
+    assert spec["linear_attention"]["attention_layers"] == [3, 7]
+    assert spec["rotary_percent"] == 0.25
+    megatron, back = tmp_path / "megatron", tmp_path / "back"
+    cli("reshard", src, megatron, "--tp", "2", "--format", "megatron")
+    cli("consolidate", megatron, back, "--format", "hf")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(back).eval()
+    assert torch.equal(logits(loaded, IDS), logits(model, IDS))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [1]}},
+            "ckptctl reads plain RoPE (rope_theta, partial_rotary_factor)",
+        ),
+        ({"attention_bias": True}, "attention_bias=true"),
+        ({"layer_types": ["linear_attention"] * 3}, "layer_types=['linear_attention'"),
+    ],
+)
+def test_what_megatron_cannot_say_is_refused_by_name(
+    tmp_path: Path, cli, change: dict[str, object], message: str
+) -> None:
+    src = tmp_path / "hf"
+    _make(src)
+    config = json.loads((src / "config.json").read_text()) | change
+    (src / "config.json").write_text(json.dumps(config))
+    result = cli("reshard", src, tmp_path / "out", "--tp", "2", "--format", "megatron", code=2)
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_shift_that_would_round_is_refused_and_a_wider_dtype_holds_it(
+    tmp_path: Path, cli
+) -> None:
+    """A bf16 Megatron model whose zero-centred gated norm holds 2**-10: one plus it is no
+    bf16 number. HF would round it: refused, naming the tensor; ``--dtype fp32`` holds it."""
+    src = tmp_path / "hf"
+    _make(src, torch.bfloat16)
+    megatron = tmp_path / "megatron"
+    cli("reshard", src, megatron, "--tp", "2", "--format", "megatron")
+    for path in megatron.rglob("model_optim_rng.pt"):
+        state = torch.load(path, weights_only=False)
+        state["model"]["decoder.layers.0.self_attention.out_norm.weight"][0] = 2.0**-10
+        torch.save(state, path)
+    result = cli("consolidate", megatron, tmp_path / "out", "--format", "hf", code=3)
+    assert "model.layers.0.linear_attn.norm.weight: element 0 (0.0009765625) plus 1" in (
+        result.stderr
+    )
+    assert "pass --dtype fp32" in result.stderr and "Traceback" not in result.stderr
+    wide = tmp_path / "wide"
+    cli("consolidate", megatron, wide, "--format", "hf", "--dtype", "fp32")
+    norm = tensors(wide)["model.layers.0.linear_attn.norm.weight"]
+    assert norm.dtype == torch.float32 and norm[0].item() == 1 + 2.0**-10
+
+
+def test_an_hf_gated_norm_megatron_cannot_hold_is_refused(tmp_path: Path, cli) -> None:
+    """An fp32 weight of 0.1 minus one is no fp32 number: refused, never rounded."""
+    src = tmp_path / "hf"
+    _make(src)
+    weights = tensors(src)
+    weights["model.layers.0.linear_attn.norm.weight"][1] = 0.1
+    safetensors_torch.save_file(weights, src / "model.safetensors", metadata={"format": "pt"})
+    result = cli("reshard", src, tmp_path / "out", "--tp", "2", "--format", "megatron", code=3)
+    assert "model.layers.0.linear_attn.norm.weight: element 1 (0.10000000149011612) minus 1" in (
+        result.stderr
+    )
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,157 @@
+"""Gated delta net layers and gated attention in Megatron (issue 56: Qwen3.5's and Qwen3-Next's
+hybrid), judged by megatron-core's own ``GatedDeltaNet`` and gated ``SelfAttention``, and by
+transformers' ``Qwen3_5ForCausalLM``.
+
+``tests/oracles/megatron_core_gdn.py`` builds a Qwen3.5-shaped GPTModel (gated delta net on
+layers 0 and 2, gated attention on 1 and 3, q/k norms, zero-centred norms, RoPE on a quarter of
+each head; the CPU shims are named there) at TP2, takes one Adam step and saves it legacy and
+``torch_dist``, with its forward. ckptctl must read it as that model, reshard it to TP1 PP2,
+which megatron-core loads strictly stage by stage with the same logits, and back to TP2 bit for
+bit, Adam state included; its ``torch_dist`` of the model must be what megatron-core's
+``dist_checkpointing.load`` asks for (every part key of ``in_proj`` and ``conv1d``), with the
+same logits; and, written before the step, the model must become HF with transformers' logits
+equal to megatron-core's, and come back from HF into megatron-core with them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.formats.megatron.rank_files import assert_same_rank_files
+from tests.oracle_runner import run_oracle
+
+pytest.importorskip("megatron.core", reason="megatron-core 0.16.1 is the oracle")
+
+ORACLE = "megatron_core_gdn.py"
+pytestmark = pytest.mark.oracle
+
+
+@pytest.fixture(scope="module", params=["legacy", "torch_dist"])
+def written(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp(f"gdn_{request.param}")
+    run_oracle(ORACLE, "write", root, "--format", request.param)
+    return root
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).norm() / want.norm()).item()
+
+
+def test_it_reads_as_the_hybrid_model(written: Path, cli) -> None:
+    """... and, trained in fp32, is refused for HF by name: one plus its zero-centred gated
+    norm is no fp32 number (HF stores that sum), and ckptctl does not round."""
+    spec = cli.json("inspect", written)["spec"]
+    assert spec["attention_output_gate"] is True
+    assert spec["qk_layernorm"] and spec["layernorm_zero_centered_gamma"]
+    assert spec["rotary_percent"] == 0.25
+    assert spec["linear_attention"] == {
+        "num_key_heads": 2,
+        "num_value_heads": 4,
+        "key_head_dim": 16,
+        "value_head_dim": 8,
+        "conv_kernel_dim": 4,
+        "attention_layers": [1, 3],
+    }
+    result = cli("consolidate", written, written.parent / "hf", "--format", "hf", code=3)
+    assert "model.layers.0.linear_attn.norm.weight: element" in result.stderr
+    assert "is not exact in float32" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_pp2_reshard_loads_into_megatron_cores_model(written: Path, tmp_path: Path, cli) -> None:
+    pp2 = tmp_path / "pp2"
+    cli("reshard", written, pp2, "--tp", "1", "--pp", "2", "--format", "megatron")
+    out = tmp_path / "logits.pt"
+    run_oracle(ORACLE, "forward", pp2, out)
+    want = torch.load(written / "reference.pt")["logits"]
+    assert _relative(torch.load(out), want) < 1e-5
+
+    back = tmp_path / "tp2"
+    cli("reshard", pp2, back, "--tp", "2", "--pp", "1", "--format", "megatron")
+    if (written / "iter_0000001" / "mp_rank_00").exists():
+        # a legacy source: the same rank files, weights and Adam state, in megatron-core's order
+        assert_same_rank_files(back, written)
+    else:  # torch_dist: the detour through TP1 PP2 loses nothing of weights or Adam state
+        direct = tmp_path / "direct"
+        cli("reshard", written, direct, "--tp", "2", "--pp", "1", "--format", "megatron")
+        assert cli.json("inspect", direct)["has_optimizer"]
+        assert_same_rank_files(back, direct)
+
+
+def test_ckptctls_torch_dist_loads_through_megatron_cores_dist_checkpointing(
+    written: Path, tmp_path: Path, cli
+) -> None:
+    """At TP1 (megatron-core cuts it to TP2 itself on load) and, from that, at TP2: every part
+    key of ``in_proj`` / ``conv1d`` and its box where megatron-core's split factory looks."""
+    want = torch.load(written / "reference.pt")["logits"]
+    src = written
+    for tp in ("1", "2"):
+        out = tmp_path / f"tp{tp}"
+        cli("reshard", src, out, "--tp", tp, "--pp", "1", "--format", "torch_dist")
+        src = out
+        logits = tmp_path / f"logits{tp}.pt"
+        run_oracle(ORACLE, "load", out, logits)
+        assert torch.equal(torch.load(logits), want)
+
+
+def test_out_norm_replicas_that_drifted_apart_are_refused(tmp_path: Path, cli) -> None:
+    """Trained at TP2 without sequence parallelism, megatron-core lets each rank's copy of
+    ``out_norm`` drift (its gradient covers the rank's own heads only): the model then has one
+    norm per half of its heads, which TP1 cannot hold. Refused by name, never resharded."""
+    src, out = tmp_path / "drift", tmp_path / "out"
+    run_oracle(ORACLE, "write", src, "--format", "legacy", "--drift")
+    result = cli("reshard", src, out, "--tp", "1", "--pp", "2", code=3)
+    assert "mp_rank_01/model_optim_rng.pt: decoder.layers.0.self_attention.out_norm" in (
+        result.stderr
+    )
+    assert "TP ranks hold different copies" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert (out / "ckptctl.incomplete").exists()
+
+
+@pytest.fixture(scope="module")
+def untrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The model as written before any step: its norms rounded to bfloat16's precision, as a
+    bf16-trained model's are, so HF's ``1 + w`` is exact in fp32."""
+    root = tmp_path_factory.mktemp("gdn_untrained")
+    run_oracle(ORACLE, "write", root, "--format", "legacy", "--steps", "0")
+    return root
+
+
+def test_transformers_logits_equal_megatron_cores_forward(
+    untrained: Path, tmp_path: Path, cli
+) -> None:
+    import transformers
+
+    hf = tmp_path / "hf"
+    cli("consolidate", untrained, hf, "--format", "hf")
+    config = json.loads((hf / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3_5ForCausalLM"]
+    assert config["layer_types"] == ["linear_attention", "full_attention"] * 2
+    assert config["rope_parameters"]["partial_rotary_factor"] == 0.25
+    reference = torch.load(untrained / "reference.pt")
+    ids, want = reference["input_ids"], reference["logits"]
+
+    def hf_logits(**changes: object) -> torch.Tensor:
+        loaded = transformers.AutoConfig.from_pretrained(hf)
+        for key, value in changes.items():
+            setattr(loaded, key, value)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            hf, config=loaded, dtype=torch.float32
+        ).eval()
+        with torch.no_grad():
+            return model(ids).logits
+
+    assert _relative(hf_logits(), want) < 1e-5
+    # the rotated share matters on this input: a lost one could not pass the check above
+    whole = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}
+    assert _relative(hf_logits(rope_parameters=whole), want) > 1e-3
+
+    # ... and back from HF into megatron-core's own stages, strictly, with its logits
+    pp2, out = tmp_path / "pp2", tmp_path / "logits.pt"
+    cli("reshard", hf, pp2, "--tp", "1", "--pp", "2", "--format", "megatron")
+    run_oracle(ORACLE, "forward", pp2, out)
+    assert _relative(torch.load(out), want) < 1e-5
