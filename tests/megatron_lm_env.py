@@ -121,6 +121,22 @@ def train(
     return result
 
 
+def stamp_args(ckpt: Path, megatron_args: list[str], *, world: int, timeout: float = 300) -> None:
+    """Put the ``args`` Megatron-LM's own ``parse_args`` + ``validate_args`` make of
+    ``megatron_args`` on ``world`` ranks into every legacy rank file of ``ckpt``."""
+    line = [str(megatron_python()), str(ORACLE), "args", str(ckpt), "--world", str(world)]
+    done = subprocess.run(
+        [*line, "--", *megatron_args],
+        cwd=ckpt.parent,
+        env=environment(ckpt.parent),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if done.returncode != 0:
+        raise OracleFailed(f"Megatron-LM's args (exit {done.returncode}):\n{done.stderr[-4000:]}")
+
+
 if __name__ == "__main__":  # build the environment ahead of a test run
     print(megatron_python())
     sys.exit(0)

@@ -6,11 +6,14 @@
 megatron-core 0.19.2 environment (Python >= 3.12; ``tests/megatron_lm.py`` builds it).
 
     python megatron_lm.py train OUT.json --world N --steps K [--logits FILE] -- MEGATRON-LM ARGS
+    python megatron_lm.py args CKPT --world N -- MEGATRON-LM ARGS
 
 runs ``N`` gloo ranks on the CPU, trains ``K`` steps (from ``--load`` when given; the learning
 rate and weight decay schedules follow ``--train-iters``, which runs must share to resume),
 saves to ``--save`` when given, and writes each step's loss (as the last pipeline stage, which
-computes it, reports it) to ``OUT.json``.
+computes it, reports it) to ``OUT.json``. ``args`` puts the args Megatron-LM's
+``parse_args`` + ``validate_args`` make of the arguments for ``N`` ranks into every legacy rank
+file under ``CKPT`` (a checkpoint of a model this script's provider cannot build).
 With ``--logits`` (TP 1, PP 1), the trained model's logits for ``logit_tokens()`` are saved
 to FILE with ``torch.save``, for comparison with another implementation of the model.
 
@@ -405,11 +408,35 @@ def _initialize_model_parallel(mpu: Any, args: Any) -> None:
     )
 
 
+def stamp_args(ckpt: str, world: int, argv: list[str]) -> None:
+    """Replace the ``args`` of every legacy rank file under ``ckpt`` with what Megatron-LM's own
+    ``parse_args`` + ``validate_args`` make of ``argv`` on ``world`` ranks: the args a real run
+    of that model would save (for models this script's provider does not build)."""
+    from pathlib import Path
+
+    os.environ.update(RANK="0", WORLD_SIZE=str(world), LOCAL_RANK="0")
+    patch_for_cpu()
+    sys.argv = ["megatron_lm", *argv]
+    from megatron.training.arguments import parse_args, validate_args
+
+    args = parse_args()
+    validate_args(args, {})
+    files = sorted(Path(ckpt).rglob("model_optim_rng.pt"))
+    assert files, f"no rank files under {ckpt}"
+    for path in files:
+        state = torch.load(path, weights_only=False)
+        state["args"] = args
+        torch.save(state, path)
+
+
 def main() -> None:
     command, out, *rest = sys.argv[1:]
-    assert command == "train"
+    assert command in ("train", "args")
     ours, argv = rest[: rest.index("--")], rest[rest.index("--") + 1 :]
     world = int(ours[ours.index("--world") + 1])
+    if command == "args":
+        stamp_args(out, world, argv)
+        return
     steps = int(ours[ours.index("--steps") + 1])
     logits = ours[ours.index("--logits") + 1] if "--logits" in ours else None
     if world == 1:

@@ -3,6 +3,8 @@ every model tensor and optimizer value, keys in order."""
 
 from __future__ import annotations
 
+import pickle
+import types
 from pathlib import Path
 from typing import Any
 
@@ -21,14 +23,39 @@ def flat(obj: Any, path: str = "") -> dict[str, Any]:
     return {path: obj}
 
 
+class _Unknown:
+    """Stands in for a class of the saving release this environment lacks (Megatron-LM 0.19's
+    enums in ``args``, read under megatron-core 0.16.1): ``args`` is not compared here."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return super().find_class(module, name)
+        except (AttributeError, ModuleNotFoundError):
+            return type(name, (_Unknown,), {})
+
+
+_TOLERANT = types.SimpleNamespace(Unpickler=_Unpickler, __name__="pickle", load=pickle.load)
+
+
 def rank_files(root: Path) -> dict[str, dict[str, Any]]:
     """Per rank directory: model tensors (extra state aside), optimizer tensors and groups."""
     out = {}
     for path in sorted(root.rglob("model_optim_rng.pt")):
-        state = torch.load(path, weights_only=False)
+        state = torch.load(path, weights_only=False, pickle_module=_TOLERANT)
         model = {k: v for k, v in state["model"].items() if not k.endswith("_extra_state")}
         out[path.parent.name] = flat({"model": model, "optimizer": state["optimizer"]})
     return out
+
+
+_VOCAB_TENSORS = ("/model/embedding.word_embeddings.weight", "/model/output_layer.weight")
 
 
 def assert_same_rank_files(mine: Path, theirs: Path) -> None:
@@ -39,7 +66,9 @@ def assert_same_rank_files(mine: Path, theirs: Path) -> None:
     assert a.keys() == b.keys()
     for rank, values in b.items():
         assert list(a[rank]) == list(values), rank
-        rows = values["/model/embedding.word_embeddings.weight"].shape[0]
+        # (a vocabulary tensor's rows: the embedding's, or on a last stage the output layer's)
+        vocab = [v for k, v in values.items() if k.endswith(_VOCAB_TENSORS)]
+        rows = vocab[0].shape[0] if vocab else -1
         tp_rank = int(rank.split("_")[2])
         true_rows = max(0, min(rows, TRUE_VOCAB - tp_rank * rows))
         for key, want in values.items():

@@ -16,6 +16,7 @@ equal to megatron-core's, and come back from HF into megatron-core with them.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -155,3 +156,37 @@ def test_transformers_logits_equal_megatron_cores_forward(
     cli("reshard", hf, pp2, "--tp", "1", "--pp", "2", "--format", "megatron")
     run_oracle(ORACLE, "forward", pp2, out)
     assert _relative(torch.load(out), want) < 1e-5
+
+
+REAL_ARGS = """--num-layers 4 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4
+    --group-query-attention --num-query-groups 2 --kv-channels 16 --seq-length 16
+    --max-position-embeddings 64 --position-embedding-type rope --rotary-percent 0.25
+    --normalization RMSNorm --apply-layernorm-1p --qk-layernorm --swiglu --disable-bias-linear
+    --untie-embeddings-and-output-weights --vocab-size 1000 --make-vocab-size-divisible-by 128
+    --tokenizer-type NullTokenizer --micro-batch-size 2 --global-batch-size 2 --train-iters 10
+    --lr 1e-3 --mock-data --transformer-impl transformer_engine --tensor-model-parallel-size 2
+    --experimental-attention-variant gated_delta_net --linear-attention-freq 2
+    --attention-output-gate --linear-num-key-heads 2 --linear-num-value-heads 4
+    --linear-key-head-dim 16 --linear-value-head-dim 8 --linear-conv-kernel-dim 4""".split()  # noqa: SIM905
+"""The model's Megatron-LM 0.19.2 command line (a Qwen3.5-style hybrid)."""
+
+
+def test_megatron_lms_own_args_for_the_hybrid_are_read_without_flags(
+    written: Path, tmp_path: Path, cli
+) -> None:
+    """The args Megatron-LM 0.19.2's own ``parse_args`` + ``validate_args`` save for this model
+    (its ~600 fields, the exit signal among them) describe the same model, and the checkpoint
+    with them reshards to TP1 PP2 into the same tensors as with the oracle's args (which
+    megatron-core loads with the same logits: above; 0.16.1 cannot unpickle 0.19's args)."""
+    if not (written / "iter_0000001" / "mp_rank_00").exists():
+        pytest.skip("Megatron-LM's args are stamped onto legacy rank files (the legacy case)")
+    from tests.megatron_lm_env import stamp_args
+
+    src = tmp_path / "src"
+    shutil.copytree(written, src)
+    stamp_args(src, REAL_ARGS, world=2)
+    assert cli.json("inspect", src)["spec"] == cli.json("inspect", written)["spec"]
+    mine, theirs = tmp_path / "pp2", tmp_path / "pp2_oracle_args"
+    cli("reshard", src, mine, "--tp", "1", "--pp", "2")
+    cli("reshard", written, theirs, "--tp", "1", "--pp", "2")
+    assert_same_rank_files(mine, theirs)
