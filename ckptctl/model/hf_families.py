@@ -36,6 +36,7 @@ from ckptctl.model import (
     hf_gemma,
     hf_glm,
     hf_gpt_oss,
+    hf_qwen3_next,
     hf_qwen35,
     hf_windows,
     rope_scaling,
@@ -204,6 +205,21 @@ FAMILIES = {
             rules=hf_qwen35.RULES,
         ),
         Family(
+            hf_qwen3_next.MODEL_TYPE,
+            "Qwen3NextForCausalLM",
+            "never",
+            True,
+            hf_qwen3_next.CONFIG_KEYS,
+            MoeNaming(
+                "mlp",
+                ("gate_proj", "up_proj", "down_proj"),
+                "num_experts",
+                "moe_intermediate_size",
+                shared_gated_expert=True,
+            ),
+            rules=hf_qwen3_next.RULES,
+        ),
+        Family(
             "qwen3_moe",
             "Qwen3MoeForCausalLM",
             "never",
@@ -250,7 +266,7 @@ def choose_family(spec: ModelSpec) -> Family:
     elif spec.post_sublayer_norms:
         name = hf_gemma.MODEL_TYPE
     elif spec.linear_attention is not None or spec.attention_output_gate:
-        name = hf_qwen35.MODEL_TYPE
+        name = hf_qwen3_next.MODEL_TYPE if spec.is_moe else hf_qwen35.MODEL_TYPE
     elif spec.mla is not None:
         name = hf_deepseek.MODEL_TYPE
     elif spec.is_moe and spec.moe_router_score_function is RouterScore.SIGMOID:
@@ -296,10 +312,11 @@ def check_family(spec: ModelSpec, family: Family) -> None:
         problems.append(f"{cls} has no attention sinks or clamped GLU (GptOssForCausalLM has)")
     if spec.softmax_off_by_one:
         problems.append(f"{cls} has no off-by-one softmax (softmax_type='off-by-one')")
-    qwen35 = family.name == hf_qwen35.MODEL_TYPE
+    qwen35 = family.name in (hf_qwen35.MODEL_TYPE, hf_qwen3_next.MODEL_TYPE)
     if not qwen35 and (spec.linear_attention is not None or spec.attention_output_gate):
         problems.append(
-            f"{cls} has no gated delta net layers or gated attention (Qwen3_5ForCausalLM has)"
+            f"{cls} has no gated delta net layers or gated attention (Qwen3_5ForCausalLM and "
+            "Qwen3NextForCausalLM have)"
         )
     problems.extend(hf_windows.problems(spec, family.name, cls))
     if family.name != hf_gemma.MODEL_TYPE:
@@ -423,7 +440,7 @@ def hf_config(spec: ModelSpec, dtype: str) -> dict[str, Any]:
         config.update(_moe_config(spec, family.moe))
     if family.name == hf_gemma.MODEL_TYPE:  # says them its own way (hidden_activation, per kind)
         del config["hidden_act"], config["rope_theta"]
-    if family.name == hf_qwen35.MODEL_TYPE:  # in rope_parameters, with the rotated share
+    if family.name in (hf_qwen35.MODEL_TYPE, hf_qwen3_next.MODEL_TYPE):  # in rope_parameters
         del config["rope_theta"]
     return config
 

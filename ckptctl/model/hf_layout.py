@@ -12,7 +12,7 @@ import json
 import re
 
 from ckptctl.errors import LayoutError
-from ckptctl.model import hf_deepseek, hf_gpt_oss, hf_qwen35
+from ckptctl.model import hf_deepseek, hf_gpt_oss, hf_qwen3_next, hf_qwen35
 from ckptctl.model.catalog import (
     LAYER_PREFIX,
     MTP_PREFIX,
@@ -36,6 +36,8 @@ DEFAULT_MAX_SHARD_BYTES = 5 << 30
 Entry = tuple[str, str, Shape, tuple[Piece, ...]]
 """(HF name, canonical name, shape, pieces)."""
 _GATED_MLP = ("gate_proj", "up_proj", "down_proj")
+GROUPED = "grouped"
+"""A gated delta net layer whose fused projections HF groups by key head (Qwen3-Next)."""
 
 
 MODEL_KEY, OPTIMIZER_KEY = "model", "optimizer"
@@ -92,7 +94,9 @@ def hf_tensors(spec: ModelSpec) -> list[Entry]:
     packed = family.name == hf_gpt_oss.MODEL_TYPE
     for i in range(spec.num_layers):
         src, dst = f"{LAYER_PREFIX}{i}.", f"model.layers.{i}."
-        linear = is_linear_layer(spec, i)
+        linear: bool | str = is_linear_layer(spec, i)
+        if linear and family.name == hf_qwen3_next.MODEL_TYPE:
+            linear = GROUPED  # its fused projections grouped by key head
         out.extend(_layer_tensors(spec, family.moe, src, dst, spec.is_moe_layer(i), packed, linear))
     out.append(_whole("model.norm.weight", "decoder.final_layernorm.weight", (h,)))
     if not spec.tie_embeddings:
@@ -173,7 +177,7 @@ def _layer_tensors(
     dst: str,
     routed: bool,
     packed: bool = False,
-    linear: bool = False,
+    linear: bool | str = False,
 ) -> list[Entry]:
     """One decoder layer: canonical prefix ``src`` (a decoder or MTP layer's), HF ``dst``;
     ``packed``: GPT-OSS's (sinks, packed experts); ``linear``: a gated delta net layer's."""
@@ -187,7 +191,7 @@ def _layer_tensors(
 
     qkv = f"{src}self_attention.linear_qkv."
     if linear:
-        out.extend(hf_qwen35.linear_tensors(spec, src, dst))
+        out.extend(hf_qwen35.linear_tensors(spec, src, dst, grouped=linear == GROUPED))
     elif spec.mla is not None:
         out.extend(hf_deepseek.attention_tensors(spec, src, dst))
     for part in ("q", "k", "v") if spec.mla is None and not linear else ():

@@ -49,8 +49,9 @@ GATED_NORM = "linear_attn.norm.weight"
 """HF's gated norm of a linear layer: Megatron's zero-centred ``out_norm`` plus one."""
 
 
-def family_problems(spec: ModelSpec, cls: str) -> list[str]:
-    """What in ``spec`` ``Qwen3_5ForCausalLM`` cannot hold."""
+def family_problems(spec: ModelSpec, cls: str, routed: bool = False) -> list[str]:
+    """What in ``spec`` ``Qwen3_5ForCausalLM`` (``routed``: Qwen3-Next, its layers' MLPs
+    routed experts, judged by ``hf_qwen3_next``) cannot hold."""
     problems = []
     if not (spec.qk_layernorm and spec.layernorm_zero_centered_gamma):
         problems.append(
@@ -61,8 +62,10 @@ def family_problems(spec: ModelSpec, cls: str) -> list[str]:
         problems.append(f"{cls}'s attention has an output gate (attention_output_gate)")
     if spec.add_bias_linear or spec.add_qkv_bias:
         problems.append(f"{cls} has no biases")
-    if spec.is_moe or spec.mla is not None or spec.mtp_num_layers or spec.attention_sinks:
-        problems.append(f"{cls} has no experts, multi-latent attention, MTP layers or sinks")
+    if spec.mla is not None or spec.mtp_num_layers or spec.attention_sinks:
+        problems.append(f"{cls} has no multi-latent attention, MTP layers or sinks")
+    if spec.is_moe and not routed:
+        problems.append(f"{cls} has no experts (Qwen3NextForCausalLM has)")
     if spec.rope_scaling is not None:
         problems.append(f"{cls} reads plain RoPE only here, not {spec.rope_scaling.kind}")
     return problems
@@ -157,10 +160,10 @@ def _partial_rotary(config: Mapping[str, Any], problems: list[str]) -> float:
 
 
 def linear_tensors(
-    spec: ModelSpec, src: str, dst: str
+    spec: ModelSpec, src: str, dst: str, grouped: bool = False
 ) -> list[tuple[str, str, Shape, tuple[Piece, ...]]]:
     """A gated delta net layer's attention part: (HF name, canonical name, shape, pieces), in
-    transformers' order."""
+    transformers' order; ``grouped``: Qwen3-Next's two projections, grouped by key head."""
     gdn = spec.linear_attention
     assert gdn is not None
     h, attn, mine = spec.hidden_size, f"{dst}linear_attn.", f"{src}self_attention."
@@ -179,11 +182,45 @@ def linear_tensors(
         (f"{attn}out_proj.weight", f"{mine}out_proj.weight", (h, v), (whole((h, v)),)),
     ]  # fmt: skip
     in_proj = f"{mine}in_proj.weight"
+    if grouped:
+        out.extend(_grouped_in_proj(gdn, h, attn, in_proj))
+        return out
     start = 0
     for name, count in (("qkv", 2 * qk + v), ("z", v), ("b", nv), ("a", nv)):
         out.append((f"{attn}in_proj_{name}.weight", in_proj, (count, h), rows(start, count)))
         start += count
     return out
+
+
+def _grouped_in_proj(
+    gdn: GatedDeltaNetSpec, h: int, attn: str, in_proj: str
+) -> list[tuple[str, str, Shape, tuple[Piece, ...]]]:
+    """Qwen3-Next's ``in_proj_qkvz`` (per key head: its query, its key, then the values and
+    gates of the value heads it serves) and ``in_proj_ba`` (per key head: those value heads'
+    betas, then their alphas), as pieces of Megatron's part-major ``in_proj``."""
+    dk, dv, nk = gdn.key_head_dim, gdn.value_head_dim, gdn.num_key_heads
+    r, qk, v, nv = gdn.num_value_heads // nk, gdn.qk_dim, gdn.v_dim, gdn.num_value_heads
+    group = 2 * dk + 2 * r * dv
+    qkvz: list[Piece] = []
+    ba: list[Piece] = []
+    for g in range(nk):
+        at = g * group
+        for local, canonical, rows in (
+            (at, g * dk, dk),
+            (at + dk, qk + g * dk, dk),
+            (at + 2 * dk, 2 * qk + g * r * dv, r * dv),
+            (at + 2 * dk + r * dv, 2 * qk + v + g * r * dv, r * dv),
+        ):
+            qkvz.append(Piece((local, 0), (canonical, 0), (rows, h)))
+        for local, canonical in (
+            (2 * g * r, 2 * qk + 2 * v + g * r),
+            (2 * g * r + r, 2 * qk + 2 * v + nv + g * r),
+        ):
+            ba.append(Piece((local, 0), (canonical, 0), (r, h)))
+    return [
+        (f"{attn}in_proj_qkvz.weight", in_proj, (nk * group, h), tuple(qkvz)),
+        (f"{attn}in_proj_ba.weight", in_proj, (2 * nv, h), tuple(ba)),
+    ]
 
 
 def value_shift(spec: ModelSpec, name: str) -> float:

@@ -48,7 +48,5 @@ def tp_replicas(
         original_path, original = originals[where]
         if original.pieces != tensor.pieces:
             continue  # not a copy: another cut of the tensor
-        out.append(
-            Replica(original_path, original.key, original.shape, path, tensor.key, _WHY)
-        )
+        out.append(Replica(original_path, original.key, original.shape, path, tensor.key, _WHY))
     return tuple(out)

@@ -422,10 +422,13 @@ def torch_dist_files(
     expert parallelism each EP rank saves its experts), named ``__<rank>_0.distcp`` with
     Megatron's global rank order (tp, then ep inside dp, then pp). Optimizer state is fp32."""
     files = []
+    # Ranks per stage: tp * dp, or tp * ep files where expert parallelism spans TP ranks too
+    # (ep > dp with expert TP 1): file names must not repeat from one stage to the next.
+    per_stage = layout.tp * max(layout.dp, layout.ep)
     for pp_rank in range(layout.pp):
         for ep_rank in range(layout.ep):
             for tp_rank in range(layout.tp):
-                rank = pp_rank * layout.tp * layout.dp + ep_rank * layout.tp + tp_rank
+                rank = pp_rank * per_stage + ep_rank * layout.tp + tp_rank
                 where = (tp_rank, pp_rank, ep_rank)
                 tensors = tuple(
                     StoredTensor(
