@@ -1,10 +1,13 @@
-"""A Qwen3-Next-style hybrid model written and read back by megatron-core's own modules (test
-oracle, issue 56): gated delta net layers (``megatron.core.ssm.gated_delta_net.GatedDeltaNet``)
-between gated-attention layers (``attention_output_gate``), on CPU with gloo.
+"""Qwen3.5- and Qwen3-Next-style hybrid models written and read back by megatron-core's own
+modules (test oracle, issue 56): gated delta net layers
+(``megatron.core.ssm.gated_delta_net.GatedDeltaNet``) between gated-attention layers
+(``attention_output_gate``), q/k norms, zero-centred norms, RoPE on a quarter of each head;
+with ``--moe`` (Qwen3-Next) routed experts and a gated shared expert in every layer. On CPU
+with gloo.
 
-Modes:
+Modes (each takes ``--moe``):
 
-``write OUT --format legacy|torch_dist``
+``write OUT --format legacy|torch_dist [--steps 0|1] [--drift]``
     Two TP ranks build megatron-core's ``GPTModel`` with this hybrid block, randomise the
     parameters megatron-core initialises to constants, take one step of megatron-core's Adam
     (per-parameter optimizer) and save model and optimizer the way Megatron-LM does
@@ -83,6 +86,16 @@ GDN = {
     "linear_value_head_dim": 8,
     "linear_conv_kernel_dim": 4,
 }
+
+
+def cpu_patches() -> None:
+    """megatron-core's CPU patches, and its router's TE-only GEMM named absent (as
+    ``megatron_core_moe.py`` does: megatron-core 0.16.1 defines it only with TE)."""
+    patch_megatron_for_cpu(noop_cuda_synchronize=True)
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def install_fla_shim() -> None:
@@ -168,8 +181,24 @@ def te_like_modules() -> tuple[type, type]:
     return LayerNormColumnParallel, CoreAttention
 
 
-def block_spec(config: Any, layers: range) -> Any:
-    """The hybrid block's layers ``layers`` (0-based global numbers)."""
+MOE = {
+    "num_moe_experts": 4,
+    "moe_ffn_hidden_size": 32,
+    "moe_router_topk": 2,
+    "moe_shared_expert_intermediate_size": 48,
+    "moe_shared_expert_gate": True,
+    "moe_router_load_balancing_type": "none",
+    "moe_aux_loss_coeff": 0.0,
+    "moe_token_dispatcher_type": "allgather",
+}
+"""``--moe`` (Qwen3-Next's shape): routed experts in every layer (softmax over the top k, as
+HF's ``norm_topk_prob``) and a shared expert behind a sigmoid gate; expert TP = TP."""
+
+
+def block_spec(config: Any, layers: range, moe: bool = False) -> Any:
+    """The hybrid block's layers ``layers`` (0-based global numbers); ``moe``: with routed
+    experts and a gated shared expert (megatron-core's local MoE spec; its pre-MLP norm is a
+    module of its own there as under TE)."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
@@ -190,6 +219,10 @@ def block_spec(config: Any, layers: range) -> Any:
     attention.submodules.q_layernorm = attention.submodules.k_layernorm = Norm
     mlp = local.submodules.mlp
     mlp.submodules.linear_fc1 = fused
+    pre_mlp_norm: Any = IdentityOp
+    if moe:
+        mlp = get_gpt_layer_local_spec(num_experts=MOE["num_moe_experts"]).submodules.mlp
+        pre_mlp_norm = Norm
     gdn = ModuleSpec(
         module=GatedDeltaNet,
         submodules=GatedDeltaNetSubmodules(
@@ -203,7 +236,7 @@ def block_spec(config: Any, layers: range) -> Any:
                 input_layernorm=IdentityOp,
                 self_attention=attention if (i + 1) % FREQ == 0 else gdn,
                 self_attn_bda=get_bias_dropout_add,
-                pre_mlp_layernorm=IdentityOp,
+                pre_mlp_layernorm=pre_mlp_norm,
                 mlp=mlp,
                 mlp_bda=get_bias_dropout_add,
             ),
@@ -213,9 +246,9 @@ def block_spec(config: Any, layers: range) -> Any:
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=Norm)
 
 
-def megatron_args(tp: int, pp: int, ckpt_format: str) -> argparse.Namespace:
+def megatron_args(tp: int, pp: int, ckpt_format: str, moe: bool = False) -> argparse.Namespace:
     """The ``args`` Megatron-LM stores for this model."""
-    return argparse.Namespace(
+    args = argparse.Namespace(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=None,
@@ -236,9 +269,14 @@ def megatron_args(tp: int, pp: int, ckpt_format: str) -> argparse.Namespace:
         apply_layernorm_1p=True,  # zero-centred norms (0.19: --layernorm-zero-centered-gamma)
         **GDN,
     )
+    if moe:
+        for name, value in MOE.items():
+            setattr(args, "num_experts" if name == "num_moe_experts" else name, value)
+        args.expert_model_parallel_size, args.expert_tensor_parallel_size = 1, tp
+    return args
 
 
-def build(tp: int, pp_stage: int | None = None) -> torch.nn.Module:
+def build(tp: int, pp_stage: int | None = None, moe: bool = False) -> torch.nn.Module:
     """The whole model, or one of two pipeline stages (half the layers each)."""
     from megatron.core.models.gpt import GPTModel
 
@@ -253,13 +291,14 @@ def build(tp: int, pp_stage: int | None = None) -> torch.nn.Module:
         qk_layernorm=True,
         layernorm_zero_centered_gamma=True,
         **GDN,
+        **(MOE if moe else {}),
     )
     stages = (
         {} if pp_stage is None else {"pre_process": pp_stage == 0, "post_process": pp_stage == 1}
     )
     return GPTModel(
         config=config,
-        transformer_layer_spec=block_spec(config, layers),
+        transformer_layer_spec=block_spec(config, layers, moe),
         vocab_size=padded_vocab_size(tp),
         max_sequence_length=64,
         parallel_output=False,
@@ -314,12 +353,12 @@ def sum_out_norm_grads_over_tp(model: torch.nn.Module) -> None:
 
 
 def write_worker(
-    rank: int, port: int, out_dir: Path, ckpt_format: str, drift: bool, steps: int
+    rank: int, port: int, out_dir: Path, ckpt_format: str, drift: bool, steps: int, moe: bool
 ) -> None:
-    patch_megatron_for_cpu(noop_cuda_synchronize=True)
+    cpu_patches()
     with model_parallel(rank, port, TP, tp=TP, cpu_as_cuda=True):
         torch.manual_seed(MODEL_SEED)  # the same full model on every rank
-        model = build(TP)
+        model = build(TP, moe=moe)
         randomise(model, rank)
         if not drift:
             sum_out_norm_grads_over_tp(model)
@@ -334,7 +373,7 @@ def write_worker(
         for _ in range(steps):
             train_step(ddp, optimizer, scheduler, [lm_batch(tokens)], global_batch=BATCH)
         state: dict[str, Any] = {
-            "args": megatron_args(TP, 1, ckpt_format),
+            "args": megatron_args(TP, 1, ckpt_format, moe),
             "checkpoint_version": CHECKPOINT_VERSION,
             "iteration": ITERATION,
             "opt_param_scheduler": scheduler.state_dict(),
@@ -348,21 +387,21 @@ def write_worker(
         dist.barrier()
 
 
-def forward_worker(rank: int, port: int, ckpt: Path, out: Path) -> None:
-    patch_megatron_for_cpu(noop_cuda_synchronize=False)
+def forward_worker(rank: int, port: int, ckpt: Path, out: Path, moe: bool) -> None:
+    cpu_patches()
     with model_parallel(rank, port, 1, tp=1, cpu_as_cuda=True):
         inputs = (reference_input_ids(BATCH, SEQ), position_ids(BATCH, SEQ), causal_mask(SEQ))
-        torch.save(pp2_logits(ckpt, lambda stage: build(1, pp_stage=stage), inputs), out)
+        torch.save(pp2_logits(ckpt, lambda stage: build(1, stage, moe), inputs), out)
 
 
-def load_worker(rank: int, port: int, ckpt: Path, out: Path) -> None:
+def load_worker(rank: int, port: int, ckpt: Path, out: Path, moe: bool) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
-    patch_megatron_for_cpu(noop_cuda_synchronize=True)
+    cpu_patches()
     with model_parallel(rank, port, TP, tp=TP, cpu_as_cuda=True):
         torch.manual_seed(MODEL_SEED + 1)  # not the saved weights: the load must set them
-        model = build(TP)
+        model = build(TP, moe=moe)
         checkpoint_dir = ckpt / f"iter_{ITERATION:07d}"
         loaded, missing, unexpected = dist_checkpointing.load(
             {"model": model.sharded_state_dict()},
@@ -397,18 +436,21 @@ def main(argv: list[str] | None = None) -> int:
     write.add_argument("--format", choices=("legacy", "torch_dist"), required=True)
     write.add_argument("--drift", action="store_true", help="leave out_norm's TP replicas apart")
     write.add_argument("--steps", type=int, choices=(0, 1), default=1, help="Adam steps taken")
+    write.add_argument("--moe", action="store_true", help="Qwen3-Next's routed experts (MOE)")
     for mode in ("forward", "load"):
         read = sub.add_parser(mode)
         read.add_argument("ckpt", type=Path)
         read.add_argument("out", type=Path)
+        read.add_argument("--moe", action="store_true")
     args = parser.parse_args(argv)
     if args.mode == "write":
         args.out_dir.mkdir(parents=True, exist_ok=True)
-        spawn(write_worker, TP, args.out_dir.resolve(), args.format, args.drift, args.steps)
+        out = args.out_dir.resolve()
+        spawn(write_worker, TP, out, args.format, args.drift, args.steps, args.moe)
     elif args.mode == "forward":
-        spawn(forward_worker, 1, args.ckpt.resolve(), args.out.resolve())
+        spawn(forward_worker, 1, args.ckpt.resolve(), args.out.resolve(), args.moe)
     else:
-        spawn(load_worker, TP, args.ckpt.resolve(), args.out.resolve())
+        spawn(load_worker, TP, args.ckpt.resolve(), args.out.resolve(), args.moe)
     return 0
 
 

@@ -10,7 +10,9 @@ which megatron-core loads strictly stage by stage with the same logits, and back
 bit, Adam state included; its ``torch_dist`` of the model must be what megatron-core's
 ``dist_checkpointing.load`` asks for (every part key of ``in_proj`` and ``conv1d``), with the
 same logits; and, written before the step, the model must become HF with transformers' logits
-equal to megatron-core's, and come back from HF into megatron-core with them.
+equal to megatron-core's, and come back from HF into megatron-core with them. The same holds
+with routed experts and a gated shared expert in every layer (``--moe``: Qwen3-Next, which
+becomes ``Qwen3NextForCausalLM``).
 """
 
 from __future__ import annotations
@@ -190,3 +192,63 @@ def test_megatron_lms_own_args_for_the_hybrid_are_read_without_flags(
     cli("reshard", src, mine, "--tp", "1", "--pp", "2")
     cli("reshard", written, theirs, "--tp", "1", "--pp", "2")
     assert_same_rank_files(mine, theirs)
+
+
+@pytest.fixture(scope="module")
+def moe_untrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3-Next's shape (``--moe``): routed experts and a gated shared expert in every layer."""
+    root = tmp_path_factory.mktemp("gdn_moe_untrained")
+    run_oracle(ORACLE, "write", root, "--format", "legacy", "--steps", "0", "--moe")
+    return root
+
+
+@pytest.fixture(scope="module")
+def moe_trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("gdn_moe_trained")
+    run_oracle(ORACLE, "write", root, "--format", "torch_dist", "--moe")
+    return root
+
+
+def test_qwen3_next_logits_equal_megatron_cores_forward(
+    moe_untrained: Path, tmp_path: Path, cli
+) -> None:
+    """megatron-core's hybrid with experts becomes ``Qwen3NextForCausalLM`` (its projections
+    grouped by key head, its gated shared expert) with megatron-core's logits, and reshards
+    to TP1 PP2 that megatron-core loads strictly with them."""
+    import transformers
+
+    hf = tmp_path / "hf"
+    cli("consolidate", moe_untrained, hf, "--format", "hf")
+    assert json.loads((hf / "config.json").read_text())["architectures"] == ["Qwen3NextForCausalLM"]
+    reference = torch.load(moe_untrained / "reference.pt")
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    with torch.no_grad():
+        got = model(reference["input_ids"]).logits
+    assert _relative(got, reference["logits"]) < 1e-5
+    pp2, out = tmp_path / "pp2", tmp_path / "logits.pt"
+    cli("reshard", moe_untrained, pp2, "--tp", "1", "--pp", "2")
+    run_oracle(ORACLE, "forward", pp2, out, "--moe")
+    assert _relative(torch.load(out), reference["logits"]) < 1e-5
+
+
+def test_the_hybrid_with_experts_moves_with_its_adam_state(
+    moe_trained: Path, tmp_path: Path, cli
+) -> None:
+    """``torch_dist`` with experts in numbered layers: to TP1 and back to TP2, each loading
+    through ``dist_checkpointing.load`` with megatron-core's logits; through legacy TP1 PP2 and
+    back, the same rank files as the direct conversion, Adam state included."""
+    want = torch.load(moe_trained / "reference.pt")["logits"]
+    src = moe_trained
+    for tp in ("1", "2"):
+        out = tmp_path / f"tp{tp}"
+        cli("reshard", src, out, "--tp", tp, "--pp", "1", "--format", "torch_dist")
+        src = out
+        logits = tmp_path / f"logits{tp}.pt"
+        run_oracle(ORACLE, "load", out, logits, "--moe")
+        assert torch.equal(torch.load(logits), want)
+    pp2, back, direct = tmp_path / "pp2", tmp_path / "back", tmp_path / "direct"
+    cli("reshard", moe_trained, pp2, "--tp", "1", "--pp", "2", "--format", "megatron")
+    cli("reshard", pp2, back, "--tp", "2", "--pp", "1", "--format", "megatron")
+    cli("reshard", moe_trained, direct, "--tp", "2", "--pp", "1", "--format", "megatron")
+    assert cli.json("inspect", direct)["has_optimizer"]
+    assert_same_rank_files(back, direct)
