@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ckptctl.errors import CheckpointError, LayoutError
-from ckptctl.model import hf_gemma, hf_windows, rope_scaling
+from ckptctl.model import hf_gemma, hf_qwen3_next, hf_windows, rope_scaling
 from ckptctl.model.fields import refuse_fields
 from ckptctl.model.hf_families import FAMILIES, Family
 from ckptctl.model.layout import Activation, ModelSpec
@@ -59,6 +59,9 @@ def spec_from_config(
         )
     family = FAMILIES[model_type]
     _check_keys(config, family, trusted)
+    if model_type == hf_qwen3_next.QWEN35_MOE and "intermediate_size" not in config:
+        # experts in every layer and no dense MLP: Megatron's ffn size is the experts'
+        config = {**config, "intermediate_size": config.get("moe_intermediate_size")}
     missing = [key for key in _REQUIRED if key not in config]
     if missing:
         raise CheckpointError(

@@ -220,6 +220,22 @@ FAMILIES = {
             rules=hf_qwen3_next.RULES,
         ),
         Family(
+            hf_qwen3_next.QWEN35_MOE,
+            "Qwen3_5MoeForCausalLM",
+            "never",
+            True,
+            hf_qwen3_next.QWEN35_MOE_KEYS,
+            MoeNaming(
+                "mlp",
+                ("gate_proj", "up_proj", "down_proj"),
+                "num_experts",
+                "moe_intermediate_size",
+                shared_gated_expert=True,
+                always_renormalise=True,
+            ),
+            rules=hf_qwen3_next.QWEN35_MOE_RULES,
+        ),
+        Family(
             "qwen3_moe",
             "Qwen3MoeForCausalLM",
             "never",
@@ -231,6 +247,10 @@ FAMILIES = {
         ),
     )
 }
+
+
+HYBRIDS = (hf_qwen35.MODEL_TYPE, hf_qwen3_next.MODEL_TYPE, hf_qwen3_next.QWEN35_MOE)
+"""The gated delta net families (Qwen3.5, Qwen3-Next, Qwen3.5-MoE)."""
 
 
 def family_summary(family: Family) -> dict[str, str]:
@@ -312,11 +332,11 @@ def check_family(spec: ModelSpec, family: Family) -> None:
         problems.append(f"{cls} has no attention sinks or clamped GLU (GptOssForCausalLM has)")
     if spec.softmax_off_by_one:
         problems.append(f"{cls} has no off-by-one softmax (softmax_type='off-by-one')")
-    qwen35 = family.name in (hf_qwen35.MODEL_TYPE, hf_qwen3_next.MODEL_TYPE)
+    qwen35 = family.name in HYBRIDS
     if not qwen35 and (spec.linear_attention is not None or spec.attention_output_gate):
         problems.append(
-            f"{cls} has no gated delta net layers or gated attention (Qwen3_5ForCausalLM and "
-            "Qwen3NextForCausalLM have)"
+            f"{cls} has no gated delta net layers or gated attention (Qwen3_5ForCausalLM, "
+            "Qwen3NextForCausalLM and Qwen3_5MoeForCausalLM have)"
         )
     problems.extend(hf_windows.problems(spec, family.name, cls))
     if family.name != hf_gemma.MODEL_TYPE:
@@ -440,8 +460,10 @@ def hf_config(spec: ModelSpec, dtype: str) -> dict[str, Any]:
         config.update(_moe_config(spec, family.moe))
     if family.name == hf_gemma.MODEL_TYPE:  # says them its own way (hidden_activation, per kind)
         del config["hidden_act"], config["rope_theta"]
-    if family.name in (hf_qwen35.MODEL_TYPE, hf_qwen3_next.MODEL_TYPE):  # in rope_parameters
+    if family.name in HYBRIDS:  # in rope_parameters, with the rotated share
         del config["rope_theta"]
+    if config.get("intermediate_size", 0) is None:  # a family without a dense MLP's size
+        del config["intermediate_size"]
     return config
 
 

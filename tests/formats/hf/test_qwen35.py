@@ -205,14 +205,23 @@ def _loaded_anew(root: Path) -> torch.nn.Module:
     return model
 
 
-@pytest.mark.parametrize("form", ["megatron", "torch_dist"])
-def test_qwen3_next_goes_to_megatron_with_experts_and_back_bit_exactly(
-    tmp_path: Path, cli, form: str
+@pytest.mark.parametrize(
+    ("family", "form"),
+    [("Qwen3NextForCausalLM", "megatron"), ("Qwen3NextForCausalLM", "torch_dist"),
+     ("Qwen3_5MoeForCausalLM", "torch_dist")],
+)  # fmt: skip
+def test_the_routed_hybrids_go_to_megatron_with_experts_and_back_bit_exactly(
+    tmp_path: Path, cli, family: str, form: str
 ) -> None:
-    """Qwen3-Next: the hybrid with routed experts and a gated shared expert in every layer, and
-    the fused projections grouped by key head (``in_proj_qkvz``, ``in_proj_ba``)."""
+    """Qwen3-Next (its fused projections grouped by key head: ``in_proj_qkvz``,
+    ``in_proj_ba``) and Qwen3.5-MoE (split as Qwen3.5's; no ``intermediate_size`` in its
+    config): the hybrid with routed experts and a gated shared expert in every layer."""
     src = tmp_path / "hf"
-    config = transformers.Qwen3NextConfig(**NEXT)
+    if family == "Qwen3NextForCausalLM":
+        config = transformers.Qwen3NextConfig(**NEXT)
+    else:
+        fields = {k: v for k, v in NEXT.items() if k != "intermediate_size"}
+        config = transformers.Qwen3_5MoeTextConfig(**fields)
     model = saved_model(config, src, seed=2)
     with torch.no_grad():  # gated norms near one, as a trained model's are
         for name, param in model.named_parameters():
@@ -223,7 +232,7 @@ def test_qwen3_next_goes_to_megatron_with_experts_and_back_bit_exactly(
     cli("reshard", src, megatron, "--tp", "2", "--pp", "2", "--ep", "2", "--etp", "1",
         "--format", form)  # fmt: skip
     info = cli.json("inspect", megatron)
-    assert info["hf"]["architecture"] == "Qwen3NextForCausalLM"
+    assert info["hf"]["architecture"] == family
     spec = info["spec"]
     assert spec["num_experts"] == 4 and spec["moe_shared_expert_gate"]
     assert spec["linear_attention"]["attention_layers"] == [3]
@@ -234,5 +243,6 @@ def test_qwen3_next_goes_to_megatron_with_experts_and_back_bit_exactly(
     for name, tensor in theirs.items():
         assert torch.equal(mine[name], tensor), name
     assert torch.equal(logits(_loaded_anew(back), IDS), logits(_loaded_anew(src), IDS))
-    # the grouped projections matter: read as Qwen3.5's split ones, the model is another
-    assert json.loads((back / "config.json").read_text())["model_type"] == "qwen3_next"
+    written = json.loads((back / "config.json").read_text())
+    assert written["architectures"] == [family]
+    assert ("intermediate_size" in written) == (family == "Qwen3NextForCausalLM")
