@@ -41,6 +41,10 @@ def scale_problem(
     return None
 
 
+_QWEN_MTP = "mtp."
+"""Where Qwen3-Next's and Qwen3.5's hub releases keep their multi-token prediction layer."""
+
+
 def refuse_unmapped(names: set[str], spec: ModelSpec, storage: Storage) -> None:
     """Refuse a checkpoint holding tensors the model its ``config.json`` describes has no place
     for: a conversion would drop them (an MTP layer the config does not announce, a bias, a
@@ -52,8 +56,13 @@ def refuse_unmapped(names: set[str], spec: ModelSpec, storage: Storage) -> None:
         shown = ", ".join(dropped[:3]) + (
             f" and {len(dropped) - 3} more" if len(dropped) > 3 else ""
         )
+        why = "is the config the checkpoint's own?"
+        if all(n.startswith(_QWEN_MTP) for n in dropped) and spec.linear_attention is not None:
+            why = (
+                "Qwen3-Next / Qwen3.5 multi-token prediction weights, not mapped yet; "
+                "transformers does not load them either: convert a copy without them"
+            )
         raise CheckpointError(
             f"{storage.describe(CONFIG)}: the checkpoint holds {shown}, which the model this "
-            "config.json describes has no place for; a conversion would drop them (is the "
-            "config the checkpoint's own?)"
+            f"config.json describes has no place for; a conversion would drop them ({why})"
         )
