@@ -27,7 +27,7 @@ none of them can hold is refused for HF with the reason. ``hf_config`` reads a f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ckptctl.errors import LayoutError
@@ -89,6 +89,17 @@ _QWEN_MOE_KEYS = frozenset(
     decoder_sparse_step mlp_only_layers router_aux_loss_coef output_router_logits sliding_window
     use_sliding_window max_window_layers layer_types""".split()  # noqa: SIM905
 )
+
+
+_QWEN_SHARED_GATED = MoeNaming(
+    "mlp",
+    ("gate_proj", "up_proj", "down_proj"),
+    "num_experts",
+    "moe_intermediate_size",
+    shared_gated_expert=True,
+)
+"""Qwen2-MoE's, Qwen3-Next's and Qwen3.5-MoE's routed layers: experts and a gated shared
+expert (``mlp.shared_expert``, ``mlp.shared_expert_gate``)."""
 
 
 _ROUTED_NAMING = MoeNaming(
@@ -154,13 +165,7 @@ FAMILIES = {
             "always",
             False,
             _QWEN_MOE_KEYS | {"shared_expert_intermediate_size", "qkv_bias"},
-            MoeNaming(
-                "mlp",
-                ("gate_proj", "up_proj", "down_proj"),
-                "num_experts",
-                "moe_intermediate_size",
-                shared_gated_expert=True,
-            ),
+            _QWEN_SHARED_GATED,
         ),
         Family(
             hf_deepseek.MODEL_TYPE,
@@ -210,13 +215,7 @@ FAMILIES = {
             "never",
             True,
             hf_qwen3_next.CONFIG_KEYS,
-            MoeNaming(
-                "mlp",
-                ("gate_proj", "up_proj", "down_proj"),
-                "num_experts",
-                "moe_intermediate_size",
-                shared_gated_expert=True,
-            ),
+            _QWEN_SHARED_GATED,
             rules=hf_qwen3_next.RULES,
         ),
         Family(
@@ -225,14 +224,7 @@ FAMILIES = {
             "never",
             True,
             hf_qwen3_next.QWEN35_MOE_KEYS,
-            MoeNaming(
-                "mlp",
-                ("gate_proj", "up_proj", "down_proj"),
-                "num_experts",
-                "moe_intermediate_size",
-                shared_gated_expert=True,
-                always_renormalise=True,
-            ),
+            replace(_QWEN_SHARED_GATED, always_renormalise=True),
             rules=hf_qwen3_next.QWEN35_MOE_RULES,
         ),
         Family(
