@@ -27,7 +27,7 @@ from ckptctl.errors import LayoutError
 from ckptctl.model.geometry import Piece, Shape, whole
 from ckptctl.model.hf_routed import FamilyRules
 from ckptctl.model.layout import ModelSpec
-from ckptctl.model.linear_attention import GatedDeltaNetSpec
+from ckptctl.model.linear_attention import SIZE_FIELDS, GatedDeltaNetSpec
 
 MODEL_TYPE = "qwen3_5_text"
 CONFIG_KEYS = frozenset(
@@ -35,14 +35,6 @@ CONFIG_KEYS = frozenset(
     linear_key_head_dim linear_value_head_dim linear_num_key_heads linear_num_value_heads
     partial_rotary_factor""".split()  # noqa: SIM905
 )
-_SIZES = {
-    "num_key_heads": ("linear_num_key_heads", 16),
-    "num_value_heads": ("linear_num_value_heads", 32),
-    "key_head_dim": ("linear_key_head_dim", 128),
-    "value_head_dim": ("linear_value_head_dim", 128),
-    "conv_kernel_dim": ("linear_conv_kernel_dim", 4),
-}
-"""Spec field -> (config key, transformers' default)."""
 DEFAULT_INTERVAL = 4
 DEFAULT_PARTIAL_ROTARY = 0.25
 GATED_NORM = "linear_attn.norm.weight"
@@ -90,7 +82,7 @@ def config(spec: ModelSpec) -> dict[str, Any]:
     # transformers' sizes where no layer is linear
     out |= {
         key: getattr(gdn, field) if gdn is not None else default
-        for field, (key, default) in _SIZES.items()
+        for field, (key, default) in SIZE_FIELDS.items()
     }
     return out
 
@@ -115,7 +107,7 @@ def spec_fields(config: Mapping[str, Any]) -> dict[str, Any]:
             f"the {layers} layers"
         )
     sizes = {}
-    for field, (key, default) in _SIZES.items():
+    for field, (key, default) in SIZE_FIELDS.items():
         value = config.get(key, default)
         if isinstance(value, bool) or not isinstance(value, int):
             problems.append(f"{key}={value!r} is not an integer")

@@ -32,6 +32,15 @@ IN_PROJ_PARTS = ("query", "key", "value", "z", "beta", "alpha")
 CONV_PARTS = ("query", "key", "value")
 """The parts of ``conv1d``'s channels."""
 MOST = 1 << 16
+SIZE_FIELDS = {
+    "num_key_heads": ("linear_num_key_heads", 16),
+    "num_value_heads": ("linear_num_value_heads", 32),
+    "key_head_dim": ("linear_key_head_dim", 128),
+    "value_head_dim": ("linear_value_head_dim", 128),
+    "conv_kernel_dim": ("linear_conv_kernel_dim", 4),
+}
+"""Spec field -> (its name in Megatron-LM's arguments and in HF's Qwen configs alike, the
+default both give it)."""
 TP_DRIFTING = (".self_attention.out_norm.weight",)
 """Parameters megatron-core replicates over TP without keeping the copies equal (their
 gradients are per rank's heads; ``formats.megatron.tp_replicas``)."""

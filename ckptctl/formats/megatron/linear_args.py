@@ -11,20 +11,13 @@ from typing import Any
 from ckptctl.errors import LayoutError
 from ckptctl.model.layout import ModelSpec
 from ckptctl.model.linear_attention import (
+    SIZE_FIELDS,
     GatedDeltaNetSpec,
     freq_from_pattern,
     pattern_from_freq,
 )
 
 VARIANT = "gated_delta_net"
-_SIZES = {
-    "num_key_heads": ("linear_num_key_heads", 16),
-    "num_value_heads": ("linear_num_value_heads", 32),
-    "key_head_dim": ("linear_key_head_dim", 128),
-    "value_head_dim": ("linear_value_head_dim", 128),
-    "conv_kernel_dim": ("linear_conv_kernel_dim", 4),
-}
-"""Spec field -> (argument, Megatron-LM's default)."""
 
 
 def spec_fields(value: Callable[..., Any], num_layers: int) -> dict[str, Any]:
@@ -48,7 +41,7 @@ def spec_fields(value: Callable[..., Any], num_layers: int) -> dict[str, Any]:
             f"{num_layers} entries (1: gated delta net layer)"
         )
     sizes = {}
-    for field, (name, default) in _SIZES.items():
+    for field, (name, default) in SIZE_FIELDS.items():
         size = value(name, default)
         if isinstance(size, bool) or not isinstance(size, int):
             raise LayoutError(f"args.{name}={size!r} is not an integer")
@@ -65,6 +58,6 @@ def args_fields(spec: ModelSpec) -> dict[str, Any]:
         return out
     out["experimental_attention_variant"] = VARIANT
     out["linear_attention_freq"] = freq_from_pattern(spec)
-    for field, (name, _) in _SIZES.items():
+    for field, (name, _) in SIZE_FIELDS.items():
         out[name] = getattr(gdn, field)
     return out
