@@ -84,11 +84,10 @@ def test_a_pp2_reshard_loads_into_megatron_cores_model(written: Path, tmp_path: 
         assert_same_rank_files(back, direct)
 
 
-def test_ckptctls_torch_dist_loads_through_megatron_cores_dist_checkpointing(
-    written: Path, tmp_path: Path, cli
-) -> None:
-    """At TP1 (megatron-core cuts it to TP2 itself on load) and, from that, at TP2: every part
-    key of ``in_proj`` / ``conv1d`` and its box where megatron-core's split factory looks."""
+def _torch_dist_loads_alike(written: Path, tmp_path: Path, cli, *model: str) -> None:
+    """ckptctl's ``torch_dist`` of ``written`` at TP1, and from that at TP2, each loaded by
+    megatron-core's ``dist_checkpointing.load`` into the oracle's TP2 model (``model``: its
+    flags) with bitwise the logits the oracle wrote."""
     want = torch.load(written / "reference.pt")["logits"]
     src = written
     for tp in ("1", "2"):
@@ -96,8 +95,16 @@ def test_ckptctls_torch_dist_loads_through_megatron_cores_dist_checkpointing(
         cli("reshard", src, out, "--tp", tp, "--pp", "1", "--format", "torch_dist")
         src = out
         logits = tmp_path / f"logits{tp}.pt"
-        run_oracle(ORACLE, "load", out, logits)
+        run_oracle(ORACLE, "load", out, logits, *model)
         assert torch.equal(torch.load(logits), want)
+
+
+def test_ckptctls_torch_dist_loads_through_megatron_cores_dist_checkpointing(
+    written: Path, tmp_path: Path, cli
+) -> None:
+    """At TP1 (megatron-core cuts it to TP2 itself on load) and, from that, at TP2: every part
+    key of ``in_proj`` / ``conv1d`` and its box where megatron-core's split factory looks."""
+    _torch_dist_loads_alike(written, tmp_path, cli)
 
 
 def test_out_norm_replicas_that_drifted_apart_are_refused(tmp_path: Path, cli) -> None:
@@ -237,15 +244,7 @@ def test_the_hybrid_with_experts_moves_with_its_adam_state(
     """``torch_dist`` with experts in numbered layers: to TP1 and back to TP2, each loading
     through ``dist_checkpointing.load`` with megatron-core's logits; through legacy TP1 PP2 and
     back, the same rank files as the direct conversion, Adam state included."""
-    want = torch.load(moe_trained / "reference.pt")["logits"]
-    src = moe_trained
-    for tp in ("1", "2"):
-        out = tmp_path / f"tp{tp}"
-        cli("reshard", src, out, "--tp", tp, "--pp", "1", "--format", "torch_dist")
-        src = out
-        logits = tmp_path / f"logits{tp}.pt"
-        run_oracle(ORACLE, "load", out, logits, "--moe")
-        assert torch.equal(torch.load(logits), want)
+    _torch_dist_loads_alike(moe_trained, tmp_path, cli, "--moe")
     pp2, back, direct = tmp_path / "pp2", tmp_path / "back", tmp_path / "direct"
     cli("reshard", moe_trained, pp2, "--tp", "1", "--pp", "2", "--format", "megatron")
     cli("reshard", pp2, back, "--tp", "2", "--pp", "1", "--format", "megatron")
