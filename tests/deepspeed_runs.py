@@ -43,6 +43,8 @@ def oracle(*args: object) -> None:
 
 
 _WRITTEN: dict[str, Path] = {}
+# kept past the module that wrote them (tests/conftest.py removes the rest at its end)
+SHARED_PREFIX = "shared-"
 
 
 def write_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
@@ -50,7 +52,7 @@ def write_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     session: the test modules' ``written`` fixtures share them."""
     if _WRITTEN:
         return _WRITTEN
-    root = tmp_path_factory.mktemp("deepspeed")
+    root = tmp_path_factory.mktemp(f"{SHARED_PREFIX}deepspeed")
     out: dict[str, Path] = {}
     for name, (stage, dp, dtype, *flags) in RUNS.items():
         args = ("write", root / name, "--stage", stage, "--dp", dp, "--dtype", dtype, *flags)
