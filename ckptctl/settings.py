@@ -94,6 +94,9 @@ class Settings:
     ckptctl does not know whether they change the model."""
     tag: str | None = None
     """The DeepSpeed tag directory to read instead of the one ``latest`` names (``--tag``)."""
+    text_only: bool = False
+    """Read the text decoder of an HF vision-language checkpoint alone, its vision tower left
+    out (``--text-only``)."""
     memory_budget: int = 1 << 30
     """Tensor data held in memory at once, in bytes."""
     checksum: str = "xxh3_64"

@@ -68,6 +68,14 @@ Tag = Annotated[
         help="DeepSpeed checkpoint tag directory to read instead of the one 'latest' names.",
     ),
 ]
+TextOnly = Annotated[
+    bool,
+    typer.Option(
+        "--text-only",
+        help="Read the text decoder of an HF vision-language checkpoint (Qwen3.5, Gemma 3) "
+        "alone, leaving its vision tower out.",
+    ),
+]
 
 
 @dataclass(frozen=True)
@@ -83,6 +91,7 @@ class GlobalRequest:
     hf_config: str | None = None
     trust_fields: tuple[str, ...] = ()
     tag: str | None = None
+    text_only: bool = False
 
     def then(self, later: GlobalRequest) -> GlobalRequest:
         """These options with ``later`` ones (given after the command) applied: flags add,
@@ -97,6 +106,7 @@ class GlobalRequest:
             hf_config=later.hf_config or self.hf_config,
             trust_fields=self.trust_fields + later.trust_fields,
             tag=later.tag or self.tag,
+            text_only=self.text_only or later.text_only,
         )
 
 
@@ -110,6 +120,7 @@ def global_request(
     hf_config: HfConfig = None,
     trust_field: TrustField = None,
     tag: Tag = None,
+    text_only: TextOnly = False,
 ) -> GlobalRequest:
     return GlobalRequest(
         debug,
@@ -121,6 +132,7 @@ def global_request(
         hf_config,
         tuple(trust_field or ()),
         tag,
+        text_only,
     )
 
 
@@ -154,6 +166,7 @@ class CliState:
                 hf_config=read_hf_config(r.hf_config, storage) if r.hf_config else None,
                 trusted_fields=frozenset(n.removeprefix("args.") for n in r.trust_fields),
                 tag=r.tag,
+                text_only=r.text_only,
             )
         return self._settings
 

@@ -37,6 +37,7 @@ from ckptctl.cli.global_options import (
     PartSize,
     StorageOption,
     Tag,
+    TextOnly,
     TrustField,
     UploadParallel,
     global_request,
@@ -112,6 +113,7 @@ def _root(
     hf_config: HfConfig = None,
     trust_field: TrustField = None,
     tag: Tag = None,
+    text_only: TextOnly = False,
     version: Annotated[
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
     ] = False,
@@ -128,6 +130,7 @@ def _root(
             hf_config,
             trust_field,
             tag,
+            text_only,
         )
     )
 

@@ -160,6 +160,8 @@ class ProbeRequest:
     """Fields of ``args`` / ``config.json`` the user vouches for (``--trust-field``)."""
     tag: str | None = None
     """A DeepSpeed tag directory other than the one ``latest`` names (``--tag``)."""
+    text_only: bool = False
+    """Read a vision-language model's text decoder alone (``--text-only``)."""
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,11 @@ Attention layers: ``q_proj`` holds each head's queries then its output gate (meg
 scales by its weight: HF's weight is Megatron's ``out_norm`` plus one, a shift ckptctl applies
 exactly or refuses (``StoredTensor.shift``).
 
-Refused by name: RoPE types other than plain (M-RoPE sections among them), biases, experts
-(Qwen3.5-MoE's routed layers are not mapped yet) and every feature the family lacks.
+Refused by name: RoPE types other than plain, biases and every feature the family lacks. The
+multimodal RoPE sections Qwen3.5's releases carry (``mrope_section``, ``mrope_interleaved``)
+are read past: the text model cuts each head's rotary angles into temporal, height and width
+sections, which for text alone share one position, so the angles are plain RoPE's (what
+Megatron's GPT model applies); they are not written back.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ from ckptctl.model.layout import ModelSpec
 from ckptctl.model.linear_attention import SIZE_FIELDS, GatedDeltaNetSpec
 
 MODEL_TYPE = "qwen3_5_text"
+TEXT_OF_MULTIMODAL = frozenset({MODEL_TYPE, "qwen3_5_moe_text"})
+"""Text decoders of multimodal releases, whose rotary angles come in sections (above)."""
+MULTIMODAL_ROPE = ("mrope_section", "mrope_interleaved")
 CONFIG_KEYS = frozenset(
     """attention_bias layer_types full_attention_interval linear_conv_kernel_dim
     linear_key_head_dim linear_value_head_dim linear_num_key_heads linear_num_value_heads
@@ -140,6 +146,9 @@ def _partial_rotary(config: Mapping[str, Any], problems: list[str]) -> float:
     )
     kind = parameters.pop("rope_type", parameters.pop("type", "default"))
     parameters.pop("rope_theta", None)
+    if config.get("model_type") in TEXT_OF_MULTIMODAL:
+        for key in MULTIMODAL_ROPE:
+            parameters.pop(key, None)
     if kind != "default" or parameters:
         problems.append(
             f"rope_parameters={config.get('rope_parameters')!r}: ckptctl reads plain RoPE "

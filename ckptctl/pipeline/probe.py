@@ -50,6 +50,7 @@ def open_checkpoint(
         hf_config=settings.hf_config,
         trusted_fields=settings.trusted_fields,
         tag=settings.tag,
+        text_only=settings.text_only,
     )
     # A source: never written, whatever happens.
     storage = Storage(url, settings.storage, read_only=True)
@@ -81,6 +82,11 @@ def open_checkpoint(
                     "checkpoint"
                     + (" (use --iteration)" if fmt.name == "megatron" else "")
                     + "; beside other checkpoints, give the DeepSpeed tag's directory (CKPT/TAG)"
+                )
+            if request.text_only and fmt.name != "hf":
+                raise UsageError(
+                    f"{url}: --text-only reads the text decoder of an HF vision-language "
+                    f"checkpoint, but this is a {fmt.name} checkpoint"
                 )
             if ckpt.adapter and not with_adapter:
                 refuse_adapter(url, ckpt)

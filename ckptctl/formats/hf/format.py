@@ -32,7 +32,9 @@ def _probe(storage: Storage, names: frozenset[str], request: ProbeRequest) -> An
     from ckptctl.formats.hf.reader import probe_hf
 
     given = dict(request.hf_config) if CONFIG not in names and request.hf_config else None
-    ckpt = probe_hf(storage, trusted=request.trusted_fields, config=given)
+    ckpt = probe_hf(
+        storage, trusted=request.trusted_fields, config=given, text_only=request.text_only
+    )
     return _as_trainer_checkpoint(ckpt, storage, names)
 
 

@@ -35,6 +35,7 @@ from ckptctl.formats.hf.mxfp4 import check_config as check_mxfp4
 from ckptctl.formats.hf.mxfp4 import is_mxfp4
 from ckptctl.formats.hf.packed_experts import Parts, packed_block
 from ckptctl.formats.hf.probe_checks import refuse_unmapped, scale_problem
+from ckptctl.formats.hf.text_only import read_backbone, renamed, text_only_hint
 from ckptctl.formats.safetensors_header import SafetensorsEntry, read_header
 from ckptctl.io.runs import Span
 from ckptctl.io.storage import Storage
@@ -49,6 +50,7 @@ from ckptctl.model.hf_layout import (
     shared_original,
 )
 from ckptctl.model.hf_qwen35 import value_shift
+from ckptctl.model.hf_text_backbone import TEXT_CONFIG
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.stored import (
     CheckpointView,
@@ -273,9 +275,11 @@ def probe_hf(
     make_vocab_size_divisible_by: int = 128,
     trusted: frozenset[str] = frozenset(),
     config: dict[str, Any] | None = None,
+    text_only: bool = False,
 ) -> HFCheckpoint:
     """Read config (``config``: given, for weights saved without one) and safetensors
-    headers; map every HF tensor onto canonical tensors."""
+    headers; map every HF tensor onto canonical tensors (``text_only``: a vision-language
+    model's text decoder's, ``formats.hf.text_only``)."""
     if config is None:
         if not storage.exists(CONFIG):
             raise CheckpointNotFoundError(
@@ -289,16 +293,20 @@ def probe_hf(
             check_mxfp4(config, storage.describe(CONFIG))
     except LayoutError as err:
         raise LayoutError(f"{storage.describe(CONFIG)}: {err}") from None
+    backbone = read_backbone(storage, config, storage.describe(CONFIG)) if text_only else None
     try:
-        model = {k: v for k, v in config.items() if k != QUANTIZATION}
+        model = {k: v for k, v in (backbone.config if backbone else config).items()}
+        model.pop(QUANTIZATION, None)
         spec = spec_from_config(model, make_vocab_size_divisible_by, trusted)
     except LayoutError as err:
+        if backbone is not None:
+            raise LayoutError(f"{storage.describe(CONFIG)} ({TEXT_CONFIG}): {err}") from None
         # No family table takes it: transformers judges the names, which are kept.
         from ckptctl.formats.hf.named_reader import probe_named
 
         try:
             view, held, experts = probe_named(
-                storage, config, f"not convertible to Megatron: {err}"
+                storage, config, f"not convertible to Megatron: {err}{text_only_hint(config)}"
             )
         except (CheckpointError, UsageError):
             if has_family_table(config):  # its table's refusal names the field
@@ -311,6 +319,7 @@ def probe_hf(
         where = storage.describe(INDEX)
         index = json_input.parse_object(storage.read_text(INDEX), where)
         weight_map = json_input.field(index, "weight_map", dict, f"{where}: malformed index")
+        weight_map = renamed(weight_map, backbone)
         for name, rel in weight_map.items():
             if not isinstance(rel, str) or "\x00" in rel:
                 raise CheckpointError(f"{where}: the file of tensor {name} is {rel!r}, not a path")
@@ -327,7 +336,8 @@ def probe_hf(
         if path not in headers:
             storage.path(path)  # refuses paths escaping the root before anything is opened
             with storage.open_read(path) as f:
-                headers[path] = read_header(f, storage.describe(path), storage.size(path)).tensors
+                tensors = read_header(f, storage.describe(path), storage.size(path)).tensors
+                headers[path] = renamed(tensors, backbone)
         return path, headers[path].get(name)
 
     def held_names() -> set[str]:
@@ -441,6 +451,7 @@ def probe_hf(
         False,
         (
             "HF checkpoints hold weights only: no optimizer state",
+            *([backbone.note()] if backbone else []),
             *(
                 [f"{len(quantized)} weights stored as {fp8.describe()}"]
                 if fp8 and quantized
@@ -456,13 +467,13 @@ def probe_hf(
         warnings=warnings,
     )
     known = recorded(storage)
-    digests = known.tensors if known is not None else {}
+    digests = renamed(known.tensors, backbone) if known is not None else {}
     errors = known.quantized if known is not None and (quantized or dequantized) else {}
     return HFCheckpoint(
         storage,
         view,
         headers,
-        config,
+        backbone.config if backbone else config,
         digests,
         fp8,
         quantized,

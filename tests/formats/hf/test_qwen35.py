@@ -129,7 +129,7 @@ def test_hub_defaults_are_read_as_transformers_reads_them(tmp_path: Path, cli) -
     ("change", "message"),
     [
         (
-            {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [1]}},
+            {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}},
             "ckptctl reads plain RoPE (rope_theta, partial_rotary_factor)",
         ),
         ({"attention_bias": True}, "attention_bias=true"),
