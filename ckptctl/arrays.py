@@ -136,10 +136,10 @@ def shifted(array: np.ndarray, by: float, name: str, hint: str | None = None) ->
         value = float(original.reshape(-1)[where].float())
         dtype = dtype_of(array)
         wider = hint or (
-            "pass --dtype fp32, which holds it exactly"
+            "pass --dtype fp32, which holds it exactly, or --allow-rounding to round it"
             if array.dtype.itemsize < 4
             else "no dtype ckptctl writes holds it; keep this model in a format that stores "
-            "the weight as it is (Megatron, torch_dist, DCP)"
+            "the weight as it is (Megatron, torch_dist, DCP), or pass --allow-rounding"
         )
         raise CheckpointError(
             f"{name}: element {where} ({value!r}) {'plus' if by > 0 else 'minus'} {abs(by):g} "
@@ -147,6 +147,16 @@ def shifted(array: np.ndarray, by: float, name: str, hint: str | None = None) ->
             f"{wider}",
         )
     return from_torch(out)
+
+
+def shifted_rounded(array: np.ndarray, by: float) -> tuple[np.ndarray, float]:
+    """``array + by`` rounded once to its dtype, as torch adds (``--allow-rounding``), and
+    the largest error it makes in the unshifted values: ``|(out - by) - array|``, computed
+    exactly in float64."""
+    original = to_torch(array)
+    out = original + by
+    error = ((out.double() - by) - original.double()).abs().max()
+    return from_torch(out), float(error) if original.numel() else 0.0
 
 
 def to_torch(array: np.ndarray) -> torch.Tensor:

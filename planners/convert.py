@@ -221,6 +221,7 @@ class _Planner:
             tensor.padded_origin,
             tensor.interleaved,
             tensor.shift,
+            tensor.shift_rounds,
         )
         return done, read, written, len(copies)
 

@@ -76,6 +76,8 @@ class TensorWrite:
     """Written with dim 0's gated halves interleaved (``StoredTensor.interleaved``)."""
     shift: float = 0.0
     """Written as the canonical values plus this (``StoredTensor.shift``)."""
+    shift_rounds: bool = False
+    """The shift rounded where it is not exact (``StoredTensor.shift_rounds``)."""
 
 
 class FileWrite(_Frozen):

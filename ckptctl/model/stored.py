@@ -67,6 +67,9 @@ class StoredTensor:
     shift: float = 0.0
     """Stored as the canonical values plus ``shift`` (Qwen3.5's gated norm holds ``1 + w``
     where Megatron's zero-centred norm holds ``w``): applied exactly both ways, or refused."""
+    shift_rounds: bool = False
+    """Written shifted and rounded to ``dtype`` where the sum is no ``dtype`` number, instead
+    of refused (``--allow-rounding``): each tensor's largest error goes to the manifest."""
 
     @property
     def numel(self) -> int:

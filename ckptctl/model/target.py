@@ -39,6 +39,9 @@ class TargetRequest:
     """Largest file of a format that cuts its tensors into files by size (HF)."""
     style: MegatronStyle = field(default_factory=MegatronStyle)
     """How the source spells and orders a Megatron checkpoint, kept by Megatron targets."""
+    round_shifted: bool = False
+    """Weights the target stores shifted (``StoredTensor.shift``) are rounded to their dtype
+    where the shift is not exact, instead of refused (``--allow-rounding``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -117,6 +117,8 @@ class Assembler:
         """...at most this many bytes ahead of the writer."""
         self.consumed = 0
         """Source bytes this assembler has read (what ``DiskAhead`` keeps ahead of)."""
+        self._rounded: dict[int, float] = {}
+        """Largest rounding error so far of each tensor shifted with rounding, by ``id``."""
 
     def expect(self, writes: Iterable[TensorWrite]) -> None:
         """The tensors a writer will ask ``chunks`` for, in its order: with a read pool their
@@ -256,6 +258,11 @@ class Assembler:
         if write.view_offset is not None:  # one of several tensors sharing a stored one
             key += f"@{write.view_offset}"
         self.report.tensor_checksums.setdefault(file, {})[key] = digest.hexdigest()
+        if id(write) in self._rounded:  # --allow-rounding: held by verify --against
+            with self.counting:
+                errors = self.report.quantized.setdefault(file, {})
+                error = self._rounded.pop(id(write))
+                errors[write.canonical] = max(errors.get(write.canonical, 0.0), error)
 
     def _build(self, write: TensorWrite, band: Band, *, parallel: bool = True) -> np.ndarray:
         """One band's bytes in the order they are written."""
@@ -267,7 +274,11 @@ class Assembler:
         data = self._band(write, lo, hi, dim, parallel)
         if self.adjust is not None and self.adjust.covers(write):
             data = self.adjust.apply(write, lo, hi, dim, data)
-        if write.shift:
+        if write.shift and write.shift_rounds:
+            data, error = arrays.shifted_rounded(data, write.shift)
+            with self.counting:
+                self._rounded[id(write)] = max(self._rounded.get(id(write), 0.0), error)
+        elif write.shift:
             data = arrays.shifted(data, write.shift, ".".join(map(str, write.key)))
         if write.interleaved:  # a band holds every row of dim 0 (``band_ranges``)
             data = arrays.interleave_halves(data)

@@ -107,10 +107,12 @@ def plan_consolidate(
     iteration: int | None = None,
     true_vocab_size: int | None = None,
     opened: Checkpoint | None = None,
+    round_shifted: bool = False,
 ) -> Job:
     """One full checkpoint from ``src`` in the registered target format ``fmt`` (``hf``,
     ``megatron`` TP1 PP1, ``torch``, ``deepspeed-universal``, ...); ``opened``: ``src``
-    opened already (``merge-lora`` opens a checkpoint that holds its adapter)."""
+    opened already (``merge-lora`` opens a checkpoint that holds its adapter);
+    ``round_shifted``: ``TargetRequest.round_shifted``."""
     settings = settings or Settings()
     target = registry.target(fmt, CONSOLIDATE)
     refuse_unwritable_dtype(dtype, target)
@@ -122,7 +124,10 @@ def plan_consolidate(
         refuse_dp_reshardable(ckpt)
     read, planner = target.planner_for(ckpt)
     request = TargetRequest(
-        dtype=dtype, max_shard_bytes=max_shard_bytes, style=megatron_style(ckpt)
+        dtype=dtype,
+        max_shard_bytes=max_shard_bytes,
+        style=megatron_style(ckpt),
+        round_shifted=round_shifted,
     )
     plan = consolidation(
         read.view,
@@ -132,6 +137,11 @@ def plan_consolidate(
         source_fingerprint=fingerprint(ckpt.storage, read.view),
         target_url=dst,
     )
+    if round_shifted and not any(w.shift_rounds for f in plan.files for w in f.tensors):
+        raise UsageError(  # a flag that would change nothing is refused, not ignored
+            f"--allow-rounding: --format {fmt} of this model stores no weight shifted from "
+            "the source's (only HF's Qwen3.5-style gated norms are)"
+        )
     ratio = ckpt.storage.stored_ratio() if isinstance(ckpt.storage, CompressedStorage) else None
     plan = _timed(with_identities(plan, ckpt.storage, read.view), ratio)
     return Job(plan, Sources(read), settings)

@@ -468,7 +468,8 @@ def probe_hf(
     )
     known = recorded(storage)
     digests = renamed(known.tensors, backbone) if known is not None else {}
-    errors = known.quantized if known is not None and (quantized or dequantized) else {}
+    lossy = quantized or dequantized or shifted_names  # shifted: rounded if --allow-rounding
+    errors = known.quantized if known is not None and lossy else {}
     return HFCheckpoint(
         storage,
         view,

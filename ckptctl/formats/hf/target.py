@@ -92,6 +92,15 @@ class HfTarget(TargetFormat):
                 replace(f, tensors=tuple(_unquantized(t, weight_dtypes) for t in f.tensors))
                 for f in targets
             )
+        notes: tuple[str, ...] = ()
+        if request.round_shifted:
+            targets = tuple(replace(f, tensors=tuple(_rounding(t) for t in f.tensors))
+                            for f in targets)  # fmt: skip
+            notes += (
+                "gated norms stored as one plus Megatron's zero-centred weight are rounded "
+                "where that sum is no number of their dtype (--allow-rounding); each one's "
+                "largest error goes to the manifest",
+            )
         out_dtype = kept or next(iter(weight_dtypes.values()))
         finalize = []
         if len(targets) > 1:
@@ -101,9 +110,8 @@ class HfTarget(TargetFormat):
         if quantized:
             config["quantization_config"] = quantization_config(WRITE_BLOCK)
         finalize.append(TextWrite(path=CONFIG, content=json.dumps(config, indent=2)))
-        notes: tuple[str, ...] = ()
         if source.has_optimizer:
-            notes = ("HF safetensors hold weights only: optimizer state is not written",)
+            notes += ("HF safetensors hold weights only: optimizer state is not written",)
         if quantized:
             notes += (
                 f"{len(quantized)} linear weights written in FP8 (e4m3, 128x128 blocks, "
@@ -118,6 +126,10 @@ class HfTarget(TargetFormat):
             optimizer_carried=False,
             notes=notes,
         )
+
+
+def _rounding(tensor: StoredTensor) -> StoredTensor:
+    return replace(tensor, shift_rounds=True) if tensor.shift else tensor
 
 
 def named_files(

@@ -166,10 +166,61 @@ def test_a_shift_that_would_round_is_refused_and_a_wider_dtype_holds_it(
         result.stderr
     )
     assert "pass --dtype fp32" in result.stderr and "Traceback" not in result.stderr
+    assert "--allow-rounding" in result.stderr
     wide = tmp_path / "wide"
     cli("consolidate", megatron, wide, "--format", "hf", "--dtype", "fp32")
     norm = tensors(wide)["model.layers.0.linear_attn.norm.weight"]
     assert norm.dtype == torch.float32 and norm[0].item() == 1 + 2.0**-10
+
+
+def test_a_shift_rounded_when_asked_is_torchs_sum_and_verify_holds_it_to_its_error(
+    tmp_path: Path, cli
+) -> None:
+    """A bf16 Megatron model trained as Megatron trains it: its zero-centred gated norms small,
+    so one plus them is rarely a bf16 number. ``--allow-rounding`` writes torch's own bf16
+    ``w + 1`` (what Megatron-Bridge computes), every other tensor bit for bit; the manifest
+    records each norm's largest error, which ``verify --against`` holds the output to, and a
+    norm moved further fails it."""
+    src = tmp_path / "hf"
+    _make(src, torch.bfloat16)
+    megatron = tmp_path / "megatron"
+    cli("reshard", src, megatron, "--tp", "2", "--format", "megatron")
+    norms: dict[str, torch.Tensor] = {}
+    for path in sorted(megatron.rglob("model_optim_rng.pt")):
+        state = torch.load(path, weights_only=False)
+        for key, tensor in state["model"].items():
+            if key.endswith("self_attention.out_norm.weight"):
+                tensor.copy_(0.05 * torch.randn(tensor.shape, generator=torch.Generator()))
+                norms[key] = tensor.clone()
+        torch.save(state, path)
+    assert norms
+    out = tmp_path / "out"
+    result = cli("consolidate", megatron, out, "--format", "hf", "--allow-rounding")
+    assert "--allow-rounding" in result.stderr + result.stdout
+    written, before = tensors(out), tensors(src)
+    for name, tensor in before.items():
+        layer = name.split(".")[2] if name.startswith("model.layers.") else ""
+        key = f"decoder.layers.{layer}.self_attention.out_norm.weight"
+        if name.endswith("linear_attn.norm.weight"):
+            assert written[name].dtype == torch.bfloat16
+            assert torch.equal(written[name], norms[key] + 1), name  # torch's bf16 sum
+        else:
+            assert torch.equal(written[name], tensor), name
+    manifest_path = out / "ckptctl.manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    errors = manifest["quantized_max_abs_error"]
+    assert set(errors) == set(norms)  # by canonical name: Megatron's
+    assert all(0 < error <= 2.0**-8 for error in errors.values()), errors  # half a bf16 step
+    assert cli.json("verify", out, "--against", megatron)["ok"]
+    # the record claiming less: the rounded norms no longer pass
+    manifest["quantized_max_abs_error"] = {name: 0.0 for name in errors}
+    manifest_path.write_text(json.dumps(manifest))
+    failed = json.loads(cli("verify", out, "--against", megatron, "--json", code=1).stdout)
+    assert not failed["ok"]
+    # a target that stores nothing shifted: the flag would change nothing, refused
+    again = cli("consolidate", megatron, tmp_path / "m1", "--format", "megatron",
+                "--allow-rounding", code=2)  # fmt: skip
+    assert "--allow-rounding" in again.stderr and not (tmp_path / "m1").exists()
 
 
 def test_an_hf_gated_norm_megatron_cannot_hold_is_refused(tmp_path: Path, cli) -> None:
