@@ -39,8 +39,16 @@ MULTIMODAL_ROPE = ("mrope_section", "mrope_interleaved")
 CONFIG_KEYS = frozenset(
     """attention_bias layer_types full_attention_interval linear_conv_kernel_dim
     linear_key_head_dim linear_value_head_dim linear_num_key_heads linear_num_value_heads
-    partial_rotary_factor""".split()  # noqa: SIM905
+    partial_rotary_factor attn_output_gate output_gate_type mamba_ssm_dtype
+    mtp_num_hidden_layers mtp_use_dedicated_embeddings""".split()  # noqa: SIM905
 )
+"""Beyond the sizes, what the releases' configs say that transformers' classes do not read:
+``attn_output_gate`` and ``output_gate_type`` (gated attention and the gated norm's SiLU, which
+the classes always apply: other values refused), ``mamba_ssm_dtype`` (the dtype inference
+engines keep the recurrent state in: no weight), and the multi-token prediction layers
+(``mtp_num_hidden_layers``; ``mtp.*`` weights, which transformers does not load and ckptctl
+does not map: ``mtp_warning``)."""
+MTP_LAYERS = "mtp_num_hidden_layers"
 DEFAULT_INTERVAL = 4
 DEFAULT_PARTIAL_ROTARY = 0.25
 GATED_NORM = "linear_attn.norm.weight"
@@ -119,6 +127,19 @@ def spec_fields(config: Mapping[str, Any]) -> dict[str, Any]:
             problems.append(f"{key}={value!r} is not an integer")
         sizes[field] = value
     rotary = _partial_rotary(config, problems)
+    if config.get("attn_output_gate", True) is not True:
+        problems.append(
+            f"attn_output_gate={config['attn_output_gate']!r}: transformers' class gates "
+            "every attention output"
+        )
+    if config.get("output_gate_type", "swish") not in ("swish", "silu"):
+        problems.append(
+            f"output_gate_type={config['output_gate_type']!r}: the gated norm's gate is "
+            "SiLU (swish) in transformers' class"
+        )
+    mtp = config.get(MTP_LAYERS, 0)
+    if isinstance(mtp, bool) or not isinstance(mtp, int) or mtp < 0:
+        problems.append(f"{MTP_LAYERS}={mtp!r} is not a layer count")
     if problems:
         raise LayoutError(problems)
     attention = tuple(i for i, kind in enumerate(kinds) if kind == "full_attention")
@@ -158,6 +179,19 @@ def _partial_rotary(config: Mapping[str, Any], problems: list[str]) -> float:
         problems.append(f"partial_rotary_factor={factor!r} must lie in (0, 1]")
         return 1.0
     return float(factor)
+
+
+def mtp_warning(config: Mapping[str, Any], where: str) -> str | None:
+    """What to say of a Qwen3.5 / Qwen3-Next config announcing multi-token prediction layers
+    when no ``mtp.*`` weight is read (transformers saved the model, or ``--text-only`` left
+    them out): the model is whole without them, as transformers loads it."""
+    count = config.get(MTP_LAYERS, 0)
+    if not count or isinstance(count, bool):
+        return None
+    return (
+        f"{where} announces {count} multi-token prediction layer(s) ({MTP_LAYERS}), which "
+        "transformers does not load and ckptctl does not map: read, and written, without them"
+    )
 
 
 def linear_tensors(

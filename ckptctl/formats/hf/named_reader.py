@@ -13,6 +13,7 @@ from ckptctl import json_input
 from ckptctl.errors import CheckpointError
 from ckptctl.formats.hf import mxfp4
 from ckptctl.formats.hf.fp8 import QUANTIZATION
+from ckptctl.formats.hf.text_only import text_only_hint
 from ckptctl.formats.safetensors_header import SafetensorsEntry, read_header
 from ckptctl.formats.transformers_model import build_names
 from ckptctl.io.storage import Storage
@@ -98,7 +99,9 @@ def probe_named(
             + f", which {model.architecture} has no place for"
         )
     if problems:
-        raise CheckpointError(f"{where}: " + "; ".join(problems[:5]))
+        raise CheckpointError(
+            f"{where}: " + "; ".join(problems[:5]), hint=text_only_hint(config) or ""
+        )
     kept_of = {model.hub_name(alias): model.hub_name(kept) for alias, kept in model.tied}
     replicas = tuple(
         Replica(held[kept][0], (kept,), held[kept][1].shape, held[alias][0], (alias,))

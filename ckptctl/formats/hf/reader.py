@@ -49,7 +49,7 @@ from ckptctl.model.hf_layout import (
     packed_expert,
     shared_original,
 )
-from ckptctl.model.hf_qwen35 import value_shift
+from ckptctl.model.hf_qwen35 import mtp_warning, value_shift
 from ckptctl.model.hf_text_backbone import TEXT_CONFIG
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.stored import (
@@ -305,8 +305,9 @@ def probe_hf(
         from ckptctl.formats.hf.named_reader import probe_named
 
         try:
+            hint = text_only_hint(config)
             view, held, experts = probe_named(
-                storage, config, f"not convertible to Megatron: {err}{text_only_hint(config)}"
+                storage, config, f"not convertible to Megatron: {err}{f'; {hint}' if hint else ''}"
             )
         except (CheckpointError, UsageError):
             if has_family_table(config):  # its table's refusal names the field
@@ -359,6 +360,8 @@ def probe_hf(
                 "(transformers drops them when it saves): read, and written, without them",
             )
             spec = spec.model_copy(update={"mtp_num_layers": 0})
+    if spec.linear_attention is not None and not any(n.startswith("mtp.") for n in held_names()):
+        warnings += tuple(filter(None, [mtp_warning(model, storage.describe(CONFIG))]))
     quantized: dict[tuple[str, str], tuple[str, str]] = {}
     used: set[str] = set()
     copies: list[tuple[str, str, str]] = []

@@ -41,13 +41,13 @@ def renamed(tensors: Mapping[str, T], backbone: TextBackbone | None) -> dict[str
     return {backbone.renames[k]: v for k, v in tensors.items() if k in backbone.renames}
 
 
-def text_only_hint(config: Mapping[str, Any]) -> str:
-    """For a checkpoint no family table takes: its text decoder would convert, if it has one
+def text_only_hint(config: Mapping[str, Any]) -> str | None:
+    """For a checkpoint no family table takes: its text decoder converts alone, if it has one
     of a family ckptctl maps."""
     text = config.get(TEXT_CONFIG)
     if is_multimodal(config) and isinstance(text, Mapping) and has_family_table(text):
         return (
-            f"; its text decoder ({text.get('model_type')}) is, read alone with --text-only "
-            "(the vision tower left out)"
+            f"its text decoder ({text.get('model_type')}) converts alone with --text-only "
+            "(the vision tower and the rest left out)"
         )
-    return ""
+    return None

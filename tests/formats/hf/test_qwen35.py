@@ -133,6 +133,9 @@ def test_hub_defaults_are_read_as_transformers_reads_them(tmp_path: Path, cli) -
             "ckptctl reads plain RoPE (rope_theta, partial_rotary_factor)",
         ),
         ({"attention_bias": True}, "attention_bias=true"),
+        ({"attn_output_gate": False}, "attn_output_gate=False"),
+        ({"output_gate_type": "sigmoid"}, "output_gate_type='sigmoid'"),
+        ({"mtp_num_hidden_layers": -1}, "mtp_num_hidden_layers=-1 is not a layer count"),
         ({"layer_types": ["linear_attention"] * 3}, "layer_types=['linear_attention'"),
     ],
 )
@@ -146,6 +149,30 @@ def test_what_megatron_cannot_say_is_refused_by_name(
     result = cli("reshard", src, tmp_path / "out", "--tp", "2", "--format", "megatron", code=2)
     assert message in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_what_the_releases_configs_add_is_read_past_saying_so(tmp_path: Path, cli) -> None:
+    """The releases' text configs carry fields transformers' class does not read: gated
+    attention and the SiLU gate it always applies, the recurrent state's dtype of inference
+    engines, one MTP layer (whose weights transformers drops when it saves). Read past, the MTP
+    layer said to be left out, and the model goes to Megatron and back unchanged."""
+    src = tmp_path / "hf"
+    model = _make(src)
+    config = json.loads((src / "config.json").read_text())
+    config |= {
+        "attn_output_gate": True,
+        "output_gate_type": "swish",
+        "mamba_ssm_dtype": "float32",
+        "mtp_num_hidden_layers": 1,
+        "mtp_use_dedicated_embeddings": False,
+    }
+    (src / "config.json").write_text(json.dumps(config))
+    info = cli.json("inspect", src)
+    assert any("1 multi-token prediction layer(s)" in w for w in info["warnings"]), info
+    megatron, back = tmp_path / "megatron", tmp_path / "back"
+    cli("reshard", src, megatron, "--tp", "2", "--pp", "2", "--format", "megatron")
+    cli("consolidate", megatron, back, "--format", "hf")
+    _same_model(back, src, model)
 
 
 def test_a_shift_that_would_round_is_refused_and_a_wider_dtype_holds_it(

@@ -35,6 +35,13 @@ TEXT = dict(
     vocab_size=VOCAB,
 )
 LINEAR = dict(
+    # what the releases' text configs say beside the sizes, which transformers' classes do
+    # not read: always true / swish there, an inference engine's state dtype, an MTP layer
+    attn_output_gate=True,
+    output_gate_type="swish",
+    mamba_ssm_dtype="float32",
+    mtp_num_hidden_layers=1,
+    mtp_use_dedicated_embeddings=False,
     linear_key_head_dim=16,
     linear_value_head_dim=8,
     linear_num_key_heads=2,
@@ -107,6 +114,18 @@ def _release(kind: str, root: Path) -> torch.nn.Module:
             if name.endswith("linear_attn.norm.weight"):
                 param.copy_(1.0 + 0.1 * torch.randn(param.shape))
     model.save_pretrained(root)
+    if kind.startswith("qwen3_5"):  # the release's MTP layer, which transformers never loads
+        path = root / "model.safetensors"
+        held = safetensors_torch.load_file(path)
+        h = config.text_config.hidden_size
+        held |= {
+            "mtp.fc.weight": torch.randn(h, 2 * h),
+            "mtp.norm.weight": torch.randn(h),
+            "mtp.pre_fc_norm_embedding.weight": torch.randn(h),
+            "mtp.pre_fc_norm_hidden.weight": torch.randn(h),
+            "mtp.layers.0.input_layernorm.weight": torch.randn(h),
+        }
+        safetensors_torch.save_file(held, path, metadata={"format": "pt"})
     return model.eval()
 
 
@@ -173,6 +192,9 @@ def test_the_text_decoder_goes_to_megatron_and_back_as_transformers_reads_it(
     omitted = sum(not name.startswith(decoder_prefixes) for name in tensors(src))
     info = cli.json("inspect", src, "--text-only")
     assert any(f"{omitted} tensors outside it" in note for note in info["notes"]), info["notes"]
+    if kind.startswith("qwen3_5"):
+        assert any("model.visual.*" in n and "mtp.*" in n for n in info["notes"]), info["notes"]
+        assert any("multi-token prediction layer" in w for w in info["warnings"]), info
     megatron, back = tmp_path / "megatron", tmp_path / "back"
     args = ["--tp", "2", "--pp", "2", "--format", form, "--text-only"]
     if kind == "qwen3_5_moe":
@@ -197,15 +219,21 @@ def test_the_text_decoder_goes_to_megatron_and_back_as_transformers_reads_it(
 
 
 def test_without_the_flag_the_decoder_is_refused_naming_it(tmp_path: Path, cli) -> None:
-    src = tmp_path / "release"
-    _release("qwen3_5", src)
-    out = tmp_path / "out"
-    result = cli("reshard", src, out, "--tp", "2", "--format", "megatron", code=2)
-    assert "--text-only" in result.stderr and "Traceback" not in result.stderr
-    assert not out.exists()
-    # what keeps every tensor still works: HF -> HF by name, vision tower and all
-    cli("consolidate", src, tmp_path / "whole", "--format", "hf")
-    assert tensors(tmp_path / "whole").keys() == tensors(src).keys()
+    """Gemma 3's release: HF -> HF by name keeps every tensor, vision tower and all; Megatron is
+    refused. Qwen3.5's also holds its MTP layer, which transformers' class has no place for:
+    refused either way. Each refusal names ``--text-only``."""
+    gemma, qwen = tmp_path / "gemma", tmp_path / "qwen"
+    _release("gemma3", gemma)
+    _release("qwen3_5", qwen)
+    cli("consolidate", gemma, tmp_path / "whole", "--format", "hf")
+    assert tensors(tmp_path / "whole").keys() == tensors(gemma).keys()
+    for src, code in ((gemma, 2), (qwen, 3)):
+        out = tmp_path / "out"
+        result = cli("reshard", src, out, "--tp", "2", "--format", "megatron", code=code)
+        assert "--text-only" in result.stderr and "Traceback" not in result.stderr
+        assert not out.exists()
+    result = cli("consolidate", qwen, tmp_path / "out", "--format", "hf", code=3)
+    assert "mtp.fc.weight" in result.stderr and "--text-only" in result.stderr
 
 
 def test_the_flag_where_there_is_no_vision_model_is_refused(tmp_path: Path, cli) -> None:
