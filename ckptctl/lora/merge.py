@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from math import prod
 from typing import TYPE_CHECKING
 
 from ckptctl import arrays
 from ckptctl.errors import CheckpointError
 from ckptctl.lora.adapter import LoraSource
 from ckptctl.model.lora import LoraPair
+from ckptctl.model.lora_params import interleaved_rows
 from ckptctl.model.plan import TensorWrite
 
 if TYPE_CHECKING:
@@ -42,15 +44,19 @@ class LoraMerge:
         """The band of rows ``[lo, hi)`` as the merged model holds it: a tensor saved beside
         the adapter first (it replaces the base's), then the LoRA delta, then trained rows."""
         name = str(write.key[0])
-        if dim != 0 or write.transposed:
+        pair = self.adapter.pairs.get(name)
+        experts = pair is not None and pair.experts > 0  # bands of one expert's [out, in]
+        if not experts and (dim != 0 or write.transposed):
             raise CheckpointError(f"{name}: a LoRA merge needs bands of whole rows")
         base = arrays.to_torch(band)
         if name in self.adapter.whole:  # in the base's dtype, as PEFT loads it over the base's
             whole = self.adapter.whole[name]
             trained = self.adapter.rows(whole.tensor, lo, hi if whole.shape else lo)
             base = trained.to(base.dtype)
-        if name in self.adapter.pairs:
-            base = self._delta_added(self.adapter.pairs[name], lo, hi, base)
+        if pair is not None and pair.experts:
+            base = self._expert_delta_added(pair, write, (lo, hi, dim), base)
+        elif pair is not None:
+            base = self._delta_added(pair, lo, hi, base)
         if name in self.adapter.tokens:  # trained rows: PEFT's index_copy
             base = self._rows(name, lo, hi, base)
         return arrays.from_torch(base)
@@ -60,6 +66,29 @@ class LoraMerge:
         embedding's delta is ``(B @ A)`` transposed: its rows are A's columns)."""
         a, b = self._matrices(pair)
         product = (b @ a[:, lo:hi]).T if pair.embedding else b[lo:hi] @ a
+        return (base.float() + product * pair.scaling).to(base.dtype)
+
+    def _expert_delta_added(
+        self, pair: LoraPair, write: TensorWrite, band: tuple[int, int, int], base: torch.Tensor
+    ) -> torch.Tensor:
+        """A band of one expert's ``[out, in]`` block (the packed tensor's ``view_offset``
+        says which expert; rows ``[lo, hi)``, or columns where the block is stored transposed,
+        as GPT-OSS's are), plus PEFT's ``ParamWrapper`` delta for it: its own contraction
+        (``einsum("o r e, e r i -> e i o")``) on that expert alone, in float32, rounded once.
+        GPT-OSS's ``gate_up_proj`` interleaves gates and ups: a canonical row is the packed
+        tensor's output ``interleaved_rows`` says."""
+        import torch
+
+        lo, hi, dim = band
+        a, b = self._matrices(pair)
+        out, inner = pair.shape
+        expert = (write.view_offset or 0) // prod(write.shape)
+        order = interleaved_rows(out) if write.interleaved else list(range(out))
+        rows = order if dim else order[lo:hi]
+        columns = slice(lo, hi) if dim else slice(None)
+        b_expert = b.reshape(out, pair.rank, pair.experts)[rows][:, :, expert : expert + 1]
+        a_expert = a.reshape(pair.experts, pair.rank, inner)[expert : expert + 1, :, columns]
+        product = torch.einsum("o r e, e r i -> e i o", b_expert, a_expert)[0].T
         return (base.float() + product * pair.scaling).to(base.dtype)
 
     def _rows(self, name: str, lo: int, hi: int, base: torch.Tensor) -> torch.Tensor:

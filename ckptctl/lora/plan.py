@@ -20,6 +20,19 @@ def with_adapter(plan: Plan, adapter: LoraSource) -> Plan:
         )
     for name, pair in adapter.pairs.items():
         shape = tuple(written[name].shape)
+        packed = written[name].base_shape
+        if pair.experts and not (
+            written[name].transposed and packed is not None and len(packed) == 3
+        ):
+            raise LayoutError(
+                f"{adapter.url}: {name} adapts {pair.experts} packed experts, but the base "
+                "does not store that weight packed as [experts, in, out] (GPT-OSS's layout)"
+            )
+        if pair.experts and packed is not None and packed[0] != pair.experts:
+            raise LayoutError(
+                f"{adapter.url}: {name}'s adapter spans {pair.experts} experts, the base has "
+                f"{packed[0]}; the adapter was trained on another model"
+            )
         if shape != pair.shape:
             raise LayoutError(
                 f"{adapter.url}: {name} is {list(shape)} in the base, but its adapter's "

@@ -19,6 +19,7 @@ from typing import Any
 
 from ckptctl.errors import LayoutError
 from ckptctl.model.geometry import Shape
+from ckptctl.model.lora_params import expert_count, parameter_target
 
 ADAPTER_CONFIG = "adapter_config.json"
 """What marks a PEFT adapter directory (``save_pretrained`` of a PEFT model)."""
@@ -58,6 +59,7 @@ HARMLESS = frozenset(
         "eva_config",  # EVA initialises A and B only: the saved adapter is what it is
         "modules_to_save",  # their trained tensors replace the base's (``Replacement``)
         "trainable_token_indices",  # those rows replaced (``TokenRows``)
+        "target_parameters",  # LoRA on packed expert weights (``lora_params``)
     }
 )
 """Fields that do not change what merging the saved tensors means."""
@@ -73,7 +75,6 @@ CHANGES_THE_MERGE = {
     "lora_ga_config": "LoRA-GA, which changes the base weights",
     "use_qalora": "QA-LoRA's pooled inputs",
     "alora_invocation_tokens": "activated LoRA (applies after its invocation tokens only)",
-    "target_parameters": "LoRA on parameters (grouped experts)",
     "use_bdlora": "block-diagonal LoRA",
     "arrow_config": "Arrow routing among adapters",
     "kasa_config": "KaSA's singular-value adapters",
@@ -102,6 +103,9 @@ class LoraPair:
     embedding: bool = False
     """An embedding's LoRA (``lora_embedding_A [r, vocab]``, ``_B [dim, r]``): the delta is
     ``(B @ A)`` transposed."""
+    experts: int = 0
+    """LoRA on a packed expert parameter (``lora_params``): how many experts ``A`` and ``B``
+    hold, ``rank`` each; ``shape`` is one expert's ``[out, in]``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,6 +261,7 @@ def pairs(config: dict[str, Any], shapes: dict[str, Shape], where: str) -> dict[
         found.setdefault(match["module"], {})[match["part"]] = (name, shape)
     out: dict[str, LoraPair] = {}
     use_rslora = bool(config.get("use_rslora"))
+    targets = config.get("target_parameters") or []
     for module, parts in sorted(found.items()):
         if set(parts) != {"A", "B"}:
             missing = ({"A", "B"} - set(parts)).pop()
@@ -272,7 +277,12 @@ def pairs(config: dict[str, Any], shapes: dict[str, Shape], where: str) -> dict[
             )
         rank = a_shape[0]
         ranks = config.get("rank_pattern") or {}
+        parameter = parameter_target(module, targets, where) if targets else None
         stated = _pattern_value(ranks, module, config.get("r", 8), where)
+        experts = 0
+        if parameter is not None:  # A holds every expert's rows: rank * experts
+            experts = expert_count(rank, stated, module, where)
+            rank = stated
         if stated != rank:
             raise LayoutError(
                 f"{where}: {module}'s matrices have rank {rank}, the config says {stated}"
@@ -280,7 +290,9 @@ def pairs(config: dict[str, Any], shapes: dict[str, Shape], where: str) -> dict[
         alphas = config.get("alpha_pattern") or {}
         alpha = _pattern_value(alphas, module, config.get("lora_alpha", 8), where)
         scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
-        weight = f"{module}.weight"
+        weight = f"{module}.weight" if parameter is None else parameter[0]
         shape = (a_shape[1], b_shape[0]) if embedding else (b_shape[0], a_shape[1])
-        out[weight] = LoraPair(weight, a, b, rank, scaling, shape, embedding)
+        if weight in out:
+            raise LayoutError(f"{where}: two adapters of {weight}")
+        out[weight] = LoraPair(weight, a, b, rank, scaling, shape, embedding, experts)
     return out
