@@ -185,7 +185,7 @@ def _merge(
     opened: Checkpoint | None = None,
 ) -> None:
     from ckptctl.lora.merge import LoraMerge
-    from ckptctl.lora.plan import with_adapter
+    from ckptctl.lora.plan import expert_routes, with_adapter
 
     planned = plan_consolidate(
         base,
@@ -197,7 +197,7 @@ def _merge(
         **job.source_options(),
     )
     planned.plan = with_adapter(planned.plan, lora)
-    planned.sources.adjust = LoraMerge(lora)
+    planned.sources.adjust = LoraMerge(lora, expert_routes(planned.plan, lora))
     report = carry_out(out, planned, overwrite=job.overwrite, dry_run=job.dry_run)
     finish(out, planned.plan, report, as_json)
 

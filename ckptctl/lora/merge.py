@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from ckptctl import arrays
 from ckptctl.errors import CheckpointError
 from ckptctl.lora.adapter import LoraSource
+from ckptctl.lora.plan import ExpertRoute
 from ckptctl.model.lora import LoraPair
 from ckptctl.model.lora_params import interleaved_rows
 from ckptctl.model.plan import TensorWrite
@@ -29,8 +30,11 @@ files may be written at once)."""
 class LoraMerge:
     """The band adjustment the assembler applies to the tensors ``covers`` says it changes."""
 
-    def __init__(self, adapter: LoraSource) -> None:
+    def __init__(self, adapter: LoraSource, routes: dict[str, ExpertRoute] | None = None) -> None:
+        """``routes``: the output's per-expert tensors an adapter on packed experts changes
+        (``lora.plan.expert_routes``)."""
         self.adapter = adapter
+        self.routes = routes or {}
         self._kept: OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
         self._lock = threading.Lock()
         self._kept_whole: dict[str, torch.Tensor] = {}
@@ -38,7 +42,12 @@ class LoraMerge:
     def covers(self, write: TensorWrite) -> bool:
         name = str(write.key[0]) if len(write.key) == 1 else None
         adapter = self.adapter
-        return name in adapter.pairs or name in adapter.whole or name in adapter.tokens
+        return (
+            name in adapter.pairs
+            or name in adapter.whole
+            or name in adapter.tokens
+            or name in self.routes
+        )
 
     def apply(self, write: TensorWrite, lo: int, hi: int, dim: int, band: np.ndarray) -> np.ndarray:
         """The band of rows ``[lo, hi)`` as the merged model holds it: a tensor saved beside
@@ -49,6 +58,14 @@ class LoraMerge:
         if not experts and (dim != 0 or write.transposed):
             raise CheckpointError(f"{name}: a LoRA merge needs bands of whole rows")
         base = arrays.to_torch(band)
+        route = self.routes.get(name)
+        if route is not None:
+            if dim != 0 or write.transposed:
+                raise CheckpointError(f"{name}: a LoRA merge needs bands of whole rows")
+            pair = self.adapter.pairs[route.packed]
+            rows = list(range(route.row + lo, route.row + hi))
+            base = self._expert_rows_added(pair, route.expert, rows, slice(None), base)
+            return arrays.from_torch(base)
         if name in self.adapter.whole:  # in the base's dtype, as PEFT loads it over the base's
             whole = self.adapter.whole[name]
             trained = self.adapter.rows(whole.tensor, lo, hi if whole.shape else lo)
@@ -77,18 +94,36 @@ class LoraMerge:
         (``einsum("o r e, e r i -> e i o")``) on that expert alone, in float32, rounded once.
         GPT-OSS's ``gate_up_proj`` interleaves gates and ups: a canonical row is the packed
         tensor's output ``interleaved_rows`` says."""
-        import torch
-
         lo, hi, dim = band
-        a, b = self._matrices(pair)
-        out, inner = pair.shape
+        out = pair.shape[0]
         expert = (write.view_offset or 0) // prod(write.shape)
         order = interleaved_rows(out) if write.interleaved else list(range(out))
         rows = order if dim else order[lo:hi]
         columns = slice(lo, hi) if dim else slice(None)
+        return self._expert_rows_added(pair, expert, rows, columns, base, transposed=True)
+
+    def _expert_rows_added(
+        self,
+        pair: LoraPair,
+        expert: int,
+        rows: list[int],
+        columns: slice,
+        base: torch.Tensor,
+        transposed: bool = False,
+    ) -> torch.Tensor:
+        """``base`` plus ``scaling`` times rows ``rows`` (outputs) and ``columns`` (inputs) of
+        expert ``expert``'s ``B_e @ A_e``, by PEFT's contraction for the packed layout
+        (``transposed``: ``[E, in, out]``, GPT-OSS's; else ``[E, out, in]``)."""
+        import torch
+
+        a, b = self._matrices(pair)
+        out, inner = pair.shape
         b_expert = b.reshape(out, pair.rank, pair.experts)[rows][:, :, expert : expert + 1]
         a_expert = a.reshape(pair.experts, pair.rank, inner)[expert : expert + 1, :, columns]
-        product = torch.einsum("o r e, e r i -> e i o", b_expert, a_expert)[0].T
+        if transposed:
+            product = torch.einsum("o r e, e r i -> e i o", b_expert, a_expert)[0].T
+        else:
+            product = torch.einsum("o r e, e r i -> e o i", b_expert, a_expert)[0]
         return (base.float() + product * pair.scaling).to(base.dtype)
 
     def _rows(self, name: str, lo: int, hi: int, base: torch.Tensor) -> torch.Tensor:

@@ -4,14 +4,48 @@ of another adapter, or of none, is never taken for this one's)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ckptctl.errors import LayoutError
 from ckptctl.lora.adapter import LoraSource
+from ckptctl.model.hf_layout import packed_expert
 from ckptctl.model.plan import Plan
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertRoute:
+    """Where an expert's own HF tensor (``experts.3.up_proj.weight``: the hub's layout, which
+    the output keeps) lies in the packed parameter its adapter was trained on
+    (``experts.gate_up_proj [E, 2F, H]``, transformers 5's in memory)."""
+
+    packed: str
+    expert: int
+    row: int
+    """Its first row in the expert's ``[out, in]`` block (gate rows, then up rows)."""
+
+
+def expert_routes(plan: Plan, adapter: LoraSource) -> dict[str, ExpertRoute]:
+    """The output's per-expert tensors that an adapter on packed experts changes, by name."""
+    packed = {name for name, pair in adapter.pairs.items() if pair.experts}
+    if not packed or plan.spec is None:
+        return {}
+    out = {}
+    for file in plan.files:
+        for tensor in file.tensors:
+            name = str(tensor.key[0])
+            found = packed_expert(plan.spec, name) if len(tensor.key) == 1 else None
+            if found is not None and found[0] in packed:
+                packed_name, (_, rows, columns), offset = found
+                expert, within = divmod(offset, rows * columns)
+                out[name] = ExpertRoute(packed_name, expert, within // columns)
+    return out
 
 
 def with_adapter(plan: Plan, adapter: LoraSource) -> Plan:
     written = {str(t.key[0]): t for f in plan.files for t in f.tensors if len(t.key) == 1}
-    missing = sorted((set(adapter.pairs) | set(adapter.whole) | set(adapter.tokens)) - set(written))
+    routed = {route.packed for route in expert_routes(plan, adapter).values()}
+    held = set(written) | routed
+    missing = sorted((set(adapter.pairs) | set(adapter.whole) | set(adapter.tokens)) - held)
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise LayoutError(
@@ -19,6 +53,18 @@ def with_adapter(plan: Plan, adapter: LoraSource) -> Plan:
             "the adapter was trained on another model"
         )
     for name, pair in adapter.pairs.items():
+        if name in routed and name not in written:  # the hub's per-expert tensors
+            assert plan.spec is not None
+            spec = plan.spec
+            experts, ffn, h = spec.num_experts or 0, spec.expert_ffn_size, spec.hidden_size
+            block = (2 * ffn, h) if name.endswith("gate_up_proj") else (h, ffn)
+            if (experts, *block) != (pair.experts, *pair.shape):
+                raise LayoutError(
+                    f"{adapter.url}: {name} is {[experts, *block]} in the base, but its "
+                    f"adapter spans {pair.experts} experts of {list(pair.shape)}; the adapter "
+                    "was trained on another model"
+                )
+            continue
         shape = tuple(written[name].shape)
         packed = written[name].base_shape
         if pair.experts and not (

@@ -3,7 +3,9 @@ OpenAI's GPT-OSS fine-tuning recipe trains them: judged by PEFT. PEFT wraps a ti
 transformers GPT-OSS (attention LoRA beside the experts'), its matrices seeded random, saves the
 adapter; ``merge_and_unload`` says what the merged model holds. A float32 base comes out
 bit-equal, a bfloat16 one equal to PEFT's merge done in float32 and rounded once; transformers
-loads the output with the merged model's logits."""
+loads the output with the merged model's logits. Qwen3-MoE likewise: transformers 5 packs its
+experts in memory (``[E, 2F, H]``, where PEFT trains them) but saves them one by one as the hub
+holds them, which the output keeps."""
 
 from __future__ import annotations
 
@@ -45,23 +47,48 @@ def _base(dtype: torch.dtype) -> Any:
     return model.to(dtype).eval()
 
 
-def _made(tmp: Path, dtype: torch.dtype, targets: list[str]) -> tuple[Path, Path, dict]:
-    """(base, adapter, PEFT's merged state dict in float32 rounded once to ``dtype``)."""
+def _qwen3_moe(dtype: torch.dtype) -> Any:
+    config = transformers.Qwen3MoeConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=40,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=300,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
+    torch.manual_seed(6)
+    model = transformers.Qwen3MoeForCausalLM(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.2)
+    return model.to(dtype).eval()
+
+
+def _made(
+    tmp: Path, dtype: torch.dtype, targets: list[str], build: Any = _base
+) -> tuple[Path, Path, dict]:
+    """(base, adapter, PEFT's merged model saved by transformers, in float32 rounded once to
+    ``dtype``, as tensors by name)."""
     base, adapter = tmp / "base", tmp / "adapter"
-    _base(dtype).save_pretrained(base)
+    build(dtype).save_pretrained(base)
     config = peft.LoraConfig(
         r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"], target_parameters=targets
     )
-    wrapped = peft.get_peft_model(_base(dtype), config)
+    wrapped = peft.get_peft_model(build(dtype), config)
     seeded = torch.Generator().manual_seed(13)
     with torch.no_grad():
         for name, param in wrapped.named_parameters():
             if "lora_" in name:
                 param.copy_(torch.randn(param.shape, generator=seeded) * 0.1)
     wrapped.save_pretrained(adapter)
-    reference = peft.PeftModel.from_pretrained(_base(dtype).float(), adapter).float()
-    merged = reference.merge_and_unload().state_dict()
-    return base, adapter, {k: v.to(dtype) for k, v in merged.items()}
+    reference = peft.PeftModel.from_pretrained(build(dtype).float(), adapter).float()
+    merged = reference.merge_and_unload().to(dtype)
+    merged.save_pretrained(tmp / "peft-merged")  # the hub's names, as transformers saves them
+    return base, adapter, tensors(tmp / "peft-merged")
 
 
 @pytest.mark.parametrize(
@@ -98,10 +125,30 @@ def test_expert_lora_merges_as_peft_merges_it(
         for param in loaded.parameters():
             param.data = param.data.clone()
     # loaded alike (a model cast with .to() keeps its RoPE frequencies in its dtype)
-    reference = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
-    reference.load_state_dict(merged)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "peft-merged", dtype=dtype
+    )
+    with torch.no_grad():
+        for param in reference.parameters():
+            param.data = param.data.clone()
     with torch.no_grad():
         assert torch.equal(loaded(IDS).logits, reference.eval()(IDS).logits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qwen3_moe_expert_lora_merges_into_the_hubs_per_expert_tensors(
+    tmp_path: Path, cli, dtype: torch.dtype
+) -> None:
+    base, adapter, merged = _made(tmp_path, dtype, EXPERTS, _qwen3_moe)
+    out = tmp_path / "out"
+    cli("merge-lora", base, adapter, out)
+    ours, before = tensors(out), tensors(base)
+    assert sorted(ours) == sorted(merged)
+    moved = {name for name in merged if not torch.equal(merged[name], before[name])}
+    for name, want in merged.items():
+        assert torch.equal(ours[name], want), name
+    # every expert's gate, up and down moved, and the attention's q and o
+    assert len(moved) == 2 * (4 * 3 + 2), sorted(moved)
 
 
 def test_an_expert_adapter_of_another_model_is_refused(tmp_path: Path, cli) -> None:
