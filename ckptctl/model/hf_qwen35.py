@@ -40,14 +40,16 @@ CONFIG_KEYS = frozenset(
     """attention_bias layer_types full_attention_interval linear_conv_kernel_dim
     linear_key_head_dim linear_value_head_dim linear_num_key_heads linear_num_value_heads
     partial_rotary_factor attn_output_gate output_gate_type mamba_ssm_dtype
-    mtp_num_hidden_layers mtp_use_dedicated_embeddings""".split()  # noqa: SIM905
+    mtp_num_hidden_layers mtp_use_dedicated_embeddings use_sliding_window sliding_window
+    max_window_layers""".split()  # noqa: SIM905
 )
 """Beyond the sizes, what the releases' configs say that transformers' classes do not read:
 ``attn_output_gate`` and ``output_gate_type`` (gated attention and the gated norm's SiLU, which
 the classes always apply: other values refused), ``mamba_ssm_dtype`` (the dtype inference
 engines keep the recurrent state in: no weight), and the multi-token prediction layers
 (``mtp_num_hidden_layers``; ``mtp.*`` weights, which transformers does not load and ckptctl
-does not map: ``mtp_warning``)."""
+does not map: ``mtp_warning``). Qwen2's window fields, which Qwen3-Next's releases keep, are
+read at their value of no window (``use_sliding_window: false``) and refused otherwise."""
 MTP_LAYERS = "mtp_num_hidden_layers"
 DEFAULT_INTERVAL = 4
 DEFAULT_PARTIAL_ROTARY = 0.25
@@ -136,6 +138,11 @@ def spec_fields(config: Mapping[str, Any]) -> dict[str, Any]:
         problems.append(
             f"output_gate_type={config['output_gate_type']!r}: the gated norm's gate is "
             "SiLU (swish) in transformers' class"
+        )
+    if config.get("use_sliding_window"):
+        problems.append(
+            "use_sliding_window=true: transformers' gated delta net classes have no sliding "
+            "windows"
         )
     mtp = config.get(MTP_LAYERS, 0)
     if isinstance(mtp, bool) or not isinstance(mtp, int) or mtp < 0:

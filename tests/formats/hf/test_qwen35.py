@@ -136,6 +136,7 @@ def test_hub_defaults_are_read_as_transformers_reads_them(tmp_path: Path, cli) -
         ({"attn_output_gate": False}, "attn_output_gate=False"),
         ({"output_gate_type": "sigmoid"}, "output_gate_type='sigmoid'"),
         ({"mtp_num_hidden_layers": -1}, "mtp_num_hidden_layers=-1 is not a layer count"),
+        ({"use_sliding_window": True, "sliding_window": 8}, "use_sliding_window=true"),
         ({"layer_types": ["linear_attention"] * 3}, "layer_types=['linear_attention'"),
     ],
 )
@@ -165,6 +166,8 @@ def test_what_the_releases_configs_add_is_read_past_saying_so(tmp_path: Path, cl
         "mamba_ssm_dtype": "float32",
         "mtp_num_hidden_layers": 1,
         "mtp_use_dedicated_embeddings": False,
+        "use_sliding_window": False,  # Qwen2's window fields, as Qwen3-Next's releases keep
+        "sliding_window": None,
     }
     (src / "config.json").write_text(json.dumps(config))
     info = cli.json("inspect", src)
