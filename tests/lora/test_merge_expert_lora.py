@@ -39,12 +39,7 @@ def _base(dtype: torch.dtype) -> Any:
         layer_types=["sliding_attention", "full_attention"],
         sliding_window=4,
     )
-    torch.manual_seed(5)
-    model = transformers.GptOssForCausalLM(config)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0.0, 0.2)
-    return model.to(dtype).eval()
+    return _drawn(transformers.GptOssForCausalLM, config, 5, dtype)
 
 
 def _qwen3_moe(dtype: torch.dtype) -> Any:
@@ -60,8 +55,13 @@ def _qwen3_moe(dtype: torch.dtype) -> Any:
         num_experts=4,
         num_experts_per_tok=2,
     )
-    torch.manual_seed(6)
-    model = transformers.Qwen3MoeForCausalLM(config)
+    return _drawn(transformers.Qwen3MoeForCausalLM, config, 6, dtype)
+
+
+def _drawn(model_class: Any, config: Any, seed: int, dtype: torch.dtype) -> Any:
+    """``config``'s model, every parameter ~ N(0, 0.2) (seeded), in ``dtype``."""
+    torch.manual_seed(seed)
+    model = model_class(config)
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0.0, 0.2)
