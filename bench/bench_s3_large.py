@@ -37,7 +37,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -177,7 +176,6 @@ def run_all(src: Path, work: Path, args: argparse.Namespace, group: Path | None)
     from tests.seaweedfs import vacuum
 
     s3, bucket = f"s3://{BUCKET}", BUCKET
-    size = du(src)  # what the next run writes: room the last output's deletion must give back
     target = ["--tp", "1", "--pp", str(args.pp), "--memory-budget", args.budget, "--json"]
     ckptctl = [sys.executable, "-m", "ckptctl", "reshard"]
     stream = [sys.executable, "-c", STREAM]
@@ -194,11 +192,6 @@ def run_all(src: Path, work: Path, args: argparse.Namespace, group: Path | None)
         def after() -> None:
             subprocess.run([*stream, "rm", f"{bucket}/{prefix}"], check=True)
             vacuum(work / "seaweedfs")
-            # SeaweedFS compacts its volumes after answering: the next run needs that space
-            # (a checkpoint larger than RAM leaves the disk little room for a third copy).
-            deadline = time.monotonic() + 600
-            while shutil.disk_usage(work).free < size and time.monotonic() < deadline:
-                time.sleep(2)
 
         return after
 
