@@ -64,8 +64,9 @@ from ckptctl.model.stored import (
 )
 
 _UNSHIFTED = (
-    "the model's zero-centred norm (Megatron's) cannot hold this weight exactly; a weight this "
-    "far from one is no trained gated norm: check the checkpoint"
+    "the model's zero-centred norm (Megatron's) cannot hold this weight minus one exactly in its "
+    "dtype (a weight below 0.5), and ckptctl does not round on reading; keep this model in a "
+    "format that stores the weight as it is (HF, DCP)"
 )
 """Why a shifted HF weight (``StoredTensor.shift``) cannot be read as the canonical one."""
 
