@@ -98,7 +98,7 @@ def _config(kind: str) -> object:
     )
 
 
-def _release(kind: str, root: Path) -> torch.nn.Module:
+def _release(kind: str, root: Path, shard: str | None = None) -> torch.nn.Module:
     """A vision-language model as transformers saves it, parameters ~ N(0, 0.2) (gated norms
     near one, as a trained model's are: HF stores one plus Megatron's zero-centred weight)."""
     config = _config(kind)
@@ -113,8 +113,8 @@ def _release(kind: str, root: Path) -> torch.nn.Module:
             param.normal_(0.0, 0.2)
             if name.endswith("linear_attn.norm.weight"):
                 param.copy_(1.0 + 0.1 * torch.randn(param.shape))
-    model.save_pretrained(root)
-    if kind.startswith("qwen3_5"):  # the release's MTP layer, which transformers never loads
+    model.save_pretrained(root, **({"max_shard_size": shard} if shard else {}))
+    if kind.startswith("qwen3_5") and shard is None:  # the release's MTP layer, which transformers never loads
         path = root / "model.safetensors"
         held = safetensors_torch.load_file(path)
         h = config.text_config.hidden_size
@@ -234,6 +234,23 @@ def test_without_the_flag_the_decoder_is_refused_naming_it(tmp_path: Path, cli) 
         assert not out.exists()
     result = cli("consolidate", qwen, tmp_path / "out", "--format", "hf", code=3)
     assert "mtp.fc.weight" in result.stderr and "--text-only" in result.stderr
+
+
+def test_a_release_in_several_files_is_read_through_its_index(tmp_path: Path, cli) -> None:
+    """As the releases are: the decoder's and the vision tower's tensors spread over several
+    files, some holding vision tensors only."""
+    src = tmp_path / "release"
+    model = _release("qwen3_5", src, shard="100KB")
+    index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(index.values())) > 2
+    megatron, back = tmp_path / "megatron", tmp_path / "back"
+    cli("reshard", src, megatron, "--tp", "2", "--pp", "2", "--format", "megatron", "--text-only")
+    cli("consolidate", megatron, back, "--format", "hf")
+    mine, decoder = tensors(back), _decoder(tensors(src))
+    assert mine.keys() == decoder.keys()
+    for name, tensor in decoder.items():
+        assert torch.equal(mine[name], tensor), name
+    assert torch.equal(logits(_loaded_anew(back), IDS), logits(model, IDS))
 
 
 def test_the_flag_where_there_is_no_vision_model_is_refused(tmp_path: Path, cli) -> None:
