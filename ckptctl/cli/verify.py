@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated
 
 import typer
@@ -52,13 +53,18 @@ def verify_cmd(
     cli = state(ctx)
     with boundary(out, cli.debug):
         launch_workers(workers)
+        if cli.settings.text_only and other is None:
+            raise UsageError(
+                "--text-only reads the --against checkpoint's text decoder (a vision-language "
+                "release's, to compare a text model converted from it); give --against too"
+            )
+        # --text-only reads the reference's decoder: the checkpoint checked is read as it is
+        settings = dataclasses.replace(cli.settings, text_only=False)
         group = from_environment()
         if group is not None:
             out.silent = group.rank != 0
         try:
-            checks = verify(
-                ckpt, cli.settings, numerics=numerics, group=group, progress=out.progress()
-            )
+            checks = verify(ckpt, settings, numerics=numerics, group=group, progress=out.progress())
         finally:
             if group is not None:
                 group.close()

@@ -141,8 +141,7 @@ def spec_fields(config: Mapping[str, Any]) -> dict[str, Any]:
         )
     if config.get("use_sliding_window"):
         problems.append(
-            "use_sliding_window=true: transformers' gated delta net classes have no sliding "
-            "windows"
+            "use_sliding_window=true: transformers' gated delta net classes have no sliding windows"
         )
     mtp = config.get(MTP_LAYERS, 0)
     if isinstance(mtp, bool) or not isinstance(mtp, int) or mtp < 0:

@@ -18,6 +18,7 @@ Checks, each reported as passed, failed or skipped (with why):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -338,7 +339,9 @@ def against(
     Returns the check, a row per compared tensor and the counts (``compare.summary_fields``)."""
     from ckptctl.verify.compare import compare, describe_names, steps_differ, summary_fields
 
-    a, b = (open_checkpoint(u, settings) for u in (url, other))
+    # --text-only reads the reference's text decoder (a release's), never the one checked
+    a = open_checkpoint(url, dataclasses.replace(settings or Settings(), text_only=False))
+    b = open_checkpoint(other, settings)
     result = compare(
         a, b, rtol=rtol, atol=atol, only=only, weights_only=weights_only, progress=progress
     )

@@ -114,7 +114,7 @@ def _release(kind: str, root: Path, shard: str | None = None) -> torch.nn.Module
             if name.endswith("linear_attn.norm.weight"):
                 param.copy_(1.0 + 0.1 * torch.randn(param.shape))
     model.save_pretrained(root, **({"max_shard_size": shard} if shard else {}))
-    if kind.startswith("qwen3_5") and shard is None:  # the release's MTP layer, which transformers never loads
+    if kind.startswith("qwen3_5") and shard is None:  # the release's MTP layer (never loaded)
         path = root / "model.safetensors"
         held = safetensors_torch.load_file(path)
         h = config.text_config.hidden_size
@@ -251,6 +251,12 @@ def test_a_release_in_several_files_is_read_through_its_index(tmp_path: Path, cl
     for name, tensor in decoder.items():
         assert torch.equal(mine[name], tensor), name
     assert torch.equal(logits(_loaded_anew(back), IDS), logits(model, IDS))
+    # verify --against the release: --text-only reads the reference's decoder
+    report = cli.json("verify", back, "--against", src, "--text-only")
+    assert report["ok"] and report["against"], report
+    assert all(t["equal"] for t in report["tensors"]), report["tensors"]  # none one-sided
+    result = cli("verify", back, "--text-only", code=2)
+    assert "give --against too" in result.stderr
 
 
 def test_the_flag_where_there_is_no_vision_model_is_refused(tmp_path: Path, cli) -> None:
