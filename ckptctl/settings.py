@@ -97,6 +97,10 @@ class Settings:
     text_only: bool = False
     """Read the text decoder of an HF vision-language checkpoint alone, its vision tower left
     out (``--text-only``)."""
+    allow_rounding: bool = False
+    """Round weights HF stores shifted from Megatron's (Qwen3.5's gated norm) where the shift
+    is not exact in their dtype, reading or writing, each tensor's largest error recorded
+    (``--allow-rounding``)."""
     memory_budget: int = 1 << 30
     """Tensor data held in memory at once, in bytes."""
     checksum: str = "xxh3_64"

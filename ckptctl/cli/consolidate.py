@@ -33,16 +33,6 @@ def consolidate_cmd(
     max_shard_size: Annotated[
         str, typer.Option("--max-shard-size", help="Largest HF safetensors file.")
     ] = "5GiB",
-    allow_rounding: Annotated[
-        bool,
-        typer.Option(
-            "--allow-rounding",
-            help="Round weights HF stores shifted from Megatron's (Qwen3.5's gated norm: one "
-            "plus Megatron's zero-centred weight) to their dtype where the sum is no such "
-            "number, instead of refusing (as Megatron-Bridge rounds them); each weight's "
-            "largest error recorded and held by verify --against.",
-        ),
-    ] = False,
     as_json: Json = False,
 ) -> None:
     """Merge a sharded checkpoint into one full checkpoint, streaming one tensor at a time."""
@@ -63,7 +53,7 @@ def consolidate_cmd(
                 settings,
                 dtype=WEIGHT_DTYPES[dtype] if dtype else None,
                 max_shard_bytes=parse_size(max_shard_size),
-                round_shifted=allow_rounding,
+                round_shifted=settings.allow_rounding,
                 **job.source_options(),
             )
         report = carry_out(out, planned, overwrite=job.overwrite, dry_run=job.dry_run)

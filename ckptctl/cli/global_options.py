@@ -76,6 +76,16 @@ TextOnly = Annotated[
         "alone, leaving its vision tower out.",
     ),
 ]
+AllowRounding = Annotated[
+    bool,
+    typer.Option(
+        "--allow-rounding",
+        help="Round weights HF stores shifted from Megatron's (Qwen3.5's gated norm: one plus "
+        "Megatron's zero-centred weight) to their dtype where the shift is not exact, reading "
+        "or writing, instead of refusing (as Megatron-Bridge rounds them); each weight's "
+        "largest error recorded and held by verify --against.",
+    ),
+]
 
 
 @dataclass(frozen=True)
@@ -92,6 +102,7 @@ class GlobalRequest:
     trust_fields: tuple[str, ...] = ()
     tag: str | None = None
     text_only: bool = False
+    allow_rounding: bool = False
 
     def then(self, later: GlobalRequest) -> GlobalRequest:
         """These options with ``later`` ones (given after the command) applied: flags add,
@@ -107,6 +118,7 @@ class GlobalRequest:
             trust_fields=self.trust_fields + later.trust_fields,
             tag=later.tag or self.tag,
             text_only=self.text_only or later.text_only,
+            allow_rounding=self.allow_rounding or later.allow_rounding,
         )
 
 
@@ -121,6 +133,7 @@ def global_request(
     trust_field: TrustField = None,
     tag: Tag = None,
     text_only: TextOnly = False,
+    allow_rounding: AllowRounding = False,
 ) -> GlobalRequest:
     return GlobalRequest(
         debug,
@@ -133,6 +146,7 @@ def global_request(
         tuple(trust_field or ()),
         tag,
         text_only,
+        allow_rounding,
     )
 
 
@@ -167,6 +181,7 @@ class CliState:
                 trusted_fields=frozenset(n.removeprefix("args.") for n in r.trust_fields),
                 tag=r.tag,
                 text_only=r.text_only,
+                allow_rounding=r.allow_rounding,
             )
         return self._settings
 

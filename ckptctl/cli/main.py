@@ -30,6 +30,7 @@ from ckptctl.cli import (
 )
 from ckptctl.cli.global_options import (
     AllowIncomplete,
+    AllowRounding,
     CliState,
     Debug,
     EndpointUrl,
@@ -114,6 +115,7 @@ def _root(
     trust_field: TrustField = None,
     tag: Tag = None,
     text_only: TextOnly = False,
+    allow_rounding: AllowRounding = False,
     version: Annotated[
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
     ] = False,
@@ -131,6 +133,7 @@ def _root(
             trust_field,
             tag,
             text_only,
+            allow_rounding,
         )
     )
 

@@ -142,6 +142,11 @@ class Checkpoint:
         """Model-state entries a DeepSpeed universal checkpoint carries on."""
         return {}
 
+    def rounding_errors(self) -> dict[str, float]:
+        """Largest error so far of each canonical tensor the reads rounded, by name (HF's
+        shifted weights under ``--allow-rounding``): what the output's manifest records."""
+        return {}
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ProbeRequest:
@@ -162,6 +167,9 @@ class ProbeRequest:
     """A DeepSpeed tag directory other than the one ``latest`` names (``--tag``)."""
     text_only: bool = False
     """Read a vision-language model's text decoder alone (``--text-only``)."""
+    allow_rounding: bool = False
+    """Round HF weights stored shifted where taking the shift off is inexact
+    (``--allow-rounding``)."""
 
 
 @dataclass(frozen=True)

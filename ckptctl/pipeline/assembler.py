@@ -258,10 +258,11 @@ class Assembler:
         if write.view_offset is not None:  # one of several tensors sharing a stored one
             key += f"@{write.view_offset}"
         self.report.tensor_checksums.setdefault(file, {})[key] = digest.hexdigest()
-        if id(write) in self._rounded:  # --allow-rounding: held by verify --against
+        read = self.source.rounding_error(write.canonical)  # rounded as read (HF's gated norm)
+        if id(write) in self._rounded or read is not None:  # --allow-rounding: held by verify
             with self.counting:
                 errors = self.report.quantized.setdefault(file, {})
-                error = self._rounded.pop(id(write))
+                error = max(self._rounded.pop(id(write), 0.0), read or 0.0)
                 errors[write.canonical] = max(errors.get(write.canonical, 0.0), error)
 
     def _build(self, write: TensorWrite, band: Band, *, parallel: bool = True) -> np.ndarray:

@@ -105,6 +105,15 @@ class Sources:
             return int(ckpt.storage.size(rel))
         return sum(nbytes(t.shape, t.dtype) for t in file.tensors)
 
+    def rounding_error(self, canonical: str) -> float | None:
+        """The largest error the reads of ``canonical`` rounded it by, if they rounded it."""
+        found = []
+        for ckpt in (self.primary, *self.extra.values()):
+            errors = getattr(ckpt, "rounding_errors", None)  # readers not built on Checkpoint
+            if errors is not None and canonical in errors():
+                found.append(errors()[canonical])
+        return max(found, default=None)
+
     def owner(self, path: str) -> tuple[Any, str]:
         for prefix, ckpt in self.extra.items():
             if path.startswith(prefix):

@@ -138,13 +138,20 @@ def plan_consolidate(
         target_url=dst,
     )
     if round_shifted and not any(w.shift_rounds for f in plan.files for w in f.tensors):
-        raise UsageError(  # a flag that would change nothing is refused, not ignored
-            f"--allow-rounding: --format {fmt} of this model stores no weight shifted from "
-            "the source's (only HF's Qwen3.5-style gated norms are)"
-        )
+        refuse_needless_rounding(ckpt, fmt)
     ratio = ckpt.storage.stored_ratio() if isinstance(ckpt.storage, CompressedStorage) else None
     plan = _timed(with_identities(plan, ckpt.storage, read.view), ratio)
     return Job(plan, Sources(read), settings)
+
+
+def refuse_needless_rounding(ckpt: Checkpoint, fmt: str) -> None:
+    """``--allow-rounding`` where nothing is stored shifted, neither the source read nor the
+    target written: a flag that would change nothing is refused, not ignored."""
+    if not any(t.shift for f in ckpt.view.files for t in f.tensors):
+        raise UsageError(
+            f"--allow-rounding: neither this source nor --format {fmt} of this model stores a "
+            "weight shifted from another's (only HF's Qwen3.5-style gated norms are)"
+        )
 
 
 def refuse_unwritable_dtype(dtype: str | None, target: TargetFormat) -> None:
@@ -260,6 +267,8 @@ def plan_reshard(
         true_vocab_size=true_vocab_size,
     )
     refuse_dp_reshardable(ckpt)
+    if settings.allow_rounding:
+        refuse_needless_rounding(ckpt, target_format or "megatron")
     extra = [
         open_checkpoint(u, settings, iteration=iteration, true_vocab_size=true_vocab_size)
         for u in others

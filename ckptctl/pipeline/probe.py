@@ -51,6 +51,7 @@ def open_checkpoint(
         trusted_fields=settings.trusted_fields,
         tag=settings.tag,
         text_only=settings.text_only,
+        allow_rounding=settings.allow_rounding,
     )
     # A source: never written, whatever happens.
     storage = Storage(url, settings.storage, read_only=True)

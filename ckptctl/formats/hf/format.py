@@ -33,7 +33,11 @@ def _probe(storage: Storage, names: frozenset[str], request: ProbeRequest) -> An
 
     given = dict(request.hf_config) if CONFIG not in names and request.hf_config else None
     ckpt = probe_hf(
-        storage, trusted=request.trusted_fields, config=given, text_only=request.text_only
+        storage,
+        trusted=request.trusted_fields,
+        config=given,
+        text_only=request.text_only,
+        round_shifted=request.allow_rounding,
     )
     return _as_trainer_checkpoint(ckpt, storage, names)
 

@@ -16,7 +16,7 @@ import numpy as np
 import xxhash
 
 from ckptctl import json_input
-from ckptctl.arrays import buffer, interleaved_rows, shifted, words
+from ckptctl.arrays import buffer, interleaved_rows, words
 from ckptctl.checksums import record_checks
 from ckptctl.checksums.manifest import recorded
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError, LayoutError, UsageError
@@ -35,6 +35,7 @@ from ckptctl.formats.hf.mxfp4 import check_config as check_mxfp4
 from ckptctl.formats.hf.mxfp4 import is_mxfp4
 from ckptctl.formats.hf.packed_experts import Parts, packed_block
 from ckptctl.formats.hf.probe_checks import refuse_unmapped, scale_problem
+from ckptctl.formats.hf.shifted_reads import ShiftedReads
 from ckptctl.formats.hf.text_only import read_backbone, renamed, text_only_hint
 from ckptctl.formats.safetensors_header import SafetensorsEntry, read_header
 from ckptctl.io.runs import Span
@@ -63,13 +64,6 @@ from ckptctl.model.stored import (
     StoredTensor,
 )
 
-_UNSHIFTED = (
-    "the model's zero-centred norm (Megatron's) cannot hold this weight minus one exactly in its "
-    "dtype (a weight below 0.5), and ckptctl does not round on reading; keep this model in a "
-    "format that stores the weight as it is (HF, DCP)"
-)
-"""Why a shifted HF weight (``StoredTensor.shift``) cannot be read as the canonical one."""
-
 
 @dataclass
 class HFCheckpoint(Checkpoint):
@@ -97,9 +91,9 @@ class HFCheckpoint(Checkpoint):
     packed_gated: frozenset[tuple[str, str]] = frozenset()
     """(file, name) of packed tensors whose gated halves are interleaved (GPT-OSS's
     ``gate_up_proj``): each expert's block is read with its rows put in Megatron's order."""
-    shifted: dict[tuple[str, str], float] = field(default_factory=dict)
-    """(file, name) of tensors stored shifted from the canonical values
-    (``StoredTensor.shift``): read with the shift taken off, exactly."""
+    shifted: ShiftedReads = field(default_factory=ShiftedReads)
+    """Tensors stored shifted from the canonical values (``StoredTensor.shift``): read with
+    the shift taken off, exactly or (``--allow-rounding``) rounded."""
     _open: dict[str, BinaryIO] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -121,7 +115,7 @@ class HFCheckpoint(Checkpoint):
             return self._read_mxfp4(path, name, offsets, sizes)
         if (path, name) in self.shifted:
             data = self._read_box(path, name, offsets, sizes, None, view)
-            return shifted(data, -self.shifted[(path, name)], f"{path}: {name}", _UNSHIFTED)
+            return self.shifted.unshifted(path, name, data)
         scales = self.quantized.get((path, name))
         data = self._read_box(path, name, offsets, sizes, None if scales else into, view)
         if scales is None or self.fp8 is None:
@@ -183,6 +177,9 @@ class HFCheckpoint(Checkpoint):
 
     def quantization_errors(self) -> dict[str, float]:
         return self.written_errors
+
+    def rounding_errors(self) -> dict[str, float]:
+        return self.shifted.errors
 
     def _read_box(
         self,
@@ -277,6 +274,7 @@ def probe_hf(
     trusted: frozenset[str] = frozenset(),
     config: dict[str, Any] | None = None,
     text_only: bool = False,
+    round_shifted: bool = False,
 ) -> HFCheckpoint:
     """Read config (``config``: given, for weights saved without one) and safetensors
     headers; map every HF tensor onto canonical tensors (``text_only``: a vision-language
@@ -369,7 +367,7 @@ def probe_hf(
     files: dict[str, list[StoredTensor]] = {}
     problems = []
     packed_gated: set[tuple[str, str]] = set()
-    shifted_names: dict[tuple[str, str], float] = {}
+    shifted_names: dict[tuple[str, str], tuple[float, str]] = {}
     dequantized: dict[tuple[str, str], Parts] = {}
     for name, canonical, shape, pieces in hf_tensors(spec):
         found = packed_block(spec, name, canonical, shape, pieces, entry_of, is_mxfp4(config))
@@ -433,7 +431,7 @@ def probe_hf(
             dtype = DEQUANTIZED
         shift = value_shift(spec, name)
         if shift:
-            shifted_names[(path, name)] = shift
+            shifted_names[(path, name)] = (shift, canonical)
         tensor = StoredTensor((name,), canonical, shape, dtype, pieces, shift=shift)
         files.setdefault(path, []).append(tensor)
     if problems:
@@ -485,5 +483,5 @@ def probe_hf(
         errors,
         mxfp4=dequantized,
         packed_gated=frozenset(packed_gated),
-        shifted=shifted_names,
+        shifted=ShiftedReads(shifted_names, round_shifted),
     )

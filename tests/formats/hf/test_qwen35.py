@@ -267,6 +267,42 @@ def test_an_hf_gated_norm_megatron_cannot_hold_is_refused(tmp_path: Path, cli) -
     assert "Traceback" not in result.stderr
 
 
+def test_an_hf_gated_norm_rounded_when_asked_is_torchs_difference(tmp_path: Path, cli) -> None:
+    """A bf16 release's gated norm may hold weights below 0.5, whose ``w - 1`` is no bf16
+    number: refused, naming ``--allow-rounding``; with it, Megatron's ``out_norm`` is torch's
+    rounded bf16 difference (what Megatron-Bridge computes), every other tensor exact, each
+    rounded norm's largest error in the output's manifest."""
+    src = tmp_path / "hf"
+    _make(src, torch.bfloat16)
+    weights = tensors(src)
+    name = "model.layers.0.linear_attn.norm.weight"
+    weights[name][:3] = torch.tensor([0.3, 0.4140625, 0.2], dtype=torch.bfloat16)
+    safetensors_torch.save_file(weights, src / "model.safetensors", metadata={"format": "pt"})
+    refused = cli("reshard", src, tmp_path / "refused", "--tp", "2", "--format", "megatron",
+                  code=3)  # fmt: skip
+    assert "--allow-rounding" in refused.stderr  # (found as it reads: left marked incomplete)
+    out = tmp_path / "megatron"
+    cli("reshard", src, out, "--tp", "2", "--format", "megatron", "--allow-rounding")
+    key = "decoder.layers.0.self_attention.out_norm.weight"
+    for path in sorted(out.rglob("model_optim_rng.pt")):  # replicated over TP: each rank's
+        held = torch.load(path, weights_only=False)["model"][key]
+        assert torch.equal(held, weights[name] - 1)  # torch's bf16 difference, rounded once
+    manifest = json.loads((out / "ckptctl.manifest.json").read_text())
+    errors = manifest["quantized_max_abs_error"]
+    assert set(errors) == {key} and 0 < errors[key] <= 2.0**-9, errors
+    # the other layers' norms (all above 0.5) came exactly: no error recorded for them
+    back = tmp_path / "back"
+    cli("consolidate", out, back, "--format", "hf")
+    moved = tensors(back)
+    for other, tensor in weights.items():
+        if other != name:
+            assert torch.equal(moved[other], tensor), other
+    assert torch.equal(moved[name][3:], weights[name][3:])
+    assert cli.json("verify", out, "--against", src, "--allow-rounding")["ok"]
+    needless = cli("reshard", out, tmp_path / "again", "--tp", "1", "--allow-rounding", code=2)
+    assert "--allow-rounding" in needless.stderr
+
+
 NEXT = dict(
     SMALL,
     moe_intermediate_size=32,
