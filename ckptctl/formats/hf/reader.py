@@ -294,7 +294,7 @@ def probe_hf(
         raise LayoutError(f"{storage.describe(CONFIG)}: {err}") from None
     backbone = read_backbone(storage, config, storage.describe(CONFIG)) if text_only else None
     try:
-        model = {k: v for k, v in (backbone.config if backbone else config).items()}
+        model = dict(backbone.config if backbone else config)
         model.pop(QUANTIZATION, None)
         spec = spec_from_config(model, make_vocab_size_divisible_by, trusted)
     except LayoutError as err:
