@@ -58,6 +58,30 @@ def _qwen3_moe(dtype: torch.dtype) -> Any:
     return _drawn(transformers.Qwen3MoeForCausalLM, config, 6, dtype)
 
 
+def _deepseek_v3(dtype: torch.dtype) -> Any:
+    config = transformers.DeepseekV3Config(
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,  # gate_up_proj [E, 64, 64]: out and in alike
+        num_hidden_layers=3,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        vocab_size=300,
+    )
+    return _drawn(transformers.DeepseekV3ForCausalLM, config, 7, dtype)
+
+
 def _drawn(model_class: Any, config: Any, seed: int, dtype: torch.dtype) -> Any:
     """``config``'s model, every parameter ~ N(0, 0.2) (seeded), in ``dtype``."""
     torch.manual_seed(seed)
@@ -135,11 +159,20 @@ def test_expert_lora_merges_as_peft_merges_it(
         assert torch.equal(loaded(IDS).logits, reference.eval()(IDS).logits)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_qwen3_moe_expert_lora_merges_into_the_hubs_per_expert_tensors(
-    tmp_path: Path, cli, dtype: torch.dtype
+@pytest.mark.parametrize(
+    ("dtype", "build", "adapted"),
+    [
+        # per MoE layer every expert's gate, up and down, and per layer q_proj and o_proj
+        (torch.float32, _qwen3_moe, 2 * (4 * 3 + 2)),
+        (torch.bfloat16, _qwen3_moe, 2 * (4 * 3 + 2)),
+        # a dense first layer, MLA (o_proj only), a shared expert beside the routed ones
+        (torch.float32, _deepseek_v3, 2 * 4 * 3 + 3),
+    ],
+)
+def test_expert_lora_merges_into_the_hubs_per_expert_tensors(
+    tmp_path: Path, cli, dtype: torch.dtype, build: Any, adapted: int
 ) -> None:
-    base, adapter, merged = _made(tmp_path, dtype, EXPERTS, _qwen3_moe)
+    base, adapter, merged = _made(tmp_path, dtype, EXPERTS, build)
     out = tmp_path / "out"
     cli("merge-lora", base, adapter, out)
     ours, before = tensors(out), tensors(base)
@@ -147,8 +180,7 @@ def test_qwen3_moe_expert_lora_merges_into_the_hubs_per_expert_tensors(
     moved = {name for name in merged if not torch.equal(merged[name], before[name])}
     for name, want in merged.items():
         assert torch.equal(ours[name], want), name
-    # every expert's gate, up and down moved, and the attention's q and o
-    assert len(moved) == 2 * (4 * 3 + 2), sorted(moved)
+    assert len(moved) == adapted, sorted(moved)
 
 
 def test_an_expert_adapter_of_another_model_is_refused(tmp_path: Path, cli) -> None:
