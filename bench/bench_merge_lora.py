@@ -4,8 +4,10 @@ copy speed.
 
 Builds once (kept in ``--workdir``): a Llama of ``--hidden`` and ``--layers`` (vocabulary 32000,
 untied) saved by transformers in bfloat16, and a PEFT LoRA adapter of rank ``--rank`` on every
-linear layer of it, its matrices seeded random (B is zero at PEFT's initialisation). Then
-times, best of ``--repeat``, attempts round robin, each a fresh process:
+linear layer of it, its matrices seeded random (B is zero at PEFT's initialisation). With
+``--experts N``: a Qwen3-MoE of N experts a layer instead, the adapter on its attention and on
+its packed experts (``target_parameters``: how LoRA on experts is trained under transformers
+5). Then times, best of ``--repeat``, attempts round robin, each a fresh process:
 
 * ``cp -r`` of the base;
 * PEFT: the base loaded by transformers, the adapter by ``PeftModel.from_pretrained``,
@@ -34,14 +36,26 @@ HERE = Path(__file__).resolve().parent
 BUILD = """
 import sys, torch, transformers, peft
 hidden, layers, rank, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-config = transformers.LlamaConfig(
-    hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=layers,
-    num_attention_heads=16, num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=False)
+experts = int(sys.argv[5])
+sizes = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=16,
+             num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=False)
 torch.manual_seed(0)
-model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+if experts:
+    config = transformers.Qwen3MoeConfig(
+        **sizes, intermediate_size=hidden * 11 // 4, moe_intermediate_size=hidden // 2,
+        num_experts=experts, num_experts_per_tok=4, head_dim=hidden // 16)
+    model = transformers.Qwen3MoeForCausalLM(config).to(torch.bfloat16)
+else:
+    config = transformers.LlamaConfig(**sizes, intermediate_size=hidden * 11 // 4)
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
 model.save_pretrained(out + "/base", max_shard_size="1GB")
-targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-lora = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets)
+targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+if experts:
+    lora = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets,
+                           target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+else:
+    targets += ["gate_proj", "up_proj", "down_proj"]
+    lora = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets)
 wrapped = peft.get_peft_model(model, lora)
 seeded = torch.Generator().manual_seed(1)
 with torch.no_grad():
@@ -68,14 +82,15 @@ def main() -> None:
     parser.add_argument("--budget", default="1GiB")
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--keep", action="store_true")
+    parser.add_argument("--experts", type=int, default=0, help="A Qwen3-MoE of this many.")
     args = parser.parse_args()
     work = args.workdir
-    built = work / f"h{args.hidden}-l{args.layers}-r{args.rank}"
+    built = work / f"h{args.hidden}-l{args.layers}-r{args.rank}-e{args.experts}"
     if not (built / "adapter" / "adapter_model.safetensors").exists():
         remove(built)
         built.mkdir(parents=True)
         command = [sys.executable, "-c", BUILD, str(args.hidden), str(args.layers)]
-        subprocess.run([*command, str(args.rank), str(built)], check=True)
+        subprocess.run([*command, str(args.rank), str(built), str(args.experts)], check=True)
     base, adapter = built / "base", built / "adapter"
     compile_bytecode()
     size = du(base)
@@ -126,9 +141,11 @@ def main() -> None:
     tensors = json.loads(report.stdout)["tensors"]
     worst = max(t["max_abs_diff"] for t in tensors)
     cp = best["cp -r"].seconds
+    model = f"Qwen3-MoE, {args.experts} experts a layer" if args.experts else "Llama"
+    lora = "attention and packed experts" if args.experts else "every linear layer"
     print(
-        f"base {size / 1e9:.2f} GB (bf16, {args.layers} layers, hidden {args.hidden}), "
-        f"adapter rank {args.rank} on every linear layer, best of {args.repeat}\n"
+        f"base {size / 1e9:.2f} GB ({model}, bf16, {args.layers} layers, hidden "
+        f"{args.hidden}), adapter rank {args.rank} on {lora}, best of {args.repeat}\n"
     )
     print("| run | seconds | vs cp -r | peak RSS |")
     print("|---|---:|---:|---:|")
