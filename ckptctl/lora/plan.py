@@ -4,6 +4,7 @@ of another adapter, or of none, is never taken for this one's)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from ckptctl.errors import LayoutError
@@ -33,12 +34,26 @@ def expert_routes(plan: Plan, adapter: LoraSource) -> dict[str, ExpertRoute]:
     for file in plan.files:
         for tensor in file.tensors:
             name = str(tensor.key[0])
-            found = packed_expert(plan.spec, name) if len(tensor.key) == 1 else None
+            found = packed_expert(plan.spec, _in_memory(name)) if len(tensor.key) == 1 else None
             if found is not None and found[0] in packed:
                 packed_name, (_, rows, columns), offset = found
                 expert, within = divmod(offset, rows * columns)
                 out[name] = ExpertRoute(packed_name, expert, within // columns)
     return out
+
+
+_MIXTRAL = re.compile(r"(.*\.)block_sparse_moe\.experts\.(\d+)\.(w1|w3|w2)\.weight")
+_MIXTRAL_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def _in_memory(name: str) -> str:
+    """A Mixtral hub expert tensor (``block_sparse_moe.experts.N.w1``) by the names transformers
+    5 gives it (``mlp.experts.N.gate_proj``, then packed: what PEFT's adapter names)."""
+    match = _MIXTRAL.fullmatch(name)
+    if match is None:
+        return name
+    prefix, expert, part = match.groups()
+    return f"{prefix}mlp.experts.{expert}.{_MIXTRAL_PARTS[part]}.weight"
 
 
 def with_adapter(plan: Plan, adapter: LoraSource) -> Plan:

@@ -82,6 +82,21 @@ def _deepseek_v3(dtype: torch.dtype) -> Any:
     return _drawn(transformers.DeepseekV3ForCausalLM, config, 7, dtype)
 
 
+def _mixtral(dtype: torch.dtype) -> Any:
+    config = transformers.MixtralConfig(
+        hidden_size=64,
+        intermediate_size=40,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=300,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
+    return _drawn(transformers.MixtralForCausalLM, config, 8, dtype)
+
+
 def _drawn(model_class: Any, config: Any, seed: int, dtype: torch.dtype) -> Any:
     """``config``'s model, every parameter ~ N(0, 0.2) (seeded), in ``dtype``."""
     torch.manual_seed(seed)
@@ -167,6 +182,8 @@ def test_expert_lora_merges_as_peft_merges_it(
         (torch.bfloat16, _qwen3_moe, 2 * (4 * 3 + 2)),
         # a dense first layer, MLA (o_proj only), a shared expert beside the routed ones
         (torch.float32, _deepseek_v3, 2 * 4 * 3 + 3),
+        # the hub's block_sparse_moe.experts.N.w1 / w3 / w2, mlp.experts.* in memory
+        (torch.bfloat16, _mixtral, 2 * (4 * 3 + 2)),
     ],
 )
 def test_expert_lora_merges_into_the_hubs_per_expert_tensors(
