@@ -258,7 +258,8 @@ class Assembler:
         if write.view_offset is not None:  # one of several tensors sharing a stored one
             key += f"@{write.view_offset}"
         self.report.tensor_checksums.setdefault(file, {})[key] = digest.hexdigest()
-        read = self.source.rounding_error(write.canonical)  # rounded as read (HF's gated norm)
+        # rounded as it was read (HF's gated norm under --allow-rounding); a fill read nothing
+        read = self.source.rounding_error(write.canonical) if write.copies else None
         if id(write) in self._rounded or read is not None:  # --allow-rounding: held by verify
             with self.counting:
                 errors = self.report.quantized.setdefault(file, {})
