@@ -101,9 +101,40 @@ def hf_tensors(spec: ModelSpec) -> list[Entry]:
     out.append(_whole("model.norm.weight", "decoder.final_layernorm.weight", (h,)))
     if not spec.tie_embeddings:
         out.append(_whole("lm_head.weight", OUTPUT, (spec.vocab_size, h)))
+    if family.name in QWEN_HYBRIDS:
+        out.extend(_qwen_mtp_tensors(spec, family.moe))
+        return out
     for k in range(spec.mtp_num_layers):
         out.extend(_mtp_tensors(spec, family.moe, k))
     return out
+
+
+QWEN_HYBRIDS = (hf_qwen35.MODEL_TYPE, hf_qwen3_next.MODEL_TYPE, hf_qwen3_next.QWEN35_MOE)
+
+
+def mtp_marker(spec: ModelSpec) -> str:
+    """The prefix of the HF names of ``spec``'s first MTP layer: a checkpoint holding none
+    was saved without it (transformers drops MTP layers when it saves)."""
+    if choose_family(spec).name in QWEN_HYBRIDS:
+        return hf_qwen35.MTP_HEAD
+    return f"model.layers.{spec.num_layers}."
+
+
+def _qwen_mtp_tensors(spec: ModelSpec, moe: MoeNaming | None) -> list[Entry]:
+    """The Qwen hybrids' MTP layer (``hf_qwen35.mtp_tensors``): a full-attention decoder layer
+    under ``mtp.layers.0.`` between its projection's norms and its final norm."""
+    if not spec.mtp_num_layers:
+        return []
+    if spec.mtp_num_layers > 1:
+        raise LayoutError(
+            f"mtp_num_layers={spec.mtp_num_layers}: the Qwen hybrids' releases share one "
+            "mtp.fc and its norms over their MTP layers, Megatron has them per layer; one maps"
+        )
+    head, src = f"{MTP_PREFIX}0.", mtp_layer_prefix(0)
+    own = [_whole(hf, canonical, shape) for hf, canonical, shape in
+           hf_qwen35.mtp_tensors(spec, head, src)]  # fmt: skip
+    layer = _layer_tensors(spec, moe, src, f"{hf_qwen35.MTP_HEAD}layers.0.", spec.mtp_is_moe)
+    return [*own[:3], *layer, own[3]]
 
 
 def per_name_tensors(spec: ModelSpec, where: str) -> list[Entry]:

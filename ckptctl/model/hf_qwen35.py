@@ -46,9 +46,10 @@ CONFIG_KEYS = frozenset(
 """Beyond the sizes, what the releases' configs say that transformers' classes do not read:
 ``attn_output_gate`` and ``output_gate_type`` (gated attention and the gated norm's SiLU, which
 the classes always apply: other values refused), ``mamba_ssm_dtype`` (the dtype inference
-engines keep the recurrent state in: no weight), and the multi-token prediction layers
-(``mtp_num_hidden_layers``; ``mtp.*`` weights, which transformers does not load and ckptctl
-does not map: ``mtp_warning``). Qwen2's window fields, which Qwen3-Next's releases keep, are
+engines keep the recurrent state in: no weight), and the multi-token prediction layer
+(``mtp_num_hidden_layers``: the hub's ``mtp.*`` weights, which transformers does not load,
+mapped to Megatron's MTP layer by ``mtp_tensors``; a model saved without them is read without
+it: ``mtp_warning``). Qwen2's window fields, which Qwen3-Next's releases keep, are
 read at their value of no window (``use_sliding_window: false``) and refused otherwise."""
 MTP_LAYERS = "mtp_num_hidden_layers"
 DEFAULT_INTERVAL = 4
@@ -70,8 +71,14 @@ def family_problems(spec: ModelSpec, cls: str, routed: bool = False) -> list[str
         problems.append(f"{cls}'s attention has an output gate (attention_output_gate)")
     if spec.add_bias_linear or spec.add_qkv_bias:
         problems.append(f"{cls} has no biases")
-    if spec.mla is not None or spec.mtp_num_layers or spec.attention_sinks:
-        problems.append(f"{cls} has no multi-latent attention, MTP layers or sinks")
+    if spec.mla is not None or spec.attention_sinks:
+        problems.append(f"{cls} has no multi-latent attention or sinks")
+    if spec.mtp_num_layers > 1:
+        problems.append(
+            f"{cls}'s releases share one mtp.fc and its norms over their MTP layers, Megatron "
+            f"has them per layer: one MTP layer maps, not {spec.mtp_num_layers} "
+            "(mtp_num_hidden_layers; Megatron's mtp_num_layers)"
+        )
     if spec.is_moe and not routed:
         problems.append(f"{cls} has no experts (Qwen3NextForCausalLM has)")
     if spec.rope_scaling is not None:
@@ -95,6 +102,9 @@ def config(spec: ModelSpec) -> dict[str, Any]:
             "partial_rotary_factor": spec.rotary_percent,
         },
     }
+    if spec.mtp_num_layers:
+        out[MTP_LAYERS] = spec.mtp_num_layers
+        out["mtp_use_dedicated_embeddings"] = False
     # transformers' sizes where no layer is linear
     out |= {
         key: getattr(gdn, field) if gdn is not None else default
@@ -146,6 +156,11 @@ def spec_fields(config: Mapping[str, Any]) -> dict[str, Any]:
     mtp = config.get(MTP_LAYERS, 0)
     if isinstance(mtp, bool) or not isinstance(mtp, int) or mtp < 0:
         problems.append(f"{MTP_LAYERS}={mtp!r} is not a layer count")
+    if mtp and config.get("mtp_use_dedicated_embeddings", False) is not False:
+        problems.append(
+            "mtp_use_dedicated_embeddings=true: Megatron's MTP layer shares the model's "
+            "embedding; ckptctl maps none of its own"
+        )
     if problems:
         raise LayoutError(problems)
     attention = tuple(i for i, kind in enumerate(kinds) if kind == "full_attention")
@@ -158,6 +173,7 @@ def spec_fields(config: Mapping[str, Any]) -> dict[str, Any]:
         "rotary_percent": rotary,
         "linear_attention": linear,
         "rope_scaling": None,
+        "mtp_num_layers": mtp if isinstance(mtp, int) else 0,
     }
 
 
@@ -187,16 +203,34 @@ def _partial_rotary(config: Mapping[str, Any], problems: list[str]) -> float:
     return float(factor)
 
 
-def mtp_warning(config: Mapping[str, Any], where: str) -> str | None:
+MTP_HEAD = "mtp."
+"""Where the releases keep their multi-token prediction layer."""
+
+
+def mtp_tensors(spec: ModelSpec, head: str, layer: str) -> list[tuple[str, str, Shape]]:
+    """(HF name, canonical name, shape) of the MTP layer's own tensors around its transformer
+    layer (HF ``mtp.layers.0.``, canonical ``layer``), as the releases name them (and vLLM and
+    Megatron-Bridge read them): ``fc`` is Megatron's ``eh_proj`` (the normed embedding's half
+    first, then the hidden state's), ``pre_fc_norm_embedding`` / ``pre_fc_norm_hidden`` its
+    ``enorm`` / ``hnorm``, ``norm`` its final norm. The embedding and output layer are the
+    model's own (no copies)."""
+    h = spec.hidden_size
+    return [
+        (f"{MTP_HEAD}fc.weight", f"{head}eh_proj.weight", (h, 2 * h)),
+        (f"{MTP_HEAD}pre_fc_norm_embedding.weight", f"{head}enorm.weight", (h,)),
+        (f"{MTP_HEAD}pre_fc_norm_hidden.weight", f"{head}hnorm.weight", (h,)),
+        (f"{MTP_HEAD}norm.weight", f"{head}final_layernorm.weight", (h,)),
+    ]
+
+
+def mtp_warning(count: int, where: str) -> str:
     """What to say of a Qwen3.5 / Qwen3-Next config announcing multi-token prediction layers
     when no ``mtp.*`` weight is read (transformers saved the model, or ``--text-only`` left
     them out): the model is whole without them, as transformers loads it."""
-    count = config.get(MTP_LAYERS, 0)
-    if not count or isinstance(count, bool):
-        return None
     return (
-        f"{where} announces {count} multi-token prediction layer(s) ({MTP_LAYERS}), which "
-        "transformers does not load and ckptctl does not map: read, and written, without them"
+        f"{where} announces {count} multi-token prediction layer(s) ({MTP_LAYERS}) but the "
+        "checkpoint holds no mtp.* weights (transformers drops them when it saves): read, and "
+        "written, without them"
     )
 
 
@@ -276,7 +310,8 @@ RULES = FamilyRules(
     holds=(
         "gated delta net layers between gated-attention layers (layer_types), q/k norms, "
         "partial RoPE, SwiGLU, norms scaling by 1 + weight (the gated norm by its weight: "
-        "shifted by one, exactly), tied or untied embeddings; no experts yet"
+        "shifted by one, exactly), tied or untied embeddings, the hub's MTP layer (mtp.*) as "
+        "Megatron's"
     ),
     problems=family_problems,
     config=config,

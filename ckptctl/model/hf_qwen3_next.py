@@ -9,9 +9,8 @@ config has no ``intermediate_size`` (no dense MLP): it is read as the experts' s
 
 Refused by name besides Qwen3.5's refusals: dense layers among the MoE ones
 (``decoder_sparse_step``, ``mlp_only_layers``: the common checks), a router of another kind,
-experts without the gated shared expert. The hub's multi-token prediction weights (``mtp.*``,
-which transformers does not load) are not mapped yet: a checkpoint holding them is refused by
-name.
+experts without the gated shared expert. The hub's multi-token prediction layer (``mtp.*``,
+which transformers does not load) is Megatron's MTP layer (``hf_qwen35.mtp_tensors``).
 """
 
 from __future__ import annotations
@@ -136,7 +135,7 @@ RULES = FamilyRules(
     holds=(
         "Qwen3.5's gated delta net and gated-attention layers (in_proj_qkvz / in_proj_ba "
         "grouped by key head) with routed SwiGLU experts in every layer and a sigmoid-gated "
-        "shared expert; the hub's MTP weights not yet"
+        "shared expert; the hub's MTP layer (mtp.*) as Megatron's"
     ),
     problems=family_problems,
     config=config,

@@ -13,7 +13,9 @@ Where the decoder's tensors are: transformers 5 saves ``model.language_model.*``
 LLaVA layout transformers 4 wrote) keep ``language_model.model.*`` and
 ``language_model.lm_head.weight``. Whether the output layer is stored is the wrapper's
 ``tie_word_embeddings`` (transformers ties a vision-language model's head by its top-level
-config), so that value is the text model's.
+config), so that value is the text model's. Qwen3.5's releases keep the decoder's multi-token
+prediction layer at the top (``mtp.*``, announced by ``text_config``'s
+``mtp_num_hidden_layers``): it is the text model's, read with it.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ LAYOUTS: tuple[tuple[tuple[str, str], ...], ...] = (
     (("model.language_model.", "model."), ("lm_head.", "lm_head.")),
     (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head.")),
 )
+MTP_HEAD, MTP_LAYERS = "mtp.", "mtp_num_hidden_layers"
 CARRIED = ("tie_word_embeddings", "torch_dtype", "dtype")
 """Top-level fields of the wrapper that decide the text model's too."""
 
@@ -85,6 +88,8 @@ def text_backbone(config: Mapping[str, Any], held: Iterable[str], where: str) ->
         )
     renames: dict[str, str] = {}
     omitted = []
+    if text.get(MTP_LAYERS):  # the decoder's MTP layer, kept under its own name
+        layout = (*layout, (MTP_HEAD, MTP_HEAD))
     for name in names:
         prefix = next((p for p in layout if name.startswith(p[0])), None)
         if prefix is None:

@@ -15,6 +15,12 @@ Modes (each takes ``--moe``):
     Megatron-LM's names, and megatron-core's TP forward on a fixed batch in
     ``OUT/reference.pt``.
 
+With ``--mtp`` the model has one multi-token prediction layer (megatron-core's
+``MultiTokenPredictionBlock``, built from the last layer's spec as ``get_gpt_mtp_block_spec``
+builds it, its norms the TE-like zero-centred ``Norm``), and ``reference.pt`` / ``load``'s
+output also hold its logits (``mtp_logits``: the output layer on the MTP layer's output, as
+``GPTModel`` computes its MTP loss) and the hidden states it starts from (``hidden``).
+
 ``forward CKPT OUT_PT``
     Loads a legacy TP=1 PP=2 checkpoint into one model per stage with
     ``load_state_dict(strict=True)`` (names and megatron-core's own order checked) and saves the
@@ -246,7 +252,34 @@ def block_spec(config: Any, layers: range, moe: bool = False) -> Any:
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=Norm)
 
 
-def megatron_args(tp: int, pp: int, ckpt_format: str, moe: bool = False) -> argparse.Namespace:
+def mtp_block_spec(layer_spec: Any) -> Any:
+    """One MTP layer around ``layer_spec`` (the last decoder layer's), as
+    ``get_mtp_layer_spec_for_backend`` assembles it, with the zero-centred ``Norm`` that TE's
+    norm is (the local backend's norm refuses zero-centred gamma)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+    from megatron.core.transformer.multi_token_prediction import (
+        MultiTokenPredictionBlockSubmodules,
+        MultiTokenPredictionLayer,
+        MultiTokenPredictionLayerSubmodules,
+    )
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    layer = ModuleSpec(
+        module=MultiTokenPredictionLayer,
+        submodules=MultiTokenPredictionLayerSubmodules(
+            enorm=Norm,
+            hnorm=Norm,
+            eh_proj=ColumnParallelLinear,
+            transformer_layer=layer_spec,
+            layer_norm=Norm,
+        ),
+    )
+    return MultiTokenPredictionBlockSubmodules(layer_specs=[layer])
+
+
+def megatron_args(
+    tp: int, pp: int, ckpt_format: str, moe: bool = False, mtp: bool = False
+) -> argparse.Namespace:
     """The ``args`` Megatron-LM stores for this model."""
     args = argparse.Namespace(
         tensor_model_parallel_size=tp,
@@ -268,6 +301,7 @@ def megatron_args(tp: int, pp: int, ckpt_format: str, moe: bool = False) -> argp
         qk_layernorm=True,
         apply_layernorm_1p=True,  # zero-centred norms (0.19: --layernorm-zero-centered-gamma)
         **GDN,
+        mtp_num_layers=1 if mtp else None,
     )
     if moe:
         for name, value in MOE.items():
@@ -276,8 +310,11 @@ def megatron_args(tp: int, pp: int, ckpt_format: str, moe: bool = False) -> argp
     return args
 
 
-def build(tp: int, pp_stage: int | None = None, moe: bool = False) -> torch.nn.Module:
-    """The whole model, or one of two pipeline stages (half the layers each)."""
+def build(
+    tp: int, pp_stage: int | None = None, moe: bool = False, mtp: bool = False
+) -> torch.nn.Module:
+    """The whole model, or one of two pipeline stages (half the layers each); ``mtp``: with
+    an MTP layer (the whole model only)."""
     from megatron.core.models.gpt import GPTModel
 
     layers = range(NUM_LAYERS) if pp_stage is None else range(pp_stage * 2, pp_stage * 2 + 2)
@@ -292,13 +329,16 @@ def build(tp: int, pp_stage: int | None = None, moe: bool = False) -> torch.nn.M
         layernorm_zero_centered_gamma=True,
         **GDN,
         **(MOE if moe else {}),
+        **({"mtp_num_layers": 1} if mtp else {}),
     )
     stages = (
         {} if pp_stage is None else {"pre_process": pp_stage == 0, "post_process": pp_stage == 1}
     )
+    spec = block_spec(config, layers, moe)
     return GPTModel(
         config=config,
-        transformer_layer_spec=block_spec(config, layers, moe),
+        transformer_layer_spec=spec,
+        mtp_block_spec=mtp_block_spec(spec.layer_specs[-1]) if mtp else None,
         vocab_size=padded_vocab_size(tp),
         max_sequence_length=64,
         parallel_output=False,
@@ -332,6 +372,31 @@ def logits_of(model: torch.nn.Module) -> torch.Tensor:
     return logits[..., :TRUE_VOCAB].float().contiguous()
 
 
+def outputs_of(model: torch.nn.Module, mtp: bool) -> Any:
+    """The logits; with ``mtp`` a dict of them, the MTP layer's logits and the hidden states
+    it starts from (``[batch, seq, ...]``), taken from the MTP block's input and output in
+    ``GPTModel``'s own forward (which, given labels, returns only losses)."""
+    if not mtp:
+        return logits_of(model)
+    input_ids = reference_input_ids(BATCH, SEQ)
+    seen: dict[str, torch.Tensor] = {}
+
+    def keep(module: Any, args: Any, kwargs: dict[str, Any], out: torch.Tensor) -> None:
+        seen["hidden"], seen["out"] = kwargs["hidden_states"], out
+
+    hook = model.mtp.register_forward_hook(keep, with_kwargs=True)
+    with torch.no_grad():
+        model(input_ids, position_ids(BATCH, SEQ), causal_mask(SEQ), labels=input_ids)
+        hook.remove()
+        main, extra = torch.chunk(seen["out"], 2, dim=0)
+        logits = [model.output_layer(x)[0].transpose(0, 1) for x in (main, extra)]
+    return {
+        "logits": logits[0][..., :TRUE_VOCAB].float().contiguous(),
+        "mtp_logits": logits[1][..., :TRUE_VOCAB].float().contiguous(),
+        "hidden": seen["hidden"].transpose(0, 1).float().contiguous(),
+    }
+
+
 def sum_out_norm_grads_over_tp(model: torch.nn.Module) -> None:
     """Sum each gated delta net ``out_norm`` gradient over TP, as megatron-core's
     ``finalize_model_grads`` does for a TE norm under ``--sequence-parallel`` (how Megatron
@@ -353,12 +418,19 @@ def sum_out_norm_grads_over_tp(model: torch.nn.Module) -> None:
 
 
 def write_worker(
-    rank: int, port: int, out_dir: Path, ckpt_format: str, drift: bool, steps: int, moe: bool
+    rank: int,
+    port: int,
+    out_dir: Path,
+    ckpt_format: str,
+    drift: bool,
+    steps: int,
+    moe: bool,
+    mtp: bool,
 ) -> None:
     cpu_patches()
     with model_parallel(rank, port, TP, tp=TP, cpu_as_cuda=True):
         torch.manual_seed(MODEL_SEED)  # the same full model on every rank
-        model = build(TP, moe=moe)
+        model = build(TP, moe=moe, mtp=mtp)
         randomise(model, rank)
         if not drift:
             sum_out_norm_grads_over_tp(model)
@@ -373,15 +445,16 @@ def write_worker(
         for _ in range(steps):
             train_step(ddp, optimizer, scheduler, [lm_batch(tokens)], global_batch=BATCH)
         state: dict[str, Any] = {
-            "args": megatron_args(TP, 1, ckpt_format, moe),
+            "args": megatron_args(TP, 1, ckpt_format, moe, mtp),
             "checkpoint_version": CHECKPOINT_VERSION,
             "iteration": ITERATION,
             "opt_param_scheduler": scheduler.state_dict(),
         }
         save_trained(out_dir, rank, ckpt_format, state, model, optimizer)
-        logits = logits_of(model)
+        outputs = outputs_of(model, mtp)
         if rank == 0:
-            reference = {"input_ids": reference_input_ids(BATCH, SEQ), "logits": logits}
+            reference = {"input_ids": reference_input_ids(BATCH, SEQ)}
+            reference |= outputs if mtp else {"logits": outputs}
             torch.save(reference, out_dir / "reference.pt")
             (out_dir / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
         dist.barrier()
@@ -394,15 +467,15 @@ def forward_worker(rank: int, port: int, ckpt: Path, out: Path, moe: bool) -> No
         torch.save(pp2_logits(ckpt, lambda stage: build(1, stage, moe), inputs), out)
 
 
-def load_worker(rank: int, port: int, ckpt: Path, out: Path, moe: bool) -> None:
+def load_worker(rank: int, port: int, ckpt: Path, out: Path, moe: bool, mtp: bool) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
     cpu_patches()
     with model_parallel(rank, port, TP, tp=TP, cpu_as_cuda=True):
         torch.manual_seed(MODEL_SEED + 1)  # not the saved weights: the load must set them
-        model = build(TP, moe=moe)
-        checkpoint_dir = ckpt / f"iter_{ITERATION:07d}"
+        model = build(TP, moe=moe, mtp=mtp)
+        (checkpoint_dir,) = [*ckpt.glob("iter_*"), *ckpt.glob("release")]  # any iteration
         loaded, missing, unexpected = dist_checkpointing.load(
             {"model": model.sharded_state_dict()},
             str(checkpoint_dir),
@@ -421,9 +494,9 @@ def load_worker(rank: int, port: int, ckpt: Path, out: Path, moe: bool) -> None:
         assert not missing and not unexpected, (sorted(missing), sorted(unexpected))
         model.load_state_dict(loaded["model"], strict=True)
         model.eval()
-        logits = logits_of(model)
+        outputs = outputs_of(model, mtp)
         if rank == 0:
-            torch.save(logits, out)
+            torch.save(outputs, out)
         dist.barrier()
 
 
@@ -437,20 +510,23 @@ def main(argv: list[str] | None = None) -> int:
     write.add_argument("--drift", action="store_true", help="leave out_norm's TP replicas apart")
     write.add_argument("--steps", type=int, choices=(0, 1), default=1, help="Adam steps taken")
     write.add_argument("--moe", action="store_true", help="Qwen3-Next's routed experts (MOE)")
+    write.add_argument("--mtp", action="store_true", help="one multi-token prediction layer")
     for mode in ("forward", "load"):
         read = sub.add_parser(mode)
         read.add_argument("ckpt", type=Path)
         read.add_argument("out", type=Path)
         read.add_argument("--moe", action="store_true")
+        if mode == "load":
+            read.add_argument("--mtp", action="store_true")
     args = parser.parse_args(argv)
     if args.mode == "write":
         args.out_dir.mkdir(parents=True, exist_ok=True)
         out = args.out_dir.resolve()
-        spawn(write_worker, TP, out, args.format, args.drift, args.steps, args.moe)
+        spawn(write_worker, TP, out, args.format, args.drift, args.steps, args.moe, args.mtp)
     elif args.mode == "forward":
         spawn(forward_worker, 1, args.ckpt.resolve(), args.out.resolve(), args.moe)
     else:
-        spawn(load_worker, TP, args.ckpt.resolve(), args.out.resolve(), args.moe)
+        spawn(load_worker, TP, args.ckpt.resolve(), args.out.resolve(), args.moe, args.mtp)
     return 0
 
 

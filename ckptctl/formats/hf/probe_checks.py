@@ -59,8 +59,8 @@ def refuse_unmapped(names: set[str], spec: ModelSpec, storage: Storage) -> None:
         why = "is the config the checkpoint's own?"
         if all(n.startswith(_QWEN_MTP) for n in dropped) and spec.linear_attention is not None:
             why = (
-                "Qwen3-Next / Qwen3.5 multi-token prediction weights, not mapped yet; "
-                "transformers does not load them either: convert a copy without them"
+                "Qwen3-Next / Qwen3.5 multi-token prediction weights beyond the "
+                "mtp_num_hidden_layers the config announces: is the config the checkpoint's own?"
             )
         raise CheckpointError(
             f"{storage.describe(CONFIG)}: the checkpoint holds {shown}, which the model this "

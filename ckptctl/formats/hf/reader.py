@@ -47,10 +47,11 @@ from ckptctl.model.hf_layout import (
     INDEX,
     SINGLE,
     hf_tensors,
+    mtp_marker,
     packed_expert,
     shared_original,
 )
-from ckptctl.model.hf_qwen35 import mtp_warning, value_shift
+from ckptctl.model.hf_qwen35 import MTP_HEAD, mtp_warning, value_shift
 from ckptctl.model.hf_text_backbone import TEXT_CONFIG
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.stored import (
@@ -349,18 +350,19 @@ def probe_hf(
 
     warnings: tuple[str, ...] = ()
     if spec.mtp_num_layers:
-        first = f"model.layers.{spec.num_layers}."
+        first = mtp_marker(spec)
         if not any(name.startswith(first) for name in held_names()):
-            # transformers saves DeepSeek-V3 and GLM-4.5 without their MTP layers (it never
-            # loads them) and keeps num_nextn_predict_layers: the model is whole without them.
+            # transformers saves DeepSeek-V3, GLM-4.5 and the Qwen hybrids without their MTP
+            # layers (it never loads them) and keeps the count: the model is whole without them.
+            where = storage.describe(CONFIG)
             warnings = (
-                f"{storage.describe(CONFIG)} announces {spec.mtp_num_layers} multi-token "
+                mtp_warning(spec.mtp_num_layers, where)
+                if first == MTP_HEAD
+                else f"{where} announces {spec.mtp_num_layers} multi-token "
                 "prediction layer(s) (num_nextn_predict_layers) but the checkpoint holds none "
                 "(transformers drops them when it saves): read, and written, without them",
             )
             spec = spec.model_copy(update={"mtp_num_layers": 0})
-    if spec.linear_attention is not None and not any(n.startswith("mtp.") for n in held_names()):
-        warnings += tuple(filter(None, [mtp_warning(model, storage.describe(CONFIG))]))
     quantized: dict[tuple[str, str], tuple[str, str]] = {}
     used: set[str] = set()
     copies: list[tuple[str, str, str]] = []

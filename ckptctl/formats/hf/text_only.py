@@ -48,6 +48,6 @@ def text_only_hint(config: Mapping[str, Any]) -> str | None:
     if is_multimodal(config) and isinstance(text, Mapping) and has_family_table(text):
         return (
             f"its text decoder ({text.get('model_type')}) converts alone with --text-only "
-            "(the vision tower and the rest left out)"
+            "(the vision tower and projector left out; an MTP layer its config announces kept)"
         )
     return None

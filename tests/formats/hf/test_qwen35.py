@@ -363,17 +363,3 @@ def test_the_routed_hybrids_go_to_megatron_with_experts_and_back_bit_exactly(
     written = json.loads((back / "config.json").read_text())
     assert written["architectures"] == [family]
     assert ("intermediate_size" in written) == (family == "Qwen3NextForCausalLM")
-
-
-def test_the_hubs_multi_token_prediction_weights_are_refused_by_name(tmp_path: Path, cli) -> None:
-    """Qwen3-Next's releases keep an MTP layer under ``mtp.*``, which transformers does not
-    load and ckptctl does not map yet: refused, naming them, never dropped silently."""
-    src = tmp_path / "hf"
-    saved_model(transformers.Qwen3NextConfig(**NEXT), src, seed=3)
-    weights = tensors(src)
-    weights["mtp.fc.weight"] = torch.zeros(64, 128)
-    safetensors_torch.save_file(weights, src / "model.safetensors", metadata={"format": "pt"})
-    result = cli("reshard", src, tmp_path / "out", "--tp", "2", "--format", "megatron", code=3)
-    assert "the checkpoint holds mtp.fc.weight" in result.stderr
-    assert "multi-token prediction weights, not mapped yet" in result.stderr
-    assert not (tmp_path / "out").exists()

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests.formats.hf.models import logits, tensors
+from tests.formats.hf.qwen_mtp import add_hub_mtp
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -114,18 +115,8 @@ def _release(kind: str, root: Path, shard: str | None = None) -> torch.nn.Module
             if name.endswith("linear_attn.norm.weight"):
                 param.copy_(1.0 + 0.1 * torch.randn(param.shape))
     model.save_pretrained(root, **({"max_shard_size": shard} if shard else {}))
-    if kind.startswith("qwen3_5") and shard is None:  # the release's MTP layer (never loaded)
-        path = root / "model.safetensors"
-        held = safetensors_torch.load_file(path)
-        h = config.text_config.hidden_size
-        held |= {
-            "mtp.fc.weight": torch.randn(h, 2 * h),
-            "mtp.norm.weight": torch.randn(h),
-            "mtp.pre_fc_norm_embedding.weight": torch.randn(h),
-            "mtp.pre_fc_norm_hidden.weight": torch.randn(h),
-            "mtp.layers.0.input_layernorm.weight": torch.randn(h),
-        }
-        safetensors_torch.save_file(held, path, metadata={"format": "pt"})
+    if kind.startswith("qwen3_5") and shard is None:  # the release's MTP layer (at the top)
+        add_hub_mtp(root, seed=7, decoder="model.language_model.")
     return model.eval()
 
 
@@ -156,6 +147,8 @@ def _decoder(saved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
                 out["model." + name.removeprefix(prefix)] = tensor
         if name in ("lm_head.weight", "language_model.lm_head.weight"):
             out["lm_head.weight"] = tensor
+        if name.startswith("mtp."):  # the decoder's MTP layer, at the top of the release
+            out[name] = tensor
     return out
 
 
@@ -188,13 +181,14 @@ def test_the_text_decoder_goes_to_megatron_and_back_as_transformers_reads_it(
         _in_memory_names(src)
         again = type(model).from_pretrained(src, dtype=torch.float32).eval()
         assert torch.equal(logits(again, IDS), logits(model, IDS))  # transformers reads it so
-    decoder_prefixes = ("model.language_model.", "language_model.", "lm_head.")  # and LLaVA's
+    # the decoder's, LLaVA's, and the decoder's MTP layer
+    decoder_prefixes = ("model.language_model.", "language_model.", "lm_head.", "mtp.")
     omitted = sum(not name.startswith(decoder_prefixes) for name in tensors(src))
     info = cli.json("inspect", src, "--text-only")
     assert any(f"{omitted} tensors outside it" in note for note in info["notes"]), info["notes"]
     if kind.startswith("qwen3_5"):
-        assert any("model.visual.*" in n and "mtp.*" in n for n in info["notes"]), info["notes"]
-        assert any("multi-token prediction layer" in w for w in info["warnings"]), info
+        assert any("model.visual.*" in n and "mtp" not in n for n in info["notes"]), info
+        assert info["spec"]["mtp_num_layers"] == 1
     megatron, back = tmp_path / "megatron", tmp_path / "back"
     args = ["--tp", "2", "--pp", "2", "--format", form, "--text-only"]
     if kind == "qwen3_5_moe":

@@ -251,3 +251,53 @@ def test_the_hybrid_with_experts_moves_with_its_adam_state(
     cli("reshard", moe_trained, direct, "--tp", "2", "--pp", "1", "--format", "megatron")
     assert cli.json("inspect", direct)["has_optimizer"]
     assert_same_rank_files(back, direct)
+
+
+@pytest.fixture(scope="module")
+def mtp_untrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3-Next's shape with one MTP layer (``--moe --mtp``), saved ``torch_dist``."""
+    root = tmp_path_factory.mktemp("gdn_mtp_untrained")
+    run_oracle(ORACLE, "write", root, "--format", "torch_dist", "--steps", "0", "--moe", "--mtp")
+    return root
+
+
+def test_the_mtp_layer_becomes_the_releases_mtp_with_megatron_cores_logits(
+    mtp_untrained: Path, tmp_path: Path, cli
+) -> None:
+    """megatron-core's MTP layer becomes the hub's ``mtp.*`` (``tests/formats/hf/qwen_mtp.py``):
+    transformers' modules, run as vLLM runs the releases' MTP layer on transformers' own final
+    hidden states, give megatron-core's MTP logits (and a swap of its two norms would not);
+    back from HF through legacy TP1 PP2 (the MTP layer on the last stage) to ``torch_dist``
+    TP2, megatron-core's ``dist_checkpointing.load`` finds every MTP key and gives bitwise its
+    logits, MTP logits and hidden states."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    from tests.formats.hf.qwen_mtp import mtp_logits
+
+    hf = tmp_path / "hf"
+    cli("consolidate", mtp_untrained, hf, "--format", "hf")
+    assert json.loads((hf / "config.json").read_text())["mtp_num_hidden_layers"] == 1
+    reference = torch.load(mtp_untrained / "reference.pt")
+    ids = reference["input_ids"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    with torch.no_grad():
+        hidden = model.model(ids).last_hidden_state
+        assert _relative(model.lm_head(hidden), reference["logits"]) < 1e-5
+    assert _relative(mtp_logits(hf, ids, hidden), reference["mtp_logits"]) < 1e-5
+    weights = load_file(hf / "model.safetensors")
+    embedding, hidden_norm = "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight"
+    weights[embedding], weights[hidden_norm] = weights[hidden_norm], weights[embedding]
+    swapped = tmp_path / "swapped"
+    shutil.copytree(hf, swapped)
+    save_file(weights, swapped / "model.safetensors", metadata={"format": "pt"})
+    assert _relative(mtp_logits(swapped, ids, hidden), reference["mtp_logits"]) > 1e-3
+
+    pp2, back, out = tmp_path / "pp2", tmp_path / "back", tmp_path / "outputs.pt"
+    cli("reshard", hf, pp2, "--tp", "1", "--pp", "2", "--format", "megatron")
+    assert (pp2 / "release" / "mp_rank_00_001").is_dir()
+    cli("reshard", pp2, back, "--tp", "2", "--pp", "1", "--format", "torch_dist")
+    run_oracle(ORACLE, "load", back, out, "--moe", "--mtp")
+    outputs = torch.load(out)
+    for key in ("logits", "mtp_logits", "hidden"):
+        assert torch.equal(outputs[key], reference[key]), key
