@@ -82,6 +82,10 @@ def test_a_release_with_its_mtp_layer_goes_to_megatron_and_back_bit_exactly(
         assert torch.equal(model["mtp.layers.0.eh_proj.weight"], fc[: fc.shape[0] // 2])
         enorm = mtp["mtp.pre_fc_norm_embedding.weight"]
         assert torch.equal(model["mtp.layers.0.enorm.weight"], enorm)
+    against = cli.json("verify", megatron, "--against", src)
+    assert against["ok"] and "mtp.layers.0.eh_proj.weight" in {
+        t["name"] for t in against["tensors"] if t["equal"]
+    }
     back = tmp_path / "back"
     cli("consolidate", megatron, back, "--format", "hf")
     mine, theirs = tensors(back), tensors(src)
