@@ -19,38 +19,21 @@ import torch
 
 from tests.formats.hf.models import logits, saved_model, tensors
 from tests.formats.hf.qwen_mtp import add_hub_mtp
+from tests.formats.hf.test_qwen35 import IDS, NEXT, SMALL
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-VOCAB = 300
-IDS = torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(3))
-SMALL = dict(
-    hidden_size=64,
-    intermediate_size=48,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=VOCAB,
-    linear_key_head_dim=16,
-    linear_value_head_dim=8,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-)
-ROUTED = dict(
-    moe_intermediate_size=32, shared_expert_intermediate_size=40, num_experts=4,
-    num_experts_per_tok=2,
-)  # fmt: skip
+KINDS = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+"""Two attention layers: the MTP layer is named as the first one (layer 1) in the release."""
 
 
 def _release(root: Path, family: str) -> dict[str, torch.Tensor]:
     """A model of ``family`` transformers saved, with an MTP layer as the releases hold it."""
     if family == "Qwen3NextForCausalLM":
-        config = transformers.Qwen3NextConfig(**SMALL, **ROUTED)
+        config = transformers.Qwen3NextConfig(**NEXT, layer_types=KINDS)
     else:
-        config = transformers.Qwen3_5TextConfig(**SMALL)
+        config = transformers.Qwen3_5TextConfig(**SMALL, layer_types=KINDS)
     model = saved_model(config, root, seed=5)
     with torch.no_grad():  # gated norms near one, as a trained model's are
         for name, param in model.named_parameters():
