@@ -41,3 +41,16 @@ def run(*args: object, timeout: float = 900) -> str:
             f"{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
         )
     return done.stdout
+
+
+OMEGACONF = ("omegaconf-2.3.0", "omegaconf==2.3.0")
+ANTLR = ("antlr4-4.9.3", "antlr4-python3-runtime==4.9.3")
+"""What Megatron-Bridge's config module needs beyond its wheel (``omegaconf`` and the parser
+runtime it pins), each installed without dependencies into a directory of its own."""
+
+
+def oracle_args() -> list[str]:
+    """``--bridge SITE --bridge-deps DIRS``: what an oracle saving with Megatron-Bridge's own
+    ``save_checkpoint`` (``tests/oracles/megatron_bridge_save.py``) is given."""
+    deps = [pip_target(*OMEGACONF), pip_target(*ANTLR)]
+    return ["--bridge", str(site()), "--bridge-deps", ",".join(map(str, deps))]

@@ -85,8 +85,9 @@ def refuse_dp_reshardable(ckpt: Checkpoint) -> None:
             f"{ckpt.storage.url}: optimizer state is dp_reshardable (grad-buffer buckets of the "
             f"saved {ckpt.view.layout.describe()} layout) that could not be placed on the "
             "model's parameters (see the warning), so it cannot move; re-save it with "
-            "--dist-ckpt-optim-fully-reshardable, or take the weights alone with consolidate "
-            "--format hf"
+            "--dist-ckpt-optim-fully-reshardable (Megatron-Bridge: "
+            "checkpoint.dist_ckpt_optim_fully_reshardable: true), or take the weights alone "
+            "with consolidate --format hf"
         )
 
 

@@ -21,6 +21,11 @@ builds it, its norms the TE-like zero-centred ``Norm``), and ``reference.pt`` / 
 output also hold its logits (``mtp_logits``: the output layer on the MTP layer's output, as
 ``GPTModel`` computes its MTP loss) and the hidden states it starts from (``hidden``).
 
+With ``--bridge SITE --bridge-deps DIR,DIR`` the model is saved by Megatron-Bridge's own
+``save_checkpoint`` instead (``megatron_bridge_save``: ``torch_dist`` with ``run_config.yaml``
+and no Megatron-LM ``args``), its config's model Megatron-Bridge's ``Qwen3NextModelProvider``
+with this model's sizes (``bridge_fields``).
+
 ``forward CKPT OUT_PT``
     Loads a legacy TP=1 PP=2 checkpoint into one model per stage with
     ``load_state_dict(strict=True)`` (names and megatron-core's own order checked) and saves the
@@ -61,9 +66,18 @@ from mcore_checkpoints import pp2_logits, save_trained
 from mcore_cpu import (
     CHECKPOINT_VERSION,
     DATA_SEED,
+    FFN_HIDDEN,
+    HIDDEN,
     ITERATION,
+    KV_CHANNELS,
+    MAKE_VOCAB_DIVISIBLE_BY,
+    MAX_POSITIONS,
     MODEL_SEED,
+    NORM_EPS,
     NORM_SEED,
+    NUM_HEADS,
+    NUM_QUERY_GROUPS,
+    ROTARY_BASE,
     TRUE_VOCAB,
     causal_mask,
     lm_batch,
@@ -417,6 +431,44 @@ def sum_out_norm_grads_over_tp(model: torch.nn.Module) -> None:
             param.register_hook(summed)
 
 
+def bridge_fields(mtp: bool) -> dict[str, Any]:
+    """Megatron-Bridge's ``Qwen3NextModelProvider`` fields for the ``--moe`` model: its sizes,
+    and where the CPU model differs from the provider's defaults (megatron-core's sequential
+    experts, not TE's grouped GEMM; no router aux loss, fp32 parameters)."""
+    return {
+        "num_layers": NUM_LAYERS,
+        "hidden_size": HIDDEN,
+        "ffn_hidden_size": FFN_HIDDEN,
+        "num_attention_heads": NUM_HEADS,
+        "num_query_groups": NUM_QUERY_GROUPS,
+        "kv_channels": KV_CHANNELS,
+        "vocab_size": TRUE_VOCAB,
+        "should_pad_vocab": True,
+        "make_vocab_size_divisible_by": MAKE_VOCAB_DIVISIBLE_BY,
+        "share_embeddings_and_output_weights": False,
+        "rotary_base": ROTARY_BASE,
+        "rotary_percent": ROTARY_PERCENT,
+        "layernorm_epsilon": NORM_EPS,
+        "seq_length": SEQ,
+        "max_position_embeddings": MAX_POSITIONS,
+        "linear_attention_freq": FREQ,
+        **GDN,
+        "num_moe_experts": MOE["num_moe_experts"],
+        "moe_ffn_hidden_size": MOE["moe_ffn_hidden_size"],
+        "moe_router_topk": MOE["moe_router_topk"],
+        "moe_shared_expert_intermediate_size": MOE["moe_shared_expert_intermediate_size"],
+        "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0,
+        "moe_token_dispatcher_type": "allgather",
+        "moe_grouped_gemm": False,
+        "tensor_model_parallel_size": TP,
+        "expert_tensor_parallel_size": TP,
+        "mtp_num_layers": 1 if mtp else None,
+        "bf16": False,
+        "params_dtype": torch.float32,
+    }
+
+
 def write_worker(
     rank: int,
     port: int,
@@ -426,7 +478,13 @@ def write_worker(
     steps: int,
     moe: bool,
     mtp: bool,
+    bridge: list[Path] | None = None,
+    distributed: str | None = None,
 ) -> None:
+    if bridge is not None:
+        from megatron_bridge_save import import_bridge
+
+        import_bridge(bridge[0], bridge[1:])
     cpu_patches()
     with model_parallel(rank, port, TP, tp=TP, cpu_as_cuda=True):
         torch.manual_seed(MODEL_SEED)  # the same full model on every rank
@@ -436,7 +494,7 @@ def write_worker(
             sum_out_norm_grads_over_tp(model)
         # one step of megatron-core's Adam (per-parameter optimizer), so the state is real
         ddp, optimizer, scheduler = wrap_for_training(
-            model.config, model, global_batch=BATCH, distributed=False
+            model.config, model, global_batch=BATCH, distributed=distributed is not None
         )
         model.eval()  # no dropout here anyway
         tokens = torch.randint(
@@ -450,7 +508,16 @@ def write_worker(
             "iteration": ITERATION,
             "opt_param_scheduler": scheduler.state_dict(),
         }
-        save_trained(out_dir, rank, ckpt_format, state, model, optimizer)
+        if bridge is None:
+            save_trained(out_dir, rank, ckpt_format, state, model, optimizer)
+        else:
+            from megatron_bridge_save import save_with_bridge
+
+            provider = "qwen.qwen_provider.Qwen3NextModelProvider"
+            fields = bridge_fields(mtp)
+            save_with_bridge(
+                out_dir, provider, fields, ddp, optimizer, scheduler, ITERATION, distributed
+            )
         outputs = outputs_of(model, mtp)
         if rank == 0:
             reference = {"input_ids": reference_input_ids(BATCH, SEQ)}
@@ -511,6 +578,13 @@ def main(argv: list[str] | None = None) -> int:
     write.add_argument("--steps", type=int, choices=(0, 1), default=1, help="Adam steps taken")
     write.add_argument("--moe", action="store_true", help="Qwen3-Next's routed experts (MOE)")
     write.add_argument("--mtp", action="store_true", help="one multi-token prediction layer")
+    write.add_argument("--bridge", type=Path, help="Megatron-Bridge's site: save with it")
+    write.add_argument("--bridge-deps", default="", help="omegaconf's sites, comma-separated")
+    write.add_argument(
+        "--distopt",
+        choices=("dp_reshardable", "fully_reshardable"),
+        help="megatron-core's distributed Adam, its state saved so (with --bridge)",
+    )
     for mode in ("forward", "load"):
         read = sub.add_parser(mode)
         read.add_argument("ckpt", type=Path)
@@ -522,7 +596,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode == "write":
         args.out_dir.mkdir(parents=True, exist_ok=True)
         out = args.out_dir.resolve()
-        spawn(write_worker, TP, out, args.format, args.drift, args.steps, args.moe, args.mtp)
+        bridge = None
+        if args.bridge is not None:
+            bridge = [args.bridge, *(Path(d) for d in args.bridge_deps.split(",") if d)]
+        spawn(
+            write_worker,
+            TP,
+            out,
+            args.format,
+            args.drift,
+            args.steps,
+            args.moe,
+            args.mtp,
+            bridge,
+            args.distopt,
+        )
     elif args.mode == "forward":
         spawn(forward_worker, 1, args.ckpt.resolve(), args.out.resolve(), args.moe)
     else:

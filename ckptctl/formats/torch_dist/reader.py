@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from ckptctl.errors import CheckpointError, CheckpointNotFoundError
+from ckptctl.errors import CheckpointError, CheckpointNotFoundError, LayoutError
 from ckptctl.formats.dcp.files import files_of, join, read_metadata
 from ckptctl.formats.dcp.metadata import BytesEntry, DcpMetadata, StorageInfo, TensorEntry
 from ckptctl.formats.dcp.records import RecordWindow, open_record
@@ -24,6 +24,7 @@ from ckptctl.formats.megatron.args import (
 from ckptctl.formats.megatron.distopt_layout import DP_RESHARDABLE_PREFIX, is_bucket_key
 from ckptctl.formats.megatron.target_style import expert_naming_from_args
 from ckptctl.formats.torch_dist import dp_reshardable
+from ckptctl.formats.torch_dist.bridge_config import RUN_CONFIG, args_from_model, model_section
 from ckptctl.formats.torch_dist.checkpoint import TorchDistCheckpoint
 from ckptctl.formats.torch_dist.layout import (
     COMMON,
@@ -63,12 +64,13 @@ def _common_state(
             f"{storage.describe(rel)}: missing; a torch_dist checkpoint keeps its args there"
         )
     if described and isinstance(tree, dict):
-        return tree, step, tensors  # the model described beside it (verl's Megatron actor)
+        return tree, step, tensors  # the model described beside it (verl's, Megatron-Bridge's)
     if not isinstance(tree, dict) or not isinstance(tree.get("args"), argparse.Namespace):
         raise CheckpointError(
             f"{storage.describe(rel)}: no 'args' namespace, which Megatron-LM saves and ckptctl "
-            "reads the model from; a verl Megatron actor's dist_ckpt is read from its actor "
-            "directory (beside huggingface/config.json): give that directory"
+            f"reads the model from, and no Megatron-Bridge {RUN_CONFIG} beside it; a verl "
+            "Megatron actor's dist_ckpt is read from its actor directory (beside "
+            "huggingface/config.json): give that directory"
         )
     return tree, step, tensors
 
@@ -164,11 +166,22 @@ def probe_torch_dist(
     """``described``: the model and the run as saved beside a checkpoint whose common state
     holds no Megatron-LM ``args`` (verl's Megatron actor), in ``args``' terms."""
     metadata = read_metadata(storage, base)
+    bridge = described is None and storage.exists(join(base, RUN_CONFIG))
     common, common_step, common_tensors = _common_state(
-        storage, base, metadata, described is not None
+        storage, base, metadata, described is not None or bridge
     )
+    if bridge and not isinstance(common.get("args"), argparse.Namespace):
+        described = _bridge_run(storage, base, common)
     args = common["args"] if described is None else _with_optimizer(described.args, common)
-    spec = spec_from_args(args, true_vocab_size, trusted)
+    try:
+        spec = spec_from_args(args, true_vocab_size, trusted)
+    except LayoutError as err:
+        if not bridge:
+            raise
+        where = storage.describe(join(base, RUN_CONFIG))  # its fields, by their names there
+        raise LayoutError(
+            [f"{where}: {p.replace('args.', 'model.')}" for p in err.problems]
+        ) from None
     layout = layout_from_args(args)
     where = storage.describe(join(base, COMMON))
     check_saved_layout(args, spec, layout, where)
@@ -251,8 +264,15 @@ def probe_torch_dist(
         )
     if buckets and described is not None:
         warnings.append(
-            "optimizer state is dp_reshardable, whose buckets follow the run's DDP settings, "
-            "which this checkpoint does not record: only the weights can be taken from it"
+            "optimizer state is dp_reshardable, whose buckets follow the run's data-parallel "
+            "size and DDP settings, which this checkpoint does not record: only the weights can "
+            "be taken from it"
+            + (
+                " (Megatron-Bridge saves Adam's state readably with "
+                "checkpoint.dist_ckpt_optim_fully_reshardable: true)"
+                if bridge
+                else ""
+            )
         )
     elif buckets:
         weight_dtype = next(t.dtype for _, t in placed if "/" not in t.canonical)
@@ -308,6 +328,19 @@ def _with_optimizer(args: argparse.Namespace, common: dict[str, Any]) -> argpars
     names its sharding."""
     sharding = dense_optimizer(common.get("optimizer")).get("param_state_sharding_type")
     return argparse.Namespace(**{**vars(args), "use_distributed_optimizer": sharding is not None})
+
+
+def _bridge_run(storage: Storage, base: str, common: dict[str, Any]) -> Described:
+    """A Megatron-Bridge checkpoint's run, from its ``run_config.yaml`` (``bridge_config``)."""
+    where = storage.describe(join(base, RUN_CONFIG))
+    model = model_section(storage.read_text(join(base, RUN_CONFIG)), where)
+    args = args_from_model(model, where)
+    number = _directory_number(base)
+    iteration = checked_iteration(
+        common.get("iteration"), storage.describe(join(base, COMMON)), number
+    )
+    note = f"Megatron-Bridge checkpoint: the model from {RUN_CONFIG} ({model.get('_target_')})"
+    return Described(args, iteration, (note,))
 
 
 def _directory_number(base: str) -> int | None:

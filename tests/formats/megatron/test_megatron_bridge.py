@@ -1,0 +1,181 @@
+"""Megatron-Bridge's own training checkpoints (issue 56): ``torch_dist`` without Megatron-LM's
+``args``, the model described by ``run_config.yaml`` (its provider's fields), as Megatron-Bridge
+0.3.1's ``save_checkpoint`` writes them for the families it trains (here Qwen3-Next: gated delta
+net and gated attention, routed experts with a gated shared expert, one MTP layer).
+
+``tests/oracles/megatron_core_gdn.py --moe --mtp --bridge ...`` builds the model on megatron-core
+0.16.1 at TP2 (its CPU shims named there), takes 0 or 1 step of megatron-core's Adam and saves
+it with Megatron-Bridge's ``save_checkpoint`` (its own shims in
+``tests/oracles/megatron_bridge_save.py``), the config's model Megatron-Bridge's
+``Qwen3NextModelProvider`` with the model's sizes. ckptctl must read it as that model: to HF
+with transformers' logits (and the MTP layer's, run by transformers' modules) equal to
+megatron-core's; resharded with its Adam state into ``torch_dist`` that megatron-core's
+``dist_checkpointing.load`` takes with bitwise megatron-core's outputs; and a field of the config
+it cannot carry refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests import megatron_bridge_peft
+from tests.formats.megatron.rank_files import assert_same_rank_files
+from tests.oracle_runner import run_oracle
+
+pytest.importorskip("megatron.core", reason="megatron-core 0.16.1 runs the model")
+transformers = pytest.importorskip("transformers")
+
+ORACLE = "megatron_core_gdn.py"
+MODEL = ("--moe", "--mtp")
+pytestmark = pytest.mark.oracle
+
+
+def _written(root: Path, steps: str) -> Path:
+    bridge = megatron_bridge_peft.oracle_args()
+    run_oracle(ORACLE, "write", root, "--format", "torch_dist", "--steps", steps, *MODEL, *bridge)
+    return root
+
+
+@pytest.fixture(scope="module")
+def untrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _written(tmp_path_factory.mktemp("bridge_untrained"), "0")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _written(tmp_path_factory.mktemp("bridge_trained"), "1")
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).norm() / want.norm()).item()
+
+
+def test_megatron_bridges_checkpoint_holds_no_args_but_its_run_config(untrained: Path) -> None:
+    """What makes it Megatron-Bridge's: no ``args`` in ``common.pt``, ``run_config.yaml``."""
+    iteration = untrained / "iter_0000001"
+    common = torch.load(iteration / "common.pt", weights_only=False)
+    assert "args" not in common
+    assert "Qwen3NextModelProvider" in (iteration / "run_config.yaml").read_text()
+
+
+def test_it_becomes_hf_with_megatron_cores_logits(untrained: Path, tmp_path: Path, cli) -> None:
+    from tests.formats.hf.qwen_mtp import mtp_logits
+
+    info = cli.json("inspect", untrained)
+    assert any("Megatron-Bridge checkpoint" in note for note in info["notes"]), info["notes"]
+    spec = info["spec"]
+    assert spec["num_experts"] == 4 and spec["moe_shared_expert_gate"]
+    assert spec["mtp_num_layers"] == 1 and spec["attention_output_gate"]
+    assert spec["linear_attention"]["attention_layers"] == [1, 3]
+    assert spec["vocab_size"] == 1000 and not spec["tie_embeddings"]
+    hf = tmp_path / "hf"
+    cli("consolidate", untrained, hf, "--format", "hf")
+    config = json.loads((hf / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3NextForCausalLM"]
+    reference = torch.load(untrained / "reference.pt")
+    ids = reference["input_ids"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    with torch.no_grad():
+        hidden = model.model(ids).last_hidden_state
+        assert _relative(model.lm_head(hidden), reference["logits"]) < 1e-5
+    assert _relative(mtp_logits(hf, ids, hidden), reference["mtp_logits"]) < 1e-5
+
+
+def test_it_reshards_with_its_adam_state_into_megatron_core(
+    trained: Path, tmp_path: Path, cli
+) -> None:
+    """To ``torch_dist`` TP1 (megatron-core cuts it to TP2 on load) with bitwise megatron-core's
+    logits, MTP logits and hidden states; through legacy TP1 PP2 and back, the rank files of
+    the direct conversion, Adam state included."""
+    assert cli.json("inspect", trained)["has_optimizer"]
+    tp1, out = tmp_path / "tp1", tmp_path / "outputs.pt"
+    cli("reshard", trained, tp1, "--tp", "1", "--format", "torch_dist")
+    run_oracle(ORACLE, "load", tp1, out, *MODEL)
+    reference, outputs = torch.load(trained / "reference.pt"), torch.load(out)
+    for key in ("logits", "mtp_logits", "hidden"):
+        assert torch.equal(outputs[key], reference[key]), key
+    pp2, back, direct = tmp_path / "pp2", tmp_path / "back", tmp_path / "direct"
+    cli("reshard", trained, pp2, "--tp", "1", "--pp", "2", "--format", "megatron")
+    cli("reshard", pp2, back, "--tp", "2", "--pp", "1", "--format", "megatron")
+    cli("reshard", trained, direct, "--tp", "2", "--pp", "1", "--format", "megatron")
+    assert cli.json("inspect", direct)["has_optimizer"]
+    assert_same_rank_files(back, direct)
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "message"),
+    [
+        ("  softmax_scale: null", "  softmax_scale: 0.25", "model.softmax_scale=0.25"),
+        ("  qk_l2_norm: false", "  qk_l2_norm: true", "model.qk_l2_norm=True"),
+        (
+            "_target_: megatron.bridge.models.qwen.qwen_provider.Qwen3NextModelProvider",
+            "_target_: megatron.bridge.models.gemma.gemma3_provider.Gemma3ModelProvider",
+            "model._target_='megatron.bridge.models.gemma.gemma3_provider.Gemma3ModelProvider'",
+        ),
+        ("_target_: torch.nn.functional.silu", "_target_: torch.nn.functional.relu",
+         "model.activation_func='torch.nn.functional.relu'"),
+        (
+            "get_transformer_block_with_experimental_attention_variant_spec",
+            "get_gpt_heterogeneous_layer_spec",
+            "model.transformer_layer_spec=",
+        ),
+    ],
+)  # fmt: skip
+def test_a_field_ckptctl_cannot_carry_is_refused_by_name(
+    untrained: Path, tmp_path: Path, cli, old: str, new: str, message: str
+) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(untrained, src)
+    config = src / "iter_0000001" / "run_config.yaml"
+    text = config.read_text()
+    assert old in text
+    config.write_text(text.replace(old, new, 1))
+    result = cli("reshard", src, tmp_path / "out", "--tp", "1", code=2)
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert "iter_0000001/run_config.yaml: " in result.stderr
+
+
+@pytest.fixture(scope="module", params=["fully_reshardable", "dp_reshardable"])
+def distributed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Trained with megatron-core's distributed Adam, its state saved in either form."""
+    root = tmp_path_factory.mktemp(f"bridge_{request.param}")
+    bridge = megatron_bridge_peft.oracle_args()
+    run_oracle(ORACLE, "write", root, "--format", "torch_dist", *MODEL, *bridge,
+               "--distopt", request.param)  # fmt: skip
+    return root
+
+
+def test_the_distributed_optimizers_state_moves_where_the_run_says_how(
+    distributed: Path, tmp_path: Path, cli
+) -> None:
+    """``fully_reshardable`` state (per parameter) reshards through TP1 PP2 and back to the
+    direct conversion's rank files, Adam state included, and its weights load into
+    megatron-core with its outputs. ``dp_reshardable`` state lies in the grad buffers of the
+    run's data-parallel size, which Megatron-Bridge does not record: a reshard is refused,
+    naming the setting that saves it readably; the weights become HF."""
+    pp2, back, direct = tmp_path / "pp2", tmp_path / "back", tmp_path / "direct"
+    if distributed.name.startswith("bridge_dp"):
+        info = cli.json("inspect", distributed)
+        assert not info["has_optimizer"]
+        assert "dist_ckpt_optim_fully_reshardable: true" in " ".join(info["warnings"])
+        result = cli("reshard", distributed, pp2, "--tp", "1", code=2)
+        assert "checkpoint.dist_ckpt_optim_fully_reshardable: true" in result.stderr
+        # (one Adam step in fp32: HF's one-plus gated norm is rounded, as it says)
+        cli("consolidate", distributed, tmp_path / "hf", "--format", "hf", "--allow-rounding")
+        return
+    assert cli.json("inspect", distributed)["has_optimizer"]
+    cli("reshard", distributed, pp2, "--tp", "1", "--pp", "2", "--format", "megatron")
+    cli("reshard", pp2, back, "--tp", "2", "--pp", "1", "--format", "megatron")
+    cli("reshard", distributed, direct, "--tp", "2", "--pp", "1", "--format", "megatron")
+    assert cli.json("inspect", direct)["has_optimizer"]
+    assert_same_rank_files(back, direct)
+    tp1, out = tmp_path / "tp1", tmp_path / "outputs.pt"
+    cli("reshard", distributed, tp1, "--tp", "1", "--format", "torch_dist")
+    run_oracle(ORACLE, "load", tp1, out, *MODEL)
+    reference, outputs = torch.load(distributed / "reference.pt"), torch.load(out)
+    assert torch.equal(outputs["logits"], reference["logits"])
