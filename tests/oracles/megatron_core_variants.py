@@ -10,6 +10,12 @@ Two modes, both on CPU with gloo:
     ``transformer_impl="local"``) to ``OUT/<variant>/``, with megatron-core's own TP forward on
     a fixed batch in ``OUT/<variant>/reference.pt``.
 
+``write OUT --format torch_dist --bridge SITE --bridge-deps DIR,DIR``
+    The same models (but ``yarn_rope``, whose fields Megatron-Bridge's GPT provider lacks) saved
+    by Megatron-Bridge's own ``save_checkpoint`` (``megatron_bridge_save``: ``run_config.yaml``,
+    no Megatron-LM ``args``), each described by Megatron-Bridge's ``GPTModelProvider`` with
+    ``local_layer_spec`` (``bridge_fields``).
+
 ``forward CKPT OUT_PT --variant NAME``
     Loads a legacy TP=1 PP=2 checkpoint (one layer per stage) into megatron-core's model, one
     ``GPTModel`` per pipeline stage with ``load_state_dict(strict=True)``, runs the stages in
@@ -34,10 +40,18 @@ import torch
 import torch.distributed as dist
 from mcore_cpu import (
     CHECKPOINT_VERSION,
+    FFN_HIDDEN,
+    HIDDEN,
     ITERATION,
+    KV_CHANNELS,
+    MAKE_VOCAB_DIVISIBLE_BY,
+    MAX_POSITIONS,
     MODEL_SEED,
+    NORM_EPS,
     NORM_SEED,
     NUM_HEADS,
+    NUM_QUERY_GROUPS,
+    ROTARY_BASE,
     TRUE_VOCAB,
     causal_mask,
     gpt_model,
@@ -185,18 +199,72 @@ def logits_of(model: torch.nn.Module) -> torch.Tensor:
     return logits[..., :TRUE_VOCAB].float().contiguous()
 
 
-def write_worker(rank: int, port: int, out_dir: Path, ckpt_format: str) -> None:
+BRIDGE_MODEL_KWARGS = {"tie_embeddings": "share_embeddings_and_output_weights"}
+"""GPTModel keywords the provider names otherwise (the rest are the provider's names too)."""
+
+
+def bridge_fields(variant: str) -> dict[str, Any]:
+    """Megatron-Bridge's ``GPTModelProvider`` fields for the variant's model: the model's
+    sizes, its TransformerConfig overrides and GPTModel keywords, megatron-core's local layer
+    spec, fp32 parameters."""
+    from megatron.bridge.models.gpt_provider import local_layer_spec
+
+    _, config_overrides, model_kwargs = VARIANTS[variant]
+    fields: dict[str, Any] = {
+        "num_layers": NUM_LAYERS,
+        "hidden_size": HIDDEN,
+        "ffn_hidden_size": FFN_HIDDEN,
+        "num_attention_heads": NUM_HEADS,
+        "num_query_groups": NUM_QUERY_GROUPS,
+        "kv_channels": KV_CHANNELS,
+        "vocab_size": TRUE_VOCAB,
+        "should_pad_vocab": True,
+        "make_vocab_size_divisible_by": MAKE_VOCAB_DIVISIBLE_BY,
+        "share_embeddings_and_output_weights": False,
+        "normalization": "RMSNorm",
+        "layernorm_epsilon": NORM_EPS,
+        "gated_linear_unit": True,
+        "activation_func": torch.nn.functional.silu,
+        "add_bias_linear": False,
+        "position_embedding_type": "rope",
+        "rotary_base": ROTARY_BASE,
+        "seq_length": MAX_POSITIONS,  # GPTModel's max_sequence_length (the provider has no other)
+        "tensor_model_parallel_size": TP,
+        "transformer_layer_spec": local_layer_spec,
+        "bf16": False,
+        "params_dtype": torch.float32,
+        **config_overrides,
+    }
+    for name, value in model_kwargs.items():
+        fields[BRIDGE_MODEL_KWARGS.get(name, name)] = value
+    return fields
+
+
+def write_worker(
+    rank: int, port: int, out_dir: Path, ckpt_format: str, bridge: list[Path] | None = None
+) -> None:
+    if bridge is not None:
+        from megatron_bridge_save import import_bridge, save_with_bridge
+
+        import_bridge(bridge[0], bridge[1:])
     patch_megatron_for_cpu(noop_cuda_synchronize=True)
     # CpuAsCudaMode: dist_checkpointing, and the sliding-window mask (made on "cuda")
     with model_parallel(rank, port, TP, tp=TP, cpu_as_cuda=True):
         for variant in VARIANTS:
+            if bridge is not None and variant == "yarn_rope":
+                continue
             torch.manual_seed(MODEL_SEED)  # the same full model on every rank (see gpt_model)
             model = build(variant, TP)
             randomise(model, rank)
             model.eval()
             root = out_dir / variant
             args = megatron_args(variant, TP, 1, ckpt_format)
-            if ckpt_format == "legacy":
+            if bridge is not None:
+                provider = "gpt_provider.GPTModelProvider"
+                save_with_bridge(
+                    root, provider, bridge_fields(variant), model, None, None, ITERATION
+                )
+            elif ckpt_format == "legacy":
                 rank_dir = root / f"iter_{ITERATION:07d}" / f"mp_rank_{rank:02d}"
                 rank_dir.mkdir(parents=True, exist_ok=True)
                 state = {
@@ -266,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     write = sub.add_parser("write")
     write.add_argument("out_dir", type=Path)
     write.add_argument("--format", choices=("legacy", "torch_dist"), required=True)
+    write.add_argument("--bridge", type=Path, help="Megatron-Bridge's site: save with it")
+    write.add_argument("--bridge-deps", default="", help="omegaconf's sites, comma-separated")
     forward = sub.add_parser("forward")
     forward.add_argument("ckpt", type=Path)
     forward.add_argument("out", type=Path)
@@ -273,7 +343,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.mode == "write":
         args.out_dir.mkdir(parents=True, exist_ok=True)
-        spawn(write_worker, TP, args.out_dir.resolve(), args.format)
+        bridge = None
+        if args.bridge is not None:
+            bridge = [args.bridge, *(Path(d) for d in args.bridge_deps.split(",") if d)]
+        spawn(write_worker, TP, args.out_dir.resolve(), args.format, bridge)
     else:
         spawn(forward_worker, 1, args.ckpt.resolve(), args.out.resolve(), args.variant)
     return 0

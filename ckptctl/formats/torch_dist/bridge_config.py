@@ -55,6 +55,7 @@ LAYER_SPECS = {
 ACTIVATIONS: dict[tuple[str, bool], dict[str, bool]] = {
     ("torch.nn.functional.silu", True): {"swiglu": True},
     ("torch.nn.functional.gelu", False): {},
+    ("torch._C._nn.gelu", False): {},  # how the YAML spells torch's built-in GELU
     ("megatron.core.activations.squared_relu", False): {"squared_relu": True},
     ("megatron.core.fusions.fused_bias_geglu.quick_gelu", True): {"quick_geglu": True},
 }
@@ -104,7 +105,7 @@ routing, stored precision) unless at the value here: refused at any other."""
 CONSUMED = frozenset(
     """activation_func gated_linear_unit transformer_layer_spec num_moe_experts
     share_embeddings_and_output_weights rope_scaling vocab_size should_pad_vocab
-    make_vocab_size_divisible_by""".split()  # noqa: SIM905
+    make_vocab_size_divisible_by max_position_embeddings""".split()  # noqa: SIM905
 )
 
 
@@ -159,7 +160,7 @@ def _target(value: Any) -> str | None:
 
 
 def _activation(model: dict[str, Any], problems: list[str]) -> dict[str, bool]:
-    function = _target(model.get("activation_func")) or "torch.nn.functional.gelu"
+    function = _target(model.get("activation_func")) or "torch.nn.functional.gelu"  # the default
     gated = bool(model.get("gated_linear_unit", False))
     flags = ACTIVATIONS.get((function, gated))
     if flags is None:
@@ -187,6 +188,8 @@ def _renamed(model: dict[str, Any]) -> dict[str, Any]:
         ),
         "use_rope_scaling": bool(model.get("rope_scaling", False)),
         "vocab_size": model.get("vocab_size"),
+        # the GPT provider builds GPTModel with max_sequence_length=seq_length
+        "max_position_embeddings": model.get("max_position_embeddings", model.get("seq_length")),
         "make_vocab_size_divisible_by": (
             model.get("make_vocab_size_divisible_by", 128) if model.get("should_pad_vocab") else 1
         ),

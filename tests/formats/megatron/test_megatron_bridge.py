@@ -11,7 +11,11 @@ it with Megatron-Bridge's ``save_checkpoint`` (its own shims in
 with transformers' logits (and the MTP layer's, run by transformers' modules) equal to
 megatron-core's; resharded with its Adam state into ``torch_dist`` that megatron-core's
 ``dist_checkpointing.load`` takes with bitwise megatron-core's outputs; and a field of the config
-it cannot carry refused by name.
+it cannot carry refused by name. And the model variants of
+``tests/oracles/megatron_core_variants.py`` (GQA off, partial RoPE, biases, q/k norms, GELU,
+tied embeddings, sliding windows, Llama 3.1 RoPE, off-by-one softmax), each saved by
+Megatron-Bridge's ``save_checkpoint`` with its GPT provider, must read as the same model as
+Megatron-LM's ``args`` for it say, every tensor equal.
 """
 
 from __future__ import annotations
@@ -179,3 +183,33 @@ def test_the_distributed_optimizers_state_moves_where_the_run_says_how(
     run_oracle(ORACLE, "load", tp1, out, *MODEL)
     reference, outputs = torch.load(distributed / "reference.pt"), torch.load(out)
     assert torch.equal(outputs["logits"], reference["logits"])
+
+
+VARIANTS = ("mha", "partial_rope", "qkv_bias", "qk_layernorm", "gelu", "tied", "sliding_window",
+            "window_pattern", "off_by_one", "llama3_rope")  # fmt: skip
+"""``megatron_core_variants.py``'s variants but YaRN (Megatron-Bridge's GPT provider has no YaRN
+fields)."""
+
+
+@pytest.fixture(scope="module")
+def variants(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(Megatron-Bridge's saves, Megatron-LM-style saves) of every variant, ``torch_dist``."""
+    bridge, megatron = tmp_path_factory.mktemp("bridge_variants"), tmp_path_factory.mktemp("mlm")
+    oracle = "megatron_core_variants.py"
+    run_oracle(
+        oracle, "write", bridge, "--format", "torch_dist", *megatron_bridge_peft.oracle_args()
+    )
+    run_oracle(oracle, "write", megatron, "--format", "torch_dist")
+    return bridge, megatron
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_gpt_providers_run_reads_as_megatron_lms_args_say(
+    variants: tuple[Path, Path], variant: str, cli
+) -> None:
+    bridge, megatron = (root / variant for root in variants)
+    assert not (megatron / "iter_0000001" / "run_config.yaml").exists()
+    assert cli.json("inspect", bridge)["spec"] == cli.json("inspect", megatron)["spec"]
+    against = cli.json("verify", bridge, "--against", megatron)
+    assert against["ok"] and against["against"]["only_here"] == []
+    assert against["against"]["compared"] == len(against["tensors"]) > 0
