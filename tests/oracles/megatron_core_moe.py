@@ -25,6 +25,11 @@ Variants (each maps onto one transformers class): ``mixtral`` (top-2 of 4, renor
 sinks, clamped quick-GEGLU experts, a sliding window on every other layer, YaRN);
 ``--variants`` picks some.
 
+``write --format torch_dist --bridge SITE --bridge-deps DIR,DIR`` saves each trained model with
+Megatron-Bridge's own ``save_checkpoint`` instead (``megatron_bridge_save``: ``run_config.yaml``,
+no Megatron-LM ``args``), described by Megatron-Bridge's ``GPTOSSProvider`` for ``gpt_oss`` and
+its ``GPTModelProvider`` for the others, with ``local_layer_spec`` (``bridge_provider``).
+
 ``--grouped`` builds the experts as megatron-core's legacy ``GroupedMLP`` (``--moe-grouped-gemm``
 without TransformerEngine: ``mlp.experts.weight1/weight2``), which trains only in bf16, so
 ``write --grouped`` makes a bf16 model (mixed-precision optimizer with fp32 masters); forwards
@@ -337,6 +342,58 @@ def save_torch_dist(root: Path, model: Any, optimizer: Any, scheduler: Any, args
     dist.barrier()
 
 
+def bridge_provider(variant: str, tp: int, ep: int, etp: int) -> tuple[str, dict[str, Any]]:
+    """Megatron-Bridge's provider (``module.Class`` under ``megatron.bridge.models``) and its
+    fields for the variant's model as ``build`` makes it (fp32, sequential experts)."""
+    from mcore_cpu import (
+        FFN_HIDDEN,
+        HIDDEN,
+        KV_CHANNELS,
+        MAKE_VOCAB_DIVISIBLE_BY,
+        MAX_POSITIONS,
+        NORM_EPS,
+        NUM_HEADS,
+        NUM_QUERY_GROUPS,
+        ROTARY_BASE,
+    )
+    from megatron.bridge.models.gpt_provider import local_layer_spec
+
+    fields: dict[str, Any] = {
+        "num_layers": NUM_LAYERS,
+        "hidden_size": HIDDEN,
+        "ffn_hidden_size": FFN_HIDDEN,
+        "num_attention_heads": NUM_HEADS,
+        "num_query_groups": NUM_QUERY_GROUPS,
+        "kv_channels": KV_CHANNELS,
+        "vocab_size": TRUE_VOCAB,
+        "should_pad_vocab": True,
+        "make_vocab_size_divisible_by": MAKE_VOCAB_DIVISIBLE_BY,
+        "share_embeddings_and_output_weights": False,
+        "normalization": "RMSNorm",
+        "layernorm_epsilon": NORM_EPS,
+        "gated_linear_unit": True,
+        "activation_func": torch.nn.functional.silu,
+        "add_bias_linear": False,
+        "position_embedding_type": "rope",
+        "rotary_base": ROTARY_BASE,
+        "seq_length": MAX_POSITIONS,  # GPTModel's max_sequence_length
+        "tensor_model_parallel_size": tp,
+        "expert_tensor_parallel_size": etp,
+        "transformer_layer_spec": local_layer_spec,
+        "moe_grouped_gemm": False,
+        "bf16": False,
+        "params_dtype": torch.float32,
+        **moe_fields(tp, ep),
+        **VARIANTS[variant][1],
+    }
+    if variant != "gpt_oss":
+        return "gpt_provider.GPTModelProvider", fields
+    from megatron.core.activations import quick_gelu
+
+    fields |= {"activation_func": quick_gelu, "position_embedding_type": "yarn", **YARN}
+    return "gpt_oss.gpt_oss_provider.GPTOSSProvider", fields
+
+
 def write_worker(
     rank: int,
     port: int,
@@ -348,6 +405,11 @@ def write_worker(
     distributed: bool,
     options: dict[str, Any],
 ) -> None:
+    bridge = options.get("bridge")
+    if bridge is not None:
+        from megatron_bridge_save import import_bridge
+
+        import_bridge(bridge[0], bridge[1:])
     cpu_patches()
     with expert_parallel(rank, port, tp, ep, etp):
         from megatron.core import parallel_state
@@ -378,7 +440,13 @@ def write_worker(
             root = out_dir / variant
             args = megatron_args(variant, tp, ep, etp, grouped, bf16)
             args.use_distributed_optimizer = distributed
-            if ckpt_format == "torch_dist":
+            if bridge is not None:
+                from megatron_bridge_save import save_with_bridge
+
+                provider, fields = bridge_provider(variant, tp, ep, etp)
+                form = "dp_reshardable" if distributed else None
+                save_with_bridge(root, provider, fields, ddp, optimizer, scheduler, ITERATION, form)
+            elif ckpt_format == "torch_dist":
                 args.ckpt_format = "torch_dist"
                 save_torch_dist(root, model, optimizer, scheduler, args)
             else:
@@ -456,6 +524,8 @@ def main(argv: list[str] | None = None) -> int:
     write.add_argument("out_dir", type=Path)
     write.add_argument("--format", choices=("legacy", "torch_dist"), default="legacy")
     write.add_argument("--distributed-optimizer", action="store_true")
+    write.add_argument("--bridge", type=Path, help="Megatron-Bridge's site: save with it")
+    write.add_argument("--bridge-deps", default="", help="omegaconf's sites, comma-separated")
     forward = sub.add_parser("forward")
     forward.add_argument("ckpt", type=Path)
     forward.add_argument("out", type=Path)
@@ -475,6 +545,8 @@ def main(argv: list[str] | None = None) -> int:
         "bf16": args.bf16 or (args.grouped and args.mode == "write"),
         "variants": getattr(args, "variants", None),
     }
+    if getattr(args, "bridge", None) is not None:
+        options["bridge"] = [args.bridge, *(Path(d) for d in args.bridge_deps.split(",") if d)]
     world = world_size(args.tp, args.ep, etp)
     if args.mode == "write":
         args.out_dir.mkdir(parents=True, exist_ok=True)

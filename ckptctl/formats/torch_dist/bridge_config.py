@@ -16,8 +16,9 @@ that nothing here classifies, is refused by name):
 * the layer spec function becomes ``transformer_impl`` (Megatron-Bridge's default chooses
   TransformerEngine where it is installed, as on every GPU it trains on);
 * the activation function and ``gated_linear_unit`` become Megatron-LM's activation flags;
-* renamed fields (``num_moe_experts``, ``share_embeddings_and_output_weights``, ``rope_scaling``)
-  take Megatron-LM's names; the vocabulary is padded only with ``should_pad_vocab``;
+* renamed fields (``num_moe_experts``, ``share_embeddings_and_output_weights``, ``rope_scaling``,
+  the YaRN factors) take Megatron-LM's names; the vocabulary is padded only with
+  ``should_pad_vocab``;
 * runtime objects (initialisers, dtypes, hooks) are dropped; ``BRIDGE_HARMLESS`` fields (kernel,
   communication and offloading switches Megatron-LM's args lack) are dropped; ``BRIDGE_PLAIN``
   fields are accepted at their plain value only.
@@ -39,9 +40,19 @@ PROVIDER_MODULES = {
     "megatron.bridge.models.gpt_provider": ("GPTModelProvider",),
     "megatron.bridge.models.qwen.qwen_provider": ("Qwen",),
     "megatron.bridge.models.llama.llama_provider": ("Llama2", "Llama3", "CodeLlama", "LlamaModel"),
+    "megatron.bridge.models.gpt_oss.gpt_oss_provider": ("GPTOSSProvider",),
 }
 """Provider classes (by module, then class-name prefixes) that add nothing to the model but
-their fields' values: Llama 4's (chunked attention, layers without RoPE) is not among them."""
+their fields' values (GPT-OSS's picks an attention backend, no math): Llama 4's (chunked
+attention, layers without RoPE) is not among them."""
+
+YARN = {
+    "yarn_rotary_scaling_factor": "rotary_scaling_factor",
+    "yarn_mscale": "mscale",
+    "yarn_mscale_all_dim": "mscale_all_dim",
+}
+"""The provider's YaRN fields (read by GPTModel with ``position_embedding_type: yarn``) that
+Megatron-LM's args name otherwise."""
 
 LAYER_SPECS = {
     "megatron.bridge.models.gpt_provider.default_layer_spec": "transformer_engine",
@@ -58,6 +69,7 @@ ACTIVATIONS: dict[tuple[str, bool], dict[str, bool]] = {
     ("torch._C._nn.gelu", False): {},  # how the YAML spells torch's built-in GELU
     ("megatron.core.activations.squared_relu", False): {"squared_relu": True},
     ("megatron.core.fusions.fused_bias_geglu.quick_gelu", True): {"quick_geglu": True},
+    ("megatron.core.activations.quick_gelu", True): {"quick_geglu": True},
 }
 """(activation function, gated) -> Megatron-LM's flags for it (GELU is its default)."""
 
@@ -105,7 +117,8 @@ routing, stored precision) unless at the value here: refused at any other."""
 CONSUMED = frozenset(
     """activation_func gated_linear_unit transformer_layer_spec num_moe_experts
     share_embeddings_and_output_weights rope_scaling vocab_size should_pad_vocab
-    make_vocab_size_divisible_by max_position_embeddings""".split()  # noqa: SIM905
+    make_vocab_size_divisible_by max_position_embeddings yarn_rotary_scaling_factor yarn_mscale
+    yarn_mscale_all_dim window_size""".split()  # noqa: SIM905
 )
 
 
@@ -194,4 +207,8 @@ def _renamed(model: dict[str, Any]) -> dict[str, Any]:
             model.get("make_vocab_size_divisible_by", 128) if model.get("should_pad_vocab") else 1
         ),
     }
+    window = model.get("window_size")
+    out["window_size"] = tuple(window) if isinstance(window, list) else window  # YAML's tuple
+    if model.get("position_embedding_type") == "yarn" and not model.get("multi_latent_attention"):
+        out |= {megatron: model[name] for name, megatron in YARN.items() if name in model}
     return out

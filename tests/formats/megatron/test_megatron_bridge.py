@@ -15,7 +15,10 @@ it cannot carry refused by name. And the model variants of
 ``tests/oracles/megatron_core_variants.py`` (GQA off, partial RoPE, biases, q/k norms, GELU,
 tied embeddings, sliding windows, Llama 3.1 RoPE, off-by-one softmax), each saved by
 Megatron-Bridge's ``save_checkpoint`` with its GPT provider, must read as the same model as
-Megatron-LM's ``args`` for it say, every tensor equal.
+Megatron-LM's ``args`` for it say, every tensor equal; likewise the routed-expert models of
+``tests/oracles/megatron_core_moe.py`` (Mixtral-, Qwen2-MoE- and Qwen3-MoE-shaped with the GPT
+provider, GPT-OSS with Megatron-Bridge's ``GPTOSSProvider``: sinks, biases, clamped quick GEGLU,
+windows, YaRN) trained one Adam step at TP2 EP2, their Adam state too.
 """
 
 from __future__ import annotations
@@ -213,3 +216,31 @@ def test_a_gpt_providers_run_reads_as_megatron_lms_args_say(
     against = cli.json("verify", bridge, "--against", megatron)
     assert against["ok"] and against["against"]["only_here"] == []
     assert against["against"]["compared"] == len(against["tensors"]) > 0
+
+
+MOE_VARIANTS = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
+
+
+@pytest.fixture(scope="module")
+def moe_variants(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(Megatron-Bridge's saves, Megatron-LM-style saves), ``torch_dist`` TP2 EP2 ETP1."""
+    bridge, megatron = tmp_path_factory.mktemp("bridge_moe"), tmp_path_factory.mktemp("mlm_moe")
+    cut = ["--format", "torch_dist", "--tp", "2", "--ep", "2", "--etp", "1"]
+    oracle = "megatron_core_moe.py"
+    run_oracle(oracle, "write", bridge, *cut, *megatron_bridge_peft.oracle_args())
+    run_oracle(oracle, "write", megatron, *cut)
+    return bridge, megatron
+
+
+@pytest.mark.parametrize("variant", MOE_VARIANTS)
+def test_a_routed_experts_run_reads_as_megatron_lms_args_say_adam_state_too(
+    moe_variants: tuple[Path, Path], variant: str, tmp_path: Path, cli
+) -> None:
+    bridge, megatron = (root / variant for root in moe_variants)
+    assert cli.json("inspect", bridge)["spec"] == cli.json("inspect", megatron)["spec"]
+    assert cli.json("verify", bridge, "--against", megatron)["ok"]
+    mine, theirs = tmp_path / "bridge", tmp_path / "megatron"
+    for src, out in ((bridge, mine), (megatron, theirs)):
+        cli("reshard", src, out, "--tp", "1", "--ep", "1", "--etp", "1", "--format", "megatron")
+    assert cli.json("inspect", mine)["has_optimizer"]
+    assert_same_rank_files(mine, theirs)
