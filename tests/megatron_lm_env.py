@@ -105,14 +105,19 @@ def train(
     """Run Megatron-LM's training code (``tests/oracles/megatron_lm.py``) in ``out``'s folder:
     ``steps`` steps on ``world`` gloo ranks; the losses and iteration it reports."""
     report = out.with_suffix(".json")
-    done = subprocess.run(
-        command(report, megatron_args, world=world, steps=steps, logits=logits),
-        cwd=out.parent,
-        env=environment(out.parent),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    for _attempt in range(2):
+        done = subprocess.run(
+            command(report, megatron_args, world=world, steps=steps, logits=logits),
+            cwd=out.parent,
+            env=environment(out.parent),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        # the rendezvous port the run picked free was taken before it listened (another test
+        # process's): the harness, not what is under test; one more try on another port
+        if "EADDRINUSE" not in done.stderr:
+            break
     if done.returncode != 0 or not report.exists():
         lines = [line for line in done.stderr.splitlines() if not line.startswith("INFO:")]
         tail = "\n".join([*done.stdout.splitlines()[-20:], *lines[-40:]])
