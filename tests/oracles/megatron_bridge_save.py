@@ -94,6 +94,48 @@ def import_bridge(site: Path, deps: list[Path]) -> None:
     sys.modules.update(stand_ins)
 
 
+def model_fields(num_layers: int, tp: int) -> dict[str, Any]:
+    """Megatron-Bridge provider fields for ``mcore_cpu``'s model: its sizes, the true
+    vocabulary padded as Megatron-LM pads it, untied embeddings, RMSNorm, SwiGLU, RoPE, fp32
+    parameters (the oracles' variants override what they change)."""
+    from mcore_cpu import (
+        FFN_HIDDEN,
+        HIDDEN,
+        KV_CHANNELS,
+        MAKE_VOCAB_DIVISIBLE_BY,
+        MAX_POSITIONS,
+        NORM_EPS,
+        NUM_HEADS,
+        NUM_QUERY_GROUPS,
+        ROTARY_BASE,
+        TRUE_VOCAB,
+    )
+
+    return {
+        "num_layers": num_layers,
+        "hidden_size": HIDDEN,
+        "ffn_hidden_size": FFN_HIDDEN,
+        "num_attention_heads": NUM_HEADS,
+        "num_query_groups": NUM_QUERY_GROUPS,
+        "kv_channels": KV_CHANNELS,
+        "vocab_size": TRUE_VOCAB,
+        "should_pad_vocab": True,
+        "make_vocab_size_divisible_by": MAKE_VOCAB_DIVISIBLE_BY,
+        "share_embeddings_and_output_weights": False,
+        "normalization": "RMSNorm",
+        "layernorm_epsilon": NORM_EPS,
+        "gated_linear_unit": True,
+        "activation_func": torch.nn.functional.silu,
+        "add_bias_linear": False,
+        "position_embedding_type": "rope",
+        "rotary_base": ROTARY_BASE,
+        "seq_length": MAX_POSITIONS,  # GPTModel's max_sequence_length
+        "tensor_model_parallel_size": tp,
+        "bf16": False,
+        "params_dtype": torch.float32,
+    }
+
+
 def save_with_bridge(
     out_dir: Path,
     provider: str,

@@ -345,44 +345,13 @@ def save_torch_dist(root: Path, model: Any, optimizer: Any, scheduler: Any, args
 def bridge_provider(variant: str, tp: int, ep: int, etp: int) -> tuple[str, dict[str, Any]]:
     """Megatron-Bridge's provider (``module.Class`` under ``megatron.bridge.models``) and its
     fields for the variant's model as ``build`` makes it (fp32, sequential experts)."""
-    from mcore_cpu import (
-        FFN_HIDDEN,
-        HIDDEN,
-        KV_CHANNELS,
-        MAKE_VOCAB_DIVISIBLE_BY,
-        MAX_POSITIONS,
-        NORM_EPS,
-        NUM_HEADS,
-        NUM_QUERY_GROUPS,
-        ROTARY_BASE,
-    )
     from megatron.bridge.models.gpt_provider import local_layer_spec
+    from megatron_bridge_save import model_fields
 
-    fields: dict[str, Any] = {
-        "num_layers": NUM_LAYERS,
-        "hidden_size": HIDDEN,
-        "ffn_hidden_size": FFN_HIDDEN,
-        "num_attention_heads": NUM_HEADS,
-        "num_query_groups": NUM_QUERY_GROUPS,
-        "kv_channels": KV_CHANNELS,
-        "vocab_size": TRUE_VOCAB,
-        "should_pad_vocab": True,
-        "make_vocab_size_divisible_by": MAKE_VOCAB_DIVISIBLE_BY,
-        "share_embeddings_and_output_weights": False,
-        "normalization": "RMSNorm",
-        "layernorm_epsilon": NORM_EPS,
-        "gated_linear_unit": True,
-        "activation_func": torch.nn.functional.silu,
-        "add_bias_linear": False,
-        "position_embedding_type": "rope",
-        "rotary_base": ROTARY_BASE,
-        "seq_length": MAX_POSITIONS,  # GPTModel's max_sequence_length
-        "tensor_model_parallel_size": tp,
+    fields = model_fields(NUM_LAYERS, tp) | {
         "expert_tensor_parallel_size": etp,
         "transformer_layer_spec": local_layer_spec,
         "moe_grouped_gemm": False,
-        "bf16": False,
-        "params_dtype": torch.float32,
         **moe_fields(tp, ep),
         **VARIANTS[variant][1],
     }

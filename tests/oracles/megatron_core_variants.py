@@ -40,18 +40,10 @@ import torch
 import torch.distributed as dist
 from mcore_cpu import (
     CHECKPOINT_VERSION,
-    FFN_HIDDEN,
-    HIDDEN,
     ITERATION,
-    KV_CHANNELS,
-    MAKE_VOCAB_DIVISIBLE_BY,
-    MAX_POSITIONS,
     MODEL_SEED,
-    NORM_EPS,
     NORM_SEED,
     NUM_HEADS,
-    NUM_QUERY_GROUPS,
-    ROTARY_BASE,
     TRUE_VOCAB,
     causal_mask,
     gpt_model,
@@ -208,33 +200,11 @@ def bridge_fields(variant: str) -> dict[str, Any]:
     sizes, its TransformerConfig overrides and GPTModel keywords, megatron-core's local layer
     spec, fp32 parameters."""
     from megatron.bridge.models.gpt_provider import local_layer_spec
+    from megatron_bridge_save import model_fields
 
     _, config_overrides, model_kwargs = VARIANTS[variant]
-    fields: dict[str, Any] = {
-        "num_layers": NUM_LAYERS,
-        "hidden_size": HIDDEN,
-        "ffn_hidden_size": FFN_HIDDEN,
-        "num_attention_heads": NUM_HEADS,
-        "num_query_groups": NUM_QUERY_GROUPS,
-        "kv_channels": KV_CHANNELS,
-        "vocab_size": TRUE_VOCAB,
-        "should_pad_vocab": True,
-        "make_vocab_size_divisible_by": MAKE_VOCAB_DIVISIBLE_BY,
-        "share_embeddings_and_output_weights": False,
-        "normalization": "RMSNorm",
-        "layernorm_epsilon": NORM_EPS,
-        "gated_linear_unit": True,
-        "activation_func": torch.nn.functional.silu,
-        "add_bias_linear": False,
-        "position_embedding_type": "rope",
-        "rotary_base": ROTARY_BASE,
-        "seq_length": MAX_POSITIONS,  # GPTModel's max_sequence_length (the provider has no other)
-        "tensor_model_parallel_size": TP,
-        "transformer_layer_spec": local_layer_spec,
-        "bf16": False,
-        "params_dtype": torch.float32,
-        **config_overrides,
-    }
+    fields = model_fields(NUM_LAYERS, TP)
+    fields |= {"transformer_layer_spec": local_layer_spec, **config_overrides}
     for name, value in model_kwargs.items():
         fields[BRIDGE_MODEL_KWARGS.get(name, name)] = value
     return fields
