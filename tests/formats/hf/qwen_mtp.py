@@ -102,3 +102,16 @@ def mtp_logits(root: Path, ids: torch.Tensor, hidden: torch.Tensor) -> torch.Ten
         out: torch.Tensor = model(inputs_embeds=joined).logits
     shutil.rmtree(one)
     return out
+
+
+def hf_outputs(root: Path, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logits, MTP logits, final hidden states) of the HF model in ``root`` for ``ids``: the
+    model as transformers loads it (fp32), its MTP layer by ``mtp_logits`` on its own hidden
+    states."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(root, dtype=torch.float32).eval()
+    with torch.no_grad():
+        hidden = model.model(ids).last_hidden_state
+        logits = model.lm_head(hidden)
+    return logits, mtp_logits(root, ids, hidden), hidden

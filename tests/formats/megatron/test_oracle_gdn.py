@@ -270,21 +270,18 @@ def test_the_mtp_layer_becomes_the_releases_mtp_with_megatron_cores_logits(
     back from HF through legacy TP1 PP2 (the MTP layer on the last stage) to ``torch_dist``
     TP2, megatron-core's ``dist_checkpointing.load`` finds every MTP key and gives bitwise its
     logits, MTP logits and hidden states."""
-    import transformers
     from safetensors.torch import load_file, save_file
 
-    from tests.formats.hf.qwen_mtp import mtp_logits
+    from tests.formats.hf.qwen_mtp import hf_outputs, mtp_logits
 
     hf = tmp_path / "hf"
     cli("consolidate", mtp_untrained, hf, "--format", "hf")
     assert json.loads((hf / "config.json").read_text())["mtp_num_hidden_layers"] == 1
     reference = torch.load(mtp_untrained / "reference.pt")
     ids = reference["input_ids"]
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
-    with torch.no_grad():
-        hidden = model.model(ids).last_hidden_state
-        assert _relative(model.lm_head(hidden), reference["logits"]) < 1e-5
-    assert _relative(mtp_logits(hf, ids, hidden), reference["mtp_logits"]) < 1e-5
+    logits, mtp, hidden = hf_outputs(hf, ids)
+    assert _relative(logits, reference["logits"]) < 1e-5
+    assert _relative(mtp, reference["mtp_logits"]) < 1e-5
     weights = load_file(hf / "model.safetensors")
     embedding, hidden_norm = "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight"
     weights[embedding], weights[hidden_norm] = weights[hidden_norm], weights[embedding]
