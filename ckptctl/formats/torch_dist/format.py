@@ -34,12 +34,13 @@ FORMAT = CheckpointFormat(
     _probe,
     support=FormatSupport(
         "torch_dist",
-        "Megatron-Core distributed checkpoint (DCP-based)",
-        "metadata.json (sharded_backend torch_dist), .metadata, *.distcp, common.pt",
+        "Megatron-Core distributed checkpoint (DCP-based; Megatron-LM's and Megatron-Bridge's)",
+        "metadata.json (sharded_backend torch_dist), .metadata, *.distcp, common.pt (args), or "
+        "Megatron-Bridge's run_config.yaml beside them",
         True,
         "reshard --format torch_dist",
         "layer-stacked keys, fully_reshardable, dp_reshardable and fully_sharded_model_space "
-        "optimizer state",
+        "optimizer state; Megatron-Bridge's runs read from their provider's fields",
         "CRC-32 of every tensor record",
     ),
     target=TorchDistTarget(),
