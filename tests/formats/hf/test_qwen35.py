@@ -312,6 +312,18 @@ NEXT = dict(
 )
 
 
+def saved_hybrid(config: object, root: Path, seed: int) -> torch.nn.Module:
+    """``saved_model`` with the gated norms near one (``1 + N(0, 0.1)``), as a trained model's
+    are (HF stores one plus Megatron's zero-centred weight)."""
+    model = saved_model(config, root, seed=seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("linear_attn.norm.weight"):
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape))
+    model.save_pretrained(root)
+    return model
+
+
 def _loaded_anew(root: Path) -> torch.nn.Module:
     """``root``'s model with its parameters copied out of the mapped file: CPU kernels round
     by the alignment of their operands, which differs with a tensor's place in the file."""
@@ -339,12 +351,7 @@ def test_the_routed_hybrids_go_to_megatron_with_experts_and_back_bit_exactly(
     else:
         fields = {k: v for k, v in NEXT.items() if k != "intermediate_size"}
         config = transformers.Qwen3_5MoeTextConfig(**fields)
-    model = saved_model(config, src, seed=2)
-    with torch.no_grad():  # gated norms near one, as a trained model's are
-        for name, param in model.named_parameters():
-            if name.endswith("linear_attn.norm.weight"):
-                param.copy_(1.0 + 0.1 * torch.randn(param.shape))
-    model.save_pretrained(src)
+    saved_hybrid(config, src, seed=2)
     megatron = tmp_path / "megatron"
     cli("reshard", src, megatron, "--tp", "2", "--pp", "2", "--ep", "2", "--etp", "1",
         "--format", form)  # fmt: skip

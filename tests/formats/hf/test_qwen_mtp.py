@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.formats.hf.models import logits, saved_model, tensors
+from tests.formats.hf.models import logits, tensors
 from tests.formats.hf.qwen_mtp import add_hub_mtp
-from tests.formats.hf.test_qwen35 import IDS, NEXT, SMALL
+from tests.formats.hf.test_qwen35 import IDS, NEXT, SMALL, saved_hybrid
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -34,12 +34,7 @@ def _release(root: Path, family: str) -> dict[str, torch.Tensor]:
         config = transformers.Qwen3NextConfig(**NEXT, layer_types=KINDS)
     else:
         config = transformers.Qwen3_5TextConfig(**SMALL, layer_types=KINDS)
-    model = saved_model(config, root, seed=5)
-    with torch.no_grad():  # gated norms near one, as a trained model's are
-        for name, param in model.named_parameters():
-            if name.endswith("linear_attn.norm.weight"):
-                param.copy_(1.0 + 0.1 * torch.randn(param.shape))
-    model.save_pretrained(root)
+    saved_hybrid(config, root, seed=5)
     return add_hub_mtp(root, seed=6)
 
 

@@ -79,3 +79,14 @@ def assert_same_rank_files(mine: Path, theirs: Path) -> None:
                 assert got.dtype == want.dtype and torch.equal(got, want), (rank, key)
             elif not key.endswith("/params"):
                 assert got == want, (rank, key)
+
+
+def assert_pp2_detour_loses_nothing(src: Path, tmp_path: Path, cli: Any) -> None:
+    """``src`` resharded to legacy TP1 PP2 and back to TP2 holds the rank files of its direct
+    conversion to legacy TP2, Adam state included."""
+    pp2, back, direct = tmp_path / "pp2", tmp_path / "back", tmp_path / "direct"
+    cli("reshard", src, pp2, "--tp", "1", "--pp", "2", "--format", "megatron")
+    cli("reshard", pp2, back, "--tp", "2", "--pp", "1", "--format", "megatron")
+    cli("reshard", src, direct, "--tp", "2", "--pp", "1", "--format", "megatron")
+    assert cli.json("inspect", direct)["has_optimizer"]
+    assert_same_rank_files(back, direct)

@@ -31,7 +31,10 @@ import pytest
 import torch
 
 from tests import megatron_bridge_peft
-from tests.formats.megatron.rank_files import assert_same_rank_files
+from tests.formats.megatron.rank_files import (
+    assert_pp2_detour_loses_nothing,
+    assert_same_rank_files,
+)
 from tests.oracle_runner import run_oracle
 
 pytest.importorskip("megatron.core", reason="megatron-core 0.16.1 runs the model")
@@ -103,12 +106,7 @@ def test_it_reshards_with_its_adam_state_into_megatron_core(
     reference, outputs = torch.load(trained / "reference.pt"), torch.load(out)
     for key in ("logits", "mtp_logits", "hidden"):
         assert torch.equal(outputs[key], reference[key]), key
-    pp2, back, direct = tmp_path / "pp2", tmp_path / "back", tmp_path / "direct"
-    cli("reshard", trained, pp2, "--tp", "1", "--pp", "2", "--format", "megatron")
-    cli("reshard", pp2, back, "--tp", "2", "--pp", "1", "--format", "megatron")
-    cli("reshard", trained, direct, "--tp", "2", "--pp", "1", "--format", "megatron")
-    assert cli.json("inspect", direct)["has_optimizer"]
-    assert_same_rank_files(back, direct)
+    assert_pp2_detour_loses_nothing(trained, tmp_path, cli)
 
 
 @pytest.mark.parametrize(
@@ -162,22 +160,17 @@ def test_the_distributed_optimizers_state_moves_where_the_run_says_how(
     megatron-core with its outputs. ``dp_reshardable`` state lies in the grad buffers of the
     run's data-parallel size, which Megatron-Bridge does not record: a reshard is refused,
     naming the setting that saves it readably; the weights become HF."""
-    pp2, back, direct = tmp_path / "pp2", tmp_path / "back", tmp_path / "direct"
     if distributed.name.startswith("bridge_dp"):
         info = cli.json("inspect", distributed)
         assert not info["has_optimizer"]
         assert "dist_ckpt_optim_fully_reshardable: true" in " ".join(info["warnings"])
-        result = cli("reshard", distributed, pp2, "--tp", "1", code=2)
+        result = cli("reshard", distributed, tmp_path / "pp2", "--tp", "1", code=2)
         assert "checkpoint.dist_ckpt_optim_fully_reshardable: true" in result.stderr
         # (one Adam step in fp32: HF's one-plus gated norm is rounded, as it says)
         cli("consolidate", distributed, tmp_path / "hf", "--format", "hf", "--allow-rounding")
         return
     assert cli.json("inspect", distributed)["has_optimizer"]
-    cli("reshard", distributed, pp2, "--tp", "1", "--pp", "2", "--format", "megatron")
-    cli("reshard", pp2, back, "--tp", "2", "--pp", "1", "--format", "megatron")
-    cli("reshard", distributed, direct, "--tp", "2", "--pp", "1", "--format", "megatron")
-    assert cli.json("inspect", direct)["has_optimizer"]
-    assert_same_rank_files(back, direct)
+    assert_pp2_detour_loses_nothing(distributed, tmp_path, cli)
     tp1, out = tmp_path / "tp1", tmp_path / "outputs.pt"
     cli("reshard", distributed, tp1, "--tp", "1", "--format", "torch_dist")
     run_oracle(ORACLE, "load", tp1, out, *MODEL)
