@@ -21,17 +21,22 @@ CPU shims, none touching what is saved: ``torch._utils._get_available_device_typ
 called (none is: no expert parallelism here); FlexAttention has no backward on CPU, so the
 step's gradients are seeded random tensors, not backpropagated ones (the optimizer, its state
 and the checkpoint are torchtitan's all the same); FSDP keeps float32 parameters
-(``mixed_precision_param``) so the forward compares with transformers' to rounding.
+(``mixed_precision_param``) so the forward compares with transformers' to rounding. GPT-OSS
+needs two more (``gpt_oss_cpu_shims``): the eager FlexAttention (compiled FlexAttention cannot
+return the log-sum-exp its sinks rescale by on CPU), and its bfloat16 experts' output cast to
+the float32 tokens' dtype before torchtitan's scatter-add (on GPUs all of it is bfloat16).
 
 Usage::
 
     python tests/oracles/torchtitan_writer.py OUT_DIR [--world N] [--unfused]
-        [--model llama3|qwen3|qwen3_tied|qwen3_moe|deepseek_v3] [--balanced]
+        [--model llama3|qwen3|qwen3_tied|qwen3_moe|deepseek_v3|gpt_oss] [--balanced]
 
 Models: Llama 3 (complex-number RoPE: q/k rows interleaved), Qwen3 (cos/sin RoPE, q/k norms),
 Qwen3-MoE (grouped experts) and DeepSeek-V3 (MLA, a dense first layer, MoE with a shared
 expert and sigmoid routing, one multi-token prediction layer; its norms at DeepSeek's eps
-1e-6), small, untied but for
+1e-6) and GPT-OSS (biases, sinks, a sliding window, YaRN, grouped experts with interleaved
+gate/up rows; its adapter's HF names miss the experts, so it writes ``truth.pt`` with
+torchtitan's own names, ``titan`` and ``moments``, and no ``hf_dcp``), small, untied but for
 ``qwen3_tied`` (the output layer is
 the embedding, as in Qwen3's small releases). ``--balanced``: the MoE layers' load-balancing
 expert biases are moved by torchtitan's own hook (counts from a forward before the step).
@@ -83,9 +88,30 @@ def cpu_shims() -> None:
     torch._utils._get_available_device_type = lambda: "cpu"
 
 
+def gpt_oss_cpu_shims() -> None:
+    """GPT-OSS's two on CPU. Its sinks need FlexAttention's log-sum-exp, which compiled
+    FlexAttention cannot return on CPU: the eager one (the same function, uncompiled) runs.
+    Its experts multiply in bfloat16 and return bfloat16, which torchtitan's scatter-add
+    into the float32 tokens refuses (on GPUs it trains in bfloat16): cast to the tokens'
+    dtype first."""
+    from torch.nn.attention.flex_attention import flex_attention
+    from torchtitan.models.common import token_dispatcher
+    from torchtitan.models.common.attention import FlexAttention
+
+    FlexAttention._compiled_flex_attn = flex_attention
+    scatter_add = token_dispatcher.deterministic_scatter_add
+
+    def same_dtype(out: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        return scatter_add(out, index, src.to(out.dtype))
+
+    token_dispatcher.deterministic_scatter_add = same_dtype
+
+
 def model_config(model: str, fused: bool) -> Any:
     if model == "deepseek_v3":
         return deepseek_config()
+    if model == GPT_OSS:
+        return gpt_oss_config(fused)
     if model != "llama3":
         return qwen3_config(model, fused)
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
@@ -202,6 +228,97 @@ def deepseek_config() -> Any:
     return with_norm_eps(config, RMSNorm.Config, DSV3_EPS)
 
 
+GPT_OSS = "gpt_oss"
+OSS_WINDOW, OSS_THETA = 4, 150000.0
+OSS_YARN = dict(rope_factor=32.0, beta_fast=32.0, beta_slow=1.0, original_seq_len=4096)
+
+
+def gpt_oss_config(fused: bool) -> Any:
+    """A small GPT-OSS built by torchtitan's own builders: every layer routed (biases on the
+    experts and the router), attention with biases and sinks, a sliding window on the even
+    layers (4 tokens, so it cuts the test's sequence), YaRN RoPE as its releases have it."""
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.gpt_oss import (
+        GptOssModel,
+        _build_gptoss_layers,
+        _make_gptoss_attn_config,
+    )
+
+    rope = CosSinRoPE.Config(
+        dim=HEAD_DIM, max_seq_len=64, theta=OSS_THETA, scaling="yarn", truncate=False, **OSS_YARN
+    )
+    layers = _build_gptoss_layers(
+        dim=DIM,
+        n_layers=LAYERS,
+        hidden_dim=EXPERT_FFN,
+        num_experts=EXPERTS,
+        top_k=TOP_K,
+        load_balance_coeff=1e-3,
+        attn_backend="flex",
+        fuse_qkv=fused,
+        moe_comm_backend="standard",
+        rope=rope,
+    )
+    for i, layer in enumerate(layers):  # its builder keeps the release's 64 heads, window 128
+        layer.attention = _make_gptoss_attn_config(
+            dim=DIM,
+            layer_id=i,
+            attn_backend="flex",
+            n_heads=HEADS,
+            n_kv_heads=KV_HEADS,
+            head_dim=HEAD_DIM,
+            sliding_window_size=OSS_WINDOW if i % 2 == 0 else None,
+            fuse_qkv=fused,
+            rope=rope,
+        )
+    return GptOssModel.Config(
+        vocab_size=VOCAB,
+        dim=DIM,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM),
+        norm=RMSNorm.Config(normalized_shape=DIM),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB),
+        layers=layers,
+    )
+
+
+def gpt_oss_hf_config() -> dict[str, Any]:
+    return {
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": GPT_OSS,
+        "hidden_size": DIM,
+        "intermediate_size": EXPERT_FFN,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 131072,
+        "rope_theta": OSS_THETA,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": OSS_YARN["rope_factor"],
+            "beta_fast": OSS_YARN["beta_fast"],
+            "beta_slow": OSS_YARN["beta_slow"],
+            "original_max_position_embeddings": OSS_YARN["original_seq_len"],
+            "truncate": False,
+        },
+        "rms_norm_eps": NORM_EPS,
+        "sliding_window": OSS_WINDOW,
+        "layer_types": [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(LAYERS)
+        ],
+        "num_local_experts": EXPERTS,
+        "num_experts_per_tok": TOP_K,
+        "experts_per_token": TOP_K,
+        "swiglu_limit": 7.0,
+        "attention_bias": True,
+        "initial_context_length": OSS_YARN["original_seq_len"],
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
+    }
+
+
 def with_norm_eps(node: Any, norm: type, eps: float) -> Any:
     """Every RMSNorm of the config at ``eps`` (DeepSeek-V3's 1e-6; torchtitan's builders
     leave its 1e-5 default)."""
@@ -259,6 +376,8 @@ def deepseek_hf_config() -> dict[str, Any]:
 def hf_config(model: str) -> dict[str, Any]:
     if model == "deepseek_v3":
         return deepseek_hf_config()
+    if model == GPT_OSS:
+        return gpt_oss_hf_config()
     if model != "llama3":
         return qwen3_hf_config(model)
     return {
@@ -325,6 +444,8 @@ def worker(
         WORLD_SIZE=str(world),
     )
     cpu_shims()
+    if model == GPT_OSS:
+        gpt_oss_cpu_shims()
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         run(rank, world, out, model, fused, balanced)
@@ -340,14 +461,17 @@ def run(rank: int, world: int, out: Path, model_name: str, fused: bool, balanced
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed.parallel_dims import ParallelDims
     from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseekv3
+    from torchtitan.models.gpt_oss.parallelize import parallelize_gptoss
     from torchtitan.models.llama3.parallelize import parallelize_llama
     from torchtitan.models.qwen3.parallelize import parallelize_qwen3
 
     torch.manual_seed(0)
     config = model_config(model_name, fused)
-    parallelize = {"llama3": parallelize_llama, "deepseek_v3": parallelize_deepseekv3}.get(
-        model_name, parallelize_qwen3
-    )
+    parallelize = {
+        "llama3": parallelize_llama,
+        "deepseek_v3": parallelize_deepseekv3,
+        GPT_OSS: parallelize_gptoss,
+    }.get(model_name, parallelize_qwen3)
     with torch.device("meta"):
         model = config.build()
     dims = ParallelDims(
@@ -426,6 +550,13 @@ def run(rank: int, world: int, out: Path, model_name: str, fused: bool, balanced
         return value.full_tensor() if isinstance(value, DTensor) else value
 
     weights = {k: full(v) for k, v in model.state_dict().items()}
+    if model_name == GPT_OSS:  # its adapter's HF names are MXFP4's: no hf_dcp to compare with
+        moments = titan_moments(model, {k: full(v) for k, v in optimizers.state_dict().items()})
+        if rank == 0:
+            (out / "config.json").write_text(json.dumps(hf_config(model_name), indent=2))
+            truth = {"titan": weights, "moments": moments, "input_ids": tokens, "logits": logits}
+            torch.save(truth, out / "truth.pt")
+        return
     hf = hf_state(model_name, config, weights)
     moments = {k: full(v) for k, v in optimizers.state_dict().items()}
     optim = hf_optimizer(model_name, config, model, optimizers, moments)
@@ -447,6 +578,23 @@ def hf_state(model: str, config: Any, state: dict[str, torch.Tensor]) -> dict[st
     adapters = {"llama3": Llama3StateDictAdapter, "deepseek_v3": DeepSeekV3StateDictAdapter}
     adapter = adapters.get(model, Qwen3StateDictAdapter)
     return adapter(config, None).to_hf(state)
+
+
+def titan_moments(model: Any, flat: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
+    """Adam's moments by state, in the names of the model's state dict: each put through the
+    model's own fused-QKV split, as its weights are when saved."""
+    from torchtitan.models.common.attention import FusedQKVLinear
+
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in flat.items():
+        if key.startswith("state.") and not key.endswith(".step"):
+            name, _, state = key[len("state.") :].rpartition(".")
+            out.setdefault(state, {})[name] = value
+    for moments in out.values():
+        for module_name, module in model.named_modules():
+            if isinstance(module, FusedQKVLinear):
+                FusedQKVLinear._split_qkv_on_save(module, moments, f"{module_name}.", None)
+    return out
 
 
 def hf_optimizer(
@@ -491,7 +639,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", type=Path)
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--unfused", action="store_true", help="separate wq/wk/wv modules")
-    models = ("llama3", "qwen3", "qwen3_tied", "qwen3_moe", "deepseek_v3")
+    models = ("llama3", "qwen3", "qwen3_tied", "qwen3_moe", "deepseek_v3", GPT_OSS)
     parser.add_argument("--model", choices=models, default="llama3")
     parser.add_argument(
         "--balanced", action="store_true", help="MoE: torchtitan's load-balancing bias updates"

@@ -1,5 +1,5 @@
-"""torchtitan's DCP checkpoints of Llama 3, Qwen3, Qwen3-MoE and DeepSeek-V3 (its multi-token
-prediction layers too) as geometry over canonical tensors. Pure.
+"""torchtitan's DCP checkpoints of Llama 3, Qwen3, Qwen3-MoE, DeepSeek-V3 (its multi-token
+prediction layers too) and GPT-OSS as geometry over canonical tensors. Pure.
 
 torchtitan's ``CheckpointManager`` saves the model's state dict at the top level
 (``tok_embeddings.weight``, ``layers.<i>.attention.qkv_linear.wq.weight`` -- or
@@ -11,6 +11,11 @@ Llama 3's complex-number RoPE keeps q and k rows in Meta's interleaved order, wh
 adapter permutes into HF's (``rotary_rows``); Qwen3's cos/sin RoPE keeps HF's order. Qwen3's
 MoE layers keep each layer's experts in grouped tensors (``moe.routed_experts.inner_experts.
 w1_EFD`` ``[E, F, D]``, ``w3_EFD``, ``w2_EDF`` ``[E, D, F]``), each expert's matrix HF's.
+GPT-OSS's grouped experts are ``mlp1_weight_EGD`` ``[E, 2F, D]`` (each expert's ``linear_fc1``
+with gate and up rows interleaved, as HF's ``gate_up_proj`` columns are: read through a row
+map), ``mlp1_bias_EG`` likewise, ``mlp2_weight_EDF`` ``[E, D, F]`` and ``mlp2_bias_ED``
+(Megatron's own orientation; HF's packed tensors are their transposes). torchtitan 0.3.0's
+own adapter names these ``mlp1_weight`` ... and so leaves them out of its HF export.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from typing import Any
 from ckptctl.model.catalog import state_name
 from ckptctl.model.geometry import Piece, Shape, whole
 from ckptctl.model.hf_families import choose_family
-from ckptctl.model.hf_layout import per_name_tensors, shared_original
+from ckptctl.model.hf_gpt_oss import MODEL_TYPE as GPT_OSS
+from ckptctl.model.hf_layout import Entry, hf_tensors, per_name_tensors, shared_original
 from ckptctl.model.layout import ModelSpec
 from ckptctl.model.rotary_rows import RotaryRows
 
@@ -59,6 +65,14 @@ _RENAMES = {
     "mlp.shared_experts.up_proj.weight": ("moe.shared_experts.w3.weight",),
     "mlp.shared_experts.down_proj.weight": ("moe.shared_experts.w2.weight",),
     "mlp.gate.e_score_correction_bias": ("moe.expert_bias_E",),
+    # GPT-OSS: biases on attention, learned sinks, a router with a bias
+    "self_attn.q_proj.bias": ("attention.qkv_linear.wq.bias",),
+    "self_attn.k_proj.bias": ("attention.qkv_linear.wk.bias",),
+    "self_attn.v_proj.bias": ("attention.qkv_linear.wv.bias",),
+    "self_attn.o_proj.bias": ("attention.wo.bias",),
+    "self_attn.sinks": ("attention.sinks",),
+    "mlp.router.weight": ("moe.router.gate.weight",),
+    "mlp.router.bias": ("moe.router.gate.bias",),
 }
 _MTP_RENAMES = {
     "enorm.weight": ("enorm.weight",),
@@ -73,6 +87,7 @@ _MTP_SHARED = ("embed_tokens.weight", "shared_head.head.weight")
 the model's own (no tensors of theirs)."""
 _ROTARY = ("self_attn.q_proj.weight", "self_attn.k_proj.weight")
 FUSED_QKV = "attention.qkv_linear.wqkv.weight"
+FUSED_QKV_BIAS = "attention.qkv_linear.wqkv.bias"
 OUTPUT_NAMES = ("lm_head.weight", "output.weight")
 EXPERT_BIAS = ".moe.expert_bias_E"
 """torchtitan's load-balancing bias added to router scores to choose experts (a buffer)."""
@@ -81,8 +96,23 @@ _GROUPED = {
     "up_proj": "moe.routed_experts.inner_experts.w3_EFD",
     "down_proj": "moe.routed_experts.inner_experts.w2_EDF",
 }
+_PACKED = {
+    "mlp.experts.gate_up_proj": "moe.routed_experts.inner_experts.mlp1_weight_EGD",
+    "mlp.experts.gate_up_proj_bias": "moe.routed_experts.inner_experts.mlp1_bias_EG",
+    "mlp.experts.down_proj": "moe.routed_experts.inner_experts.mlp2_weight_EDF",
+    "mlp.experts.down_proj_bias": "moe.routed_experts.inner_experts.mlp2_bias_ED",
+}
+"""GPT-OSS's packed HF expert tensors (one entry per expert in ``hf_tensors``) and the
+grouped torchtitan parameter holding the same experts."""
+_INTERLEAVED_GLU = frozenset({"mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj_bias"})
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
-INTERLEAVED = {"llama": True, "qwen3": False, "qwen3_moe": False, "deepseek_v3": False}
+INTERLEAVED = {
+    "llama": True,
+    "qwen3": False,
+    "qwen3_moe": False,
+    "deepseek_v3": False,
+    GPT_OSS: False,
+}
 """The torchtitan models mapped, by HF ``model_type``, and whether their q/k rows are in
 Meta's interleaved order (torchtitan's adapters permute them for Llama 3 only: DeepSeek-V3's
 HF checkpoints keep its rotary dimensions interleaved, as torchtitan does)."""
@@ -115,7 +145,7 @@ def unsupported(spec: ModelSpec) -> str | None:
     family = choose_family(spec).name
     if family not in INTERLEAVED:
         return f"model_type {family!r} (mapped: {', '.join(INTERLEAVED)})"
-    if family == DEEPSEEK:  # MLA, shared experts, dense first layers and MTP are its own
+    if family in (DEEPSEEK, GPT_OSS):  # their HF families refuse what they do not hold
         return None
     for field, value in (
         ("attention_bias / mlp_bias", spec.add_bias_linear or spec.add_qkv_bias),
@@ -146,6 +176,14 @@ def titan_groups(items: dict[str, Any]) -> list[dict[str, Any]]:
     return groups
 
 
+def titan_entries(spec: ModelSpec) -> list[Entry]:
+    """The HF tensors of ``spec`` torchtitan's names stand for: GPT-OSS's packed experts too
+    (one entry per expert; torchtitan groups them alike)."""
+    if choose_family(spec).name == GPT_OSS:
+        return hf_tensors(spec)
+    return per_name_tensors(spec, "torchtitan")
+
+
 def key_table(spec: ModelSpec) -> dict[str, TitanKey]:
     """Every key a torchtitan checkpoint of ``spec`` may hold (model and Adam state)."""
     d = spec.kv_channels
@@ -153,7 +191,9 @@ def key_table(spec: ModelSpec) -> dict[str, TitanKey]:
     params: dict[str, TitanKey] = {}
     grouped: dict[str, list[tuple[str, Shape, tuple[Piece, ...], str]]] = {}
     by_hf: dict[str, list[str]] = {}
-    for name, canonical, shape, pieces in per_name_tensors(spec, "torchtitan"):
+    glu = RotaryRows(2 * spec.expert_ffn_size, 2 * spec.expert_ffn_size, 2 * spec.expert_ffn_size)
+    grouped_rows: dict[str, RotaryRows] = {}
+    for name, canonical, shape, pieces in titan_entries(spec):
         _, _, local = name.partition(".layers.")
         prefix, suffix = ("", name)
         renames = _RENAMES
@@ -169,6 +209,12 @@ def key_table(spec: ModelSpec) -> dict[str, TitanKey]:
                     continue
                 prefix = f"mtp_layers.{int(number) - spec.num_layers}."
                 renames = {**_RENAMES, **_MTP_RENAMES}
+        if suffix in _PACKED:  # GPT-OSS: the experts of a packed HF tensor, in order
+            matrix = (canonical, shape, pieces, name)
+            grouped.setdefault(prefix + _PACKED[suffix], []).append(matrix)
+            if suffix in _INTERLEAVED_GLU:  # gate row i at 2i, up row i at 2i + 1
+                grouped_rows[prefix + _PACKED[suffix]] = glu
+            continue
         expert = _EXPERT.fullmatch(suffix)
         if expert is not None:  # experts in HF order: expert 0's three, then expert 1's, ...
             matrix = (canonical, shape, pieces, name)
@@ -182,7 +228,7 @@ def key_table(spec: ModelSpec) -> dict[str, TitanKey]:
         shape = (len(matrices), *matrices[0][1])
         each = tuple((canonical, pieces) for canonical, _, pieces, _ in matrices)
         names = tuple(hf for *_, hf in matrices)
-        params[name] = TitanKey("", shape, (), experts=each, hf=names)
+        params[name] = TitanKey("", shape, (), grouped_rows.get(name), experts=each, hf=names)
     qkv_rows = (spec.heads_per_group + 2) * d
     fused = RotaryRows(d, qkv_rows, qkv_rows - d) if heads is not None else None
     qkv_shape = (spec.num_query_groups * qkv_rows, spec.hidden_size)
@@ -191,6 +237,10 @@ def key_table(spec: ModelSpec) -> dict[str, TitanKey]:
         params[f"layers.{i}.{FUSED_QKV}"] = TitanKey(
             canonical, qkv_shape, (whole(qkv_shape),), fused
         )
+        bias = params.get(f"layers.{i}.attention.qkv_linear.wq.bias")
+        if bias is not None and fused is None:  # GPT-OSS: the fused module's bias, alike
+            rows = qkv_shape[:1]
+            params[f"layers.{i}.{FUSED_QKV_BIAS}"] = TitanKey(bias.canonical, rows, (whole(rows),))
     table = dict(params)
     for name, key in params.items():
         for state in STATES:

@@ -22,11 +22,11 @@ from ckptctl.formats.dcp.titan_layout import (
     OUTPUT_NAMES,
     TitanKey,
     key_table,
+    titan_entries,
     unsupported,
 )
 from ckptctl.model.geometry import Piece, chunk_pieces
 from ckptctl.model.hf_families import choose_family
-from ckptctl.model.hf_layout import per_name_tensors
 from ckptctl.model.layout import ModelSpec, ParallelLayout
 from ckptctl.model.rotary_rows import RotaryRows, hf_runs
 from ckptctl.model.stored import CheckpointView, Format, KeyPath, Replica, Shape, StoredTensor
@@ -62,8 +62,8 @@ def titan_view(
     missing = unsupported(spec)
     if missing is not None:
         raise LayoutError(
-            f"{where}: ckptctl maps torchtitan's Llama 3, Qwen3, Qwen3-MoE and DeepSeek-V3 "
-            "names, but the "
+            f"{where}: ckptctl maps torchtitan's Llama 3, Qwen3, Qwen3-MoE, DeepSeek-V3 and "
+            "GPT-OSS names, but the "
             f"given config has {missing}; convert with --format torch (names kept) instead"
         )
     found = titan_tensors(metadata, spec, base)
@@ -125,6 +125,10 @@ def titan_tensors(metadata: DcpMetadata, spec: ModelSpec, base: str) -> TitanTen
             info = metadata.storage[(fqn, chunk.offsets)]
             if key.experts:
                 out.placed.extend((info, t) for t in _expert_views(key, where, chunk, entry.dtype))
+                if key.rows is not None:  # each expert's rows interleaved (GPT-OSS's GLU)
+                    if any(chunk.offsets[1:]) or tuple(chunk.sizes[1:]) != key.shape[1:]:
+                        out.problems.append(f"{fqn} is saved cut inside an expert's matrix")
+                    out.rows[where] = (key.rows, 0, key.shape[1])
                 continue
             pieces = _chunk_pieces(key, chunk.offsets, chunk.sizes)
             tensor = StoredTensor(where, key.canonical, chunk.sizes, entry.dtype, pieces)
@@ -138,7 +142,7 @@ def titan_tensors(metadata: DcpMetadata, spec: ModelSpec, base: str) -> TitanTen
 def _check_held(out: TitanTensors, spec: ModelSpec) -> None:
     """Every weight of the configured model held (a config of another model may name
     tensors the checkpoint lacks: say which, as HF names them)."""
-    missing = [hf for hf, *_ in per_name_tensors(spec, "torchtitan") if hf not in out.held]
+    missing = list(dict.fromkeys(hf for hf, *_ in titan_entries(spec) if hf not in out.held))
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         out.problems.append(
