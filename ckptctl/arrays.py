@@ -91,6 +91,31 @@ def interleaved_rows(first: int, count: int, rows: int) -> np.ndarray:
     return np.where(canonical < half, 2 * canonical, 2 * (canonical - half) + 1)
 
 
+def packed_block_box(
+    read_stored: Callable[[tuple[int, ...], tuple[int, ...]], np.ndarray],
+    offsets: tuple[int, ...],
+    sizes: tuple[int, ...],
+    rows: int,
+    transposed: bool,
+    interleaved: bool,
+) -> np.ndarray:
+    """Box ``(offsets, sizes)``, in Megatron's orientation and row order, of one expert's block
+    of a packed tensor (GPT-OSS's as transformers holds it) that has ``rows`` rows in that
+    orientation and is stored transposed and/or with its gated halves interleaved:
+    ``read_stored(offsets, sizes)`` reads a box of the block as stored; the stored rows that
+    span the box are read, then turned and put in order."""
+    if interleaved:
+        order = interleaved_rows(offsets[0], sizes[0], rows)
+        lo, hi = int(order.min()), int(order.max()) + 1
+    else:
+        order, lo, hi = None, offsets[0], offsets[0] + sizes[0]
+    if transposed:
+        box = read_stored((offsets[1], lo), (sizes[1], hi - lo)).T
+    else:
+        box = read_stored((lo, *offsets[1:]), (hi - lo, *sizes[1:]))
+    return np.ascontiguousarray(box if order is None else box[order - lo])
+
+
 def empty(shape: tuple[int, ...], dtype: str) -> np.ndarray:
     return np.empty(shape, NUMPY_DTYPES[dtype])
 

@@ -140,11 +140,13 @@ def _qwen_mtp_tensors(spec: ModelSpec, moe: MoeNaming | None) -> list[Entry]:
 def per_name_tensors(spec: ModelSpec, where: str) -> list[Entry]:
     """``hf_tensors`` for readers and writers that take each HF name as one tensor: refused
     for a model whose HF tensors pack several canonical ones (GPT-OSS's experts), which only
-    the safetensors reader and writer place block by block, or stores one shifted from its
+    the safetensors reader and writer and the DCP readers place block by block, or stores one
+    shifted from its
     canonical values (Qwen3.5's gated norm), which only they shift."""
     if choose_family(spec).name == hf_gpt_oss.MODEL_TYPE:
         raise LayoutError(
-            f"{where}: GPT-OSS's packed experts are read and written in HF safetensors only for now"
+            f"{where}: GPT-OSS's packed experts are read from HF safetensors, DCP and torchtitan "
+            "checkpoints and written to HF safetensors and Megatron only, for now"
         )
     entries = hf_tensors(spec)
     if any(hf_qwen35.value_shift(spec, name) for name, *_ in entries):

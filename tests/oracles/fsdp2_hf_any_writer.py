@@ -9,15 +9,18 @@ transformers model, ``fully_shard`` every block transformers marks unsplittable
     OUT_DIR/dcp/.metadata, __<rank>_0.distcp   dcp.save({"model": msd, "optim": osd})
     OUT_DIR/dcp/config.json, generation_config.json   as save_pretrained writes them
     OUT_DIR/truth.pt   {"model": full state dict after the step (in-memory names),
+                        "moments": Adam's state by parameter name, full tensors,
                         "input_ids", "logits"} from the live run
 
 Models: ``qwen2_5_vl`` (a VLM: vision tower, ``model.language_model.*`` in memory, tied
 embeddings), ``qwen3_moe`` (transformers 5 packs each layer's experts into
 ``experts.gate_up_proj`` / ``experts.down_proj``) and ``gemma3`` (Gemma 3 text: four norms
-per layer, local and global layers) and ``qwen3_5`` (Qwen3.5 text: gated delta net layers,
-transformers' torch kernels). No CPU shims: transformers' eager attention
-runs as it is. Under ``--tp``, Qwen3's per-head q/k norms see only each rank's heads: their
-gradients are summed over the TP group before the step, as a trainer's own TP plan does.
+per layer, local and global layers), ``qwen3_5`` (Qwen3.5 text: gated delta net layers,
+transformers' torch kernels) and ``gpt_oss`` (GPT-OSS: packed experts held in memory as its
+hub checkpoints store them, transposed with gate and up interleaved; sinks, a 4-token window).
+No CPU shims: transformers' eager attention runs as it is. Under ``--tp``, Qwen3's per-head
+q/k norms see only each rank's heads: their gradients are summed over the TP group before the
+step, as a trainer's own TP plan does.
 
 Usage::
 
@@ -126,6 +129,23 @@ def build_model(name: str) -> torch.nn.Module:
             eos_token_id=2,
         )
         cls = transformers.Qwen3_5ForCausalLM
+    elif name == "gpt_oss":
+        config = transformers.GptOssConfig(
+            hidden_size=64,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            vocab_size=VOCAB,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"],
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+        cls = transformers.GptOssForCausalLM
     else:
         raise SystemExit(f"unknown model {name!r}")
     config.architectures = [cls.__name__]  # as a hub model's config.json names it
@@ -226,10 +246,15 @@ def run_rank(rank: int, name: str, tp: int, out_dir: Path) -> None:
         key: value.full_tensor() if isinstance(value, DTensor) else value
         for key, value in model_sd.items()
     }
+    moments = {
+        name: {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
+        for name, state in optim_sd["state"].items()
+    }
     with torch.no_grad():
         logits = model(input_ids=tokens).logits
     if rank == 0:
-        torch.save({"model": full, "input_ids": tokens, "logits": logits}, out_dir / "truth.pt")
+        truth = {"model": full, "moments": moments, "input_ids": tokens, "logits": logits}
+        torch.save(truth, out_dir / "truth.pt")
     dist.barrier()
 
 
@@ -241,7 +266,8 @@ def free_port() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Write an FSDP2 DCP checkpoint of an HF model.")
-    parser.add_argument("model", choices=("qwen2_5_vl", "qwen3_moe", "gemma3", "qwen3_5"))
+    models = ("qwen2_5_vl", "qwen3_moe", "gemma3", "qwen3_5", "gpt_oss")
+    parser.add_argument("model", choices=models)
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--tp", type=int, default=1, help="tensor parallelism (ranks: 2 x TP)")
     args = parser.parse_args(argv)

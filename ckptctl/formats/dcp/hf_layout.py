@@ -11,10 +11,13 @@ from its ``config.json``: head counts cannot be read off the shapes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import prod
 
+from ckptctl.model import hf_gpt_oss
 from ckptctl.model.catalog import state_name
 from ckptctl.model.geometry import Piece, Shape, chunk_pieces
-from ckptctl.model.hf_layout import packed_expert, per_name_tensors
+from ckptctl.model.hf_families import choose_family
+from ckptctl.model.hf_layout import Entry, hf_tensors, packed_expert, per_name_tensors
 from ckptctl.model.layout import ModelSpec
 from ckptctl.model.stored import KeyPath, StoredTensor
 
@@ -43,10 +46,19 @@ def prefixes(keys: list[str]) -> tuple[str, str | None] | None:
     return model, optim
 
 
+def dcp_entries(spec: ModelSpec) -> list[Entry]:
+    """The HF tensors of ``spec`` taken one name at a time; GPT-OSS's packed experts are left
+    to ``block_table``."""
+    if choose_family(spec).name == hf_gpt_oss.MODEL_TYPE:
+        return [e for e in hf_tensors(spec) if hf_gpt_oss.block(spec, *e[:3]) is None]
+    return per_name_tensors(spec, "DCP")
+
+
 def key_table(spec: ModelSpec, model_prefix: str, optim_prefix: str | None) -> dict[str, HfKey]:
-    """Every key such a checkpoint may hold, mapped onto canonical tensors."""
+    """Every key such a checkpoint may hold, mapped onto canonical tensors (GPT-OSS's packed
+    experts: ``block_table``)."""
     table: dict[str, HfKey] = {}
-    for name, canonical, shape, pieces in per_name_tensors(spec, "DCP"):
+    for name, canonical, shape, pieces in dcp_entries(spec):
         table[model_prefix + name] = HfKey(canonical, shape, pieces)
         if optim_prefix is None:
             continue
@@ -126,4 +138,86 @@ def packed_chunk(
         pieces = chunk_pieces(entry.pieces, (lo - first, c0), (hi - lo, nc))
         start = (expert - e0) * nr * nc + (lo - r0) * nc
         out.append(StoredTensor(key, entry.canonical, (hi - lo, nc), dtype, pieces, start))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class BlockKey:
+    """A GPT-OSS packed tensor (``experts.gate_up_proj`` ``[E, H, 2F]``, its bias
+    ``[E, 2F]``, ``experts.down_proj`` ``[E, F, H]``, its bias ``[E, H]``: transformers holds them
+    in memory as its hub checkpoints store them): each expert's block, which is one canonical
+    tensor, stored transposed (the matrices) and with gate and up interleaved (``gate_up``)."""
+
+    shape: Shape
+    """The stored tensor's shape (``()`` for Adam's step)."""
+    experts: tuple[tuple[str, Shape, tuple[Piece, ...]], ...]
+    """Each expert's canonical tensor, its shape in Megatron's orientation and its pieces."""
+    transposed: bool
+    interleaved: bool
+
+
+def block_table(
+    spec: ModelSpec, model_prefix: str, optim_prefix: str | None
+) -> dict[str, BlockKey]:
+    """GPT-OSS's packed tensors (and their Adam state) such a checkpoint may hold; empty for
+    the other families."""
+    if choose_family(spec).name != hf_gpt_oss.MODEL_TYPE:
+        return {}
+    grouped: dict[str, list[tuple[str, Shape, tuple[Piece, ...]]]] = {}
+    blocks: dict[str, hf_gpt_oss.Block] = {}
+    for name, canonical, shape, pieces in hf_tensors(spec):
+        block = hf_gpt_oss.block(spec, name, canonical, shape)
+        if block is not None:  # hf_tensors lists each packed tensor's experts in order
+            grouped.setdefault(name, []).append((canonical, shape, pieces))
+            blocks[name] = block
+    table: dict[str, BlockKey] = {}
+    for name, experts in grouped.items():
+        block = blocks[name]
+        table[model_prefix + name] = BlockKey(
+            block.base_shape, tuple(experts), block.transposed, block.interleaved
+        )
+        if optim_prefix is None:
+            continue
+        for state in STATES:
+            if state == "step":  # one count for the packed parameter: each expert's
+                count = (Piece((), (), ()),)
+                steps = tuple((state_name("step", c), (), count) for c, *_ in experts)
+                table[f"{optim_prefix}{name}.step"] = BlockKey((), steps, False, False)
+            else:
+                states = tuple((state_name(state, c), s, p) for c, s, p in experts)
+                table[f"{optim_prefix}{name}.{state}"] = BlockKey(
+                    block.base_shape, states, block.transposed, block.interleaved
+                )
+    return table
+
+
+def block_chunk(
+    fqn: str, key: BlockKey, offsets: Shape, sizes: Shape, dtype: str
+) -> list[StoredTensor] | None:
+    """The expert blocks a stored chunk of a packed tensor holds, each a run of the chunk's
+    elements; ``None`` when the chunk cuts inside an expert's block (FSDP cuts dim 0, the
+    experts, unless there are fewer experts than ranks)."""
+    where: KeyPath = (fqn, *offsets)
+    if not key.shape:
+        return [StoredTensor(where, c, (), dtype, p) for c, _, p in key.experts]
+    first, *inner_offsets = offsets
+    count, *inner = sizes
+    if any(inner_offsets) or tuple(inner) != key.shape[1:]:
+        return None
+    size = prod(inner)
+    out = []
+    for k in range(count):
+        canonical, shape, pieces = key.experts[first + k]
+        out.append(
+            StoredTensor(
+                where,
+                canonical,
+                shape,
+                dtype,
+                pieces,
+                k * size,
+                transposed=key.transposed,
+                interleaved=key.interleaved,
+            )
+        )
     return out

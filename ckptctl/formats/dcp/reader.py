@@ -23,8 +23,8 @@ from ckptctl import json_input
 from ckptctl.errors import CheckpointError, LayoutError, UsageError
 from ckptctl.formats.base import Checkpoint, SavedTraining, templates_of
 from ckptctl.formats.dcp.files import chunks_placed, files_of, join, read_metadata
-from ckptctl.formats.dcp.hf_layout import key_table, packed_chunk, packed_table, prefixes
-from ckptctl.formats.dcp.hf_passthrough import tied_copies
+from ckptctl.formats.dcp.hf_layout import dcp_entries, prefixes
+from ckptctl.formats.dcp.hf_named import hf_named_view
 from ckptctl.formats.dcp.metadata import BytesEntry, DcpMetadata, StorageInfo, TensorEntry
 from ckptctl.formats.dcp.records import (
     Fetch,
@@ -41,12 +41,10 @@ from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
 from ckptctl.formats.torchsave.refs import stored_object, view_ref
 from ckptctl.io.runs import Span
 from ckptctl.io.storage import Storage
-from ckptctl.model.geometry import chunk_pieces
 from ckptctl.model.hf_config import has_family_table, spec_from_config
-from ckptctl.model.hf_families import choose_family
-from ckptctl.model.hf_layout import CONFIG, per_name_tensors
+from ckptctl.model.hf_layout import CONFIG
 from ckptctl.model.hf_named import GENERATION_CONFIG, HfNamedModel, HfNamedSource
-from ckptctl.model.layout import ModelSpec, ParallelLayout
+from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.megatron_style import TORCH_ADAM, MegatronStyle, OptimizerLayout
 from ckptctl.model.rotary_rows import stored_rows
 from ckptctl.model.stored import (
@@ -79,6 +77,9 @@ class DcpCheckpoint(Checkpoint):
     _files: dict[str, Any] = field(default_factory=dict)
     row_orders: RowOrders = field(default_factory=dict)
     """Chunks whose rows are read through a row map (torchtitan's rotary q/k rows)."""
+    blocks: dict[KeyPath, bool] = field(default_factory=dict)
+    """Chunks of GPT-OSS's packed experts, each block read turned to Megatron's orientation
+    (and, where this says its gated halves are interleaved, its rows put apart)."""
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def _open(self, fqn: str, offsets: tuple[int, ...]) -> tuple[TorchZipReader, TensorRef]:
@@ -124,9 +125,22 @@ class DcpCheckpoint(Checkpoint):
         transposed: bool = False,
         into: np.ndarray | None = None,
     ) -> np.ndarray:
-        if transposed:
-            raise ValueError("DCP stores no tensor transposed")
+        if transposed and key not in self.blocks:
+            raise ValueError("DCP stores no tensor transposed but GPT-OSS's packed experts")
         reader, ref = self._open(str(key[0]), tuple(int(k) for k in key[1:]))
+        if view is not None and key in self.blocks:  # an expert's block, in Megatron's order
+            from ckptctl.arrays import packed_block_box
+
+            start, shape = view
+            block = view_ref(_flat(ref), start, shape[::-1] if transposed else shape)
+            return packed_block_box(
+                lambda first, count: reader.read(block, first, count),
+                offsets,
+                sizes,
+                shape[0],
+                transposed,
+                self.blocks[key],
+            )
         if view is not None:
             ref = view_ref(_flat(ref), *view)
         if key in self.row_orders:  # gather the rows, in HF order, from their stored run
@@ -142,7 +156,7 @@ class DcpCheckpoint(Checkpoint):
         self, path: str, key: KeyPath, offsets: Shape, sizes: Shape, view: FlatView = None
     ) -> Span | None:
         """Where the box lies in its ``.distcp`` file, when it lies there contiguously."""
-        if key in self.row_orders:
+        if key in self.row_orders or key in self.blocks:
             return None
         reader, ref = self._open(str(key[0]), tuple(int(k) for k in key[1:]))
         if view is not None:
@@ -274,7 +288,7 @@ def probe_dcp(
     if config is not None:
         try:
             spec = spec_from_config(config, trusted=trusted)
-            per_name_tensors(spec, "DCP")  # GPT-OSS's packed experts: by name, as they are
+            dcp_entries(spec)  # refuses what only HF safetensors shift (Qwen3.5's gated norms)
         except LayoutError as err:
             # No family table takes it (a VLM, a family ckptctl does not map to Megatron):
             # transformers judges the names, which go to HF as they are.
@@ -296,7 +310,9 @@ def probe_dcp(
             if found is not None:
                 raise refusal from None
         if found is not None:
-            return _hf_named(storage, base, metadata, iteration, spec, found)
+            where = storage.describe(base)
+            view, blocks = hf_named_view(where, base, metadata, iteration, spec, found)
+            return DcpCheckpoint(storage, view, base, metadata, blocks=blocks)
     if found is None:
         return _generic(storage, base, metadata, iteration)
     ckpt = _generic(storage, base, metadata, iteration)
@@ -366,72 +382,6 @@ def _any_hf_model(
         (*named.notes, why),
         replicas=named.replicas,
         hf_named=carried,
-    )
-    return DcpCheckpoint(storage, view, base, metadata)
-
-
-def _hf_named(
-    storage: Storage,
-    base: str,
-    metadata: DcpMetadata,
-    iteration: int | None,
-    spec: ModelSpec,
-    found: tuple[str, str | None],
-) -> DcpCheckpoint:
-    """An HF model's DCP checkpoint (FSDP2 / DTensor) of a family ckptctl maps: chunks of HF
-    tensors placed in the canonical ones by the HF mapping."""
-    model_prefix, optim_prefix = found
-    table = key_table(spec, model_prefix, optim_prefix)
-    held_under = (model_prefix,) if optim_prefix is None else (model_prefix, optim_prefix)
-    packed = packed_table(table, spec, held_under) if spec.num_experts else {}
-    placed: list[tuple[StorageInfo, StoredTensor]] = []
-    problems: list[str] = []
-    # a tied model's state dict names its embedding twice: the output alias is a copy
-    tied = {"lm_head.weight": "model.embed_tokens.weight"} if spec.tie_embeddings else {}
-    entries = {k: e for k, e in metadata.entries.items() if isinstance(e, TensorEntry)}
-    for fqn, entry in entries.items():
-        if fqn[len(model_prefix) :] in tied and fqn.startswith(model_prefix):
-            continue  # checked equal to the embedding below, never written
-        key = table.get(fqn)
-        if key is None and fqn in packed:  # transformers 5's in-memory experts
-            if entry.shape != packed[fqn].shape:
-                want = list(packed[fqn].shape)
-                problems.append(f"{fqn} has shape {list(entry.shape)}; config says {want}")
-                continue
-            for chunk in entry.chunks:
-                info = metadata.storage[(fqn, chunk.offsets)]
-                for tensor in packed_chunk(
-                    fqn, packed[fqn], chunk.offsets, chunk.sizes, entry.dtype
-                ):
-                    placed.append((info, tensor))
-            continue
-        if key is None:
-            problems.append(f"{fqn} is not a parameter (or Adam state) of the configured model")
-            continue
-        if entry.shape != key.shape:
-            problems.append(f"{fqn} has shape {list(entry.shape)}; config says {list(key.shape)}")
-            continue
-        for chunk in entry.chunks:
-            tensor = StoredTensor(
-                (fqn, *chunk.offsets),
-                key.canonical,
-                chunk.sizes,
-                entry.dtype,
-                chunk_pieces(key.pieces, chunk.offsets, chunk.sizes),
-            )
-            placed.append((metadata.storage[(fqn, chunk.offsets)], tensor))
-    replicas = tied_copies(metadata, entries, model_prefix, tied, base, problems)
-    if problems:
-        raise CheckpointError(f"{storage.describe(base)}: " + "; ".join(problems[:5]))
-    view = CheckpointView(
-        Format.DCP,
-        spec,
-        ParallelLayout(),
-        files_of(base, placed),
-        iteration,
-        optim_prefix is not None,
-        (f"PyTorch DCP checkpoint of an HF {choose_family(spec).architecture}",),
-        replicas=replicas,
     )
     return DcpCheckpoint(storage, view, base, metadata)
 

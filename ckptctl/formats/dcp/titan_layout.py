@@ -239,8 +239,8 @@ def key_table(spec: ModelSpec) -> dict[str, TitanKey]:
         )
         bias = params.get(f"layers.{i}.attention.qkv_linear.wq.bias")
         if bias is not None and fused is None:  # GPT-OSS: the fused module's bias, alike
-            rows = qkv_shape[:1]
-            params[f"layers.{i}.{FUSED_QKV_BIAS}"] = TitanKey(bias.canonical, rows, (whole(rows),))
+            fused_bias = TitanKey(bias.canonical, qkv_shape[:1], (whole(qkv_shape[:1]),))
+            params[f"layers.{i}.{FUSED_QKV_BIAS}"] = fused_bias
     table = dict(params)
     for name, key in params.items():
         for state in STATES:

@@ -16,7 +16,7 @@ import numpy as np
 import xxhash
 
 from ckptctl import json_input
-from ckptctl.arrays import buffer, interleaved_rows, words
+from ckptctl.arrays import buffer, packed_block_box, words
 from ckptctl.checksums import record_checks
 from ckptctl.checksums.manifest import recorded
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError, LayoutError, UsageError
@@ -140,18 +140,16 @@ class HFCheckpoint(Checkpoint):
         transposed and/or with its gated halves interleaved: the stored rows that span the box
         are read, then turned and put in order."""
         at, shape = view
-        if (path, name) in self.packed_gated:
-            rows = interleaved_rows(offsets[0], sizes[0], shape[0])
-            lo, hi = int(rows.min()), int(rows.max()) + 1
-        else:
-            rows, lo, hi = None, offsets[0], offsets[0] + sizes[0]
         stored = (at, shape[::-1] if transposed else shape)
-        if transposed:
-            box = self._stored_box(path, name, stored, (offsets[1], lo), (sizes[1], hi - lo)).T
-        else:
-            rest = (offsets[1:], sizes[1:])
-            box = self._stored_box(path, name, stored, (lo, *rest[0]), (hi - lo, *rest[1]))
-        return np.ascontiguousarray(box if rows is None else box[rows - lo])
+        interleaved = (path, name) in self.packed_gated
+        return packed_block_box(
+            lambda first, count: self._stored_box(path, name, stored, first, count),
+            offsets,
+            sizes,
+            shape[0],
+            transposed,
+            interleaved,
+        )
 
     def _stored_box(
         self, path: str, name: str, view: tuple[int, Shape], offsets: Shape, sizes: Shape

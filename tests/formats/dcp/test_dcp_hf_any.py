@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from tests.formats.megatron.rank_files import holds, optimizer_tensors
 from tests.oracle_runner import run_oracle
 
 transformers = pytest.importorskip("transformers")
@@ -59,6 +60,11 @@ def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def qwen35(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _written(tmp_path_factory, "qwen3_5")
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _written(tmp_path_factory, "gpt_oss")
 
 
 def _truth(run: Path) -> dict[str, Any]:
@@ -285,3 +291,37 @@ def test_qwen35_under_fsdp2_becomes_hf_by_name_and_says_why_not_megatron(
     result = cli("reshard", qwen35 / "dcp", tmp_path / "meg", "--tp", "2", code=2)
     assert "Qwen3.5's gated norms" in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_gpt_oss_under_fsdp2_reshards_to_megatron_with_adam_state(
+    gpt_oss: Path, tmp_path: Path, cli
+) -> None:
+    """GPT-OSS (issue 56) under FSDP2: its packed experts (transposed, gate and up interleaved)
+    are read block by block into Megatron's experts, not only by name. To HF it is what
+    ``save_pretrained`` writes, with its logits; to Megatron TP2 EP2 with Adam's state, each
+    expert's moments torch's (turned, gate and up apart, found in the rank files by value),
+    and back to HF byte-identical to the direct conversion."""
+    cli("consolidate", gpt_oss / "dcp", tmp_path / "direct")
+    _as_save_pretrained_writes(gpt_oss, tmp_path / "direct", tmp_path / "reference")
+    truth = _truth(gpt_oss)
+    logits = _logits(_loaded(tmp_path / "direct"), truth["input_ids"])
+    torch.testing.assert_close(logits, truth["logits"], rtol=1e-5, atol=1e-5)
+    cli("reshard", gpt_oss / "dcp", tmp_path / "meg", "--tp", "2", "--ep", "2", "--etp", "1")
+    cli("consolidate", tmp_path / "meg", tmp_path / "back")
+    back = (tmp_path / "back" / "model.safetensors").read_bytes()
+    assert back == (tmp_path / "direct" / "model.safetensors").read_bytes()
+    states = optimizer_tensors(tmp_path / "meg")
+    compared = 0
+    for i in range(2):
+        moments = truth["moments"]
+        fc1 = moments[f"model.layers.{i}.mlp.experts.gate_up_proj"]
+        fc2 = moments[f"model.layers.{i}.mlp.experts.down_proj"]
+        for state in ("exp_avg", "exp_avg_sq"):
+            for gate_up, down in zip(fc1[state], fc2[state], strict=True):
+                turned = gate_up.T  # [2F, H], gate and up rows interleaved
+                wants = (torch.cat([turned[0::2], turned[1::2]]), down.T.contiguous())
+                for want in wants:
+                    assert holds(states, want)
+                    compared += 1
+                assert not holds(states, turned)
+    assert compared == 2 * 2 * 4 * 2

@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests import torchtitan_env
+from tests.formats.megatron.rank_files import holds, optimizer_tensors
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -99,25 +100,6 @@ def test_torchtitan_gpt_oss_becomes_hf_that_transformers_runs_as_torchtitan_did(
     assert _max_logit_error(tmp_path, truth, swap_gate_up=True) > 10 * TOLERANCE
 
 
-def _adam_states(megatron: Path) -> list[torch.Tensor]:
-    """Every tensor of every rank file's optimizer state (found by value, not by index)."""
-    found: list[torch.Tensor] = []
-
-    def walk(node: Any) -> None:
-        if isinstance(node, torch.Tensor) and node.dim() > 0:
-            found.append(node)
-        elif isinstance(node, dict):
-            for value in node.values():
-                walk(value)
-        elif isinstance(node, list | tuple):
-            for value in node:
-                walk(value)
-
-    for rank_file in sorted(megatron.glob("iter_*/*/model_optim_rng.pt")):
-        walk(torch.load(rank_file, weights_only=False)["optimizer"])
-    return found
-
-
 def test_torchtitan_gpt_oss_reshards_to_megatron_with_its_adam_state(
     gpt_oss: Path, tmp_path: Path, cli
 ) -> None:
@@ -132,7 +114,7 @@ def test_torchtitan_gpt_oss_reshards_to_megatron_with_its_adam_state(
     cli("consolidate", tmp_path / "meg", tmp_path / "back")
     direct = (tmp_path / "direct" / "model.safetensors").read_bytes()
     assert (tmp_path / "back" / "model.safetensors").read_bytes() == direct
-    states = _adam_states(tmp_path / "meg")
+    states = optimizer_tensors(tmp_path / "meg")
     moments = _truth(gpt_oss)["moments"]
     compared = 0
     for state in ("exp_avg", "exp_avg_sq"):
@@ -140,7 +122,7 @@ def test_torchtitan_gpt_oss_reshards_to_megatron_with_its_adam_state(
             grouped = moments[state][f"layers.{i}.{EXPERTS}mlp1_weight_EGD"]
             for expert in grouped:
                 want = torch.cat([expert[0::2], expert[1::2]])
-                assert any(s.shape == want.shape and torch.equal(s, want) for s in states)
-                assert not any(s.shape == want.shape and torch.equal(s, expert) for s in states)
+                assert holds(states, want)
+                assert not holds(states, expert)
                 compared += 1
     assert compared == 2 * 2 * 4

@@ -204,9 +204,10 @@ def test_mxfp4_is_written_for_gpt_oss_only(tmp_path: Path, cli) -> None:
 
 
 def test_readers_and_writers_by_hf_name_refuse_gpt_oss_by_name(tmp_path: Path) -> None:
-    """Formats that take each HF name as one tensor (DCP, torchtitan, DeepSpeed, the HF
-    Trainer's optimizer, merge-lora) would misplace the packed experts: they ask for the
-    tensors through ``per_name_tensors``, which refuses GPT-OSS, saying why."""
+    """Formats that take each HF name as one tensor (DeepSpeed, the HF Trainer's optimizer,
+    verl, merge-lora) would misplace the packed experts: they ask for the tensors through
+    ``per_name_tensors``, which refuses GPT-OSS, saying why (DCP and torchtitan place the
+    experts block by block: tests/formats/dcp)."""
     from ckptctl.errors import LayoutError
     from ckptctl.model.hf_config import spec_from_config
     from ckptctl.model.hf_layout import per_name_tensors
@@ -214,13 +215,15 @@ def test_readers_and_writers_by_hf_name_refuse_gpt_oss_by_name(tmp_path: Path) -
     src = tmp_path / "hf"
     _make(src)
     spec = spec_from_config(json.loads((src / "config.json").read_text()))
-    with pytest.raises(LayoutError, match="GPT-OSS's packed experts are read and written in HF"):
+    with pytest.raises(LayoutError, match="GPT-OSS's packed experts are read from HF safetensors, DCP"):
         per_name_tensors(spec, "DCP")
 
 
-def test_a_gpt_oss_dcp_checkpoint_converts_to_hf_by_name(tmp_path: Path, cli) -> None:
+def test_a_gpt_oss_dcp_checkpoint_converts_to_hf(tmp_path: Path, cli) -> None:
     """A GPT-OSS model's state dict saved with torch's own DCP (as FSDP trainers save it; one
-    process here), its config beside: to HF by name, every tensor as the model holds it."""
+    process here), its config beside: to HF, its experts placed block by block and written
+    back packed, every tensor as the model holds it (FSDP2 and Adam's state:
+    tests/formats/dcp/test_dcp_hf_any.py)."""
     import torch.distributed.checkpoint as dcp
 
     src = tmp_path / "hf"

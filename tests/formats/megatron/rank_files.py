@@ -55,6 +55,22 @@ def rank_files(root: Path) -> dict[str, dict[str, Any]]:
     return out
 
 
+def optimizer_tensors(root: Path) -> list[torch.Tensor]:
+    """Every tensor of every rank file's optimizer state (Adam's moments, found by value, not
+    by the parameter index that keys them)."""
+    return [
+        value
+        for files in rank_files(root).values()
+        for key, value in files.items()
+        if key.startswith("/optimizer/") and isinstance(value, torch.Tensor) and value.dim() > 0
+    ]
+
+
+def holds(tensors: list[torch.Tensor], want: torch.Tensor) -> bool:
+    """Whether one of ``tensors`` equals ``want``, bit for bit."""
+    return any(t.shape == want.shape and torch.equal(t, want) for t in tensors)
+
+
 _VOCAB_TENSORS = ("/model/embedding.word_embeddings.weight", "/model/output_layer.weight")
 
 
