@@ -72,8 +72,8 @@ TextOnly = Annotated[
     bool,
     typer.Option(
         "--text-only",
-        help="Read the text decoder of an HF vision-language checkpoint (Qwen3.5, Gemma 3) "
-        "alone, leaving its vision tower out.",
+        help="Read the text decoder of a vision-language model (Qwen3.5, Gemma 3; HF "
+        "safetensors or an FSDP DCP save) alone, leaving its vision tower out.",
     ),
 ]
 AllowRounding = Annotated[

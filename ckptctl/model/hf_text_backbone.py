@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptctl.errors import UsageError
+from ckptctl.model.hf_config import has_family_table
 
 TEXT_CONFIG = "text_config"
 # (stored prefix, the text model's own), longest first
@@ -104,3 +105,15 @@ def text_backbone(config: Mapping[str, Any], held: Iterable[str], where: str) ->
         else str(config.get("model_type", "a vision-language model"))
     )
     return TextBackbone(decoder, wrapper, renames, tuple(omitted))
+
+
+def text_only_hint(config: Mapping[str, Any]) -> str | None:
+    """For a checkpoint no family table takes: its text decoder converts alone, if it has one
+    of a family ckptctl maps."""
+    text = config.get(TEXT_CONFIG)
+    if is_multimodal(config) and isinstance(text, Mapping) and has_family_table(text):
+        return (
+            f"its text decoder ({text.get('model_type')}) converts alone with --text-only "
+            "(the vision tower and projector left out; an MTP layer its config announces kept)"
+        )
+    return None

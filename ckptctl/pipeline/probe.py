@@ -84,10 +84,11 @@ def open_checkpoint(
                     + (" (use --iteration)" if fmt.name == "megatron" else "")
                     + "; beside other checkpoints, give the DeepSpeed tag's directory (CKPT/TAG)"
                 )
-            if request.text_only and fmt.name != "hf":
+            if request.text_only and fmt.name not in ("hf", "dcp"):
                 raise UsageError(
-                    f"{url}: --text-only reads the text decoder of an HF vision-language "
-                    f"checkpoint, but this is a {fmt.name} checkpoint"
+                    f"{url}: --text-only reads the text decoder of a vision-language model "
+                    f"saved by transformers (HF safetensors) or FSDP (DCP), but this is a "
+                    f"{fmt.name} checkpoint"
                 )
             if ckpt.adapter and not with_adapter:
                 refuse_adapter(url, ckpt)

@@ -15,7 +15,8 @@ transformers model, ``fully_shard`` every block transformers marks unsplittable
 Models: ``qwen2_5_vl`` (a VLM: vision tower, ``model.language_model.*`` in memory, tied
 embeddings), ``qwen3_moe`` (transformers 5 packs each layer's experts into
 ``experts.gate_up_proj`` / ``experts.down_proj``) and ``gemma3`` (Gemma 3 text: four norms
-per layer, local and global layers), ``qwen3_5`` (Qwen3.5 text: gated delta net layers,
+per layer, local and global layers; ``gemma3_vl``: inside its vision-language model, a SigLIP
+tower and projector beside it, tied), ``qwen3_5`` (Qwen3.5 text: gated delta net layers,
 transformers' torch kernels) and ``gpt_oss`` (GPT-OSS: packed experts held in memory as its
 hub checkpoints store them, transposed with gate and up interleaved; sinks, a 4-token window).
 No CPU shims: transformers' eager attention runs as it is. Under ``--tp``, Qwen3's per-head
@@ -129,6 +130,36 @@ def build_model(name: str) -> torch.nn.Module:
             eos_token_id=2,
         )
         cls = transformers.Qwen3_5ForCausalLM
+    elif name == "gemma3_vl":
+        text = dict(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            vocab_size=VOCAB,
+            sliding_window=4,
+            sliding_window_pattern=2,
+            query_pre_attn_scalar=24,
+        )
+        vision = dict(
+            hidden_size=32,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=16,
+            patch_size=4,
+        )
+        config = transformers.Gemma3Config(
+            text_config=text,
+            vision_config=vision,
+            mm_tokens_per_image=4,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        )
+        cls = transformers.Gemma3ForConditionalGeneration
     elif name == "gpt_oss":
         config = transformers.GptOssConfig(
             hidden_size=64,
@@ -266,7 +297,7 @@ def free_port() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Write an FSDP2 DCP checkpoint of an HF model.")
-    models = ("qwen2_5_vl", "qwen3_moe", "gemma3", "qwen3_5", "gpt_oss")
+    models = ("qwen2_5_vl", "qwen3_moe", "gemma3", "gemma3_vl", "qwen3_5", "gpt_oss")
     parser.add_argument("model", choices=models)
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--tp", type=int, default=1, help="tensor parallelism (ranks: 2 x TP)")

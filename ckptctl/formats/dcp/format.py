@@ -7,6 +7,7 @@ from dataclasses import replace
 from typing import Any
 
 from ckptctl.checksums.integrity import ZIP_MAGIC, Targets, whole_file_entries, zip_entries
+from ckptctl.errors import UsageError
 from ckptctl.formats.base import CheckpointFormat, ProbeRequest
 from ckptctl.formats.dcp.metadata import METADATA_FILE
 from ckptctl.formats.support import FormatSupport
@@ -36,7 +37,22 @@ def _probe(storage: Storage, names: frozenset[str], request: ProbeRequest) -> An
         if found is None:
             return None
         (base, step), metadata = found, read_metadata(storage, found[0])
-    return _with_adapter(storage, base, step, config, request, metadata)
+    if not request.text_only:
+        return _with_adapter(storage, base, step, config, request, metadata)
+    from ckptctl.formats.dcp.reader import _config_beside
+    from ckptctl.formats.dcp.text_only import text_decoder
+
+    where = storage.describe(base or ".")
+    wrapper = config if config is not None else _config_beside(storage, base)
+    if wrapper is None:
+        raise UsageError(
+            f"{where}: --text-only needs the vision-language model's config.json",
+            hint="put it beside the checkpoint or give it with --hf-config",
+        )
+    metadata, config, note = text_decoder(metadata, wrapper, where)
+    ckpt = _with_adapter(storage, base, step, config, request, metadata)
+    ckpt.view = replace(ckpt.view, notes=(*ckpt.view.notes, note))
+    return ckpt
 
 
 def _with_adapter(

@@ -44,6 +44,7 @@ from ckptctl.io.storage import Storage
 from ckptctl.model.hf_config import has_family_table, spec_from_config
 from ckptctl.model.hf_layout import CONFIG
 from ckptctl.model.hf_named import GENERATION_CONFIG, HfNamedModel, HfNamedSource
+from ckptctl.model.hf_text_backbone import text_only_hint
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.megatron_style import TORCH_ADAM, MegatronStyle, OptimizerLayout
 from ckptctl.model.rotary_rows import stored_rows
@@ -293,6 +294,9 @@ def probe_dcp(
             # No family table takes it (a VLM, a family ckptctl does not map to Megatron):
             # transformers judges the names, which go to HF as they are.
             why = f"not convertible to Megatron layouts: {err}"
+            hint = text_only_hint(config)
+            if hint is not None:  # a vision-language model whose decoder ckptctl maps
+                why += f"; {hint}"
             from ckptctl.formats.transformers_model import build_names
 
             refusal = LayoutError(f"the model's config.json: {err}")

@@ -13,13 +13,13 @@ from ckptctl import json_input
 from ckptctl.errors import CheckpointError
 from ckptctl.formats.hf import mxfp4
 from ckptctl.formats.hf.fp8 import QUANTIZATION
-from ckptctl.formats.hf.text_only import text_only_hint
 from ckptctl.formats.safetensors_header import SafetensorsEntry, read_header
 from ckptctl.formats.transformers_model import build_names
 from ckptctl.io.storage import Storage
 from ckptctl.model.geometry import whole
 from ckptctl.model.hf_layout import CONFIG, INDEX, SINGLE
 from ckptctl.model.hf_named import GENERATION_CONFIG, HfNamedSource
+from ckptctl.model.hf_text_backbone import text_only_hint
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.stored import CheckpointView, Format, Replica, StoredFile, StoredTensor
 

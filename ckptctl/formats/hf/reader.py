@@ -36,7 +36,7 @@ from ckptctl.formats.hf.mxfp4 import is_mxfp4
 from ckptctl.formats.hf.packed_experts import Parts, packed_block
 from ckptctl.formats.hf.probe_checks import refuse_unmapped, scale_problem
 from ckptctl.formats.hf.shifted_reads import ShiftedReads
-from ckptctl.formats.hf.text_only import read_backbone, renamed, text_only_hint
+from ckptctl.formats.hf.text_only import read_backbone, renamed
 from ckptctl.formats.safetensors_header import SafetensorsEntry, read_header
 from ckptctl.io.runs import Span
 from ckptctl.io.storage import Storage
@@ -52,7 +52,7 @@ from ckptctl.model.hf_layout import (
     shared_original,
 )
 from ckptctl.model.hf_qwen35 import MTP_HEAD, mtp_warning, value_shift
-from ckptctl.model.hf_text_backbone import TEXT_CONFIG
+from ckptctl.model.hf_text_backbone import TEXT_CONFIG, text_only_hint
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.stored import (
     CheckpointView,

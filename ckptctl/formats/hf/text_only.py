@@ -9,9 +9,8 @@ from typing import Any, TypeVar
 from ckptctl import json_input
 from ckptctl.formats.safetensors_header import read_header
 from ckptctl.io.storage import Storage
-from ckptctl.model.hf_config import has_family_table
 from ckptctl.model.hf_layout import INDEX, SINGLE
-from ckptctl.model.hf_text_backbone import TEXT_CONFIG, TextBackbone, is_multimodal, text_backbone
+from ckptctl.model.hf_text_backbone import TextBackbone, text_backbone
 
 T = TypeVar("T")
 
@@ -39,15 +38,3 @@ def renamed(tensors: Mapping[str, T], backbone: TextBackbone | None) -> dict[str
     if backbone is None:
         return dict(tensors)
     return {backbone.renames[k]: v for k, v in tensors.items() if k in backbone.renames}
-
-
-def text_only_hint(config: Mapping[str, Any]) -> str | None:
-    """For a checkpoint no family table takes: its text decoder converts alone, if it has one
-    of a family ckptctl maps."""
-    text = config.get(TEXT_CONFIG)
-    if is_multimodal(config) and isinstance(text, Mapping) and has_family_table(text):
-        return (
-            f"its text decoder ({text.get('model_type')}) converts alone with --text-only "
-            "(the vision tower and projector left out; an MTP layer its config announces kept)"
-        )
-    return None

@@ -63,6 +63,11 @@ def qwen35(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def gemma3_vl(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _written(tmp_path_factory, "gemma3_vl")
+
+
+@pytest.fixture(scope="module")
 def gpt_oss(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _written(tmp_path_factory, "gpt_oss")
 
@@ -325,3 +330,44 @@ def test_gpt_oss_under_fsdp2_reshards_to_megatron_with_adam_state(
                     compared += 1
                 assert not holds(states, turned)
     assert compared == 2 * 2 * 4 * 2
+
+
+def test_a_vlms_text_decoder_under_fsdp2_goes_to_megatron_alone_with_its_adam_state(
+    gemma3_vl: Path, tmp_path: Path, cli
+) -> None:
+    """Gemma 3's vision-language model (issue 56) trained under FSDP2, saved as DCP in
+    transformers' in-memory names: ``--text-only`` reads its text decoder alone (the vision
+    tower and projector left out, counted) into Megatron TP1 PP2 with Adam's state. Back to
+    HF it is ``Gemma3ForCausalLM`` holding the decoder's tensors as trained, whose logits are the
+    live vision-language model's on text; the output projections' and down projections'
+    moments are torch's, found in the rank files by value."""
+    result = cli("reshard", gemma3_vl / "dcp", tmp_path / "meg", "--pp", "2", "--text-only")
+    truth = _truth(gemma3_vl)
+    outside = sum(not n.startswith(("model.language_model.", "lm_head.")) for n in truth["model"])
+    assert f"{outside} tensors outside it" in result.stdout + result.stderr
+    cli("consolidate", tmp_path / "meg", tmp_path / "hf")
+    decoder = {
+        "model." + name.removeprefix("model.language_model."): tensor
+        for name, tensor in truth["model"].items()
+        if name.startswith("model.language_model.")
+    }
+    ours = _tensors(tmp_path / "hf")
+    assert sorted(ours) == sorted(decoder)  # tied: no lm_head, as the text model saves it
+    for name, tensor in decoder.items():
+        assert torch.equal(ours[name], tensor), name
+    model = _loaded(tmp_path / "hf")
+    assert type(model).__name__ == "Gemma3ForCausalLM"
+    torch.testing.assert_close(
+        _logits(model, truth["input_ids"]), truth["logits"], rtol=1e-5, atol=1e-6
+    )
+    states = optimizer_tensors(tmp_path / "meg")
+    compared = 0
+    for i in range(4):
+        for part in ("self_attn.o_proj", "mlp.down_proj"):
+            moments = truth["moments"][f"model.language_model.layers.{i}.{part}.weight"]
+            for state in ("exp_avg", "exp_avg_sq"):
+                assert holds(states, moments[state])
+                compared += 1
+    assert compared == 4 * 2 * 2
+    plain = cli("reshard", gemma3_vl / "dcp", tmp_path / "refused", "--pp", "2", code=2)
+    assert "--text-only" in plain.stderr and "Traceback" not in plain.stderr
