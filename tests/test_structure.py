@@ -286,6 +286,7 @@ SHARED_FORMAT_MACHINERY = {
     "target",
     "transformers_model",  # transformers' own description of an HF model it builds
     "hf_state_dict_files",  # HF-named torch.save state dicts (verl, accelerate)
+    "shifted_reads",  # HF weights stored shifted from Megatron's (HF safetensors, DCP)
 }
 """Modules and folders under ``ckptctl/formats`` that every format may import."""
 

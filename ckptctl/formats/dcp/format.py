@@ -69,9 +69,10 @@ def _with_adapter(
     from ckptctl.formats.dcp.reader import _config_beside, open_dcp, probe_dcp
 
     found = unwrap(metadata, storage.describe(base or "."))
+    trusted, rounding = request.trusted_fields, request.allow_rounding
     if found is None:
-        return probe_dcp(storage, base, step, config, request.trusted_fields, metadata)
-    ckpt = probe_dcp(storage, base, step, config, request.trusted_fields, found.metadata)
+        return probe_dcp(storage, base, step, config, trusted, metadata, rounding)
+    ckpt = probe_dcp(storage, base, step, config, trusted, found.metadata, rounding)
     config = config if config is not None else _config_beside(storage, base)
     ckpt.adapter = embedded(found, base, config, open_dcp(storage, base, metadata))
     modules = len(found.names.modules)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
-from ckptctl.model import hf_gpt_oss
+from ckptctl.model import hf_gpt_oss, hf_qwen35
 from ckptctl.model.catalog import state_name
 from ckptctl.model.geometry import Piece, Shape, chunk_pieces
 from ckptctl.model.hf_families import choose_family
@@ -33,6 +33,9 @@ class HfKey:
     """The HF tensor's shape (``()`` for Adam's step)."""
     pieces: tuple[Piece, ...]
     """Pieces of the whole HF tensor (its coordinates -> canonical coordinates)."""
+    shift: float = 0.0
+    """Stored as the canonical values plus this (Qwen3.5's gated norm weight: one plus
+    Megatron's zero-centred one); never on Adam's state, whose moments are the same."""
 
 
 def prefixes(keys: list[str]) -> tuple[str, str | None] | None:
@@ -47,10 +50,12 @@ def prefixes(keys: list[str]) -> tuple[str, str | None] | None:
 
 
 def dcp_entries(spec: ModelSpec) -> list[Entry]:
-    """The HF tensors of ``spec`` taken one name at a time; GPT-OSS's packed experts are left
-    to ``block_table``."""
+    """The HF tensors of ``spec`` taken one name at a time (Qwen3.5's shifted gated norms
+    among them: ``HfKey.shift``); GPT-OSS's packed experts are left to ``block_table``."""
     if choose_family(spec).name == hf_gpt_oss.MODEL_TYPE:
         return [e for e in hf_tensors(spec) if hf_gpt_oss.block(spec, *e[:3]) is None]
+    if any(hf_qwen35.value_shift(spec, name) for name, *_ in hf_tensors(spec)):
+        return hf_tensors(spec)
     return per_name_tensors(spec, "DCP")
 
 
@@ -59,7 +64,8 @@ def key_table(spec: ModelSpec, model_prefix: str, optim_prefix: str | None) -> d
     experts: ``block_table``)."""
     table: dict[str, HfKey] = {}
     for name, canonical, shape, pieces in dcp_entries(spec):
-        table[model_prefix + name] = HfKey(canonical, shape, pieces)
+        shift = hf_qwen35.value_shift(spec, name)
+        table[model_prefix + name] = HfKey(canonical, shape, pieces, shift)
         if optim_prefix is None:
             continue
         for state in STATES:

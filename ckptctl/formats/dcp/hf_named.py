@@ -10,6 +10,8 @@ GPT-OSS's packed experts, which transformers holds as its hub checkpoints store 
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 from ckptctl.errors import CheckpointError
 from ckptctl.formats.dcp.files import files_of
 from ckptctl.formats.dcp.hf_layout import (
@@ -34,10 +36,11 @@ def hf_named_view(
     iteration: int | None,
     spec: ModelSpec,
     found: tuple[str, str | None],
-) -> tuple[CheckpointView, dict[KeyPath, bool]]:
+) -> tuple[CheckpointView, dict[KeyPath, bool], dict[Hashable, tuple[float, str]]]:
     """The checkpoint's view under ``spec`` (``found``: its model and optimizer key prefixes),
-    and the chunks holding GPT-OSS expert blocks (read turned and in Megatron's row order),
-    each with whether its gated halves are interleaved."""
+    the chunks holding GPT-OSS expert blocks (read turned and in Megatron's row order), each
+    with whether its gated halves are interleaved, and the chunks stored shifted from the
+    canonical values (Qwen3.5's gated norms: shift, canonical name)."""
     model_prefix, optim_prefix = found
     table = key_table(spec, model_prefix, optim_prefix)
     blocks = block_table(spec, model_prefix, optim_prefix)
@@ -45,6 +48,7 @@ def hf_named_view(
     packed = packed_table(table, spec, held_under) if spec.num_experts else {}
     placed: list[tuple[StorageInfo, StoredTensor]] = []
     in_blocks: dict[KeyPath, bool] = {}
+    shifted: dict[Hashable, tuple[float, str]] = {}
     problems: list[str] = []
     # a tied model's state dict names its embedding twice: the output alias is a copy
     tied = {"lm_head.weight": "model.embed_tokens.weight"} if spec.tie_embeddings else {}
@@ -68,10 +72,13 @@ def hf_named_view(
             info = metadata.storage[(fqn, chunk.offsets)]
             if key is not None:
                 pieces = chunk_pieces(key.pieces, chunk.offsets, chunk.sizes)
+                stored_at: KeyPath = (fqn, *chunk.offsets)
                 tensor = StoredTensor(
-                    (fqn, *chunk.offsets), key.canonical, chunk.sizes, entry.dtype, pieces
+                    stored_at, key.canonical, chunk.sizes, entry.dtype, pieces, shift=key.shift
                 )
                 placed.append((info, tensor))
+                if key.shift:
+                    shifted[stored_at] = (key.shift, key.canonical)
             elif fqn in packed:
                 for part in packed_chunk(fqn, packed[fqn], chunk.offsets, chunk.sizes, entry.dtype):
                     placed.append((info, part))
@@ -95,4 +102,4 @@ def hf_named_view(
         (f"PyTorch DCP checkpoint of an HF {choose_family(spec).architecture}",),
         replicas=replicas,
     )
-    return view, in_blocks
+    return view, in_blocks, shifted

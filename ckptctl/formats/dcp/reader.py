@@ -36,6 +36,7 @@ from ckptctl.formats.dcp.records import (
 )
 from ckptctl.formats.dcp.titan_layout import TITAN_GROUPS, is_titan, titan_groups
 from ckptctl.formats.dcp.titan_reader import RowOrders, titan_view
+from ckptctl.formats.shifted_reads import ShiftedReads
 from ckptctl.formats.torch_dist.layout import MCORE_METADATA
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
 from ckptctl.formats.torchsave.refs import stored_object, view_ref
@@ -81,6 +82,9 @@ class DcpCheckpoint(Checkpoint):
     blocks: dict[KeyPath, bool] = field(default_factory=dict)
     """Chunks of GPT-OSS's packed experts, each block read turned to Megatron's orientation
     (and, where this says its gated halves are interleaved, its rows put apart)."""
+    shifted: ShiftedReads = field(default_factory=ShiftedReads)
+    """Chunks stored shifted from the canonical values (Qwen3.5's gated norms), read with the
+    shift taken off, exactly or (``--allow-rounding``) rounded."""
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def _open(self, fqn: str, offsets: tuple[int, ...]) -> tuple[TorchZipReader, TensorRef]:
@@ -144,6 +148,9 @@ class DcpCheckpoint(Checkpoint):
             )
         if view is not None:
             ref = view_ref(_flat(ref), *view)
+        if key in self.shifted:
+            where = f"{self.storage.describe(self.base)}: {key[0]} at {list(key[1:])}"
+            return self.shifted.unshifted(key, reader.read(ref, offsets, sizes), where)
         if key in self.row_orders:  # gather the rows, in HF order, from their stored run
             import numpy as np
 
@@ -157,7 +164,7 @@ class DcpCheckpoint(Checkpoint):
         self, path: str, key: KeyPath, offsets: Shape, sizes: Shape, view: FlatView = None
     ) -> Span | None:
         """Where the box lies in its ``.distcp`` file, when it lies there contiguously."""
-        if key in self.row_orders or key in self.blocks:
+        if key in self.row_orders or key in self.blocks or key in self.shifted:
             return None
         reader, ref = self._open(str(key[0]), tuple(int(k) for k in key[1:]))
         if view is not None:
@@ -204,6 +211,10 @@ class DcpCheckpoint(Checkpoint):
         """Where ``fqn`` sits in the nested state dict the saver was given."""
         planner = self.metadata.planner_data or {}
         return tuple(planner.get(fqn, (fqn,)))
+
+    def rounding_errors(self) -> dict[str, float]:
+        """The largest error each shifted weight was rounded with (``--allow-rounding``)."""
+        return self.shifted.errors
 
     def _saved_param_groups(self) -> list[dict[str, Any]]:
         """torch's ``param_groups`` as DCP saved them: one byte item per group option."""
@@ -270,9 +281,11 @@ def probe_dcp(
     hf_config: dict[str, Any] | None = None,
     trusted: frozenset[str] = frozenset(),
     metadata: DcpMetadata | None = None,
+    allow_rounding: bool = False,
 ) -> DcpCheckpoint:
     """Any DCP checkpoint but Megatron-Core's (``torch_dist`` has its own format);
-    ``metadata``: already read (several DCP directories of one state dict)."""
+    ``metadata``: already read (several DCP directories of one state dict);
+    ``allow_rounding``: a shifted weight whose shift is not taken off exactly is rounded."""
     if metadata is None:
         metadata = read_metadata(storage, base)
     backend = mcore_backend(storage, base)
@@ -315,8 +328,9 @@ def probe_dcp(
                 raise refusal from None
         if found is not None:
             where = storage.describe(base)
-            view, blocks = hf_named_view(where, base, metadata, iteration, spec, found)
-            return DcpCheckpoint(storage, view, base, metadata, blocks=blocks)
+            view, blocks, shifts = hf_named_view(where, base, metadata, iteration, spec, found)
+            shifted = ShiftedReads(shifts, allow_rounding)
+            return DcpCheckpoint(storage, view, base, metadata, blocks=blocks, shifted=shifted)
     if found is None:
         return _generic(storage, base, metadata, iteration)
     ckpt = _generic(storage, base, metadata, iteration)

@@ -8,6 +8,7 @@ assembled whole. Reads use the header's offsets to fetch only the needed bytes.
 from __future__ import annotations
 
 import threading
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from math import prod
 from typing import Any, BinaryIO, ClassVar
@@ -35,9 +36,9 @@ from ckptctl.formats.hf.mxfp4 import check_config as check_mxfp4
 from ckptctl.formats.hf.mxfp4 import is_mxfp4
 from ckptctl.formats.hf.packed_experts import Parts, packed_block
 from ckptctl.formats.hf.probe_checks import refuse_unmapped, scale_problem
-from ckptctl.formats.hf.shifted_reads import ShiftedReads
 from ckptctl.formats.hf.text_only import read_backbone, renamed
 from ckptctl.formats.safetensors_header import SafetensorsEntry, read_header
+from ckptctl.formats.shifted_reads import ShiftedReads
 from ckptctl.io.runs import Span
 from ckptctl.io.storage import Storage
 from ckptctl.model.dtypes import ITEMSIZE
@@ -116,7 +117,7 @@ class HFCheckpoint(Checkpoint):
             return self._read_mxfp4(path, name, offsets, sizes)
         if (path, name) in self.shifted:
             data = self._read_box(path, name, offsets, sizes, None, view)
-            return self.shifted.unshifted(path, name, data)
+            return self.shifted.unshifted((path, name), data, f"{path}: {name}")
         scales = self.quantized.get((path, name))
         data = self._read_box(path, name, offsets, sizes, None if scales else into, view)
         if scales is None or self.fp8 is None:
@@ -367,7 +368,7 @@ def probe_hf(
     files: dict[str, list[StoredTensor]] = {}
     problems = []
     packed_gated: set[tuple[str, str]] = set()
-    shifted_names: dict[tuple[str, str], tuple[float, str]] = {}
+    shifted_names: dict[Hashable, tuple[float, str]] = {}
     dequantized: dict[tuple[str, str], Parts] = {}
     for name, canonical, shape, pieces in hf_tensors(spec):
         found = packed_block(spec, name, canonical, shape, pieces, entry_of, is_mxfp4(config))

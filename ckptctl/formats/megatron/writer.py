@@ -164,8 +164,16 @@ def group_template(
     templates: dict[bool, dict[str, Any]], kind: bool, experts: bool
 ) -> dict[str, Any]:
     """A parameter group's settings; the expert optimizer's groups are the dense ones marked
-    as expert-parallel (megatron-core records it in the group when it records it at all)."""
+    as expert-parallel (megatron-core records it in the group when it records it at all).
+    A source that is no Megatron run (torch's Adam under FSDP: one group for every parameter)
+    has no ``wd_mult`` / ``lr_mult``: each group gets Megatron's own for its kind (1 and 0 for
+    weight decay, 1 for the learning rate, as ``_get_param_groups`` sets them), which keep the
+    source's ``weight_decay`` and say which group is which (both groups otherwise read alike,
+    and a stage whose first parameter takes none cannot be told apart)."""
     group = dict(templates[kind])
+    if "wd_mult" not in group:
+        group["wd_mult"] = 0.0 if kind else 1.0
+        group.setdefault("lr_mult", 1.0)
     if experts and "is_expert_parallel" in group:
         group["is_expert_parallel"] = True
     return group

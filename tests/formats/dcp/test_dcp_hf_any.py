@@ -281,21 +281,36 @@ def test_gemma3_under_fsdp2_reshards_to_megatron_with_adam_state(
     torch.testing.assert_close(logits, truth["logits"], rtol=1e-5, atol=1e-6)
 
 
-def test_qwen35_under_fsdp2_becomes_hf_by_name_and_says_why_not_megatron(
+def test_qwen35_under_fsdp2_reshards_to_megatron_with_adam_state(
     qwen35: Path, tmp_path: Path, cli
 ) -> None:
-    """Qwen3.5 (issue 56) under FSDP2: its gated norms are shifted from Megatron's only in HF
-    safetensors, so its DCP converts to HF by name, exactly, and to Megatron not (one line)."""
-    cli("consolidate", qwen35 / "dcp", tmp_path / "hf")
+    """Qwen3.5 (issue 56) under FSDP2: its gated norms, stored as one plus Megatron's
+    zero-centred weight, are read with the one taken off (exactly), so its DCP goes to Megatron
+    TP2 PP2 with Adam's state (the moments unshifted: a gradient of ``1 + w`` is one of ``w``),
+    every tensor equal, and back to HF byte-identical to the direct conversion, whose logits
+    are the live model's. The second stage starts with a gated delta net's ``dt_bias`` (no
+    weight decay): its parameter groups say which is which (``wd_mult``), or ckptctl could not
+    read its own output back."""
+    cli("consolidate", qwen35 / "dcp", tmp_path / "direct")
     truth = _truth(qwen35)
-    tensors = _tensors(tmp_path / "hf")
+    tensors = _tensors(tmp_path / "direct")
     for name, tensor in truth["model"].items():
         assert torch.equal(tensors[name], tensor), name
-    logits = _logits(_loaded(tmp_path / "hf"), truth["input_ids"])
+    logits = _logits(_loaded(tmp_path / "direct"), truth["input_ids"])
     torch.testing.assert_close(logits, truth["logits"], rtol=1e-5, atol=1e-6)
-    result = cli("reshard", qwen35 / "dcp", tmp_path / "meg", "--tp", "2", code=2)
-    assert "Qwen3.5's gated norms" in result.stderr and "Traceback" not in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1
+    cli("reshard", qwen35 / "dcp", tmp_path / "meg", "--tp", "2", "--pp", "2")
+    report = cli.json("verify", tmp_path / "meg", "--against", qwen35 / "dcp")
+    assert report["ok"] and report["against"]["compared"] == report["against"]["held"][1]
+    names = {t["name"] for t in report["tensors"]}
+    assert any(n.startswith("exp_avg/") and n.endswith("out_norm.weight") for n in names), names
+    assert all(t["max_abs_diff"] == 0.0 for t in report["tensors"])
+    cli("consolidate", tmp_path / "meg", tmp_path / "back")
+    direct = (tmp_path / "direct" / "model.safetensors").read_bytes()
+    assert (tmp_path / "back" / "model.safetensors").read_bytes() == direct
+    states = optimizer_tensors(tmp_path / "meg")
+    for i in (0, 1, 2):  # the gated delta net layers' norm moments, as torch keeps them
+        moments = truth["moments"][f"model.layers.{i}.linear_attn.norm.weight"]
+        assert holds(states, moments["exp_avg"]) and holds(states, moments["exp_avg_sq"])
 
 
 def test_gpt_oss_under_fsdp2_reshards_to_megatron_with_adam_state(

@@ -1,10 +1,12 @@
 """Reading HF weights stored shifted from Megatron's (Qwen3.5's gated norm: ``1 + w``), the
 shift taken off exactly, or, when the user allows it (``--allow-rounding``), rounded to the
-weight's dtype with each tensor's largest error kept for the output's manifest."""
+weight's dtype with each tensor's largest error kept for the output's manifest. Shared by the
+formats that hold HF weights as transformers does (HF safetensors, FSDP's DCP)."""
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,23 +23,25 @@ UNSHIFTED = (
 
 @dataclass
 class ShiftedReads:
-    """The shifted tensors of one HF checkpoint: ``(file, name) -> (shift, canonical name)``."""
+    """The shifted tensors of one checkpoint: its reader's key of a stored tensor (HF: file and
+    name; DCP: the chunk's key) -> ``(shift, canonical name)``."""
 
-    shifts: dict[tuple[str, str], tuple[float, str]] = field(default_factory=dict)
+    shifts: dict[Hashable, tuple[float, str]] = field(default_factory=dict)
     rounding: bool = False
     """Round where taking the shift off is not exact (``--allow-rounding``)."""
     errors: dict[str, float] = field(default_factory=dict)
     """Largest rounding error so far by canonical name (only where one was made)."""
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def __contains__(self, key: tuple[str, str]) -> bool:
+    def __contains__(self, key: Hashable) -> bool:
         return key in self.shifts
 
-    def unshifted(self, path: str, name: str, data: np.ndarray) -> np.ndarray:
-        """``data`` (a box of ``name`` in ``path``) as the canonical tensor holds it."""
-        by, canonical = self.shifts[(path, name)]
+    def unshifted(self, key: Hashable, data: np.ndarray, where: str) -> np.ndarray:
+        """``data`` (a box of the tensor at ``key``, named ``where`` in messages) as the
+        canonical tensor holds it."""
+        by, canonical = self.shifts[key]
         if not self.rounding:
-            return shifted(data, -by, f"{path}: {name}", UNSHIFTED)
+            return shifted(data, -by, where, UNSHIFTED)
         out, error = shifted_rounded(data, -by)
         if error:
             with self._lock:
