@@ -7,31 +7,38 @@ or, for any other architecture transformers builds, kept by hub name. Reading si
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
-from dataclasses import dataclass, replace
-from typing import Any
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 from ckptctl import json_input
 from ckptctl.errors import CheckpointError, LayoutError
 from ckptctl.formats.base import SavedTraining, templates_of
+from ckptctl.formats.shifted_reads import ShiftedReads
 from ckptctl.formats.torchsave.archive import TensorRef
 from ckptctl.formats.torchsave.dtensor import LOCAL, DTensorRef
 from ckptctl.formats.torchsave.refs import TorchFiles
+from ckptctl.io.runs import Span
 from ckptctl.io.storage import Storage
 from ckptctl.model.catalog import state_name
 from ckptctl.model.dtypes import dtype_name
 from ckptctl.model.geometry import Piece
 from ckptctl.model.hf_config import spec_from_config
-from ckptctl.model.hf_layout import per_name_tensors
+from ckptctl.model.hf_layout import hf_tensors
 from ckptctl.model.hf_named import HfNamedModel, HfNamedSource
 from ckptctl.model.megatron_style import TORCH_ADAM, MegatronStyle
 from ckptctl.model.peft_wrapped import EmbeddedLora, PeftNames
 from ckptctl.model.stored import (
     CheckpointView,
+    FlatView,
     KeyPath,
+    Shape,
     StoredTensor,
     canonical_shapes,
 )
+
+if TYPE_CHECKING:
+    import numpy as np
 
 TRAINER_STATE = "trainer_state.json"
 """The HF Trainer's record of a ``checkpoint-N/`` directory (``global_step``, ...)."""
@@ -62,6 +69,71 @@ class HfStateDictFiles(TorchFiles):
     by_name: CheckpointView | None = None
     """Every stored tensor by its stored name (a verl target is cut from it), when the format
     keeps one."""
+    rounding: bool = False
+    """Round a shifted weight whose shift is not taken off exactly (``--allow-rounding``)."""
+    gated: frozenset[tuple[str, KeyPath]] = field(init=False, default=frozenset())
+    """GPT-OSS's packed ``gate_up`` tensors: each expert's block read with gate and up apart."""
+    shifted: ShiftedReads = field(init=False, default_factory=ShiftedReads)
+    """Weights stored shifted from the canonical values (Qwen3.5's gated norms)."""
+
+    def __post_init__(self) -> None:
+        gated: set[tuple[str, KeyPath]] = set()
+        shifts: dict[Hashable, tuple[float, str]] = {}
+        for file in self.view.files:
+            for t in file.tensors:
+                if t.interleaved:
+                    gated.add((file.path, t.key))
+                if t.shift:
+                    shifts[(file.path, t.key)] = (t.shift, t.canonical)
+        self.gated = frozenset(gated)
+        self.shifted = ShiftedReads(shifts, self.rounding)
+
+    def read(
+        self,
+        path: str,
+        key: KeyPath,
+        offsets: Shape,
+        sizes: Shape,
+        view: FlatView = None,
+        transposed: bool = False,
+        into: np.ndarray | None = None,
+    ) -> np.ndarray:
+        if view is not None and (path, key) in self.gated:  # an expert's block, in order
+            from ckptctl.arrays import packed_block_box
+
+            start, shape = view
+            block = (start, shape[::-1] if transposed else shape)
+            stored = super().read
+            return packed_block_box(
+                lambda first, count: stored(path, key, first, count, block),
+                offsets,
+                sizes,
+                shape[0],
+                transposed,
+                True,
+            )
+        if (path, key) in self.shifted:
+            data = super().read(path, key, offsets, sizes, view, transposed)
+            return self.shifted.unshifted((path, key), data, f"{path}: {'.'.join(map(str, key))}")
+        return super().read(path, key, offsets, sizes, view, transposed, into)
+
+    def where(
+        self, path: str, key: KeyPath, offsets: Shape, sizes: Shape, view: FlatView = None
+    ) -> Span | None:
+        if (path, key) in self.gated or (path, key) in self.shifted:
+            return None  # read reordered or shifted: not the bytes as stored
+        return super().where(path, key, offsets, sizes, view)
+
+    def extent(
+        self, path: str, key: KeyPath, offsets: Shape, sizes: Shape, view: FlatView = None
+    ) -> Span | None:
+        if (path, key) in self.gated or (path, key) in self.shifted:
+            return None
+        return super().extent(path, key, offsets, sizes, view)
+
+    def rounding_errors(self) -> dict[str, float]:
+        """The largest error each shifted weight was rounded with (``--allow-rounding``)."""
+        return self.shifted.errors
 
     @property
     def style(self) -> MegatronStyle:
@@ -283,7 +355,7 @@ def hf_model_view(
     the view by hub name that HF targets write, the config carried."""
     try:
         spec = spec_from_config(config, trusted=trusted)
-        per_name_tensors(spec, url)  # GPT-OSS's packed experts: by name, as they are
+        hf_tensors(spec)  # refuses what no HF name can hold
     except LayoutError as err:
         view = _by_hub_name(generic, model, url)
         carried = HfNamedSource(model, json.dumps(config, indent=2), generation)
@@ -291,7 +363,7 @@ def hf_model_view(
         return replace(view, notes=(*view.notes, why), hf_named=carried)
     from ckptctl.formats.named import under_spec
 
-    view, _ = under_spec(generic, spec)
+    view, _ = under_spec(generic, spec, packed=True)
     unplaced = sorted(
         {t.canonical for f in view.files for t in f.tensors} & _generic_names(generic)
     )

@@ -13,9 +13,10 @@ the most tensors wins; keys none places keep their stored names.
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from math import prod
 
-from ckptctl.formats.dcp.hf_layout import key_table, prefixes
+from ckptctl.formats.dcp.hf_layout import BlockKey, block_table, key_table, prefixes
 from ckptctl.formats.torch_dist.layout import chunk_parts, model_catalog
 from ckptctl.model.catalog import Param
 from ckptctl.model.geometry import Shape, Split, chunk_pieces
@@ -108,36 +109,80 @@ def _strip(name: str, prefix: str) -> str:
     return f"{head}.state.{state}.{key.removeprefix(prefix)}"
 
 
-def _as_hf(view: CheckpointView, spec: ModelSpec) -> tuple[CheckpointView, int]:
+def _as_hf(
+    view: CheckpointView, spec: ModelSpec, packed: bool = False
+) -> tuple[CheckpointView, int]:
     shapes = canonical_shapes(view)
     found = prefixes(list(shapes))
     if found is None:
         return view, 0
     table = key_table(spec, *found)
+    blocks = block_table(spec, *found) if packed else {}
     placed = 0
     files = []
     for file in view.files:
         tensors: list[StoredTensor] = []
         for t in file.tensors:
+            block = blocks.get(t.canonical)
+            if block is not None and shapes[t.canonical][0] == block.shape:
+                views = _block_views(t, block)
+                if views is not None:
+                    placed += 1
+                    tensors.extend(views)
+                    continue
             entry = table.get(t.canonical)
             # a weight stored shifted (Qwen3.5's gated norm) is read right only by a reader
-            # that takes the shift off: left by its name here
-            if entry is None or entry.shift or shapes[t.canonical][0] != entry.shape:
+            # that takes the shift off (``packed``): left by its name otherwise
+            shifted = entry is not None and entry.shift and not packed
+            if entry is None or shifted or shapes[t.canonical][0] != entry.shape:
                 tensors.append(t)
                 continue
             placed += 1
             pieces = chunk_pieces(entry.pieces, _offsets(t), t.shape)
-            tensors.append(StoredTensor(t.key, entry.canonical, t.shape, t.dtype, pieces))
+            tensors.append(
+                StoredTensor(t.key, entry.canonical, t.shape, t.dtype, pieces, shift=entry.shift)
+            )
         files.append(replace(file, tensors=tuple(tensors)))
     return replace(view, spec=spec, files=tuple(files)), placed
 
 
-def under_spec(view: CheckpointView, spec: ModelSpec) -> tuple[CheckpointView, int]:
+def _block_views(t: StoredTensor, block: BlockKey) -> list[StoredTensor] | None:
+    """The expert blocks a generic tensor of a GPT-OSS packed tensor holds (whole experts),
+    each a view of it to be read turned and with gate and up apart; ``None`` when it cuts
+    inside an expert's block."""
+    offsets = _offsets(t)
+    if not t.shape:  # Adam's step of the packed parameter: one for each expert
+        return [replace(t, canonical=c, pieces=p) for c, _, p in block.experts]
+    if any(offsets[1:]) or t.shape[1:] != block.shape[1:]:
+        return None
+    size, start = prod(t.shape[1:]), t.view_offset or 0
+    return [
+        StoredTensor(
+            t.key,
+            canonical,
+            shape,
+            t.dtype,
+            pieces,
+            start + k * size,
+            transposed=block.transposed,
+            interleaved=block.interleaved,
+        )
+        for k, (canonical, shape, pieces) in enumerate(
+            block.experts[offsets[0] : offsets[0] + t.shape[0]]
+        )
+    ]
+
+
+def under_spec(
+    view: CheckpointView, spec: ModelSpec, packed: bool = False
+) -> tuple[CheckpointView, int]:
     """``view`` (generic: each key its own tensor) with its keys placed in ``spec``'s canonical
     tensors by the naming that places the most of them, and how many it placed (0: none
-    did, and the view is returned as it was)."""
+    did, and the view is returned as it was). ``packed``: the reader takes GPT-OSS's expert
+    blocks (``StoredTensor.interleaved``, transposed) and shifted weights, so HF names place
+    them too."""
     best, placed = view, 0
-    for naming in (_as_megatron, _as_hf):
+    for naming in (_as_megatron, partial(_as_hf, packed=packed)):
         candidate, count = naming(view, spec)
         if count > placed:
             best, placed = candidate, count

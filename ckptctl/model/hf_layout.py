@@ -139,20 +139,21 @@ def _qwen_mtp_tensors(spec: ModelSpec, moe: MoeNaming | None) -> list[Entry]:
 
 def per_name_tensors(spec: ModelSpec, where: str) -> list[Entry]:
     """``hf_tensors`` for readers and writers that take each HF name as one tensor: refused
-    for a model whose HF tensors pack several canonical ones (GPT-OSS's experts), which only
-    the safetensors reader and writer and the DCP readers place block by block, or stores one
-    shifted from its
-    canonical values (Qwen3.5's gated norm), which only they shift."""
+    for a model whose HF tensors pack several canonical ones (GPT-OSS's experts) or store one
+    shifted from its canonical values (Qwen3.5's gated norm), which only the readers that
+    place blocks and take shifts off (HF safetensors, DCP, torchtitan, verl, accelerate) and
+    the safetensors writer handle."""
+    readers = "HF safetensors, DCP, torchtitan, verl and accelerate checkpoints"
     if choose_family(spec).name == hf_gpt_oss.MODEL_TYPE:
         raise LayoutError(
-            f"{where}: GPT-OSS's packed experts are read from HF safetensors, DCP and torchtitan "
-            "checkpoints and written to HF safetensors and Megatron only, for now"
+            f"{where}: GPT-OSS's packed experts are read from {readers} and written to HF "
+            "safetensors and Megatron only, for now"
         )
     entries = hf_tensors(spec)
     if any(hf_qwen35.value_shift(spec, name) for name, *_ in entries):
         raise LayoutError(
             f"{where}: Qwen3.5's gated norms (one plus Megatron's zero-centred weight) are read "
-            "and written in HF safetensors only for now"
+            f"from {readers} and written to HF safetensors and Megatron only, for now"
         )
     return entries
 

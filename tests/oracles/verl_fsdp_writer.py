@@ -15,7 +15,8 @@ Usage::
 
     python tests/oracles/verl_fsdp_writer.py MODEL OUT_DIR [WORLD [hsdp]]
 
-MODEL: ``qwen3`` (a family ckptctl maps), ``qwen2_5_vl`` (a VLM, by name) or ``qwen3_lora``
+MODEL: ``qwen3`` (a family ckptctl maps), ``gpt_oss`` and ``qwen3_5`` (mapped, with packed
+experts and shifted gated norms), ``qwen2_5_vl`` (a VLM, by name) or ``qwen3_lora``
 (``qwen3`` wrapped in a PEFT LoRA before sharding, as verl's ``_build_model_optimizer`` does when
 ``lora_rank > 0``: ``LoraConfig(task_type=CAUSAL_LM, r, lora_alpha, target_modules, bias="none")``,
 ``target_modules="all-linear"`` (verl's default); the optimizer over every parameter, the frozen
@@ -61,6 +62,26 @@ def build_model(name: str) -> torch.nn.Module:
     if name in ("qwen3", "qwen3_lora"):
         config = transformers.Qwen3Config(**text, head_dim=16, tie_word_embeddings=True)
         cls = transformers.Qwen3ForCausalLM
+    elif name == "gpt_oss":  # packed experts, as its hub checkpoints store them
+        config = transformers.GptOssConfig(
+            **{**text, "intermediate_size": 32},
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"],
+        )
+        cls = transformers.GptOssForCausalLM
+    elif name == "qwen3_5":  # gated norms held as one plus Megatron's zero-centred weight
+        config = transformers.Qwen3_5TextConfig(
+            **{**text, "num_hidden_layers": 4},
+            head_dim=16,
+            linear_key_head_dim=16,
+            linear_value_head_dim=8,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+        )
+        cls = transformers.Qwen3_5ForCausalLM
     else:
         vision = dict(
             depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64

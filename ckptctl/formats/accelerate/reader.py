@@ -73,4 +73,6 @@ def probe_accelerate(
         (f"accelerate full state dict of {model.architecture}",),
     )
     view = hf_model_view(generic, model, config, generation, request.trusted_fields, storage.url)
-    return HfStateDictFiles(storage, view, readers, adapter=adapter)
+    return HfStateDictFiles(
+        storage, view, readers, adapter=adapter, rounding=request.allow_rounding
+    )

@@ -164,7 +164,10 @@ def probe_verl(storage: Storage, names: frozenset[str], request: ProbeRequest) -
             base_model if isinstance(base_model, str) and base_model else None,
             peft.adapter_name,
         )
-    return HfStateDictFiles(storage, view, readers, adapter=adapter, by_name=by_name)
+    rounding = request.allow_rounding
+    return HfStateDictFiles(
+        storage, view, readers, adapter=adapter, by_name=by_name, rounding=rounding
+    )
 
 
 def _carried(rel: str, world: int) -> bool:

@@ -205,9 +205,9 @@ def test_mxfp4_is_written_for_gpt_oss_only(tmp_path: Path, cli) -> None:
 
 def test_readers_and_writers_by_hf_name_refuse_gpt_oss_by_name(tmp_path: Path) -> None:
     """Formats that take each HF name as one tensor (DeepSpeed, the HF Trainer's optimizer,
-    verl, merge-lora) would misplace the packed experts: they ask for the tensors through
-    ``per_name_tensors``, which refuses GPT-OSS, saying why (DCP and torchtitan place the
-    experts block by block: tests/formats/dcp)."""
+    merge-lora) would misplace the packed experts: they ask for the tensors through
+    ``per_name_tensors``, which refuses GPT-OSS, saying why (DCP, torchtitan, verl and
+    accelerate place the experts block by block: tests/formats/dcp, tests/formats/verl)."""
     from ckptctl.errors import LayoutError
     from ckptctl.model.hf_config import spec_from_config
     from ckptctl.model.hf_layout import per_name_tensors
@@ -215,7 +215,7 @@ def test_readers_and_writers_by_hf_name_refuse_gpt_oss_by_name(tmp_path: Path) -
     src = tmp_path / "hf"
     _make(src)
     spec = spec_from_config(json.loads((src / "config.json").read_text()))
-    with pytest.raises(LayoutError, match="GPT-OSS's packed experts are read from HF safetensors, DCP"):
+    with pytest.raises(LayoutError, match="GPT-OSS's packed experts are read from HF"):
         per_name_tensors(spec, "DCP")
 
 
