@@ -136,6 +136,16 @@ def model_fields(num_layers: int, tp: int) -> dict[str, Any]:
     }
 
 
+def _ddp_fields(model: Any) -> dict[str, Any]:
+    """The grad-buffer settings of megatron-core's ``DistributedDataParallel`` ``model`` (none
+    for a bare module)."""
+    config = getattr(model, "ddp_config", None)
+    if config is None:
+        return {}
+    fields = ("grad_reduce_in_fp32", "overlap_grad_reduce", "bucket_size")
+    return {name: getattr(config, name) for name in fields}
+
+
 def save_with_bridge(
     out_dir: Path,
     provider: str,
@@ -165,8 +175,10 @@ def save_with_bridge(
         optimizer=OptimizerConfig(
             optimizer="adam", lr=1e-3, use_distributed_optimizer=distributed is not None
         ),
+        # the DDP settings the model's grad buffers were built with, as a run's config holds
+        # the ones its DistributedDataParallel was built from
         ddp=bridge_config.DistributedDataParallelConfig(
-            use_distributed_optimizer=distributed is not None
+            use_distributed_optimizer=distributed is not None, **_ddp_fields(model)
         ),
         scheduler=bridge_config.SchedulerConfig(),
         dataset=bridge_config.GPTDatasetConfig(

@@ -122,8 +122,8 @@ CONSUMED = frozenset(
 )
 
 
-def model_section(text: str, where: str) -> dict[str, Any]:
-    """The ``model`` mapping of a ``run_config.yaml`` (plain YAML: no object is constructed)."""
+def sections(text: str, where: str) -> dict[str, Any]:
+    """A ``run_config.yaml`` (plain YAML: no object is constructed), with its ``model``."""
     try:
         config = yaml.safe_load(text)
     except yaml.YAMLError as err:
@@ -131,7 +131,35 @@ def model_section(text: str, where: str) -> dict[str, Any]:
     model = config.get("model") if isinstance(config, dict) else None
     if not isinstance(model, dict):
         raise CheckpointError(f"{where}: no 'model' section, which Megatron-Bridge writes")
+    return config
+
+
+def model_section(text: str, where: str) -> dict[str, Any]:
+    """The ``model`` mapping of a ``run_config.yaml``."""
+    model: dict[str, Any] = sections(text, where)["model"]
     return model
+
+
+DDP_ARGS = {
+    "overlap_grad_reduce": "overlap_grad_reduce",
+    "bucket_size": "ddp_bucket_size",
+    "grad_reduce_in_fp32": "accumulate_allreduce_grads_in_fp32",
+    "use_distributed_optimizer": "use_distributed_optimizer",
+}
+"""The ``ddp`` section's fields that lay out the grad buffers (where ``dp_reshardable``
+optimizer state lies), by Megatron-LM's argument names."""
+
+
+def ddp_args(config: dict[str, Any]) -> dict[str, Any] | None:
+    """Megatron-LM's arguments for the run's grad buffers, from its ``ddp`` section; ``None``
+    when it does not say them all, or pads buckets for NCCL's bus bandwidth (a layout ckptctl
+    does not replay)."""
+    ddp = config.get("ddp")
+    if not isinstance(ddp, dict) or any(field not in ddp for field in DDP_ARGS):
+        return None
+    if ddp.get("pad_buckets_for_high_nccl_busbw"):
+        return None
+    return {name: ddp[field] for field, name in DDP_ARGS.items()}
 
 
 def args_from_model(model: dict[str, Any], where: str) -> argparse.Namespace:

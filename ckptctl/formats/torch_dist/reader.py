@@ -24,7 +24,7 @@ from ckptctl.formats.megatron.args import (
 from ckptctl.formats.megatron.distopt_layout import DP_RESHARDABLE_PREFIX, is_bucket_key
 from ckptctl.formats.megatron.target_style import expert_naming_from_args
 from ckptctl.formats.torch_dist import dp_reshardable
-from ckptctl.formats.torch_dist.bridge_config import RUN_CONFIG, args_from_model, model_section
+from ckptctl.formats.torch_dist.bridge_config import RUN_CONFIG, args_from_model, ddp_args, sections
 from ckptctl.formats.torch_dist.checkpoint import TorchDistCheckpoint
 from ckptctl.formats.torch_dist.layout import (
     COMMON,
@@ -103,6 +103,9 @@ class Described:
     args: argparse.Namespace
     iteration: int | None
     notes: tuple[str, ...]
+    grad_buffers: bool = False
+    """The files record how the grad buffers were laid out (Megatron-Bridge's ``ddp``
+    section), so ``dp_reshardable`` optimizer state can be placed."""
 
 
 DEPRECATED_FORMS = ("dp_zero_gather_scatter", "fully_sharded_bucket_space")
@@ -262,11 +265,10 @@ def probe_torch_dist(
             "optimizer state is fully_sharded_model_space (megatron-core <= 0.14): its N-D "
             "flattened boxes are read as the parameters they flatten"
         )
-    if buckets and described is not None:
+    if buckets and described is not None and not described.grad_buffers:
         warnings.append(
-            "optimizer state is dp_reshardable, whose buckets follow the run's data-parallel "
-            "size and DDP settings, which this checkpoint does not record: only the weights can "
-            "be taken from it"
+            "optimizer state is dp_reshardable, whose buckets follow the run's DDP settings, "
+            "which this checkpoint does not record: only the weights can be taken from it"
             + (
                 " (Megatron-Bridge saves Adam's state readably with "
                 "checkpoint.dist_ckpt_optim_fully_reshardable: true)"
@@ -333,14 +335,18 @@ def _with_optimizer(args: argparse.Namespace, common: dict[str, Any]) -> argpars
 def _bridge_run(storage: Storage, base: str, common: dict[str, Any]) -> Described:
     """A Megatron-Bridge checkpoint's run, from its ``run_config.yaml`` (``bridge_config``)."""
     where = storage.describe(join(base, RUN_CONFIG))
-    model = model_section(storage.read_text(join(base, RUN_CONFIG)), where)
+    config = sections(storage.read_text(join(base, RUN_CONFIG)), where)
+    model = config["model"]
     args = args_from_model(model, where)
+    ddp = ddp_args(config)
+    for name, value in (ddp or {}).items():
+        setattr(args, name, value)
     number = _directory_number(base)
     iteration = checked_iteration(
         common.get("iteration"), storage.describe(join(base, COMMON)), number
     )
     note = f"Megatron-Bridge checkpoint: the model from {RUN_CONFIG} ({model.get('_target_')})"
-    return Described(args, iteration, (note,))
+    return Described(args, iteration, (note,), grad_buffers=ddp is not None)
 
 
 def _directory_number(base: str) -> int | None:

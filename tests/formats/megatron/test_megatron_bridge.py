@@ -142,33 +142,26 @@ def test_a_field_ckptctl_cannot_carry_is_refused_by_name(
     assert "iter_0000001/run_config.yaml: " in result.stderr
 
 
-@pytest.fixture(scope="module", params=["fully_reshardable", "dp_reshardable"])
-def distributed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Trained with megatron-core's distributed Adam, its state saved in either form."""
-    root = tmp_path_factory.mktemp(f"bridge_{request.param}")
-    bridge = megatron_bridge_peft.oracle_args()
-    run_oracle(ORACLE, "write", root, "--format", "torch_dist", *MODEL, *bridge,
-               "--distopt", request.param)  # fmt: skip
-    return root
+@pytest.fixture(scope="module")
+def distributed_saves(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One run trained with megatron-core's distributed Adam, saved by Megatron-Bridge in
+    either form of its state (the run is deterministic on CPU: the same weights and moments)."""
+    out = {}
+    for form in ("fully_reshardable", "dp_reshardable"):
+        root = out[form] = tmp_path_factory.mktemp(f"bridge_{form}")
+        bridge = megatron_bridge_peft.oracle_args()
+        run_oracle(ORACLE, "write", root, "--format", "torch_dist", *MODEL, *bridge,
+                   "--distopt", form)  # fmt: skip
+    return out
 
 
-def test_the_distributed_optimizers_state_moves_where_the_run_says_how(
-    distributed: Path, tmp_path: Path, cli
+def test_fully_reshardable_state_reshards_and_loads_into_megatron_core(
+    distributed_saves: dict[str, Path], tmp_path: Path, cli
 ) -> None:
     """``fully_reshardable`` state (per parameter) reshards through TP1 PP2 and back to the
     direct conversion's rank files, Adam state included, and its weights load into
-    megatron-core with its outputs. ``dp_reshardable`` state lies in the grad buffers of the
-    run's data-parallel size, which Megatron-Bridge does not record: a reshard is refused,
-    naming the setting that saves it readably; the weights become HF."""
-    if distributed.name.startswith("bridge_dp"):
-        info = cli.json("inspect", distributed)
-        assert not info["has_optimizer"]
-        assert "dist_ckpt_optim_fully_reshardable: true" in " ".join(info["warnings"])
-        result = cli("reshard", distributed, tmp_path / "pp2", "--tp", "1", code=2)
-        assert "checkpoint.dist_ckpt_optim_fully_reshardable: true" in result.stderr
-        # (one Adam step in fp32: HF's one-plus gated norm is rounded, as it says)
-        cli("consolidate", distributed, tmp_path / "hf", "--format", "hf", "--allow-rounding")
-        return
+    megatron-core with its outputs."""
+    distributed = distributed_saves["fully_reshardable"]
     assert cli.json("inspect", distributed)["has_optimizer"]
     assert_pp2_detour_loses_nothing(distributed, tmp_path, cli)
     tp1, out = tmp_path / "tp1", tmp_path / "outputs.pt"
@@ -176,6 +169,51 @@ def test_the_distributed_optimizers_state_moves_where_the_run_says_how(
     run_oracle(ORACLE, "load", tp1, out, *MODEL)
     reference, outputs = torch.load(distributed / "reference.pt"), torch.load(out)
     assert torch.equal(outputs["logits"], reference["logits"])
+
+
+def test_dp_reshardable_state_is_placed_by_the_runs_ddp_settings(
+    distributed_saves: dict[str, Path], tmp_path: Path, cli
+) -> None:
+    """``dp_reshardable`` state lies in the grad buffers, laid out by the DDP settings that
+    Megatron-Bridge records in ``run_config.yaml``'s ``ddp`` section (the data-parallel size
+    only pads a bucket's end, which the buckets are saved without): replayed, every weight and
+    Adam moment equals the ``fully_reshardable`` save of the same run, and it reshards through
+    TP1 PP2 without loss. A run config whose ``ddp`` section is gone leaves the weights only,
+    saying which setting saves the state readably."""
+    dp, fully = distributed_saves["dp_reshardable"], distributed_saves["fully_reshardable"]
+    info = cli.json("inspect", dp)
+    assert info["has_optimizer"], info["warnings"]
+    report = cli.json("verify", dp, "--against", fully)
+    assert report["ok"] and report["against"]["compared"] == report["against"]["held"][1]
+    names = {t["name"] for t in report["tensors"]}
+    assert any(n.startswith("exp_avg_sq/") and "experts" in n for n in names), names
+    assert all(t["max_abs_diff"] == 0.0 for t in report["tensors"])
+    assert_pp2_detour_loses_nothing(dp, tmp_path, cli)
+    bare = tmp_path / "no_ddp"
+    shutil.copytree(dp, bare)
+    config = next(bare.glob("iter_*/run_config.yaml"))
+    text = config.read_text()
+    config.write_text(_without_section(text, "ddp"))
+    info = cli.json("inspect", bare)
+    assert not info["has_optimizer"]
+    assert "dist_ckpt_optim_fully_reshardable: true" in " ".join(info["warnings"])
+    result = cli("reshard", bare, tmp_path / "pp2", "--tp", "1", code=2)
+    assert "checkpoint.dist_ckpt_optim_fully_reshardable: true" in result.stderr
+
+
+def _without_section(text: str, name: str) -> str:
+    """A YAML document's text without its top-level mapping ``name`` (its key and the lines
+    indented under it)."""
+    out, skipping = [], False
+    for line in text.splitlines(keepends=True):
+        if line.startswith(f"{name}:"):
+            skipping = True
+            continue
+        if skipping and (line.startswith((" ", "\t")) or not line.strip()):
+            continue
+        skipping = False
+        out.append(line)
+    return "".join(out)
 
 
 VARIANTS = ("mha", "partial_rope", "qkv_bias", "qk_layernorm", "gelu", "tied", "sliding_window",

@@ -11,7 +11,12 @@ import pytest
 
 from ckptctl.errors import CheckpointError, LayoutError
 from ckptctl.formats.megatron.args import spec_from_args
-from ckptctl.formats.torch_dist.bridge_config import args_from_model, model_section
+from ckptctl.formats.torch_dist.bridge_config import (
+    args_from_model,
+    ddp_args,
+    model_section,
+    sections,
+)
 
 WHERE = "iter_0000001/run_config.yaml"
 SILU = {"_call_": False, "_target_": "torch.nn.functional.silu"}
@@ -92,3 +97,29 @@ def test_a_file_that_is_not_megatron_bridges_config_is_refused_naming_it() -> No
     # safe_load: a tag that would build an object is refused, never run
     with pytest.raises(CheckpointError, match="not YAML"):
         model_section("model: !!python/object/apply:os.system ['true']\n", WHERE)
+
+
+DDP = """model:
+  _target_: megatron.bridge.models.gpt_provider.GPTModelProvider
+ddp:
+  grad_reduce_in_fp32: true
+  overlap_grad_reduce: true
+  bucket_size: 40000
+  use_distributed_optimizer: true
+  pad_buckets_for_high_nccl_busbw: false
+"""
+
+
+def test_the_ddp_section_lays_out_the_grad_buffers_in_megatron_lms_terms() -> None:
+    """The settings that place ``dp_reshardable`` state; a section missing one of them, or
+    padding buckets for NCCL's bus bandwidth (not replayed), places none."""
+    assert ddp_args(sections(DDP, WHERE)) == {
+        "overlap_grad_reduce": True,
+        "ddp_bucket_size": 40000,
+        "accumulate_allreduce_grads_in_fp32": True,
+        "use_distributed_optimizer": True,
+    }
+    assert ddp_args(sections(DDP.replace("  bucket_size: 40000\n", ""), WHERE)) is None
+    padded = DDP.replace("busbw: false", "busbw: true")
+    assert ddp_args(sections(padded, WHERE)) is None
+    assert ddp_args(sections(DDP.split("ddp:")[0], WHERE)) is None
