@@ -45,6 +45,19 @@ SEED = 13
 DP = 2
 VOCAB = 301  # odd: FSDP2's dim-0 shards of the embedding are uneven
 BATCH, SEQ = 2, 10
+GEMMA3_TEXT = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=VOCAB,
+    sliding_window=4,
+    sliding_window_pattern=2,
+    query_pre_attn_scalar=24,
+)
+"""Gemma 3's text decoder, alone (``gemma3``) and inside its vision-language model."""
 
 
 def build_model(name: str) -> torch.nn.Module:
@@ -99,16 +112,7 @@ def build_model(name: str) -> torch.nn.Module:
         cls = transformers.Qwen3MoeForCausalLM
     elif name == "gemma3":
         config = transformers.Gemma3TextConfig(
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            vocab_size=VOCAB,
-            sliding_window=4,
-            sliding_window_pattern=2,
-            query_pre_attn_scalar=24,
+            **GEMMA3_TEXT,
             bos_token_id=1,
             eos_token_id=2,
         )
@@ -131,18 +135,7 @@ def build_model(name: str) -> torch.nn.Module:
         )
         cls = transformers.Qwen3_5ForCausalLM
     elif name == "gemma3_vl":
-        text = dict(
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            vocab_size=VOCAB,
-            sliding_window=4,
-            sliding_window_pattern=2,
-            query_pre_attn_scalar=24,
-        )
+        text = GEMMA3_TEXT
         vision = dict(
             hidden_size=32,
             intermediate_size=32,
