@@ -148,6 +148,27 @@ def grad_reduce_dtype(args: argparse.Namespace) -> str | None:
     return weight
 
 
+def eod_row_note(args: argparse.Namespace, spec: ModelSpec, tp: int) -> str | None:
+    """Where Megatron-LM's ``NullTokenizer`` put its end-of-document token, when it may lie
+    past the vocabulary the args give (a padding row to ckptctl, which a target without
+    padding rows, HF, leaves out): the legacy tokenizer's is row ``vocab_size``; megatron-core's
+    tokenizer library (whose releases record ``null_tokenizer_eod_id``) keeps it inside
+    (``vocab_size - 1``, or the id given). Releases that record neither may have run either."""
+    if _arg(args, "tokenizer_type") != "NullTokenizer":
+        return None
+    if spec.padded_vocab_size(tp) <= spec.vocab_size:
+        return None
+    legacy = bool(_arg(args, "legacy_tokenizer", default=False))
+    if not legacy and hasattr(args, "null_tokenizer_eod_id"):
+        return None
+    which = "its legacy tokenizer" if legacy else "Megatron-LM's legacy tokenizer, if it ran"
+    return (
+        f"NullTokenizer: {which} ends documents with token {spec.vocab_size}, one row past "
+        f"vocab_size (a padding row here); pass --true-vocab-size {spec.vocab_size + 1} to "
+        "keep it in an HF output"
+    )
+
+
 def naming_from_args(args: argparse.Namespace) -> Naming | None:
     """The parameter spelling Megatron-LM loads with, from ``args.transformer_impl`` (None when
     the args do not say)."""

@@ -17,6 +17,7 @@ from ckptctl.formats.base import SavedTraining
 from ckptctl.formats.megatron.args import (
     check_saved_layout,
     checked_iteration,
+    eod_row_note,
     layout_from_args,
     spec_from_args,
 )
@@ -328,6 +329,9 @@ def probe_megatron(
             spec, layout, (naming, layer_order, expert_naming, mtp_inner), optimizer, by_rank
         )
     notes, warnings = [], []
+    eod = eod_row_note(args, spec, layout.tp) if true_vocab_size is None else None
+    if eod is not None:
+        notes.append(eod)
     if layout.distributed_optimizer and optimizer is None:
         notes.append("no optimizer state in the rank files: weights only")
     if extra and any(m[k] is not None for m in models for k in m if k.endswith(_EXTRA_STATE)):

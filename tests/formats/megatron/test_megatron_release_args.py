@@ -168,3 +168,35 @@ def test_weight_shard_counts_follow_tp() -> None:
         check_fields(
             argparse.Namespace(tensor_model_parallel_size=2, tensor_parallel_num_weight_shards=4)
         )
+
+
+def _null_tokenizer_run(**fields: object) -> argparse.Namespace:
+    run: dict[str, object] = {
+        "num_layers": 2,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "vocab_size": 1000,
+        "padded_vocab_size": 1024,
+        "tokenizer_type": "NullTokenizer",
+    }
+    return argparse.Namespace(**(run | fields))
+
+
+def test_a_null_tokenizer_runs_end_of_document_row_is_pointed_out_where_it_may_be_dropped() -> None:
+    """Megatron-LM's legacy NullTokenizer ends documents with token ``vocab_size`` (a row
+    ckptctl takes for padding, which an HF output leaves out); megatron-core's tokenizer
+    library, whose releases record ``null_tokenizer_eod_id``, keeps it inside the vocabulary."""
+    from ckptctl.formats.megatron.args import eod_row_note, spec_from_args
+
+    legacy = _null_tokenizer_run(legacy_tokenizer=True)
+    note = eod_row_note(legacy, spec_from_args(legacy), 1)
+    assert note is not None and "--true-vocab-size 1001" in note and "its legacy" in note
+    unsaid = _null_tokenizer_run()
+    note = eod_row_note(unsaid, spec_from_args(unsaid), 1)
+    assert note is not None and "if it ran" in note
+    library = _null_tokenizer_run(null_tokenizer_eod_id=None)
+    assert eod_row_note(library, spec_from_args(library), 1) is None
+    padless = _null_tokenizer_run(
+        legacy_tokenizer=True, padded_vocab_size=1000, make_vocab_size_divisible_by=8
+    )  # 1000 rows: no padding row to lose
+    assert eod_row_note(padless, spec_from_args(padless), 1) is None
