@@ -53,11 +53,16 @@ def with_buckets(
     ``base_shape`` is its bucket's (the global shape of the tensor it is a chunk of)."""
     chained = replace(optimizer, chained=layout.ep > 1)
     added: dict[tuple[tuple[int, int] | None, int], list[StoredTensor]] = {}
+    # per bucket tensor: its owner, size, a state name of it, and the ranges parameters take
+    spans: dict[str, tuple[tuple[tuple[int, int] | None, int], int, str, list[tuple[int, int]]]]
+    spans = {}
     for group in replay(spec, layout, chained, weight_dtype, naming, expert_naming):
         for tensor in group.tensors:
             gbuf, dtype_key, state = int(tensor.key[-3]), str(tensor.key[-2]), str(tensor.key[-1])
             bucket, start, size = _bucket_at(group.buckets[tensor.key], tensor.view_offset or 0)
             fqn = bucket_fqn(layout.ep > 1, group.sub, group.group, gbuf, dtype_key, bucket, state)
+            taken = spans.setdefault(fqn, (group.owner, size, tensor.canonical, []))[3]
+            taken.append((start, start + prod(tensor.shape)))
             for offsets, box, flat in flat_boxes(tensor.shape, 0, prod(tensor.shape)):
                 pieces = chunk_pieces(tensor.pieces, offsets, box)
                 added.setdefault(group.owner, []).append(
@@ -71,6 +76,8 @@ def with_buckets(
                         padded_origin=padding_origin(tensor.pieces, offsets, box, pieces),
                     )
                 )
+    for fqn, (owner, size, canonical, taken) in spans.items():
+        added[owner] += _gaps(fqn, size, canonical, taken)
     out = []
     for file in files:
         extra = added.pop((file.rank, file.ep_rank), [])
@@ -78,6 +85,25 @@ def with_buckets(
     if added:  # every legacy rank has a torch_dist file of the same coordinates
         raise LayoutError(f"no torch_dist file for the buckets of ranks {sorted(added)}")
     return tuple(out)
+
+
+def _gaps(fqn: str, size: int, canonical: str, taken: list[tuple[int, int]]) -> list[StoredTensor]:
+    """The elements of a bucket no parameter takes (each parameter starts aligned to 64
+    elements, so a small one leaves a gap before the next), as zero-filled chunks: the
+    chunks of a DCP tensor tile it, as Megatron's own save of the whole bucket does. Each
+    stands under a state of the bucket (``canonical``) with no pieces: nothing is read."""
+    out, at = [], 0
+    for start, end in sorted(taken):
+        if start > at:
+            out.append(
+                StoredTensor((fqn, at), canonical, (start - at,), "float32", (), base_shape=(size,))
+            )
+        at = max(at, end)
+    if at < size:
+        out.append(
+            StoredTensor((fqn, at), canonical, (size - at,), "float32", (), base_shape=(size,))
+        )
+    return out
 
 
 def _bucket_at(sizes: tuple[int, ...], at: int) -> tuple[int, int, int]:
