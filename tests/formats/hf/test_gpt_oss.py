@@ -244,3 +244,31 @@ def test_mxfp4_is_refused_for_a_model_carried_by_name(tmp_path: Path, cli) -> No
     result = cli("consolidate", src, tmp_path / "out", "--format", "hf", "--dtype", "mxfp4", code=2)
     assert "GptOssForCausalLM is carried by name only" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_packed_chunk_cut_inside_an_experts_block_is_not_placed(tmp_path: Path) -> None:
+    """DCP / verl chunks of a packed expert tensor are placed expert by expert only when they
+    hold whole experts (FSDP cuts dim 0); a chunk cut inside one (fewer experts than ranks) is
+    not placed, never placed wrong: the DCP view names it, the named placement leaves it."""
+    from ckptctl.formats.dcp.hf_layout import block_chunk, block_table
+    from ckptctl.formats.named import _block_views
+    from ckptctl.model.geometry import Piece
+    from ckptctl.model.hf_config import spec_from_config
+    from ckptctl.model.stored import StoredTensor
+
+    src = tmp_path / "hf"
+    _make(src)
+    spec = spec_from_config(json.loads((src / "config.json").read_text()))
+    table = block_table(spec, "model.", "optim.state.")
+    name = "model.model.layers.0.mlp.experts.gate_up_proj"
+    key = table[name]
+    assert key.shape == (4, 64, 64) and key.transposed and key.interleaved
+    whole = block_chunk(name, key, (2, 0, 0), (2, 64, 64), "float32")
+    assert whole is not None and [t.view_offset for t in whole] == [0, 64 * 64]
+    assert [t.canonical for t in whole] == [c for c, *_ in key.experts[2:]]
+    assert block_chunk(name, key, (1, 32, 0), (1, 32, 64), "float32") is None
+    cut = StoredTensor(
+        (name,), name, (1, 32, 64), "float32", (Piece((0, 0, 0), (1, 32, 0), (1, 32, 64)),)
+    )
+    assert _block_views(cut, key) is None
+    assert table["optim.state.model.layers.0.mlp.experts.gate_up_proj.step"].shape == ()
