@@ -302,7 +302,7 @@ def probe_dcp(
     if config is not None:
         try:
             spec = spec_from_config(config, trusted=trusted)
-            dcp_entries(spec)  # refuses what only HF safetensors shift (Qwen3.5's gated norms)
+            dcp_entries(spec)  # a model the family table cannot lay out is refused here
         except LayoutError as err:
             # No family table takes it (a VLM, a family ckptctl does not map to Megatron):
             # transformers judges the names, which go to HF as they are.
