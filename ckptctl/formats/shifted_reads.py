@@ -8,10 +8,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import numpy as np
-
-from ckptctl.arrays import shifted, shifted_rounded
+if TYPE_CHECKING:  # numpy only where bytes are handled: jobs that copy bytes never import it
+    import numpy as np
 
 UNSHIFTED = (
     "the model's zero-centred norm (Megatron's) cannot hold this weight minus one exactly in its "
@@ -39,6 +39,8 @@ class ShiftedReads:
     def unshifted(self, key: Hashable, data: np.ndarray, where: str) -> np.ndarray:
         """``data`` (a box of the tensor at ``key``, named ``where`` in messages) as the
         canonical tensor holds it."""
+        from ckptctl.arrays import shifted, shifted_rounded
+
         by, canonical = self.shifts[key]
         if not self.rounding:
             return shifted(data, -by, where, UNSHIFTED)
