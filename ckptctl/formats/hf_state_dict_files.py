@@ -7,7 +7,7 @@ or, for any other architecture transformers builds, kept by hub name. Reading si
 from __future__ import annotations
 
 import json
-from collections.abc import Hashable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -77,16 +77,9 @@ class HfStateDictFiles(TorchFiles):
     """Weights stored shifted from the canonical values (Qwen3.5's gated norms)."""
 
     def __post_init__(self) -> None:
-        gated: set[tuple[str, KeyPath]] = set()
-        shifts: dict[Hashable, tuple[float, str]] = {}
-        for file in self.view.files:
-            for t in file.tensors:
-                if t.interleaved:
-                    gated.add((file.path, t.key))
-                if t.shift:
-                    shifts[(file.path, t.key)] = (t.shift, t.canonical)
-        self.gated = frozenset(gated)
-        self.shifted = ShiftedReads(shifts, self.rounding)
+        files = self.view.files
+        self.gated = frozenset((f.path, t.key) for f in files for t in f.tensors if t.interleaved)
+        self.shifted = ShiftedReads.of(self.view, self.rounding)
 
     def read(
         self,

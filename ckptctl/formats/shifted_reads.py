@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # numpy only where bytes are handled: jobs that copy bytes never import it
     import numpy as np
 
+    from ckptctl.model.stored import CheckpointView
+
 UNSHIFTED = (
     "the model's zero-centred norm (Megatron's) cannot hold this weight minus one exactly in its "
     "dtype (a weight below 0.5); pass --allow-rounding to round it (its error recorded), or keep "
@@ -32,6 +34,17 @@ class ShiftedReads:
     errors: dict[str, float] = field(default_factory=dict)
     """Largest rounding error so far by canonical name (only where one was made)."""
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @classmethod
+    def of(cls, view: CheckpointView, rounding: bool) -> ShiftedReads:
+        """The tensors ``view`` declares shifted (``StoredTensor.shift``), by file and key."""
+        shifts: dict[Hashable, tuple[float, str]] = {
+            (file.path, t.key): (t.shift, t.canonical)
+            for file in view.files
+            for t in file.tensors
+            if t.shift
+        }
+        return cls(shifts, rounding)
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self.shifts

@@ -54,8 +54,9 @@ def dcp_entries(spec: ModelSpec) -> list[Entry]:
     among them: ``HfKey.shift``); GPT-OSS's packed experts are left to ``block_table``."""
     if choose_family(spec).name == hf_gpt_oss.MODEL_TYPE:
         return [e for e in hf_tensors(spec) if hf_gpt_oss.block(spec, *e[:3]) is None]
-    if any(hf_qwen35.value_shift(spec, name) for name, *_ in hf_tensors(spec)):
-        return hf_tensors(spec)
+    entries = hf_tensors(spec)
+    if any(hf_qwen35.value_shift(spec, name) for name, *_ in entries):
+        return entries
     return per_name_tensors(spec, "DCP")
 
 

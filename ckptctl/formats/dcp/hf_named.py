@@ -10,8 +10,6 @@ GPT-OSS's packed experts, which transformers holds as its hub checkpoints store 
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-
 from ckptctl.errors import CheckpointError
 from ckptctl.formats.dcp.files import files_of
 from ckptctl.formats.dcp.hf_layout import (
@@ -36,19 +34,16 @@ def hf_named_view(
     iteration: int | None,
     spec: ModelSpec,
     found: tuple[str, str | None],
-) -> tuple[CheckpointView, dict[KeyPath, bool], dict[Hashable, tuple[float, str]]]:
-    """The checkpoint's view under ``spec`` (``found``: its model and optimizer key prefixes),
-    the chunks holding GPT-OSS expert blocks (read turned and in Megatron's row order), each
-    with whether its gated halves are interleaved, and the chunks stored shifted from the
-    canonical values (Qwen3.5's gated norms: shift, canonical name)."""
+) -> CheckpointView:
+    """The checkpoint's view under ``spec`` (``found``: its model and optimizer key prefixes):
+    GPT-OSS's expert blocks declared transposed / interleaved and Qwen3.5's gated norms
+    shifted, which the reader takes from it."""
     model_prefix, optim_prefix = found
     table = key_table(spec, model_prefix, optim_prefix)
     blocks = block_table(spec, model_prefix, optim_prefix)
     held_under = (model_prefix,) if optim_prefix is None else (model_prefix, optim_prefix)
     packed = packed_table(table, spec, held_under) if spec.num_experts else {}
     placed: list[tuple[StorageInfo, StoredTensor]] = []
-    in_blocks: dict[KeyPath, bool] = {}
-    shifted: dict[Hashable, tuple[float, str]] = {}
     problems: list[str] = []
     # a tied model's state dict names its embedding twice: the output alias is a copy
     tied = {"lm_head.weight": "model.embed_tokens.weight"} if spec.tie_embeddings else {}
@@ -77,8 +72,6 @@ def hf_named_view(
                     stored_at, key.canonical, chunk.sizes, entry.dtype, pieces, shift=key.shift
                 )
                 placed.append((info, tensor))
-                if key.shift:
-                    shifted[stored_at] = (key.shift, key.canonical)
             elif fqn in packed:
                 for part in packed_chunk(fqn, packed[fqn], chunk.offsets, chunk.sizes, entry.dtype):
                     placed.append((info, part))
@@ -88,7 +81,6 @@ def hf_named_view(
                     problems.append(f"{fqn} is saved cut inside an expert's block")
                     break
                 placed.extend((info, view) for view in views)
-                in_blocks[(fqn, *chunk.offsets)] = blocks[fqn].interleaved
     replicas = tied_copies(metadata, entries, model_prefix, tied, base, problems)
     if problems:
         raise CheckpointError(f"{where}: " + "; ".join(problems[:5]))
@@ -102,4 +94,4 @@ def hf_named_view(
         (f"PyTorch DCP checkpoint of an HF {choose_family(spec).architecture}",),
         replicas=replicas,
     )
-    return view, in_blocks, shifted
+    return view

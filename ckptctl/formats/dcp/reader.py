@@ -79,13 +79,25 @@ class DcpCheckpoint(Checkpoint):
     _files: dict[str, Any] = field(default_factory=dict)
     row_orders: RowOrders = field(default_factory=dict)
     """Chunks whose rows are read through a row map (torchtitan's rotary q/k rows)."""
-    blocks: dict[KeyPath, bool] = field(default_factory=dict)
-    """Chunks of GPT-OSS's packed experts, each block read turned to Megatron's orientation
-    (and, where this says its gated halves are interleaved, its rows put apart)."""
-    shifted: ShiftedReads = field(default_factory=ShiftedReads)
+    rounding: bool = False
+    """Round a shifted weight whose shift is not taken off exactly (``--allow-rounding``)."""
+    blocks: dict[tuple[str, KeyPath], bool] = field(init=False, default_factory=dict)
+    """Chunks of GPT-OSS's packed experts (by file and key), each block read turned to
+    Megatron's orientation (and, where this says its gated halves are interleaved, its rows put
+    apart): what the view declares (``StoredTensor.transposed`` / ``interleaved``)."""
+    shifted: ShiftedReads = field(init=False, default_factory=ShiftedReads)
     """Chunks stored shifted from the canonical values (Qwen3.5's gated norms), read with the
     shift taken off, exactly or (``--allow-rounding``) rounded."""
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.blocks = {
+            (file.path, t.key): t.interleaved
+            for file in self.view.files
+            for t in file.tensors
+            if t.transposed or t.interleaved
+        }
+        self.shifted = ShiftedReads.of(self.view, self.rounding)
 
     def _open(self, fqn: str, offsets: tuple[int, ...]) -> tuple[TorchZipReader, TensorRef]:
         key = (fqn, offsets)
@@ -130,10 +142,11 @@ class DcpCheckpoint(Checkpoint):
         transposed: bool = False,
         into: np.ndarray | None = None,
     ) -> np.ndarray:
-        if transposed and key not in self.blocks:
+        block_of = self.blocks.get((path, key))
+        if transposed and block_of is None:
             raise ValueError("DCP stores no tensor transposed but GPT-OSS's packed experts")
         reader, ref = self._open(str(key[0]), tuple(int(k) for k in key[1:]))
-        if view is not None and key in self.blocks:  # an expert's block, in Megatron's order
+        if view is not None and block_of is not None:  # an expert's block, in Megatron's order
             from ckptctl.arrays import packed_block_box
 
             start, shape = view
@@ -144,13 +157,13 @@ class DcpCheckpoint(Checkpoint):
                 sizes,
                 shape[0],
                 transposed,
-                self.blocks[key],
+                block_of,
             )
         if view is not None:
             ref = view_ref(_flat(ref), *view)
-        if key in self.shifted:
+        if (path, key) in self.shifted:
             where = f"{self.storage.describe(self.base)}: {key[0]} at {list(key[1:])}"
-            return self.shifted.unshifted(key, reader.read(ref, offsets, sizes), where)
+            return self.shifted.unshifted((path, key), reader.read(ref, offsets, sizes), where)
         if key in self.row_orders:  # gather the rows, in HF order, from their stored run
             import numpy as np
 
@@ -164,7 +177,7 @@ class DcpCheckpoint(Checkpoint):
         self, path: str, key: KeyPath, offsets: Shape, sizes: Shape, view: FlatView = None
     ) -> Span | None:
         """Where the box lies in its ``.distcp`` file, when it lies there contiguously."""
-        if key in self.row_orders or key in self.blocks or key in self.shifted:
+        if key in self.row_orders or (path, key) in self.blocks or (path, key) in self.shifted:
             return None
         reader, ref = self._open(str(key[0]), tuple(int(k) for k in key[1:]))
         if view is not None:
@@ -328,9 +341,8 @@ def probe_dcp(
                 raise refusal from None
         if found is not None:
             where = storage.describe(base)
-            view, blocks, shifts = hf_named_view(where, base, metadata, iteration, spec, found)
-            shifted = ShiftedReads(shifts, allow_rounding)
-            return DcpCheckpoint(storage, view, base, metadata, blocks=blocks, shifted=shifted)
+            view = hf_named_view(where, base, metadata, iteration, spec, found)
+            return DcpCheckpoint(storage, view, base, metadata, rounding=allow_rounding)
     if found is None:
         return _generic(storage, base, metadata, iteration)
     ckpt = _generic(storage, base, metadata, iteration)
