@@ -56,7 +56,7 @@ model.save_pretrained(out)
 ADAM = r"""
 import sys, glob, torch
 from ckptctl.pipeline.probe import open_checkpoint
-from ckptctl.formats.megatron.layout import (
+from ckptctl.formats.megatron_common.layout import (
     optimizer_index, param_groups, rank_params, sub_optimizers,
 )
 # Benchmark input only: Adam moments of the right shapes in megatron-core's per-parameter

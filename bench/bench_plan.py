@@ -22,8 +22,8 @@ import tempfile
 import time
 from typing import Any
 
-from ckptctl.formats.megatron.layout import megatron_files
-from ckptctl.formats.megatron.target import MegatronTarget
+from ckptctl.formats.megatron_common.layout import megatron_files
+from ckptctl.formats.megatron_common.target import MegatronTarget
 from ckptctl.model.geometry import nbytes
 from ckptctl.model.layout import ModelSpec, ParallelLayout, RouterScore
 from ckptctl.model.megatron_style import MegatronStyle, OptimizerLayout

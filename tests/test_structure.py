@@ -198,11 +198,11 @@ def test_the_pure_layouts_of_formats_import_no_torch() -> None:
     graph = _graph()
     modules = _modules()
     for pure in (
-        "ckptctl.formats.megatron.layout",
-        "ckptctl.formats.megatron.target_style",
+        "ckptctl.formats.megatron_common.layout",
+        "ckptctl.formats.megatron_common.target_style",
         "ckptctl.model.hf_layout",
-        "ckptctl.formats.torch_dist.layout",
-        "ckptctl.formats.dcp.metadata",
+        "ckptctl.formats.megatron_common.sharded_keys",
+        "ckptctl.formats.dcp_container.metadata",
     ):
         for module in _reachable(pure, graph):
             assert "torch" not in {m.split(".")[0] for m in _imports(modules[module])}, module
@@ -287,47 +287,24 @@ SHARED_FORMAT_MACHINERY = {
     "transformers_model",  # transformers' own description of an HF model it builds
     "hf_state_dict_files",  # HF-named torch.save state dicts (verl, accelerate)
     "shifted_reads",  # HF weights stored shifted from Megatron's (HF safetensors, DCP)
+    "dcp_container",  # torch's DCP files: dcp, torch_dist
+    "megatron_common",  # Megatron's rules: megatron, torch_dist, DCP in Megatron directories
 }
 """Modules and folders under ``ckptctl/formats`` that every format may import."""
 
-CROSS_FORMAT_IMPORTS = {
-    # Megatron's iteration directories (tracker, ``iter_N``), which DCP checkpoints of Megatron
-    # runs sit in, and the Megatron optimizer form a DCP checkpoint of an HF model maps to.
-    ("dcp", "ckptctl.formats.megatron.format"),
-    ("dcp", "ckptctl.formats.megatron.reader"),
-    ("dcp", "ckptctl.formats.megatron.layout"),
-    # megatron-core's file names beside DCP files (``metadata.json``, ``common.pt``).
-    ("dcp", "ckptctl.formats.torch_dist.layout"),
-    # A Megatron target's optimizer form for a DeepSpeed source.
-    ("deepspeed", "ckptctl.formats.megatron.layout"),
-    # torch_dist is megatron-core's use of DCP: its container and Megatron's model rules.
-    *(("torch_dist", f"ckptctl.formats.dcp.{m}") for m in ("files", "format", "metadata")),
-    *(("torch_dist", f"ckptctl.formats.dcp.{m}") for m in ("reader", "records", "write")),
-    *(("torch_dist", f"ckptctl.formats.megatron.{m}") for m in ("args", "layout", "ranks")),
-    ("torch_dist", "ckptctl.formats.megatron.target_style"),
-    ("torch_dist", "ckptctl.formats.megatron.writer"),
-    # The distributed optimizer's keys, and what every Megatron-family target keeps and says.
-    *(("torch_dist", f"ckptctl.formats.megatron.{m}") for m in ("distopt_layout", "rank_state")),
-    ("torch_dist", "ckptctl.formats.megatron.target"),
-    # verl's Megatron actor is a torch_dist directory described by an HF config, not args.
-    ("verl", "ckptctl.formats.torch_dist.reader"),
-    ("verl", "ckptctl.formats.megatron.args"),
-}
-"""What one format folder still imports of another (to shrink: shared model rules belong in
-modules of their own, as the HF family tables are in ``ckptctl.model``)."""
 
-
-def test_format_folders_import_no_other_format_but_the_known_exceptions() -> None:
+def test_format_folders_import_no_other_format() -> None:
+    """Each format folder imports only its own modules and the shared machinery, which imports
+    no format folder: what two formats share (DCP's container, Megatron's rules) is a module of
+    its own, never one format reaching into another."""
     found = set()
     for module, imported in _lazy_graph().items():
         if not module.startswith("ckptctl.formats."):
             continue
         folder = module.split(".")[2]
-        if folder in SHARED_FORMAT_MACHINERY:
-            continue
         for other in imported:
             parts = other.split(".")
             elsewhere = other.startswith("ckptctl.formats.") and parts[2] != folder
             if elsewhere and parts[2] not in SHARED_FORMAT_MACHINERY:
-                found.add((folder, other))
-    assert found <= CROSS_FORMAT_IMPORTS, sorted(found - CROSS_FORMAT_IMPORTS)
+                found.add((module, other))
+    assert not found, sorted(found)

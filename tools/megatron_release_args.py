@@ -3,11 +3,11 @@ and the fields ``validate_args`` derives, as Megatron-LM's own parser gives them
 
 ckptctl judges the ``args`` a Megatron checkpoint carries by value: a field at its release's
 default (or derived by ``validate_args``) leaves the model what its mapped fields say, so it is
-accepted without being known by name (``ckptctl/formats/megatron/release_args.py`` reads the
+accepted without being known by name (``ckptctl/formats/megatron_common/release_args.py`` reads the
 table). The table is data about Megatron-LM, made by running its parser, never its code copied:
 
     python tools/megatron_release_args.py MEGATRON_LM_GIT_DIR PYTHON > \\
-        ckptctl/formats/megatron/release_args.json
+        ckptctl/formats/megatron_common/release_args.json
 
 The table holds, for every field any release's parser has, each value a release gives it by
 default, and which fields ``validate_args`` derives (their values depend on the model, so only

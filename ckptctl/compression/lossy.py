@@ -255,7 +255,7 @@ def crc_patches(
 def _entries(f: Any, start: int, length: int) -> list[dict[str, Any]]:
     """Each entry of the zip at ``[start, start + length)``: its data span and the file
     offsets of its CRC-32 fields (local header, data descriptor, central directory)."""
-    from ckptctl.formats.dcp.records import RecordWindow
+    from ckptctl.formats.dcp_container.records import RecordWindow
 
     window = RecordWindow(f, start, length)
     archive = zipfile.ZipFile(window)

@@ -16,10 +16,10 @@ from dataclasses import replace
 from functools import partial
 from math import prod
 
-from ckptctl.formats.dcp.hf_layout import BlockKey, block_table, key_table, prefixes
-from ckptctl.formats.torch_dist.layout import chunk_parts, model_catalog
+from ckptctl.formats.megatron_common.sharded_keys import chunk_parts, model_catalog
 from ckptctl.model.catalog import Param
 from ckptctl.model.geometry import Shape, Split, chunk_pieces
+from ckptctl.model.hf_state_dict import BlockKey, block_table, key_table, prefixes
 from ckptctl.model.layout import ModelSpec
 from ckptctl.model.stored import CheckpointView, StoredTensor, canonical_shapes
 

@@ -25,9 +25,9 @@ import numpy as np
 
 from ckptctl import arrays, json_input
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError, LayoutError
+from ckptctl.formats.torch_dist.verl_actor import TRANSFORMER_CONFIG, layout_of
 from ckptctl.formats.torchsave.refs import open_torch_file
-from ckptctl.formats.verl.layout import ADAPTER_DIR, TRANSFORMER_CONFIG
-from ckptctl.formats.verl.megatron import layout_of
+from ckptctl.formats.verl.layout import ADAPTER_DIR
 from ckptctl.io.storage import Storage
 from ckptctl.lora.adapter import HeldAdapter
 from ckptctl.model.catalog import LAYER_PREFIX, parameters_by_name

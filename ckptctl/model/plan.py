@@ -91,7 +91,7 @@ class FileWrite(_Frozen):
     """Source file whose training state (scheduler, counters) this file carries."""
     carry_rng: bool = False
     """Carry ``carry_from``'s RNG state too: it is the same rank of an unchanged TP/PP/EP grid
-    (``formats.megatron.rank_state``)."""
+    (``formats.megatron_common.rank_state``)."""
     flat: tuple[tuple[tuple[str | int, ...], int], ...] = ()
     """Flat tensors (key, length) that ``view_offset`` tensors are slices of."""
     copy_of: int | None = None

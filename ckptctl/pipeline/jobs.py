@@ -23,7 +23,7 @@ from ckptctl.checksums.manifest import completed_by
 from ckptctl.compression.view import CompressedStorage
 from ckptctl.errors import CheckpointError, CkptctlError, UsageError
 from ckptctl.formats import registry
-from ckptctl.formats.megatron.ranks import coords
+from ckptctl.formats.megatron_common.ranks import coords
 from ckptctl.formats.target import CONSOLIDATE, RESHARD, TargetFormat
 from ckptctl.formats.torch_dist.optimizer_form import form_change_notes, optimizer_form, source_form
 from ckptctl.io.calibrate import saved_profiles

@@ -25,9 +25,14 @@ from ckptctl.arrays import from_torch
 from ckptctl.checksums.manifest import INCOMPLETE
 from ckptctl.checksums.record_checks import RecordChecks
 from ckptctl.errors import CheckpointError
-from ckptctl.formats.dcp.files import read_metadata_and_lost
-from ckptctl.formats.dcp.metadata import METADATA_FILE, BytesEntry, DcpMetadata, TensorEntry
-from ckptctl.formats.dcp.reader import DcpCheckpoint, open_dcp
+from ckptctl.formats.dcp_container.checkpoint import DcpCheckpoint, open_dcp
+from ckptctl.formats.dcp_container.files import read_metadata_and_lost
+from ckptctl.formats.dcp_container.metadata import (
+    METADATA_FILE,
+    BytesEntry,
+    DcpMetadata,
+    TensorEntry,
+)
 from ckptctl.formats.torchsave.archive import TensorRef
 from ckptctl.formats.torchsave.refs import open_torch_file
 from ckptctl.io.storage import Storage

@@ -25,7 +25,7 @@ from ckptctl import __version__
 from ckptctl.arrays import from_torch, raw_bytes
 from ckptctl.checksums.manifest import INCOMPLETE, MANIFEST, MANIFEST_VERSION
 from ckptctl.errors import CheckpointError
-from ckptctl.formats.dcp.metadata import (
+from ckptctl.formats.dcp_container.metadata import (
     DCP_VERSION,
     METADATA_FILE,
     BytesEntry,
@@ -35,7 +35,11 @@ from ckptctl.formats.dcp.metadata import (
     StorageInfo,
     TensorEntry,
 )
-from ckptctl.formats.dcp.write import metadata_bytes, write_bytes_record, write_tensor_record
+from ckptctl.formats.dcp_container.write import (
+    metadata_bytes,
+    write_bytes_record,
+    write_tensor_record,
+)
 from ckptctl.formats.torchsave.zip_writer import TensorSlot
 from ckptctl.io.storage import Storage
 from ckptctl.training.state import Item, Path, TensorItem

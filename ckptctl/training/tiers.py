@@ -16,7 +16,7 @@ import xxhash
 
 from ckptctl.checksums.manifest import INCOMPLETE, MANIFEST
 from ckptctl.errors import CheckpointError
-from ckptctl.formats.dcp.metadata import METADATA_FILE
+from ckptctl.formats.dcp_container.metadata import METADATA_FILE
 from ckptctl.io.storage import Storage
 from ckptctl.settings import StorageConfig
 from planners.retention import Retention

@@ -4,14 +4,14 @@ Megatron pads the embedding and output layer to a multiple of ``make_vocab_size_
 TP`` rows; those rows are trained state (its softmax covers the padded logits) that ckptctl's
 canonical tensors, the tokenizer's rows, leave out. Where both sides pad to the same number of
 rows, the rows are read from the stored boxes whose place in the padded tensor is known
-(``formats.megatron.rank_state.padding_holders``) and compared.
+(``formats.megatron_common.rank_state.padding_holders``) and compared.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ckptctl.formats.megatron.rank_state import PaddingHolder, padding_holders
+from ckptctl.formats.megatron_common.rank_state import PaddingHolder, padding_holders
 from ckptctl.model.stored import Format
 from ckptctl.pipeline.probe import Checkpoint
 

@@ -12,7 +12,7 @@ import pytest
 from pydantic import ValidationError
 
 from ckptctl.errors import LayoutError
-from ckptctl.formats.megatron.args import args_from_spec, spec_from_args
+from ckptctl.formats.megatron_common.args import args_from_spec, spec_from_args
 from ckptctl.model.catalog import parameters
 from ckptctl.model.geometry import Split, shard_shape_and_pieces
 from ckptctl.model.layout import ModelSpec

@@ -18,7 +18,7 @@ import pytest
 
 from ckptctl import synth
 from ckptctl.checksums.manifest import INCOMPLETE, MANIFEST
-from ckptctl.formats.megatron.target import MEGATRON_RANK
+from ckptctl.formats.megatron_common.target import MEGATRON_RANK
 from ckptctl.model.plan import CopyOp, FileWrite, TensorWrite
 from planners.shares import parallel_seconds, share_bytes, split_files
 from tests.io import test_s3

@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
-from ckptctl.formats.megatron.layout import megatron_files
-from ckptctl.formats.megatron.target import MegatronTarget
+from ckptctl.formats.megatron_common.layout import megatron_files
+from ckptctl.formats.megatron_common.target import MegatronTarget
 from ckptctl.model.layout import ModelSpec, ParallelLayout
 from ckptctl.model.megatron_style import MegatronStyle, OptimizerLayout
 from ckptctl.model.plan import Plan, coverage_problems
@@ -31,7 +31,7 @@ MOE = ModelSpec.model_validate(
 SOURCE = ParallelLayout(pp=2, dp=4, ep=4)
 TARGET = ParallelLayout(pp=2, dp=2, ep=2)
 """(Every stage keeps a MoE layer: a stage of the dense layer alone is refused with optimizer
-state, ``formats.megatron.target.refuse_stages_without_experts``.)"""
+state, ``formats.megatron_common.target.refuse_stages_without_experts``.)"""
 OPT = OptimizerLayout()
 
 

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from ckptctl import synth
 from ckptctl.errors import CheckpointError, LayoutError
-from ckptctl.formats.megatron.layout import megatron_files
-from ckptctl.formats.megatron.target import MegatronTarget
+from ckptctl.formats.megatron_common.layout import megatron_files
+from ckptctl.formats.megatron_common.target import MegatronTarget
 from ckptctl.model.layout import ModelSpec, ParallelLayout
 from ckptctl.model.megatron_style import MegatronStyle, OptimizerLayout
 from ckptctl.model.plan import COPY, Estimates, coverage_problems

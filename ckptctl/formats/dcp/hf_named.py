@@ -11,18 +11,18 @@ GPT-OSS's packed experts, which transformers holds as its hub checkpoints store 
 from __future__ import annotations
 
 from ckptctl.errors import CheckpointError
-from ckptctl.formats.dcp.files import files_of
-from ckptctl.formats.dcp.hf_layout import (
+from ckptctl.formats.dcp.hf_passthrough import tied_copies
+from ckptctl.formats.dcp_container.files import files_of
+from ckptctl.formats.dcp_container.metadata import DcpMetadata, StorageInfo, TensorEntry
+from ckptctl.model.geometry import chunk_pieces
+from ckptctl.model.hf_families import choose_family
+from ckptctl.model.hf_state_dict import (
     block_chunk,
     block_table,
     key_table,
     packed_chunk,
     packed_table,
 )
-from ckptctl.formats.dcp.hf_passthrough import tied_copies
-from ckptctl.formats.dcp.metadata import DcpMetadata, StorageInfo, TensorEntry
-from ckptctl.model.geometry import chunk_pieces
-from ckptctl.model.hf_families import choose_family
 from ckptctl.model.layout import ModelSpec, ParallelLayout
 from ckptctl.model.stored import CheckpointView, Format, KeyPath, StoredTensor
 

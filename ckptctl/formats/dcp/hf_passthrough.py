@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ckptctl.formats.dcp.files import chunks_placed, join
-from ckptctl.formats.dcp.metadata import DcpMetadata, StorageInfo, TensorEntry
+from ckptctl.formats.dcp_container.files import chunks_placed, join
+from ckptctl.formats.dcp_container.metadata import DcpMetadata, StorageInfo, TensorEntry
 from ckptctl.model.catalog import state_name
 from ckptctl.model.hf_named import HfNamedModel
 from ckptctl.model.stored import Replica, StoredTensor

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ckptctl.formats.dcp.files import chunks_placed, files_of
-from ckptctl.formats.dcp.metadata import DcpMetadata, StorageInfo, TensorEntry
+from ckptctl.formats.dcp_container.files import chunks_placed, files_of
+from ckptctl.formats.dcp_container.metadata import DcpMetadata, StorageInfo, TensorEntry
 from ckptctl.model.lora import PREFIX
 from ckptctl.model.peft_wrapped import EmbeddedLora, PeftNames, split
 from ckptctl.model.stored import StoredTensor

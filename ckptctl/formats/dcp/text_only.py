@@ -12,7 +12,7 @@ from dataclasses import replace
 from typing import Any
 
 from ckptctl.errors import UsageError
-from ckptctl.formats.dcp.metadata import DcpMetadata, TensorEntry
+from ckptctl.formats.dcp_container.metadata import DcpMetadata, TensorEntry
 from ckptctl.model.hf_text_backbone import LAYOUTS, text_backbone
 
 EMBEDDING = "embed_tokens.weight"

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
-from typing import Any
 
 from ckptctl.model.catalog import state_name
 from ckptctl.model.geometry import Piece, Shape, whole
@@ -34,8 +33,6 @@ from ckptctl.model.rotary_rows import RotaryRows
 
 ANCHOR = "tok_embeddings.weight"
 OPTIMIZER_PREFIX = "optimizer.state."
-TITAN_GROUPS = "optimizer.param_groups."
-"""Where each parameter's optimizer options sit: ``<this><parameter>.<option>``."""
 STATES = ("exp_avg", "exp_avg_sq", "step")
 
 _RENAMES = {
@@ -160,20 +157,6 @@ def unsupported(spec: ModelSpec) -> str | None:
         if value:
             return field
     return None
-
-
-def titan_groups(items: dict[str, Any]) -> list[dict[str, Any]]:
-    """torch's parameter groups from torchtitan's flattened ones (every parameter's options,
-    keyed ``optimizer.param_groups.<parameter>.<option>``): each distinct set of options."""
-    by_param: dict[str, dict[str, Any]] = {}
-    for key, value in items.items():
-        param, _, option = key[len(TITAN_GROUPS) :].rpartition(".")
-        by_param.setdefault(param, {})[option] = value
-    groups: list[dict[str, Any]] = []
-    for options in by_param.values():
-        if options not in groups:
-            groups.append(options)
-    return groups
 
 
 def titan_entries(spec: ModelSpec) -> list[Entry]:

@@ -13,8 +13,6 @@ from math import prod
 from typing import Any
 
 from ckptctl.errors import CheckpointError, LayoutError
-from ckptctl.formats.dcp.files import files_of, join
-from ckptctl.formats.dcp.metadata import DcpMetadata, StorageInfo, TensorEntry
 from ckptctl.formats.dcp.titan_layout import (
     ANCHOR,
     EXPERT_BIAS,
@@ -25,14 +23,14 @@ from ckptctl.formats.dcp.titan_layout import (
     titan_entries,
     unsupported,
 )
+from ckptctl.formats.dcp_container.checkpoint import RowOrders
+from ckptctl.formats.dcp_container.files import files_of, join
+from ckptctl.formats.dcp_container.metadata import DcpMetadata, StorageInfo, TensorEntry
 from ckptctl.model.geometry import Piece, chunk_pieces
 from ckptctl.model.hf_families import choose_family
 from ckptctl.model.layout import ModelSpec, ParallelLayout
-from ckptctl.model.rotary_rows import RotaryRows, hf_runs
+from ckptctl.model.rotary_rows import hf_runs
 from ckptctl.model.stored import CheckpointView, Format, KeyPath, Replica, Shape, StoredTensor
-
-RowOrders = dict[KeyPath, tuple[RotaryRows, int, int]]
-"""Chunks read through a row map: ``(order, first stored row, rows)`` by key."""
 
 
 @dataclass

@@ -5,14 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 from ckptctl.formats.base import CheckpointFormat, ProbeRequest, lazy
-from ckptctl.formats.megatron.layout import TRACKER
-from ckptctl.formats.megatron.target import DISTRIBUTED_OPTIMIZER, MEGATRON_RANK, MegatronTarget
+from ckptctl.formats.megatron_common.iterations import recognised
+from ckptctl.formats.megatron_common.target import (
+    DISTRIBUTED_OPTIMIZER,
+    MEGATRON_RANK,
+    MegatronTarget,
+)
 from ckptctl.formats.support import FormatSupport
 from ckptctl.io.storage import Storage
-
-
-def recognised(names: frozenset[str]) -> bool:
-    return TRACKER in names or any(n.startswith(("mp_rank_", "iter_", "release")) for n in names)
 
 
 def _probe(storage: Storage, names: frozenset[str], request: ProbeRequest) -> Any:

@@ -9,8 +9,8 @@ from dataclasses import replace
 from typing import Any
 
 from ckptctl.errors import CheckpointError
-from ckptctl.formats.megatron.args import grad_reduce_dtype
-from ckptctl.formats.megatron.layout import (
+from ckptctl.formats.megatron_common.args import grad_reduce_dtype
+from ckptctl.formats.megatron_common.layout import (
     group_kinds,
     param_groups,
     rank_params,

@@ -8,36 +8,34 @@ or unexpected is reported with the file that holds it.
 from __future__ import annotations
 
 import argparse
-import re
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError, LayoutError
 from ckptctl.formats.base import SavedTraining
-from ckptctl.formats.megatron.args import (
-    check_saved_layout,
-    checked_iteration,
-    eod_row_note,
-    layout_from_args,
-    spec_from_args,
-)
-from ckptctl.formats.megatron.layout import (
-    DISTOPT_FILE,
-    MTP_LEGACY_INNER,
-    RANK_FILE,
-    TRACKER,
-    iteration_dir,
-    megatron_files,
-)
 from ckptctl.formats.megatron.optimizer_groups import (
     carried_state,
     match_groups,
     optimizer_layout,
     optimizer_step,
 )
-from ckptctl.formats.megatron.ranks import saving_ranks
-from ckptctl.formats.megatron.target_style import style_for_args
 from ckptctl.formats.megatron.tp_replicas import tp_replicas
+from ckptctl.formats.megatron_common.args import (
+    check_saved_layout,
+    checked_iteration,
+    eod_row_note,
+    layout_from_args,
+    spec_from_args,
+)
+from ckptctl.formats.megatron_common.iterations import find_iteration
+from ckptctl.formats.megatron_common.layout import (
+    DISTOPT_FILE,
+    MTP_LEGACY_INNER,
+    RANK_FILE,
+    megatron_files,
+)
+from ckptctl.formats.megatron_common.ranks import saving_ranks
+from ckptctl.formats.megatron_common.target_style import style_for_args
 from ckptctl.formats.torchsave.archive import TensorRef
 from ckptctl.formats.torchsave.refs import TorchFiles, open_torch_file, resolve
 from ckptctl.io.storage import Storage
@@ -61,7 +59,6 @@ from ckptctl.model.stored import CheckpointView, Format, StoredFile
 if TYPE_CHECKING:
     import numpy as np
 
-_ITER_DIR = re.compile(r"^(iter_\d{7}|release)$")
 _EXTRA_STATE = "._extra_state"
 
 
@@ -106,46 +103,6 @@ class MegatronCheckpoint(TorchFiles):
 def _state_dict(value: Any) -> bool:
     """A model entry as Megatron saves it: tensor (or extra state) by parameter name."""
     return isinstance(value, dict) and all(isinstance(k, str) for k in value)
-
-
-def find_iteration(storage: Storage, iteration: int | None) -> tuple[str, int | None]:
-    """The iteration directory (relative) and number the user means."""
-    if iteration is not None:
-        rel = iteration_dir(iteration)
-        if not storage.isdir(rel):
-            raise CheckpointNotFoundError(f"{storage.describe(rel)}: no such iteration directory")
-        return rel, iteration
-    if storage.exists(TRACKER):
-        text = storage.read_text(TRACKER, limit=1 << 10).strip()
-        if text == "release":
-            number = None
-        elif text.isdigit() and len(text) <= 18:
-            number = int(text)
-        else:
-            raise CheckpointError(
-                f"{storage.describe(TRACKER)}: expected an iteration number or 'release', "
-                f"found {text[:40]!r}"
-            )
-        rel = iteration_dir(number)
-        if not storage.isdir(rel):
-            raise CheckpointNotFoundError(
-                f"{storage.describe(TRACKER)} names iteration {text} but {rel}/ is missing; "
-                "pass --iteration to pick another"
-            )
-        return rel, number
-    if any(name.startswith("mp_rank_") for name in storage.listdir("")):
-        name = storage.url.rstrip("/").rsplit("/", 1)[-1]
-        number = int(name[5:]) if name.startswith("iter_") and name[5:].isdigit() else None
-        return "", number
-    iters = [n for n in storage.listdir("") if _ITER_DIR.match(n)]
-    raise CheckpointNotFoundError(
-        f"{storage.url}: no {TRACKER}"
-        + (
-            f"; found {', '.join(iters)}: pass --iteration"
-            if iters
-            else "; not a Megatron checkpoint"
-        )
-    )
 
 
 def _layer_order(models: list[dict[str, Any]], mla: bool) -> tuple[str, ...]:

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ckptctl.formats.megatron.layout import ExpertNaming, distopt_file, rank_params
-from ckptctl.formats.megatron.ranks import RankCoords, coords
+from ckptctl.formats.megatron_common.layout import ExpertNaming, distopt_file, rank_params
+from ckptctl.formats.megatron_common.ranks import RankCoords, coords
 from ckptctl.model.catalog import Naming
 from ckptctl.model.geometry import shard_shape_and_pieces
 from ckptctl.model.layout import ModelSpec, ParallelLayout

@@ -9,12 +9,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptctl.errors import CheckpointError
-from ckptctl.formats.base import SavedTraining
-from ckptctl.formats.dcp.reader import DcpCheckpoint, templates_of
-from ckptctl.formats.megatron.args import grad_reduce_dtype
-from ckptctl.formats.megatron.distopt_layout import is_bucket_key
-from ckptctl.formats.megatron.target_style import style_for_args
-from ckptctl.formats.torch_dist.layout import dense_optimizer
+from ckptctl.formats.base import SavedTraining, templates_of
+from ckptctl.formats.dcp_container.checkpoint import DcpCheckpoint
+from ckptctl.formats.megatron_common.args import grad_reduce_dtype
+from ckptctl.formats.megatron_common.distopt_layout import is_bucket_key
+from ckptctl.formats.megatron_common.sharded_keys import dense_optimizer
+from ckptctl.formats.megatron_common.target_style import style_for_args
 from ckptctl.formats.torch_dist.model_space import is_model_space_key
 from ckptctl.formats.torchsave.archive import TensorRef
 from ckptctl.model.megatron_style import GroupOrder, MegatronStyle, OptimizerLayout

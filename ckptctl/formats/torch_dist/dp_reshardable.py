@@ -22,8 +22,8 @@ import re
 from math import prod
 
 from ckptctl.errors import CheckpointError
-from ckptctl.formats.dcp.metadata import TensorEntry
-from ckptctl.formats.megatron.layout import ExpertNaming
+from ckptctl.formats.dcp_container.metadata import TensorEntry
+from ckptctl.formats.megatron_common.layout import ExpertNaming
 from ckptctl.formats.torch_dist.bucket_replay import replay
 from ckptctl.model.catalog import Naming
 from ckptctl.model.geometry import Shape, chunk_pieces, padding_origin

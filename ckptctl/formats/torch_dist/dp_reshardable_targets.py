@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from math import lcm, prod
 
 from ckptctl.errors import LayoutError
-from ckptctl.formats.megatron.layout import ExpertNaming
+from ckptctl.formats.megatron_common.layout import ExpertNaming
 from ckptctl.formats.torch_dist.bucket_replay import replay
 from ckptctl.formats.torch_dist.dp_reshardable import flat_boxes, parse
 from ckptctl.model.catalog import Naming

@@ -3,7 +3,7 @@ their parameters in ``torch_dist`` checkpoints, keyed as the layers are. Pure.""
 
 from __future__ import annotations
 
-from ckptctl.formats.torch_dist.layout import EXPERTS_KEY, numbered_layers
+from ckptctl.formats.megatron_common.sharded_keys import EXPERTS_KEY, numbered_layers
 from ckptctl.model.catalog import LAYER_PREFIX, MTP_INNER, MTP_PREFIX, layer_kind, layer_kinds
 from ckptctl.model.layout import ModelSpec
 

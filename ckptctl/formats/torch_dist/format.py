@@ -1,12 +1,14 @@
 """Megatron-Core's ``torch_dist`` format's registry entry: DCP files in a Megatron iteration
-directory, with ``metadata.json`` naming the backend and ``common.pt`` holding ``args``."""
+directory, with ``metadata.json`` naming the backend and ``common.pt`` holding ``args`` (or
+files beside it describing the run: Megatron-Bridge's ``run_config.yaml``, verl's Megatron
+actor's ``huggingface/`` and ``transformer_config.json``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from ckptctl.formats.base import CheckpointFormat, ProbeRequest, lazy
-from ckptctl.formats.dcp.format import description_files, record_checksums
+from ckptctl.formats.dcp_container.checksums import description_files, record_checksums
 from ckptctl.formats.support import FormatSupport
 from ckptctl.formats.torch_dist.target import DCP_SHARD, TorchDistTarget
 from ckptctl.io.storage import Storage
@@ -15,10 +17,13 @@ from ckptctl.io.storage import Storage
 def _probe(storage: Storage, names: frozenset[str], request: ProbeRequest) -> Any:
     if request.file is not None:
         return None
-    from ckptctl.formats.dcp.files import locate
-    from ckptctl.formats.dcp.reader import mcore_backend
+    from ckptctl.formats.dcp_container.files import locate
+    from ckptctl.formats.megatron_common.iterations import mcore_backend
+    from ckptctl.formats.torch_dist import verl_actor
     from ckptctl.formats.torch_dist.reader import probe_torch_dist
 
+    if verl_actor.recognised(names):
+        return verl_actor.probe_verl_actor(storage, request)
     found = locate(storage, names, request.iteration)
     if found is None or mcore_backend(storage, found[0]) != "torch_dist":
         return None

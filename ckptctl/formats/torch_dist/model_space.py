@@ -17,15 +17,15 @@ from __future__ import annotations
 from dataclasses import replace
 from math import prod
 
-from ckptctl.formats.megatron.distopt_layout import chained_prefix
-from ckptctl.formats.torch_dist.dp_reshardable import flat_boxes
-from ckptctl.formats.torch_dist.layout import (
+from ckptctl.formats.megatron_common.distopt_layout import chained_prefix
+from ckptctl.formats.megatron_common.sharded_keys import (
     ChunkPart,
     chunk_parts,
     model_catalog,
     record_geometry,
     split_key,
 )
+from ckptctl.formats.torch_dist.dp_reshardable import flat_boxes
 from ckptctl.model.catalog import Param
 from ckptctl.model.geometry import Shape, Split, chunk_pieces
 from ckptctl.model.layout import ModelSpec

@@ -5,7 +5,7 @@ source and for a plan's target, and the note a reshard gives when the two differ
 
 from __future__ import annotations
 
-from ckptctl.formats.megatron.distopt_layout import is_bucket_key
+from ckptctl.formats.megatron_common.distopt_layout import is_bucket_key
 from ckptctl.formats.torch_dist.model_space import is_model_space_key
 from ckptctl.model.plan import Plan
 from ckptctl.model.stored import CheckpointView, Format

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError, LayoutError
-from ckptctl.formats.dcp.files import files_of, join, read_metadata
-from ckptctl.formats.dcp.metadata import BytesEntry, DcpMetadata, StorageInfo, TensorEntry
-from ckptctl.formats.dcp.records import RecordWindow, open_record
-from ckptctl.formats.megatron.args import (
+from ckptctl.formats.dcp_container.files import files_of, join, read_metadata
+from ckptctl.formats.dcp_container.metadata import BytesEntry, DcpMetadata, StorageInfo, TensorEntry
+from ckptctl.formats.dcp_container.records import RecordWindow, open_record
+from ckptctl.formats.megatron_common.args import (
     check_saved_layout,
     checked_iteration,
     grad_reduce_dtype,
@@ -21,18 +21,18 @@ from ckptctl.formats.megatron.args import (
     naming_from_args,
     spec_from_args,
 )
-from ckptctl.formats.megatron.distopt_layout import DP_RESHARDABLE_PREFIX, is_bucket_key
-from ckptctl.formats.megatron.target_style import expert_naming_from_args
-from ckptctl.formats.torch_dist import dp_reshardable
-from ckptctl.formats.torch_dist.bridge_config import RUN_CONFIG, args_from_model, ddp_args, sections
-from ckptctl.formats.torch_dist.checkpoint import TorchDistCheckpoint
-from ckptctl.formats.torch_dist.layout import (
-    COMMON,
+from ckptctl.formats.megatron_common.distopt_layout import DP_RESHARDABLE_PREFIX, is_bucket_key
+from ckptctl.formats.megatron_common.iterations import COMMON
+from ckptctl.formats.megatron_common.sharded_keys import (
     chunk_parts,
     dense_optimizer,
     model_catalog,
     split_key,
 )
+from ckptctl.formats.megatron_common.target_style import expert_naming_from_args
+from ckptctl.formats.torch_dist import dp_reshardable
+from ckptctl.formats.torch_dist.bridge_config import RUN_CONFIG, args_from_model, ddp_args, sections
+from ckptctl.formats.torch_dist.checkpoint import TorchDistCheckpoint
 from ckptctl.formats.torch_dist.model_space import FORM, box_shape, flattened_parts
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
 from ckptctl.io.storage import Storage

@@ -4,22 +4,23 @@ optimizer's state as the source keeps it, or as ``--optim-sharding`` says. Pure.
 
 from __future__ import annotations
 
-from ckptctl.formats.megatron.layout import (
+from ckptctl.formats.megatron_common.iterations import MCORE_METADATA
+from ckptctl.formats.megatron_common.layout import (
     TRACKER,
     iteration_dir,
     tracker_text,
 )
-from ckptctl.formats.megatron.rank_state import carry_source_state
-from ckptctl.formats.megatron.target import (
+from ckptctl.formats.megatron_common.rank_state import carry_source_state
+from ckptctl.formats.megatron_common.sharded_keys import MCORE_METADATA_TEXT, torch_dist_files
+from ckptctl.formats.megatron_common.target import (
     megatron_notes,
     refuse_frozen,
     weight_dtype,
     writable,
 )
-from ckptctl.formats.megatron.target_style import target_optimizer
+from ckptctl.formats.megatron_common.target_style import target_optimizer
 from ckptctl.formats.target import RESHARD, TargetFormat
 from ckptctl.formats.torch_dist.dp_reshardable_targets import with_buckets
-from ckptctl.formats.torch_dist.layout import MCORE_METADATA, MCORE_METADATA_TEXT, torch_dist_files
 from ckptctl.formats.torch_dist.model_space import flattened_files
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.plan import FileWrite, TextWrite

@@ -17,7 +17,7 @@ from math import prod
 from typing import Any
 
 from ckptctl.formats.base import WriteJob, adam_step
-from ckptctl.formats.dcp.metadata import (
+from ckptctl.formats.dcp_container.metadata import (
     METADATA_FILE,
     BytesEntry,
     Chunk,
@@ -25,12 +25,17 @@ from ckptctl.formats.dcp.metadata import (
     StorageInfo,
     TensorEntry,
 )
-from ckptctl.formats.dcp.write import metadata_bytes, write_bytes_record, write_tensor_record
-from ckptctl.formats.megatron.distopt_layout import is_bucket_key
-from ckptctl.formats.megatron.writer import group_template, training_state
+from ckptctl.formats.dcp_container.write import (
+    metadata_bytes,
+    write_bytes_record,
+    write_tensor_record,
+)
+from ckptctl.formats.megatron_common.distopt_layout import is_bucket_key
+from ckptctl.formats.megatron_common.iterations import COMMON
+from ckptctl.formats.megatron_common.sharded_keys import model_catalog, record_geometry, split_key
+from ckptctl.formats.megatron_common.training_state import group_template, training_state
 from ckptctl.formats.torch_dist.dp_reshardable_targets import bucket_groups
 from ckptctl.formats.torch_dist.extra_state import extra_state_keys, mtp_extra_state_keys
-from ckptctl.formats.torch_dist.layout import COMMON, model_catalog, record_geometry, split_key
 from ckptctl.formats.torch_dist.model_space import is_model_space_key
 from ckptctl.formats.torchsave.zip_writer import TensorSlot, write_torch_zip
 from ckptctl.io.byte_streams import ByteStream

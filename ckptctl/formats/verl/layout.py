@@ -17,9 +17,8 @@ OPTIM = re.compile(r"optim_world_size_(\d+)_rank_(\d+)\.pt")
 EXTRA = re.compile(r"extra_state_world_size_(\d+)_rank_(\d+)\.pt")
 FSDP_CONFIG = "fsdp_config.json"
 DIST_CKPT = "dist_ckpt"
-"""A Megatron actor's ``torch_dist`` directory (``MegatronCheckpointManager``)."""
-TRANSFORMER_CONFIG = "transformer_config.json"
-"""The Megatron actor's ``asdict(TransformerConfig)``, beside ``dist_ckpt``."""
+"""A Megatron actor's ``torch_dist`` directory (``MegatronCheckpointManager``; the
+``torch_dist`` format reads it)."""
 HF_DIR = "huggingface"
 ADAPTER_DIR = "adapter_checkpoint"
 """A Megatron actor trained with LoRA: Megatron-Bridge's adapter, per rank (the base is not
@@ -41,7 +40,8 @@ def recognised(names: frozenset[str]) -> bool:
 
 
 def megatron_actor(names: frozenset[str]) -> bool:
-    """A Megatron actor's directory: ``dist_ckpt/`` with ``huggingface/`` beside it."""
+    """A Megatron actor's directory: ``dist_ckpt/`` with ``huggingface/`` beside it (read by
+    the ``torch_dist`` format, ``torch_dist.verl_actor``; here only its refusals)."""
     return DIST_CKPT in names and HF_DIR in names
 
 

@@ -94,11 +94,6 @@ def probe_verl(storage: Storage, names: frozenset[str], request: ProbeRequest) -
             hint=f"merge it into the model it was trained from: ckptctl merge-lora BASE "
             f"{storage.url} DST --lora-alpha A (or --adapter-only for a PEFT adapter)",
         )
-    if megatron_actor(names) and not any(MODEL.fullmatch(n) for n in names):
-        from ckptctl.formats.verl.megatron import probe_verl_megatron
-
-        config, _ = _config(storage, request)
-        return probe_verl_megatron(storage, config, request)
     world = world_size(names, storage.url)
     _check_fsdp_config(storage, world)
     config, generation = _config(storage, request)

@@ -20,8 +20,8 @@ from torch.distributed.checkpoint import planner as tplanner
 
 from ckptctl.arrays import from_torch, raw_bytes, to_torch
 from ckptctl.errors import CheckpointError, UnsafePickleError
-from ckptctl.formats.dcp.checks import check_metadata, metadata_problems
-from ckptctl.formats.dcp.metadata import (
+from ckptctl.formats.dcp_container.checks import check_metadata, metadata_problems
+from ckptctl.formats.dcp_container.metadata import (
     DCP_VERSION,
     DTYPE_NAMES,
     METADATA_FILE,
@@ -32,9 +32,13 @@ from ckptctl.formats.dcp.metadata import (
     StorageInfo,
     TensorEntry,
 )
-from ckptctl.formats.dcp.parse import parse_metadata
-from ckptctl.formats.dcp.records import RecordWindow, open_tensor_record
-from ckptctl.formats.dcp.write import metadata_bytes, write_bytes_record, write_tensor_record
+from ckptctl.formats.dcp_container.parse import parse_metadata
+from ckptctl.formats.dcp_container.records import RecordWindow, open_tensor_record
+from ckptctl.formats.dcp_container.write import (
+    metadata_bytes,
+    write_bytes_record,
+    write_tensor_record,
+)
 from ckptctl.formats.torchsave.archive import TorchZipReader
 from ckptctl.formats.torchsave.zip_writer import TensorSlot
 
@@ -532,7 +536,7 @@ def test_dtype_names_are_torch_dtypes_as_pickled() -> None:
 
 def test_reading_metadata_imports_no_torch() -> None:
     code = (
-        "import sys, ckptctl.formats.dcp.metadata as m; "
+        "import sys, ckptctl.formats.dcp_container.metadata as m; "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

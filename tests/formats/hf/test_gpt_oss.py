@@ -250,10 +250,10 @@ def test_a_packed_chunk_cut_inside_an_experts_block_is_not_placed(tmp_path: Path
     """DCP / verl chunks of a packed expert tensor are placed expert by expert only when they
     hold whole experts (FSDP cuts dim 0); a chunk cut inside one (fewer experts than ranks) is
     not placed, never placed wrong: the DCP view names it, the named placement leaves it."""
-    from ckptctl.formats.dcp.hf_layout import block_chunk, block_table
     from ckptctl.formats.named import _block_views
     from ckptctl.model.geometry import Piece
     from ckptctl.model.hf_config import spec_from_config
+    from ckptctl.model.hf_state_dict import block_chunk, block_table
     from ckptctl.model.stored import StoredTensor
 
     src = tmp_path / "hf"

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from ckptctl.errors import LayoutError
-from ckptctl.formats.megatron import args_fields, release_args
-from ckptctl.formats.megatron.args import check_fields
+from ckptctl.formats.megatron_common import args_fields, release_args
+from ckptctl.formats.megatron_common.args import check_fields
 from ckptctl.formats.torchsave.unpickle import Stub, restricted_loads
 from ckptctl.model.dtypes import DTYPES
 
@@ -186,7 +186,7 @@ def test_a_null_tokenizer_runs_end_of_document_row_is_pointed_out_where_it_may_b
     """Megatron-LM's legacy NullTokenizer ends documents with token ``vocab_size`` (a row
     ckptctl takes for padding, which an HF output leaves out); megatron-core's tokenizer
     library, whose releases record ``null_tokenizer_eod_id``, keeps it inside the vocabulary."""
-    from ckptctl.formats.megatron.args import eod_row_note, spec_from_args
+    from ckptctl.formats.megatron_common.args import eod_row_note, spec_from_args
 
     legacy = _null_tokenizer_run(legacy_tokenizer=True)
     note = eod_row_note(legacy, spec_from_args(legacy), 1)

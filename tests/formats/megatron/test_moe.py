@@ -162,7 +162,7 @@ def test_rank_coordinates_are_megatron_cores(tp: int, dp: int, pp: int, ep: int,
     """Which file a rank writes depends on where it sits in the dense and the expert groups:
     megatron-core's own RankGenerator (the one its parallel_state builds) is the judge."""
     state = pytest.importorskip("megatron.core.parallel_state")
-    from ckptctl.formats.megatron.ranks import coords
+    from ckptctl.formats.megatron_common.ranks import coords
     from ckptctl.model.layout import ParallelLayout
 
     layout = ParallelLayout(tp=tp, dp=dp, pp=pp, ep=ep, etp=etp)

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from ckptctl.errors import CheckpointError, LayoutError
-from ckptctl.formats.megatron.args import spec_from_args
+from ckptctl.formats.megatron_common.args import spec_from_args
 from ckptctl.formats.torch_dist.bridge_config import (
     args_from_model,
     ddp_args,

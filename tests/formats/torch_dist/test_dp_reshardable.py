@@ -14,12 +14,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ckptctl.errors import CheckpointError
-from ckptctl.formats.dcp.metadata import Chunk, TensorEntry
-from ckptctl.formats.megatron.distopt_layout import is_bucket_key
-from ckptctl.formats.megatron.layout import ExpertNaming
+from ckptctl.formats.dcp_container.metadata import Chunk, TensorEntry
+from ckptctl.formats.megatron_common.distopt_layout import is_bucket_key
+from ckptctl.formats.megatron_common.layout import ExpertNaming
+from ckptctl.formats.megatron_common.sharded_keys import torch_dist_files
 from ckptctl.formats.torch_dist import dp_reshardable
 from ckptctl.formats.torch_dist.dp_reshardable_targets import with_buckets
-from ckptctl.formats.torch_dist.layout import torch_dist_files
 from ckptctl.model.catalog import Naming
 from ckptctl.model.layout import ModelSpec, ParallelLayout
 from ckptctl.model.megatron_style import OptimizerLayout

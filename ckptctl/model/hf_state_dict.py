@@ -1,4 +1,5 @@
-"""DCP checkpoints of HF Llama models (FSDP2 / DTensor training of ``LlamaForCausalLM``). Pure.
+"""HF-named torch state dicts (FSDP2's DCP saves, verl's and accelerate's rank files) as boxes of
+the canonical tensors. Pure.
 
 Their keys are HF parameter names under whatever prefix the saver's state dict had
 (``model.model.layers.0.self_attn.q_proj.weight`` for ``{"model": model_state_dict}``), and the

@@ -16,7 +16,7 @@ from typing import Any
 
 from ckptctl.checksums.record_checks import RecordChecks
 from ckptctl.errors import CheckpointError
-from ckptctl.formats.dcp.metadata import StorageInfo
+from ckptctl.formats.dcp_container.metadata import StorageInfo
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
 from ckptctl.io.byte_streams import ByteStream
 from ckptctl.io.byteview import ByteView

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from ckptctl.formats.megatron.args import naming_from_args
+from ckptctl.formats.megatron_common.args import naming_from_args
 from ckptctl.model.catalog import ExpertNaming
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.megatron_style import GroupOrder, MegatronStyle, OptimizerLayout

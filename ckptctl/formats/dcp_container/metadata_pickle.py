@@ -17,7 +17,7 @@ import copyreg
 import io
 from typing import Any
 
-from ckptctl.formats.dcp.metadata import BytesEntry, DcpMetadata, TensorEntry
+from ckptctl.formats.dcp_container.metadata import BytesEntry, DcpMetadata, TensorEntry
 from ckptctl.formats.torchsave.unpickle import Stub
 from ckptctl.formats.torchsave.zip_writer import _Pickler
 from ckptctl.model.dtypes import DTYPES

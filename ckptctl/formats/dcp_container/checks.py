@@ -6,7 +6,7 @@ from __future__ import annotations
 from math import prod
 
 from ckptctl.errors import CheckpointError
-from ckptctl.formats.dcp.metadata import (
+from ckptctl.formats.dcp_container.metadata import (
     SUPPORTED_TRANSFORMS,
     Chunk,
     DcpMetadata,

@@ -5,14 +5,14 @@ Also what every Megatron-family target (legacy and ``torch_dist``) says and refu
 from __future__ import annotations
 
 from ckptctl.errors import UsageError
-from ckptctl.formats.megatron.layout import (
+from ckptctl.formats.megatron_common.layout import (
     TRACKER,
     megatron_files,
     tracker_text,
 )
-from ckptctl.formats.megatron.mla_args import mla_args
-from ckptctl.formats.megatron.rank_state import carry_source_state, same_rank_grid
-from ckptctl.formats.megatron.target_style import target_optimizer
+from ckptctl.formats.megatron_common.mla_args import mla_args
+from ckptctl.formats.megatron_common.rank_state import carry_source_state, same_rank_grid
+from ckptctl.formats.megatron_common.target_style import target_optimizer
 from ckptctl.formats.target import CONSOLIDATE, RESHARD, TargetFormat, known_model
 from ckptctl.model.catalog import is_state
 from ckptctl.model.layout import ModelSpec, ParallelLayout

@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import replace
 from math import prod
 
-from ckptctl.formats.megatron.distopt_layout import is_bucket_key
+from ckptctl.formats.megatron_common.distopt_layout import is_bucket_key
 from ckptctl.model.catalog import parameters
 from ckptctl.model.geometry import Shape, Split, nbytes
 from ckptctl.model.layout import ModelSpec, ParallelLayout

@@ -7,12 +7,16 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError
-from ckptctl.formats.dcp.checks import check_metadata
-from ckptctl.formats.dcp.metadata import METADATA_FILE, DcpMetadata, StorageInfo, TensorEntry
-from ckptctl.formats.dcp.parse import parse_metadata
-from ckptctl.formats.megatron.format import recognised
-from ckptctl.formats.megatron.layout import TRACKER
-from ckptctl.formats.megatron.reader import find_iteration
+from ckptctl.formats.dcp_container.checks import check_metadata
+from ckptctl.formats.dcp_container.metadata import (
+    METADATA_FILE,
+    DcpMetadata,
+    StorageInfo,
+    TensorEntry,
+)
+from ckptctl.formats.dcp_container.parse import parse_metadata
+from ckptctl.formats.megatron_common.iterations import find_iteration, recognised
+from ckptctl.formats.megatron_common.layout import TRACKER
 from ckptctl.io.storage import Storage
 from ckptctl.model.geometry import Piece
 from ckptctl.model.stored import KeyPath, StoredFile, StoredTensor

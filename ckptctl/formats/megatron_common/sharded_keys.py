@@ -17,8 +17,8 @@ from functools import lru_cache
 from math import prod
 from typing import Any
 
-from ckptctl.formats.megatron.distopt_layout import CHAINED
-from ckptctl.formats.megatron.layout import RankParam, rank_params
+from ckptctl.formats.megatron_common.distopt_layout import CHAINED
+from ckptctl.formats.megatron_common.layout import RankParam, rank_params
 from ckptctl.model.catalog import (
     EXPERTS,
     LAYER_PREFIX,
@@ -398,7 +398,6 @@ def _leading(param: Param, spec: ModelSpec) -> tuple[int, ...]:
     return layers if param.expert is None else (*layers, param.expert)
 
 
-MCORE_METADATA = "metadata.json"
 MCORE_METADATA_TEXT = json.dumps(
     {
         "sharded_backend": "torch_dist",
@@ -407,7 +406,6 @@ MCORE_METADATA_TEXT = json.dumps(
         "common_backend_version": 1,
     }
 )
-COMMON = "common.pt"
 
 
 def torch_dist_files(

@@ -16,12 +16,12 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from ckptctl.errors import CheckpointError
-from ckptctl.formats.dcp.checks import metadata_problems
-from ckptctl.formats.dcp.metadata import (
+from ckptctl.formats.dcp_container.checks import metadata_problems
+from ckptctl.formats.dcp_container.metadata import (
     DcpMetadata,
     StorageInfo,
 )
-from ckptctl.formats.dcp.metadata_pickle import metadata_pickle
+from ckptctl.formats.dcp_container.metadata_pickle import metadata_pickle
 from ckptctl.formats.torchsave.zip_writer import TensorSlot, write_torch_zip
 from ckptctl.io.byte_streams import ByteStream
 from ckptctl.io.runs import Run

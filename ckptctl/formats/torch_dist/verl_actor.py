@@ -6,24 +6,56 @@ built the model from ``huggingface/config.json`` (saved beside it) and records t
 config (strictly, as any HF config), the config's vocabulary unpadded (verl pads none), the
 saved parallel sizes from ``transformer_config.json``, whose model fields must agree with the
 HF config (a config that is not the run's is refused by name); then ``dist_ckpt/`` is read as
-any ``torch_dist`` checkpoint."""
+any ``torch_dist`` checkpoint.
+
+The ``verl`` format reads verl's FSDP checkpoints and refuses its Megatron layouts ckptctl does
+not read; this one is megatron-core's ``torch_dist`` described by verl's files, as Megatron-Bridge's
+runs are by their ``run_config.yaml`` (``bridge_config``), so it is read here."""
 
 from __future__ import annotations
 
 import argparse
 import math
+import re
 from typing import Any
 
 from ckptctl import json_input
 from ckptctl.errors import CheckpointError, LayoutError
 from ckptctl.formats.base import ProbeRequest
-from ckptctl.formats.megatron.args import args_for, args_from_spec
+from ckptctl.formats.megatron_common.args import args_for, args_from_spec
 from ckptctl.formats.torch_dist.reader import Described, probe_torch_dist
-from ckptctl.formats.verl.layout import DIST_CKPT, TRANSFORMER_CONFIG, step_of
 from ckptctl.io.storage import Storage
 from ckptctl.model.hf_config import spec_from_config
+from ckptctl.model.hf_layout import CONFIG
 from ckptctl.model.layout import ModelSpec, ParallelLayout
 from ckptctl.model.windows import from_megatron
+
+DIST_CKPT = "dist_ckpt"
+"""The actor's ``torch_dist`` directory (verl's ``MegatronCheckpointManager``)."""
+TRANSFORMER_CONFIG = "transformer_config.json"
+"""The actor's ``asdict(TransformerConfig)``, beside ``dist_ckpt``."""
+HF_DIR = "huggingface"
+"""The model's ``config.json`` (and tokenizer), beside ``dist_ckpt``."""
+_ADAPTER_DIR = "adapter_checkpoint"
+_STEP = re.compile(r"global_step_(\d+)")
+
+
+def recognised(names: frozenset[str]) -> bool:
+    """A Megatron actor's directory: ``dist_ckpt/`` with ``huggingface/`` beside it, holding the
+    model (a LoRA run's ``adapter_checkpoint/``, and FSDP rank files, are the ``verl``
+    format's to read or refuse)."""
+    return (
+        DIST_CKPT in names
+        and HF_DIR in names
+        and _ADAPTER_DIR not in names
+        and not any(n.startswith("model_world_size_") for n in names)
+    )
+
+
+def step_of(url: str) -> int | None:
+    """The training step a ``global_step_N`` directory in the path names."""
+    found = _STEP.findall(url)
+    return int(found[-1]) if found else None
 
 
 def _model_fields(spec: ModelSpec) -> dict[str, Any]:
@@ -134,7 +166,20 @@ def described(storage: Storage, config: dict[str, Any], request: ProbeRequest) -
     return Described(args, step_of(storage.url), tuple(notes))
 
 
-def probe_verl_megatron(storage: Storage, config: dict[str, Any], request: ProbeRequest) -> Any:
+def _config(storage: Storage, request: ProbeRequest) -> dict[str, Any]:
+    if request.hf_config is not None:
+        return dict(request.hf_config)
+    rel = f"{HF_DIR}/{CONFIG}"
+    if not storage.exists(rel):
+        raise CheckpointError(
+            f"{storage.describe(rel)}: missing; verl saves the model's config there",
+            hint="give the model's config.json with --hf-config",
+        )
+    return json_input.parse_object(storage.read_text(rel), storage.describe(rel))
+
+
+def probe_verl_actor(storage: Storage, request: ProbeRequest) -> Any:
+    config = _config(storage, request)
     return probe_torch_dist(
         storage,
         DIST_CKPT,

@@ -23,7 +23,7 @@ from pathlib import PurePosixPath, PureWindowsPath
 from typing import Any, ClassVar, TypeGuard
 
 from ckptctl.errors import CheckpointError, UnsafePickleError
-from ckptctl.formats.dcp.metadata import (
+from ckptctl.formats.dcp_container.metadata import (
     DTYPE_NAMES,
     BytesEntry,
     Chunk,

@@ -9,8 +9,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptctl.errors import CheckpointError, LayoutError
-from ckptctl.formats.megatron import gemma_args, linear_args, release_args
-from ckptctl.formats.megatron.args_fields import (
+from ckptctl.formats.megatron_common import gemma_args, linear_args, release_args
+from ckptctl.formats.megatron_common.args_fields import (
     HARMLESS,
     MAPPED,
     MLA_FIELDS,
@@ -26,14 +26,14 @@ from ckptctl.formats.megatron.args_fields import (
     RELATED_VALUES,
     VARIANT_FIELDS,
 )
-from ckptctl.formats.megatron.mla_args import (
+from ckptctl.formats.megatron_common.mla_args import (
     MLA_HARMLESS,
     MLA_MAPPED,
     MLA_PLAIN_VALUES,
     mla_args,
     mla_spec,
 )
-from ckptctl.formats.megatron.moe_args import moe_args, moe_spec
+from ckptctl.formats.megatron_common.moe_args import moe_args, moe_spec
 from ckptctl.model.catalog import Naming
 from ckptctl.model.fields import refuse_fields
 from ckptctl.model.layout import (

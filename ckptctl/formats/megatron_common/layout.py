@@ -12,8 +12,8 @@ from functools import lru_cache
 from math import prod
 
 from ckptctl.errors import LayoutError
-from ckptctl.formats.megatron.distopt_layout import replay_buffer
-from ckptctl.formats.megatron.ranks import RankCoords, saving_ranks
+from ckptctl.formats.megatron_common.distopt_layout import replay_buffer
+from ckptctl.formats.megatron_common.ranks import RankCoords, saving_ranks
 from ckptctl.model.catalog import (
     EXPERTS,
     LAYER_PREFIX,
