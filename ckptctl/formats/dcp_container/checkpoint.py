@@ -216,7 +216,7 @@ class DcpCheckpoint(Checkpoint):
             }
         )
 
-    def asgeneric(self) -> DcpCheckpoint:
+    def as_generic(self) -> DcpCheckpoint:
         """The same checkpoint read key by key, whatever model it holds."""
         if self.view.format == Format.DCP and self.view.spec is None and not self.view.hf_named:
             return self
