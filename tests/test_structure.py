@@ -289,6 +289,7 @@ SHARED_FORMAT_MACHINERY = {
     "shifted_reads",  # HF weights stored shifted from Megatron's (HF safetensors, DCP)
     "dcp_container",  # torch's DCP files: dcp, torch_dist
     "megatron_common",  # Megatron's rules: megatron, torch_dist, DCP in Megatron directories
+    "options",  # the options several formats read (--hf-config, --trust-field, ...)
 }
 """Modules and folders under ``ckptctl/formats`` that every format may import."""
 

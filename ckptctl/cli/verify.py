@@ -64,7 +64,14 @@ def verify_cmd(
         if group is not None:
             out.silent = group.rank != 0
         try:
-            checks = verify(ckpt, settings, numerics=numerics, group=group, progress=out.progress())
+            checks = verify(
+                ckpt,
+                settings,
+                numerics=numerics,
+                group=group,
+                progress=out.progress(),
+                against=other is not None,
+            )
         finally:
             if group is not None:
                 group.close()

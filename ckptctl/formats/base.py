@@ -12,9 +12,10 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from ckptctl.checksums.integrity import Targets, whole_file_entries
+from ckptctl.formats.options import FormatOption
 from ckptctl.formats.support import FormatSupport
 from ckptctl.io.byte_streams import ByteStream
 from ckptctl.io.storage import Storage
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
     from ckptctl.model.megatron_style import MegatronStyle
     from ckptctl.pipeline.assembler import Assembler
     from ckptctl.pipeline.job_report import Report, Sources
+
+T = TypeVar("T")
 
 
 class Checkpoint:
@@ -150,26 +153,21 @@ class Checkpoint:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ProbeRequest:
-    """What the caller asked for when opening a checkpoint."""
+    """What the caller asked for when opening a checkpoint: how it is named and what the job
+    does with it, and the format options the user gave (each format reads those it declares in
+    ``CheckpointFormat.options``)."""
 
-    iteration: int | None = None
-    """A Megatron iteration other than the tracker's."""
-    true_vocab_size: int | None = None
-    allow_missing: bool = False
-    """Open a sharded checkpoint with rank files missing (they are recovered from copies)."""
-    hf_config: Mapping[str, Any] | None = None
-    """An HF ``config.json`` for checkpoints that hold an HF model but do not say which."""
     file: str | None = None
     """The URL named this one file under the storage root, not a directory."""
-    trusted_fields: frozenset[str] = frozenset()
-    """Fields of ``args`` / ``config.json`` the user vouches for (``--trust-field``)."""
-    tag: str | None = None
-    """A DeepSpeed tag directory other than the one ``latest`` names (``--tag``)."""
-    text_only: bool = False
-    """Read a vision-language model's text decoder alone (``--text-only``)."""
-    allow_rounding: bool = False
-    """Round HF weights stored shifted where taking the shift off is inexact
-    (``--allow-rounding``)."""
+    allow_missing: bool = False
+    """Open a sharded checkpoint with rank files missing (they are recovered from copies)."""
+    options: Mapping[str, Any] = field(default_factory=dict)
+    """The options given, by ``FormatOption.name`` (those not given are absent)."""
+
+    def get(self, option: FormatOption[T]) -> T:
+        """``option``'s value, or its default when it was not given."""
+        value: T = self.options.get(option.name, option.default)
+        return value
 
 
 @dataclass(frozen=True)
@@ -250,6 +248,9 @@ class CheckpointFormat:
     """Files besides tensor files that say what the checkpoint is (saved-plan fingerprints)."""
     target: TargetFormat | None = None
     """How the format is planned as a target (``None``: ckptctl only reads it)."""
+    options: tuple[FormatOption[Any], ...] = ()
+    """The options of the request it reads (``ProbeRequest.get``); an option it does not list
+    is refused when no other source of the job reads it."""
     integrity: Callable[[Any], Targets] | None = None
     """Which checksums the files of an opened checkpoint carry (default: every tensor file is
     a ``torch.save`` archive with a CRC-32 per entry)."""

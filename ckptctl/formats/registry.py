@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import importlib
 from functools import cache
+from typing import Any
 
 from ckptctl.errors import UsageError
 from ckptctl.formats.base import CheckpointFormat, Writer
+from ckptctl.formats.options import FormatOption
 from ckptctl.formats.target import TargetFormat
 
 BUILTIN = ("torch_dist", "dcp", "deepspeed", "verl", "accelerate", "megatron", "hf", "torch_file")
@@ -76,3 +78,12 @@ def target(name: str, operation: str) -> TargetFormat:
             return fmt
     choices = ", ".join(t.name for t in targets(operation))
     raise UsageError(f"{operation} --format {name}: choose one of {choices}")
+
+
+def option(name: str) -> FormatOption[Any] | None:
+    """The option some registered format reads under ``name``."""
+    for fmt in formats():
+        for declared in fmt.options:
+            if declared.name == name:
+                return declared
+    return None

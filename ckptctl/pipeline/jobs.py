@@ -43,6 +43,7 @@ from ckptctl.pipeline.probe import (
     file_sizes,
     fingerprint,
     open_checkpoint,
+    open_sources,
     with_identities,
 )
 from ckptctl.progress import Progress
@@ -260,20 +261,13 @@ def plan_reshard(
     if dst is not None:
         refuse_overlap("destination", dst, given_sources(src, full, replicas))
     others = [*(full or []), *(replicas or [])]
-    ckpt = open_checkpoint(
-        src,
-        settings,
-        allow_missing=bool(others),
-        iteration=iteration,
-        true_vocab_size=true_vocab_size,
+
+    ckpt, extra = open_sources(
+        src, others, settings, bool(others), iteration=iteration, true_vocab_size=true_vocab_size
     )
     refuse_dp_reshardable(ckpt)
     if settings.allow_rounding:
         refuse_needless_rounding(ckpt, target_format or "megatron")
-    extra = [
-        open_checkpoint(u, settings, iteration=iteration, true_vocab_size=true_vocab_size)
-        for u in others
-    ]
     reshardable = {t.name for t in registry.targets(RESHARD)}
     if target_format is None:  # the source's format where it holds layouts, else Megatron's
         kept = ckpt.view.format in reshardable
@@ -383,10 +377,11 @@ def saved_job(
             f"--plan {plan_file} was made for {plan.source_url} -> {plan.target_url}, "
             f"not {src} -> {dst}"
         )
-    ckpt = open_checkpoint(
-        src, settings, allow_missing=True, iteration=iteration, true_vocab_size=true_vocab_size
+    urls = [r.url for r in plan.extra_sources]
+    ckpt, opened = open_sources(
+        src, urls, settings, True, iteration=iteration, true_vocab_size=true_vocab_size
     )
-    extra = {r.prefix: open_checkpoint(r.url, settings) for r in plan.extra_sources}
+    extra = {r.prefix: e for r, e in zip(plan.extra_sources, opened, strict=True)}
     check_fresh(plan, ckpt, extra)
     return Job(plan, Sources(ckpt, extra), settings)
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -14,6 +16,7 @@ from ckptctl.compression.view import CompressedStorage, open_view
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError, CkptctlError, UsageError
 from ckptctl.formats import registry
 from ckptctl.formats.base import Checkpoint, CheckpointFormat, ProbeRequest
+from ckptctl.formats.options import TEXT_ONLY, given
 from ckptctl.io.storage import Storage
 from ckptctl.model.lora import ADAPTER_CONFIG
 from ckptctl.model.plan import Plan
@@ -37,21 +40,18 @@ def open_checkpoint(
     allow_missing: bool = False,
     allow_incomplete: bool | None = None,
     with_adapter: bool = False,
+    refuse_unread: bool = True,
 ) -> Checkpoint:
     """Probe ``url`` read-only and open it (its view for planners, lazy readers): each
     registered format is asked in turn whether it recognises what is stored. A checkpoint
     that holds a LoRA adapter trained in it opens only ``with_adapter`` (``merge-lora``):
-    any other job would drop the adapter."""
+    any other job would drop the adapter. A format option the user gave that its format does
+    not read is refused; a job of several sources opens each ``refuse_unread=False`` and asks
+    ``refuse_unread_options`` about them all."""
     settings = settings or Settings()
     request = ProbeRequest(
-        iteration=iteration,
-        true_vocab_size=true_vocab_size,
         allow_missing=allow_missing,
-        hf_config=settings.hf_config,
-        trusted_fields=settings.trusted_fields,
-        tag=settings.tag,
-        text_only=settings.text_only,
-        allow_rounding=settings.allow_rounding,
+        options=given_options(settings, iteration, true_vocab_size),
     )
     # A source: never written, whatever happens.
     storage = Storage(url, settings.storage, read_only=True)
@@ -76,20 +76,8 @@ def open_checkpoint(
         if ckpt is not None and isinstance(storage, CompressedStorage):
             ckpt.view = replace(ckpt.view, notes=(*ckpt.view.notes, storage.summary()))
         if ckpt is not None:
-            if request.tag is not None and not fmt.name.startswith("deepspeed"):
-                # A flag that would change nothing is refused, not ignored.
-                raise UsageError(
-                    f"{url}: --tag names a DeepSpeed tag directory, but this is a {fmt.name} "
-                    "checkpoint"
-                    + (" (use --iteration)" if fmt.name == "megatron" else "")
-                    + "; beside other checkpoints, give the DeepSpeed tag's directory (CKPT/TAG)"
-                )
-            if request.text_only and fmt.name not in ("hf", "dcp"):
-                raise UsageError(
-                    f"{url}: --text-only reads the text decoder of a vision-language model "
-                    f"saved by transformers (HF safetensors) or FSDP (DCP), but this is a "
-                    f"{fmt.name} checkpoint"
-                )
+            if refuse_unread:
+                refuse_unread_options(request.options, [(url, fmt)])
             if ckpt.adapter and not with_adapter:
                 refuse_adapter(url, ckpt)
             return ckpt
@@ -105,6 +93,87 @@ def open_checkpoint(
         f"{url}: neither a Megatron checkpoint nor any other checkpoint ckptctl reads",
         hint=f"it recognises {known}",
     )
+
+
+def open_sources(
+    src: str,
+    others: Sequence[str],
+    settings: Settings,
+    allow_missing: bool,
+    *,
+    iteration: int | None,
+    true_vocab_size: int | None,
+) -> tuple[Checkpoint, list[Checkpoint]]:
+    """A job's source (``allow_missing``: rank files may be lost) and its other stored copies
+    (``--full``, ``--replica``), opened with the same options; an option none of them reads
+    is refused (one that only some read is theirs)."""
+    ckpts = [
+        open_checkpoint(
+            url,
+            settings,
+            allow_missing=allow_missing and url == src,
+            iteration=iteration,
+            true_vocab_size=true_vocab_size,
+            refuse_unread=False,
+        )
+        for url in (src, *others)
+    ]
+    opened = [(url, format_of(c)) for url, c in zip((src, *others), ckpts, strict=True)]
+    refuse_unread_options(given_options(settings, iteration, true_vocab_size), opened)
+    return ckpts[0], ckpts[1:]
+
+
+def given_options(
+    settings: Settings, iteration: int | None = None, true_vocab_size: int | None = None
+) -> dict[str, Any]:
+    """The format options of a job (``FormatOption.name``: value), those given only."""
+    return given(
+        {
+            "iteration": iteration,
+            "true_vocab_size": true_vocab_size,
+            "hf_config": settings.hf_config,
+            "trusted_fields": settings.trusted_fields,
+            "tag": settings.tag,
+            "text_only": settings.text_only,
+            "allow_rounding": settings.allow_rounding,
+        }
+    )
+
+
+def refuse_unread_options(
+    options: Mapping[str, Any], opened: Sequence[tuple[str, CheckpointFormat]]
+) -> None:
+    """Refuse an option no opened source's format reads (by its flag): it would change
+    nothing, and a user who gave it meant something else (options a target or an adapter
+    may read too are left to the job)."""
+    for name in options:
+        if any(o.name == name for _, fmt in opened for o in fmt.options):
+            continue
+        option = registry.option(name)
+        if option is None or not option.refused_unread:
+            continue
+        url, fmt = opened[0]
+        if len(opened) == 1:
+            what = f"{url}: {option.flag} {option.about}, but this is a {fmt.name} checkpoint"
+            instead = option.instead.get(fmt.name)
+            what += f" (use {instead})" if instead else ""
+        else:
+            held = ", ".join(f"{u} is {f.name}" for u, f in opened)
+            what = f"{option.flag} {option.about}, but no source of the job reads it ({held})"
+        raise UsageError(what + (f"; {option.hint}" if option.hint else ""))
+
+
+def open_against(url: str, other: str, settings: Settings) -> tuple[Checkpoint, Checkpoint]:
+    """``verify URL --against OTHER``'s two checkpoints. ``--text-only`` reads the reference's
+    text decoder (a release's) alone, never the one checked; the other options either side."""
+    checked = open_checkpoint(url, replace(settings, text_only=False), refuse_unread=False)
+    reference = open_checkpoint(other, settings, refuse_unread=False)
+    options = given_options(settings)
+    text = {k: v for k, v in options.items() if k == TEXT_ONLY.name}
+    refuse_unread_options(text, [(other, format_of(reference))])
+    rest = {k: v for k, v in options.items() if k not in text}
+    refuse_unread_options(rest, [(url, format_of(checked)), (other, format_of(reference))])
+    return checked, reference
 
 
 def refuse_adapter(url: str, ckpt: Checkpoint) -> None:

@@ -18,7 +18,6 @@ Checks, each reported as passed, failed or skipped (with why):
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -34,7 +33,7 @@ from ckptctl.io.storage import Storage
 from ckptctl.model.geometry import nbytes
 from ckptctl.model.stored import Shape
 from ckptctl.pipeline.distributed import Group
-from ckptctl.pipeline.probe import Checkpoint, format_of, open_checkpoint
+from ckptctl.pipeline.probe import Checkpoint, format_of, open_against, open_checkpoint
 from ckptctl.pipeline.replicas import check_replicas
 from ckptctl.progress import NoProgress, Progress
 from ckptctl.settings import Settings
@@ -59,9 +58,11 @@ def verify(
     band_bytes: int = 64 << 20,
     group: Group | None = None,
     progress: Progress | None = None,
+    against: bool = False,
 ) -> list[Check]:
     """The checks of ``url``; with a process ``group``, each rank reads its share of the files
-    and every rank returns the same checks. ``progress`` hears of the bytes read."""
+    and every rank returns the same checks. ``progress`` hears of the bytes read; ``against``:
+    another checkpoint is compared next (options its format reads are not refused here)."""
     settings = settings or Settings()
     progress = progress or NoProgress()
     storage = Storage(url, settings.storage, read_only=True)
@@ -71,7 +72,7 @@ def verify(
         else Check("complete", "passed", f"no {INCOMPLETE} marker")
     ]
     try:
-        opened = open_checkpoint(url, settings, allow_incomplete=True)
+        opened = open_checkpoint(url, settings, allow_incomplete=True, refuse_unread=not against)
         structure = Check(
             "structure",
             "passed",
@@ -339,9 +340,7 @@ def against(
     Returns the check, a row per compared tensor and the counts (``compare.summary_fields``)."""
     from ckptctl.verify.compare import compare, describe_names, steps_differ, summary_fields
 
-    # --text-only reads the reference's text decoder (a release's), never the one checked
-    a = open_checkpoint(url, dataclasses.replace(settings or Settings(), text_only=False))
-    b = open_checkpoint(other, settings)
+    a, b = open_against(url, other, settings or Settings())
     result = compare(
         a, b, rtol=rtol, atol=atol, only=only, weights_only=weights_only, progress=progress
     )

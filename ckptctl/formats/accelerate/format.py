@@ -7,6 +7,7 @@ from typing import Any
 
 from ckptctl.formats.accelerate.layout import MODEL, OPTIMIZER
 from ckptctl.formats.base import CheckpointFormat, ProbeRequest
+from ckptctl.formats.options import ALLOW_ROUNDING, HF_CONFIG, TRUSTED_FIELDS
 from ckptctl.formats.support import FormatSupport
 from ckptctl.io.storage import Storage
 
@@ -22,6 +23,7 @@ def _probe(storage: Storage, names: frozenset[str], request: ProbeRequest) -> An
 FORMAT = CheckpointFormat(
     "accelerate",
     _probe,
+    options=(HF_CONFIG, TRUSTED_FIELDS, ALLOW_ROUNDING),
     support=FormatSupport(
         "accelerate",
         "accelerate save_state under FSDP with FULL_STATE_DICT (HF model)",

@@ -18,6 +18,7 @@ from ckptctl.formats.hf_state_dict_files import (
     optimizer_tensors,
     trainer_step,
 )
+from ckptctl.formats.options import ALLOW_ROUNDING, HF_CONFIG, TRUSTED_FIELDS
 from ckptctl.formats.torchsave.refs import open_torch_file
 from ckptctl.formats.transformers_model import build_names
 from ckptctl.io.storage import Storage
@@ -31,8 +32,9 @@ from ckptctl.model.stored import CheckpointView, StoredFile
 def probe_accelerate(
     storage: Storage, names: frozenset[str], request: ProbeRequest
 ) -> HfStateDictFiles:
-    if request.hf_config is not None:
-        config = dict(request.hf_config)
+    given = request.get(HF_CONFIG)
+    if given is not None:
+        config = dict(given)
     elif storage.exists(CONFIG):
         config = json_input.parse_object(storage.read_text(CONFIG), storage.describe(CONFIG))
     else:
@@ -72,7 +74,9 @@ def probe_accelerate(
         OPTIMIZER in names,
         (f"accelerate full state dict of {model.architecture}",),
     )
-    view = hf_model_view(generic, model, config, generation, request.trusted_fields, storage.url)
+    view = hf_model_view(
+        generic, model, config, generation, request.get(TRUSTED_FIELDS), storage.url
+    )
     return HfStateDictFiles(
-        storage, view, readers, adapter=adapter, rounding=request.allow_rounding
+        storage, view, readers, adapter=adapter, rounding=request.get(ALLOW_ROUNDING)
     )

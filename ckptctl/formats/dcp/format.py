@@ -9,6 +9,8 @@ from typing import Any
 from ckptctl.errors import UsageError
 from ckptctl.formats.base import CheckpointFormat, ProbeRequest
 from ckptctl.formats.dcp_container.checksums import description_files, record_checksums
+from ckptctl.formats.megatron_common.options import ITERATION
+from ckptctl.formats.options import ALLOW_ROUNDING, HF_CONFIG, TEXT_ONLY, TRUSTED_FIELDS
 from ckptctl.formats.support import FormatSupport
 from ckptctl.io.storage import Storage
 
@@ -24,17 +26,18 @@ def _probe(storage: Storage, names: frozenset[str], request: ProbeRequest) -> An
     )
     from ckptctl.formats.hf_state_dict_files import trainer_step
 
-    config = dict(request.hf_config) if request.hf_config is not None else None
+    given = request.get(HF_CONFIG)
+    config = dict(given) if given is not None else None
     parts = accelerate_parts(storage, names)
     if parts:  # accelerate's save_state / the HF Trainer's checkpoint-N under FSDP
         metadata = read_merged_metadata(storage, parts)
         base, step = "", trainer_step(storage)
     else:
-        found = locate(storage, names, request.iteration)
+        found = locate(storage, names, request.get(ITERATION))
         if found is None:
             return None
         (base, step), metadata = found, read_metadata(storage, found[0])
-    if not request.text_only:
+    if not request.get(TEXT_ONLY):
         return _with_adapter(storage, base, step, config, request, metadata)
     from ckptctl.formats.dcp.reader import _config_beside
     from ckptctl.formats.dcp.text_only import text_decoder
@@ -67,7 +70,7 @@ def _with_adapter(
     from ckptctl.formats.dcp_container.checkpoint import open_dcp
 
     found = unwrap(metadata, storage.describe(base or "."))
-    trusted, rounding = request.trusted_fields, request.allow_rounding
+    trusted, rounding = request.get(TRUSTED_FIELDS), request.get(ALLOW_ROUNDING)
     if found is None:
         return probe_dcp(storage, base, step, config, trusted, metadata, rounding)
     ckpt = probe_dcp(storage, base, step, config, trusted, found.metadata, rounding)
@@ -84,6 +87,7 @@ def _with_adapter(
 FORMAT = CheckpointFormat(
     "dcp",
     _probe,
+    options=(ITERATION, HF_CONFIG, TRUSTED_FIELDS, TEXT_ONLY, ALLOW_ROUNDING),
     support=FormatSupport(
         "dcp",
         "PyTorch Distributed Checkpoint (torchtitan, FSDP2, DTensor, accelerate save_state)",

@@ -6,7 +6,9 @@ from typing import Any
 
 from ckptctl.formats.base import CheckpointFormat, ProbeRequest, lazy
 from ckptctl.formats.deepspeed.layout import recognised, recognised_universal
+from ckptctl.formats.deepspeed.options import TAG
 from ckptctl.formats.deepspeed.target import DEEPSPEED_UNIVERSAL, UniversalTarget
+from ckptctl.formats.options import HF_CONFIG, TRUSTED_FIELDS
 from ckptctl.formats.support import FormatSupport
 from ckptctl.io.storage import Storage
 
@@ -22,6 +24,7 @@ def _probe(storage: Storage, names: frozenset[str], request: ProbeRequest) -> An
 FORMAT = CheckpointFormat(
     "deepspeed",
     _probe,
+    options=(TAG, HF_CONFIG, TRUSTED_FIELDS),
     support=FormatSupport(
         "deepspeed",
         "DeepSpeed ZeRO stage 1/2/3 checkpoint (HF model)",
@@ -47,6 +50,7 @@ def _probe_universal(storage: Storage, names: frozenset[str], request: ProbeRequ
 UNIVERSAL = CheckpointFormat(
     "deepspeed-universal",
     _probe_universal,
+    options=(TAG, TRUSTED_FIELDS),
     support=FormatSupport(
         "deepspeed-universal",
         "DeepSpeed universal checkpoint (HF model)",

@@ -24,6 +24,7 @@ from ckptctl.formats.deepspeed.layout import (
     fragment_tensors,
     holds_model_states,
 )
+from ckptctl.formats.deepspeed.options import TAG
 from ckptctl.formats.deepspeed.partitions import (
     check_flat,
     check_names,
@@ -35,6 +36,7 @@ from ckptctl.formats.deepspeed.partitions import (
     stage3_frozen,
     zero_stage,
 )
+from ckptctl.formats.options import HF_CONFIG, TRUSTED_FIELDS
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
 from ckptctl.formats.torchsave.refs import TorchFiles, open_torch_file, resolve
 from ckptctl.io.storage import Storage
@@ -125,8 +127,9 @@ def model_config(
 ) -> dict[str, Any] | None:
     """The HF ``config.json`` given or beside the checkpoint (``None`` if neither and not
     ``required``)."""
-    if request.hf_config is not None:
-        return dict(request.hf_config)
+    given = request.get(HF_CONFIG)
+    if given is not None:
+        return dict(given)
     if not storage.exists(CONFIG):
         if not required:
             return None
@@ -143,7 +146,7 @@ def _ranked(listing: set[str], pattern: re.Pattern[str], group: int) -> list[tup
 
 
 def probe_deepspeed(storage: Storage, names: frozenset[str], request: ProbeRequest) -> Any:
-    tag = tag_dir(storage, names, request.tag)
+    tag = tag_dir(storage, names, request.get(TAG))
 
     def join(name: str) -> str:
         return f"{tag}/{name}" if tag else name
@@ -194,7 +197,7 @@ def probe_deepspeed(storage: Storage, names: frozenset[str], request: ProbeReque
         )
     else:
         try:
-            spec = spec_from_config(config, 128, request.trusted_fields)
+            spec = spec_from_config(config, 128, request.get(TRUSTED_FIELDS))
         except LayoutError as err:
             raise LayoutError(f"{storage.describe(CONFIG)}: {err}") from None
         entries = {

@@ -19,7 +19,9 @@ from ckptctl.formats.deepspeed.layout import (
     UNIVERSAL_STATES,
     UNIVERSAL_ZERO,
 )
+from ckptctl.formats.deepspeed.options import TAG
 from ckptctl.formats.deepspeed.reader import model_config, tag_dir
+from ckptctl.formats.options import TRUSTED_FIELDS
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
 from ckptctl.formats.torchsave.refs import TorchFiles, open_torch_file, resolve
 from ckptctl.io.storage import Storage
@@ -44,7 +46,7 @@ class UniversalCheckpoint(TorchFiles):
 
 def probe_universal(storage: Storage, names: frozenset[str], request: ProbeRequest) -> Any:
     tag = tag_dir(
-        storage, names, request.tag, LATEST_UNIVERSAL, lambda listed: UNIVERSAL_ZERO in listed
+        storage, names, request.get(TAG), LATEST_UNIVERSAL, lambda listed: UNIVERSAL_ZERO in listed
     )
 
     def join(name: str) -> str:
@@ -53,7 +55,7 @@ def probe_universal(storage: Storage, names: frozenset[str], request: ProbeReque
     try:
         config = model_config(storage, request, tag)  # required: never None
         assert config is not None
-        spec = spec_from_config(config, 128, request.trusted_fields)
+        spec = spec_from_config(config, 128, request.get(TRUSTED_FIELDS))
     except LayoutError as err:
         raise LayoutError(f"{storage.describe(CONFIG)}: {err}") from None
     entries = {

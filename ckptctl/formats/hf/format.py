@@ -10,6 +10,7 @@ from ckptctl.errors import CheckpointError
 from ckptctl.formats.base import CheckpointFormat, ProbeRequest, lazy
 from ckptctl.formats.hf.mxfp4_target import SAFETENSORS_MXFP4
 from ckptctl.formats.hf.target import SAFETENSORS, SAFETENSORS_FP8, HfTarget
+from ckptctl.formats.options import ALLOW_ROUNDING, HF_CONFIG, TEXT_ONLY, TRUSTED_FIELDS
 from ckptctl.formats.support import FormatSupport
 from ckptctl.io.storage import Storage
 from ckptctl.model.hf_layout import CONFIG, INDEX, SINGLE
@@ -23,7 +24,7 @@ def _probe(storage: Storage, names: frozenset[str], request: ProbeRequest) -> An
     if CONFIG not in names:
         if not weights:
             return None
-        if request.hf_config is None:  # e.g. torchtitan's HF export: weights only
+        if request.get(HF_CONFIG) is None:  # e.g. torchtitan's HF export: weights only
             raise CheckpointError(
                 f"{storage.describe(CONFIG)}: missing beside the safetensors weights; the "
                 "model they hold is unknown without it",
@@ -31,13 +32,14 @@ def _probe(storage: Storage, names: frozenset[str], request: ProbeRequest) -> An
             )
     from ckptctl.formats.hf.reader import probe_hf
 
-    given = dict(request.hf_config) if CONFIG not in names and request.hf_config else None
+    option = request.get(HF_CONFIG)
+    given = dict(option) if CONFIG not in names and option else None
     ckpt = probe_hf(
         storage,
-        trusted=request.trusted_fields,
+        trusted=request.get(TRUSTED_FIELDS),
         config=given,
-        text_only=request.text_only,
-        round_shifted=request.allow_rounding,
+        text_only=request.get(TEXT_ONLY),
+        round_shifted=request.get(ALLOW_ROUNDING),
     )
     return _as_trainer_checkpoint(ckpt, storage, names)
 
@@ -65,6 +67,7 @@ def _description(storage: Storage, view: CheckpointView) -> list[str]:
 FORMAT = CheckpointFormat(
     "hf",
     _probe,
+    options=(HF_CONFIG, TRUSTED_FIELDS, TEXT_ONLY, ALLOW_ROUNDING),
     support=FormatSupport(
         "hf",
         "HuggingFace safetensors",

@@ -6,11 +6,13 @@ from typing import Any
 
 from ckptctl.formats.base import CheckpointFormat, ProbeRequest, lazy
 from ckptctl.formats.megatron_common.iterations import recognised
+from ckptctl.formats.megatron_common.options import ITERATION, TRUE_VOCAB_SIZE
 from ckptctl.formats.megatron_common.target import (
     DISTRIBUTED_OPTIMIZER,
     MEGATRON_RANK,
     MegatronTarget,
 )
+from ckptctl.formats.options import TRUSTED_FIELDS
 from ckptctl.formats.support import FormatSupport
 from ckptctl.io.storage import Storage
 
@@ -22,16 +24,17 @@ def _probe(storage: Storage, names: frozenset[str], request: ProbeRequest) -> An
 
     return probe_megatron(
         storage,
-        iteration=request.iteration,
-        true_vocab_size=request.true_vocab_size,
+        iteration=request.get(ITERATION),
+        true_vocab_size=request.get(TRUE_VOCAB_SIZE),
         allow_missing=request.allow_missing,
-        trusted=request.trusted_fields,
+        trusted=request.get(TRUSTED_FIELDS),
     )
 
 
 FORMAT = CheckpointFormat(
     "megatron",
     _probe,
+    options=(ITERATION, TRUE_VOCAB_SIZE, TRUSTED_FIELDS),
     support=FormatSupport(
         "megatron",
         "Megatron-LM legacy (--ckpt-format torch)",

@@ -9,6 +9,8 @@ from typing import Any
 
 from ckptctl.formats.base import CheckpointFormat, ProbeRequest, lazy
 from ckptctl.formats.dcp_container.checksums import description_files, record_checksums
+from ckptctl.formats.megatron_common.options import ITERATION, TRUE_VOCAB_SIZE
+from ckptctl.formats.options import HF_CONFIG, TRUSTED_FIELDS
 from ckptctl.formats.support import FormatSupport
 from ckptctl.formats.torch_dist.target import DCP_SHARD, TorchDistTarget
 from ckptctl.io.storage import Storage
@@ -24,11 +26,11 @@ def _probe(storage: Storage, names: frozenset[str], request: ProbeRequest) -> An
 
     if verl_actor.recognised(names):
         return verl_actor.probe_verl_actor(storage, request)
-    found = locate(storage, names, request.iteration)
+    found = locate(storage, names, request.get(ITERATION))
     if found is None or mcore_backend(storage, found[0]) != "torch_dist":
         return None
     return probe_torch_dist(
-        storage, found[0], found[1], request.true_vocab_size, request.trusted_fields
+        storage, found[0], found[1], request.get(TRUE_VOCAB_SIZE), request.get(TRUSTED_FIELDS)
     )
 
 
@@ -37,6 +39,7 @@ WRITER = "ckptctl.formats.torch_dist.writer"
 FORMAT = CheckpointFormat(
     "torch_dist",
     _probe,
+    options=(ITERATION, TRUE_VOCAB_SIZE, TRUSTED_FIELDS, HF_CONFIG),
     support=FormatSupport(
         "torch_dist",
         "Megatron-Core distributed checkpoint (DCP-based; Megatron-LM's and Megatron-Bridge's)",

@@ -23,6 +23,8 @@ from ckptctl import json_input
 from ckptctl.errors import CheckpointError, LayoutError
 from ckptctl.formats.base import ProbeRequest
 from ckptctl.formats.megatron_common.args import args_for, args_from_spec
+from ckptctl.formats.megatron_common.options import ITERATION, TRUE_VOCAB_SIZE
+from ckptctl.formats.options import HF_CONFIG, TRUSTED_FIELDS
 from ckptctl.formats.torch_dist.reader import Described, probe_torch_dist
 from ckptctl.io.storage import Storage
 from ckptctl.model.hf_config import spec_from_config
@@ -126,7 +128,7 @@ def described(storage: Storage, config: dict[str, Any], request: ProbeRequest) -
     where = storage.describe(TRANSFORMER_CONFIG)
     try:
         spec = spec_from_config(
-            config, make_vocab_size_divisible_by=1, trusted=request.trusted_fields
+            config, make_vocab_size_divisible_by=1, trusted=request.get(TRUSTED_FIELDS)
         )
     except LayoutError as err:
         raise CheckpointError(
@@ -167,8 +169,9 @@ def described(storage: Storage, config: dict[str, Any], request: ProbeRequest) -
 
 
 def _config(storage: Storage, request: ProbeRequest) -> dict[str, Any]:
-    if request.hf_config is not None:
-        return dict(request.hf_config)
+    given = request.get(HF_CONFIG)
+    if given is not None:
+        return dict(given)
     rel = f"{HF_DIR}/{CONFIG}"
     if not storage.exists(rel):
         raise CheckpointError(
@@ -183,8 +186,8 @@ def probe_verl_actor(storage: Storage, request: ProbeRequest) -> Any:
     return probe_torch_dist(
         storage,
         DIST_CKPT,
-        request.iteration,
-        request.true_vocab_size,
-        request.trusted_fields,
+        request.get(ITERATION),
+        request.get(TRUE_VOCAB_SIZE),
+        request.get(TRUSTED_FIELDS),
         described(storage, config, request),
     )

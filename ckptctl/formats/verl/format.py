@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ckptctl.formats.base import CheckpointFormat, ProbeRequest, lazy
+from ckptctl.formats.options import ALLOW_ROUNDING, HF_CONFIG, TRUSTED_FIELDS
 from ckptctl.formats.support import FormatSupport
 from ckptctl.formats.verl.layout import recognised
 from ckptctl.formats.verl.target import VERL_FILE, VerlTarget
@@ -23,6 +24,7 @@ def _probe(storage: Storage, names: frozenset[str], request: ProbeRequest) -> An
 FORMAT = CheckpointFormat(
     "verl",
     _probe,
+    options=(HF_CONFIG, TRUSTED_FIELDS, ALLOW_ROUNDING),
     support=FormatSupport(
         "verl",
         "verl FSDP2 actor / critic checkpoint (HF model), or verl's Megatron actor",

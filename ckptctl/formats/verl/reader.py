@@ -22,6 +22,7 @@ from ckptctl.formats.hf_state_dict_files import (
     optimizer_tensors,
     with_state_names,
 )
+from ckptctl.formats.options import ALLOW_ROUNDING, HF_CONFIG, TRUSTED_FIELDS
 from ckptctl.formats.torchsave.archive import TorchZipReader
 from ckptctl.formats.torchsave.refs import open_torch_file
 from ckptctl.formats.transformers_model import build_names
@@ -49,8 +50,9 @@ VERL = "verl"
 
 
 def _config(storage: Storage, request: ProbeRequest) -> tuple[dict[str, Any], str | None]:
-    if request.hf_config is not None:
-        return dict(request.hf_config), None
+    given = request.get(HF_CONFIG)
+    if given is not None:
+        return dict(given), None
     rel = f"{HF_DIR}/{CONFIG}"
     if not storage.exists(rel):
         raise CheckpointError(
@@ -140,7 +142,9 @@ def probe_verl(storage: Storage, names: frozenset[str], request: ProbeRequest) -
         with_optimizer,
         tuple(notes),
     )
-    view = hf_model_view(generic, model, config, generation, request.trusted_fields, storage.url)
+    view = hf_model_view(
+        generic, model, config, generation, request.get(TRUSTED_FIELDS), storage.url
+    )
     # By stored name, the world size as its layout, the files held beside the tensors: what
     # a verl target at another world size is cut from (``ckptctl.formats.verl.target``).
     beside = [rel for rel in storage.find_files() if _carried(rel, world)]
@@ -159,7 +163,7 @@ def probe_verl(storage: Storage, names: frozenset[str], request: ProbeRequest) -
             base_model if isinstance(base_model, str) and base_model else None,
             peft.adapter_name,
         )
-    rounding = request.allow_rounding
+    rounding = request.get(ALLOW_ROUNDING)
     return HfStateDictFiles(
         storage, view, readers, adapter=adapter, by_name=by_name, rounding=rounding
     )
