@@ -145,6 +145,11 @@ class Checkpoint:
         """Model-state entries a DeepSpeed universal checkpoint carries on."""
         return {}
 
+    def quantization_errors(self) -> dict[str, float]:
+        """Largest error of each tensor written lossily (FP8 blocks ckptctl wrote, by their
+        canonical names): what ``verify --against`` judges them by."""
+        return {}
+
     def rounding_errors(self) -> dict[str, float]:
         """Largest error so far of each canonical tensor the reads rounded, by name (HF's
         shifted weights under ``--allow-rounding``): what the output's manifest records."""

@@ -92,7 +92,7 @@ class Assembler:
         band, instead of finishing files the job will not keep)."""
         self.source_files = plan.source_files if isinstance(plan, Plan) else tuple(plan)
         self.source, self.report, self.progress = source, report, progress
-        self.adjust = getattr(source, "adjust", None)
+        self.adjust = source.adjust
         """What changes some tensors' bands as they are built (``Sources.adjust``)."""
         self.pool = pool
         self.counting = counting or threading.Lock()

@@ -109,9 +109,9 @@ class Sources:
         """The largest error the reads of ``canonical`` rounded it by, if they rounded it."""
         found = []
         for ckpt in (self.primary, *self.extra.values()):
-            errors = getattr(ckpt, "rounding_errors", None)  # readers not built on Checkpoint
-            if errors is not None and canonical in errors():
-                found.append(errors()[canonical])
+            errors = ckpt.rounding_errors()
+            if canonical in errors:
+                found.append(errors[canonical])
         return max(found, default=None)
 
     def owner(self, path: str) -> tuple[Any, str]:

@@ -9,15 +9,16 @@ from math import prod
 from typing import Any
 
 from ckptctl.errors import CheckpointError
+from ckptctl.formats.base import Checkpoint
 from ckptctl.model.stored import Replica
 
 BAND_BYTES = 64 << 20
 """Rows compared at a time (both sides in memory): the largest copies are vocabulary-sized."""
 
 
-def check_replicas(ckpt: Any) -> int:
+def check_replicas(ckpt: Checkpoint) -> int:
     """Compare every replica of ``ckpt`` with its original, bit for bit; the bytes read."""
-    replicas = getattr(getattr(ckpt, "view", None), "replicas", ())
+    replicas = ckpt.view.replicas
     if not replicas:
         return 0  # (most jobs: and they need not import numpy)
     from ckptctl import arrays

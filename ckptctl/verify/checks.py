@@ -462,16 +462,16 @@ def _covered_by_manifest(view: CompressedStorage) -> frozenset[str]:
     return frozenset(covered)
 
 
-def _lossy(storage: Any) -> bool:
-    return bool(getattr(storage, "lossy", False))
+def _lossy(storage: Storage) -> bool:
+    return isinstance(storage, CompressedStorage) and storage.lossy
 
 
 def _lossy_bounds(ckpt: Checkpoint) -> dict[str, float]:
     """Largest error of each tensor a ``compress --quantize`` stored lossily, or a
     conversion wrote in FP8 (``--dtype fp8-block``), by canonical name, over all its pieces."""
-    bounds = getattr(ckpt.storage, "quantization_errors", None)
-    written = getattr(ckpt, "quantization_errors", None)  # FP8 written by ckptctl
-    return {**(bounds() if bounds is not None else {}), **(written() if written else {})}
+    stored = ckpt.storage
+    bounds = stored.quantization_errors() if isinstance(stored, CompressedStorage) else {}
+    return {**bounds, **ckpt.quantization_errors()}
 
 
 def _within(diff: Any, bounds: dict[str, float]) -> bool:

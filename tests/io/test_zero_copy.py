@@ -20,6 +20,7 @@ from ckptctl import synth
 from ckptctl.io import storage
 from ckptctl.pipeline import assembler
 from ckptctl.pipeline.assembler import Assembler
+from ckptctl.pipeline.job_report import Sources
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +127,7 @@ def test_a_fill_packed_without_numpy_is_the_array_numpy_builds(
             if not packed:
                 patch.setattr(assembler, "_fill_element", lambda write: None)
             report = Report()
-            build = Assembler((), None, report, NoProgress(), budget=8000)  # type: ignore[arg-type]
+            build = Assembler((), Sources(None), report, NoProgress(), budget=8000)
             data = b"".join(bytes(chunk) for chunk in build.chunks(write, "f"))  # type: ignore[arg-type]
             seen[packed] = (data, report.tensor_checksums, report.bytes_written)
     assert seen[True] == seen[False]
