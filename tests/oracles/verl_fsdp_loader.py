@@ -9,7 +9,10 @@ cannot take fails here. One more training step then runs on the loaded state.
 
 Usage::
 
-    python tests/oracles/verl_fsdp_loader.py MODEL ACTOR_DIR WORLD OUT.pt
+    python tests/oracles/verl_fsdp_loader.py MODEL ACTOR_DIR WORLD OUT.pt [SHARDS]
+
+SHARDS: HSDP, a 2-D mesh of WORLD/SHARDS replicas of SHARDS-rank shard groups (as
+``verl_fsdp_writer``'s ``hsdp`` names its dimensions); without it, one flat mesh.
 
 Writes OUT.pt: the loaded weights and Adam state, gathered whole, by name; the scheduler's
 state; the loss of the step taken after loading.
@@ -26,18 +29,24 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from verl_fsdp_writer import SEED, VOCAB, build_model, full_optimizer_state, gloo, sharded
+from verl_fsdp_writer import SEED, VOCAB, build_model, gloo, sharded
 
 
-def worker(rank: int, port: int, name: str, actor: Path, world: int, out: Path) -> None:
-    gloo(rank, port, world, run_rank, rank, name, actor, world, out)
+def worker(
+    rank: int, port: int, name: str, actor: Path, world: int, out: Path, shards: int
+) -> None:
+    gloo(rank, port, world, run_rank, rank, name, actor, world, out, shards)
 
 
-def run_rank(rank: int, name: str, actor: Path, world: int, out: Path) -> None:
+def run_rank(rank: int, name: str, actor: Path, world: int, out: Path, shards: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    mesh = init_device_mesh("cpu", (world,))
+    if shards:
+        names = ("replicate", "shard")
+        mesh = init_device_mesh("cpu", (world // shards, shards), mesh_dim_names=names)
+    else:
+        mesh = init_device_mesh("cpu", (world,))
     model = sharded(build_model(name), mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
@@ -51,7 +60,7 @@ def run_rank(rank: int, name: str, actor: Path, world: int, out: Path) -> None:
         key: value.full_tensor() if isinstance(value, DTensor) else value
         for key, value in model.state_dict().items()
     }
-    optim = full_optimizer_state(model, optimizer)
+    optim = loaded_optimizer_state(model, optimizer)
     tokens = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(SEED + 1))
     loss = model(input_ids=tokens, labels=tokens).loss
     loss.backward()
@@ -62,14 +71,48 @@ def run_rank(rank: int, name: str, actor: Path, world: int, out: Path) -> None:
     dist.barrier()
 
 
+def loaded_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Adam's state as loaded, each DTensor gathered whole. The loaded state keeps the mesh
+    pickled in the file, whose process group names are the saving run's (torch warns on
+    unpickling them here); torch judges that mesh equal to its parameter's (``DeviceMesh``'s
+    ``__eq__``: ranks, layout, dimension names) with this rank's coordinates, and its local
+    shard is gathered over the parameter's own mesh, whose groups this run made."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, param in model.named_parameters():
+        state = optimizer.state.get(param)
+        if not state:
+            continue
+        out[name] = {}
+        for kind, value in state.items():
+            if isinstance(value, DTensor):
+                mesh = param.device_mesh
+                assert value.device_mesh == mesh, (name, kind, value.device_mesh, mesh)
+                assert value.device_mesh.get_coordinate() == mesh.get_coordinate(), name
+                assert value.placements == param.placements, (name, kind)
+                local, placements = value.to_local(), value.placements
+                on = DTensor.from_local(
+                    local, mesh, placements, shape=value.shape, stride=value.stride()
+                )
+                value = on.full_tensor()
+            out[name][kind] = value.clone()
+    return out
+
+
 def main() -> int:
     name, actor = sys.argv[1], Path(sys.argv[2]).resolve()
     world, out = int(sys.argv[3]), Path(sys.argv[4]).resolve()
+    shards = int(sys.argv[5]) if len(sys.argv) > 5 else 0
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         port = int(sock.getsockname()[1])
     mp.start_processes(
-        worker, args=(port, name, actor, world, out), nprocs=world, join=True, start_method="fork"
+        worker,
+        args=(port, name, actor, world, out, shards),
+        nprocs=world,
+        join=True,
+        start_method="fork",
     )
     return 0
 

@@ -37,7 +37,7 @@ MESH_FIELDS = frozenset(
         "_hash",
     }
 )
-"""A one-dimensional ``DeviceMesh``'s pickled fields (torch 2.9 - 2.13) that are known: what
+"""A ``DeviceMesh``'s pickled fields (torch 2.9 - 2.13) that are known: what
 each means for another world size is rewritten below, or kept."""
 
 
@@ -59,23 +59,55 @@ def _fields(stub: Any, what: str, where: str) -> dict[str, Any]:
     return state
 
 
-def _axes_for(layout: Stub, world: int, where: str) -> Stub:
-    """The mesh's layout (one flat axis of ``world`` ranks, stride 1)."""
+def _flat_axes(layout: Any, where: str) -> list[dict[str, Any]]:
+    """The mesh's axes: one flat range of ranks (FSDP2), or HSDP's two (replicas of ``S``
+    ranks each, then the ``S`` shards: strides ``S`` and 1)."""
     state = _fields(layout, "mesh layout", where)
     axes = state.get("axes")
-    if not isinstance(axes, tuple) or len(axes) != 1:
-        raise CheckpointError(f"{where}: a DTensor on a mesh of more than one dimension (HSDP)")
-    flat = _fields(axes[0], "mesh axis", where)
-    if flat.get("stride") not in ((1,), 1) or set(flat) != {"shape", "stride"}:
-        raise CheckpointError(f"{where}: a DTensor's mesh axis {flat}: not one flat range")
-    shape = (world,) if isinstance(flat["shape"], tuple) else world
-    axis = _copy(axes[0], {**flat, "shape": shape})
-    return _copy(layout, {**state, "axes": (axis,)})
+    if not isinstance(axes, tuple) or len(axes) not in (1, 2):
+        raise CheckpointError(f"{where}: a DTensor on a mesh of more than two dimensions")
+    flats = [_fields(axis, "mesh axis", where) for axis in axes]
+    for flat in flats:
+        if set(flat) != {"shape", "stride"}:
+            raise CheckpointError(f"{where}: a DTensor's mesh axis {flat}: not one flat range")
+    sizes = [_int(f["shape"]) for f in flats]
+    strides = [_int(f["stride"]) for f in flats]
+    if strides[-1] != 1 or (len(flats) == 2 and strides[0] != sizes[1]):
+        raise CheckpointError(
+            f"{where}: a DTensor's mesh axes {flats}: not HSDP's replicas of shard groups"
+        )
+    return flats
+
+
+def _int(value: Any) -> int | None:
+    """A layout's size or stride: an int, or a one-element tuple of one."""
+    return value[0] if isinstance(value, tuple) and len(value) == 1 else value
+
+
+def shard_group(template: Any, where: str) -> int | None:
+    """The ranks a DTensor is cut over on ``template``'s mesh: ``None`` for one flat range
+    (every rank of the world), the shard group's size on HSDP's two-dimensional mesh."""
+    layout = _fields(template, "device mesh", where).get("_layout")
+    flats = _flat_axes(layout, where)
+    return _int(flats[1]["shape"]) if len(flats) == 2 else None
+
+
+def _axes_for(layout: Stub, world: int, where: str) -> Stub:
+    """The mesh's layout for ``world`` ranks: its one flat axis that long, or (HSDP) as many
+    replicas as ``world`` holds shard groups."""
+    state = _fields(layout, "mesh layout", where)
+    flats = _flat_axes(layout, where)
+    axes: tuple[Any, ...] = state["axes"]
+    length = world if len(flats) == 1 else world // int(_int(flats[1]["shape"]) or 1)
+    shape = (length,) if isinstance(flats[0]["shape"], tuple) else length
+    first = _copy(axes[0], {**flats[0], "shape": shape})
+    return _copy(layout, {**state, "axes": (first, *axes[1:])})
 
 
 def mesh_for(template: Any, world: int, rank: int, rank_map: TensorSlot, where: str) -> Stub:
-    """Rank ``rank``'s view of a one-dimensional mesh of ``world`` ranks, as ``template``
-    (a source rank's mesh) would be had the run had ``world`` ranks."""
+    """Rank ``rank``'s view of a mesh of ``world`` ranks, as ``template`` (a source rank's
+    mesh) would be had the run had ``world`` ranks: one flat range, or HSDP's replicas of
+    shard groups of the same size."""
     state = _fields(template, "device mesh", where)
     unknown = sorted(set(state) - MESH_FIELDS)
     if unknown:
@@ -83,13 +115,14 @@ def mesh_for(template: Any, world: int, rank: int, rank_map: TensorSlot, where: 
             f"{where}: the device mesh holds {', '.join(unknown)}, which ckptctl does not know "
             "how to set for another world size (a newer torch release)"
         )
+    group = shard_group(template, where)
     names = state.get("_mesh_dim_names")
     if (
         state.get("_root_mesh") is not None
         or state.get("_flatten_mapping")
-        or (names is not None and len(names) != 1)
+        or (names is not None and len(names) != (1 if group is None else 2))
     ):
-        raise CheckpointError(f"{where}: a DTensor on a sub-mesh or a mesh of several dimensions")
+        raise CheckpointError(f"{where}: a DTensor on a sub-mesh or a flattened mesh")
     new = dict(state)
     new["_layout"] = _axes_for(state["_layout"], world, where)
     if "_rank_map" in new:
@@ -97,17 +130,21 @@ def mesh_for(template: Any, world: int, rank: int, rank_map: TensorSlot, where: 
     if "_flatten_rank_map" in new:
         new["_flatten_rank_map"] = tuple(range(world))
     new["_rank"] = rank
-    new["_coordinate_on_dim"] = (rank,)
+    new["_coordinate_on_dim"] = (rank,) if group is None else (rank // group, rank % group)
     new["_hash"] = None  # recomputed by torch from the fields above
     return _copy(template, new)
 
 
+PLACEMENTS = (("Shard",), ("Replicate", "Shard"))
+"""FSDP2's ``Shard(0)`` on one mesh dimension, and HSDP's replicas of it."""
+
+
 def check_placement(ref: DTensorRef, where: str) -> None:
-    """Only ``Shard(0)`` on one mesh dimension is recut (FSDP2's placement)."""
-    if ref.placements != ("Shard",) or ref.offsets[1:] != (0,) * (len(ref.shape) - 1):
+    """Only FSDP2's and HSDP's placements are recut."""
+    if ref.placements not in PLACEMENTS or ref.offsets[1:] != (0,) * (len(ref.shape) - 1):
         raise CheckpointError(
             f"{where}: a DTensor placed {list(ref.placements)}; verl files are written at "
-            "another world size from FSDP2's Shard(0) on one mesh dimension"
+            "another world size from FSDP2's Shard(0), or HSDP's (Replicate(), Shard(0))"
         )
 
 

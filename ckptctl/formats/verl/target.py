@@ -28,7 +28,13 @@ from ckptctl.formats.verl.layout import (
 from ckptctl.model.geometry import chunk_pieces, whole
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.plan import COPY, FileWrite, TextWrite
-from ckptctl.model.stored import CheckpointView, StoredFile, StoredTensor, canonical_shapes
+from ckptctl.model.stored import (
+    CheckpointView,
+    KeyPath,
+    StoredFile,
+    StoredTensor,
+    canonical_shapes,
+)
 from ckptctl.model.target import TargetFiles, TargetPlanner, TargetRequest
 
 if TYPE_CHECKING:
@@ -61,20 +67,51 @@ def _rank0(source: CheckpointView, pattern: re.Pattern[str]) -> StoredFile | Non
 
 
 def _refuse_other_placements(ckpt: HfStateDictFiles) -> None:
-    """Only FSDP2's ``Shard(0)`` on one mesh dimension is recut (not HSDP's 2-D meshes)."""
+    """Only FSDP2's ``Shard(0)`` on one mesh dimension and HSDP's replicas of it are recut."""
     from ckptctl.formats.torchsave.dtensor import DTensorRef
+    from ckptctl.formats.verl.dtensors import PLACEMENTS
 
     for path, reader in ckpt.readers.items():
         if MODEL.fullmatch(path) is None or not isinstance(reader.tree, dict):
             continue
         for name, value in reader.tree.items():
-            if isinstance(value, DTensorRef) and value.placements != ("Shard",):
+            if isinstance(value, DTensorRef) and value.placements not in PLACEMENTS:
                 raise UsageError(
                     f"--format verl: {ckpt.storage.describe(path)}: {name} is placed "
                     f"{list(value.placements)}; verl files are written at another world size "
-                    "from FSDP2's Shard(0) on one mesh dimension (not HSDP's two)"
+                    "from FSDP2's Shard(0), or HSDP's (Replicate(), Shard(0))"
                 )
         return
+
+
+def shard_group(source: CheckpointView) -> int:
+    """The ranks each parameter is cut over in ``source``: its world (FSDP2), or HSDP's shard
+    group ``S`` (rank ``r`` holds chunk ``r % S``, as ranks ``r`` and ``r + S`` hold the same
+    rows). Read off the rows each rank's model file holds of its longest parameter."""
+    world = source.layout.dp
+    rows: dict[KeyPath, dict[int, tuple[int, int]]] = {}
+    for file in source.files:
+        match = MODEL.fullmatch(file.path)
+        if match is None:
+            continue
+        for tensor in file.tensors:
+            if tensor.key and tensor.key[-1] == LOCAL and tensor.pieces:
+                piece = tensor.pieces[0]
+                box = (piece.canonical[0], piece.sizes[0])
+                rows.setdefault(tensor.key, {})[int(match[2])] = box
+    if not rows:
+        return world
+    key = max(rows, key=lambda k: max(start + length for start, length in rows[k].values()))
+    held = rows[key]
+    total = max(start + length for start, length in held.values())
+    for group in (g for g in range(1, world + 1) if world % g == 0):
+        chunks = [torch_chunk(total, group, r % group) for r in range(world)]
+        if all(held.get(r, (0, 0)) == chunks[r] or chunks[r][1] == 0 for r in range(world)):
+            return group
+    raise UsageError(
+        f"--format verl: the source's ranks hold {key[0]}'s rows as no FSDP2 or HSDP mesh "
+        "cuts them; it is not written at another world size"
+    )
 
 
 class VerlTarget(TargetFormat):
@@ -105,6 +142,17 @@ class VerlTarget(TargetFormat):
                 "layouts)"
             )
         world = layout.dp
+        group = shard_group(source)
+        hybrid = group < source.layout.dp
+        if hybrid and (world % group or world == group):
+            raise UsageError(
+                f"--format verl: --dp {world}: the source is HSDP ({source.layout.dp // group} "
+                f"replicas of {group}-rank shard groups), written with its shard groups kept: "
+                f"give a world size that is a multiple of {group} above it (more or fewer "
+                "replicas)"
+            )
+        cut_over = group if hybrid else world
+        hsdp = f" ({world // group} replicas of {group}-rank shard groups)" if hybrid else ""
         model, optim = _rank0(source, MODEL), _rank0(source, OPTIM)
         if model is None:
             raise UsageError(f"--format verl: {source.format} source without verl's model files")
@@ -119,10 +167,11 @@ class VerlTarget(TargetFormat):
             )
         extra = bool(extras)
         for rank in range(world):
-            cut = tuple(_cut(t, shapes[t.canonical], world, rank) for t in model.tensors)
+            chunk = rank % cut_over
+            cut = tuple(_cut(t, shapes[t.canonical], cut_over, chunk) for t in model.tensors)
             files.append(StoredFile(model_file(world, rank), cut))
             if optim is not None:
-                cut = tuple(_cut(t, shapes[t.canonical], world, rank) for t in optim.tensors)
+                cut = tuple(_cut(t, shapes[t.canonical], cut_over, chunk) for t in optim.tensors)
                 files.append(StoredFile(optim_file(world, rank), cut))
             if extra:
                 files.append(StoredFile(extra_file(world, rank), ()))
@@ -132,16 +181,23 @@ class VerlTarget(TargetFormat):
             kind=VERL_FILE,
             layout=ParallelLayout(dp=world),
             reason=f"verl FSDP2 files of {world} ranks: each parameter and Adam moment cut "
-            "on its first dimension as FSDP2 cuts it",
+            f"on its first dimension as FSDP2 cuts it" + (f", HSDP{hsdp}" if hybrid else ""),
             finalize=(TextWrite(path=FSDP_CONFIG, content=fsdp_config_text(world)),),
             optimizer_carried=optim is not None,
             notes=(
-                (
-                    f"extra_state of each new rank: the source rank's of the same index modulo "
-                    f"{source.layout.dp} (scheduler and RNG state)",
-                )
-                if extra and world != source.layout.dp
-                else ()
+                *(
+                    (f"HSDP{hsdp}: the source's shard groups kept (verl's fsdp_size)",)
+                    if hybrid
+                    else ()
+                ),
+                *(
+                    (
+                        f"extra_state of each new rank: the source rank's of the same index "
+                        f"modulo {source.layout.dp} (scheduler and RNG state)",
+                    )
+                    if extra and world != source.layout.dp
+                    else ()
+                ),
             ),
         )
 

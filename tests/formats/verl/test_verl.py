@@ -138,23 +138,44 @@ def test_a_vlm_actor_checkpoint_becomes_its_hub_checkpoint(vlm: Path, tmp_path: 
 
 def test_a_hybrid_sharded_actor_checkpoint_reads_each_shard_once(tmp_path: Path, cli) -> None:
     """HSDP (2 replicas x 2 shards: ``(Replicate(), Shard(0))``): every shard is on two ranks'
-    files; the output is the trained model, and Megatron holds the Adam state bit for bit."""
+    files; the output is the trained model, and Megatron holds the Adam state bit for bit.
+    Written for 6 ranks, the shard groups kept (3 replicas x 2 shards), FSDP2 on that HSDP mesh
+    loads it as verl does: the trained weights and Adam state bit for bit, a step taken."""
     run = tmp_path / "hsdp"
     run_oracle(ORACLE, "qwen3", run, 4, "hsdp", timeout=300)
     cli("consolidate", _actor(run), tmp_path / "hf")
     _check_against_truth(run, tmp_path / "hf")
     cli("reshard", _actor(run), tmp_path / "meg", "--tp", "2", "--format", "megatron")
-    result = cli("reshard", _actor(run), tmp_path / "w2", "--dp", "2", code=2)
-    assert "Replicate" in result.stderr and "HSDP" in result.stderr
     report = cli.json("verify", tmp_path / "meg", "--against", _actor(run))
     assert report["ok"] and any(t["name"].startswith("exp_avg/") for t in report["tensors"])
+    for world in ("2", "5"):  # shard groups of 2 kept: a multiple of 2 above it
+        result = cli("reshard", _actor(run), tmp_path / f"w{world}", "--dp", world, code=2)
+        assert "HSDP (2 replicas of 2-rank shard groups)" in result.stderr
+        assert not (tmp_path / f"w{world}").exists()
+    summary = cli.json("reshard", _actor(run), tmp_path / "w6", "--dp", "6")
+    assert any("HSDP (3 replicas of 2-rank shard groups)" in n for n in summary["notes"])
+    truth, got = _truth(run), _resumed(run, tmp_path / "w6", 6, tmp_path, shards=2)
+    _assert_resumed(truth, got)
 
 
-def _resumed(run: Path, actor: Path, world: int, tmp_path: Path) -> dict[str, Any]:
-    """What FSDP2 at ``world`` ranks holds after loading ``actor`` as verl loads it."""
+def _resumed(run: Path, actor: Path, world: int, tmp_path: Path, shards: int = 0) -> dict[str, Any]:
+    """What FSDP2 at ``world`` ranks (HSDP: of ``shards``-rank shard groups) holds after
+    loading ``actor`` as verl loads it."""
     loaded = tmp_path / f"loaded{world}.pt"
-    run_oracle("verl_fsdp_loader.py", "qwen3", actor, world, loaded, timeout=300)
+    run_oracle("verl_fsdp_loader.py", "qwen3", actor, world, loaded, shards, timeout=300)
     return torch.load(loaded, weights_only=False)
+
+
+def _assert_resumed(truth: dict[str, Any], got: dict[str, Any]) -> None:
+    """The loaded weights and Adam state are the trained ones bit for bit; a step was taken."""
+    for name, want in truth["model"].items():
+        assert torch.equal(got["model"][name], want), name
+    assert got["optim"].keys() == truth["optim"].keys()
+    for name, states in truth["optim"].items():
+        assert states.keys() == got["optim"][name].keys()
+        for kind, want in states.items():
+            assert torch.equal(got["optim"][name][kind], want), (name, kind)
+    assert got["scheduler"]["last_epoch"] == 1 and got["loss"] > 0
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -171,15 +192,7 @@ def test_an_actor_checkpoint_resumes_at_another_world_size(
     assert config == {"FSDP_version": 2, "world_size": world}
     source_config = _actor(qwen3) / "huggingface" / "config.json"
     assert (out / "huggingface" / "config.json").read_bytes() == source_config.read_bytes()
-    truth, got = _truth(qwen3), _resumed(qwen3, out, world, tmp_path)
-    for name, want in truth["model"].items():
-        assert torch.equal(got["model"][name], want), name
-    assert got["optim"].keys() == truth["optim"].keys()
-    for name, states in truth["optim"].items():
-        assert states.keys() == got["optim"][name].keys()
-        for kind, want in states.items():
-            assert torch.equal(got["optim"][name][kind], want), (name, kind)
-    assert got["scheduler"]["last_epoch"] == 1 and got["loss"] > 0
+    _assert_resumed(_truth(qwen3), _resumed(qwen3, out, world, tmp_path))
     assert cli.json("verify", out, "--against", _actor(qwen3))["ok"]
 
 
