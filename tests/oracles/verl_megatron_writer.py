@@ -28,9 +28,16 @@ name 0.13.1 calls (``np.product``); the local layer spec instead of
 TransformerEngine's (its tensors are saved under TransformerEngine's names all the same); the
 RNG state has no CUDA generator (a Philox-shaped stand-in, as ``megatron_core_torch_dist_writer``).
 
+``hf`` (verl's checkpoint mode with Megatron-Bridge, ``use_dist_checkpointing`` off): the
+state dict is built the same way, then its ``"model"`` popped before the save
+(``generate_state_dict(generate_model=False)``), so ``dist_ckpt`` holds the optimizer, scheduler
+and RNG state only; verl then writes the weights as HF safetensors into ``huggingface/`` through
+Megatron-Bridge, which this release of megatron-core cannot run: ``huggingface/`` holds the
+config alone here.
+
 Usage::
 
-    python tests/oracles/verl_megatron_writer.py OUT_DIR
+    python tests/oracles/verl_megatron_writer.py OUT_DIR [hf]
 
 Writes ``OUT_DIR/logits.pt``: ``{"input_ids", "logits"}`` of megatron-core's own TP forward of
 the trained model, the whole vocabulary.
@@ -140,14 +147,14 @@ def transformer_config_json(config: Any) -> dict[str, Any]:
     return out
 
 
-def worker(rank: int, port: int, out_dir: Path) -> None:
+def worker(rank: int, port: int, out_dir: Path, hf_mode: bool) -> None:
     patch_megatron_for_cpu(noop_cuda_synchronize=True)
     patch_numpy_product()
     with model_parallel(rank, port, TP, tp=TP, cpu_as_cuda=True):
-        run_rank(out_dir)
+        run_rank(out_dir, hf_mode)
 
 
-def run_rank(out_dir: Path) -> None:
+def run_rank(out_dir: Path, hf_mode: bool) -> None:
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
     from megatron.core.dist_checkpointing.strategies.fully_parallel import (
@@ -172,6 +179,8 @@ def run_rank(out_dir: Path) -> None:
     state_dict["optimizer"] = optimizer.sharded_state_dict(state_dict, is_loading=False)
     state_dict["lr_scheduler"] = scheduler.state_dict()
     state_dict["rng_state"] = rng_state_object()
+    if hf_mode:
+        state_dict.pop("model")
     strategy = FullyParallelSaveStrategyWrapper(
         get_default_save_sharded_strategy("torch_dist"),
         parallel_state.get_data_parallel_group(with_context_parallel=True),
@@ -196,7 +205,7 @@ def run_rank(out_dir: Path) -> None:
 def main() -> int:
     out_dir = Path(sys.argv[1]).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
-    spawn(worker, TP, out_dir)
+    spawn(worker, TP, out_dir, sys.argv[2:] == ["hf"])
     return 0
 
 

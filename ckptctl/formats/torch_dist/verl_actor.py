@@ -22,6 +22,8 @@ from typing import Any
 from ckptctl import json_input
 from ckptctl.errors import CheckpointError, LayoutError
 from ckptctl.formats.base import ProbeRequest
+from ckptctl.formats.dcp_container.files import read_metadata
+from ckptctl.formats.dcp_container.metadata import TensorEntry
 from ckptctl.formats.megatron_common.args import args_for, args_from_spec
 from ckptctl.formats.megatron_common.options import ITERATION, TRUE_VOCAB_SIZE
 from ckptctl.formats.options import HF_CONFIG, TRUSTED_FIELDS
@@ -181,7 +183,30 @@ def _config(storage: Storage, request: ProbeRequest) -> dict[str, Any]:
     return json_input.parse_object(storage.read_text(rel), storage.describe(rel))
 
 
+def _refuse_optimizer_only(storage: Storage) -> None:
+    """verl's checkpoints with Megatron-Bridge (``use_dist_checkpointing`` off) keep the
+    weights as HF safetensors in ``huggingface/`` and only the optimizer, scheduler and RNG
+    state in ``dist_ckpt``, whose optimizer keys name parameters it does not hold."""
+    metadata = read_metadata(storage, DIST_CKPT)
+    tensors = [k for k, e in metadata.entries.items() if isinstance(e, TensorEntry)]
+    if not tensors or not all(k.startswith("optimizer.") for k in tensors):
+        return
+    weights = storage.isdir(HF_DIR) and any(
+        n.endswith(".safetensors") for n in storage.listdir(HF_DIR)
+    )
+    hf = f"{storage.url.rstrip('/')}/{HF_DIR}"
+    raise CheckpointError(
+        f"{storage.describe(DIST_CKPT)}: holds the optimizer state alone, not the model: verl "
+        f"saved this Megatron actor's weights as HF safetensors in {HF_DIR}/ (Megatron-Bridge's "
+        "checkpoints, use_dist_checkpointing off); its optimizer state is not read yet",
+        hint=f"convert the weights: ckptctl consolidate {hf} DST"
+        if weights
+        else f"{HF_DIR}/ holds no weights either: this save kept only the optimizer state",
+    )
+
+
 def probe_verl_actor(storage: Storage, request: ProbeRequest) -> Any:
+    _refuse_optimizer_only(storage)
     config = _config(storage, request)
     return probe_torch_dist(
         storage,

@@ -80,3 +80,27 @@ def test_the_second_layout_is_named_and_not_misread(run: Path, tmp_path: Path, c
     result = cli("consolidate", v2, tmp_path / "out", code=3)
     assert "second Megatron checkpoint layout" in result.stderr
     assert "model/huggingface" in result.stderr
+
+
+def test_an_actor_saved_with_hf_weights_says_where_the_weights_are(
+    run: Path, tmp_path_factory: pytest.TempPathFactory, cli
+) -> None:
+    """verl with Megatron-Bridge's checkpoints (``use_dist_checkpointing`` off) saves the
+    optimizer state alone in ``dist_ckpt`` (the oracle's ``hf`` mode: megatron-core's own save
+    of verl's state dict without its model) and the weights as HF safetensors beside it: the
+    refusal says so, and where to convert the weights from, rather than calling the optimizer
+    keys strangers to the model."""
+    out = tmp_path_factory.mktemp("verl_megatron_hf")
+    megatron_core_013.run(out, "hf", script="verl_megatron_writer.py")
+    actor = _actor(out)
+    result = cli("inspect", actor, code=3)
+    assert "holds the optimizer state alone" in result.stderr
+    assert "holds no weights either" in result.stderr
+    # With weights there (HF safetensors beside the config, as Megatron-Bridge writes them;
+    # these are ckptctl's consolidation of the TP2 actor): the hint names that directory.
+    cli("consolidate", _actor(run), out / "hf")
+    shutil.copy(out / "hf" / "model.safetensors", actor / "huggingface" / "model.safetensors")
+    result = cli("consolidate", actor, out / "dst", code=3)
+    assert f"ckptctl consolidate {actor / 'huggingface'} DST" in result.stderr
+    cli("consolidate", actor / "huggingface", out / "dst")
+    assert (out / "dst" / "model.safetensors").is_file()
