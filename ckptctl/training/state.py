@@ -136,6 +136,7 @@ def _dtensor_box(fqn: str, t: DTensor) -> tuple[tuple[int, ...], bool, bool]:
                 "FSDP's strided Shard and Replicate placements (redistribute it, e.g. "
                 "full_tensor() or Replicate(), before saving)"
             )
+    _refuse_split_pieces(fqn, t)
     coordinate = t.device_mesh.get_coordinate()
     local, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     if tuple(local) != tuple(t.to_local().shape):
@@ -149,6 +150,32 @@ def _dtensor_box(fqn: str, t: DTensor) -> tuple[tuple[int, ...], bool, bool]:
         c == 0 for c, p in zip(coordinate, t.placements, strict=True) if isinstance(p, Replicate)
     )
     return tuple(int(o) for o in offsets), shared, writer
+
+
+def _refuse_split_pieces(fqn: str, t: DTensor) -> None:
+    """A strided shard is one box of the tensor on each rank only when the mesh dimensions
+    after it cut the same tensor dimension into exactly its ``split_factor`` (FSDP2 over TP:
+    ``(_StridedShard(0, split_factor=TP), Shard(0))``). Otherwise each rank holds several
+    strips (transformers' packed tensor parallelism, ``packed_colwise``: a gate strip and an up
+    strip), which torch's offsets describe as one box: refused, never stored in wrong rows."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh, placements = t.device_mesh, t.placements
+    for i, p in enumerate(placements):
+        if not isinstance(p, _StridedShard):
+            continue
+        later = 1
+        for j in range(i + 1, len(placements)):
+            q = placements[j]
+            if isinstance(q, Shard) and q.dim == p.dim:  # _StridedShard is a Shard too
+                later *= mesh.size(j)
+        if later != p.split_factor:
+            raise UsageError(
+                f"state dict: {fqn} is placed {list(placements)}: each rank holds strips of "
+                f"its dimension {p.dim}, not one box of it (packed tensor parallelism, as "
+                "transformers' packed_colwise); ckptctl stores a shard that is one box: "
+                "redistribute it (full_tensor(), or Shard) before saving or loading"
+            )
 
 
 def items_of(state_dict: Mapping[str, Any]) -> dict[str, Item]:

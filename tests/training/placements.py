@@ -44,6 +44,9 @@ SAVED = {
     "fsdp_tp": FSDP_TP,
     "to_fsdp_tp": (Shard(1), Replicate()),
 }
+# transformers' packed tensor parallelism (``packed_colwise``: gate and up strips of one weight)
+# on the TP dimension alone: each rank holds two strips of the rows, not one box of them.
+PACKED = (Replicate(), _StridedShard(0, split_factor=2))
 LOADED = {
     "rows": (Shard(1), Replicate()),
     "cols": (Shard(0), Shard(0)),
@@ -78,6 +81,24 @@ def check(sd: dict, mesh) -> list[str]:
     return bad
 
 
+def packed_refused(mesh, out: str) -> list[list[object]]:
+    """``ckptctl.save`` and ``ckptctl.load`` of a packed strided shard: refused by name, each
+    (torch's offsets would make its two strips one box of the wrong rows)."""
+    from ckptctl.errors import UsageError
+
+    packed = {"gate_up": distribute_tensor(FULL["fsdp_tp"][0], mesh, PACKED)}
+    found: list[list[object]] = []
+    for what in ("save", "load"):
+        try:
+            if what == "save":
+                ckptctl.save(packed, checkpoint_id=f"{out}/packed")
+            else:
+                ckptctl.load(packed, checkpoint_id=f"{out}/ckpt")
+        except UsageError as err:
+            found.append([what, "gate_up" in str(err) and "strips" in str(err)])
+    return found
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     out = sys.argv[1]
@@ -88,6 +109,7 @@ def main() -> None:
     torchs = state(mesh, LOADED, empty=True)
     dcp.load(torchs, checkpoint_id=f"{out}/ckpt")
     body = {
+        "packed_refused": packed_refused(mesh, out),
         "strategy": report.strategy,
         "ours_wrong": check(ours, mesh),
         "torchs_wrong": check(torchs, mesh),

@@ -351,12 +351,15 @@ def test_dtensors_of_any_placement_load_into_any_other(tmp_path: Path) -> None:
     FSDP2-over-TP strided shards (saved from and loaded into: the 2-D layout every torchtitan
     run has);
     loaded into other placements, each rank's shards equal what torch's ``distribute_tensor``
-    cuts, and what torch's own ``dcp.load`` fills from the same checkpoint."""
+    cuts, and what torch's own ``dcp.load`` fills from the same checkpoint. A packed strided
+    shard (transformers' ``packed_colwise``: two strips per rank) is refused by name, saving and
+    loading."""
     torchrun(4, tmp_path, script=PLACEMENTS)
     for rank in range(4):
         found = result(tmp_path / f"rank{rank}.json")
         assert found["ours_wrong"] == [] and found["torchs_wrong"] == [], (rank, found)
         assert found["strategy"] == "reshard"
+        assert found["packed_refused"] == [["save", True], ["load", True]], (rank, found)
 
 
 def test_a_rank_that_cannot_write_fails_the_save_on_every_rank(tmp_path: Path) -> None:
