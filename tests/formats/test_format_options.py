@@ -71,3 +71,22 @@ def test_a_job_of_two_sources_takes_an_option_either_reads(cli, megatron: Path, 
     result = cli("verify", megatron, "--against", megatron, "--hf-config", config, code=2)
     assert "no source of the job reads it" in result.stderr
     assert f"{megatron} is megatron" in result.stderr
+
+
+def test_every_option_a_job_gives_is_one_some_format_reads() -> None:
+    """The names the pipeline gives options under are the names formats declare them by (a
+    misspelt one would be neither read nor refused)."""
+    from ckptctl.pipeline.probe import given_options
+    from ckptctl.settings import Settings
+
+    every = Settings(
+        hf_config={"model_type": "llama"},
+        trusted_fields=frozenset({"field"}),
+        tag="global_step1",
+        text_only=True,
+        allow_rounding=True,
+    )
+    given = given_options(every, iteration=1, true_vocab_size=100)
+    declared = {o.name for f in registry.formats() for o in f.options}
+    assert set(given) == declared
+    assert all(registry.option(name) is not None for name in given)
