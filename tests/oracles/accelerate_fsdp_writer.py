@@ -4,12 +4,15 @@ Test oracle for ``ckptctl``: accelerate's own ``Accelerator(fsdp_plugin=...)``, 
 ``backward`` and ``save_state`` on a tiny seeded Qwen3 (transformers), one AdamW step on a
 fixed batch, 2 gloo processes (forked here with torchrun's environment variables)::
 
-    python accelerate_fsdp_writer.py OUT_DIR [SHARDED_STATE_DICT|FULL_STATE_DICT] [lora]
+    python accelerate_fsdp_writer.py OUT_DIR [SHARDED_STATE_DICT|FULL_STATE_DICT] [lora|gpt_oss]
 
     OUT_DIR/state/                 what save_state writes (pytorch_model_fsdp_0/ and optimizer_0/
                                    DCP directories, or pytorch_model_fsdp_0.bin; random states)
     OUT_DIR/config.json            the model's config (save_state keeps none)
     OUT_DIR/truth.pt               {"model": full weights after the step, "input_ids", "logits"}
+
+``gpt_oss``: a tiny GPT-OSS instead (``fsdp2_hf_any_writer``'s: packed experts with gates and
+ups interleaved, attention sinks, biases), each ``GptOssDecoderLayer`` wrapped.
 
 ``lora``: the model is wrapped in a PEFT LoRA (``get_peft_model``, r 4, alpha 8, all linear
 layers) before ``prepare``, as TRL / the HF Trainer do for a LoRA fine-tune under FSDP;
@@ -40,8 +43,13 @@ VOCAB = 131
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}
 
 
-def build_model() -> torch.nn.Module:
+def build_model(name: str = "qwen3") -> torch.nn.Module:
     import transformers
+
+    if name == "gpt_oss":
+        from fsdp2_hf_any_writer import build_model as build_any
+
+        return build_any("gpt_oss")
 
     config = transformers.Qwen3Config(
         vocab_size=VOCAB,
@@ -87,7 +95,7 @@ def lora_truth(full: dict[str, torch.Tensor], tokens: torch.Tensor) -> dict:
     }
 
 
-def worker(rank: int, port: int, out: Path, state_dict_type: str, lora: bool) -> None:
+def worker(rank: int, port: int, out: Path, state_dict_type: str, lora: bool, name: str) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -96,10 +104,10 @@ def worker(rank: int, port: int, out: Path, state_dict_type: str, lora: bool) ->
         WORLD_SIZE=str(WORLD),
         LOCAL_WORLD_SIZE=str(WORLD),
     )
-    run_rank(out, state_dict_type, lora)
+    run_rank(out, state_dict_type, lora, name)
 
 
-def run_rank(out: Path, state_dict_type: str, lora: bool) -> None:
+def run_rank(out: Path, state_dict_type: str, lora: bool, name: str) -> None:
     from accelerate import Accelerator
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
     from torch.distributed.tensor import DTensor
@@ -110,19 +118,22 @@ def run_rank(out: Path, state_dict_type: str, lora: bool) -> None:
         fsdp_version=2,
         state_dict_type=state_dict_type,
         auto_wrap_policy="transformer_based_wrap",
-        transformer_cls_names_to_wrap=["Qwen3DecoderLayer"],
+        transformer_cls_names_to_wrap=[
+            "GptOssDecoderLayer" if name == "gpt_oss" else "Qwen3DecoderLayer"
+        ],
     )
     accelerator = Accelerator(fsdp_plugin=plugin, cpu=True)
     accelerator.state.distributed_type = DistributedType.FSDP  # the CPU shim (see above)
     accelerator.state.fsdp_plugin = plugin
-    model = build_model()
+    model = build_model(name)
     if accelerator.is_main_process:
         model.config.save_pretrained(out)
     if lora:
         model = wrapped(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, optimizer = accelerator.prepare(model, optimizer)
-    tokens = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(SEED))
+    vocab = model.config.vocab_size
+    tokens = torch.randint(0, vocab, (2, 9), generator=torch.Generator().manual_seed(SEED))
     loss = model(input_ids=tokens, labels=tokens).loss
     accelerator.backward(loss)
     optimizer.step()
@@ -149,10 +160,13 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     kind = sys.argv[2] if len(sys.argv) > 2 else "SHARDED_STATE_DICT"
     lora = len(sys.argv) > 3 and sys.argv[3] == "lora"
+    name = "gpt_oss" if len(sys.argv) > 3 and sys.argv[3] == "gpt_oss" else "qwen3"
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         port = int(sock.getsockname()[1])
-    mp.start_processes(worker, args=(port, out, kind, lora), nprocs=WORLD, start_method="fork")
+    mp.start_processes(
+        worker, args=(port, out, kind, lora, name), nprocs=WORLD, start_method="fork"
+    )
     return 0
 
 
