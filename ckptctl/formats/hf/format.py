@@ -74,7 +74,9 @@ FORMAT = CheckpointFormat(
         "config.json, model*.safetensors (+ index)",
         True,
         "consolidate --format hf",
-        "Llama family; source of reshard to any Megatron layout",
+        "any architecture transformers builds, by name (HF -> HF, verify); to and from every "
+        "Megatron layout: Llama, Mistral, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE, Mixtral, GPT-OSS, "
+        "Gemma 3 text, Qwen3.5, Qwen3-Next, DeepSeek-V3, GLM-4.5; FP8 and MXFP4 releases read",
         "none in the format: headers and sizes only",
     ),
     target=HfTarget(),

@@ -42,9 +42,11 @@ FORMAT = CheckpointFormat(
     options=(ITERATION, TRUE_VOCAB_SIZE, TRUSTED_FIELDS, HF_CONFIG),
     support=FormatSupport(
         "torch_dist",
-        "Megatron-Core distributed checkpoint (DCP-based; Megatron-LM's and Megatron-Bridge's)",
+        "Megatron-Core distributed checkpoint (DCP-based; Megatron-LM's, Megatron-Bridge's, "
+        "verl's Megatron actor)",
         "metadata.json (sharded_backend torch_dist), .metadata, *.distcp, common.pt (args), or "
-        "Megatron-Bridge's run_config.yaml beside them",
+        "Megatron-Bridge's run_config.yaml beside them; verl: dist_ckpt/ + huggingface/ + "
+        "transformer_config.json",
         True,
         "reshard --format torch_dist",
         "layer-stacked keys, fully_reshardable, dp_reshardable and fully_sharded_model_space "

@@ -27,12 +27,13 @@ FORMAT = CheckpointFormat(
     options=(HF_CONFIG, TRUSTED_FIELDS, ALLOW_ROUNDING),
     support=FormatSupport(
         "verl",
-        "verl FSDP2 actor / critic checkpoint (HF model), or verl's Megatron actor",
+        "verl FSDP2 actor / critic checkpoint (HF model; verl's Megatron actor: torch_dist)",
         "model_world_size_W_rank_R.pt (+ optim_*, extra_state_*), fsdp_config.json, "
-        "huggingface/config.json; Megatron: dist_ckpt/ (torch_dist) + huggingface/",
+        "huggingface/config.json",
         True,
         "reshard (--dp: another world size)",
-        "any world size; DTensor shards placed as their placements say; Adam state by "
+        "any world size, FSDP2 or HSDP (written with its shard groups kept); DTensor shards "
+        "placed as their placements say; Adam state by "
         "parameter; the model from huggingface/config.json or --hf-config (any architecture "
         "transformers builds to HF, the mapped families also to Megatron)",
         "CRC-32 of every zip entry",
