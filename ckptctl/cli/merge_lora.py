@@ -185,7 +185,7 @@ def _merge(
     opened: Checkpoint | None = None,
 ) -> None:
     from ckptctl.lora.merge import LoraMerge
-    from ckptctl.lora.plan import expert_routes, with_adapter
+    from ckptctl.lora.plan import expert_routes, under_written_names, with_adapter
 
     planned = plan_consolidate(
         base,
@@ -196,6 +196,8 @@ def _merge(
         opened=opened,
         **job.source_options(),
     )
+    named = planned.sources.primary.view.hf_named  # read by name: its in-memory names
+    under_written_names(lora, dict(named.model.hub_names) if named is not None else {})
     planned.plan = with_adapter(planned.plan, lora)
     planned.sources.adjust = LoraMerge(lora, expert_routes(planned.plan, lora))
     report = carry_out(out, planned, overwrite=job.overwrite, dry_run=job.dry_run)

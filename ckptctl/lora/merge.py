@@ -72,6 +72,9 @@ class LoraMerge:
             base = trained.to(base.dtype)
         if pair is not None and pair.experts:
             base = self._expert_delta_added(pair, write, (lo, hi, dim), base)
+        elif pair is not None and pair.kernel:
+            delta = self._conv_delta(pair)[lo:hi]
+            base = (base.float() + delta.reshape(base.shape)).to(base.dtype)
         elif pair is not None:
             base = self._delta_added(pair, lo, hi, base)
         if name in self.adapter.tokens:  # trained rows: PEFT's index_copy
@@ -84,6 +87,27 @@ class LoraMerge:
         a, b = self._matrices(pair)
         product = (b @ a[:, lo:hi]).T if pair.embedding else b[lo:hi] @ a
         return (base.float() + product * pair.scaling).to(base.dtype)
+
+    def _conv_delta(self, pair: LoraPair) -> torch.Tensor:
+        """A convolution's whole delta ``[out, in, *kernel]`` (kept while its bands come), in
+        float32, as PEFT's ``_ConvNd.get_delta_weight`` computes it: a 1x1 2-D kernel by
+        matmul, any other by convolving ``A`` (as a batch of ``in``) with ``B``, then scaled."""
+        import torch.nn.functional as F
+
+        with self._lock:
+            kept = self._kept_whole.get(pair.weight)
+        if kept is not None:
+            return kept
+        a, b = (m.float() for m in self._matrices(pair))
+        if pair.kernel == (1, 1):
+            delta = (b.squeeze(3).squeeze(2) @ a.squeeze(3).squeeze(2))[:, :, None, None]
+            delta = delta * pair.scaling
+        else:
+            conv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[len(pair.kernel)]
+            delta = conv(a.transpose(0, 1), b).transpose(0, 1) * pair.scaling
+        with self._lock:
+            self._kept_whole = {pair.weight: delta}  # one at a time: a convolution is small
+        return delta
 
     def _expert_delta_added(
         self, pair: LoraPair, write: TensorWrite, band: tuple[int, int, int], base: torch.Tensor

@@ -5,7 +5,7 @@ of another adapter, or of none, is never taken for this one's)."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ckptctl.errors import LayoutError
 from ckptctl.lora.adapter import LoraSource
@@ -54,6 +54,24 @@ def _in_memory(name: str) -> str:
         return name
     prefix, expert, part = match.groups()
     return f"{prefix}mlp.experts.{expert}.{_MIXTRAL_PARTS[part]}.weight"
+
+
+def under_written_names(adapter: LoraSource, hub_names: dict[str, str]) -> None:
+    """Name what ``adapter`` changes as the HF output writes it: PEFT names a module as
+    transformers holds it in memory (a VLM's ``model.language_model.*``), ``save_pretrained``
+    writes some of those tensors under other names (the hub's ``model.*``; ``hub_names``:
+    in-memory -> written), which is what the base's plan writes."""
+    if not hub_names:
+        return
+
+    def named(name: str) -> str:
+        return hub_names.get(name, name)
+
+    adapter.pairs = {named(k): replace(v, weight=named(v.weight)) for k, v in adapter.pairs.items()}
+    adapter.whole = {named(k): replace(v, weight=named(v.weight)) for k, v in adapter.whole.items()}
+    adapter.tokens = {
+        named(k): replace(v, weight=named(v.weight)) for k, v in adapter.tokens.items()
+    }
 
 
 def with_adapter(plan: Plan, adapter: LoraSource) -> Plan:

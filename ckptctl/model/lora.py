@@ -106,6 +106,9 @@ class LoraPair:
     experts: int = 0
     """LoRA on a packed expert parameter (``lora_params``): how many experts ``A`` and ``B``
     hold, ``rank`` each; ``shape`` is one expert's ``[out, in]``."""
+    kernel: Shape = ()
+    """A convolution's LoRA (``A`` a convolution ``[r, in, *kernel]``, ``B`` a 1x..1 one ``[out,
+    r, 1, ...]``): its kernel; ``shape`` is then the whole ``[out, in, *kernel]``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,6 +240,18 @@ def replacements(config: dict[str, Any], shapes: dict[str, Shape]) -> dict[str, 
     return out
 
 
+def _conv_kernel(a: Shape, b: Shape, embedding: bool) -> Shape | None:
+    """``()`` for a linear layer's (or an embedding's) matrices of one rank; a convolution's
+    kernel for PEFT's convolution LoRA (``A [r, in, *kernel]``, ``B [out, r, 1, ...]``); else
+    ``None``."""
+    if len(a) == 2 and len(b) == 2:
+        return () if a[0] == b[1] else None
+    one_by_one = len(b) == len(a) and all(k == 1 for k in b[2:])
+    if embedding or len(a) not in (3, 4, 5) or not one_by_one or a[0] != b[1]:
+        return None
+    return tuple(a[2:])
+
+
 def pairs(config: dict[str, Any], shapes: dict[str, Shape], where: str) -> dict[str, LoraPair]:
     """Each adapted base weight (by name) and its merge terms, from the adapter's tensor
     names and shapes; anything else in the adapter (but ``modules_to_save``'s tensors) is
@@ -252,8 +267,8 @@ def pairs(config: dict[str, Any], shapes: dict[str, Shape], where: str) -> dict[
         match = _LORA.fullmatch(local) or _EMBEDDING_LORA.fullmatch(local)
         if match is None:
             raise LayoutError(
-                f"{where}: tensor {name} is not a LoRA A or B matrix of a linear or embedding "
-                "layer (convolution adapters are not merged)"
+                f"{where}: tensor {name} is not a LoRA A or B matrix of a linear, embedding "
+                "or convolution layer"
             )
         if match.re is _EMBEDDING_LORA:
             embeddings.add(match["module"])
@@ -270,10 +285,16 @@ def pairs(config: dict[str, Any], shapes: dict[str, Shape], where: str) -> dict[
         embedding = module in embeddings
         if embedding:  # back to A [r, vocab], B [dim, r]
             a_shape, b_shape = a_shape[::-1], b_shape[::-1]
-        if len(a_shape) != 2 or len(b_shape) != 2 or a_shape[0] != b_shape[1]:
+        kernel = _conv_kernel(a_shape, b_shape, embedding)
+        if kernel is not None and len(kernel) == 3 and kernel[:2] == (1, 1):
+            raise LayoutError(
+                f"{where}: {module} is a 3-D convolution of kernel {list(kernel)}, which PEFT "
+                "merges through its 1x1 path (meant for 2-D kernels): not merged"
+            )
+        if kernel is None:
             raise LayoutError(
                 f"{where}: {module}'s lora_A {list(a_shape)} and lora_B {list(b_shape)} are "
-                "not the matrices of one rank"
+                "not the matrices (or convolutions) of one rank"
             )
         rank = a_shape[0]
         ranks = config.get("rank_pattern") or {}
@@ -291,8 +312,8 @@ def pairs(config: dict[str, Any], shapes: dict[str, Shape], where: str) -> dict[
         alpha = _pattern_value(alphas, module, config.get("lora_alpha", 8), where)
         scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
         weight = f"{module}.weight" if parameter is None else parameter[0]
-        shape = (a_shape[1], b_shape[0]) if embedding else (b_shape[0], a_shape[1])
+        shape = (a_shape[1], b_shape[0]) if embedding else (b_shape[0], a_shape[1], *kernel)
         if weight in out:
             raise LayoutError(f"{where}: two adapters of {weight}")
-        out[weight] = LoraPair(weight, a, b, rank, scaling, shape, embedding, experts)
+        out[weight] = LoraPair(weight, a, b, rank, scaling, shape, embedding, experts, kernel)
     return out

@@ -214,3 +214,59 @@ def test_an_adapter_given_as_a_checkpoint_points_to_merge_lora(tmp_path: Path, c
     result = cli("inspect", adapter, code=3)
     assert "a PEFT adapter" in result.stderr and "ckptctl merge-lora BASE" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def _vlm(dtype: torch.dtype) -> Any:
+    """A tiny Qwen2.5-VL: its vision tower's patch embedding is a 3-D convolution."""
+    config = transformers.Qwen2_5_VLConfig(
+        text_config=dict(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=151,
+            rope_scaling={"type": "mrope", "mrope_section": [2, 2, 4]},
+        ),
+        vision_config=dict(
+            depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64
+        ),
+        vocab_size=151,
+    )
+    torch.manual_seed(5)
+    return transformers.Qwen2_5_VLForConditionalGeneration(config).to(dtype).eval()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_convolution_adapters_merge_as_peft_merges_them(
+    tmp_path: Path, cli, dtype: torch.dtype
+) -> None:
+    """PEFT's convolution LoRA (``A`` a convolution of the layer's kernel, ``B`` a 1x1x1 one)
+    on Qwen2.5-VL's 3-D patch embedding, beside a linear adapter of its language model: merged
+    as PEFT's ``_ConvNd.get_delta_weight`` computes the delta (``A`` convolved with ``B``), and
+    under the names ``save_pretrained`` writes (PEFT names the modules as transformers holds
+    them in memory: ``model.language_model.*``, ``model.visual.*``): bit-equal to
+    ``merge_and_unload`` saved by transformers, in float32 (bfloat16: PEFT's float32 merge
+    rounded once)."""
+    base, adapter = tmp_path / "base", tmp_path / "adapter"
+    _vlm(dtype).save_pretrained(str(base))
+    config = peft.LoraConfig(target_modules=["patch_embed.proj", "q_proj"], r=4, lora_alpha=8)
+    wrapped = peft.get_peft_model(_vlm(dtype), config)
+    seeded = torch.Generator().manual_seed(13)
+    with torch.no_grad():
+        for name, param in wrapped.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=seeded) * 0.1)
+    wrapped.save_pretrained(str(adapter))
+    reference = peft.PeftModel.from_pretrained(_vlm(dtype).float(), str(adapter)).float()
+    merged = reference.merge_and_unload().to(dtype)  # PEFT's float32 merge, rounded once
+    merged.save_pretrained(str(tmp_path / "reference"))  # under the names transformers saves
+    cli("merge-lora", base, adapter, tmp_path / "out")
+    ours, want, before = (_tensors(tmp_path / d) for d in ("out", "reference", "base"))
+    assert sorted(ours) == sorted(want)
+    for name, tensor in want.items():
+        assert torch.equal(ours[name], tensor), name
+    conv = "visual.patch_embed.proj.weight"  # the hub's name (model.visual.* in memory)
+    assert ours[conv].dim() == 5 and not torch.equal(ours[conv], before[conv])
+    changed = [n for n in ours if not torch.equal(ours[n], before[n])]
+    assert sorted(changed) == ["model.layers.0.self_attn.q_proj.weight", conv]
