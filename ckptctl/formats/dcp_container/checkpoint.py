@@ -48,16 +48,18 @@ RowOrders = dict[KeyPath, tuple[RotaryRows, int, int]]
 rows)`` by key."""
 
 
-TITAN_GROUPS = "optimizer.param_groups."
-"""Where each parameter's optimizer options sit: ``<this><parameter>.<option>``."""
+FLAT_GROUPS = "optimizer.param_groups."
+"""Where a flattened optimizer state dict (torch's ``get_optimizer_state_dict`` with
+``flatten_optimizer_state_dict``, as torchtitan saves it under ``optimizer``) keeps each
+parameter's options: ``<this><parameter>.<option>``."""
 
 
-def titan_groups(items: dict[str, Any]) -> list[dict[str, Any]]:
-    """torch's parameter groups from torchtitan's flattened ones (every parameter's options,
-    keyed ``optimizer.param_groups.<parameter>.<option>``): each distinct set of options."""
+def flattened_groups(items: dict[str, Any]) -> list[dict[str, Any]]:
+    """torch's parameter groups from flattened ones (every parameter's options, keyed
+    ``optimizer.param_groups.<parameter>.<option>``): each distinct set of options."""
     by_param: dict[str, dict[str, Any]] = {}
     for key, value in items.items():
-        param, _, option = key[len(TITAN_GROUPS) :].rpartition(".")
+        param, _, option = key[len(FLAT_GROUPS) :].rpartition(".")
         by_param.setdefault(param, {})[option] = value
     groups: list[dict[str, Any]] = []
     for options in by_param.values():
@@ -241,9 +243,9 @@ class DcpCheckpoint(Checkpoint):
             in_group = len(path) >= 3 and path[-3] == "param_groups"
             if in_group and isinstance(path[-2], int) and path[-1] != "params":
                 groups.setdefault(path[-2], {})[str(path[-1])] = self.byte_item(fqn)[0]
-        if not groups:  # torchtitan's flattened optimizer: each parameter's options
-            flat = [f for f in self.byte_items() if f.startswith(TITAN_GROUPS)]
-            return titan_groups({f: self.byte_item(f)[0] for f in flat})
+        if not groups:  # a flattened optimizer (torchtitan's): each parameter's options
+            flat = [f for f in self.byte_items() if f.startswith(FLAT_GROUPS)]
+            return flattened_groups({f: self.byte_item(f)[0] for f in flat})
         return [groups[i] for i in sorted(groups)]
 
     def byte_items(self) -> list[str]:
