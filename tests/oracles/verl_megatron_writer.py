@@ -1,6 +1,8 @@
 """Write a verl Megatron actor checkpoint of a megatron-core GPT model trained one step, file for
-file as verl 0.9.1's ``MegatronCheckpointManager.save_checkpoint`` writes it
-(``verl/utils/checkpoint/megatron_checkpoint_manager.py`` with ``use_dist_checkpointing``).
+file as verl's ``MegatronCheckpointManager.save_checkpoint`` writes it
+(``verl/utils/checkpoint/megatron_checkpoint_manager.py`` with ``use_dist_checkpointing``):
+verl 0.9.1's split layout (``v2``, its ``MANIFEST_SCHEMA_VERSION = 2``) or the single
+``dist_ckpt/`` of the releases before it (the default).
 
 verl itself cannot run here (it imports Ray and needs CUDA for its Megatron workers), so this
 oracle makes the calls that manager makes, on megatron-core 0.13.1 (the release verl's Megatron
@@ -35,9 +37,21 @@ and RNG state only; verl then writes the weights as HF safetensors into ``huggin
 Megatron-Bridge, which this release of megatron-core cannot run: ``huggingface/`` holds the
 config alone here.
 
+``v2`` (verl 0.9.1, ``use_dist_checkpointing`` on, ``save_contents`` model, optimizer, extra):
+three ``dist_checkpointing.save`` calls of the same strategy, each a ``torch_dist`` directory
+of its own, as its ``save_checkpoint`` schedules them: ``actor/model/dist_ckpt`` the model's
+sharded state dict (built with verl's content metadata, ``dp_cp_group`` added),
+``actor/optimizer/dist_ckpt`` the optimizer's (no metadata: megatron-core < 0.14) and the
+scheduler's, ``actor/extra/dist_ckpt`` the RNG state; then ``transformer_config.json`` and,
+last, ``ckpt_contents.json`` (its ``_build_checkpoint_manifest``). Without Megatron-Bridge
+verl 0.9.1 saves no HF config with this layout: the config the run started from is written
+to ``OUT_DIR/hf_config.json``, outside the actor, for ``--hf-config``. ``v2-hf`` (its default,
+Megatron-Bridge on, ``use_dist_checkpointing`` off): no ``model/dist_ckpt``; the HF config in
+``model/huggingface`` (the weights Megatron-Bridge writes there cannot be written here).
+
 Usage::
 
-    python tests/oracles/verl_megatron_writer.py OUT_DIR [hf]
+    python tests/oracles/verl_megatron_writer.py OUT_DIR [hf|v2|v2-hf]
 
 Writes ``OUT_DIR/logits.pt``: ``{"input_ids", "logits"}`` of megatron-core's own TP forward of
 the trained model, the whole vocabulary.
@@ -147,19 +161,85 @@ def transformer_config_json(config: Any) -> dict[str, Any]:
     return out
 
 
-def worker(rank: int, port: int, out_dir: Path, hf_mode: bool) -> None:
+def worker(rank: int, port: int, out_dir: Path, mode: str) -> None:
     patch_megatron_for_cpu(noop_cuda_synchronize=True)
     patch_numpy_product()
     with model_parallel(rank, port, TP, tp=TP, cpu_as_cuda=True):
-        run_rank(out_dir, hf_mode)
+        run_rank(out_dir, mode)
 
 
-def run_rank(out_dir: Path, hf_mode: bool) -> None:
+def save_dist(state_dict: dict[str, Any], path: Path) -> None:
+    """verl's ``save_dist_checkpointing``: the ``torch_dist`` strategy, saved fully parallel
+    over the data-parallel group."""
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
     from megatron.core.dist_checkpointing.strategies.fully_parallel import (
         FullyParallelSaveStrategyWrapper,
     )
+
+    if dist.get_rank() == 0:
+        path.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    strategy = FullyParallelSaveStrategyWrapper(
+        get_default_save_sharded_strategy("torch_dist"),
+        parallel_state.get_data_parallel_group(with_context_parallel=True),
+    )
+    dist_checkpointing.save(
+        state_dict, str(path), sharded_strategy=strategy, validate_access_integrity=True
+    )
+    dist.barrier()
+
+
+def manifest(hf_weights: bool) -> dict[str, Any]:
+    """``ckpt_contents.json`` as verl 0.9.1's ``_build_checkpoint_manifest`` composes it (rank
+    0, after every save)."""
+    contents: dict[str, Any] = {}
+    if hf_weights:
+        contents["model"] = {
+            "path": "model/huggingface",
+            "format": "huggingface",
+            "backend": "mbridge",
+        }
+    else:
+        contents["model"] = {
+            "path": "model/dist_ckpt",
+            "format": "megatron_dist_checkpoint",
+            "backend": "dist_checkpointing",
+        }
+    contents["optimizer"] = {"path": "optimizer/dist_ckpt", "format": "megatron_dist_checkpoint"}
+    contents["lr_scheduler"] = {
+        "path": "optimizer/dist_ckpt",
+        "format": "megatron_dist_checkpoint",
+        "key": "lr_scheduler",
+    }
+    contents["rng_state"] = {
+        "path": "extra/dist_ckpt",
+        "format": "megatron_dist_checkpoint",
+        "key": "rng_state",
+    }
+    contents["transformer_config"] = {"path": "transformer_config.json", "format": "json"}
+    if hf_weights:
+        contents["hf_config"] = {"path": "model/huggingface", "format": "huggingface"}
+    return {
+        "schema_version": 2,
+        "framework": "megatron",
+        "role": "actor",
+        "arch": "LlamaForCausalLM",
+        "global_step": STEP,
+        "world_size": TP,
+        "backend": {
+            "has_bridge": hf_weights,
+            "use_dist_checkpointing": not hf_weights,
+            "peft": False,
+        },
+        "save_contents": ["model", "optimizer", "extra"],
+        "contents": contents,
+        "directories": {},
+        "saved_any_dist_ckpt": True,
+    }
+
+
+def run_rank(out_dir: Path, mode: str) -> None:
 
     torch.manual_seed(MODEL_SEED)
     config, gpt = build_model()
@@ -171,30 +251,30 @@ def run_rank(out_dir: Path, hf_mode: bool) -> None:
     logits = reference_logits(gpt)
 
     actor = out_dir / f"global_step_{STEP}" / "actor"
-    dist_ckpt = actor / "dist_ckpt"
+    if mode.startswith("v2"):
+        save_split(actor, gpt, optimizer, scheduler, mode == "v2-hf")
+    else:
+        state_dict: dict[str, Any] = {"model": gpt.sharded_state_dict()}
+        state_dict["optimizer"] = optimizer.sharded_state_dict(state_dict, is_loading=False)
+        state_dict["lr_scheduler"] = scheduler.state_dict()
+        state_dict["rng_state"] = rng_state_object()
+        if mode == "hf":
+            state_dict.pop("model")
+        save_dist(state_dict, actor / "dist_ckpt")
     if dist.get_rank() == 0:
-        dist_ckpt.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
-    state_dict: dict[str, Any] = {"model": gpt.sharded_state_dict()}
-    state_dict["optimizer"] = optimizer.sharded_state_dict(state_dict, is_loading=False)
-    state_dict["lr_scheduler"] = scheduler.state_dict()
-    state_dict["rng_state"] = rng_state_object()
-    if hf_mode:
-        state_dict.pop("model")
-    strategy = FullyParallelSaveStrategyWrapper(
-        get_default_save_sharded_strategy("torch_dist"),
-        parallel_state.get_data_parallel_group(with_context_parallel=True),
-    )
-    dist_checkpointing.save(
-        state_dict, str(dist_ckpt), sharded_strategy=strategy, validate_access_integrity=True
-    )
-    dist.barrier()
-    if dist.get_rank() == 0:
-        (actor / "huggingface").mkdir(exist_ok=True)
-        (actor / "huggingface" / "config.json").write_text(json.dumps(hf_config(), indent=2))
+        if mode == "v2":
+            (out_dir / "hf_config.json").write_text(json.dumps(hf_config(), indent=2))
+        else:
+            hf_dir = actor / ("model/huggingface" if mode == "v2-hf" else "huggingface")
+            hf_dir.mkdir(parents=True, exist_ok=True)
+            (hf_dir / "config.json").write_text(json.dumps(hf_config(), indent=2))
         (actor / "transformer_config.json").write_text(
             json.dumps(transformer_config_json(config), indent=2)
         )
+        if mode.startswith("v2"):
+            (actor / "ckpt_contents.json").write_text(
+                json.dumps(manifest(mode == "v2-hf"), indent=2, sort_keys=True)
+            )
         (out_dir / "latest_checkpointed_iteration.txt").write_text(str(STEP))
         torch.save(
             {"input_ids": reference_input_ids(BATCH, SEQ), "logits": logits}, out_dir / "logits.pt"
@@ -202,10 +282,36 @@ def run_rank(out_dir: Path, hf_mode: bool) -> None:
     dist.barrier()
 
 
+def save_split(actor: Path, gpt: Any, optimizer: Any, scheduler: Any, hf_weights: bool) -> None:
+    """verl 0.9.1's ``save_checkpoint``: the model's sharded state dict built once (with
+    verl's content metadata; on megatron-core < 0.14 the distributed optimizer's sharding type,
+    which it passes to neither save), saved to ``model/dist_ckpt`` unless the weights go to HF,
+    and read by the optimizer's ``sharded_state_dict``; then the optimizer and the RNG state,
+    each to its own directory."""
+    from megatron.core import parallel_state
+
+    metadata = {
+        "distrib_optim_sharding_type": "fully_sharded_model_space",
+        "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True),
+    }
+    model = {"model": gpt.sharded_state_dict(metadata=metadata)}
+    optimizer_state = {
+        "optimizer": optimizer.sharded_state_dict(model, is_loading=False),
+        "lr_scheduler": scheduler.state_dict(),
+    }
+    if not hf_weights:
+        save_dist(model, actor / "model" / "dist_ckpt")
+    save_dist(optimizer_state, actor / "optimizer" / "dist_ckpt")
+    save_dist({"rng_state": rng_state_object()}, actor / "extra" / "dist_ckpt")
+
+
 def main() -> int:
     out_dir = Path(sys.argv[1]).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
-    spawn(worker, TP, out_dir, sys.argv[2:] == ["hf"])
+    mode = sys.argv[2] if len(sys.argv) > 2 else "v1"
+    if mode not in ("v1", "hf", "v2", "v2-hf"):
+        raise SystemExit(f"unknown mode {mode!r}")
+    spawn(worker, TP, out_dir, mode)
     return 0
 
 

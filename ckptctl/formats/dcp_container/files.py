@@ -106,11 +106,21 @@ def accelerate_parts(storage: Storage, names: frozenset[str]) -> tuple[str, ...]
 def read_merged_metadata(storage: Storage, parts: tuple[str, ...]) -> DcpMetadata:
     """Several DCP checkpoints of one state dict (accelerate keeps the model's and the
     optimizer's apart) as one, every record placed relative to the root."""
+    return merge_metadata(storage, [(part, read_metadata(storage, part)) for part in parts])
+
+
+def merge_metadata(
+    storage: Storage, parts: list[tuple[str, DcpMetadata]], own: str | None = None
+) -> DcpMetadata:
+    """The ``.metadata`` of each part (a directory under the root) as one checkpoint's. Items
+    named ``own`` (or under it, ``own/...``) are each part's own (megatron-core keeps its
+    common state so), left out."""
     entries: dict = {}
     records: dict = {}
     planner: dict = {}
-    for part in parts:
-        metadata = read_metadata(storage, part)
+    for part, metadata in parts:
+        if own is not None:
+            metadata = _without(metadata, own)
         clash = sorted(set(entries) & set(metadata.entries))
         if clash:
             raise CheckpointError(
@@ -122,6 +132,17 @@ def read_merged_metadata(storage: Storage, parts: tuple[str, ...]) -> DcpMetadat
             records[key] = replace(info, relative_path=join(part, info.relative_path))
         planner.update(metadata.planner_data or {})
     return DcpMetadata(entries=entries, storage=records, planner_data=planner or None)
+
+
+def _without(metadata: DcpMetadata, own: str) -> DcpMetadata:
+    def kept(fqn: str) -> bool:
+        return fqn != own and not fqn.startswith(f"{own}/")
+
+    return replace(
+        metadata,
+        entries={k: e for k, e in metadata.entries.items() if kept(k)},
+        storage={k: i for k, i in metadata.storage.items() if kept(k[0])},
+    )
 
 
 def files_of(base: str, placed: list[tuple[StorageInfo, StoredTensor]]) -> tuple[StoredFile, ...]:

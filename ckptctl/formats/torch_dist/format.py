@@ -21,9 +21,11 @@ def _probe(storage: Storage, names: frozenset[str], request: ProbeRequest) -> An
         return None
     from ckptctl.formats.dcp_container.files import locate
     from ckptctl.formats.megatron_common.iterations import mcore_backend
-    from ckptctl.formats.torch_dist import verl_actor
+    from ckptctl.formats.torch_dist import verl_actor, verl_split
     from ckptctl.formats.torch_dist.reader import probe_torch_dist
 
+    if verl_split.recognised(names):
+        return verl_split.probe_split(storage, request)
     if verl_actor.recognised(names):
         return verl_actor.probe_verl_actor(storage, request)
     found = locate(storage, names, request.get(ITERATION))
@@ -46,7 +48,7 @@ FORMAT = CheckpointFormat(
         "verl's Megatron actor)",
         "metadata.json (sharded_backend torch_dist), .metadata, *.distcp, common.pt (args), or "
         "Megatron-Bridge's run_config.yaml beside them; verl: dist_ckpt/ + huggingface/ + "
-        "transformer_config.json",
+        "transformer_config.json, or verl 0.9's ckpt_contents.json naming model/ and optimizer/",
         True,
         "reshard --format torch_dist",
         "layer-stacked keys, fully_reshardable, dp_reshardable and fully_sharded_model_space "

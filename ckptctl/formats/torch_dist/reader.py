@@ -10,7 +10,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError, LayoutError
-from ckptctl.formats.dcp_container.files import files_of, join, read_metadata
+from ckptctl.formats.dcp_container.files import (
+    files_of,
+    join,
+    merge_metadata,
+    read_metadata,
+)
 from ckptctl.formats.dcp_container.metadata import BytesEntry, DcpMetadata, StorageInfo, TensorEntry
 from ckptctl.formats.dcp_container.records import RecordWindow, open_record
 from ckptctl.formats.megatron_common.args import (
@@ -75,6 +80,28 @@ def _common_state(
     return tree, step, tensors
 
 
+def _parts_state(
+    storage: Storage, parts: tuple[str, ...]
+) -> tuple[DcpMetadata, tuple[dict[str, Any], float | None, dict[int, Any]]]:
+    """The records of ``parts`` as one checkpoint's, and their common states as one."""
+    each = [(part, read_metadata(storage, part)) for part in parts]
+    common: dict[str, Any] = {}
+    step: float | None = None
+    tensors: dict[int, Any] = {}
+    for part, part_metadata in each:
+        tree, part_step, part_tensors = _common_state(storage, part, part_metadata, described=True)
+        tree = tree if isinstance(tree, dict) else {}
+        if clash := sorted(set(common) & set(tree)):
+            raise CheckpointError(
+                f"{storage.describe(join(part, COMMON))}: holds {clash[0]!r} too; the parts of "
+                "one state dict cannot share keys"
+            )
+        common.update(tree)
+        step = part_step if step is None else step
+        tensors.update(part_tensors)
+    return merge_metadata(storage, each, own="common_state"), (common, step, tensors)
+
+
 def _common_parts(tree: Any, reader: Any) -> tuple[Any, float | None, dict[int, Any]]:
     """The common state, its ``common_step`` (if any) and its optimizer's small tensors, read
     while ``reader`` is open."""
@@ -106,6 +133,10 @@ class Described:
     grad_buffers: bool = False
     """The files record how the grad buffers were laid out (Megatron-Bridge's ``ddp``
     section), so ``dp_reshardable`` optimizer state can be placed."""
+    parts: tuple[str, ...] = ()
+    """``torch_dist`` directories one state dict was saved to apart (verl's model and
+    optimizer), relative to the checkpoint's root: read as one."""
+    warnings: tuple[str, ...] = ()
 
 
 DEPRECATED_FORMS = ("dp_zero_gather_scatter", "fully_sharded_bucket_space")
@@ -167,12 +198,17 @@ def probe_torch_dist(
     described: Described | None = None,
 ) -> TorchDistCheckpoint:
     """``described``: the model and the run as saved beside a checkpoint whose common state
-    holds no Megatron-LM ``args`` (verl's Megatron actor), in ``args``' terms."""
-    metadata = read_metadata(storage, base)
-    bridge = described is None and storage.exists(join(base, RUN_CONFIG))
-    common, common_step, common_tensors = _common_state(
-        storage, base, metadata, described is not None or bridge
-    )
+    holds no Megatron-LM ``args`` (verl's Megatron actor), in ``args``' terms; its ``parts``,
+    the directories under ``base`` one state dict was saved to apart, are read as one."""
+    if described is not None and described.parts:
+        metadata, (common, common_step, common_tensors) = _parts_state(storage, described.parts)
+        bridge = False
+    else:
+        metadata = read_metadata(storage, base)
+        bridge = described is None and storage.exists(join(base, RUN_CONFIG))
+        common, common_step, common_tensors = _common_state(
+            storage, base, metadata, described is not None or bridge
+        )
     if bridge and not isinstance(common.get("args"), argparse.Namespace):
         described = _bridge_run(storage, base, common)
     args = common["args"] if described is None else _with_optimizer(described.args, common)
@@ -195,7 +231,7 @@ def probe_torch_dist(
         saved_iteration = checked_iteration(common.get("iteration"), where, number)
     catalog = model_catalog(spec)
     notes: list[str] = list(described.notes) if described is not None else []
-    warnings: list[str] = []
+    warnings: list[str] = list(described.warnings) if described is not None else []
     placed: list[tuple[StorageInfo, StoredTensor]] = []
     unknown: list[str] = []
     objects: set[str] = set()

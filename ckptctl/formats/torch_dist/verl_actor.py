@@ -47,7 +47,7 @@ _STEP = re.compile(r"global_step_(\d+)")
 def recognised(names: frozenset[str]) -> bool:
     """A Megatron actor's directory: ``dist_ckpt/`` with ``huggingface/`` beside it, holding the
     model (a LoRA run's ``adapter_checkpoint/``, and FSDP rank files, are the ``verl``
-    format's to read or refuse)."""
+    format's to read or refuse; verl 0.9's split layout is ``verl_split``'s)."""
     return (
         DIST_CKPT in names
         and HF_DIR in names
@@ -124,9 +124,16 @@ def layout_of(saved: dict[str, Any], where: str) -> ParallelLayout:
     )
 
 
-def described(storage: Storage, config: dict[str, Any], request: ProbeRequest) -> Described:
-    """The run as ``args`` would say it: the model from the HF config, the layout from
-    ``transformer_config.json``, checked against each other."""
+def described(
+    storage: Storage,
+    config: dict[str, Any],
+    request: ProbeRequest,
+    config_from: str = f"{HF_DIR}/{CONFIG}",
+    step: int | None = None,
+) -> Described:
+    """The run as ``args`` would say it: the model from the HF config (read from
+    ``config_from``), the layout from ``transformer_config.json``, checked against each
+    other; ``step`` the saved one (else the ``global_step_N`` of the path)."""
     where = storage.describe(TRANSFORMER_CONFIG)
     try:
         spec = spec_from_config(
@@ -137,7 +144,7 @@ def described(storage: Storage, config: dict[str, Any], request: ProbeRequest) -
             f"{storage.url}: a verl Megatron checkpoint of a model ckptctl has no Megatron "
             f"mapping for: {err}"
         ) from None
-    notes = ["verl Megatron checkpoint: the model from huggingface/config.json"]
+    notes = [f"verl Megatron checkpoint: the model from {config_from}"]
     if storage.exists(TRANSFORMER_CONFIG):
         saved = json_input.parse_object(storage.read_text(TRANSFORMER_CONFIG), where)
         wrong = [
@@ -158,7 +165,7 @@ def described(storage: Storage, config: dict[str, Any], request: ProbeRequest) -
             )
         if wrong:
             raise CheckpointError(
-                f"{where}: " + "; ".join(wrong[:4]) + " (is huggingface/config.json this run's?)"
+                f"{where}: " + "; ".join(wrong[:4]) + f" (is {config_from} this run's?)"
             )
         layout = layout_of(saved, where)
     else:
@@ -167,7 +174,7 @@ def described(storage: Storage, config: dict[str, Any], request: ProbeRequest) -
     args: argparse.Namespace = args_for(args_from_spec(spec), spec, layout)
     args.data_parallel_size = 1  # not saved by verl; no form ckptctl reads depends on it
     # (whether the distributed optimizer ran: ``probe_torch_dist`` sees its saved state)
-    return Described(args, step_of(storage.url), tuple(notes))
+    return Described(args, step_of(storage.url) if step is None else step, tuple(notes))
 
 
 def _config(storage: Storage, request: ProbeRequest) -> dict[str, Any]:

@@ -26,17 +26,8 @@ saved; ``ckptctl.lora.megatron`` reads it)."""
 STEP = re.compile(r"global_step_(\d+)")
 
 
-CONTENTS = "ckpt_contents.json"
-"""The manifest of verl's second Megatron layout (``model/``, ``optimizer/``, ``extra/``)."""
-
-
 def recognised(names: frozenset[str]) -> bool:
-    return (
-        any(MODEL.fullmatch(n) for n in names)
-        or megatron_actor(names)
-        or CONTENTS in names
-        or ADAPTER_DIR in names
-    )
+    return any(MODEL.fullmatch(n) for n in names) or megatron_actor(names) or ADAPTER_DIR in names
 
 
 def megatron_actor(names: frozenset[str]) -> bool:

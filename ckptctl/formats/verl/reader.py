@@ -28,12 +28,10 @@ from ckptctl.formats.torchsave.refs import open_torch_file
 from ckptctl.formats.transformers_model import build_names
 from ckptctl.formats.verl.layout import (
     ADAPTER_DIR,
-    CONTENTS,
     EXTRA,
     FSDP_CONFIG,
     HF_DIR,
     MODEL,
-    megatron_actor,
     model_file,
     optim_file,
     step_of,
@@ -81,14 +79,6 @@ def _check_fsdp_config(storage: Storage, world: int) -> None:
 
 
 def probe_verl(storage: Storage, names: frozenset[str], request: ProbeRequest) -> Checkpoint:
-    if CONTENTS in names and not megatron_actor(names):
-        weights = f"{storage.url.rstrip('/')}/model/huggingface"
-        raise CheckpointError(
-            f"{storage.describe(CONTENTS)}: verl's second Megatron checkpoint layout (model/, "
-            "optimizer/, extra/ apart) is not read yet",
-            hint=f"its weights in HF form are in {weights} when verl saved them there "
-            "(convert that directory; the optimizer state is not carried)",
-        )
     if ADAPTER_DIR in names and not any(MODEL.fullmatch(n) for n in names):
         raise CheckpointError(
             f"{storage.url}: verl's Megatron actor trained with LoRA: {ADAPTER_DIR}/ holds the "

@@ -1,5 +1,6 @@
 """verl Megatron actor checkpoints (``dist_ckpt/`` of megatron-core's ``torch_dist`` without
-Megatron-LM's args, ``huggingface/config.json`` and ``transformer_config.json`` beside it),
+Megatron-LM's args, ``huggingface/config.json`` and ``transformer_config.json`` beside it; verl
+0.9's split layout, ``model/``, ``optimizer/``, ``extra/`` with ``ckpt_contents.json``),
 judged by megatron-core and transformers: ``oracles/verl_megatron_writer`` trains a step at
 TP 2 on megatron-core 0.13.1 (the release verl's Megatron images pin) and saves as verl's
 ``MegatronCheckpointManager`` does; the HF model ckptctl writes gives megatron-core's logits."""
@@ -68,18 +69,88 @@ def test_what_does_not_describe_the_run_is_refused_by_name(run: Path, tmp_path: 
     assert "huggingface/config.json" in result.stderr and "--hf-config" in result.stderr
 
 
-def test_the_second_layout_is_named_and_not_misread(run: Path, tmp_path: Path, cli) -> None:
-    """verl's newer Megatron layout keeps model/, optimizer/ and extra/ apart, with a manifest
-    (``ckpt_contents.json``): refused by name, pointing to its HF weights."""
-    v2 = tmp_path / "v2"
-    (v2 / "model").mkdir(parents=True)
-    shutil.copytree(_actor(run) / "dist_ckpt", v2 / "model" / "dist_ckpt")
-    shutil.copytree(_actor(run) / "huggingface", v2 / "model" / "huggingface")
-    shutil.copy(_actor(run) / "transformer_config.json", v2)
-    (v2 / "ckpt_contents.json").write_text("{}")
-    result = cli("consolidate", v2, tmp_path / "out", code=3)
-    assert "second Megatron checkpoint layout" in result.stderr
-    assert "model/huggingface" in result.stderr
+@pytest.fixture(scope="module")
+def split_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """verl 0.9.1's split layout (``model/``, ``optimizer/``, ``extra/`` apart, with
+    ``ckpt_contents.json``), saved by megatron-core as its checkpoint manager makes the calls."""
+    out = tmp_path_factory.mktemp("verl_megatron_v2")
+    megatron_core_013.run(out, "v2", script="verl_megatron_writer.py")
+    return out
+
+
+def test_a_split_actor_becomes_the_trained_hf_model(split_run: Path, tmp_path: Path, cli) -> None:
+    """verl 0.9's layout: the model's and the optimizer's torch_dist directories read as one;
+    verl saves no HF config with it (without Megatron-Bridge), so it is asked for by name."""
+    actor = _actor(split_run)
+    config = split_run / "hf_config.json"
+    result = cli("inspect", actor, code=3)
+    assert "--hf-config" in result.stderr and "LlamaForCausalLM" in result.stderr
+    info = cli.json("inspect", actor, "--hf-config", config)
+    assert info["format"] == "torch_dist" and info["iteration"] == 1
+    assert info["layout"]["tp"] == 2 and info["has_optimizer"]
+    assert any("rng_state (extra/dist_ckpt/" in w for w in info["warnings"])
+    files = {f["path"].split("/")[0] for f in info["files"]}
+    assert files == {"model", "optimizer"}
+    cli("consolidate", actor, tmp_path / "hf", "--hf-config", config)
+    reference = torch.load(split_run / "logits.pt", weights_only=False)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "hf"), dtype=torch.float32, attn_implementation="eager"
+    )
+    with torch.no_grad():
+        logits = model(input_ids=reference["input_ids"]).logits
+    torch.testing.assert_close(logits, reference["logits"], rtol=1e-5, atol=1e-5)
+
+
+def test_a_split_actor_reshards_with_its_adam_state(split_run: Path, tmp_path: Path, cli) -> None:
+    actor, config = _actor(split_run), split_run / "hf_config.json"
+    cli(
+        "reshard",
+        actor,
+        tmp_path / "tp1",
+        "--tp",
+        "1",
+        "--format",
+        "megatron",
+        "--hf-config",
+        config,
+    )
+    report = cli.json("verify", tmp_path / "tp1", "--against", actor, "--hf-config", config)
+    assert report["ok"]
+    names = {t["name"] for t in report["tensors"]}
+    assert any(n.startswith("exp_avg_sq/") for n in names), "Adam state was not carried"
+    assert any(not n.startswith(("exp_avg", "fp32_param")) for n in names), "weights not compared"
+
+
+def test_a_split_manifest_that_leaves_the_checkpoint_is_refused(
+    split_run: Path, tmp_path: Path, cli
+) -> None:
+    other = tmp_path / "actor"
+    shutil.copytree(_actor(split_run), other)
+    manifest = json.loads((other / "ckpt_contents.json").read_text())
+    config = split_run / "hf_config.json"
+    for path in ("../../elsewhere", "/etc"):
+        manifest["contents"]["optimizer"]["path"] = path
+        (other / "ckpt_contents.json").write_text(json.dumps(manifest))
+        result = cli("inspect", other, "--hf-config", config, code=3)
+        assert "contents.optimizer.path" in result.stderr
+    manifest["contents"]["optimizer"]["path"] = "optimizer/dist_ckpt"
+    manifest["schema_version"] = 3
+    (other / "ckpt_contents.json").write_text(json.dumps(manifest))
+    result = cli("inspect", other, "--hf-config", config, code=3)
+    assert "schema_version 3" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_split_actor_with_hf_weights_says_where_they_are(
+    tmp_path_factory: pytest.TempPathFactory, cli
+) -> None:
+    """verl 0.9.1's default (Megatron-Bridge, ``use_dist_checkpointing`` off): the manifest
+    names ``model/huggingface`` for the weights; the refusal points there."""
+    out = tmp_path_factory.mktemp("verl_megatron_v2_hf")
+    megatron_core_013.run(out, "v2-hf", script="verl_megatron_writer.py")
+    actor = _actor(out)
+    result = cli("consolidate", actor, out / "dst", code=3)
+    assert f"ckptctl consolidate {actor / 'model' / 'huggingface'} DST" in result.stderr
+    assert not (out / "dst").exists()
 
 
 def test_an_actor_saved_with_hf_weights_says_where_the_weights_are(
