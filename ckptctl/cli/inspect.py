@@ -105,6 +105,8 @@ def _adapter(adapter: EmbeddedLora | None) -> dict[str, Any] | None:
         "ranks": sorted(set(ranks.values())),
         "tensor_bytes": size,
         "tensors": count,
+        "alone": adapter.alone,
+        "lora_alpha": adapter.trained.alpha if adapter.trained is not None else None,
     }
 
 
@@ -143,6 +145,8 @@ def _show_inspect(out: Output, info: dict[str, Any]) -> None:
             f"model: HF {info['hf']['architecture']} by name (shapes checked by transformers; "
             "no family table: HF and torch targets only)"
         )
+    elif info["adapter"] is not None and info["adapter"]["alone"]:
+        out.show("model: none saved (the LoRA adapter alone)")
     elif spec is None:
         out.show("model: unknown family (keys are not Megatron-Core's or HF Llama's)")
     else:
@@ -156,10 +160,14 @@ def _show_inspect(out: Output, info: dict[str, Any]) -> None:
         )
     if info["adapter"] is not None:
         lora = info["adapter"]
+        alpha = lora["lora_alpha"]
+        flag = "" if alpha else " --lora-alpha A"
+        merge = f"merge-lora BASE SRC DST{flag}" if lora["alone"] else f"merge-lora SRC DST{flag}"
         out.show(
             f"LoRA adapter {lora['name']!r} trained in: {lora['modules']} modules, rank "
-            f"{'/'.join(map(str, lora['ranks']))} (merge-lora SRC DST --lora-alpha A merges it; "
-            "--adapter-only exports it)"
+            f"{'/'.join(map(str, lora['ranks']))}"
+            + (f", alpha {alpha:g}" if alpha else "")
+            + f" ({merge} merges it; --adapter-only exports it)"
         )
     out.show("layout: " + " ".join(f"{k}={v}" for k, v in layout.items() if v not in (None, False)))
     moe = spec is not None and spec.get("num_experts")

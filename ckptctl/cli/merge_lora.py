@@ -48,8 +48,9 @@ def merge_lora_cmd(
         float | None,
         typer.Option(
             "--lora-alpha",
-            help="The alpha an adapter trained inside BASE, or verl's Megatron adapter, was "
-            "trained with (their files do not hold it; verl: actor_rollout_ref.model.lora_alpha, "
+            help="The alpha an adapter trained inside a checkpoint, or verl's Megatron adapter, "
+            "was trained with, where the run did not record it (verl 0.9 records it for FSDP "
+            "actors in lora_train_meta.json; before: actor_rollout_ref.model.lora_alpha; "
             "Megatron: actor_rollout_ref.model.lora.alpha).",
         ),
     ] = None,
@@ -88,6 +89,9 @@ def merge_lora_cmd(
                 out, base, adapter, dst, settings, job, lora_alpha, adapter_only, max_shard_size
             )
             return
+        if not _peft_directory(adapter, settings):
+            _held(out, base, adapter, dst, settings, job, lora_alpha, adapter_only, max_shard_size)
+            return
         if lora_alpha is not None or adapter_only:
             flag = "--lora-alpha" if lora_alpha is not None else "--adapter-only"
             raise UsageError(
@@ -122,17 +126,76 @@ def _inside(
             f"{base}: holds no LoRA adapter; give the adapter's directory: ckptctl merge-lora "
             f"{base} ADAPTER DST"
         )
-    if alpha is None:
+    if ckpt.adapter.alone and not adapter_only:
         raise UsageError(
-            f"--lora-alpha: {base} holds a LoRA adapter on {len(ckpt.adapter.modules)} modules "
-            "but not the alpha it was trained with (its update's scale); give it (verl: "
-            "actor_rollout_ref.model.lora_alpha)"
+            f"{base}: holds a LoRA adapter without its base weights (saved alone); give the "
+            f"model the run started from: ckptctl merge-lora BASE {base} DST"
         )
-    lora = EmbeddedAdapter(ckpt, base, alpha)
+    lora = EmbeddedAdapter(ckpt, base, _alpha(alpha, ckpt, base))
     if adapter_only:
         _export(out, lora, dst, settings, job)
     else:
         _merge(out, base, dst, lora, settings, job, max_shard_size, out.as_json, ckpt)
+
+
+def _peft_directory(url: str, settings: Settings) -> bool:
+    """Whether ``url`` is a PEFT adapter directory (else: a checkpoint trained with one)."""
+    from ckptctl.io.storage import Storage
+    from ckptctl.lora.adapter import CONFIG
+
+    storage = Storage(url, settings.storage, read_only=True)
+    return not storage.exists() or not storage.isdir() or storage.exists(CONFIG)
+
+
+def _alpha(given: float | None, ckpt: Checkpoint, url: str) -> float:
+    """The alpha the adapter ``ckpt`` holds was trained with: as the run recorded it (a
+    different ``--lora-alpha`` is refused), else as given."""
+    assert ckpt.adapter is not None
+    trained = ckpt.adapter.trained
+    if trained is not None and trained.alpha is not None:
+        if given is not None and given != trained.alpha:
+            raise UsageError(
+                f"--lora-alpha {given:g}: {trained.where} records the adapter's lora_alpha as "
+                f"{trained.alpha:g}; leave the flag out to use it"
+            )
+        return trained.alpha
+    if given is None:
+        raise UsageError(
+            f"--lora-alpha: {url} holds a LoRA adapter on {len(ckpt.adapter.modules)} modules "
+            "but not the alpha it was trained with (its update's scale); give it (verl: "
+            "actor_rollout_ref.model.lora_alpha)"
+        )
+    return given
+
+
+def _held(
+    out: Output,
+    base: str,
+    adapter: str,
+    dst: str,
+    settings: Settings,
+    job: JobRequest,
+    alpha: float | None,
+    adapter_only: bool,
+    max_shard_size: str,
+) -> None:
+    """The adapter a checkpoint holds (verl's LoRA actor, saved with or without its base)
+    merged into BASE, or exported."""
+    from ckptctl.lora.embedded import EmbeddedAdapter
+    from ckptctl.pipeline.probe import open_checkpoint
+
+    refuse_overlap("destination", dst, {"source": base, "adapter": adapter})
+    ckpt = open_checkpoint(adapter, settings, with_adapter=True, **job.source_options())
+    if ckpt.adapter is None:
+        raise UsageError(
+            f"{adapter}: neither a PEFT adapter directory (no adapter_config.json) nor a "
+            "checkpoint trained with a LoRA adapter"
+        )
+    lora = EmbeddedAdapter(ckpt, adapter, _alpha(alpha, ckpt, adapter))
+    if adapter_only:
+        _export(out, lora, dst, settings, job)
+    else:
+        _merge(out, base, dst, lora, settings, job, max_shard_size, out.as_json)
 
 
 def _megatron(

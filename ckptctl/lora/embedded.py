@@ -52,6 +52,12 @@ class EmbeddedAdapter(HeldAdapter):
             ckpt.adapter.base_model,
             f"{url} (its LoRA adapter)",
         )
+        trained = ckpt.adapter.trained
+        if trained is not None and trained.rank not in (None, self.settings["r"]):
+            raise LayoutError(
+                f"{trained.where}: r is {trained.rank}, but the adapter's matrices are of rank "
+                f"{self.settings['r']}: the file is not this run's"
+            )
 
     @property
     def url(self) -> str:

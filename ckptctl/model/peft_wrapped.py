@@ -47,6 +47,32 @@ class PeftNames:
 
 
 @dataclass(frozen=True, slots=True)
+class TrainedWith:
+    """What a training run wrote down about its adapter, and where."""
+
+    rank: int | None
+    alpha: float | None
+    where: str
+
+
+def trained_with(doc: dict[str, Any], where: str) -> TrainedWith:
+    """verl's ``lora_train_meta.json`` (``{"r", "lora_alpha", "task_type"}``), checked."""
+
+    def number(name: str) -> float | None:
+        value = doc.get(name)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise CheckpointError(f"{where}: {name} is {value!r}, not a positive number")
+        return float(value)
+
+    rank = number("r")
+    if rank is not None and not rank.is_integer():
+        raise CheckpointError(f"{where}: r is {doc.get('r')!r}, not a whole number")
+    return TrainedWith(None if rank is None else int(rank), number("lora_alpha"), where)
+
+
+@dataclass(frozen=True, slots=True)
 class EmbeddedLora:
     """A LoRA adapter a checkpoint holds beside its base model: its matrices' stored tensors
     (by PEFT's saved names) and what its ``adapter_config.json`` needs from the model."""
@@ -60,6 +86,11 @@ class EmbeddedLora:
     reader: object = None
     """What reads the matrices' boxes, when not the checkpoint holding the adapter (a DCP
     checkpoint whose metadata was unwrapped to the base model's names)."""
+    trained: TrainedWith | None = None
+    """The rank and alpha the run recorded beside the checkpoint (verl's
+    ``lora_train_meta.json``), if it did."""
+    alone: bool = False
+    """Saved without its base's weights (verl's ``save_lora_only``)."""
 
     @property
     def modules(self) -> frozenset[str]:

@@ -179,12 +179,22 @@ def open_against(url: str, other: str, settings: Settings) -> tuple[Checkpoint, 
 def refuse_adapter(url: str, ckpt: Checkpoint) -> None:
     """A checkpoint trained with a LoRA adapter in it: its base alone is not the trained
     model, so only merging or exporting the adapter is offered."""
-    modules = ckpt.adapter.modules if ckpt.adapter is not None else frozenset()
+    adapter = ckpt.adapter
+    modules = adapter.modules if adapter is not None else frozenset()
+    known = adapter is not None and adapter.trained is not None and adapter.trained.alpha
+    alpha = "" if known else " --lora-alpha ALPHA"
+    if adapter is not None and adapter.alone:
+        raise CheckpointError(
+            f"{url}: holds a LoRA adapter trained on {len(modules)} modules alone (saved "
+            "without its base weights): there is no model to convert",
+            hint=f"merge it into the model the run started from: ckptctl merge-lora BASE {url} "
+            f"DST{alpha}; or export it: ckptctl merge-lora {url} DST --adapter-only{alpha}",
+        )
     raise CheckpointError(
         f"{url}: holds a LoRA adapter trained on {len(modules)} modules beside its base "
         "weights; converting the base alone would drop it",
-        hint=f"merge it: ckptctl merge-lora {url} DST --lora-alpha ALPHA; or export it: "
-        f"ckptctl merge-lora {url} DST --adapter-only --lora-alpha ALPHA",
+        hint=f"merge it: ckptctl merge-lora {url} DST{alpha}; or export it: "
+        f"ckptctl merge-lora {url} DST --adapter-only{alpha}",
     )
 
 

@@ -9,6 +9,7 @@ oracle's own (its docstring)."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
-ALPHA = "16"  # the oracle's LoraConfig(lora_alpha=16): verl keeps it in its config, not here
+ALPHA = "16"  # the oracle's LoraConfig(lora_alpha=16), recorded in lora_train_meta.json
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,7 @@ def _contents(directory: Path) -> dict[str, bytes]:
 
 def test_the_merge_equals_peft_merge_and_unload(run: Path, tmp_path: Path, cli) -> None:
     before = _contents(_actor(run))
-    cli("merge-lora", _actor(run), tmp_path / "hf", "--lora-alpha", ALPHA)
+    cli("merge-lora", _actor(run), tmp_path / "hf")  # the alpha from lora_train_meta.json
     truth = _truth(run)
     written = load_file(tmp_path / "hf" / "model.safetensors")
     tied = {"lm_head.weight"}  # Qwen3 ties it to the embedding: saved once
@@ -92,11 +93,14 @@ def test_the_adapter_exports_as_peft_saves_it(run: Path, tmp_path: Path, cli) ->
     with torch.no_grad():
         logits = wrapped(input_ids=truth["input_ids"]).logits
     assert torch.equal(logits, truth["unsharded_logits"])
+    # An alpha other than the run recorded: refused by name.
+    result = cli("merge-lora", _actor(run), tmp_path / "a8", "--lora-alpha", "8", code=2)
+    assert "lora_train_meta.json" in result.stderr and "16" in result.stderr
     # A second export into it: refused, then replaced with --overwrite.
-    result = cli("merge-lora", _actor(run), out, "--adapter-only", "--lora-alpha", "8", code=2)
+    result = cli("merge-lora", _actor(run), out, "--adapter-only", code=2)
     assert "--overwrite" in result.stderr
-    cli("merge-lora", _actor(run), out, "--adapter-only", "--lora-alpha", "8", "--overwrite")
-    assert json.loads((out / "adapter_config.json").read_text())["lora_alpha"] == 8
+    cli("merge-lora", _actor(run), out, "--adapter-only", "--overwrite")
+    assert json.loads((out / "adapter_config.json").read_text())["lora_alpha"] == 16
 
 
 def test_the_base_alone_is_not_taken_for_the_trained_model(run: Path, tmp_path: Path, cli) -> None:
@@ -107,14 +111,61 @@ def test_the_base_alone_is_not_taken_for_the_trained_model(run: Path, tmp_path: 
     assert "LoRA adapter trained on 14 modules" in result.stderr
     assert "merge-lora" in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "base").exists()
-    result = cli("merge-lora", _actor(run), tmp_path / "m", code=2)
+    # verl before 0.9 recorded no alpha: it must be given, and is taken as given.
+    older = tmp_path / "older"
+    shutil.copytree(_actor(run), older)
+    (older / "lora_train_meta.json").unlink()
+    result = cli("merge-lora", older, tmp_path / "m", code=2)
     assert "--lora-alpha" in result.stderr
+    cli("merge-lora", older, tmp_path / "a8", "--adapter-only", "--lora-alpha", "8")
+    assert json.loads((tmp_path / "a8" / "adapter_config.json").read_text())["lora_alpha"] == 8
     plain = tmp_path / "plain"
     cli("merge-lora", _actor(run), plain, "--lora-alpha", ALPHA)
     result = cli("merge-lora", plain, tmp_path / "m2", "--lora-alpha", ALPHA, code=2)
     assert "holds no LoRA adapter" in result.stderr
     result = cli("merge-lora", plain, tmp_path / "a", tmp_path / "m3", "--adapter-only", code=2)
     assert "--adapter-only" in result.stderr
+
+
+@pytest.fixture(scope="module")
+def lora_only(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """verl's ``save_lora_only``: each rank's model file holds the adapter alone."""
+    out = tmp_path_factory.mktemp("verl_lora_only")
+    run_oracle("verl_fsdp_writer.py", "qwen3_lora", out, 3, "lora_only", timeout=300)
+    return out
+
+
+def test_an_adapter_saved_alone_merges_into_the_base_it_was_trained_on(
+    lora_only: Path, tmp_path: Path, cli
+) -> None:
+    actor, truth = _actor(lora_only), _truth(lora_only)
+    info = cli.json("inspect", actor)
+    assert info["adapter"]["alone"] and info["adapter"]["lora_alpha"] == 16
+    result = cli("consolidate", actor, tmp_path / "x", code=3)
+    assert f"merge-lora BASE {actor} DST" in result.stderr
+    result = cli("merge-lora", actor, tmp_path / "y", code=2)
+    assert "without its base weights" in result.stderr
+    # The model the run started from, saved by transformers (the trained base: LoRA froze it).
+    config = transformers.AutoConfig.from_pretrained(str(actor / "huggingface"))
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.float().load_state_dict(
+        {
+            name.removeprefix("base_model.model.").replace(".base_layer.", "."): tensor
+            for name, tensor in truth["model"].items()
+            if ".lora_" not in name
+        }
+    )
+    model.save_pretrained(tmp_path / "base")
+    cli("merge-lora", tmp_path / "base", actor, tmp_path / "merged")
+    written = load_file(tmp_path / "merged" / "model.safetensors")
+    assert set(written) == set(truth["merged"]) - {"lm_head.weight"}  # tied: saved once
+    for name, tensor in written.items():
+        assert torch.equal(tensor, truth["merged"][name]), name
+    cli("merge-lora", actor, tmp_path / "adapter", "--adapter-only")
+    saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert set(saved) == set(truth["adapter"])
+    for name, tensor in saved.items():
+        assert torch.equal(tensor, truth["adapter"][name]), name
 
 
 def test_a_second_adapter_or_a_dora_run_is_refused_by_name(run: Path, tmp_path: Path) -> None:

@@ -13,18 +13,21 @@ transformers themselves: ``fully_shard`` on each decoder layer and the root, one
 
 Usage::
 
-    python tests/oracles/verl_fsdp_writer.py MODEL OUT_DIR [WORLD [hsdp]]
+    python tests/oracles/verl_fsdp_writer.py MODEL OUT_DIR [WORLD [hsdp|lora_only]]
 
 MODEL: ``qwen3`` (a family ckptctl maps), ``gpt_oss`` and ``qwen3_5`` (mapped, with packed
 experts and shifted gated norms), ``qwen2_5_vl`` (a VLM, by name) or ``qwen3_lora``
 (``qwen3`` wrapped in a PEFT LoRA before sharding, as verl's ``_build_model_optimizer`` does when
 ``lora_rank > 0``: ``LoraConfig(task_type=CAUSAL_LM, r, lora_alpha, target_modules, bias="none")``,
 ``target_modules="all-linear"`` (verl's default); the optimizer over every parameter, the frozen
-base ones left without state). ``hsdp``: a 2-D mesh (2 replicas x WORLD/2 shards, verl's hybrid
-sharding), shards ``(Replicate(), Shard(0))``. Writes ``OUT_DIR/global_step_1/actor/`` and
-``OUT_DIR/truth.pt`` (the full weights after the step, by in-memory name, the batch and the live
-model's logits; for ``qwen3_lora`` also PEFT's own adapter state dict, adapter config and the
-``merge_and_unload`` weights of the trained model).
+base ones left without state; rank 0 records the adapter's ``r``, ``lora_alpha`` and task in
+``lora_train_meta.json``, verl 0.9's ``_save_lora_train_meta``). ``lora_only``: verl's
+``checkpoint.save_lora_only``, each rank's model file holding the adapter's parameters alone
+(names with ``lora_`` or ``.adapter_``). ``hsdp``: a 2-D mesh (2 replicas x WORLD/2 shards,
+verl's hybrid sharding), shards ``(Replicate(), Shard(0))``. Writes
+``OUT_DIR/global_step_1/actor/`` and ``OUT_DIR/truth.pt`` (the full weights after the step, by
+in-memory name, the batch and the live model's logits; for ``qwen3_lora`` also PEFT's own
+adapter state dict, adapter config and the ``merge_and_unload`` weights of the trained model).
 """
 
 from __future__ import annotations
@@ -159,11 +162,13 @@ def sharded(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
     return model
 
 
-def worker(rank: int, port: int, name: str, world: int, hsdp: bool, out: Path) -> None:
-    gloo(rank, port, world, run_rank, rank, name, world, hsdp, out)
+def worker(
+    rank: int, port: int, name: str, world: int, hsdp: bool, lora_only: bool, out: Path
+) -> None:
+    gloo(rank, port, world, run_rank, rank, name, world, hsdp, lora_only, out)
 
 
-def run_rank(rank: int, name: str, world: int, hsdp: bool, out: Path) -> None:
+def run_rank(rank: int, name: str, world: int, hsdp: bool, lora_only: bool, out: Path) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
@@ -185,7 +190,10 @@ def run_rank(rank: int, name: str, world: int, hsdp: bool, out: Path) -> None:
     actor = out / "global_step_1" / "actor"
     actor.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    torch.save(model.state_dict(), actor / f"model_world_size_{world}_rank_{rank}.pt")
+    state = model.state_dict()
+    if lora_only:  # verl's save_lora_only: the adapter's parameters alone
+        state = {k: v for k, v in state.items() if "lora_" in k or ".adapter_" in k}
+    torch.save(state, actor / f"model_world_size_{world}_rank_{rank}.pt")
     torch.save(optimizer.state_dict(), actor / f"optim_world_size_{world}_rank_{rank}.pt")
     extra = {"lr_scheduler": scheduler.state_dict(), "rng": {"cpu": torch.get_rng_state()}}
     torch.save(extra, actor / f"extra_state_world_size_{world}_rank_{rank}.pt")
@@ -193,6 +201,10 @@ def run_rank(rank: int, name: str, world: int, hsdp: bool, out: Path) -> None:
         base.config.save_pretrained(actor / "huggingface")
         with open(actor / "fsdp_config.json", "w") as f:
             json.dump({"FSDP_version": 2, "world_size": world}, f, indent=4)
+        if name.endswith("_lora"):  # verl 0.9's _save_lora_train_meta
+            meta = {"r": LORA["r"], "lora_alpha": LORA["lora_alpha"], "task_type": "CAUSAL_LM"}
+            with open(actor / "lora_train_meta.json", "w", encoding="utf-8") as f:
+                json.dump(meta, f, ensure_ascii=False, indent=4)
     full = {
         key: value.full_tensor() if isinstance(value, DTensor) else value
         for key, value in model.state_dict().items()
@@ -227,12 +239,17 @@ def main() -> int:
     name, out = sys.argv[1], Path(sys.argv[2]).resolve()
     world = int(sys.argv[3]) if len(sys.argv) > 3 else 2
     hsdp = len(sys.argv) > 4 and sys.argv[4] == "hsdp"
+    lora_only = len(sys.argv) > 4 and sys.argv[4] == "lora_only"
     out.mkdir(parents=True, exist_ok=True)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         port = int(sock.getsockname()[1])
     mp.start_processes(
-        worker, args=(port, name, world, hsdp, out), nprocs=world, join=True, start_method="fork"
+        worker,
+        args=(port, name, world, hsdp, lora_only, out),
+        nprocs=world,
+        join=True,
+        start_method="fork",
     )
     return 0
 

@@ -24,6 +24,8 @@ ADAPTER_DIR = "adapter_checkpoint"
 """A Megatron actor trained with LoRA: Megatron-Bridge's adapter, per rank (the base is not
 saved; ``ckptctl.lora.megatron`` reads it)."""
 STEP = re.compile(r"global_step_(\d+)")
+LORA_META = "lora_train_meta.json"
+"""A LoRA run's ``{"r", "lora_alpha", "task_type"}`` (verl 0.9's ``_save_lora_train_meta``)."""
 
 
 def recognised(names: frozenset[str]) -> bool:

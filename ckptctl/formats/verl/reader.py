@@ -31,6 +31,7 @@ from ckptctl.formats.verl.layout import (
     EXTRA,
     FSDP_CONFIG,
     HF_DIR,
+    LORA_META,
     MODEL,
     model_file,
     optim_file,
@@ -41,7 +42,14 @@ from ckptctl.io.storage import Storage
 from ckptctl.model.hf_layout import CONFIG
 from ckptctl.model.hf_named import GENERATION_CONFIG
 from ckptctl.model.layout import ParallelLayout
-from ckptctl.model.peft_wrapped import EmbeddedLora, PeftNames, split, wrapped
+from ckptctl.model.peft_wrapped import (
+    EmbeddedLora,
+    PeftNames,
+    TrainedWith,
+    split,
+    trained_with,
+    wrapped,
+)
 from ckptctl.model.stored import CheckpointView, StoredFile
 
 VERL = "verl"
@@ -93,6 +101,7 @@ def probe_verl(storage: Storage, names: frozenset[str], request: ProbeRequest) -
     readers: dict[str, TorchZipReader] = {}
     files, adapter_files = [], []
     peft: PeftNames | None = None
+    alone = False
     for rank in range(world):
         rel = model_file(world, rank)
         if not storage.exists(rel):
@@ -103,9 +112,12 @@ def probe_verl(storage: Storage, names: frozenset[str], request: ProbeRequest) -
             peft = split(tree, where)
         if peft is not None:
             adapter_files.append(StoredFile(rel, tuple(adapter_tensors(tree, peft, where, rank))))
+        if alone := peft is not None and not peft.base:
+            continue  # verl's save_lora_only: the adapter without its base
         tensors = model_tensors(tree, model, where, rank, peft.base if peft else None)
         files.append(StoredFile(rel, tuple(tensors)))
-    check_names({t.canonical for f in files for t in f.tensors}, model, storage.url)
+    if not alone:
+        check_names({t.canonical for f in files for t in f.tensors}, model, storage.url)
     # A LoRA run's optimizer numbers the wrapped model's parameters (base and adapter): its
     # state belongs to the adapter, which merge-lora writes without it.
     with_optimizer = peft is None and all(
@@ -122,6 +134,7 @@ def probe_verl(storage: Storage, names: frozenset[str], request: ProbeRequest) -
         notes.append(
             f"trained with LoRA adapter {peft.adapter_name!r} on {len(peft.modules)} modules "
             "(its optimizer state not read)"
+            + ("; saved alone (save_lora_only): no base weights" if alone else "")
         )
     generic = CheckpointView(
         VERL,
@@ -152,6 +165,8 @@ def probe_verl(storage: Storage, names: frozenset[str], request: ProbeRequest) -
             model.architecture,
             base_model if isinstance(base_model, str) and base_model else None,
             peft.adapter_name,
+            trained=_lora_meta(storage),
+            alone=alone,
         )
     rounding = request.get(ALLOW_ROUNDING)
     return HfStateDictFiles(
@@ -164,3 +179,11 @@ def _carried(rel: str, world: int) -> bool:
     config and tokenizer."""
     extra = EXTRA.fullmatch(rel)
     return rel.startswith(f"{HF_DIR}/") or (extra is not None and int(extra[1]) == world)
+
+
+def _lora_meta(storage: Storage) -> TrainedWith | None:
+    """verl (0.9) records a LoRA run's rank and alpha beside its files."""
+    if not storage.exists(LORA_META):
+        return None
+    where = storage.describe(LORA_META)
+    return trained_with(json_input.parse_object(storage.read_text(LORA_META), where), where)
