@@ -6,9 +6,10 @@ verl's Megatron workers train LoRA through Megatron-Bridge (``megatron.bridge.pe
 verl's ``get_peft_cls``) and, with LoRA on, save only the adapter: each rank
 ``torch.save({"adapter_state_dict": {name: param}})`` of every parameter whose name holds
 ``.adapter.`` in its (first) model chunk, to
-``adapter_checkpoint/mp_rank_TT[_PPP][_EEE]_adapter.pt`` (verl 0.9's
-``verl/utils/megatron_peft_utils.save_adapter_checkpoint``; the names are the stage's own, layer
-numbers local to it). verl itself cannot run here (Ray, CUDA workers), so this script makes that
+``adapter_checkpoint/mp_rank_TT[_PPP][_EEE]_adapter.pt`` (``save_adapter_checkpoint`` of
+``verl/utils/megatron_peft_utils.py`` in the releases before 0.9, whose split layout keeps the
+adapter in ``model/dist_ckpt`` and Megatron-Bridge's PEFT export instead; the names are the
+stage's own, layer numbers local to it). verl itself cannot run here (Ray, CUDA workers), so this script makes that
 call's few lines itself; the adapter is Megatron-Bridge 0.3.1's, on megatron-core 0.16.1's own
 ``GPTModel`` (``mcore_cpu``: local layer spec, gloo, ``--tp`` x ``--pp`` CPU processes).
 

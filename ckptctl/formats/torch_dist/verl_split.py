@@ -56,11 +56,19 @@ def probe_split(storage: Storage, request: ProbeRequest) -> TorchDistCheckpoint:
     backend = manifest.get("backend")
     backend = backend if isinstance(backend, dict) else {}
     if backend.get("peft") or "peft_adapters" in contents:
+        exported = (_entry(contents, "model", where) or {}).get("peft_adapter_path")
+        field = "model.peft_adapter_path"
+        adapter = (
+            f"{storage.url.rstrip('/')}/{_inside(storage, exported, field, where)}"
+            if isinstance(exported, str)
+            else f"the PEFT adapter verl exports under {HF_DIR}/adapter (Megatron-Bridge on)"
+        )
         raise CheckpointError(
-            f"{where}: a LoRA run (backend.peft): its model/dist_ckpt holds Megatron-Bridge's "
-            "adapter shards, not the model, which ckptctl does not read yet",
-            hint=f"verl saves the adapter in PEFT form under {HF_DIR}/adapter when the bridge "
-            "writes HF weights: merge that with ckptctl merge-lora BASE ADAPTER DST",
+            f"{where}: a LoRA run (backend.peft): model/dist_ckpt holds Megatron-Bridge's "
+            "adapter shards (beside the base's weights under use_dist_checkpointing), which "
+            "ckptctl does not read yet",
+            hint=f"merge {adapter} into the model the run started from: ckptctl merge-lora "
+            "BASE ADAPTER DST",
         )
     model = _entry(contents, "model", where)
     if model is None:
@@ -110,10 +118,13 @@ def _entry(contents: dict[str, Any], name: str, where: str) -> dict[str, Any] | 
 
 def _path(storage: Storage, entry: dict[str, Any], name: str, where: str) -> str:
     """The entry's directory, relative to the checkpoint; refused if it leaves it."""
-    path = entry.get("path")
+    return _inside(storage, entry.get("path"), f"{name}.path", where)
+
+
+def _inside(storage: Storage, path: Any, field: str, where: str) -> str:
     if not isinstance(path, str) or not path or path.startswith("/") or ".." in path.split("/"):
         raise CheckpointError(
-            f"{where}: contents.{name}.path is {path!r}, not a directory inside the checkpoint"
+            f"{where}: contents.{field} is {path!r}, not a directory inside the checkpoint"
         )
     storage.path(path)  # refuses a path escaping the root however spelt
     return path.rstrip("/")

@@ -140,6 +140,21 @@ def test_a_split_manifest_that_leaves_the_checkpoint_is_refused(
     assert "schema_version 3" in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
+def test_a_split_lora_run_points_to_its_peft_adapter(split_run: Path, tmp_path: Path, cli) -> None:
+    """A LoRA run's manifest (``backend.peft``, the PEFT adapter Megatron-Bridge exports named
+    by ``peft_adapter_path``): refused, naming that directory for merge-lora, not misread as
+    the model."""
+    other = tmp_path / "actor"
+    shutil.copytree(_actor(split_run), other)
+    manifest = json.loads((other / "ckpt_contents.json").read_text())
+    manifest["backend"]["peft"] = True
+    manifest["contents"]["model"]["peft_adapter_path"] = "model/huggingface/adapter"
+    (other / "ckpt_contents.json").write_text(json.dumps(manifest))
+    result = cli("consolidate", other, tmp_path / "out", code=3)
+    assert f"merge {other / 'model' / 'huggingface' / 'adapter'} into" in result.stderr
+    assert "merge-lora BASE ADAPTER DST" in result.stderr
+
+
 def test_a_split_actor_with_hf_weights_says_where_they_are(
     tmp_path_factory: pytest.TempPathFactory, cli
 ) -> None:
