@@ -9,9 +9,10 @@ verl's ``get_peft_cls``) and, with LoRA on, save only the adapter: each rank
 ``adapter_checkpoint/mp_rank_TT[_PPP][_EEE]_adapter.pt`` (``save_adapter_checkpoint`` of
 ``verl/utils/megatron_peft_utils.py`` in the releases before 0.9, whose split layout keeps the
 adapter in ``model/dist_ckpt`` and Megatron-Bridge's PEFT export instead; the names are the
-stage's own, layer numbers local to it). verl itself cannot run here (Ray, CUDA workers), so this script makes that
-call's few lines itself; the adapter is Megatron-Bridge 0.3.1's, on megatron-core 0.16.1's own
-``GPTModel`` (``mcore_cpu``: local layer spec, gloo, ``--tp`` x ``--pp`` CPU processes).
+stage's own, layer numbers local to it). verl itself cannot run here (Ray, CUDA workers), so
+this script makes that call's few lines itself; the adapter is Megatron-Bridge 0.3.1's, on
+megatron-core 0.16.1's own ``GPTModel`` (``mcore_cpu``: local layer spec, gloo, ``--tp`` x
+``--pp`` CPU processes).
 
 Modes:
 
