@@ -2,13 +2,21 @@
 
 time = latency x requests / concurrency (or requests / IOPS, whichever is slower)
        + bytes / bandwidth, for reads and writes separately;
-job  = the longer of reads and writes + (1 - overlap) x the shorter: a job reads ahead of its
-       writer, and how much of the one runs during the other is the storage's, measured by
-       ``ckptctl calibrate`` when source and target are on one calibrated storage. Without a
-       measure: reads + writes when both are on local disks (they may share one device), the
-       longer otherwise (a network link, or two devices, carries both at once).
-       (``bench/bench_nodes.py``: s3 -> s3 through one 5 MB/s link moved 0.59 GB each way in
-       140 s: 1.19x the longer direction's 118 s, 0.59x their sum.)
+job  = overlap x max(reads + drain, writes + fill) + (1 - overlap) x (reads + writes): a job
+       reads ahead of its writer, and how much of the one runs during the other is the
+       storage's, measured by ``ckptctl calibrate`` when source and target are on one
+       calibrated storage. Without a measure: reads + writes when both are on local disks (they
+       may share one device), overlapped otherwise (a network link, or two devices, carries
+       both at once).
+pipeline: reads and writes overlap only once the pipeline between them is full: a process
+       writes nothing until its first ``window`` of bytes is read (``fill``), and when its
+       reads end that window is still to be written (``drain``). The window is what the
+       executor holds per process: a multipart part being filled in each file written at once
+       to an object store (4 files of 8 MiB parts by default); a local disk's page cache takes
+       writes at once, so no window is charged there. Each process of a job split over nodes
+       fills and drains its own (``bench/bench_nodes.py``: s3 -> s3 through one 5 MB/s link
+       moved 0.59 GB each way in 133 s, the longer direction 126.6 s and a 33.5 MB window
+       6.7 s of it.)
 """
 
 from __future__ import annotations
@@ -87,15 +95,34 @@ def is_local(url: str) -> bool:
 
 
 def job_seconds(
-    read: float, write: float, source_url: str, target_url: str, overlap: float | None = None
+    read: float,
+    write: float,
+    source_url: str,
+    target_url: str,
+    overlap: float | None = None,
+    *,
+    fill: float = 0.0,
+    drain: float = 0.0,
 ) -> float:
-    """A job's time from its reads' and its writes', ``overlap`` of the shorter running during
-    the longer (see the module's docstring); unmeasured (None): summed when both are on local
-    disks, overlapped otherwise."""
+    """A job's time from its reads' and its writes', ``overlap`` of them running at once once
+    the pipeline between them has filled (see the module's docstring); unmeasured (None):
+    summed when both are on local disks, overlapped otherwise."""
     if overlap is None:
         overlap = 0.0 if is_local(source_url) and is_local(target_url) else 1.0
     overlap = min(max(overlap, 0.0), 1.0)
-    return max(read, write) + (1.0 - overlap) * min(read, write)
+    return overlap * max(read + drain, write + fill) + (1.0 - overlap) * (read + write)
+
+
+def pipeline_times(
+    estimates: Estimates, source: StorageProfile, target: StorageProfile, window: int
+) -> tuple[float, float]:
+    """``fill`` and ``drain``: the first ``window`` bytes read before any write, the last
+    written after every read (no more than the job moves)."""
+    if window <= 0:
+        return 0.0, 0.0
+    fill = min(window, estimates.bytes_read) / source.read_bandwidth
+    drain = min(window, estimates.bytes_written) / target.write_bandwidth
+    return fill, drain
 
 
 def shared_overlap(source: StorageProfile, target: StorageProfile) -> float | None:
@@ -110,8 +137,25 @@ def with_time(
     target: StorageProfile,
     source_url: str,
     target_url: str,
+    window: int = 0,
 ) -> Estimates:
+    """``estimates`` with the model's time; ``window``: the bytes the executor holds between
+    reading and writing (``pipeline_times``)."""
     read = source.seconds(estimates.bytes_read, estimates.read_requests)
     write = target.seconds(estimates.bytes_written, estimates.write_requests, write=True)
-    seconds = job_seconds(read, write, source_url, target_url, shared_overlap(source, target))
-    return estimates.model_copy(update={"seconds": round(seconds, 6)})
+    overlap = shared_overlap(source, target)
+    fill, drain = pipeline_times(estimates, source, target, window)
+    seconds = job_seconds(read, write, source_url, target_url, overlap, fill=fill, drain=drain)
+    unpiped = job_seconds(read, write, source_url, target_url, overlap)
+    return with_seconds(estimates, seconds, unpiped)
+
+
+def with_seconds(estimates: Estimates, seconds: float, unpiped: float) -> Estimates:
+    """The estimates with a job's time, and the part of it that is the pipeline's fill and
+    drain (``seconds - unpiped``), which every process of a split job pays whole."""
+    return estimates.model_copy(
+        update={
+            "seconds": round(seconds, 6),
+            "pipeline_seconds": round(max(seconds - unpiped, 0.0), 6),
+        }
+    )

@@ -63,15 +63,22 @@ def share_bytes(sizes: Sequence[int], shares: Sequence[Sequence[int]]) -> tuple[
 
 
 def parallel_seconds(
-    seconds: float, sizes: Sequence[int], shares: Sequence[Sequence[int]], shared_storage: bool
+    seconds: float,
+    sizes: Sequence[int],
+    shares: Sequence[Sequence[int]],
+    shared_storage: bool,
+    pipeline: float = 0.0,
 ) -> float:
-    """The cost model's time for a job split into ``shares``, from its one-process time.
+    """The cost model's time for a job split into ``shares``, from its one-process time
+    (``pipeline`` of it the fill and drain between reads and writes).
 
     The model charges storage bandwidth and latency: processes sharing one machine's disk
     and NIC (``shared_storage``) share that bandwidth, so they cannot beat one process's
     estimate; processes on nodes with their own NVMe and NIC (against an object store that
-    scales with clients) each take their share's part of it, and the job the largest."""
+    scales with clients) each take their share's part of it, and the job the largest; each
+    fills and drains its own pipeline, so that part is not divided."""
     total = sum(sizes)
     if shared_storage or not total:
         return seconds
-    return seconds * max(share_bytes(sizes, shares)) / total
+    pipeline = min(max(pipeline, 0.0), seconds)
+    return (seconds - pipeline) * max(share_bytes(sizes, shares)) / total + pipeline

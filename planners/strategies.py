@@ -16,7 +16,14 @@ from ckptctl.model.stored import CheckpointView
 from ckptctl.model.target import TargetPlanner, TargetRequest
 from planners.balance import balance_reads
 from planners.convert import from_source
-from planners.cost import job_seconds, profile_for, shared_overlap, with_time
+from planners.cost import (
+    job_seconds,
+    pipeline_times,
+    profile_for,
+    shared_overlap,
+    with_seconds,
+    with_time,
+)
 from planners.reshard import plan_reshard
 
 
@@ -51,6 +58,8 @@ class Situation:
     request: TargetRequest
     """What the user asked of the target beyond its layout (dtype, the source's style)."""
     measured: dict[str, StorageProfile] = field(default_factory=dict)
+    window: int = 0
+    """Bytes the executor holds between reading and writing (``planners.cost``)."""
 
 
 def _prefixed(stored: Stored, prefix: str) -> CheckpointView:
@@ -65,6 +74,7 @@ def _timed(
     sources: dict[str, str],
     measured: dict[str, StorageProfile] | None = None,
     concurrent: bool = False,
+    window: int = 0,
 ) -> Plan:
     """Estimate time, charging each source's reads to its own storage profile."""
     bytes_by: dict[str, int] = {}
@@ -97,8 +107,12 @@ def _timed(
         read = profile_for(plan.source_url, measured).seconds(e.bytes_read, e.read_requests)
     write = target.seconds(e.bytes_written, e.write_requests, write=True)
     overlap = shared_overlap(source, target) if len(sources) == 1 else None
-    seconds = job_seconds(read, write, plan.source_url, plan.target_url, overlap)
-    return plan.model_copy(update={"estimates": e.model_copy(update={"seconds": seconds})})
+    fill, drain = pipeline_times(e, source, target, window)
+    seconds = job_seconds(
+        read, write, plan.source_url, plan.target_url, overlap, fill=fill, drain=drain
+    )
+    unpiped = job_seconds(read, write, plan.source_url, plan.target_url, overlap)
+    return plan.model_copy(update={"estimates": with_seconds(e, seconds, unpiped)})
 
 
 def _prefix_of(path: str, sources: dict[str, str]) -> str:
@@ -130,7 +144,7 @@ def _reshard_from(
     sources = {"": lead.url} if base else {}
     sources.update({p: o.url for p, o in s.others.items() if with_others})
     plan = plan.model_copy(update={"strategy": name, "reason": reason, "extra_sources": extra})
-    return _timed(plan, sources, s.measured)
+    return _timed(plan, sources, s.measured, window=s.window)
 
 
 def direct(s: Situation) -> Plan:
@@ -140,7 +154,7 @@ def direct(s: Situation) -> Plan:
     if s.target.name != s.sharded.view.format:
         raise Inapplicable(f"the stored format is not {s.target.name}")
     plan = _direct(s.sharded, s.target, s.target_layout, s.target_url)
-    return _timed(plan, {"": s.sharded.url}, s.measured)
+    return _timed(plan, {"": s.sharded.url}, s.measured, window=s.window)
 
 
 def shard_to_shard(s: Situation) -> Plan:
@@ -186,7 +200,7 @@ def shard_to_shard(s: Situation) -> Plan:
         }
     )
     sources = {"": sharded.url, **{p: o.url for p, o in replicas.items()}}
-    return _timed(balanced, sources, s.measured, concurrent=True)
+    return _timed(balanced, sources, s.measured, concurrent=True, window=s.window)
 
 
 def recovery(s: Situation) -> Plan:

@@ -37,10 +37,12 @@ def plan_auto(
     request: TargetRequest,
     strategy: str = "auto",
     measured: dict[str, StorageProfile] | None = None,
+    window: int = 0,
 ) -> Plan:
     """The plan of the chosen strategy, with every strategy weighed as an alternative.
 
-    ``measured`` maps URL prefixes to calibrated storage profiles."""
+    ``measured`` maps URL prefixes to calibrated storage profiles; ``window``: the bytes the
+    executor holds between reading and writing (``planners.cost``)."""
     names = [name for name, _ in STRATEGIES]
     if strategy != "auto" and strategy not in names:
         raise UsageError(f"--strategy {strategy}: choose auto or one of {', '.join(names)}")
@@ -54,6 +56,7 @@ def plan_auto(
         target,
         request,
         measured or {},
+        window,
     )
     results: dict[str, Plan] = {}
     errors: dict[str, CkptctlError] = {}

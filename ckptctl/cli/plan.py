@@ -96,9 +96,9 @@ def worker_shares(job: Job, workers: int) -> dict[str, Any]:
     plan = job.plan
     sizes = [job.sources.file_bytes(plan, f) for f in plan.files]
     shares = split_files(plan.files, sizes, workers)
-    seconds = plan.estimates.seconds
+    seconds, pipeline = plan.estimates.seconds, plan.estimates.pipeline_seconds
     one_node = parallel_seconds(seconds, sizes, shares, shared_storage=True)
-    nodes = parallel_seconds(seconds, sizes, shares, shared_storage=False)
+    nodes = parallel_seconds(seconds, sizes, shares, shared_storage=False, pipeline=pipeline)
     return {
         "count": workers,
         "shares": [

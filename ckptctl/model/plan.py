@@ -112,6 +112,9 @@ class Estimates(_Frozen):
     write_requests: int = 0
     seconds: float = 0.0
     """Time by the storage cost model (``planners.cost``)."""
+    pipeline_seconds: float = 0.0
+    """The part of ``seconds`` that fills and drains the pipeline between reads and writes:
+    each process of a job split over nodes pays it whole."""
 
 
 class Alternative(_Frozen):

@@ -49,7 +49,7 @@ from ckptctl.pipeline.probe import (
 from ckptctl.progress import Progress
 from ckptctl.settings import Settings, default_files_at_once, default_read_parallel
 from planners.consolidate import plan_consolidate as consolidation
-from planners.cost import profile_for, through_decoder, with_time
+from planners.cost import is_local, profile_for, through_decoder, with_time
 from planners.strategy import Stored, plan_auto
 from planners.target import choose_target
 
@@ -142,7 +142,7 @@ def plan_consolidate(
     if round_shifted and not any(w.shift_rounds for f in plan.files for w in f.tensors):
         refuse_needless_rounding(ckpt, fmt)
     ratio = ckpt.storage.stored_ratio() if isinstance(ckpt.storage, CompressedStorage) else None
-    plan = _timed(with_identities(plan, ckpt.storage, read.view), ratio)
+    plan = _timed(with_identities(plan, ckpt.storage, read.view), settings, ratio)
     return Job(plan, Sources(read), settings)
 
 
@@ -166,7 +166,7 @@ def refuse_unwritable_dtype(dtype: str | None, target: TargetFormat) -> None:
         )
 
 
-def _timed(plan: Plan, compressed_ratio: float | None = None) -> Plan:
+def _timed(plan: Plan, settings: Settings, compressed_ratio: float | None = None) -> Plan:
     """The plan with the cost model's time: source reads and target writes, each at its
     storage's calibrated (or built-in) profile; a compressed source fetches fewer bytes and
     spends CPU decoding them."""
@@ -174,8 +174,18 @@ def _timed(plan: Plan, compressed_ratio: float | None = None) -> Plan:
     source, target = profile_for(plan.source_url, measured), profile_for(plan.target_url, measured)
     if compressed_ratio is not None:
         source = through_decoder(source, compressed_ratio)
-    timed = with_time(plan.estimates, source, target, plan.source_url, plan.target_url)
+    window = pipeline_window(settings, plan.target_url)
+    timed = with_time(plan.estimates, source, target, plan.source_url, plan.target_url, window)
     return plan.model_copy(update={"estimates": timed})
+
+
+def pipeline_window(settings: Settings, target_url: str | None) -> int:
+    """Bytes the executor holds between reading and writing when a process's reads end: a
+    multipart part being filled in each file written at once to an object store; none to a
+    local disk, whose page cache takes writes as they come (``planners.cost``)."""
+    if target_url is None or is_local(target_url):
+        return 0
+    return (settings.files_at_once or default_files_at_once(False)) * settings.storage.part_size
 
 
 def parse_ranks(text: str | None) -> set[int]:
@@ -299,6 +309,7 @@ def plan_reshard(
         request=TargetRequest(dtype=dtype, style=style),
         strategy=strategy,
         measured=measured if measured is not None else saved_profiles(),
+        window=pipeline_window(settings, dst),
     )
     # The planner names further copies "@<i>/" in the order it was given them.
     given = extra if sharded is not None else [ckpt, *extra]

@@ -434,6 +434,24 @@ def test_reads_and_writes_overlap_unless_both_are_on_local_disks() -> None:
     assert job_seconds(3.0, 2.0, "s3://lake/a", "/nvme/b") == 3.0
 
 
+def test_overlapped_reads_and_writes_pay_the_pipeline_once() -> None:
+    """Writes start once the first window is read and end a window after the last read: on a
+    network link the longer direction plus the window at the other end; summed jobs are not
+    charged again; a window larger than the job is the job."""
+    assert job_seconds(3.0, 3.0, "s3://a", "s3://b", fill=0.5, drain=0.25) == 3.5
+    assert job_seconds(3.0, 1.0, "s3://a", "s3://b", fill=0.5, drain=0.25) == 3.25
+    assert job_seconds(3.0, 2.0, "/nvme/a", "/nvme/b", fill=0.5, drain=0.25) == 5.0
+    link = StorageProfile(name="s3", read_bandwidth=1e6, write_bandwidth=1e6, latency=0.0)
+    estimates = Estimates(
+        bytes_read=10 * 10**6, bytes_written=10 * 10**6, read_requests=0, peak_memory_bytes=0
+    )
+    timed = with_time(estimates, link, link, "s3://a/x", "s3://a/y", window=2 * 10**6)
+    assert (timed.seconds, timed.pipeline_seconds) == (12.0, 2.0)
+    timed = with_time(estimates, link, link, "s3://a/x", "s3://a/y", window=50 * 10**6)
+    assert (timed.seconds, timed.pipeline_seconds) == (20.0, 10.0)
+    assert with_time(estimates, link, link, "s3://a/x", "s3://a/y").pipeline_seconds == 0.0
+
+
 def test_a_measured_overlap_of_reads_and_writes_is_the_one_used() -> None:
     """Where calibrate measured how much reads and writes overlap on one storage, a job that
     reads and writes it is charged so: the longer direction, and the part of the shorter that
