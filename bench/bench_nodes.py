@@ -107,9 +107,9 @@ def print_scaling(
     print(
         "| job | nodes | seconds | speed-up | per node (ideal N) | slowest rank's job s "
         "| start-up, rendezvous, planning s | largest share | read / planned "
-        "| output as 1 node's | model: seconds | model vs measured |"
+        "| output as 1 node's | model: seconds | model vs slowest rank's job | model vs wall |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|")
     for title, argv in JOBS.items():
         one, reference = None, None
         for n in counts:
@@ -122,7 +122,7 @@ def print_scaling(
                 f"| {title} | {n} | {seconds:.1f} | {one / seconds:.2f}x "
                 f"| {one / seconds / n:.2f} | {slowest:.1f} | {seconds - slowest:.1f} "
                 f"| {largest:.2f} | {read:.2f}x | {same} | {model:.1f} "
-                f"| {model / seconds:.2f} |",
+                f"| {model / slowest:.2f} | {model / seconds:.2f} |",
                 flush=True,
             )
 
