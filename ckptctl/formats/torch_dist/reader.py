@@ -196,15 +196,17 @@ def probe_torch_dist(
     true_vocab_size: int | None,
     trusted: frozenset[str] = frozenset(),
     described: Described | None = None,
+    metadata: DcpMetadata | None = None,
 ) -> TorchDistCheckpoint:
     """``described``: the model and the run as saved beside a checkpoint whose common state
     holds no Megatron-LM ``args`` (verl's Megatron actor), in ``args``' terms; its ``parts``,
-    the directories under ``base`` one state dict was saved to apart, are read as one."""
+    the directories under ``base`` one state dict was saved to apart, are read as one.
+    ``metadata``: ``base``'s ``.metadata``, if the caller has read it already."""
     if described is not None and described.parts:
         metadata, (common, common_step, common_tensors) = _parts_state(storage, described.parts)
         bridge = False
     else:
-        metadata = read_metadata(storage, base)
+        metadata = metadata or read_metadata(storage, base)
         bridge = described is None and storage.exists(join(base, RUN_CONFIG))
         common, common_step, common_tensors = _common_state(
             storage, base, metadata, described is not None or bridge

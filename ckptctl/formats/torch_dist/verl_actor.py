@@ -23,7 +23,7 @@ from ckptctl import json_input
 from ckptctl.errors import CheckpointError, LayoutError
 from ckptctl.formats.base import ProbeRequest
 from ckptctl.formats.dcp_container.files import read_metadata
-from ckptctl.formats.dcp_container.metadata import TensorEntry
+from ckptctl.formats.dcp_container.metadata import DcpMetadata, TensorEntry
 from ckptctl.formats.megatron_common.args import args_for, args_from_spec
 from ckptctl.formats.megatron_common.options import ITERATION, TRUE_VOCAB_SIZE
 from ckptctl.formats.options import HF_CONFIG, TRUSTED_FIELDS
@@ -190,11 +190,10 @@ def _config(storage: Storage, request: ProbeRequest) -> dict[str, Any]:
     return json_input.parse_object(storage.read_text(rel), storage.describe(rel))
 
 
-def _refuse_optimizer_only(storage: Storage) -> None:
+def _refuse_optimizer_only(storage: Storage, metadata: DcpMetadata) -> None:
     """verl's checkpoints with Megatron-Bridge (``use_dist_checkpointing`` off) keep the
     weights as HF safetensors in ``huggingface/`` and only the optimizer, scheduler and RNG
     state in ``dist_ckpt``, whose optimizer keys name parameters it does not hold."""
-    metadata = read_metadata(storage, DIST_CKPT)
     tensors = [k for k, e in metadata.entries.items() if isinstance(e, TensorEntry)]
     if not tensors or not all(k.startswith("optimizer.") for k in tensors):
         return
@@ -213,7 +212,8 @@ def _refuse_optimizer_only(storage: Storage) -> None:
 
 
 def probe_verl_actor(storage: Storage, request: ProbeRequest) -> Any:
-    _refuse_optimizer_only(storage)
+    metadata = read_metadata(storage, DIST_CKPT)
+    _refuse_optimizer_only(storage, metadata)
     config = _config(storage, request)
     return probe_torch_dist(
         storage,
@@ -222,4 +222,5 @@ def probe_verl_actor(storage: Storage, request: ProbeRequest) -> Any:
         request.get(TRUE_VOCAB_SIZE),
         request.get(TRUSTED_FIELDS),
         described(storage, config, request),
+        metadata,
     )
