@@ -68,17 +68,22 @@ def parallel_seconds(
     shares: Sequence[Sequence[int]],
     shared_storage: bool,
     pipeline: float = 0.0,
+    window: int = 0,
 ) -> float:
     """The cost model's time for a job split into ``shares``, from its one-process time
-    (``pipeline`` of it the fill and drain between reads and writes).
+    (``pipeline`` of it the fill and drain of a ``window`` of bytes between reads and writes).
 
     The model charges storage bandwidth and latency: processes sharing one machine's disk
     and NIC (``shared_storage``) share that bandwidth, so they cannot beat one process's
     estimate; processes on nodes with their own NVMe and NIC (against an object store that
     scales with clients) each take their share's part of it, and the job the largest; each
-    fills and drains its own pipeline, so that part is not divided."""
+    fills and drains its own pipeline, so that part is not divided (a share smaller than the
+    ``window``, if given, pays for its share)."""
     total = sum(sizes)
     if shared_storage or not total:
         return seconds
+    largest = max(share_bytes(sizes, shares))
     pipeline = min(max(pipeline, 0.0), seconds)
-    return (seconds - pipeline) * max(share_bytes(sizes, shares)) / total + pipeline
+    held = min(window, total)
+    own = pipeline * min(1.0, largest / held) if held > 0 else pipeline
+    return (seconds - pipeline) * largest / total + own

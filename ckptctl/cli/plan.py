@@ -22,7 +22,7 @@ from ckptctl.cli.units import human_bytes
 from ckptctl.io.locations import refuse_overlap
 from ckptctl.model.geometry import nbytes
 from ckptctl.model.plan import Plan
-from ckptctl.pipeline.jobs import Job, given_sources, plan_reshard
+from ckptctl.pipeline.jobs import Job, given_sources, pipeline_window, plan_reshard
 from planners.graph import overlap_graph
 from planners.shares import parallel_seconds, share_bytes, split_files
 
@@ -98,7 +98,8 @@ def worker_shares(job: Job, workers: int) -> dict[str, Any]:
     shares = split_files(plan.files, sizes, workers)
     seconds, pipeline = plan.estimates.seconds, plan.estimates.pipeline_seconds
     one_node = parallel_seconds(seconds, sizes, shares, shared_storage=True)
-    nodes = parallel_seconds(seconds, sizes, shares, shared_storage=False, pipeline=pipeline)
+    window = pipeline_window(job.settings, plan.target_url)
+    nodes = parallel_seconds(seconds, sizes, shares, False, pipeline=pipeline, window=window)
     return {
         "count": workers,
         "shares": [

@@ -29,6 +29,7 @@ from ckptctl.formats.torch_dist.optimizer_form import form_change_notes, optimiz
 from ckptctl.io.calibrate import saved_profiles
 from ckptctl.io.locations import refuse_overlap
 from ckptctl.io.staging import StagedStorage
+from ckptctl.io.storage import WRITEBACK_STEP
 from ckptctl.io.storage_errors import classify
 from ckptctl.model.megatron_style import MegatronStyle
 from ckptctl.model.plan import Plan, smallest_band
@@ -180,12 +181,15 @@ def _timed(plan: Plan, settings: Settings, compressed_ratio: float | None = None
 
 
 def pipeline_window(settings: Settings, target_url: str | None) -> int:
-    """Bytes the executor holds between reading and writing when a process's reads end: a
-    multipart part being filled in each file written at once to an object store; none to a
-    local disk, whose page cache takes writes as they come (``planners.cost``)."""
-    if target_url is None or is_local(target_url):
+    """Bytes the executor holds between reading and writing when a process's reads end, for
+    each file written at once: to an object store a multipart part being filled; to a local
+    disk the dirty pages it lets build up before asking the kernel to write them back
+    (``WRITEBACK_STEP``), which the final flush waits for (``planners.cost``)."""
+    if target_url is None:
         return 0
-    return (settings.files_at_once or default_files_at_once(False)) * settings.storage.part_size
+    local = is_local(target_url)
+    at_once = settings.files_at_once or default_files_at_once(local)
+    return at_once * (WRITEBACK_STEP if local else settings.storage.part_size)
 
 
 def parse_ranks(text: str | None) -> set[int]:

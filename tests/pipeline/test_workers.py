@@ -78,6 +78,9 @@ def test_cost_model_speed_up_needs_storage_of_its_own() -> None:
     assert parallel_seconds(10.0, sizes, ((0, 1, 2), (3,)), shared_storage=False) == 8.0
     # each node fills and drains its own pipeline: that part is not divided
     assert parallel_seconds(10.0, sizes, shares, shared_storage=False, pipeline=2.0) == 6.0
+    # ... as long as its share is as large as the window; a smaller one pays for its share
+    assert parallel_seconds(10.0, sizes, shares, False, pipeline=2.0, window=50) == 6.0
+    assert parallel_seconds(10.0, sizes, shares, False, pipeline=2.0, window=100) == 5.0
 
 
 def test_plan_shows_each_workers_share(source: Path, tmp_path: Path) -> None:
