@@ -11,12 +11,13 @@ job  = overlap x max(reads + drain, writes + fill) + (1 - overlap) x (reads + wr
 pipeline: reads and writes overlap only once the pipeline between them is full: a process
        writes nothing until its first ``window`` of bytes is read (``fill``), and when its
        reads end that window is still to be written (``drain``). The window is what the
-       executor holds per process: a multipart part being filled in each file written at once
-       to an object store (4 files of 8 MiB parts by default); a local disk's page cache takes
-       writes at once, so no window is charged there. Each process of a job split over nodes
-       fills and drains its own (``bench/bench_nodes.py``: s3 -> s3 through one 5 MB/s link
-       moved 0.59 GB each way in 133 s, the longer direction 126.6 s and a 33.5 MB window
-       6.7 s of it.)
+       executor holds per process, for each file written at once: to an object store a
+       multipart part being filled (4 files of 8 MiB parts by default); to a local disk the
+       dirty pages it lets build up before starting their writeback (32 MiB), which the
+       final flush waits for. Each process of a job split over nodes fills and drains its own
+       (``bench/bench_nodes.py``: s3 -> s3 through one 5 MB/s link moved 0.59 GB each way in
+       133 s, the longer direction 126.6 s and a 33.5 MB window 6.7 s of it; with the window
+       the model is within 11% of every node's job on 1-4 nodes, and within 15% on disks.)
 """
 
 from __future__ import annotations
