@@ -145,15 +145,26 @@ def with_time(
     read = source.seconds(estimates.bytes_read, estimates.read_requests)
     write = target.seconds(estimates.bytes_written, estimates.write_requests, write=True)
     overlap = shared_overlap(source, target)
+    return timed(estimates, read, write, source, target, source_url, target_url, overlap, window)
+
+
+def timed(
+    estimates: Estimates,
+    read: float,
+    write: float,
+    source: StorageProfile,
+    target: StorageProfile,
+    source_url: str,
+    target_url: str,
+    overlap: float | None,
+    window: int,
+) -> Estimates:
+    """The estimates with the time of a job that reads for ``read`` seconds and writes for
+    ``write``, and the part of it that is the pipeline's fill and drain, which every process
+    of a split job pays whole."""
     fill, drain = pipeline_times(estimates, source, target, window)
     seconds = job_seconds(read, write, source_url, target_url, overlap, fill=fill, drain=drain)
     unpiped = job_seconds(read, write, source_url, target_url, overlap)
-    return with_seconds(estimates, seconds, unpiped)
-
-
-def with_seconds(estimates: Estimates, seconds: float, unpiped: float) -> Estimates:
-    """The estimates with a job's time, and the part of it that is the pipeline's fill and
-    drain (``seconds - unpiped``), which every process of a split job pays whole."""
     return estimates.model_copy(
         update={
             "seconds": round(seconds, 6),

@@ -16,14 +16,7 @@ from ckptctl.model.stored import CheckpointView
 from ckptctl.model.target import TargetPlanner, TargetRequest
 from planners.balance import balance_reads
 from planners.convert import from_source
-from planners.cost import (
-    job_seconds,
-    pipeline_times,
-    profile_for,
-    shared_overlap,
-    with_seconds,
-    with_time,
-)
+from planners.cost import profile_for, shared_overlap, timed
 from planners.reshard import plan_reshard
 
 
@@ -96,7 +89,7 @@ def _timed(
             bytes_by[prefix] = plan.estimates.bytes_read
             requests_by[prefix] = plan.estimates.read_requests
     source, target = profile_for(plan.source_url, measured), profile_for(plan.target_url, measured)
-    e = with_time(plan.estimates, source, target, plan.source_url, plan.target_url)
+    e = plan.estimates
     per_source = [
         profile_for(sources[p], measured).seconds(bytes_by.get(p, 0), requests_by.get(p, 0))
         for p in sources
@@ -107,12 +100,9 @@ def _timed(
         read = profile_for(plan.source_url, measured).seconds(e.bytes_read, e.read_requests)
     write = target.seconds(e.bytes_written, e.write_requests, write=True)
     overlap = shared_overlap(source, target) if len(sources) == 1 else None
-    fill, drain = pipeline_times(e, source, target, window)
-    seconds = job_seconds(
-        read, write, plan.source_url, plan.target_url, overlap, fill=fill, drain=drain
-    )
-    unpiped = job_seconds(read, write, plan.source_url, plan.target_url, overlap)
-    return plan.model_copy(update={"estimates": with_seconds(e, seconds, unpiped)})
+    urls = (plan.source_url, plan.target_url)
+    e = timed(e, read, write, source, target, *urls, overlap, window)
+    return plan.model_copy(update={"estimates": e})
 
 
 def _prefix_of(path: str, sources: dict[str, str]) -> str:

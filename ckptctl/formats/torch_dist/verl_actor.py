@@ -177,17 +177,28 @@ def described(
     return Described(args, step_of(storage.url) if step is None else step, tuple(notes))
 
 
-def _config(storage: Storage, request: ProbeRequest) -> dict[str, Any]:
+def hf_config(
+    storage: Storage, request: ProbeRequest, rel: str
+) -> tuple[dict[str, Any], str] | None:
+    """The HF config the model is read from and where it came from: ``--hf-config``, else the
+    one verl saved at ``rel``; ``None`` if neither."""
     given = request.get(HF_CONFIG)
     if given is not None:
-        return dict(given)
-    rel = f"{HF_DIR}/{CONFIG}"
+        return dict(given), "the config given (--hf-config)"
     if not storage.exists(rel):
+        return None
+    return json_input.parse_object(storage.read_text(rel), storage.describe(rel)), rel
+
+
+def _config(storage: Storage, request: ProbeRequest) -> tuple[dict[str, Any], str]:
+    rel = f"{HF_DIR}/{CONFIG}"
+    found = hf_config(storage, request, rel)
+    if found is None:
         raise CheckpointError(
             f"{storage.describe(rel)}: missing; verl saves the model's config there",
             hint="give the model's config.json with --hf-config",
         )
-    return json_input.parse_object(storage.read_text(rel), storage.describe(rel))
+    return found
 
 
 def _refuse_optimizer_only(storage: Storage, metadata: DcpMetadata) -> None:
@@ -214,13 +225,13 @@ def _refuse_optimizer_only(storage: Storage, metadata: DcpMetadata) -> None:
 def probe_verl_actor(storage: Storage, request: ProbeRequest) -> Any:
     metadata = read_metadata(storage, DIST_CKPT)
     _refuse_optimizer_only(storage, metadata)
-    config = _config(storage, request)
+    config, config_from = _config(storage, request)
     return probe_torch_dist(
         storage,
         DIST_CKPT,
         request.get(ITERATION),
         request.get(TRUE_VOCAB_SIZE),
         request.get(TRUSTED_FIELDS),
-        described(storage, config, request),
+        described(storage, config, request, config_from),
         metadata,
     )

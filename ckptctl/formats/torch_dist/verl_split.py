@@ -19,10 +19,10 @@ from ckptctl.errors import CheckpointError
 from ckptctl.formats.base import ProbeRequest
 from ckptctl.formats.megatron_common.iterations import mcore_backend
 from ckptctl.formats.megatron_common.options import ITERATION, TRUE_VOCAB_SIZE
-from ckptctl.formats.options import HF_CONFIG, TRUSTED_FIELDS
+from ckptctl.formats.options import TRUSTED_FIELDS
 from ckptctl.formats.torch_dist.checkpoint import TorchDistCheckpoint
 from ckptctl.formats.torch_dist.reader import probe_torch_dist
-from ckptctl.formats.torch_dist.verl_actor import described
+from ckptctl.formats.torch_dist.verl_actor import described, hf_config
 from ckptctl.io.storage import Storage
 from ckptctl.model.hf_layout import CONFIG
 
@@ -153,14 +153,12 @@ def _dist_dir(storage: Storage, entry: dict[str, Any], name: str, where: str) ->
 def _config(
     storage: Storage, request: ProbeRequest, manifest: dict[str, Any], where: str
 ) -> tuple[dict[str, Any], str]:
-    """The HF config the model is read from, and where it came from: ``--hf-config``, else
-    the one verl saved (with Megatron-Bridge); without either, refused naming the model."""
-    given = request.get(HF_CONFIG)
-    if given is not None:
-        return dict(given), "the config given (--hf-config)"
+    """The HF config the model is read from (``hf_config``: given, or the one verl saved with
+    Megatron-Bridge); without either, refused naming the model."""
     rel = f"{HF_DIR}/{CONFIG}"
-    if storage.exists(rel):
-        return json_input.parse_object(storage.read_text(rel), storage.describe(rel)), rel
+    found = hf_config(storage, request, rel)
+    if found is not None:
+        return found
     arch = manifest.get("arch")
     raise CheckpointError(
         f"{where}: verl saved no HF config with this checkpoint ({rel} is missing"
