@@ -118,6 +118,7 @@ def plan_files(
                 ep_rank=target.ep_rank,
                 carry_from=carry_from,
                 flat=target.flat,
+                mesh=target.mesh,
             )
         )
     if planner.missing:

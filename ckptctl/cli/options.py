@@ -104,6 +104,15 @@ Etp = Annotated[
 Dp = Annotated[
     int | None, typer.Option("--dp", help="Target data-parallel size (default: the source's).")
 ]
+FsdpSize = Annotated[
+    int | None,
+    typer.Option(
+        "--fsdp-size",
+        min=1,
+        help="--format verl: ranks each parameter is sharded over (HSDP's shard group, verl's "
+        "fsdp_size; --dp for one flat FSDP2 mesh). Default: the source's.",
+    ),
+]
 DistOpt = Annotated[
     bool | None,
     typer.Option(
@@ -295,6 +304,7 @@ class TargetRequest:
     strategy: str
     target_format: str | None
     optim_sharding: str | None = None
+    shard_group: int | None = None
 
     def given(self) -> dict[str, Any]:
         """The target flags given on the command line, by their names there."""
@@ -315,6 +325,8 @@ class TargetRequest:
             out["--format"] = self.target_format
         if self.optim_sharding is not None:
             out["--optim-sharding"] = self.optim_sharding
+        if self.shard_group is not None:
+            out["--fsdp-size"] = self.shard_group
         return out
 
     def plan_options(self) -> dict[str, Any]:
@@ -328,6 +340,7 @@ class TargetRequest:
             "strategy": self.strategy,
             "target_format": self.target_format,
             "optim_sharding": self.optim_sharding,
+            "shard_group": self.shard_group,
         }
 
 
@@ -350,6 +363,7 @@ def target_request(
     strategy: Strategy = StrategyName.auto,
     target_format: ReshardFormat = None,
     optim_sharding: OptimSharding = None,
+    fsdp_size: FsdpSize = None,
 ) -> TargetRequest:
     return TargetRequest(
         layout_choices(tp, pp, vpp, dp, first, last, distributed_optimizer, ep, etp, even_stages),
@@ -361,4 +375,5 @@ def target_request(
         strategy.value,
         target_format,
         optim_sharding.value if optim_sharding is not None else None,
+        fsdp_size,
     )

@@ -102,6 +102,7 @@ def refuse_conflicts(plan_file: Path, plan: Plan, target: TargetRequest, dtype: 
         "--even-stages": layout.first_stage_layers is None and layout.last_stage_layers is None,
         "--format": plan.target_format,
         "--optim-sharding": optimizer_form(plan),
+        "--fsdp-size": next((f.mesh[-1] for f in plan.files if f.mesh), None),
     }
     differ = [
         f"{flag} {value} (the plan: {planned[flag]})"

@@ -151,6 +151,11 @@ def describe_side(plan: Plan, *, source: bool) -> str:
         )
     layout = plan.source_layout if source else plan.target_layout
     text = f"{fmt} {layout.describe()}"
+    mesh = next((f.mesh for f in plan.files if f.mesh), ()) if not source else ()
+    if len(mesh) == 2:  # the source's mesh is in the plan's notes ("device mesh: ...")
+        text += f" on an HSDP mesh of {mesh[0]} replicas x {mesh[1]} shards"
+    elif mesh:
+        text += f" on one FSDP2 mesh of {mesh[0]}"
     if not source:
         form = optimizer_form(plan)
         text += f" ({form})" if form else ""

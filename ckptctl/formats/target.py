@@ -35,6 +35,9 @@ class TargetFormat:
     """It writes linear weights in block-scaled FP8 when asked (``--dtype fp8-block``)."""
     cuts_by_name: ClassVar[bool] = False
     """It cuts the source's tensors by stored name, needing no model description."""
+    meshed: ClassVar[bool] = False
+    """It writes DTensors on a device mesh whose HSDP shard groups may be set
+    (``TargetRequest.shard_group``, ``--fsdp-size``)."""
     moves_optimizer_state: ClassVar[bool] = True
     """It places optimizer state on the model's parameters, so a source whose state could not
     be placed (``Checkpoint.dp_reshardable``) is refused rather than written without it."""

@@ -96,6 +96,8 @@ class FileWrite(_Frozen):
     """Flat tensors (key, length) that ``view_offset`` tensors are slices of."""
     copy_of: int | None = None
     """For a ``COPY``: the source file copied as it is."""
+    mesh: tuple[int, ...] = ()
+    """The device mesh of a file of DTensors (``StoredFile.mesh``)."""
 
 
 class TextWrite(_Frozen):

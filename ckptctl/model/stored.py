@@ -103,6 +103,9 @@ class StoredFile:
     buckets: tuple[tuple[KeyPath, tuple[int, ...]], ...] = ()
     """Per flat tensor of a distributed-optimizer file: the unpadded sizes of the grad-buffer
     buckets it concatenates (``distopt_layout``)."""
+    mesh: tuple[int, ...] = ()
+    """The device mesh a file of DTensors is written for, ranks per dimension: ``(world,)``,
+    or HSDP's ``(replicas, shard group)``; empty for a format without one."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,6 +39,10 @@ class TargetRequest:
     """Largest file of a format that cuts its tensors into files by size (HF)."""
     style: MegatronStyle = field(default_factory=MegatronStyle)
     """How the source spells and orders a Megatron checkpoint, kept by Megatron targets."""
+    shard_group: int | None = None
+    """Ranks each parameter is sharded over in a target of DTensors on a device mesh (HSDP's
+    shard group, verl's ``fsdp_size``; the world size: one flat mesh); ``None`` keeps the
+    source's."""
     round_shifted: bool = False
     """Weights the target stores shifted (``StoredTensor.shift``) are rounded to their dtype
     where the shift is not exact, instead of refused (``--allow-rounding``)."""

@@ -24,7 +24,7 @@ from ckptctl.compression.view import CompressedStorage
 from ckptctl.errors import CheckpointError, CkptctlError, UsageError
 from ckptctl.formats import registry
 from ckptctl.formats.megatron_common.ranks import coords
-from ckptctl.formats.target import CONSOLIDATE, RESHARD, TargetFormat
+from ckptctl.formats.target import CONSOLIDATE, RESHARD
 from ckptctl.formats.torch_dist.optimizer_form import form_change_notes, optimizer_form, source_form
 from ckptctl.io.calibrate import saved_profiles
 from ckptctl.io.locations import refuse_overlap
@@ -33,7 +33,7 @@ from ckptctl.io.storage import WRITEBACK_STEP
 from ckptctl.io.storage_errors import classify
 from ckptctl.model.megatron_style import MegatronStyle
 from ckptctl.model.plan import Plan, smallest_band
-from ckptctl.model.target import FP8_BLOCK, MXFP4, TargetRequest
+from ckptctl.model.target import TargetRequest
 from ckptctl.pipeline.destination import Destination, check_destination
 from ckptctl.pipeline.distributed import Group
 from ckptctl.pipeline.job_report import Report, Sources
@@ -46,6 +46,12 @@ from ckptctl.pipeline.probe import (
     open_checkpoint,
     open_sources,
     with_identities,
+)
+from ckptctl.pipeline.request_checks import (
+    refuse_dp_reshardable,
+    refuse_needless_rounding,
+    refuse_unmeshed,
+    refuse_unwritable_dtype,
 )
 from ckptctl.progress import Progress
 from ckptctl.settings import Settings, default_files_at_once, default_read_parallel
@@ -77,20 +83,6 @@ def given_sources(
     for label, urls in (("--full checkpoint", full), ("--replica", replicas)):
         sources.update({label + (f" {i + 1}" if i else ""): u for i, u in enumerate(urls or [])})
     return sources
-
-
-def refuse_dp_reshardable(ckpt: Checkpoint) -> None:
-    """``dp_reshardable`` optimizer state is raw grad-buffer buckets of one TP/PP/DP layout,
-    which only Megatron itself loads, and only at that layout."""
-    if ckpt.dp_reshardable:
-        raise UsageError(
-            f"{ckpt.storage.url}: optimizer state is dp_reshardable (grad-buffer buckets of the "
-            f"saved {ckpt.view.layout.describe()} layout) that could not be placed on the "
-            "model's parameters (see the warning), so it cannot move; re-save it with "
-            "--dist-ckpt-optim-fully-reshardable (Megatron-Bridge: "
-            "checkpoint.dist_ckpt_optim_fully_reshardable: true), or take the weights alone "
-            "with consolidate --format hf"
-        )
 
 
 def megatron_style(ckpt: Checkpoint) -> MegatronStyle:
@@ -145,26 +137,6 @@ def plan_consolidate(
     ratio = ckpt.storage.stored_ratio() if isinstance(ckpt.storage, CompressedStorage) else None
     plan = _timed(with_identities(plan, ckpt.storage, read.view), settings, ratio)
     return Job(plan, Sources(read), settings)
-
-
-def refuse_needless_rounding(ckpt: Checkpoint, fmt: str) -> None:
-    """``--allow-rounding`` where nothing is stored shifted, neither the source read nor the
-    target written: a flag that would change nothing is refused, not ignored."""
-    if not any(t.shift for f in ckpt.view.files for t in f.tensors):
-        raise UsageError(
-            f"--allow-rounding: neither this source nor --format {fmt} of this model stores a "
-            "weight shifted from another's (only HF's Qwen3.5-style gated norms are)"
-        )
-
-
-def refuse_unwritable_dtype(dtype: str | None, target: TargetFormat) -> None:
-    """``--dtype fp8-block`` asks for a format that writes block-scaled FP8."""
-    if dtype in (FP8_BLOCK, MXFP4) and not target.block_quantized:
-        what = "block-scaled FP8" if dtype == FP8_BLOCK else "MXFP4"
-        raise UsageError(
-            f"--dtype {dtype}: --format {target.name} cannot hold {what}; "
-            "consolidate --format hf writes it"
-        )
 
 
 def _timed(plan: Plan, settings: Settings, compressed_ratio: float | None = None) -> Plan:
@@ -266,6 +238,7 @@ def plan_reshard(
     target_format: str | None = None,
     measured: dict | None = None,
     optim_sharding: str | None = None,
+    shard_group: int | None = None,
 ) -> Job:
     """Probe the source and every other stored copy, then let the strategy planner choose how
     to reach the ``target`` layout (``tp``, ``pp``, ...; a missing or ``None`` value keeps the
@@ -297,6 +270,7 @@ def plan_reshard(
         optimizer = replace(style.optimizer, buckets=buckets, model_space=model_space)
         style = replace(style, optimizer=optimizer)
     refuse_unwritable_dtype(dtype, writes)
+    refuse_unmeshed(shard_group, writes)
     lost = lost_files(ckpt, parse_ranks(lost_ranks), parse_ranks(lost_nodes), ranks_per_node)
     primary = _stored(ckpt, src, lost)
     copies = [_stored(c, u) for c, u in zip(extra, others, strict=True)]
@@ -310,7 +284,7 @@ def plan_reshard(
         layout,
         target_url=dst,
         target=writes,
-        request=TargetRequest(dtype=dtype, style=style),
+        request=TargetRequest(dtype=dtype, style=style, shard_group=shard_group),
         strategy=strategy,
         measured=measured if measured is not None else saved_profiles(),
         window=pipeline_window(settings, dst),
@@ -350,6 +324,7 @@ def nothing_to_change(
         and not lost
         and not set(f.path for f in job.sources.primary.view.files) - set(plan.source_files)
         and sharding in (None, source_form(job.sources.primary.view))
+        and {f.mesh for f in job.sources.primary.view.files} >= {f.mesh for f in plan.files}
     )
 
 
@@ -397,6 +372,7 @@ def saved_job(
         src, urls, settings, True, iteration=iteration, true_vocab_size=true_vocab_size
     )
     extra = {r.prefix: e for r, e in zip(plan.extra_sources, opened, strict=True)}
+    ckpt, _ = registry.target(plan.target_format, operation).planner_for(ckpt)  # as planned
     check_fresh(plan, ckpt, extra)
     return Job(plan, Sources(ckpt, extra), settings)
 

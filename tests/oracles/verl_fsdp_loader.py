@@ -11,8 +11,8 @@ Usage::
 
     python tests/oracles/verl_fsdp_loader.py MODEL ACTOR_DIR WORLD OUT.pt [SHARDS]
 
-SHARDS: HSDP, a 2-D mesh of WORLD/SHARDS replicas of SHARDS-rank shard groups (as
-``verl_fsdp_writer``'s ``hsdp`` names its dimensions); without it, one flat mesh.
+SHARDS: HSDP, a 2-D mesh of WORLD/SHARDS replicas of SHARDS-rank shard groups; without it, one
+flat mesh. Both named as verl 0.9.1's ``create_device_mesh`` names them (``ddp``, ``fsdp``).
 
 Writes OUT.pt: the loaded weights and Adam state, gathered whole, by name; the scheduler's
 state; the loss of the step taken after loading.
@@ -42,11 +42,11 @@ def run_rank(rank: int, name: str, actor: Path, world: int, out: Path, shards: i
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    if shards:
-        names = ("replicate", "shard")
+    if shards:  # the names as verl 0.9.1's create_device_mesh gives them
+        names = ("ddp", "fsdp")
         mesh = init_device_mesh("cpu", (world // shards, shards), mesh_dim_names=names)
     else:
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
     model = sharded(build_model(name), mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)

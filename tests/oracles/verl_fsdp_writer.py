@@ -172,10 +172,11 @@ def run_rank(rank: int, name: str, world: int, hsdp: bool, lora_only: bool, out:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
+    # verl 0.9.1's create_device_mesh (its FSDP engine's utils): its dimension names
     if hsdp:
-        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("ddp", "fsdp"))
     else:
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
     model = build_model(name)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     sharded(model, mesh)

@@ -38,6 +38,7 @@ from ckptctl.formats.verl.layout import (
     step_of,
     world_size,
 )
+from ckptctl.formats.verl.meshes import describe_mesh, held_mesh
 from ckptctl.io.storage import Storage
 from ckptctl.model.hf_layout import CONFIG
 from ckptctl.model.hf_named import GENERATION_CONFIG
@@ -129,7 +130,9 @@ def probe_verl(storage: Storage, names: frozenset[str], request: ProbeRequest) -
         where = storage.describe(rel)
         optimizer = optimizer_tensors(readers[rel].tree, model.parameters, where, rank)
         files.append(StoredFile(rel, tuple(optimizer)))
-    notes = [f"verl FSDP checkpoint of {model.architecture}: {world} ranks"]
+    mesh = held_mesh(files, world)
+    on = f", {describe_mesh(mesh)}" if mesh is not None and len(mesh) == 2 else ""
+    notes = [f"verl FSDP checkpoint of {model.architecture}: {world} ranks{on}"]
     if peft is not None:
         notes.append(
             f"trained with LoRA adapter {peft.adapter_name!r} on {len(peft.modules)} modules "

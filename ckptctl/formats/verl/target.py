@@ -25,12 +25,12 @@ from ckptctl.formats.verl.layout import (
     model_file,
     optim_file,
 )
+from ckptctl.formats.verl.meshes import describe_mesh, held_mesh
 from ckptctl.model.geometry import chunk_pieces, whole
 from ckptctl.model.layout import ParallelLayout
 from ckptctl.model.plan import COPY, FileWrite, TextWrite
 from ckptctl.model.stored import (
     CheckpointView,
-    KeyPath,
     StoredFile,
     StoredTensor,
     canonical_shapes,
@@ -84,41 +84,49 @@ def _refuse_other_placements(ckpt: HfStateDictFiles) -> None:
         return
 
 
-def shard_group(source: CheckpointView) -> int:
-    """The ranks each parameter is cut over in ``source``: its world (FSDP2), or HSDP's shard
-    group ``S`` (rank ``r`` holds chunk ``r % S``, as ranks ``r`` and ``r + S`` hold the same
-    rows). Read off the rows each rank's model file holds of its longest parameter."""
-    world = source.layout.dp
-    rows: dict[KeyPath, dict[int, tuple[int, int]]] = {}
-    for file in source.files:
-        match = MODEL.fullmatch(file.path)
-        if match is None:
-            continue
-        for tensor in file.tensors:
-            if tensor.key and tensor.key[-1] == LOCAL and tensor.pieces:
-                piece = tensor.pieces[0]
-                box = (piece.canonical[0], piece.sizes[0])
-                rows.setdefault(tensor.key, {})[int(match[2])] = box
-    if not rows:
+def mesh_of(source: CheckpointView) -> tuple[int, ...]:
+    """The device mesh ``source``'s files were written on (``meshes.held_mesh``)."""
+    mesh = held_mesh(source.files, source.layout.dp)
+    if mesh is None:
+        raise UsageError(
+            "--format verl: the source's ranks hold their parameters' rows as no FSDP2 or "
+            "HSDP mesh cuts them; it is not written at another world size"
+        )
+    return mesh
+
+
+def _shard_group(before: tuple[int, ...], world: int, asked: int | None) -> int:
+    """The ranks each parameter is cut over at ``world`` ranks: ``asked`` (``--fsdp-size``),
+    else the source's: all ranks for FSDP2, HSDP's shard group kept (more or fewer replicas)."""
+    if asked is not None:
+        if asked > world or world % asked:
+            raise UsageError(
+                f"--format verl: --fsdp-size {asked} does not divide the world size {world} "
+                "(--dp): HSDP's replicas each hold the whole model in shard groups of that size"
+            )
+        return asked
+    if len(before) == 1:
         return world
-    key = max(rows, key=lambda k: max(start + length for start, length in rows[k].values()))
-    held = rows[key]
-    total = max(start + length for start, length in held.values())
-    for group in (g for g in range(1, world + 1) if world % g == 0):
-        chunks = [torch_chunk(total, group, r % group) for r in range(world)]
-        if all(held.get(r, (0, 0)) == chunks[r] or chunks[r][1] == 0 for r in range(world)):
-            return group
-    raise UsageError(
-        f"--format verl: the source's ranks hold {key[0]}'s rows as no FSDP2 or HSDP mesh "
-        "cuts them; it is not written at another world size"
-    )
+    group = before[1]
+    if world % group or world == group:
+        raise UsageError(
+            f"--format verl: --dp {world}: the source is {describe_mesh(before)}, written "
+            f"with its shard groups kept: give a world size that is a multiple of {group} "
+            f"above it (more or fewer replicas), or set the shard group with --fsdp-size "
+            f"({world} for one flat FSDP2 mesh)"
+        )
+    return group
 
 
 class VerlTarget(TargetFormat):
     name = "verl"
     operations = (RESHARD,)
-    help = "verl FSDP2 actor / critic files at another world size (--dp), to resume from"
+    help = (
+        "verl FSDP2 actor / critic files at another world size (--dp) or HSDP shard group "
+        "(--fsdp-size), to resume from"
+    )
     cuts_by_name = True
+    meshed = True
 
     def planner_for(self, ckpt: Checkpoint) -> tuple[Checkpoint, TargetPlanner]:
         from dataclasses import replace
@@ -131,7 +139,13 @@ class VerlTarget(TargetFormat):
                 f"verl one; {ckpt.storage.url} is {ckpt.view.format}"
             )
         _refuse_other_placements(ckpt)
-        return replace(ckpt, view=ckpt.by_name), self
+        view = ckpt.by_name
+        mesh = mesh_of(view)  # said on its rank files, as a target's are (``StoredFile.mesh``)
+        files = tuple(
+            replace(f, mesh=mesh) if MODEL.fullmatch(f.path) or OPTIM.fullmatch(f.path) else f
+            for f in view.files
+        )
+        return replace(ckpt, view=replace(view, files=files)), self
 
     def target_files(self, source: CheckpointView, request: TargetRequest) -> TargetFiles:
         layout = request.layout or source.layout
@@ -142,17 +156,10 @@ class VerlTarget(TargetFormat):
                 "layouts)"
             )
         world = layout.dp
-        group = shard_group(source)
-        hybrid = group < source.layout.dp
-        if hybrid and (world % group or world == group):
-            raise UsageError(
-                f"--format verl: --dp {world}: the source is HSDP ({source.layout.dp // group} "
-                f"replicas of {group}-rank shard groups), written with its shard groups kept: "
-                f"give a world size that is a multiple of {group} above it (more or fewer "
-                "replicas)"
-            )
-        cut_over = group if hybrid else world
-        hsdp = f" ({world // group} replicas of {group}-rank shard groups)" if hybrid else ""
+        before = mesh_of(source)
+        cut_over = _shard_group(before, world, request.shard_group)
+        mesh = (world // cut_over, cut_over) if cut_over < world else (world,)
+        hybrid = len(mesh) == 2
         model, optim = _rank0(source, MODEL), _rank0(source, OPTIM)
         if model is None:
             raise UsageError(f"--format verl: {source.format} source without verl's model files")
@@ -169,27 +176,25 @@ class VerlTarget(TargetFormat):
         for rank in range(world):
             chunk = rank % cut_over
             cut = tuple(_cut(t, shapes[t.canonical], cut_over, chunk) for t in model.tensors)
-            files.append(StoredFile(model_file(world, rank), cut))
+            files.append(StoredFile(model_file(world, rank), cut, mesh=mesh))
             if optim is not None:
                 cut = tuple(_cut(t, shapes[t.canonical], cut_over, chunk) for t in optim.tensors)
-                files.append(StoredFile(optim_file(world, rank), cut))
+                files.append(StoredFile(optim_file(world, rank), cut, mesh=mesh))
             if extra:
                 files.append(StoredFile(extra_file(world, rank), ()))
         files += [StoredFile(f.path, ()) for f in source.files if f.path.startswith(f"{HF_DIR}/")]
+        how = "set by --fsdp-size" if request.shard_group else "the source's shard groups kept"
         return TargetFiles(
             files=tuple(files),
             kind=VERL_FILE,
             layout=ParallelLayout(dp=world),
             reason=f"verl FSDP2 files of {world} ranks: each parameter and Adam moment cut "
-            f"on its first dimension as FSDP2 cuts it" + (f", HSDP{hsdp}" if hybrid else ""),
+            f"on its first dimension as FSDP2 cuts it, {describe_mesh(mesh)}",
             finalize=(TextWrite(path=FSDP_CONFIG, content=fsdp_config_text(world)),),
             optimizer_carried=optim is not None,
             notes=(
-                *(
-                    (f"HSDP{hsdp}: the source's shard groups kept (verl's fsdp_size)",)
-                    if hybrid
-                    else ()
-                ),
+                f"device mesh: {describe_mesh(before)} -> {describe_mesh(mesh)}"
+                + (f" ({how}: verl's fsdp_size {cut_over})" if hybrid or len(before) == 2 else ""),
                 *(
                     (
                         f"extra_state of each new rank: the source rank's of the same index "

@@ -6,6 +6,7 @@ copied as it is."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,7 +16,7 @@ from ckptctl.formats.hf_state_dict_files import HfStateDictFiles
 from ckptctl.formats.torchsave.archive import TensorRef
 from ckptctl.formats.torchsave.dtensor import LOCAL, DTensorRef, torch_chunk
 from ckptctl.formats.torchsave.zip_writer import TensorSlot, write_torch_zip
-from ckptctl.formats.verl.dtensors import RebuiltDTensor, check_placement, mesh_for, shard_group
+from ckptctl.formats.verl.dtensors import RebuiltDTensor, check_placement, mesh_for, mesh_kept
 from ckptctl.formats.verl.layout import MODEL, OPTIM
 from ckptctl.io.byte_streams import ByteStream
 from ckptctl.io.runs import Run
@@ -50,8 +51,8 @@ class _RankFile:
         self.by_slot: dict[str, TensorWrite] = {}
         self.rank_map: TensorSlot | None = None
         self.mesh: Any = None
-        self.group: int | None = None
-        """HSDP's shard group size (``None``: one flat mesh of the world)."""
+        self.shape: tuple[int, ...] = file.mesh
+        """The mesh's ranks per dimension: ``(world,)`` or HSDP's ``(replicas, shard group)``."""
         self.built: dict[TensorRef, Any] = {}
         self.placed: dict[TensorRef, tuple[Any, ...]] = {}
 
@@ -108,14 +109,14 @@ class _RankFile:
             return slot
         check_placement(node, self.where)
         mesh = self._mesh(node)
-        parts = self.group or self.world  # HSDP: cut over each shard group, as planned
+        parts = self.shape[-1]  # HSDP: cut over each shard group, as planned
         rows = torch_chunk(node.shape[0], parts, self.rank % parts)[1] if node.shape else 0
         if node.shape and write.shape[0] != rows:
             raise CheckpointError(
                 f"{self.where}: {'/'.join(map(str, path))} is planned with {write.shape[0]} "
                 f"rows in {self.file.path}, where its mesh gives rank {self.rank} {rows}"
             )
-        return RebuiltDTensor(node, slot, mesh, self.where)
+        return RebuiltDTensor(node, slot, mesh, len(self.shape), self.where)
 
     def _mesh(self, node: DTensorRef) -> Any:
         """This rank's mesh, one per file (every DTensor of an FSDP2 model shares it)."""
@@ -125,8 +126,12 @@ class _RankFile:
             dtype = rank_map.dtype if isinstance(rank_map, TensorRef) else "int64"
             self.rank_map = TensorSlot("rank_map", dtype, (self.world,))
             self.slots.append(self.rank_map)
-            self.mesh = mesh_for(template, self.world, self.rank, self.rank_map, self.where)
-            self.group = shard_group(template, self.where)
+            self.shape = self.shape or mesh_kept(template, self.world, self.where)
+            if self.world != math.prod(self.shape):
+                raise CheckpointError(
+                    f"{self.file.path}: planned on a mesh {self.shape} of another world"
+                )
+            self.mesh = mesh_for(template, self.shape, self.rank, self.rank_map, self.where)
         return self.mesh
 
     def _produce(self, slot: TensorSlot) -> Iterator[bytes | memoryview | Run]:
