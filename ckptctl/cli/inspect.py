@@ -96,8 +96,9 @@ def _adapter(adapter: EmbeddedLora | None) -> dict[str, Any] | None:
         for t in f.tensors:
             count += 1
             size += nbytes(t.shape, t.dtype)
-            if t.canonical.endswith(("lora_A.weight", "lora_embedding_A")):
-                rows = max((p.canonical[0] + p.sizes[0] for p in t.pieces), default=0)
+            if t.canonical.endswith(("lora_A.weight", "lora_embedding_A", "linear_in.weight")):
+                dim = 1 if adapter.megatron else 0  # Megatron-Bridge's: [layer, rank, in]
+                rows = max((p.canonical[dim] + p.sizes[dim] for p in t.pieces), default=0)
                 ranks[t.canonical] = max(ranks.get(t.canonical, 0), rows)
     return {
         "name": adapter.name,

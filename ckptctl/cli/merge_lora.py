@@ -116,7 +116,6 @@ def _inside(
     max_shard_size: str,
 ) -> None:
     """The adapter a checkpoint was trained with, merged into its base or exported."""
-    from ckptctl.lora.embedded import EmbeddedAdapter
     from ckptctl.pipeline.probe import open_checkpoint
 
     refuse_overlap("destination", dst, {"source": base})
@@ -131,11 +130,22 @@ def _inside(
             f"{base}: holds a LoRA adapter without its base weights (saved alone); give the "
             f"model the run started from: ckptctl merge-lora BASE {base} DST"
         )
-    lora = EmbeddedAdapter(ckpt, base, _alpha(alpha, ckpt, base))
+    lora = _embedded(ckpt, base, _alpha(alpha, ckpt, base))
     if adapter_only:
         _export(out, lora, dst, settings, job)
     else:
         _merge(out, base, dst, lora, settings, job, max_shard_size, out.as_json, ckpt)
+
+
+def _embedded(ckpt: Checkpoint, url: str, alpha: float) -> HeldAdapter:
+    """The adapter ``ckpt`` holds: by PEFT's names, or Megatron-Bridge's in ``torch_dist``."""
+    from ckptctl.lora.embedded import EmbeddedAdapter
+    from ckptctl.lora.megatron import MegatronAdapter
+
+    assert ckpt.adapter is not None
+    if ckpt.adapter.megatron:
+        return MegatronAdapter.from_checkpoint(ckpt, url, alpha)
+    return EmbeddedAdapter(ckpt, url, alpha)
 
 
 def _peft_directory(url: str, settings: Settings) -> bool:
@@ -181,7 +191,6 @@ def _held(
 ) -> None:
     """The adapter a checkpoint holds (verl's LoRA actor, saved with or without its base)
     merged into BASE, or exported."""
-    from ckptctl.lora.embedded import EmbeddedAdapter
     from ckptctl.pipeline.probe import open_checkpoint
 
     refuse_overlap("destination", dst, {"source": base, "adapter": adapter})
@@ -191,7 +200,7 @@ def _held(
             f"{adapter}: neither a PEFT adapter directory (no adapter_config.json) nor a "
             "checkpoint trained with a LoRA adapter"
         )
-    lora = EmbeddedAdapter(ckpt, adapter, _alpha(alpha, ckpt, adapter))
+    lora = _embedded(ckpt, adapter, _alpha(alpha, ckpt, adapter))
     if adapter_only:
         _export(out, lora, dst, settings, job)
     else:
@@ -229,7 +238,7 @@ def _megatron(
             f"{base}: a base of a model ckptctl has no Megatron mapping for; the adapter's "
             "Megatron layers cannot be placed in it"
         )
-    lora = MegatronAdapter(adapter, settings.storage, spec, alpha, base)
+    lora = MegatronAdapter.from_rank_files(adapter, settings.storage, spec, alpha, base)
     if adapter_only:
         _export(out, lora, dst, settings, job)
     else:

@@ -18,6 +18,7 @@ from ckptctl.formats.base import Checkpoint
 from ckptctl.formats.hf.writer import write_safetensors
 from ckptctl.io.storage import Storage
 from ckptctl.lora.adapter import CONFIG, WEIGHTS, HeldAdapter
+from ckptctl.model.peft_wrapped import EmbeddedLora
 from ckptctl.model.stored import StoredTensor
 
 if TYPE_CHECKING:
@@ -34,15 +35,9 @@ class EmbeddedAdapter(HeldAdapter):
         reader = ckpt.adapter.reader
         self.ckpt: Checkpoint = reader if isinstance(reader, Checkpoint) else ckpt
         self._url = url
-        self._parts: dict[str, list[tuple[str, StoredTensor]]] = {}
-        self._shapes: dict[str, tuple[int, ...]] = {}
-        self.dtypes: dict[str, str] = {}
-        for file in ckpt.adapter.files:
-            for t in file.tensors:
-                self._parts.setdefault(t.canonical, []).append((file.path, t))
-                self.dtypes[t.canonical] = t.dtype
-        for name, parts in self._parts.items():
-            self._shapes[name] = _global_shape(parts)
+        self._parts = held_parts(ckpt.adapter)
+        self._shapes = {name: _global_shape(parts) for name, parts in self._parts.items()}
+        self.dtypes = {name: parts[0][1].dtype for name, parts in self._parts.items()}
         self._lock = threading.Lock()
         self._stored: dict[str, np.ndarray] = {}
         self._describe(
@@ -78,24 +73,40 @@ class EmbeddedAdapter(HeldAdapter):
             kept = self._stored.get(name)
         if kept is not None:
             return kept
-        out = np.zeros(self._shapes[name], arrays.numpy_dtype(self.dtypes[name]))
-        filled = 0
-        for path, t in self._parts[name]:
-            data = self.ckpt.read(path, t.key, (0,) * len(t.shape), t.shape)
-            for piece in t.pieces:
-                source = tuple(
-                    slice(a, a + n) for a, n in zip(piece.local, piece.sizes, strict=True)
-                )
-                target = tuple(
-                    slice(a, a + n) for a, n in zip(piece.canonical, piece.sizes, strict=True)
-                )
-                out[target] = data[source]
-                filled += piece.numel
-        if filled != out.size:  # every element once: the shards tile the tensor
-            raise LayoutError(f"{self._url}: {name}'s shards hold {filled} of {out.size} values")
+        out = gathered(self.ckpt, self._parts[name], name, self._url)
         with self._lock:
             self._stored[name] = out
         return out
+
+
+def held_parts(adapter: EmbeddedLora) -> dict[str, list[tuple[str, StoredTensor]]]:
+    """Each of the adapter's tensors: the files and stored tensors holding its pieces."""
+    out: dict[str, list[tuple[str, StoredTensor]]] = {}
+    for file in adapter.files:
+        for t in file.tensors:
+            out.setdefault(t.canonical, []).append((file.path, t))
+    return out
+
+
+def gathered(
+    ckpt: Checkpoint, parts: list[tuple[str, StoredTensor]], name: str, url: str
+) -> np.ndarray:
+    """Tensor ``name`` whole as ``ckpt`` stores it (its dtype), from its pieces in ``parts``;
+    refused unless they tile it, every element once."""
+    out = np.zeros(_global_shape(parts), arrays.numpy_dtype(parts[0][1].dtype))
+    filled = 0
+    for path, t in parts:
+        data = ckpt.read(path, t.key, (0,) * len(t.shape), t.shape)
+        for piece in t.pieces:
+            source = tuple(slice(a, a + n) for a, n in zip(piece.local, piece.sizes, strict=True))
+            target = tuple(
+                slice(a, a + n) for a, n in zip(piece.canonical, piece.sizes, strict=True)
+            )
+            out[target] = data[source]
+            filled += piece.numel
+    if filled != out.size:
+        raise LayoutError(f"{url}: {name}'s shards hold {filled} of {out.size} values")
+    return out
 
 
 def _global_shape(parts: list[tuple[str, StoredTensor]]) -> tuple[int, ...]:

@@ -30,6 +30,7 @@ from ckptctl.formats.torchsave.refs import open_torch_file
 from ckptctl.formats.verl.layout import ADAPTER_DIR
 from ckptctl.io.storage import Storage
 from ckptctl.lora.adapter import HeldAdapter
+from ckptctl.lora.embedded import gathered, held_parts
 from ckptctl.model.catalog import LAYER_PREFIX, parameters_by_name
 from ckptctl.model.geometry import Split, shard_shape_and_pieces
 from ckptctl.model.hf_families import choose_family
@@ -41,11 +42,15 @@ from ckptctl.settings import StorageConfig
 if TYPE_CHECKING:
     import torch
 
+    from ckptctl.formats.base import Checkpoint
+
 STATE_KEY = "adapter_state_dict"
 _FILE = re.compile(r"mp_rank_(?P<tp>\d{2})(?:_(?P<a>\d{3}))?(?:_(?P<b>\d{3}))?_adapter\.pt")
 _NAME = re.compile(
     r"decoder\.layers\.(?P<layer>\d+)\.(?P<module>.+)\.adapter\.linear_(?P<part>in|out)\.weight"
 )
+_STACKED = re.compile(r"decoder\.layers\.(?P<module>.+)\.adapter\.linear_(?P<part>in|out)\.weight")
+"""A ``torch_dist`` key of Megatron-Bridge's A or B, its layers stacked on the first axis."""
 _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(?P<local>\d+)\.(?P<linear>linear_fc[12])")
 """A ``SequentialMLP`` expert's linear: each local expert has an adapter of its own."""
 _SPLIT_OF_A = {Split.COLUMN: Split.COLUMN, Split.GATED: Split.COLUMN, Split.ROW: Split.ROW}
@@ -72,23 +77,59 @@ class _RankFile:
 
 
 class MegatronAdapter(HeldAdapter):
-    """verl's Megatron adapter, as the PEFT adapter of the HF model ``spec`` describes."""
+    """Megatron-Bridge's adapter, as the PEFT adapter of the HF model ``spec`` describes:
+    ``shards`` holds each adapted base weight's A (``"in"``) and B (``"out"``) by TP rank,
+    cut over ``tp`` ranks as Megatron-Bridge cuts them."""
 
     def __init__(
-        self, url: str, config: StorageConfig, spec: ModelSpec, alpha: float, base: str | None
+        self,
+        url: str,
+        spec: ModelSpec,
+        alpha: float,
+        base: str | None,
+        shards: dict[tuple[str, str], dict[int, np.ndarray]],
+        tp: int,
     ) -> None:
         self._url = url
-        storage = Storage(url, config, read_only=True)
-        files = storage.find_files()
-        inner = f"{ADAPTER_DIR}/" if any(f.startswith(f"{ADAPTER_DIR}/") for f in files) else ""
-        layout, found = _layout(storage, url, inner, files)
         self._held: dict[str, np.ndarray] = {}
-        self._gather(storage, spec, layout, found)
+        self._place(spec, shards, tp)
         shapes = {name: tuple(a.shape) for name, a in self._held.items()}
         self.dtypes = {name: arrays.dtype_of(a) for name, a in self._held.items()}
         architecture = choose_family(spec).architecture
         where = f"{url} (Megatron-Bridge's LoRA adapter)"
         self._describe(shapes, alpha, architecture, base, where)
+
+    @classmethod
+    def from_rank_files(
+        cls, url: str, config: StorageConfig, spec: ModelSpec, alpha: float, base: str | None
+    ) -> MegatronAdapter:
+        """verl's ``adapter_checkpoint/`` of per-rank files."""
+        storage = Storage(url, config, read_only=True)
+        files = storage.find_files()
+        inner = f"{ADAPTER_DIR}/" if any(f.startswith(f"{ADAPTER_DIR}/") for f in files) else ""
+        layout, found = _layout(storage, url, inner, files)
+        shards = _rank_shards(storage, spec, layout, found)
+        if not shards:
+            raise CheckpointError(f"{url}: the adapter checkpoint holds no adapter")
+        return cls(url, spec, alpha, base, shards, layout.tp)
+
+    @classmethod
+    def from_checkpoint(cls, ckpt: Checkpoint, url: str, alpha: float) -> MegatronAdapter:
+        """The adapter a ``torch_dist`` checkpoint holds beside its base (``ckpt.adapter``,
+        ``lora_shards``): each stacked key's global tensor is the whole matrix of every layer,
+        as one TP rank would hold it."""
+        adapter, spec = ckpt.adapter, ckpt.view.spec
+        assert adapter is not None and adapter.megatron and spec is not None
+        shards: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+        for name, parts in held_parts(adapter).items():
+            match = _STACKED.fullmatch(name)
+            if match is None:
+                raise CheckpointError(f"{url}: {name}: not a Megatron-Bridge LoRA A or B")
+            stacked = gathered(ckpt, parts, name, url)
+            for layer in range(stacked.shape[0]):
+                base = f"{LAYER_PREFIX}{layer}.{match['module']}.weight"
+                shards[(base, match["part"])] = {0: stacked[layer]}
+        return cls(url, spec, alpha, None, shards, 1)
 
     @property
     def url(self) -> str:
@@ -106,53 +147,11 @@ class MegatronAdapter(HeldAdapter):
     def stored(self, name: str) -> np.ndarray:
         return self._held[name]
 
-    def _gather(
-        self, storage: Storage, spec: ModelSpec, layout: ParallelLayout, found: list[_RankFile]
+    def _place(
+        self, spec: ModelSpec, shards: dict[tuple[str, str], dict[int, np.ndarray]], tp: int
     ) -> None:
-        """Every adapted base weight's A and B gathered over TP, their layer numbers made
-        global, and cut into the HF weights of the base weight."""
-        stages = layout.chunk_layers(spec.num_layers)
-        shards: dict[tuple[str, str], dict[int, np.ndarray]] = {}
-        per_rank = (spec.num_experts or 0) // layout.ep
-        for rank_file in found:
-            reader = open_torch_file(storage, rank_file.path)
-            where = storage.describe(rank_file.path)
-            tree = reader.tree
-            if not isinstance(tree, dict) or not isinstance(tree.get(STATE_KEY), dict):
-                raise CheckpointError(f"{where}: no {STATE_KEY}; not verl's adapter checkpoint")
-            held = stages[(rank_file.pp, 0)]
-            for name, ref in tree[STATE_KEY].items():
-                match = _NAME.fullmatch(str(name))
-                module = match["module"] if match else ""
-                expert = _EXPERT.fullmatch(module)
-                if match is None or (".experts." in f".{module}." and expert is None):
-                    what = "LoRA on grouped experts" if match else "not a LoRA A or B"
-                    raise CheckpointError(
-                        f"{where}: {name}: {what} (Megatron-Bridge's LoRA on a decoder "
-                        "layer's linear_qkv, linear_proj, linear_fc1, linear_fc2, each "
-                        "SequentialMLP expert's too, is read)"
-                    )
-                if expert is None and rank_file.ep:  # dense: the same on every EP rank
-                    continue
-                if expert is not None:  # local expert j of EP rank e: global e * n + j
-                    if layout.expert_tp != layout.tp:
-                        raise CheckpointError(
-                            f"{where}: LoRA on experts with expert TP {layout.expert_tp} other "
-                            f"than TP {layout.tp}: the files do not say the expert TP rank"
-                        )
-                    number = rank_file.ep * per_rank + int(expert["local"])
-                    module = f"mlp.experts.local_experts.{number}.{expert['linear']}"
-                local = int(match["layer"])
-                if local >= len(held):
-                    raise CheckpointError(
-                        f"{where}: {name}: pipeline stage {rank_file.pp} holds {len(held)} "
-                        "layers; is transformer_config.json this run's?"
-                    )
-                base = f"{LAYER_PREFIX}{held[local]}.{module}.weight"
-                data = reader.read(ref, (0,) * len(ref.shape), tuple(ref.shape))
-                shards.setdefault((base, match["part"]), {})[rank_file.tp] = data
-        if not shards:
-            raise CheckpointError(f"{self._url}: the adapter checkpoint holds no adapter")
+        """Every adapted base weight's A and B gathered over TP and cut into the HF weights of
+        the base weight."""
         params = parameters_by_name(spec)
         by_canonical: dict[str, list[tuple[str, tuple[int, ...], tuple[Any, ...]]]] = {}
         for hf, canonical, shape, pieces in per_name_tensors(spec, "merge-lora"):
@@ -170,13 +169,11 @@ class MegatronAdapter(HeldAdapter):
                     f"{self._url}: an adapter on {base}, whose TP cut ({param.split}) "
                     "Megatron-Bridge's LoRA of a parallel linear layer does not have"
                 )
-            a = _gathered(parts["in"], _SPLIT_OF_A[param.split], layout.tp, base, "linear_in")
+            a = _gathered(parts["in"], _SPLIT_OF_A[param.split], tp, base, "linear_in")
             rank = a.shape[0]
             out_rows, in_cols = param.shape[0], param.shape[1]
             b_shape = (out_rows, rank)
-            b = _gathered(
-                parts["out"], _SPLIT_OF_B[param.split], layout.tp, base, "linear_out", b_shape
-            )
+            b = _gathered(parts["out"], _SPLIT_OF_B[param.split], tp, base, "linear_out", b_shape)
             if a.shape[1] != in_cols:
                 raise LayoutError(
                     f"{self._url}: {base}'s adapter takes {a.shape[1]} inputs, the base {in_cols}"
@@ -203,6 +200,53 @@ class MegatronAdapter(HeldAdapter):
         module = f"{PREFIX}{hf.removesuffix('.weight')}"
         self._held[f"{module}.lora_A.weight"] = a
         self._held[f"{module}.lora_B.weight"] = rows
+
+
+def _rank_shards(
+    storage: Storage, spec: ModelSpec, layout: ParallelLayout, found: list[_RankFile]
+) -> dict[tuple[str, str], dict[int, np.ndarray]]:
+    """Each rank file's A and B of each adapted base weight, their layer numbers made global."""
+    stages = layout.chunk_layers(spec.num_layers)
+    shards: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+    per_rank = (spec.num_experts or 0) // layout.ep
+    for rank_file in found:
+        reader = open_torch_file(storage, rank_file.path)
+        where = storage.describe(rank_file.path)
+        tree = reader.tree
+        if not isinstance(tree, dict) or not isinstance(tree.get(STATE_KEY), dict):
+            raise CheckpointError(f"{where}: no {STATE_KEY}; not verl's adapter checkpoint")
+        held = stages[(rank_file.pp, 0)]
+        for name, ref in tree[STATE_KEY].items():
+            match = _NAME.fullmatch(str(name))
+            module = match["module"] if match else ""
+            expert = _EXPERT.fullmatch(module)
+            if match is None or (".experts." in f".{module}." and expert is None):
+                what = "LoRA on grouped experts" if match else "not a LoRA A or B"
+                raise CheckpointError(
+                    f"{where}: {name}: {what} (Megatron-Bridge's LoRA on a decoder "
+                    "layer's linear_qkv, linear_proj, linear_fc1, linear_fc2, each "
+                    "SequentialMLP expert's too, is read)"
+                )
+            if expert is None and rank_file.ep:  # dense: the same on every EP rank
+                continue
+            if expert is not None:  # local expert j of EP rank e: global e * n + j
+                if layout.expert_tp != layout.tp:
+                    raise CheckpointError(
+                        f"{where}: LoRA on experts with expert TP {layout.expert_tp} other "
+                        f"than TP {layout.tp}: the files do not say the expert TP rank"
+                    )
+                number = rank_file.ep * per_rank + int(expert["local"])
+                module = f"mlp.experts.local_experts.{number}.{expert['linear']}"
+            local = int(match["layer"])
+            if local >= len(held):
+                raise CheckpointError(
+                    f"{where}: {name}: pipeline stage {rank_file.pp} holds {len(held)} "
+                    "layers; is transformer_config.json this run's?"
+                )
+            base = f"{LAYER_PREFIX}{held[local]}.{module}.weight"
+            data = reader.read(ref, (0,) * len(ref.shape), tuple(ref.shape))
+            shards.setdefault((base, match["part"]), {})[rank_file.tp] = data
+    return shards
 
 
 def _gathered(

@@ -91,10 +91,30 @@ class EmbeddedLora:
     ``lora_train_meta.json``), if it did."""
     alone: bool = False
     """Saved without its base's weights (verl's ``save_lora_only``)."""
+    megatron: bool = False
+    """The files hold Megatron-Bridge's adapter matrices by their ``torch_dist`` keys, the
+    layers stacked (``decoder.layers.<module>.adapter.linear_in|linear_out.weight``), not
+    PEFT's: ``ckptctl.lora.megatron`` names them for the model."""
 
     @property
     def modules(self) -> frozenset[str]:
+        if self.megatron:  # each stacked key's module, on each of its layers
+            return frozenset(
+                f"{MEGATRON_LAYERS}{layer}.{_module(t.canonical)}"
+                for f in self.files
+                for t in f.tensors
+                for p in t.pieces
+                for layer in range(p.canonical[0], p.canonical[0] + p.sizes[0])
+            )
         return frozenset(t.canonical.rsplit(".lora_", 1)[0] for f in self.files for t in f.tensors)
+
+
+MEGATRON_LAYERS = "decoder.layers."
+
+
+def _module(key: str) -> str:
+    """The layer's module a stacked Megatron-Bridge adapter key is on."""
+    return key.removeprefix(MEGATRON_LAYERS).split(".adapter.")[0]
 
 
 def wrapped(names: Iterable[str]) -> bool:

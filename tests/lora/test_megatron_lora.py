@@ -31,9 +31,10 @@ ALPHA = "16"  # the oracle's LoRA(alpha=16): verl keeps it in its run config, no
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """TP 2: the adapter trained 3 Adam steps; ``logits.pt`` is megatron-core's forward."""
+    """TP 2: the adapter trained 3 Adam steps; ``logits.pt`` is megatron-core's forward;
+    ``actor/`` the same run as verl 0.9 saves it under ``use_dist_checkpointing``."""
     out = tmp_path_factory.mktemp("bridge_lora_tp2")
-    megatron_bridge_peft.run(out, "--tp", 2, "--pp", 1, "--mode", "train")
+    megatron_bridge_peft.run(out, "--tp", 2, "--pp", 1, "--mode", "train", "--split")
     return out
 
 
@@ -96,6 +97,48 @@ def test_an_hf_base_and_the_peft_export_agree_with_peft(trained: Path, tmp_path:
     assert set(merged) <= set(unloaded)
     for name, tensor in merged.items():
         assert torch.equal(tensor, unloaded[name]), name
+
+
+def test_verl_split_lora_run_merges_its_own_adapter_shards(
+    trained: Path, tmp_path: Path, cli
+) -> None:
+    """verl 0.9's split layout of the LoRA run under ``use_dist_checkpointing``: the base and
+    Megatron-Bridge's adapter in one ``torch_dist`` directory (``model/dist_ckpt``, the
+    adapter's keys stacked over the layers). ``merge-lora ACTOR DST`` merges the adapter into
+    the actor's own base: the model megatron-core trained, and bit for bit what merging the
+    same run's per-rank adapter files into its legacy base gives; ``--adapter-only`` exports
+    the same PEFT adapter; converting the base alone is refused naming merge-lora."""
+    actor = trained / "actor"
+    before = _contents(trained)
+    cli("consolidate", trained / "base", tmp_path / "base_hf")  # verl saved no HF config
+    config = ("--hf-config", tmp_path / "base_hf" / "config.json")
+    result = cli("consolidate", actor, tmp_path / "no", *config, code=3)
+    assert "merge-lora" in result.stderr and "16 modules" in result.stderr
+    assert "rank 8" in cli("inspect", actor, *config).stdout
+
+    cli("merge-lora", actor, tmp_path / "merged", "--lora-alpha", ALPHA, *config)
+    truth = torch.load(trained / "logits.pt")
+    logits = _logits(tmp_path / "merged", truth["input_ids"])
+    torch.testing.assert_close(logits, truth["logits"], rtol=1e-5, atol=1e-5)
+    cli("merge-lora", trained / "base", trained, tmp_path / "files", "--lora-alpha", ALPHA)
+    merged, from_files = _tensors(tmp_path / "merged"), _tensors(tmp_path / "files")
+    assert set(merged) == set(from_files)
+    assert all(torch.equal(merged[n], from_files[n]) for n in merged)
+
+    cli("merge-lora", actor, tmp_path / "a", "--adapter-only", "--lora-alpha", ALPHA, *config)
+    cli(
+        "merge-lora",
+        trained / "base",
+        trained,
+        tmp_path / "b",
+        "--adapter-only",
+        "--lora-alpha",
+        ALPHA,
+    )
+    exported, from_files = _tensors(tmp_path / "a"), _tensors(tmp_path / "b")
+    assert set(exported) == set(from_files) and len(exported) == 56
+    assert all(torch.equal(exported[n], from_files[n]) for n in exported)
+    assert _contents(trained) == before
 
 
 def test_pipeline_stages_number_their_layers_from_zero(tmp_path: Path, cli) -> None:

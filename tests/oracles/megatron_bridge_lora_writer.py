@@ -35,10 +35,20 @@ CPU shims (none touching what is saved): megatron-core's CUDA calls on CPU
 LoRA layers used here are megatron-core's own ``ColumnParallelLinear`` / ``RowParallelLinear``
 adapters, which never touch it).
 
+``--split`` (with ``train``): also verl 0.9's split layout of the LoRA run under
+``use_dist_checkpointing`` (``OUT/actor``): verl's checkpoint manager builds the LoRA-wrapped
+model's sharded state dict (Megatron-Bridge's ``AdapterWrapper.sharded_state_dict``: the base's
+keys as they were, each adapter's under ``<module>.adapter.linear_in|linear_out``) and saves it
+whole with ``dist_checkpointing.save`` to ``model/dist_ckpt``; ``transformer_config.json``
+and ``ckpt_contents.json`` (``backend.peft`` true) beside it, as verl 0.9.1's
+``_build_checkpoint_manifest`` composes it. Not written: the optimizer's directory (verl's
+comes from Megatron's distributed optimizer over the adapter; this script trains with torch's
+Adam) and the RNG state's, which the manifest then does not name.
+
 Usage::
 
     CKPTCTL_MEGATRON_BRIDGE=SITE python tests/oracles/megatron_bridge_lora_writer.py OUT \
-        --tp 2 --pp 1 --mode train [--base DIR]
+        --tp 2 --pp 1 --mode train [--base DIR] [--split]
 """
 
 from __future__ import annotations
@@ -156,13 +166,21 @@ def global_name(name: str, offset: int) -> str:
 
 
 def worker(
-    rank: int, port: int, tp: int, pp: int, ep: int, out: Path, mode: str, base: Path | None
+    rank: int,
+    port: int,
+    tp: int,
+    pp: int,
+    ep: int,
+    out: Path,
+    mode: str,
+    base: Path | None,
+    split: bool,
 ) -> None:
     if ep > 1:  # megatron_core_moe's model, processes and CPU shims
         moe.cpu_patches()
         parallel = moe.expert_parallel(rank, port, tp, ep, tp)
     else:
-        patch_megatron_for_cpu(noop_cuda_synchronize=False)
+        patch_megatron_for_cpu(noop_cuda_synchronize=split)  # dist_checkpointing syncs
         parallel = model_parallel(rank, port, tp * pp, tp=tp, pp=pp, cpu_as_cuda=False)
     with parallel:
         from megatron.core import parallel_state as ps
@@ -229,6 +247,8 @@ def worker(
         target = out / "adapter_checkpoint"
         target.mkdir(parents=True, exist_ok=True)
         torch.save({"adapter_state_dict": state}, target / f"{where}_adapter.pt")
+        if split:
+            save_split(model, config, out / "actor")
 
         if pp == 1:
             model.eval()
@@ -241,6 +261,52 @@ def worker(
                     out / "logits.pt",
                 )
         dist.barrier()
+
+
+def save_split(model: torch.nn.Module, config: Any, actor: Path) -> None:
+    """verl 0.9.1's ``save_checkpoint`` of a LoRA run with ``use_dist_checkpointing`` on and
+    Megatron-Bridge's HF save off: the wrapped model's sharded state dict (base and adapter)
+    saved whole to ``model/dist_ckpt`` (megatron-core's default ``torch_dist`` strategy; its
+    CUDA paths on the CPU), then rank 0's ``transformer_config.json`` and manifest."""
+    from mcore_cpu import CpuAsCudaMode
+    from megatron.core import dist_checkpointing
+
+    path = actor / "model" / "dist_ckpt"
+    if dist.get_rank() == 0:
+        path.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    with CpuAsCudaMode():
+        dist_checkpointing.save({"model": model.sharded_state_dict()}, str(path))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        text = json.dumps(transformer_config_json(config), indent=2)
+        (actor / "transformer_config.json").write_text(text)
+        (actor / "ckpt_contents.json").write_text(json.dumps(split_manifest(), indent=2))
+
+
+def split_manifest() -> dict[str, Any]:
+    """``ckpt_contents.json`` of the LoRA run's split save: the model as Megatron shards, PEFT
+    on, no Megatron-Bridge (so no HF export and no ``peft_adapters`` entry)."""
+    return {
+        "schema_version": 2,
+        "framework": "megatron",
+        "role": "actor",
+        "arch": "LlamaForCausalLM",
+        "global_step": ITERATION,
+        "world_size": dist.get_world_size(),
+        "backend": {"has_bridge": False, "use_dist_checkpointing": True, "peft": True},
+        "save_contents": ["model"],
+        "contents": {
+            "model": {
+                "path": "model/dist_ckpt",
+                "format": "megatron_dist_checkpoint",
+                "backend": "dist_checkpointing",
+            },
+            "transformer_config": {"path": "transformer_config.json", "format": "json"},
+        },
+        "directories": {},
+        "saved_any_dist_ckpt": True,
+    }
 
 
 def gathered(logits: torch.Tensor) -> torch.Tensor:
@@ -278,7 +344,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ep", type=int, default=1, help="> 1: the MoE model, at PP 1")
     parser.add_argument("--mode", choices=("train", "seeded"), default="train")
     parser.add_argument("--base", type=Path, default=None)
+    parser.add_argument("--split", action="store_true", help="also verl 0.9's split layout")
     args = parser.parse_args(argv)
+    if args.split and (args.mode != "train" or args.ep > 1):
+        parser.error("--split: the dense model's trained adapter (--mode train)")
     if args.mode == "train" and args.pp != 1:
         parser.error("--mode train computes its loss on one stage: --pp 1")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -286,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.ep > 1 and args.pp != 1:
         parser.error("--ep: the MoE model at --pp 1")
     world = moe.world_size(args.tp, args.ep, args.tp) if args.ep > 1 else args.tp * args.pp
-    spawn(worker, world, args.tp, args.pp, args.ep, args.out.resolve(), args.mode, base)
+    out = args.out.resolve()
+    spawn(worker, world, args.tp, args.pp, args.ep, out, args.mode, base, args.split)
     return 0
 
 

@@ -18,6 +18,7 @@ from ckptctl.formats.megatron_common.target_style import style_for_args
 from ckptctl.formats.torch_dist.model_space import is_model_space_key
 from ckptctl.formats.torchsave.archive import TensorRef
 from ckptctl.model.megatron_style import GroupOrder, MegatronStyle, OptimizerLayout
+from ckptctl.model.peft_wrapped import EmbeddedLora
 
 
 @dataclass
@@ -27,6 +28,8 @@ class TorchDistCheckpoint(DcpCheckpoint):
     common_tensors: dict[int, Any] = field(default_factory=dict)
     """Values of the tensors in ``common``'s optimizer entry, by the identity of their
     reference (``read_ref``)."""
+    adapter: EmbeddedLora | None = None
+    """Megatron-Bridge's LoRA adapter saved beside the base (``lora_shards``)."""
 
     @property
     def optimizer(self) -> OptimizerLayout | None:

@@ -6,11 +6,12 @@ from __future__ import annotations
 import argparse
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError, LayoutError
 from ckptctl.formats.dcp_container.files import (
+    chunks_placed,
     files_of,
     join,
     merge_metadata,
@@ -38,6 +39,7 @@ from ckptctl.formats.megatron_common.target_style import expert_naming_from_args
 from ckptctl.formats.torch_dist import dp_reshardable
 from ckptctl.formats.torch_dist.bridge_config import RUN_CONFIG, args_from_model, ddp_args, sections
 from ckptctl.formats.torch_dist.checkpoint import TorchDistCheckpoint
+from ckptctl.formats.torch_dist.lora_shards import BRIDGE_ADAPTER, bridge_lora
 from ckptctl.formats.torch_dist.model_space import FORM, box_shape, flattened_parts
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
 from ckptctl.io.storage import Storage
@@ -137,6 +139,9 @@ class Described:
     """``torch_dist`` directories one state dict was saved to apart (verl's model and
     optimizer), relative to the checkpoint's root: read as one."""
     warnings: tuple[str, ...] = ()
+    lora: bool = False
+    """Trained with Megatron-Bridge's LoRA (verl's ``backend.peft``): its adapter's keys are
+    held apart (``Checkpoint.adapter``), the rest is the base."""
 
 
 DEPRECATED_FORMS = ("dp_zero_gather_scatter", "fully_sharded_bucket_space")
@@ -235,6 +240,7 @@ def probe_torch_dist(
     notes: list[str] = list(described.notes) if described is not None else []
     warnings: list[str] = list(described.warnings) if described is not None else []
     placed: list[tuple[StorageInfo, StoredTensor]] = []
+    adapter: list[tuple[StorageInfo, StoredTensor]] = []
     unknown: list[str] = []
     objects: set[str] = set()
     buckets: dict[str, TensorEntry] = {}
@@ -252,6 +258,9 @@ def probe_torch_dist(
         if isinstance(entry, BytesEntry):
             if not fqn.startswith("common_state"):
                 objects.add(fqn.split("/")[0].rsplit(".", 1)[-1])
+            continue
+        if described is not None and described.lora and BRIDGE_ADAPTER in fqn:
+            adapter.extend(chunks_placed(metadata, fqn, entry, fqn))
             continue
         if is_bucket_key(fqn):
             if sharding not in DEPRECATED_FORMS:
@@ -358,8 +367,18 @@ def probe_torch_dist(
         optimizer_step=step if has_optimizer else None,
         warnings=tuple(warnings),
     )
+    lora = None
+    if described is not None and described.lora:
+        lora = bridge_lora(files_of(base, adapter), spec, storage.describe(base))
     return TorchDistCheckpoint(
-        storage, view, base, metadata, args=args, common=common, common_tensors=common_tensors
+        storage,
+        replace(view, notes=(*view.notes, *lora.notes)) if lora else view,
+        base,
+        metadata,
+        adapter=lora.adapter if lora else None,
+        args=args,
+        common=common,
+        common_tensors=common_tensors,
     )
 
 

@@ -55,8 +55,10 @@ def probe_split(storage: Storage, request: ProbeRequest) -> TorchDistCheckpoint:
         raise CheckpointError(f"{where}: 'contents' is not an object naming what was saved")
     backend = manifest.get("backend")
     backend = backend if isinstance(backend, dict) else {}
-    if backend.get("peft") or "peft_adapters" in contents:
-        exported = (_entry(contents, "model", where) or {}).get("peft_adapter_path")
+    lora = bool(backend.get("peft") or "peft_adapters" in contents)
+    model_entry = _entry(contents, "model", where) or {}
+    if lora and model_entry.get("format") != DIST:
+        exported = model_entry.get("peft_adapter_path")
         field = "model.peft_adapter_path"
         adapter = (
             f"{storage.url.rstrip('/')}/{_inside(storage, exported, field, where)}"
@@ -64,9 +66,9 @@ def probe_split(storage: Storage, request: ProbeRequest) -> TorchDistCheckpoint:
             else f"the PEFT adapter verl exports under {HF_DIR}/adapter (Megatron-Bridge on)"
         )
         raise CheckpointError(
-            f"{where}: a LoRA run (backend.peft): model/dist_ckpt holds Megatron-Bridge's "
-            "adapter shards (beside the base's weights under use_dist_checkpointing), which "
-            "ckptctl does not read yet",
+            f"{where}: a LoRA run (backend.peft) whose base was saved as HF safetensors and "
+            "its adapter's shards in model/dist_ckpt apart, which ckptctl does not read "
+            "together yet",
             hint=f"merge {adapter} into the model the run started from: ckptctl merge-lora "
             "BASE ADAPTER DST",
         )
@@ -85,7 +87,8 @@ def probe_split(storage: Storage, request: ProbeRequest) -> TorchDistCheckpoint:
             hint=f"convert the weights: ckptctl consolidate {weights} DST",
         )
     parts = [_dist_dir(storage, model, "model", where)]
-    optimizer = _entry(contents, "optimizer", where)
+    # A LoRA run's optimizer holds the adapter's state alone, which merge-lora does not need.
+    optimizer = None if lora else _entry(contents, "optimizer", where)
     if optimizer is not None:
         opt_dir = _dist_dir(storage, optimizer, "optimizer", where)
         parts += [opt_dir] if opt_dir not in parts else []
@@ -98,7 +101,7 @@ def probe_split(storage: Storage, request: ProbeRequest) -> TorchDistCheckpoint:
     config, config_from = _config(storage, request, manifest, where)
     step = manifest.get("global_step")
     run = described(storage, config, request, config_from, step if isinstance(step, int) else None)
-    run = replace(run, parts=tuple(parts), warnings=tuple(warnings))
+    run = replace(run, parts=tuple(parts), warnings=tuple(warnings), lora=lora)
     return probe_torch_dist(
         storage,
         "",

@@ -140,32 +140,45 @@ def test_a_split_manifest_that_leaves_the_checkpoint_is_refused(
     assert "schema_version 3" in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
-def test_a_split_lora_run_points_to_its_peft_adapter(split_run: Path, tmp_path: Path, cli) -> None:
-    """A LoRA run's manifest (``backend.peft``, the PEFT adapter Megatron-Bridge exports named
-    by ``peft_adapter_path``): refused, naming that directory for merge-lora, not misread as
-    the model."""
+def test_a_split_lora_run_without_adapter_shards_is_refused(
+    split_run: Path, tmp_path: Path, cli
+) -> None:
+    """A manifest saying LoRA (``backend.peft``) over a ``model/dist_ckpt`` that holds no
+    Megatron-Bridge adapter: refused by name, not read as the trained model (the read of a
+    real LoRA run's shards is ``tests/lora/test_megatron_lora.py``'s)."""
     other = tmp_path / "actor"
     shutil.copytree(_actor(split_run), other)
     manifest = json.loads((other / "ckpt_contents.json").read_text())
     manifest["backend"]["peft"] = True
-    manifest["contents"]["model"]["peft_adapter_path"] = "model/huggingface/adapter"
     (other / "ckpt_contents.json").write_text(json.dumps(manifest))
-    result = cli("consolidate", other, tmp_path / "out", code=3)
-    assert f"merge {other / 'model' / 'huggingface' / 'adapter'} into" in result.stderr
-    assert "merge-lora BASE ADAPTER DST" in result.stderr
+    config = ("--hf-config", split_run / "hf_config.json")
+    result = cli("consolidate", other, tmp_path / "out", *config, code=3)
+    assert "saved by a LoRA run (backend.peft), but holds no Megatron-Bridge adapter" in (
+        result.stderr
+    )
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_split_actor_with_hf_weights_says_where_they_are(
     tmp_path_factory: pytest.TempPathFactory, cli
 ) -> None:
     """verl 0.9.1's default (Megatron-Bridge, ``use_dist_checkpointing`` off): the manifest
-    names ``model/huggingface`` for the weights; the refusal points there."""
+    names ``model/huggingface`` for the weights; the refusal points there. The same run with
+    LoRA (``backend.peft``, the PEFT adapter Megatron-Bridge exports named by
+    ``peft_adapter_path``): refused naming that directory for merge-lora."""
     out = tmp_path_factory.mktemp("verl_megatron_v2_hf")
     megatron_core_013.run(out, "v2-hf", script="verl_megatron_writer.py")
     actor = _actor(out)
     result = cli("consolidate", actor, out / "dst", code=3)
     assert f"ckptctl consolidate {actor / 'model' / 'huggingface'} DST" in result.stderr
     assert not (out / "dst").exists()
+    manifest = json.loads((actor / "ckpt_contents.json").read_text())
+    manifest["backend"]["peft"] = True
+    manifest["contents"]["model"]["peft_adapter_path"] = "model/huggingface/adapter"
+    (actor / "ckpt_contents.json").write_text(json.dumps(manifest))
+    result = cli("consolidate", actor, out / "dst", code=3)
+    assert f"merge {actor / 'model' / 'huggingface' / 'adapter'} into" in result.stderr
+    assert "merge-lora BASE ADAPTER DST" in result.stderr
 
 
 def test_an_actor_saved_with_hf_weights_says_where_the_weights_are(
