@@ -1,8 +1,9 @@
 """DTensors written as the source's torch release pickled them, on a device mesh of another
-world size: each object a source DTensor's pickle holds (its spec, placements, tensor meta,
-the wrapper-subclass arguments) is written back as it was read, only the mesh's size and
-the rank's place in it changed and the cached hashes dropped (torch recomputes them). A mesh
-field this code does not know how to change for another world size is refused by name, never
+world size or shape (one flat FSDP2 mesh, or HSDP's replicas of shard groups): each object a
+source DTensor's pickle holds (its spec, placements, tensor meta, the wrapper-subclass
+arguments) is written back as it was read, only the mesh's shape, the rank's place in it and
+the placements per mesh dimension changed and the cached hashes dropped (torch recomputes
+them). A mesh or spec field this code does not know how to change is refused by name, never
 copied: a mesh that says the wrong world would place shards wrong on load.
 
 Nothing of torch is imported: the objects are the unpickler's inert stubs, pickled back under

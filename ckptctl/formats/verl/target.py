@@ -1,10 +1,11 @@
-"""verl's FSDP2 actor / critic files as a target: the same run at another world size, for a
-resume on more or fewer GPUs. Each rank's model and optimizer files hold its ``Shard(0)``
-chunk of every parameter and Adam moment (``torch.chunk``'s cut, as FSDP2 cuts them), the
-plain tensors whole, Adam's step and the parameter groups as the source's; each new rank's
-``extra_state`` (scheduler, RNG) is the source rank's of the same index modulo the source's
-world size; ``huggingface/`` and ``fsdp_config.json`` beside them. Cut from the source's tensors
-by stored name (``HfStateDictFiles.by_name``). Pure."""
+"""verl's FSDP2 actor / critic files as a target: the same run at another world size or HSDP
+shard group (``TargetRequest.shard_group``), for a resume on more or fewer GPUs. Each rank's
+model and optimizer files hold its ``Shard(0)`` chunk of every parameter and Adam moment
+(``torch.chunk``'s cut over its shard group, as FSDP2 cuts them), the plain tensors whole,
+Adam's step and the parameter groups as the source's; each new rank's ``extra_state``
+(scheduler, RNG) is the source rank's of the same index modulo the source's world size;
+``huggingface/`` and ``fsdp_config.json`` beside them. Cut from the source's tensors by stored
+name (``HfStateDictFiles.by_name``). Pure."""
 
 from __future__ import annotations
 
