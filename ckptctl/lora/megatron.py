@@ -1,7 +1,10 @@
 """A LoRA adapter trained in Megatron by Megatron-Bridge, as verl's Megatron workers save it with
-LoRA on: ``adapter_checkpoint/mp_rank_TT[_PPP][_EEE]_adapter.pt``, each
+LoRA on: before verl 0.9, ``adapter_checkpoint/mp_rank_TT[_PPP][_EEE]_adapter.pt``, each
 ``{"adapter_state_dict": {name: tensor}}`` of one rank's stage, with Megatron-Bridge's names
-(``decoder.layers.<local layer>.<module>.adapter.linear_in|linear_out.weight``) and TP shards.
+(``decoder.layers.<local layer>.<module>.adapter.linear_in|linear_out.weight``) and TP shards;
+from 0.9 under ``use_dist_checkpointing``, beside the base in its ``torch_dist`` checkpoint
+(``formats.torch_dist.lora_shards``: each key's global tensor, its layers stacked, is what one
+TP rank of an unsplit run would hold).
 
 Megatron-Bridge's ``LoRALinear`` adds ``alpha / dim * linear_out(linear_in(x))`` to a Megatron
 linear layer: ``linear_in`` is LoRA's A, ``linear_out`` its B, the scale PEFT's. How each is
