@@ -79,9 +79,10 @@ def main() -> None:
 
 
 def made_source(workdir: Path, hidden: int, layers: int) -> Path:
-    """The benches' Megatron TP2 PP2 checkpoint with Adam state, ``workdir/src``: made once
-    (``examples/make_checkpoint.py``), kept for later runs."""
-    src = workdir / "src"
+    """The benches' Megatron TP2 PP2 checkpoint with Adam state, ``workdir/src-h<hidden>-
+    l<layers>``: made once for each shape (``examples/make_checkpoint.py``), kept for later
+    runs (one folder for every shape gave a run the size of an earlier one)."""
+    src = workdir / f"src-h{hidden}-l{layers}"
     if not src.exists():
         workdir.mkdir(parents=True, exist_ok=True)
         subprocess.run(
