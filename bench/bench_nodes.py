@@ -52,7 +52,11 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--server", default="seaweedfs", choices=["seaweedfs", "moto"])
     parser.add_argument("--endpoint-url", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--jobs", default="reshard,consolidate", help="the jobs to time: reshard, consolidate"
+    )
     args = parser.parse_args()
+    jobs = chosen_jobs(args.jobs)
     counts = [int(n) for n in args.nodes.split(",")]
     src = made_source(args.workdir, args.hidden, args.layers)
     compile_bytecode()
@@ -75,7 +79,18 @@ def main() -> None:
             seconds, report = run_nodes(endpoint, link, n, argv, dst)
             return seconds, report, digests(store, f"{BUCKET}/{dst}"), predicted(n, argv)
 
-        print_scaling(caption, counts, measure)
+        print_scaling(caption, counts, measure, jobs)
+
+
+def chosen_jobs(names: str) -> dict[str, list[str]]:
+    """``--jobs``: the jobs of ``JOBS`` to time, by their first word (e.g. the consolidate
+    alone, on a source large enough that its transfer, not the simulation's start-up, is what
+    is timed)."""
+    wanted = {n.strip() for n in names.split(",") if n.strip()}
+    jobs = {title: argv for title, argv in JOBS.items() if title.split()[0] in wanted}
+    if len(jobs) != len(wanted):
+        sys.exit(f"--jobs {names}: choose from {', '.join(t.split()[0] for t in JOBS)}")
+    return jobs
 
 
 def made_source(workdir: Path, hidden: int, layers: int) -> Path:
@@ -99,9 +114,12 @@ Measured = tuple[float, dict[str, Any], dict[str, str], float]
 
 
 def print_scaling(
-    caption: str, counts: list[int], measure: Callable[[list[str], int, str], Measured]
+    caption: str,
+    counts: list[int],
+    measure: Callable[[list[str], int, str], Measured],
+    jobs: dict[str, list[str]] = JOBS,
 ) -> None:
-    """The table of every job in ``JOBS`` on each count of nodes, as ``measure(argv, n,
+    """The table of every job in ``jobs`` on each count of nodes, as ``measure(argv, n,
     output name)`` finds it: speed-up over one node, the slowest rank, start-up, the largest
     share, bytes read against the plan's, the output against one node's, the cost model."""
     print(f"\n{caption}\n")
@@ -111,7 +129,7 @@ def print_scaling(
         "| output as 1 node's | model: seconds | model vs slowest rank's job | model vs wall |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|")
-    for title, argv in JOBS.items():
+    for title, argv in jobs.items():
         one, reference = None, None
         for n in counts:
             seconds, report, digest, model = measure(argv, n, f"{title.split()[0]}-{n}")
