@@ -21,6 +21,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -98,14 +99,18 @@ def made_source(workdir: Path, hidden: int, layers: int) -> Path:
     l<layers>``: made once for each shape (``examples/make_checkpoint.py``), kept for later
     runs (one folder for every shape gave a run the size of an earlier one)."""
     src = workdir / f"src-h{hidden}-l{layers}"
-    if not src.exists():
+    if not src.exists():  # made aside and renamed: an interrupted run leaves no half source
         workdir.mkdir(parents=True, exist_ok=True)
+        partial = workdir / f"{src.name}.partial"
+        shutil.rmtree(partial, ignore_errors=True)
         subprocess.run(
-            [sys.executable, str(HERE.parent / "examples/make_checkpoint.py"), "--out", str(src),
+            [sys.executable, str(HERE.parent / "examples/make_checkpoint.py"),
+             "--out", str(partial),
              "--tp", "2", "--pp", "2", "--hidden", str(hidden), "--ffn", str(hidden),
              "--heads", "16", "--kv-heads", "4", "--layers", str(layers)],
             check=True,
         )  # fmt: skip
+        partial.rename(src)
     return src
 
 
