@@ -17,7 +17,7 @@ file's SHA-256), and the cost model's time (``plan --workers N``, the disk measu
 ``ckptctl calibrate``).
 
     sudo python bench/bench_disks.py [--workdir /tmp/ckptctl-bench-disks] [--nodes 1,2,4]
-        [--disk 5] [--hidden 1024] [--layers 8]
+        [--disk 5] [--hidden 1024] [--layers 8] [--jobs reshard,consolidate]
 
 Needs root (loop devices, mounts, the throttle) and cgroup v1's blkio controller.
 """
@@ -37,7 +37,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bench_nodes import Measured, made_source, predicted, print_scaling
+from bench_nodes import Measured, chosen_jobs, made_source, predicted, print_scaling
 from benchlib import compile_bytecode, du, evict, files_of
 
 THROTTLE = Path("/sys/fs/cgroup/blkio")
@@ -51,10 +51,14 @@ def main() -> None:
     parser.add_argument("--disk", type=float, default=5.0, help="MB/s each way, per node")
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument(
+        "--jobs", default="reshard,consolidate", help="the jobs to time: reshard, consolidate"
+    )
     args = parser.parse_args()
     if os.geteuid() != 0 or not (THROTTLE / "blkio.throttle.read_bps_device").exists():
         sys.exit("bench_disks needs root and cgroup v1's blkio controller (/sys/fs/cgroup/blkio)")
     counts = [int(n) for n in args.nodes.split(",")]
+    jobs = chosen_jobs(args.jobs)
     work = args.workdir.resolve()
     src = made_source(work, args.hidden, args.layers)
     compile_bytecode()
@@ -77,7 +81,7 @@ def main() -> None:
                 shutil.rmtree(mount / dst, ignore_errors=True)
             return seconds, report, digest, predicted(n, argv, str(mounts[0]))
 
-        print_scaling(caption, counts, measure)
+        print_scaling(caption, counts, measure, jobs)
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ from the store), and the cost model's time for as many nodes (``plan --workers N
 link measured by ``ckptctl calibrate`` through one proxy).
 
     python bench/bench_nodes.py [--workdir /tmp/ckptctl-bench-nodes] [--nodes 1,2,4]
-        [--link 5] [--hidden 1024] [--layers 8]
+        [--link 5] [--hidden 1024] [--layers 8] [--jobs reshard,consolidate]
 """
 
 from __future__ import annotations
