@@ -331,6 +331,7 @@ class SourceFields(TypedDict):
     source_files: tuple[str, ...]
     spec: ModelSpec | None
     source_layout: ParallelLayout
+    source_mesh: tuple[int, ...]
     iteration: int | None
 
 
@@ -343,5 +344,6 @@ def from_source(source: CheckpointView, url: str, fingerprint: str) -> SourceFie
         "source_files": tuple(f.path for f in source.files),
         "spec": source.spec,
         "source_layout": source.layout,
+        "source_mesh": next((f.mesh for f in source.files if f.mesh), ()),
         "iteration": source.iteration,
     }

@@ -150,12 +150,8 @@ def describe_side(plan: Plan, *, source: bool) -> str:
             " and the trainer's optimizer state" if moved else ", weights only"
         )
     layout = plan.source_layout if source else plan.target_layout
-    text = f"{fmt} {layout.describe()}"
-    mesh = next((f.mesh for f in plan.files if f.mesh), ()) if not source else ()
-    if len(mesh) == 2:  # the source's mesh is in the plan's notes ("device mesh: ...")
-        text += f" on an HSDP mesh of {mesh[0]} replicas x {mesh[1]} shards"
-    elif mesh:
-        text += f" on one FSDP2 mesh of {mesh[0]}"
+    mesh = plan.source_mesh if source else _target_mesh(plan)
+    text = f"{fmt} {layout.describe()}{_on_mesh(mesh)}"
     if not source:
         form = optimizer_form(plan)
         text += f" ({form})" if form else ""
@@ -163,8 +159,26 @@ def describe_side(plan: Plan, *, source: bool) -> str:
         changed = changes(plan.source_layout, plan.target_layout)
         if plan.source_format != fmt:
             changed.insert(0, f"format {plan.source_format} -> {fmt}")
+        if (
+            plan.source_mesh
+            and mesh
+            and plan.source_mesh != mesh
+            and 2 in (len(plan.source_mesh), len(mesh))
+        ):
+            before, after = ("x".join(map(str, m)) for m in (plan.source_mesh, mesh))
+            changed.append(f"device mesh {before} -> {after}")  # not said by the layout
         text += f"; changed: {', '.join(changed)}" if changed else "; layout unchanged"
     return text
+
+
+def _target_mesh(plan: Plan) -> tuple[int, ...]:
+    return next((f.mesh for f in plan.files if f.mesh), ())
+
+
+def _on_mesh(mesh: tuple[int, ...]) -> str:
+    if len(mesh) == 2:
+        return f" on an HSDP mesh of {mesh[0]} replicas x {mesh[1]} shards"
+    return f" on one FSDP2 mesh of {mesh[0]}" if mesh else ""
 
 
 def _holds_optimizer(plan: Plan) -> bool:
@@ -180,6 +194,8 @@ def _show_plan(out: Output, plan: Plan, as_json: bool) -> None:
     e = plan.estimates
     out.show(
         f"{plan.operation} {plan.source_url} -> {plan.target_url}: {plan.strategy}: {plan.reason}\n"
+        f"from: {describe_side(plan, source=True)}\n"
+        f"to: {describe_side(plan, source=False)}\n"
         f"{len(plan.files)} files; read {human_bytes(e.bytes_read)} in {e.read_requests} "
         f"requests, write {human_bytes(e.bytes_written)}, peak memory "
         f"~{human_bytes(e.peak_memory_bytes)}"

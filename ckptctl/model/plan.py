@@ -150,6 +150,9 @@ class Plan(_Frozen):
     spec: ModelSpec | None
     """``None`` for a model family ckptctl does not know (generic DCP to one torch file)."""
     source_layout: ParallelLayout
+    source_mesh: tuple[int, ...] = ()
+    """The device mesh the source's DTensors were written on (``StoredFile.mesh``); ``()``
+    for a source without one."""
     target_url: str
     target_format: str
     """The registered target format's name."""

@@ -72,3 +72,17 @@ def test_json_documents_match_the_golden_files(
     if os.environ.get("CKPTCTL_UPDATE_GOLDEN"):
         path.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
     assert doc == json.loads(path.read_text())
+
+
+def test_a_dry_run_says_both_sides_in_full(demo_ckpt: Path, tmp_path: Path, cli) -> None:
+    """``--dry-run`` says what the summary of the run would: the source and the whole target
+    (format, layout, optimizer state, what changed), and writes nothing."""
+    out = cli("reshard", demo_ckpt, tmp_path / "tp1", "--tp", "1", "--pp", "4", "--dry-run")
+    lines = out.stdout.splitlines()
+    assert "from: megatron TP2 PP2 DP1" in lines
+    assert "to: megatron TP1 PP4 DP1, with optimizer state; changed: TP 2 -> 1, PP 2 -> 4" in (
+        lines
+    )
+    out = cli("consolidate", demo_ckpt, tmp_path / "hf", "--dry-run")
+    assert "to: hf safetensors, weights only" in out.stdout.splitlines()
+    assert not (tmp_path / "tp1").exists() and not (tmp_path / "hf").exists()

@@ -157,7 +157,8 @@ class VerlTarget(TargetFormat):
                 "layouts)"
             )
         world = layout.dp
-        before = mesh_of(source)
+        # planner_for said it on the rank files; a view it did not see is read again
+        before = next((f.mesh for f in source.files if f.mesh), ()) or mesh_of(source)
         cut_over = _shard_group(before, world, request.shard_group)
         mesh = (world // cut_over, cut_over) if cut_over < world else (world,)
         hybrid = len(mesh) == 2

@@ -6,6 +6,7 @@ gloo, the mesh named as verl's ``create_device_mesh`` names it)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -135,7 +136,12 @@ def test_a_saved_plan_keeps_its_mesh(hsdp: Path, tmp_path: Path, cli) -> None:
         "reshard", actor(hsdp), tmp_path / "out", "--plan", plan, "--fsdp-size", "2", code=2
     )
     assert "--fsdp-size 2 (the plan: 4)" in result.stderr
-    cli("reshard", actor(hsdp), tmp_path / "out", "--plan", plan)
+    assert json.loads(plan.read_text())["source_mesh"] == [2, 2]
+    result = cli("reshard", actor(hsdp), tmp_path / "out", "--plan", plan)
+    # The summary says the mesh before and after, the layout (DP 4) being unchanged.
+    assert "on an HSDP mesh of 2 replicas x 2 shards) ->" in result.stdout
+    assert "on one FSDP2 mesh of 4" in result.stdout
+    assert "changed: device mesh 2x2 -> 4" in result.stdout
     meshes = _meshes(tmp_path / "out")
     assert len(meshes) == 4 and {m[2] for m in meshes.values()} == {("fsdp",)}
 
