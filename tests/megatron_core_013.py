@@ -26,10 +26,20 @@ def site() -> Path:
     return pip_target(f"megatron-core-{RELEASE}", f"megatron-core=={RELEASE}")
 
 
-def run(*args: object, script: str = ORACLE.name, timeout: float = 900) -> str:
+MBRIDGE = "0.15.1"
+"""mbridge, the bridge verl's Megatron workers save HF weights through (its ``vanilla_bridge``,
+pure Python, running on megatron-core 0.13.1)."""
+
+
+def run(
+    *args: object, script: str = ORACLE.name, timeout: float = 900, mbridge: bool = False
+) -> str:
     """``tests/oracles/<script> ARGS`` (the torch_dist writer unless named) on megatron-core
-    0.13.1."""
-    env = {**os.environ, "PYTHONPATH": str(site())}
+    0.13.1; ``mbridge``: with mbridge importable too."""
+    path = [str(site())]
+    if mbridge:
+        path.append(str(pip_target(f"mbridge-{MBRIDGE}", f"mbridge=={MBRIDGE}")))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     oracle = ORACLE.with_name(script)
     command = [sys.executable, str(oracle), *map(str, args)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)

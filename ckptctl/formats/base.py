@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from ckptctl.checksums.integrity import Targets, whole_file_entries
+from ckptctl.errors import CheckpointError
 from ckptctl.formats.options import FormatOption
 from ckptctl.formats.support import FormatSupport
 from ckptctl.io.byte_streams import ByteStream
@@ -173,6 +174,22 @@ class ProbeRequest:
         """``option``'s value, or its default when it was not given."""
         value: T = self.options.get(option.name, option.default)
         return value
+
+
+class WeightsElsewhere(CheckpointError):
+    """Raised by a probe whose checkpoint keeps its weights in a directory of another format
+    beside state ckptctl does not join with them (verl's Megatron actors saved through a
+    bridge: HF safetensors in one directory, the optimizer's ``torch_dist`` shards in another).
+    The opener reads ``directory`` (relative to the checkpoint) instead, ``warnings`` saying
+    what is not carried; a caller that does not follow it reports the message."""
+
+    def __init__(
+        self, message: str, *, directory: str, warnings: tuple[str, ...], iteration: int | None
+    ) -> None:
+        super().__init__(message)
+        self.directory = directory
+        self.warnings = warnings
+        self.iteration = iteration
 
 
 @dataclass(frozen=True)

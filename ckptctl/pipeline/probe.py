@@ -15,7 +15,7 @@ from ckptctl.checksums.manifest import refuse_incomplete
 from ckptctl.compression.view import CompressedStorage, open_view
 from ckptctl.errors import CheckpointError, CheckpointNotFoundError, CkptctlError, UsageError
 from ckptctl.formats import registry
-from ckptctl.formats.base import Checkpoint, CheckpointFormat, ProbeRequest
+from ckptctl.formats.base import Checkpoint, CheckpointFormat, ProbeRequest, WeightsElsewhere
 from ckptctl.formats.options import TEXT_ONLY, given
 from ckptctl.io.storage import Storage
 from ckptctl.model.lora import ADAPTER_CONFIG
@@ -72,7 +72,12 @@ def open_checkpoint(
             refuse_incomplete(storage)
         names = frozenset(storage.listdir(""))
     for fmt in registry.formats():
-        ckpt = _probe(fmt, storage, names, request, url)
+        try:
+            ckpt = _probe(fmt, storage, names, request, url)
+        except WeightsElsewhere as moved:
+            if isinstance(storage, CompressedStorage) or request.file is not None:
+                raise
+            return _weights_from(moved, url, settings, iteration, true_vocab_size, refuse_unread)
         if ckpt is not None and isinstance(storage, CompressedStorage):
             ckpt.view = replace(ckpt.view, notes=(*ckpt.view.notes, storage.summary()))
         if ckpt is not None:
@@ -93,6 +98,34 @@ def open_checkpoint(
         f"{url}: neither a Megatron checkpoint nor any other checkpoint ckptctl reads",
         hint=f"it recognises {known}",
     )
+
+
+def _weights_from(
+    moved: WeightsElsewhere,
+    url: str,
+    settings: Settings,
+    iteration: int | None,
+    true_vocab_size: int | None,
+    refuse_unread: bool,
+) -> Checkpoint:
+    """The checkpoint in ``moved.directory`` of ``url``, which holds its weights, opened as
+    ``url`` would be, its view saying where the weights were read and what was not carried."""
+    inner = f"{url.rstrip('/')}/{moved.directory}"
+    ckpt = open_checkpoint(
+        inner,
+        settings,
+        iteration=iteration,
+        true_vocab_size=true_vocab_size,
+        refuse_unread=refuse_unread,
+    )
+    view = ckpt.view
+    ckpt.view = replace(
+        view,
+        iteration=view.iteration if view.iteration is not None else moved.iteration,
+        notes=(f"{moved}: the weights are read from there", *view.notes),
+        warnings=(*moved.warnings, *view.warnings),
+    )
+    return ckpt
 
 
 def open_sources(

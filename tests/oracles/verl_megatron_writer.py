@@ -30,12 +30,15 @@ name 0.13.1 calls (``np.product``); the local layer spec instead of
 TransformerEngine's (its tensors are saved under TransformerEngine's names all the same); the
 RNG state has no CUDA generator (a Philox-shaped stand-in, as ``megatron_core_torch_dist_writer``).
 
-``hf`` (verl's checkpoint mode with Megatron-Bridge, ``use_dist_checkpointing`` off): the
-state dict is built the same way, then its ``"model"`` popped before the save
+``hf`` (verl's checkpoint mode with a bridge, ``use_dist_checkpointing`` off): the state dict
+is built the same way, then its ``"model"`` popped before the save
 (``generate_state_dict(generate_model=False)``), so ``dist_ckpt`` holds the optimizer, scheduler
-and RNG state only; verl then writes the weights as HF safetensors into ``huggingface/`` through
-Megatron-Bridge, which this release of megatron-core cannot run: ``huggingface/`` holds the
-config alone here.
+and RNG state only; the weights go to ``huggingface/`` as HF safetensors through mbridge 0.15.1
+(verl's ``vanilla_bridge``: ``AutoBridge.from_config`` of the HF config, ``save_weights`` of
+the model chunks on every rank), which also writes the config there. Its CPU shims: the local
+layer spec's norms are given the HF names mbridge gives the TransformerEngine-fused norms they
+stand for; the bridge's record of the run's starting weights (verl loads them through it, and
+it shards the save alike) is a directory without an index, so one ``model.safetensors``.
 
 ``v2`` (verl 0.9.1, ``use_dist_checkpointing`` on, ``save_contents`` model, optimizer, extra):
 three ``dist_checkpointing.save`` calls of the same strategy, each a ``torch_dist`` directory
@@ -47,7 +50,7 @@ last, ``ckpt_contents.json`` (its ``_build_checkpoint_manifest``). Without Megat
 verl 0.9.1 saves no HF config with this layout: the config the run started from is written
 to ``OUT_DIR/hf_config.json``, outside the actor, for ``--hf-config``. ``v2-hf`` (its default,
 Megatron-Bridge on, ``use_dist_checkpointing`` off): no ``model/dist_ckpt``; the HF config in
-``model/huggingface`` (the weights Megatron-Bridge writes there cannot be written here).
+``model/huggingface``, with the weights mbridge writes there as in ``hf``.
 
 Usage::
 
@@ -251,6 +254,8 @@ def run_rank(out_dir: Path, mode: str) -> None:
     logits = reference_logits(gpt)
 
     actor = out_dir / f"global_step_{STEP}" / "actor"
+    if mode in ("hf", "v2-hf"):
+        save_hf_weights(ddp, actor / ("model/huggingface" if mode == "v2-hf" else "huggingface"))
     if mode.startswith("v2"):
         save_split(actor, gpt, optimizer, scheduler, mode == "v2-hf")
     else:
@@ -264,8 +269,8 @@ def run_rank(out_dir: Path, mode: str) -> None:
     if dist.get_rank() == 0:
         if mode == "v2":
             (out_dir / "hf_config.json").write_text(json.dumps(hf_config(), indent=2))
-        else:
-            hf_dir = actor / ("model/huggingface" if mode == "v2-hf" else "huggingface")
+        elif mode == "v1":
+            hf_dir = actor / "huggingface"
             hf_dir.mkdir(parents=True, exist_ok=True)
             (hf_dir / "config.json").write_text(json.dumps(hf_config(), indent=2))
         (actor / "transformer_config.json").write_text(
@@ -280,6 +285,32 @@ def run_rank(out_dir: Path, mode: str) -> None:
             {"input_ids": reference_input_ids(BATCH, SEQ), "logits": logits}, out_dir / "logits.pt"
         )
     dist.barrier()
+
+
+def save_hf_weights(ddp: Any, hf_dir: Path) -> None:
+    """verl's ``_save_model_as_hf_via_bridge`` with its vanilla bridge: mbridge's
+    ``AutoBridge`` built from the run's HF config (verl's ``AutoBridge.from_config``), then
+    ``save_weights`` of the DDP-wrapped model chunks (every rank takes part in the TP gathers;
+    rank 0 writes the safetensors and the config)."""
+    import transformers
+    from mbridge import AutoBridge
+    from mbridge.core.safetensor_io import SafeTensorIO
+
+    bridge = AutoBridge.from_config(transformers.LlamaConfig(**hf_config()))
+    # verl's run loads its starting weights through the bridge, which records that directory's
+    # index to shard the save alike; this run starts from random weights, as from a model
+    # saved unsharded (no index: one model.safetensors).
+    # CPU shim: the local layer spec's norms (no TransformerEngine) are mapped to the HF names
+    # mbridge gives the TransformerEngine-fused norms they stand for.
+    layer = "model.layers.{layer_number}"
+    bridge._OTHER_MAPPING = {"input_layernorm.weight": [f"{layer}.input_layernorm.weight"]}
+    bridge._MLP_MAPPING = {
+        **bridge._MLP_MAPPING,
+        "pre_mlp_layernorm.weight": [f"{layer}.post_attention_layernorm.weight"],
+    }
+    hf_dir.mkdir(parents=True, exist_ok=True)
+    bridge.safetensor_io = SafeTensorIO(str(hf_dir))
+    bridge.save_weights([ddp], str(hf_dir))
 
 
 def save_split(actor: Path, gpt: Any, optimizer: Any, scheduler: Any, hf_weights: bool) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 
 from ckptctl import json_input
 from ckptctl.errors import CheckpointError, LayoutError
-from ckptctl.formats.base import ProbeRequest
+from ckptctl.formats.base import ProbeRequest, WeightsElsewhere
 from ckptctl.formats.dcp_container.files import read_metadata
 from ckptctl.formats.dcp_container.metadata import DcpMetadata, TensorEntry
 from ckptctl.formats.megatron_common.args import args_for, args_from_spec
@@ -202,23 +202,46 @@ def _config(storage: Storage, request: ProbeRequest) -> tuple[dict[str, Any], st
 
 
 def _refuse_optimizer_only(storage: Storage, metadata: DcpMetadata) -> None:
-    """verl's checkpoints with Megatron-Bridge (``use_dist_checkpointing`` off) keep the
-    weights as HF safetensors in ``huggingface/`` and only the optimizer, scheduler and RNG
-    state in ``dist_ckpt``, whose optimizer keys name parameters it does not hold."""
+    """verl's checkpoints with a bridge (``use_dist_checkpointing`` off) keep the weights as HF
+    safetensors in ``huggingface/`` and only the optimizer, scheduler and RNG state in
+    ``dist_ckpt``, whose optimizer keys name parameters it does not hold: the weights are read
+    from ``huggingface/`` (``WeightsElsewhere``), the optimizer state said not carried."""
     tensors = [k for k, e in metadata.entries.items() if isinstance(e, TensorEntry)]
     if not tensors or not all(k.startswith("optimizer.") for k in tensors):
         return
-    weights = storage.isdir(HF_DIR) and any(
-        n.endswith(".safetensors") for n in storage.listdir(HF_DIR)
+    apart_from_weights(storage, HF_DIR, DIST_CKPT, step_of(storage.url))
+
+
+def apart_from_weights(
+    storage: Storage, weights: str, optimizer: str | None, step: int | None
+) -> None:
+    """A verl actor whose bridge saved the weights as HF safetensors in ``weights`` (and the
+    optimizer state apart, in ``optimizer``): read the weights there (``WeightsElsewhere``),
+    or, without safetensors there, refused (the save kept no weights)."""
+    found = storage.isdir(weights) and any(
+        n.endswith(".safetensors") for n in storage.listdir(weights)
     )
-    hf = f"{storage.url.rstrip('/')}/{HF_DIR}"
-    raise CheckpointError(
-        f"{storage.describe(DIST_CKPT)}: holds the optimizer state alone, not the model: verl "
-        f"saved this Megatron actor's weights as HF safetensors in {HF_DIR}/ (Megatron-Bridge's "
-        "checkpoints, use_dist_checkpointing off); its optimizer state is not read yet",
-        hint=f"convert the weights: ckptctl consolidate {hf} DST"
-        if weights
-        else f"{HF_DIR}/ holds no weights either: this save kept only the optimizer state",
+    if not found:
+        raise CheckpointError(
+            f"{storage.describe(optimizer or weights)}: holds the optimizer state alone, not "
+            f"the model: verl saves this Megatron actor's weights as HF safetensors in "
+            f"{weights}/ (through a bridge, use_dist_checkpointing off)",
+            hint=f"{weights}/ holds no weights either: this save kept only the optimizer state",
+        )
+    carried = (
+        (
+            f"not carried: optimizer state ({optimizer}/, saved apart from the HF weights, "
+            "which ckptctl does not join with them yet)",
+        )
+        if optimizer
+        else ()
+    )
+    raise WeightsElsewhere(
+        f"{storage.url}: verl saved this Megatron actor's weights as HF safetensors in "
+        f"{weights}/ (through a bridge, use_dist_checkpointing off)",
+        directory=weights,
+        iteration=step,
+        warnings=carried,
     )
 
 

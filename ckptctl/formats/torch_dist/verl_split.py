@@ -6,8 +6,10 @@ weights (``model/huggingface``, written by Megatron-Bridge), the optimizer's and
 
 The model's and the optimizer's directories are one state dict saved apart (the optimizer's
 keys name the model's parameters), so they are read as one ``torch_dist`` checkpoint, the model
-described as for verl's single-directory layout (``verl_actor``). Paths in the manifest are
-the checkpoint's own and are refused if they leave it."""
+described as for verl's single-directory layout (``verl_actor``); a save whose weights went
+to HF safetensors is read from those (``verl_actor.apart_from_weights``), the optimizer state
+said not carried. Paths in the manifest are the checkpoint's own and are refused if they
+leave it."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from ckptctl.formats.megatron_common.options import ITERATION, TRUE_VOCAB_SIZE
 from ckptctl.formats.options import TRUSTED_FIELDS
 from ckptctl.formats.torch_dist.checkpoint import TorchDistCheckpoint
 from ckptctl.formats.torch_dist.reader import probe_torch_dist
-from ckptctl.formats.torch_dist.verl_actor import described, hf_config
+from ckptctl.formats.torch_dist.verl_actor import apart_from_weights, described, hf_config
 from ckptctl.io.storage import Storage
 from ckptctl.model.hf_layout import CONFIG
 
@@ -78,14 +80,12 @@ def probe_split(storage: Storage, request: ProbeRequest) -> TorchDistCheckpoint:
             f"{where}: saved without the model (save_contents "
             f"{manifest.get('save_contents')!r}): there are no weights to convert"
         )
+    step = manifest.get("global_step")
+    step = step if isinstance(step, int) and not isinstance(step, bool) else None
     if model.get("format") == HF:
-        weights = f"{storage.url.rstrip('/')}/{_path(storage, model, 'model', where)}"
-        raise CheckpointError(
-            f"{where}: the weights were saved as HF safetensors (Megatron-Bridge, "
-            "use_dist_checkpointing off) and the optimizer state apart, which ckptctl does "
-            "not read yet",
-            hint=f"convert the weights: ckptctl consolidate {weights} DST",
-        )
+        saved = _entry(contents, "optimizer", where)
+        apart = None if saved is None else _path(storage, saved, "optimizer", where)
+        apart_from_weights(storage, _path(storage, model, "model", where), apart, step)
     parts = [_dist_dir(storage, model, "model", where)]
     # A LoRA run's optimizer holds the adapter's state alone, which merge-lora does not need.
     optimizer = None if lora else _entry(contents, "optimizer", where)
@@ -99,8 +99,7 @@ def probe_split(storage: Storage, request: ProbeRequest) -> TorchDistCheckpoint:
             f"not carried: rng_state ({_path(storage, rng, 'rng_state', where)}/, pickled objects)"
         )
     config, config_from = _config(storage, request, manifest, where)
-    step = manifest.get("global_step")
-    run = described(storage, config, request, config_from, step if isinstance(step, int) else None)
+    run = described(storage, config, request, config_from, step)
     run = replace(run, parts=tuple(parts), warnings=tuple(warnings), lora=lora)
     return probe_torch_dist(
         storage,

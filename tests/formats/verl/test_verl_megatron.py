@@ -159,19 +159,37 @@ def test_a_split_lora_run_without_adapter_shards_is_refused(
     assert not (tmp_path / "out").exists()
 
 
-def test_a_split_actor_with_hf_weights_says_where_they_are(
+def _becomes_the_trained_model(out: Path, actor: Path, dst: Path, cli) -> None:
+    """``actor`` consolidates to the HF model whose logits are megatron-core's."""
+    cli("consolidate", actor, dst)
+    reference = torch.load(out / "logits.pt", weights_only=False)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(dst), dtype=torch.float32, attn_implementation="eager"
+    )
+    with torch.no_grad():
+        logits = model(input_ids=reference["input_ids"]).logits
+    torch.testing.assert_close(logits, reference["logits"], rtol=1e-5, atol=1e-5)
+
+
+def test_a_split_actor_saved_through_a_bridge_converts_from_its_hf_weights(
     tmp_path_factory: pytest.TempPathFactory, cli
 ) -> None:
-    """verl 0.9.1's default (Megatron-Bridge, ``use_dist_checkpointing`` off): the manifest
-    names ``model/huggingface`` for the weights; the refusal points there. The same run with
-    LoRA (``backend.peft``, the PEFT adapter Megatron-Bridge exports named by
+    """verl 0.9.1's default (a bridge, ``use_dist_checkpointing`` off): the manifest names
+    ``model/huggingface`` for the weights, which mbridge 0.15.1 wrote there (the oracle's
+    ``v2-hf``), and ``optimizer/dist_ckpt`` for the optimizer state: the actor converts from
+    the weights, megatron-core's logits kept, saying the optimizer state is not carried. The
+    same run with LoRA (``backend.peft``, the PEFT adapter Megatron-Bridge exports named by
     ``peft_adapter_path``): refused naming that directory for merge-lora."""
     out = tmp_path_factory.mktemp("verl_megatron_v2_hf")
-    megatron_core_013.run(out, "v2-hf", script="verl_megatron_writer.py")
+    megatron_core_013.run(out, "v2-hf", script="verl_megatron_writer.py", mbridge=True)
     actor = _actor(out)
-    result = cli("consolidate", actor, out / "dst", code=3)
-    assert f"ckptctl consolidate {actor / 'model' / 'huggingface'} DST" in result.stderr
-    assert not (out / "dst").exists()
+    info = cli.json("inspect", actor)
+    assert info["format"] == "hf" and info["iteration"] == 1 and not info["has_optimizer"]
+    assert any("weights are read from there" in n for n in info["notes"])
+    assert any("not carried: optimizer state (optimizer/dist_ckpt/" in w for w in info["warnings"])
+    _becomes_the_trained_model(out, actor, out / "hf", cli)
+    result = cli("reshard", actor, out / "tp1", "--tp", "1", "--format", "megatron")
+    assert "not carried: optimizer state" in result.stdout + result.stderr
     manifest = json.loads((actor / "ckpt_contents.json").read_text())
     manifest["backend"]["peft"] = True
     manifest["contents"]["model"]["peft_adapter_path"] = "model/huggingface/adapter"
@@ -181,25 +199,22 @@ def test_a_split_actor_with_hf_weights_says_where_they_are(
     assert "merge-lora BASE ADAPTER DST" in result.stderr
 
 
-def test_an_actor_saved_with_hf_weights_says_where_the_weights_are(
-    run: Path, tmp_path_factory: pytest.TempPathFactory, cli
+def test_an_actor_saved_through_a_bridge_converts_from_its_hf_weights(
+    tmp_path_factory: pytest.TempPathFactory, cli
 ) -> None:
-    """verl with Megatron-Bridge's checkpoints (``use_dist_checkpointing`` off) saves the
-    optimizer state alone in ``dist_ckpt`` (the oracle's ``hf`` mode: megatron-core's own save
-    of verl's state dict without its model) and the weights as HF safetensors beside it: the
-    refusal says so, and where to convert the weights from, rather than calling the optimizer
-    keys strangers to the model."""
+    """verl's single-directory layout saved through a bridge (``use_dist_checkpointing``
+    off): ``dist_ckpt`` holds the optimizer state alone (megatron-core's own save of verl's
+    state dict without its model) and ``huggingface/`` the weights mbridge 0.15.1 wrote (the
+    oracle's ``hf``): the actor converts from those, saying the optimizer state is not carried;
+    without them it is refused, saying the save kept no weights."""
     out = tmp_path_factory.mktemp("verl_megatron_hf")
-    megatron_core_013.run(out, "hf", script="verl_megatron_writer.py")
+    megatron_core_013.run(out, "hf", script="verl_megatron_writer.py", mbridge=True)
     actor = _actor(out)
+    info = cli.json("inspect", actor)
+    assert info["format"] == "hf" and info["iteration"] == 1
+    assert any("not carried: optimizer state (dist_ckpt/" in w for w in info["warnings"])
+    _becomes_the_trained_model(out, actor, out / "dst", cli)
+    (actor / "huggingface" / "model.safetensors").unlink()
     result = cli("inspect", actor, code=3)
     assert "holds the optimizer state alone" in result.stderr
     assert "holds no weights either" in result.stderr
-    # With weights there (HF safetensors beside the config, as Megatron-Bridge writes them;
-    # these are ckptctl's consolidation of the TP2 actor): the hint names that directory.
-    cli("consolidate", _actor(run), out / "hf")
-    shutil.copy(out / "hf" / "model.safetensors", actor / "huggingface" / "model.safetensors")
-    result = cli("consolidate", actor, out / "dst", code=3)
-    assert f"ckptctl consolidate {actor / 'huggingface'} DST" in result.stderr
-    cli("consolidate", actor / "huggingface", out / "dst")
-    assert (out / "dst" / "model.safetensors").is_file()
