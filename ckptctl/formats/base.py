@@ -151,6 +151,11 @@ class Checkpoint:
         canonical names): what ``verify --against`` judges them by."""
         return {}
 
+    def with_weights(self, weights: Checkpoint, directory: str) -> Checkpoint:
+        """This checkpoint, which holds state saved apart from its weights, joined with the
+        weights ``weights`` holds in its ``directory`` (``WeightsElsewhere.rest``)."""
+        raise NotImplementedError(f"{type(self).__name__} joins no weights")
+
     def rounding_errors(self) -> dict[str, float]:
         """Largest error so far of each canonical tensor the reads rounded, by name (HF's
         shifted weights under ``--allow-rounding``): what the output's manifest records."""
@@ -178,18 +183,27 @@ class ProbeRequest:
 
 class WeightsElsewhere(CheckpointError):
     """Raised by a probe whose checkpoint keeps its weights in a directory of another format
-    beside state ckptctl does not join with them (verl's Megatron actors saved through a
-    bridge: HF safetensors in one directory, the optimizer's ``torch_dist`` shards in another).
-    The opener reads ``directory`` (relative to the checkpoint) instead, ``warnings`` saying
+    (verl's Megatron actors saved through a bridge: HF safetensors in one directory, the
+    optimizer's ``torch_dist`` shards in another). The opener reads ``directory`` (relative to
+    the checkpoint) and joins what it holds with ``rest`` when there is one, ``warnings`` saying
     what is not carried; a caller that does not follow it reports the message."""
 
     def __init__(
-        self, message: str, *, directory: str, warnings: tuple[str, ...], iteration: int | None
+        self,
+        message: str,
+        *,
+        directory: str,
+        warnings: tuple[str, ...],
+        iteration: int | None,
+        rest: Checkpoint | None = None,
     ) -> None:
         super().__init__(message)
         self.directory = directory
         self.warnings = warnings
         self.iteration = iteration
+        self.rest = rest
+        """What the checkpoint holds beside the weights (optimizer state), opened: the
+        opener joins the weights with it (``Checkpoint.with_weights``)."""
 
 
 @dataclass(frozen=True)

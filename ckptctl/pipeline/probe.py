@@ -109,7 +109,8 @@ def _weights_from(
     refuse_unread: bool,
 ) -> Checkpoint:
     """The checkpoint in ``moved.directory`` of ``url``, which holds its weights, opened as
-    ``url`` would be, its view saying where the weights were read and what was not carried."""
+    ``url`` would be and joined with what ``url`` holds beside them (``moved.rest``), its view
+    saying where the weights were read and what was not carried."""
     inner = f"{url.rstrip('/')}/{moved.directory}"
     ckpt = open_checkpoint(
         inner,
@@ -118,11 +119,13 @@ def _weights_from(
         true_vocab_size=true_vocab_size,
         refuse_unread=refuse_unread,
     )
+    if moved.rest is not None:
+        ckpt = moved.rest.with_weights(ckpt, moved.directory)
     view = ckpt.view
     ckpt.view = replace(
         view,
         iteration=view.iteration if view.iteration is not None else moved.iteration,
-        notes=(f"{moved}: the weights are read from there", *view.notes),
+        notes=(f"{moved}", *view.notes),
         warnings=(*moved.warnings, *view.warnings),
     )
     return ckpt

@@ -118,6 +118,7 @@ def merge_metadata(
     entries: dict = {}
     records: dict = {}
     planner: dict = {}
+    mcore: dict = {}
     for part, metadata in parts:
         if own is not None:
             metadata = _without(metadata, own)
@@ -131,7 +132,11 @@ def merge_metadata(
         for key, info in metadata.storage.items():
             records[key] = replace(info, relative_path=join(part, info.relative_path))
         planner.update(metadata.planner_data or {})
-    return DcpMetadata(entries=entries, storage=records, planner_data=planner or None)
+        if isinstance(metadata.mcore_data, dict):
+            mcore.update(metadata.mcore_data)
+    return DcpMetadata(
+        entries=entries, storage=records, planner_data=planner or None, mcore_data=mcore or None
+    )
 
 
 def _without(metadata: DcpMetadata, own: str) -> DcpMetadata:

@@ -9,7 +9,8 @@ Each last-dimension row is one box in C order, cut by the data-parallel ranks' r
 grad buffer, so a chunk ``(f_0, ..., f_{n-1}, start)`` of sizes ``(1, ..., 1, n)`` holds
 elements ``[start, start + n)`` of box ``f``. Megatron-Core 0.12-0.13 also record ``G`` as
 ``nd_reformulated_orig_global_shape``; the model tensor of the same key has it too, which is
-what this module takes, so it needs nothing beyond the DCP metadata.
+what this module takes, or the recorded shape when the model was saved apart (verl's bridge
+saves: ``joined``), so it needs nothing beyond the DCP metadata.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 from dataclasses import replace
 from math import prod
 
+from ckptctl.formats.dcp_container.metadata import DcpMetadata, TensorEntry
 from ckptctl.formats.megatron_common.distopt_layout import chained_prefix
 from ckptctl.formats.megatron_common.sharded_keys import (
     ChunkPart,
@@ -44,6 +46,23 @@ def box_shape(stored: Shape, model: Shape) -> Shape | None:
         return None
     box = tuple(g // f for g, f in zip(model, fragments, strict=True))
     return box if prod(box) == numel else None
+
+
+def model_space_box(fqn: str, entry: TensorEntry, metadata: DcpMetadata) -> tuple[int, ...] | None:
+    """The box shape of ``fqn``'s N-D flattened optimizer state (``None`` for a model key):
+    from the shape of the model tensor it is the state of, or, saved without the model (verl's
+    optimizer alone), the shape megatron-core 0.12-0.13 record for it."""
+    state, key = split_key(fqn)
+    if state is None or state == "?":
+        return None
+    model = metadata.entries.get(key)
+    if isinstance(model, TensorEntry):
+        return box_shape(tuple(entry.shape), tuple(model.shape))
+    extras = metadata.mcore_data.get(fqn) if isinstance(metadata.mcore_data, dict) else None
+    shape = extras.get("nd_reformulated_orig_global_shape") if isinstance(extras, dict) else None
+    if not isinstance(shape, tuple | list) or not all(isinstance(n, int) for n in shape):
+        return None
+    return box_shape(tuple(entry.shape), tuple(shape))
 
 
 def flattened_parts(

@@ -33,14 +33,13 @@ from ckptctl.formats.megatron_common.sharded_keys import (
     chunk_parts,
     dense_optimizer,
     model_catalog,
-    split_key,
 )
 from ckptctl.formats.megatron_common.target_style import expert_naming_from_args
 from ckptctl.formats.torch_dist import dp_reshardable
 from ckptctl.formats.torch_dist.bridge_config import RUN_CONFIG, args_from_model, ddp_args, sections
 from ckptctl.formats.torch_dist.checkpoint import TorchDistCheckpoint
 from ckptctl.formats.torch_dist.lora_shards import BRIDGE_ADAPTER, bridge_lora
-from ckptctl.formats.torch_dist.model_space import FORM, box_shape, flattened_parts
+from ckptctl.formats.torch_dist.model_space import FORM, flattened_parts, model_space_box
 from ckptctl.formats.torchsave.archive import TensorRef, TorchZipReader
 from ckptctl.io.storage import Storage
 from ckptctl.model.catalog import Naming
@@ -147,16 +146,6 @@ class Described:
 DEPRECATED_FORMS = ("dp_zero_gather_scatter", "fully_sharded_bucket_space")
 """Distributed-optimizer forms older than ``fully_sharded_model_space``: one pickled object per
 data-parallel group, or buckets without the layout to place them."""
-
-
-def model_space_box(fqn: str, entry: TensorEntry, metadata: DcpMetadata) -> tuple[int, ...] | None:
-    """The box shape of ``fqn``'s N-D flattened optimizer state (``None`` for a model key):
-    from the shape of the model tensor it is the state of."""
-    state, key = split_key(fqn)
-    model = metadata.entries.get(key)
-    if state is None or state == "?" or not isinstance(model, TensorEntry):
-        return None
-    return box_shape(tuple(entry.shape), tuple(model.shape))
 
 
 SMALL_TENSOR = 1 << 16

@@ -17,7 +17,8 @@ from __future__ import annotations
 import argparse
 import math
 import re
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 from ckptctl import json_input
 from ckptctl.errors import CheckpointError, LayoutError
@@ -27,6 +28,8 @@ from ckptctl.formats.dcp_container.metadata import DcpMetadata, TensorEntry
 from ckptctl.formats.megatron_common.args import args_for, args_from_spec
 from ckptctl.formats.megatron_common.options import ITERATION, TRUE_VOCAB_SIZE
 from ckptctl.formats.options import HF_CONFIG, TRUSTED_FIELDS
+from ckptctl.formats.torch_dist.checkpoint import TorchDistCheckpoint
+from ckptctl.formats.torch_dist.joined import JoinedCheckpoint, awaiting_weights
 from ckptctl.formats.torch_dist.reader import Described, probe_torch_dist
 from ckptctl.io.storage import Storage
 from ckptctl.model.hf_config import spec_from_config
@@ -201,23 +204,26 @@ def _config(storage: Storage, request: ProbeRequest) -> tuple[dict[str, Any], st
     return found
 
 
-def _refuse_optimizer_only(storage: Storage, metadata: DcpMetadata) -> None:
+def _optimizer_only(metadata: DcpMetadata) -> bool:
     """verl's checkpoints with a bridge (``use_dist_checkpointing`` off) keep the weights as HF
     safetensors in ``huggingface/`` and only the optimizer, scheduler and RNG state in
-    ``dist_ckpt``, whose optimizer keys name parameters it does not hold: the weights are read
-    from ``huggingface/`` (``WeightsElsewhere``), the optimizer state said not carried."""
+    ``dist_ckpt``, whose optimizer keys name parameters it does not hold."""
     tensors = [k for k, e in metadata.entries.items() if isinstance(e, TensorEntry)]
-    if not tensors or not all(k.startswith("optimizer.") for k in tensors):
-        return
-    apart_from_weights(storage, HF_DIR, DIST_CKPT, step_of(storage.url))
+    return bool(tensors) and all(k.startswith("optimizer.") for k in tensors)
 
 
 def apart_from_weights(
-    storage: Storage, weights: str, optimizer: str | None, step: int | None
-) -> None:
-    """A verl actor whose bridge saved the weights as HF safetensors in ``weights`` (and the
-    optimizer state apart, in ``optimizer``): read the weights there (``WeightsElsewhere``),
-    or, without safetensors there, refused (the save kept no weights)."""
+    storage: Storage,
+    weights: str,
+    optimizer: str | None,
+    step: int | None,
+    open_optimizer: Callable[[], TorchDistCheckpoint] | None = None,
+) -> NoReturn:
+    """A verl actor whose bridge saved the weights as HF safetensors in ``weights`` and the
+    optimizer state apart, in ``optimizer`` (opened by ``open_optimizer``): the caller reads
+    the weights there and joins the optimizer state with them (``WeightsElsewhere``); without
+    safetensors there, refused (the save kept no weights). Optimizer state that cannot be read
+    without its model is said not carried, the weights read all the same."""
     found = storage.isdir(weights) and any(
         n.endswith(".safetensors") for n in storage.listdir(weights)
     )
@@ -228,33 +234,39 @@ def apart_from_weights(
             f"{weights}/ (through a bridge, use_dist_checkpointing off)",
             hint=f"{weights}/ holds no weights either: this save kept only the optimizer state",
         )
-    carried = (
-        (
-            f"not carried: optimizer state ({optimizer}/, saved apart from the HF weights, "
-            "which ckptctl does not join with them yet)",
-        )
-        if optimizer
-        else ()
-    )
+    rest: JoinedCheckpoint | None = None
+    warnings: tuple[str, ...] = ()
+    if open_optimizer is not None:
+        try:
+            rest = awaiting_weights(open_optimizer())
+        except CheckpointError as err:
+            warnings = (f"not carried: optimizer state ({optimizer}/: {err})",)
     raise WeightsElsewhere(
         f"{storage.url}: verl saved this Megatron actor's weights as HF safetensors in "
-        f"{weights}/ (through a bridge, use_dist_checkpointing off)",
+        f"{weights}/ (through a bridge, use_dist_checkpointing off)"
+        + (f", the optimizer state in {optimizer}/" if rest is not None else ""),
         directory=weights,
         iteration=step,
-        warnings=carried,
+        warnings=warnings,
+        rest=rest,
     )
 
 
 def probe_verl_actor(storage: Storage, request: ProbeRequest) -> Any:
     metadata = read_metadata(storage, DIST_CKPT)
-    _refuse_optimizer_only(storage, metadata)
-    config, config_from = _config(storage, request)
-    return probe_torch_dist(
-        storage,
-        DIST_CKPT,
-        request.get(ITERATION),
-        request.get(TRUE_VOCAB_SIZE),
-        request.get(TRUSTED_FIELDS),
-        described(storage, config, request, config_from),
-        metadata,
-    )
+
+    def opened() -> TorchDistCheckpoint:
+        config, config_from = _config(storage, request)
+        return probe_torch_dist(
+            storage,
+            DIST_CKPT,
+            request.get(ITERATION),
+            request.get(TRUE_VOCAB_SIZE),
+            request.get(TRUSTED_FIELDS),
+            described(storage, config, request, config_from),
+            metadata,
+        )
+
+    if _optimizer_only(metadata):
+        apart_from_weights(storage, HF_DIR, DIST_CKPT, step_of(storage.url), opened)
+    return opened()

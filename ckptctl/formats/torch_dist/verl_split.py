@@ -14,6 +14,7 @@ leave it."""
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from ckptctl import json_input
@@ -82,16 +83,42 @@ def probe_split(storage: Storage, request: ProbeRequest) -> TorchDistCheckpoint:
         )
     step = manifest.get("global_step")
     step = step if isinstance(step, int) and not isinstance(step, bool) else None
-    if model.get("format") == HF:
-        saved = _entry(contents, "optimizer", where)
-        apart = None if saved is None else _path(storage, saved, "optimizer", where)
-        apart_from_weights(storage, _path(storage, model, "model", where), apart, step)
-    parts = [_dist_dir(storage, model, "model", where)]
     # A LoRA run's optimizer holds the adapter's state alone, which merge-lora does not need.
     optimizer = None if lora else _entry(contents, "optimizer", where)
-    if optimizer is not None:
-        opt_dir = _dist_dir(storage, optimizer, "optimizer", where)
-        parts += [opt_dir] if opt_dir not in parts else []
+    opt_dir = None if optimizer is None else _dist_dir(storage, optimizer, "optimizer", where)
+    if model.get("format") == HF:
+        # The weights as HF safetensors, the optimizer's torch_dist shards apart: the latter
+        # opened alone here, joined with the former by the caller (``WeightsElsewhere``).
+        weights = _path(storage, model, "model", where)
+        apart_from_weights(
+            storage,
+            weights,
+            opt_dir,
+            step,
+            None
+            if opt_dir is None
+            else partial(
+                _probe_parts, storage, request, manifest, where, step, [opt_dir], contents
+            ),
+        )
+    parts = [_dist_dir(storage, model, "model", where)]
+    parts += [opt_dir] if opt_dir is not None and opt_dir not in parts else []
+    return _probe_parts(storage, request, manifest, where, step, parts, contents, lora=lora)
+
+
+def _probe_parts(
+    storage: Storage,
+    request: ProbeRequest,
+    manifest: dict[str, Any],
+    where: str,
+    step: int | None,
+    parts: list[str],
+    contents: dict[str, Any],
+    *,
+    lora: bool = False,
+) -> TorchDistCheckpoint:
+    """The ``torch_dist`` directories ``parts`` read as one checkpoint of the run the
+    manifest and the HF config describe."""
     warnings = []
     rng = _entry(contents, "rng_state", where)
     if rng is not None:

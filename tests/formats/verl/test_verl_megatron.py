@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
+from ckptctl.errors import CheckpointError
+from ckptctl.formats.torch_dist.joined import joined_view
+from ckptctl.pipeline.probe import open_checkpoint
 from tests import megatron_core_013
 
 transformers = pytest.importorskip("transformers")
@@ -171,25 +175,64 @@ def _becomes_the_trained_model(out: Path, actor: Path, dst: Path, cli) -> None:
     torch.testing.assert_close(logits, reference["logits"], rtol=1e-5, atol=1e-5)
 
 
-def test_a_split_actor_saved_through_a_bridge_converts_from_its_hf_weights(
-    tmp_path_factory: pytest.TempPathFactory, cli
+def _joined(info: dict, weights: str) -> None:
+    """``inspect``'s report of an actor whose weights and optimizer state were saved apart."""
+    assert info["format"] == "torch_dist" and info["iteration"] == 1
+    assert info["layout"]["tp"] == 2 and info["has_optimizer"]
+    assert f"{weights}/model.safetensors" in {f["path"] for f in info["files"]}
+    assert not any("optimizer state" in w for w in info["warnings"]), info["warnings"]
+
+
+def _moves_as_megatron_core_saved_it(actor: Path, reference: Path, tmp_path: Path, cli) -> None:
+    """``actor`` resharded to Megatron TP1 equals, bit for bit, weights and Adam state, the same
+    run saved by megatron-core with its model (the oracle trains deterministically)."""
+    cli("reshard", actor, tmp_path / "tp1", "--tp", "1", "--format", "megatron")
+    against = ("--against", reference)
+    config = ("--hf-config", reference.parent.parent / "hf_config.json")
+    given = config if config[1].is_file() else ()
+    report = cli.json("verify", tmp_path / "tp1", *against, *given)
+    assert report["ok"]
+    names = {t["name"] for t in report["tensors"]}
+    assert any(n.startswith("exp_avg_sq/") for n in names), "Adam state was not carried"
+    assert any(not n.startswith(("exp_avg", "fp32_param")) for n in names), "weights not compared"
+
+
+def _a_weight_the_state_lacks_is_refused(actor: Path) -> None:
+    """The join's own check, on the real views: optimizer state whose parameter the weights
+    do not hold is refused by name, not carried without it."""
+    joined = open_checkpoint(str(actor))
+    weights = open_checkpoint(str(actor / "model" / "huggingface")).view
+    inside = "model/huggingface/"
+    state = replace(
+        joined.view, files=tuple(f for f in joined.view.files if not f.path.startswith(inside))
+    )
+    dropped = "decoder.layers.1.mlp.linear_fc2.weight"
+    files = tuple(
+        replace(f, tensors=tuple(t for t in f.tensors if t.canonical != dropped))
+        for f in weights.files
+    )
+    assert joined_view(state, weights, "model/huggingface").files == joined.view.files
+    with pytest.raises(CheckpointError, match=f"holds no {dropped}, whose exp_avg"):
+        joined_view(state, replace(weights, files=files), "model/huggingface")
+
+
+def test_a_split_actor_saved_through_a_bridge_joins_its_hf_weights_and_adam_state(
+    split_run: Path, tmp_path_factory: pytest.TempPathFactory, cli
 ) -> None:
     """verl 0.9.1's default (a bridge, ``use_dist_checkpointing`` off): the manifest names
     ``model/huggingface`` for the weights, which mbridge 0.15.1 wrote there (the oracle's
-    ``v2-hf``), and ``optimizer/dist_ckpt`` for the optimizer state: the actor converts from
-    the weights, megatron-core's logits kept, saying the optimizer state is not carried. The
-    same run with LoRA (``backend.peft``, the PEFT adapter Megatron-Bridge exports named by
-    ``peft_adapter_path``): refused naming that directory for merge-lora."""
+    ``v2-hf``), and ``optimizer/dist_ckpt`` for the optimizer state alone: the two are read as
+    one checkpoint. HF output gives megatron-core's logits; Megatron TP1 equals the same run
+    saved with its model (``v2``). The same run with LoRA (``backend.peft``, the PEFT adapter
+    Megatron-Bridge exports named by ``peft_adapter_path``): refused naming that directory for
+    merge-lora."""
     out = tmp_path_factory.mktemp("verl_megatron_v2_hf")
     megatron_core_013.run(out, "v2-hf", script="verl_megatron_writer.py", mbridge=True)
     actor = _actor(out)
-    info = cli.json("inspect", actor)
-    assert info["format"] == "hf" and info["iteration"] == 1 and not info["has_optimizer"]
-    assert any("weights are read from there" in n for n in info["notes"])
-    assert any("not carried: optimizer state (optimizer/dist_ckpt/" in w for w in info["warnings"])
+    _joined(cli.json("inspect", actor), "model/huggingface")
     _becomes_the_trained_model(out, actor, out / "hf", cli)
-    result = cli("reshard", actor, out / "tp1", "--tp", "1", "--format", "megatron")
-    assert "not carried: optimizer state" in result.stdout + result.stderr
+    _moves_as_megatron_core_saved_it(actor, _actor(split_run), out, cli)
+    _a_weight_the_state_lacks_is_refused(actor)
     manifest = json.loads((actor / "ckpt_contents.json").read_text())
     manifest["backend"]["peft"] = True
     manifest["contents"]["model"]["peft_adapter_path"] = "model/huggingface/adapter"
@@ -199,21 +242,20 @@ def test_a_split_actor_saved_through_a_bridge_converts_from_its_hf_weights(
     assert "merge-lora BASE ADAPTER DST" in result.stderr
 
 
-def test_an_actor_saved_through_a_bridge_converts_from_its_hf_weights(
-    tmp_path_factory: pytest.TempPathFactory, cli
+def test_an_actor_saved_through_a_bridge_joins_its_hf_weights_and_adam_state(
+    run: Path, tmp_path_factory: pytest.TempPathFactory, cli
 ) -> None:
     """verl's single-directory layout saved through a bridge (``use_dist_checkpointing``
     off): ``dist_ckpt`` holds the optimizer state alone (megatron-core's own save of verl's
     state dict without its model) and ``huggingface/`` the weights mbridge 0.15.1 wrote (the
-    oracle's ``hf``): the actor converts from those, saying the optimizer state is not carried;
-    without them it is refused, saying the save kept no weights."""
+    oracle's ``hf``): read as one, as the same run saved with its model (``v1``) is; without
+    the weights it is refused, saying the save kept none."""
     out = tmp_path_factory.mktemp("verl_megatron_hf")
     megatron_core_013.run(out, "hf", script="verl_megatron_writer.py", mbridge=True)
     actor = _actor(out)
-    info = cli.json("inspect", actor)
-    assert info["format"] == "hf" and info["iteration"] == 1
-    assert any("not carried: optimizer state (dist_ckpt/" in w for w in info["warnings"])
+    _joined(cli.json("inspect", actor), "huggingface")
     _becomes_the_trained_model(out, actor, out / "dst", cli)
+    _moves_as_megatron_core_saved_it(actor, _actor(run), out, cli)
     (actor / "huggingface" / "model.safetensors").unlink()
     result = cli("inspect", actor, code=3)
     assert "holds the optimizer state alone" in result.stderr
