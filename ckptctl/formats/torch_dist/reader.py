@@ -309,7 +309,8 @@ def probe_torch_dist(
                 " (Megatron-Bridge saves Adam's state readably with "
                 "checkpoint.dist_ckpt_optim_fully_reshardable: true)"
                 if bridge
-                else ""
+                else " (verl saves Adam's state readably with the actor's "
+                "megatron.dist_ckpt_optim_fully_reshardable: true)"
             )
         )
     elif buckets:
