@@ -77,7 +77,15 @@ def open_checkpoint(
         except WeightsElsewhere as moved:
             if isinstance(storage, CompressedStorage) or request.file is not None:
                 raise
-            return _weights_from(moved, url, settings, iteration, true_vocab_size, refuse_unread)
+            ckpt, weights = _weights_from(
+                moved, url, settings, iteration, true_vocab_size, allow_missing
+            )
+            if refuse_unread:
+                inner = (f"{url.rstrip('/')}/{moved.directory}", format_of(weights))
+                refuse_unread_options(request.options, [(url, fmt), inner])
+            if (ckpt.adapter or weights.adapter) and not with_adapter:
+                refuse_adapter(url, ckpt if ckpt.adapter else weights)
+            return ckpt
         if ckpt is not None and isinstance(storage, CompressedStorage):
             ckpt.view = replace(ckpt.view, notes=(*ckpt.view.notes, storage.summary()))
         if ckpt is not None:
@@ -106,18 +114,20 @@ def _weights_from(
     settings: Settings,
     iteration: int | None,
     true_vocab_size: int | None,
-    refuse_unread: bool,
-) -> Checkpoint:
+    allow_missing: bool,
+) -> tuple[Checkpoint, Checkpoint]:
     """The checkpoint in ``moved.directory`` of ``url``, which holds its weights, opened as
     ``url`` would be and joined with what ``url`` holds beside them (``moved.rest``), its view
-    saying where the weights were read and what was not carried."""
+    saying where the weights were read and what was not carried; and the weights' own."""
     inner = f"{url.rstrip('/')}/{moved.directory}"
-    ckpt = open_checkpoint(
+    weights = ckpt = open_checkpoint(
         inner,
         settings,
         iteration=iteration,
         true_vocab_size=true_vocab_size,
-        refuse_unread=refuse_unread,
+        allow_missing=allow_missing,
+        with_adapter=True,  # the caller refuses an adapter, naming the checkpoint asked for
+        refuse_unread=False,  # the caller asks about both formats
     )
     if moved.rest is not None:
         ckpt = moved.rest.with_weights(ckpt, moved.directory)
@@ -128,7 +138,7 @@ def _weights_from(
         notes=(f"{moved}", *view.notes),
         warnings=(*moved.warnings, *view.warnings),
     )
-    return ckpt
+    return ckpt, weights
 
 
 def open_sources(
