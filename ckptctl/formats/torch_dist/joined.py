@@ -8,7 +8,7 @@ weights' files too (under their directory), whose reads go to the weights' check
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING
 
 from ckptctl.errors import CheckpointError
@@ -121,10 +121,5 @@ class JoinedCheckpoint(TorchDistCheckpoint):
 def awaiting_weights(optimizer: TorchDistCheckpoint) -> JoinedCheckpoint:
     """``optimizer`` (opened without its model), to be joined with its weights
     (``with_weights``) once the opener has read them."""
-    fields = {
-        name: getattr(optimizer, name)
-        for name in ("storage", "base", "metadata", "args", "common", "common_tensors", "adapter")
-    }
-    return JoinedCheckpoint(
-        **fields, view=optimizer.view, row_orders=optimizer.row_orders, rounding=optimizer.rounding
-    )
+    given = {f.name: getattr(optimizer, f.name) for f in fields(TorchDistCheckpoint) if f.init}
+    return JoinedCheckpoint(**given)
