@@ -1,18 +1,21 @@
 """DeepSpeed runs the DeepSpeed tests share (issue 16): written once per session by DeepSpeed
 0.19.8 itself on CPU (``tests/oracles/deepspeed_zero.py``), and DeepSpeed's own tools' view of
-them (``zero_to_fp32``, ``ds_to_universal``) to judge ckptctl by. On CPU the first DeepSpeed run
+them (``zero_to_fp32``, ``ds_to_universal``) to judge ckptctl by; the runs and zero_to_fp32's
+outputs are kept between sessions (``tests/oracle_cache``). On CPU the first DeepSpeed run
 compiles a communication op (about 90 s, cached under ~/.cache/ckptctl-oracles/torch_extensions,
 see ``fork_server._build_deepspeed_ops``)."""
 
 from __future__ import annotations
 
 import shutil
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
 import torch
 
 from ckptctl.arrays import to_torch
+from tests import oracle_cache
 from tests.oracle_runner import OracleFailed, run_module, run_oracle
 
 ORACLE = "deepspeed_zero.py"
@@ -42,6 +45,14 @@ def oracle(*args: object) -> None:
         raise OracleFailed("\n".join(lines[-30:])) from None
 
 
+def kept_oracle(folder: Path, *args: object) -> None:
+    """``oracle(*args)``, which writes under ``folder`` only, or its files from an earlier
+    session's run of the same source, environment and inputs (``tests/oracle_cache``)."""
+    environment = f"deepspeed {version('deepspeed')} torch {torch.__version__}"
+    run_key = oracle_cache.key(folder, [ORACLE, *map(str, args)], environment)
+    oracle_cache.run_once(folder, run_key, lambda: oracle(*args))
+
+
 _WRITTEN: dict[str, Path] = {}
 # kept past the module that wrote them (tests/conftest.py removes the rest at its end)
 SHARED_PREFIX = "shared-"
@@ -57,18 +68,18 @@ def write_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     for name, (stage, dp, dtype, *flags) in RUNS.items():
         args = ("write", root / name, "--stage", stage, "--dp", dp, "--dtype", dtype, *flags)
         try:
-            oracle(*args)
+            kept_oracle(root, *args)
         except AssertionError as err:
             # gloo on CPU now and then aborts a process ("terminate called without an active
             # exception"): DeepSpeed's harness, not what is under test; one more try.
             if "without an active exception" not in str(err):
                 raise
             shutil.rmtree(root / name, ignore_errors=True)
-            oracle(*args)
+            kept_oracle(root, *args)
         out[name] = root / name
     # DeepSpeed's own zero_to_fp32 of each, in one process (its import is most of one run)
     pairs = [(out[name], root / f"{name}.fp32.pt") for name in ZERO_TO_FP32_RUNS]
-    oracle("fp32", *(path for pair in pairs for path in pair))
+    kept_oracle(root, "fp32", *(path for pair in pairs for path in pair))
     _WRITTEN.update(out)
     return _WRITTEN
 

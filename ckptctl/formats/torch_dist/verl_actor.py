@@ -6,7 +6,9 @@ built the model from ``huggingface/config.json`` (saved beside it) and records t
 config (strictly, as any HF config), the config's vocabulary unpadded (verl pads none), the
 saved parallel sizes from ``transformer_config.json``, whose model fields must agree with the
 HF config (a config that is not the run's is refused by name); then ``dist_ckpt/`` is read as
-any ``torch_dist`` checkpoint.
+any ``torch_dist`` checkpoint. Saved through a bridge (``use_dist_checkpointing`` off), the
+weights are HF safetensors in ``huggingface/`` and ``dist_ckpt/`` holds the optimizer state
+alone: the two are read as one (``apart_from_weights``, ``joined``).
 
 The ``verl`` format reads verl's FSDP checkpoints and refuses its Megatron layouts ckptctl does
 not read; this one is megatron-core's ``torch_dist`` described by verl's files, as Megatron-Bridge's

@@ -7,9 +7,9 @@ weights (``model/huggingface``, written by Megatron-Bridge), the optimizer's and
 The model's and the optimizer's directories are one state dict saved apart (the optimizer's
 keys name the model's parameters), so they are read as one ``torch_dist`` checkpoint, the model
 described as for verl's single-directory layout (``verl_actor``); a save whose weights went
-to HF safetensors is read from those (``verl_actor.apart_from_weights``), the optimizer state
-said not carried. Paths in the manifest are the checkpoint's own and are refused if they
-leave it."""
+to HF safetensors has them read from there and joined with the optimizer's directory
+(``verl_actor.apart_from_weights``, ``joined``). Paths in the manifest are the checkpoint's
+own and are refused if they leave it."""
 
 from __future__ import annotations
 
